@@ -1,0 +1,416 @@
+//! The metrics snapshot: the one wire type between `sidecar-metrics` (producer) and the filter
+//! (consumer). Both sides use these structs, so they cannot drift.
+//!
+//! The aggregator scrapes every pod, normalises each engine's metrics into a [`PodSnapshot`] and
+//! POSTs a whole [`Snapshot`] as JSON to the filter's ingest endpoint. The filter validates it
+//! ([`Snapshot::from_json`]), keeps it in Envoy shared data, and every worker decodes it once per
+//! version (never per request).
+//!
+//! Compatibility: `schema` is bumped only for changes an older reader would misread. Readers
+//! ignore unknown fields, so adding an optional field does not need a new schema number.
+
+use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use thiserror::Error;
+
+/// The schema number this build writes and accepts.
+pub const SNAPSHOT_SCHEMA: u32 = 1;
+
+/// Upper bound on pods in one snapshot. 10,000 pods of ~300 bytes of JSON each is ~3 MB, inside
+/// the default ingest limit; a larger fleet should be split over several gateways anyway.
+pub const MAX_PODS: usize = 10_000;
+
+/// Longest accepted pool, adapter or model name (bytes). Kubernetes names stop at 253.
+pub const MAX_NAME_LEN: usize = 256;
+
+/// Upper bound for LoRA adapter lists per pod, running or waiting.
+pub const MAX_ADAPTERS_PER_POD: usize = 1_024;
+
+/// A whole-fleet view at one instant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// Must equal [`SNAPSHOT_SCHEMA`].
+    pub schema: u32,
+    /// Strictly increasing across pushes, also across aggregator restarts: the aggregator derives
+    /// it from its wall clock (`unix_ms * 1000 + sequence`), so a restarted aggregator is not
+    /// rejected as going backwards.
+    pub version: u64,
+    /// Free-form identity of the producer (host name, pod name); shown in debug output.
+    #[serde(default)]
+    pub source: String,
+    /// Producer's wall clock (unix ms) when the snapshot was assembled. Only differences between
+    /// this and the pods' `last_scrape_ms` are used, so clock skew between the aggregator and
+    /// Envoy does not make pods look stale or fresh.
+    pub generated_at_ms: u64,
+    /// One entry per pool. Pool names match the filter configuration's pool names.
+    pub pools: Vec<PoolSnapshot>,
+}
+
+/// The pods of one pool (one model deployment).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolSnapshot {
+    pub name: String,
+    pub pods: Vec<PodSnapshot>,
+}
+
+/// Normalised state of one model-server pod.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PodSnapshot {
+    /// `ip:port` the gateway connects to (IPv6 as `[::1]:8000`). It is what the filter writes
+    /// into `x-gateway-destination-endpoint`, so it must match the Envoy cluster's member.
+    pub address: String,
+    #[serde(default)]
+    pub engine: Engine,
+    /// False once the aggregator gave up on the pod (consecutive scrape failures or old data).
+    pub healthy: bool,
+    /// Producer's wall clock (unix ms) of the last successful scrape of this pod.
+    pub last_scrape_ms: u64,
+    /// KV-cache blocks in use, 0..1. `None` when the engine does not export it (TGI).
+    #[serde(default)]
+    pub kv_cache_usage: Option<f64>,
+    /// Requests queued, not yet scheduled.
+    #[serde(default)]
+    pub waiting: u32,
+    /// Requests in the running batch.
+    #[serde(default)]
+    pub running: u32,
+    /// LoRA state, present when the engine reports it (vLLM `lora_requests_info`).
+    #[serde(default)]
+    pub lora: Option<LoraState>,
+    /// Prefix-cache hit rate over the last scrape interval, 0..1 (vLLM: delta hits / delta
+    /// queries; SGLang: `cache_hit_rate`).
+    #[serde(default)]
+    pub prefix_cache_hit_rate: Option<f64>,
+    /// Tokens per KV-cache block.
+    #[serde(default)]
+    pub block_size: Option<u32>,
+    /// KV-cache capacity in blocks.
+    #[serde(default)]
+    pub num_blocks: Option<u64>,
+    /// Relative serving speed within the pool (1.0 = reference). From configuration, or estimated
+    /// by the aggregator; a pod with capacity 3 is expected to drain a queue three times faster.
+    #[serde(default = "one")]
+    pub capacity: f64,
+    /// Ramp-up weight, 0..1: 1 for a pod in steady service, growing from near 0 for a pod that
+    /// just came back, so it is not flooded the instant it reappears.
+    #[serde(default = "one")]
+    pub ramp_weight: f64,
+}
+
+/// LoRA adapters as the engine reports them.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LoraState {
+    /// Adapter slots on the GPU (vLLM `--max-loras`).
+    pub max_loras: u32,
+    /// Adapters of requests in the running batch (resident on the GPU).
+    #[serde(default)]
+    pub running: Vec<String>,
+    /// Adapters of waiting requests (to be loaded when a slot frees).
+    #[serde(default)]
+    pub waiting: Vec<String>,
+}
+
+/// Model-server implementation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    Vllm,
+    Sglang,
+    /// TensorRT-LLM's `trtllm-serve`.
+    Trtllm,
+    /// Triton Inference Server with the TensorRT-LLM backend.
+    Triton,
+    Tgi,
+    #[default]
+    Unknown,
+}
+
+impl Engine {
+    /// The lowercase name used in JSON and configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Engine::Vllm => "vllm",
+            Engine::Sglang => "sglang",
+            Engine::Trtllm => "trtllm",
+            Engine::Triton => "triton",
+            Engine::Tgi => "tgi",
+            Engine::Unknown => "unknown",
+        }
+    }
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Why a snapshot was refused. The message names the offending field.
+#[derive(Debug, Error, PartialEq)]
+pub enum SnapshotError {
+    #[error("snapshot is {size} bytes, above the limit of {limit}")]
+    TooLarge { size: usize, limit: usize },
+    #[error("snapshot is not valid JSON for schema {SNAPSHOT_SCHEMA}: {0}")]
+    Json(String),
+    #[error(
+        "snapshot schema {found} is not supported (this build reads schema {SNAPSHOT_SCHEMA})"
+    )]
+    Schema { found: u32 },
+    #[error("snapshot version {offered} is not newer than the current version {current}")]
+    NotNewer { offered: u64, current: u64 },
+    #[error("{field}: {reason}")]
+    Field { field: String, reason: String },
+}
+
+fn field_err(field: impl Into<String>, reason: impl Into<String>) -> SnapshotError {
+    SnapshotError::Field {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+impl Snapshot {
+    /// Parses and validates a snapshot received over the wire.
+    pub fn from_json(bytes: &[u8], max_bytes: usize) -> Result<Snapshot, SnapshotError> {
+        if bytes.len() > max_bytes {
+            return Err(SnapshotError::TooLarge {
+                size: bytes.len(),
+                limit: max_bytes,
+            });
+        }
+        let snap: Snapshot =
+            serde_json::from_slice(bytes).map_err(|e| SnapshotError::Json(e.to_string()))?;
+        snap.validate()?;
+        Ok(snap)
+    }
+
+    /// Checks every invariant the filter relies on. A snapshot that passes cannot make the
+    /// picker misbehave (no NaN, no empty address, no duplicate pod).
+    pub fn validate(&self) -> Result<(), SnapshotError> {
+        if self.schema != SNAPSHOT_SCHEMA {
+            return Err(SnapshotError::Schema { found: self.schema });
+        }
+        let mut pool_names = HashSet::new();
+        let mut total_pods = 0usize;
+        for (pi, pool) in self.pools.iter().enumerate() {
+            let pf = format!("pools[{pi}]");
+            check_name(&format!("{pf}.name"), &pool.name)?;
+            if !pool_names.insert(pool.name.as_str()) {
+                return Err(field_err(
+                    format!("{pf}.name"),
+                    format!("duplicate pool {:?}", pool.name),
+                ));
+            }
+            total_pods += pool.pods.len();
+            if total_pods > MAX_PODS {
+                return Err(field_err("pools", format!("more than {MAX_PODS} pods")));
+            }
+            let mut addrs = HashSet::new();
+            for (i, pod) in pool.pods.iter().enumerate() {
+                let f = format!("{pf}.pods[{i}]");
+                pod.validate(&f)?;
+                if !addrs.insert(pod.address.as_str()) {
+                    return Err(field_err(
+                        format!("{f}.address"),
+                        format!("duplicate pod {}", pod.address),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The pool with this name.
+    pub fn pool(&self, name: &str) -> Option<&PoolSnapshot> {
+        self.pools.iter().find(|p| p.name == name)
+    }
+}
+
+impl PodSnapshot {
+    /// A healthy, idle pod with no optional data; a convenient base for tests and producers.
+    pub fn new(address: impl Into<String>, last_scrape_ms: u64) -> PodSnapshot {
+        PodSnapshot {
+            address: address.into(),
+            engine: Engine::Unknown,
+            healthy: true,
+            last_scrape_ms,
+            kv_cache_usage: None,
+            waiting: 0,
+            running: 0,
+            lora: None,
+            prefix_cache_hit_rate: None,
+            block_size: None,
+            num_blocks: None,
+            capacity: 1.0,
+            ramp_weight: 1.0,
+        }
+    }
+
+    fn validate(&self, f: &str) -> Result<(), SnapshotError> {
+        if self.address.parse::<SocketAddr>().is_err() {
+            return Err(field_err(
+                format!("{f}.address"),
+                format!("{:?} is not ip:port", self.address),
+            ));
+        }
+        // Engines report KV use as a fraction; allow a rounding hair above 1.
+        check_unit(&format!("{f}.kv_cache_usage"), self.kv_cache_usage, 1.01)?;
+        check_unit(
+            &format!("{f}.prefix_cache_hit_rate"),
+            self.prefix_cache_hit_rate,
+            1.0,
+        )?;
+        if !(self.capacity.is_finite() && self.capacity > 0.0 && self.capacity <= 1_000.0) {
+            return Err(field_err(
+                format!("{f}.capacity"),
+                format!("{} is not in (0, 1000]", self.capacity),
+            ));
+        }
+        if !(self.ramp_weight.is_finite() && (0.0..=1.0).contains(&self.ramp_weight)) {
+            return Err(field_err(
+                format!("{f}.ramp_weight"),
+                format!("{} is not in [0, 1]", self.ramp_weight),
+            ));
+        }
+        if self.block_size == Some(0) {
+            return Err(field_err(format!("{f}.block_size"), "must be positive"));
+        }
+        if let Some(lora) = &self.lora {
+            for (kind, list) in [("running", &lora.running), ("waiting", &lora.waiting)] {
+                if list.len() > MAX_ADAPTERS_PER_POD {
+                    return Err(field_err(
+                        format!("{f}.lora.{kind}"),
+                        format!("more than {MAX_ADAPTERS_PER_POD} adapters"),
+                    ));
+                }
+                for (j, name) in list.iter().enumerate() {
+                    check_name(&format!("{f}.lora.{kind}[{j}]"), name)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_name(field: &str, name: &str) -> Result<(), SnapshotError> {
+    if name.is_empty() {
+        return Err(field_err(field, "must not be empty"));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(field_err(
+            field,
+            format!("longer than {MAX_NAME_LEN} bytes"),
+        ));
+    }
+    Ok(())
+}
+
+fn check_unit(field: &str, v: Option<f64>, max: f64) -> Result<(), SnapshotError> {
+    match v {
+        Some(x) if !(x.is_finite() && (0.0..=max).contains(&x)) => {
+            Err(field_err(field, format!("{x} is not in [0, {max}]")))
+        }
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Snapshot {
+        let mut pod = PodSnapshot::new("10.0.0.1:8000", 1_000);
+        pod.engine = Engine::Vllm;
+        pod.kv_cache_usage = Some(0.25);
+        pod.waiting = 2;
+        pod.running = 7;
+        pod.lora = Some(LoraState {
+            max_loras: 4,
+            running: vec!["sql".into()],
+            waiting: vec![],
+        });
+        Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 7,
+            source: "test".into(),
+            generated_at_ms: 1_050,
+            pools: vec![PoolSnapshot {
+                name: "llama".into(),
+                pods: vec![pod, PodSnapshot::new("[::1]:8001", 1_000)],
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trips_through_json() {
+        let s = sample();
+        let bytes = serde_json::to_vec(&s).unwrap();
+        assert_eq!(Snapshot::from_json(&bytes, 1 << 20).unwrap(), s);
+    }
+
+    #[test]
+    fn optional_fields_default() {
+        let json = br#"{"schema":1,"version":1,"generated_at_ms":5,"pools":[{"name":"p","pods":[
+            {"address":"127.0.0.1:1","healthy":true,"last_scrape_ms":5,"future_field":[1,2]}]}]}"#;
+        let s = Snapshot::from_json(json, 1 << 20).unwrap();
+        let pod = &s.pools[0].pods[0];
+        assert_eq!(pod.capacity, 1.0);
+        assert_eq!(pod.ramp_weight, 1.0);
+        assert_eq!(pod.engine, Engine::Unknown);
+        assert_eq!(pod.kv_cache_usage, None);
+    }
+
+    #[test]
+    fn rejects_what_the_picker_cannot_use() {
+        let cases: Vec<(Box<dyn Fn(&mut Snapshot)>, &str)> = vec![
+            (Box::new(|s| s.schema = 2), "schema 2"),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "pod-a".into()),
+                "pools[0].pods[0].address",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[1].address = "10.0.0.1:8000".into()),
+                "duplicate pod",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].kv_cache_usage = Some(f64::NAN)),
+                "kv_cache_usage",
+            ),
+            (Box::new(|s| s.pools[0].pods[0].capacity = 0.0), "capacity"),
+            (
+                Box::new(|s| s.pools[0].pods[0].ramp_weight = 1.5),
+                "ramp_weight",
+            ),
+            (Box::new(|s| s.pools[0].name.clear()), "pools[0].name"),
+            (
+                Box::new(|s| {
+                    let p = s.pools[0].clone();
+                    s.pools.push(p)
+                }),
+                "duplicate pool",
+            ),
+        ];
+        for (mutate, needle) in cases {
+            let mut s = sample();
+            mutate(&mut s);
+            let err = s.validate().unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn nan_in_json_is_a_parse_error_not_a_panic() {
+        let json = br#"{"schema":1,"version":1,"generated_at_ms":5,"pools":[{"name":"p","pods":[
+            {"address":"127.0.0.1:1","healthy":true,"last_scrape_ms":5,"kv_cache_usage":NaN}]}]}"#;
+        assert!(matches!(
+            Snapshot::from_json(json, 1 << 20),
+            Err(SnapshotError::Json(_))
+        ));
+    }
+
+    #[test]
+    fn size_limit_is_checked_before_parsing() {
+        let bytes = serde_json::to_vec(&sample()).unwrap();
+        let err = Snapshot::from_json(&bytes, 10).unwrap_err();
+        assert!(matches!(err, SnapshotError::TooLarge { limit: 10, .. }));
+    }
+}

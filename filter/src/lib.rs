@@ -1,0 +1,1 @@
+//! gpuroute proxy-wasm filter (placeholder; see issue 2).
