@@ -6,3 +6,6 @@
 
 pub mod engine;
 pub mod prom;
+pub mod config;
+pub mod discovery;
+pub mod util;

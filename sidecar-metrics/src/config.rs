@@ -1,0 +1,806 @@
+//! Configuration: the file format (YAML or JSON), its defaults, command-line/environment
+//! overrides, and validation that names the offending field.
+//!
+//! Every option and the reason for its default is listed in `sidecar-metrics/README.md`; the
+//! constants below say where their values come from. Precedence: command-line flag, then
+//! environment variable (clap reads both), then the file, then the default.
+
+use gpuroute_core::snapshot::{Engine, MAX_NAME_LEN};
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use thiserror::Error;
+
+/// Scrape interval. 100 ms: twice the GIE endpoint picker's 50 ms poll, which is enough to see a
+/// queue build up within a fraction of a typical TTFT (hundreds of ms), while 1,000 pods cost
+/// well under half a core (see the README's measurement). Pushes follow each round, so the
+/// filter's view lags a pod by at most about two intervals.
+pub const DEFAULT_INTERVAL_MS: u64 = 100;
+/// Per-pod scrape timeout. vLLM renders `/metrics` in a few milliseconds even under load; 300 ms
+/// (3 intervals) tolerates a GIL-starved server without waiting so long that a hung pod keeps
+/// its traffic: three timeouts in a row are about one second.
+pub const DEFAULT_TIMEOUT_MS: u64 = 300;
+/// Consecutive failed scrapes before a pod is unhealthy. 3: one lost scrape is noise on a busy
+/// pod; three at 100 ms (connection refused answers at once) take a dead pod out in ~0.3 s.
+pub const DEFAULT_UNHEALTHY_AFTER_FAILURES: u32 = 3;
+/// A pod whose last good data is older than this is unhealthy, whatever the failure count: it
+/// bounds the time a hung pod (each scrape runs into its timeout) keeps traffic to ~1 s.
+pub const DEFAULT_MAX_DATA_AGE_MS: u64 = 1_000;
+/// Ramp-up window after a pod comes back. 30 s: long enough for a restarted vLLM to warm its
+/// CUDA graphs and prefix cache under a growing share of traffic, short next to a deployment.
+pub const DEFAULT_RAMP_WINDOW_MS: u64 = 30_000;
+/// Ramp weight at the start of the window: 0.1, so a returning pod takes some traffic at once
+/// (its metrics then show whether it copes) but not a full share.
+pub const DEFAULT_RAMP_START_WEIGHT: f64 = 0.1;
+/// Pods that first become healthy this soon after the aggregator starts do not ramp: a restart
+/// of the aggregator must not throttle a whole healthy fleet.
+pub const DEFAULT_STARTUP_GRACE_MS: u64 = 5_000;
+/// Time constant of the per-pod speed (inter-token latency) average. 10 s smooths over batch
+/// composition changes while following a real change (another GPU, a throttled card) quickly.
+pub const DEFAULT_CAPACITY_TIME_CONSTANT_MS: u64 = 10_000;
+/// Fewest decoded tokens in one scrape interval for its mean inter-token latency to count: below
+/// that one long prefill stall dominates the mean.
+pub const DEFAULT_CAPACITY_MIN_TOKENS: u64 = 16;
+/// Ingest endpoint of the Envoy beside us (the shipped Envoy configs' loopback listener).
+pub const DEFAULT_INGEST_URL: &str = "http://127.0.0.1:9002/gpuroute/v1/snapshot";
+/// Push timeout. The ingest listener is on loopback and answers in well under a millisecond;
+/// 500 ms only guards against a wedged Envoy, and a newer snapshot replaces the pending one.
+pub const DEFAULT_PUSH_TIMEOUT_MS: u64 = 500;
+/// Our own HTTP surface. Loopback by default: `/debug/snapshot` shows the whole fleet.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:9100";
+/// Largest `/metrics` body read from a pod. A real vLLM scrape is ~45 KB; 4 MiB leaves room for
+/// many LoRA adapters while bounding memory if a pod misbehaves.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+/// DNS re-resolution period: 5 s follows a headless Service's endpoint changes (its DNS TTL is
+/// typically 5-30 s) without flooding the resolver.
+pub const DEFAULT_DNS_REFRESH_MS: u64 = 5_000;
+
+/// The whole configuration, as read from the file (every field has a default).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Scrape interval, ms.
+    #[serde(default = "d_interval")]
+    pub interval_ms: u64,
+    /// Per-pod scrape timeout, ms.
+    #[serde(default = "d_timeout")]
+    pub timeout_ms: u64,
+    /// How long after a round starts its snapshot is published even if some pods have not
+    /// answered yet, ms. Default: half the interval.
+    #[serde(default)]
+    pub publish_deadline_ms: Option<u64>,
+    /// Address of our own HTTP surface (`127.0.0.1:0` picks a free port; the bound address is
+    /// logged).
+    #[serde(default = "d_listen")]
+    pub listen: String,
+    /// Producer name written into snapshots. Default: `$HOSTNAME`, else `sidecar-metrics`.
+    #[serde(default)]
+    pub source: Option<String>,
+    /// Largest `/metrics` body accepted from a pod, bytes.
+    #[serde(default = "d_max_body")]
+    pub max_body_bytes: usize,
+    /// Tokio worker threads. Default 2: scraping is I/O-bound and two threads keep one slow parse
+    /// from delaying the round.
+    #[serde(default = "d_workers")]
+    pub worker_threads: usize,
+    #[serde(default)]
+    pub health: HealthConfig,
+    #[serde(default)]
+    pub ramp: RampConfig,
+    #[serde(default)]
+    pub capacity: CapacityConfig,
+    #[serde(default)]
+    pub push: PushConfig,
+    /// The pools and how to find their pods.
+    #[serde(default)]
+    pub pools: Vec<PoolConfig>,
+}
+
+/// When a pod stops being a candidate.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HealthConfig {
+    #[serde(default = "d_failures")]
+    pub unhealthy_after_failures: u32,
+    #[serde(default = "d_max_age")]
+    pub max_data_age_ms: u64,
+}
+
+/// Gradual return of a pod that comes back.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RampConfig {
+    /// Window over which the weight grows linearly to 1; 0 turns ramping off.
+    #[serde(default = "d_ramp_window")]
+    pub window_ms: u64,
+    /// Weight at the start of the window.
+    #[serde(default = "d_ramp_start")]
+    pub start_weight: f64,
+    /// Pods first healthy within this time of the aggregator's start do not ramp.
+    #[serde(default = "d_grace")]
+    pub startup_grace_ms: u64,
+}
+
+/// Relative serving speed (`capacity`) estimation.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CapacityConfig {
+    /// Estimate capacity from inter-token latency when a pod has none configured.
+    #[serde(default = "d_true")]
+    pub estimate: bool,
+    #[serde(default = "d_cap_tau")]
+    pub time_constant_ms: u64,
+    #[serde(default = "d_cap_min_tokens")]
+    pub min_tokens: u64,
+}
+
+/// Which pushes make `/readyz` succeed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReadyPolicy {
+    /// Every ingest URL has accepted at least one snapshot.
+    #[default]
+    All,
+    /// At least one ingest URL has.
+    Any,
+}
+
+/// Where and how snapshots are pushed.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PushConfig {
+    /// Ingest endpoints (one per Envoy). An empty list disables pushing (debugging only).
+    #[serde(default = "d_urls")]
+    pub urls: Vec<String>,
+    /// Shared bearer token. Prefer `token_file` or `GPUROUTE_INGEST_TOKEN` in production.
+    #[serde(default)]
+    pub token: Option<String>,
+    /// File holding the token (a mounted Secret); whitespace around it is ignored.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    #[serde(default = "d_push_timeout")]
+    pub timeout_ms: u64,
+    #[serde(default)]
+    pub ready: ReadyPolicy,
+}
+
+/// One pool (one model deployment) and the single source of its pods.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Must match the filter configuration's pool name.
+    pub name: String,
+    /// Engine of the pool's pods when a pod does not say; detected from metric names if unset.
+    #[serde(default)]
+    pub engine: Option<Engine>,
+    /// Path of the metrics endpoint for discovered pods. Default `/metrics`
+    /// (`/prometheus/metrics` for `trtllm`).
+    #[serde(default)]
+    pub metrics_path: Option<String>,
+    /// Static list of pods.
+    #[serde(default)]
+    pub pods: Option<Vec<PodConfig>>,
+    /// A DNS name resolving to the pods (a headless Service).
+    #[serde(default)]
+    pub dns: Option<DnsConfig>,
+    /// Kubernetes pods, by label selector or through an `InferencePool`.
+    #[serde(default)]
+    pub kubernetes: Option<KubernetesConfig>,
+}
+
+/// A statically configured pod.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodConfig {
+    /// `ip:port` the gateway connects to.
+    pub address: String,
+    #[serde(default)]
+    pub engine: Option<Engine>,
+    /// Default `http://{address}{metrics_path}`.
+    #[serde(default)]
+    pub metrics_url: Option<String>,
+    /// Relative serving speed; overrides the estimate.
+    #[serde(default)]
+    pub capacity: Option<f64>,
+}
+
+/// DNS discovery.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsConfig {
+    pub name: String,
+    pub port: u16,
+    #[serde(default = "d_dns_refresh")]
+    pub refresh_ms: u64,
+}
+
+/// Kubernetes discovery: exactly one of `selector` (+ `port`) or `inference_pool`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesConfig {
+    #[serde(default = "d_namespace")]
+    pub namespace: String,
+    /// Label selector, e.g. `app=vllm,model=llama-8b`.
+    #[serde(default)]
+    pub selector: Option<String>,
+    /// Serving port of the selected pods.
+    #[serde(default)]
+    pub port: Option<u16>,
+    /// Name of an `InferencePool` (`inference.networking.k8s.io/v1`) whose `selector` and
+    /// `targetPorts` define the pods.
+    #[serde(default)]
+    pub inference_pool: Option<String>,
+}
+
+fn d_interval() -> u64 {
+    DEFAULT_INTERVAL_MS
+}
+fn d_timeout() -> u64 {
+    DEFAULT_TIMEOUT_MS
+}
+fn d_listen() -> String {
+    DEFAULT_LISTEN.to_string()
+}
+fn d_max_body() -> usize {
+    DEFAULT_MAX_BODY_BYTES
+}
+fn d_workers() -> usize {
+    2
+}
+fn d_failures() -> u32 {
+    DEFAULT_UNHEALTHY_AFTER_FAILURES
+}
+fn d_max_age() -> u64 {
+    DEFAULT_MAX_DATA_AGE_MS
+}
+fn d_ramp_window() -> u64 {
+    DEFAULT_RAMP_WINDOW_MS
+}
+fn d_ramp_start() -> f64 {
+    DEFAULT_RAMP_START_WEIGHT
+}
+fn d_grace() -> u64 {
+    DEFAULT_STARTUP_GRACE_MS
+}
+fn d_true() -> bool {
+    true
+}
+fn d_cap_tau() -> u64 {
+    DEFAULT_CAPACITY_TIME_CONSTANT_MS
+}
+fn d_cap_min_tokens() -> u64 {
+    DEFAULT_CAPACITY_MIN_TOKENS
+}
+fn d_urls() -> Vec<String> {
+    vec![DEFAULT_INGEST_URL.to_string()]
+}
+fn d_push_timeout() -> u64 {
+    DEFAULT_PUSH_TIMEOUT_MS
+}
+fn d_dns_refresh() -> u64 {
+    DEFAULT_DNS_REFRESH_MS
+}
+fn d_namespace() -> String {
+    "default".to_string()
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        HealthConfig {
+            unhealthy_after_failures: d_failures(),
+            max_data_age_ms: d_max_age(),
+        }
+    }
+}
+
+impl Default for RampConfig {
+    fn default() -> Self {
+        RampConfig {
+            window_ms: d_ramp_window(),
+            start_weight: d_ramp_start(),
+            startup_grace_ms: d_grace(),
+        }
+    }
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        CapacityConfig {
+            estimate: true,
+            time_constant_ms: d_cap_tau(),
+            min_tokens: d_cap_min_tokens(),
+        }
+    }
+}
+
+impl Default for PushConfig {
+    fn default() -> Self {
+        PushConfig {
+            urls: d_urls(),
+            token: None,
+            token_file: None,
+            timeout_ms: d_push_timeout(),
+            ready: ReadyPolicy::All,
+        }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            interval_ms: d_interval(),
+            timeout_ms: d_timeout(),
+            publish_deadline_ms: None,
+            listen: d_listen(),
+            source: None,
+            max_body_bytes: d_max_body(),
+            worker_threads: d_workers(),
+            health: HealthConfig::default(),
+            ramp: RampConfig::default(),
+            capacity: CapacityConfig::default(),
+            push: PushConfig::default(),
+            pools: Vec::new(),
+        }
+    }
+}
+
+/// A configuration that cannot be used; the message names the field.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {path} is not valid YAML/JSON: {message}")]
+    Syntax { path: PathBuf, message: String },
+    #[error("config {field}: {reason}")]
+    Field { field: String, reason: String },
+}
+
+fn field(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Field {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+/// Command-line and environment overrides (see `main.rs` for the flag and variable names).
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub interval_ms: Option<u64>,
+    pub timeout_ms: Option<u64>,
+    pub listen: Option<String>,
+    /// Replaces `push.urls` when non-empty.
+    pub ingest_urls: Vec<String>,
+    pub token: Option<String>,
+    /// `NAME=ADDR,ADDR...`: a static pool, replacing a file pool of the same name.
+    pub pools: Vec<String>,
+}
+
+impl Config {
+    /// Reads a config file. YAML is a superset of JSON, so one reader takes both.
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::from_str_named(&text, path)
+    }
+
+    /// Parses config text; `path` is only used in messages.
+    pub fn from_str_named(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        if text.trim().is_empty() {
+            return Ok(Config::default());
+        }
+        let value: serde_json::Value =
+            serde_saphyr::from_str(text).map_err(|e| ConfigError::Syntax {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        if value.is_null() {
+            return Ok(Config::default());
+        }
+        // Going through a JSON value lets serde_path_to_error name the field for any syntax.
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let reason = e.into_inner().to_string();
+            field(if path == "." { "(top level)".into() } else { path }, reason)
+        })
+    }
+
+    /// Applies command-line/environment overrides.
+    pub fn apply(&mut self, o: Overrides) -> Result<(), ConfigError> {
+        if let Some(v) = o.interval_ms {
+            self.interval_ms = v;
+        }
+        if let Some(v) = o.timeout_ms {
+            self.timeout_ms = v;
+        }
+        if let Some(v) = o.listen {
+            self.listen = v;
+        }
+        if !o.ingest_urls.is_empty() {
+            self.push.urls = o.ingest_urls;
+        }
+        if let Some(t) = o.token {
+            self.push.token = Some(t);
+        }
+        for spec in o.pools {
+            let (name, addrs) = spec
+                .split_once('=')
+                .ok_or_else(|| field("--pool", format!("{spec:?} is not NAME=ADDR,ADDR...")))?;
+            let pods = addrs
+                .split(',')
+                .map(str::trim)
+                .filter(|a| !a.is_empty())
+                .map(|a| PodConfig {
+                    address: a.to_string(),
+                    engine: None,
+                    metrics_url: None,
+                    capacity: None,
+                })
+                .collect();
+            let pool = PoolConfig {
+                name: name.trim().to_string(),
+                engine: None,
+                metrics_path: None,
+                pods: Some(pods),
+                dns: None,
+                kubernetes: None,
+            };
+            match self.pools.iter_mut().find(|p| p.name == pool.name) {
+                Some(existing) => *existing = pool,
+                None => self.pools.push(pool),
+            }
+        }
+        Ok(())
+    }
+
+    /// The publish deadline in effect (configured, or half the interval).
+    pub fn publish_deadline_ms(&self) -> u64 {
+        self.publish_deadline_ms
+            .unwrap_or(self.interval_ms / 2)
+            .max(1)
+    }
+
+    /// The token in effect: `push.token`, else the content of `push.token_file`.
+    pub fn resolve_token(&mut self) -> Result<(), ConfigError> {
+        if self.push.token.is_none() {
+            if let Some(path) = &self.push.token_file {
+                let t = std::fs::read_to_string(path).map_err(|e| {
+                    field("push.token_file", format!("cannot read {}: {e}", path.display()))
+                })?;
+                self.push.token = Some(t.trim().to_string());
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks every field; the first problem is returned, naming its field.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if !(10..=60_000).contains(&self.interval_ms) {
+            return Err(field("interval_ms", "must be between 10 and 60000"));
+        }
+        if self.timeout_ms == 0 {
+            return Err(field("timeout_ms", "must be positive"));
+        }
+        if let Some(d) = self.publish_deadline_ms {
+            if d == 0 || d > self.interval_ms {
+                return Err(field(
+                    "publish_deadline_ms",
+                    "must be positive and at most interval_ms",
+                ));
+            }
+        }
+        if self.listen.parse::<SocketAddr>().is_err() {
+            return Err(field(
+                "listen",
+                format!("{:?} is not ip:port", self.listen),
+            ));
+        }
+        if self.max_body_bytes < 1024 {
+            return Err(field("max_body_bytes", "must be at least 1024"));
+        }
+        if !(1..=64).contains(&self.worker_threads) {
+            return Err(field("worker_threads", "must be between 1 and 64"));
+        }
+        if self.health.unhealthy_after_failures == 0 {
+            return Err(field("health.unhealthy_after_failures", "must be at least 1"));
+        }
+        if self.health.max_data_age_ms < self.interval_ms {
+            return Err(field(
+                "health.max_data_age_ms",
+                "must be at least interval_ms, or every pod would look stale",
+            ));
+        }
+        if !(self.ramp.start_weight > 0.0 && self.ramp.start_weight <= 1.0) {
+            return Err(field("ramp.start_weight", "must be in (0, 1]"));
+        }
+        if self.capacity.time_constant_ms == 0 {
+            return Err(field("capacity.time_constant_ms", "must be positive"));
+        }
+        for (i, u) in self.push.urls.iter().enumerate() {
+            check_http_url(&format!("push.urls[{i}]"), u)?;
+        }
+        if !self.push.urls.is_empty() && self.push.token.as_deref().is_none_or(str::is_empty) {
+            return Err(field(
+                "push.token",
+                "required to push (set push.token, push.token_file, --token or GPUROUTE_INGEST_TOKEN)",
+            ));
+        }
+        if self.push.timeout_ms == 0 {
+            return Err(field("push.timeout_ms", "must be positive"));
+        }
+        if self.pools.is_empty() {
+            return Err(field(
+                "pools",
+                "no pools configured (add pools to the file or use --pool NAME=ADDR,...)",
+            ));
+        }
+        let mut names = HashSet::new();
+        for (i, p) in self.pools.iter().enumerate() {
+            p.validate(&format!("pools[{i}]"))?;
+            if !names.insert(p.name.as_str()) {
+                return Err(field(
+                    format!("pools[{i}].name"),
+                    format!("duplicate pool {:?}", p.name),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl PoolConfig {
+    fn validate(&self, f: &str) -> Result<(), ConfigError> {
+        if self.name.is_empty() || self.name.len() > MAX_NAME_LEN {
+            return Err(field(
+                format!("{f}.name"),
+                format!("must be 1 to {MAX_NAME_LEN} bytes"),
+            ));
+        }
+        let sources = [
+            self.pods.is_some(),
+            self.dns.is_some(),
+            self.kubernetes.is_some(),
+        ]
+        .iter()
+        .filter(|s| **s)
+        .count();
+        if sources != 1 {
+            return Err(field(
+                f,
+                "needs exactly one of pods, dns or kubernetes",
+            ));
+        }
+        if let Some(path) = &self.metrics_path {
+            if !path.starts_with('/') {
+                return Err(field(format!("{f}.metrics_path"), "must start with '/'"));
+            }
+        }
+        if let Some(pods) = &self.pods {
+            let mut seen = HashSet::new();
+            for (j, pod) in pods.iter().enumerate() {
+                let pf = format!("{f}.pods[{j}]");
+                let addr: SocketAddr = pod.address.parse().map_err(|_| {
+                    field(
+                        format!("{pf}.address"),
+                        format!("{:?} is not ip:port (use dns discovery for names)", pod.address),
+                    )
+                })?;
+                if !seen.insert(addr) {
+                    return Err(field(
+                        format!("{pf}.address"),
+                        format!("duplicate pod {addr}"),
+                    ));
+                }
+                if let Some(u) = &pod.metrics_url {
+                    check_http_url(&format!("{pf}.metrics_url"), u)?;
+                }
+                if let Some(c) = pod.capacity {
+                    if !(c.is_finite() && c > 0.0 && c <= 1_000.0) {
+                        return Err(field(format!("{pf}.capacity"), "must be in (0, 1000]"));
+                    }
+                }
+            }
+        }
+        if let Some(d) = &self.dns {
+            if d.name.trim().is_empty() {
+                return Err(field(format!("{f}.dns.name"), "must not be empty"));
+            }
+            if d.port == 0 {
+                return Err(field(format!("{f}.dns.port"), "must be positive"));
+            }
+            if d.refresh_ms < 100 {
+                return Err(field(format!("{f}.dns.refresh_ms"), "must be at least 100"));
+            }
+        }
+        if let Some(k) = &self.kubernetes {
+            let kf = format!("{f}.kubernetes");
+            if k.namespace.is_empty() {
+                return Err(field(format!("{kf}.namespace"), "must not be empty"));
+            }
+            match (&k.selector, &k.inference_pool) {
+                (Some(s), None) => {
+                    if s.trim().is_empty() {
+                        return Err(field(format!("{kf}.selector"), "must not be empty"));
+                    }
+                    if k.port.is_none_or(|p| p == 0) {
+                        return Err(field(
+                            format!("{kf}.port"),
+                            "required with selector (the pods' serving port)",
+                        ));
+                    }
+                }
+                (None, Some(name)) => {
+                    if name.is_empty() {
+                        return Err(field(format!("{kf}.inference_pool"), "must not be empty"));
+                    }
+                }
+                _ => {
+                    return Err(field(
+                        kf,
+                        "needs exactly one of selector (with port) or inference_pool",
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Path of the metrics endpoint for pods of this pool that do not set `metrics_url`.
+    pub fn metrics_path_for(&self, engine: Option<Engine>) -> String {
+        match (&self.metrics_path, engine.or(self.engine)) {
+            (Some(p), _) => p.clone(),
+            // trtllm-serve answers JSON on /metrics; Prometheus text is under /prometheus.
+            (None, Some(Engine::Trtllm)) => "/prometheus/metrics".to_string(),
+            _ => "/metrics".to_string(),
+        }
+    }
+}
+
+fn check_http_url(f: &str, u: &str) -> Result<(), ConfigError> {
+    let url = reqwest::Url::parse(u).map_err(|e| field(f, format!("{u:?}: {e}")))?;
+    if url.scheme() != "http" {
+        return Err(field(
+            f,
+            format!("{u:?}: only http:// is supported (pods and the ingest listener are plain HTTP)"),
+        ));
+    }
+    if url.host().is_none() {
+        return Err(field(f, format!("{u:?}: no host")));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        let mut c = Config::from_str_named(text, Path::new("test.yaml"))?;
+        c.resolve_token()?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    const MINIMAL: &str = r#"
+interval_ms: 100
+listen: 127.0.0.1:9100
+push: { urls: ["http://127.0.0.1:9002/gpuroute/v1/snapshot"], token: dev-token }
+pools:
+  - name: llama-8b
+    pods: [{ address: 127.0.0.1:18001 }, { address: 127.0.0.1:18002, capacity: 3 }]
+"#;
+
+    #[test]
+    fn minimal_yaml_from_the_issue() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.interval_ms, 100);
+        assert_eq!(c.timeout_ms, DEFAULT_TIMEOUT_MS);
+        assert_eq!(c.push.token.as_deref(), Some("dev-token"));
+        let pods = c.pools[0].pods.as_ref().unwrap();
+        assert_eq!(pods[1].capacity, Some(3.0));
+        assert_eq!(c.publish_deadline_ms(), 50);
+    }
+
+    #[test]
+    fn json_works_too() {
+        let c = parse(
+            r#"{"push":{"token":"t"},"pools":[{"name":"p","engine":"sglang",
+                "pods":[{"address":"[::1]:30000"}]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.pools[0].engine, Some(Engine::Sglang));
+        assert_eq!(c.push.urls, vec![DEFAULT_INGEST_URL.to_string()]);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (MINIMAL.replace("capacity: 3", "capacity: fast"), "pools[0].pods[1].capacity"),
+            (MINIMAL.replace("capacity: 3", "capacity: 0"), "pools[0].pods[1].capacity"),
+            (MINIMAL.replace("127.0.0.1:18001", "pod-a"), "pools[0].pods[0].address"),
+            (MINIMAL.replace("127.0.0.1:18002", "127.0.0.1:18001"), "duplicate pod"),
+            (MINIMAL.replace("interval_ms: 100", "interval_ms: 1"), "interval_ms"),
+            (MINIMAL.replace("interval_ms: 100", "interval_ms: 100\nintervl: 3"), "intervl"),
+            (MINIMAL.replace("listen: 127.0.0.1:9100", "listen: nowhere"), "listen"),
+            (MINIMAL.replace(", token: dev-token", ""), "push.token"),
+            (MINIMAL.replace("http://127.0.0.1:9002", "https://127.0.0.1:9002"), "push.urls[0]"),
+            (MINIMAL.replace("address: 127.0.0.1:18001 }", "address: 127.0.0.1:18001, engine: vllx }"),
+                "pools[0].pods[0].engine"),
+            (MINIMAL.replace("name: llama-8b", "name: ''"), "pools[0].name"),
+            (MINIMAL.replace("    pods:", "    dns: { name: x, port: 1 }\n    pods:"), "exactly one of pods"),
+            ("pools: []\npush: {token: t}".to_string(), "pools"),
+            ("pools: [{name: a, kubernetes: {selector: app=vllm}}]\npush: {token: t}".to_string(),
+                "pools[0].kubernetes.port"),
+            ("pools: [{name: a, kubernetes: {selector: x, port: 1, inference_pool: y}}]\npush: {token: t}".to_string(),
+                "pools[0].kubernetes"),
+            ("pools: [{name: a, dns: {name: svc, port: 0}}]\npush: {token: t}".to_string(), "pools[0].dns.port"),
+            ("health: {max_data_age_ms: 10}\npools: [{name: a, pods: []}]\npush: {token: t}".to_string(),
+                "health.max_data_age_ms"),
+            ("interval_ms: [1".to_string(), "not valid YAML"),
+        ];
+        for (text, needle) in cases {
+            let err = parse(&text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn overrides_win_over_the_file() {
+        let mut c = Config::from_str_named(MINIMAL, Path::new("t")).unwrap();
+        c.apply(Overrides {
+            interval_ms: Some(50),
+            listen: Some("127.0.0.1:0".into()),
+            ingest_urls: vec!["http://127.0.0.1:1/x".into(), "http://127.0.0.1:2/x".into()],
+            token: Some("cli".into()),
+            pools: vec!["llama-8b=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3".into(), "new=127.0.0.1:9".into()],
+            ..Overrides::default()
+        })
+        .unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.interval_ms, 50);
+        assert_eq!(c.listen, "127.0.0.1:0");
+        assert_eq!(c.push.urls.len(), 2);
+        assert_eq!(c.push.token.as_deref(), Some("cli"));
+        assert_eq!(c.pools.len(), 2);
+        assert_eq!(c.pools[0].pods.as_ref().unwrap().len(), 3);
+        assert_eq!(c.pools[1].name, "new");
+        let bad = c.apply(Overrides {
+            pools: vec!["no-equals".into()],
+            ..Overrides::default()
+        });
+        assert!(bad.unwrap_err().to_string().contains("--pool"));
+    }
+
+    #[test]
+    fn token_file_is_read_and_trimmed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("token");
+        std::fs::write(&path, "s3cret\n").unwrap();
+        let text = format!(
+            "push: {{ token_file: {} }}\npools: [{{name: a, pods: [{{address: '127.0.0.1:1'}}]}}]",
+            path.display()
+        );
+        assert_eq!(parse(&text).unwrap().push.token.as_deref(), Some("s3cret"));
+    }
+
+    #[test]
+    fn metrics_path_defaults_per_engine() {
+        let mut p = PoolConfig {
+            name: "p".into(),
+            engine: None,
+            metrics_path: None,
+            pods: Some(vec![]),
+            dns: None,
+            kubernetes: None,
+        };
+        assert_eq!(p.metrics_path_for(None), "/metrics");
+        assert_eq!(p.metrics_path_for(Some(Engine::Trtllm)), "/prometheus/metrics");
+        p.metrics_path = Some("/m".into());
+        assert_eq!(p.metrics_path_for(Some(Engine::Trtllm)), "/m");
+    }
+}

@@ -1,0 +1,146 @@
+//! DNS discovery: a name that resolves to many A/AAAA records (a Kubernetes headless Service),
+//! re-resolved every `refresh_ms`. The port comes from the configuration, since plain A records
+//! carry none.
+//!
+//! Resolution goes through the [`Resolver`] trait so tests use a fake instead of the network.
+
+use super::{Target, Update, UpdateTx};
+use crate::config::{DnsConfig, PoolConfig};
+use crate::util::LogGate;
+use futures::future::BoxFuture;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+/// Resolves a host name to socket addresses.
+pub trait Resolver: Send + Sync + 'static {
+    /// All addresses of `name`, each with `port`.
+    fn resolve(&self, name: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+}
+
+/// The operating system's resolver (`getaddrinfo` through tokio).
+pub struct SystemResolver;
+
+impl Resolver for SystemResolver {
+    fn resolve(&self, name: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        let name = name.to_string();
+        Box::pin(async move { Ok(tokio::net::lookup_host((name.as_str(), port)).await?.collect()) })
+    }
+}
+
+/// Resolves `dns.name` every `dns.refresh_ms` and sends the pool's pod list when it changes.
+/// A failed resolution keeps the previous list.
+pub async fn run(
+    pool_index: usize,
+    pool: PoolConfig,
+    dns: DnsConfig,
+    resolver: Arc<dyn Resolver>,
+    tx: UpdateTx,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(dns.refresh_ms));
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut last: Option<Vec<SocketAddr>> = None;
+    let mut gate = LogGate::new(Duration::from_secs(60));
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        match resolver.resolve(&dns.name, dns.port).await {
+            Ok(mut addrs) => {
+                gate.reset();
+                addrs.sort();
+                addrs.dedup();
+                if last.as_ref() != Some(&addrs) {
+                    tracing::info!(pool = %pool.name, name = %dns.name, pods = addrs.len(), "dns: pod list changed");
+                    let targets = addrs.iter().map(|a| Target::for_pool(&pool, *a)).collect();
+                    if tx.send(Update { pool: pool_index, targets }).is_err() {
+                        return;
+                    }
+                    last = Some(addrs);
+                }
+            }
+            Err(e) => {
+                if let Some(held) = gate.allow(Instant::now()) {
+                    tracing::warn!(pool = %pool.name, name = %dns.name, error = %e, suppressed = held,
+                        "dns: resolution failed; keeping the previous pod list");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use tokio::sync::mpsc;
+
+    /// Answers from a script, one entry per call; the last entry repeats.
+    struct Scripted(Mutex<Vec<std::io::Result<Vec<&'static str>>>>);
+
+    impl Resolver for Scripted {
+        fn resolve(&self, name: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+            assert_eq!(name, "vllm.llm.svc.cluster.local");
+            let mut script = self.0.lock().unwrap();
+            let next = if script.len() > 1 { script.remove(0) } else {
+                match &script[0] {
+                    Ok(v) => Ok(v.clone()),
+                    Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
+                }
+            };
+            Box::pin(async move {
+                next.map(|ips| ips.iter().map(|ip| SocketAddr::new(ip.parse().unwrap(), port)).collect())
+            })
+        }
+    }
+
+    fn pool() -> PoolConfig {
+        PoolConfig {
+            name: "p".into(),
+            engine: None,
+            metrics_path: None,
+            pods: None,
+            dns: None,
+            kubernetes: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn re_resolves_sends_changes_only_and_survives_failures() {
+        let script = Scripted(Mutex::new(vec![
+            Ok(vec!["127.0.0.3", "127.0.0.2", "127.0.0.2"]),
+            Ok(vec!["127.0.0.2", "127.0.0.3"]),
+            Err(std::io::Error::other("SERVFAIL")),
+            Ok(vec!["127.0.0.2", "::1"]),
+        ]));
+        let dns = DnsConfig { name: "vllm.llm.svc.cluster.local".into(), port: 8000, refresh_ms: 1000 };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(run(3, pool(), dns, Arc::new(script), tx, stop.clone()));
+
+        let first = rx.recv().await.unwrap();
+        assert_eq!(first.pool, 3);
+        let addrs: Vec<String> = first.targets.iter().map(|t| t.address.to_string()).collect();
+        assert_eq!(addrs, ["127.0.0.2:8000", "127.0.0.3:8000"], "sorted and deduplicated");
+        assert_eq!(first.targets[0].metrics_url, "http://127.0.0.2:8000/metrics");
+
+        // Same set, then a failure: nothing is sent; then a change is sent.
+        let second = rx.recv().await.unwrap();
+        let addrs: Vec<String> = second.targets.iter().map(|t| t.address.to_string()).collect();
+        assert_eq!(addrs, ["127.0.0.2:8000", "[::1]:8000"]);
+        assert!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.is_err());
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn system_resolver_resolves_localhost_without_the_network() {
+        let addrs = SystemResolver.resolve("localhost", 8000).await.unwrap();
+        assert!(!addrs.is_empty());
+        assert!(addrs.iter().all(|a| a.ip().is_loopback() && a.port() == 8000));
+    }
+}

@@ -1,0 +1,409 @@
+//! Kubernetes discovery with kube-rs: the pods matching a label selector in a namespace, or the
+//! pods of a Gateway API Inference Extension `InferencePool` (`inference.networking.k8s.io/v1`:
+//! its `spec.selector.matchLabels` and `spec.targetPorts[].number`).
+//!
+//! Both are watches (list, then a watch stream from the list's resourceVersion, re-listed by
+//! kube-rs's watcher after an error or a 410 Gone), so pods joining, leaving and changing
+//! readiness show up within a round trip of the API server, not at a polling period.
+//!
+//! A pod becomes a target once it has an IP; it is listed but never healthy while its `Ready`
+//! condition is not `True`; it is dropped when it is deleted or starts terminating
+//! (`deletionTimestamp`), since a terminating vLLM drains and must not get new requests.
+//! RBAC: `get`/`list`/`watch` on `pods` and on `inferencepools` (see `deploy/kubernetes/`).
+
+use super::{Target, Update, UpdateTx};
+use crate::config::{KubernetesConfig, PoolConfig};
+use crate::util::LogGate;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ApiResource, DynamicObject};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+use thiserror::Error;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// Failure to set up Kubernetes discovery.
+#[derive(Debug, Error)]
+pub enum KubeError {
+    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
+    Client(#[source] kube::Error),
+}
+
+/// The `InferencePool` resource of the Gateway API Inference Extension, v1.
+pub fn inference_pool_resource() -> ApiResource {
+    ApiResource {
+        group: "inference.networking.k8s.io".into(),
+        version: "v1".into(),
+        api_version: "inference.networking.k8s.io/v1".into(),
+        kind: "InferencePool".into(),
+        plural: "inferencepools".into(),
+    }
+}
+
+/// Runs the discovery of one pool until `shutdown`.
+pub async fn run(
+    pool_index: usize,
+    pool: PoolConfig,
+    k: KubernetesConfig,
+    client: kube::Client,
+    tx: UpdateTx,
+    shutdown: CancellationToken,
+) {
+    match (&k.selector, &k.inference_pool, k.port) {
+        (Some(selector), _, Some(port)) => {
+            watch_pods(
+                pool_index,
+                &pool,
+                &k.namespace,
+                selector,
+                &[port],
+                client,
+                &tx,
+                &shutdown,
+            )
+            .await
+        }
+        (None, Some(name), _) => {
+            watch_inference_pool(pool_index, &pool, &k.namespace, name, client, &tx, &shutdown)
+                .await
+        }
+        // Validation rejects every other combination.
+        _ => {}
+    }
+}
+
+/// What the aggregator needs of one pod.
+#[derive(Debug, Clone, PartialEq)]
+struct PodEntry {
+    name: String,
+    ip: Option<IpAddr>,
+    ready: bool,
+    terminating: bool,
+}
+
+fn entry(pod: &Pod) -> PodEntry {
+    let status = pod.status.as_ref();
+    let ready = status
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| {
+            cs.iter()
+                .any(|c| c.type_ == "Ready" && c.status == "True")
+        });
+    PodEntry {
+        name: pod.metadata.name.clone().unwrap_or_default(),
+        ip: status
+            .and_then(|s| s.pod_ip.as_deref())
+            .and_then(|ip| ip.parse().ok()),
+        ready,
+        terminating: pod.metadata.deletion_timestamp.is_some(),
+    }
+}
+
+fn key(pod: &Pod) -> String {
+    pod.metadata
+        .uid
+        .clone()
+        .or_else(|| pod.metadata.name.clone())
+        .unwrap_or_default()
+}
+
+fn targets(pool: &PoolConfig, pods: &BTreeMap<String, PodEntry>, ports: &[u16]) -> Vec<Target> {
+    let mut out: Vec<Target> = pods
+        .values()
+        .filter(|p| !p.terminating)
+        .filter_map(|p| p.ip.map(|ip| (p, ip)))
+        .flat_map(|(p, ip)| {
+            ports.iter().map(move |port| {
+                let mut t = Target::for_pool(pool, SocketAddr::new(ip, *port));
+                t.ready = p.ready;
+                t.name = Some(p.name.clone());
+                t
+            })
+        })
+        .collect();
+    out.sort_by_key(|t| t.address);
+    // Two pods with one IP (host networking) would be one endpoint to the gateway.
+    out.dedup_by_key(|t| t.address);
+    out
+}
+
+/// Watches the pods matching `selector` and sends the pool's list after the initial list and
+/// after every change.
+#[allow(clippy::too_many_arguments)]
+async fn watch_pods(
+    pool_index: usize,
+    pool: &PoolConfig,
+    namespace: &str,
+    selector: &str,
+    ports: &[u16],
+    client: kube::Client,
+    tx: &UpdateTx,
+    shutdown: &CancellationToken,
+) {
+    let api: Api<Pod> = Api::namespaced(client, namespace);
+    let mut stream = watcher::watcher(api, watcher::Config::default().labels(selector))
+        .default_backoff()
+        .boxed();
+    let mut pods: BTreeMap<String, PodEntry> = BTreeMap::new();
+    let mut buffer: Option<BTreeMap<String, PodEntry>> = None;
+    let mut initialised = false;
+    let mut last_sent: Option<Vec<Target>> = None;
+    let mut gate = LogGate::new(Duration::from_secs(30));
+    loop {
+        let event = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            e = stream.next() => e,
+        };
+        let changed = match event {
+            None => return,
+            Some(Ok(Event::Init)) => {
+                buffer = Some(BTreeMap::new());
+                false
+            }
+            Some(Ok(Event::InitApply(p))) => {
+                buffer.get_or_insert_with(BTreeMap::new).insert(key(&p), entry(&p));
+                false
+            }
+            Some(Ok(Event::InitDone)) => {
+                pods = buffer.take().unwrap_or_default();
+                initialised = true;
+                gate.reset();
+                true
+            }
+            Some(Ok(Event::Apply(p))) => pods.insert(key(&p), entry(&p)).as_ref() != Some(&entry(&p)),
+            Some(Ok(Event::Delete(p))) => pods.remove(&key(&p)).is_some(),
+            Some(Err(e)) => {
+                if let Some(held) = gate.allow(Instant::now()) {
+                    tracing::warn!(pool = %pool.name, namespace, selector, error = %e, suppressed = held,
+                        "kubernetes: pod watch failed; retrying with backoff, keeping the previous pod list");
+                }
+                false
+            }
+        };
+        if changed && initialised {
+            let t = targets(pool, &pods, ports);
+            if last_sent.as_ref() != Some(&t) {
+                tracing::info!(pool = %pool.name, namespace, selector, pods = t.len(),
+                    ready = t.iter().filter(|t| t.ready).count(), "kubernetes: pod list changed");
+                if tx.send(Update { pool: pool_index, targets: t.clone() }).is_err() {
+                    return;
+                }
+                last_sent = Some(t);
+            }
+        }
+    }
+}
+
+/// The selector (as a label-selector string) and ports of an `InferencePool`. Accepts v1
+/// (`selector.matchLabels`, `targetPorts[].number`) and the older v1alpha2 shape (`selector` as
+/// a plain map, `targetPortNumber`), which some clusters still serve under the same kind.
+fn pool_spec(obj: &DynamicObject) -> Result<(String, Vec<u16>), String> {
+    let spec = obj.data.get("spec").ok_or("no spec")?;
+    let sel = spec.get("selector").ok_or("no spec.selector")?;
+    let labels = sel.get("matchLabels").unwrap_or(sel);
+    let labels = labels
+        .as_object()
+        .ok_or("spec.selector.matchLabels is not a map")?;
+    let mut parts = Vec::new();
+    for (k, v) in labels {
+        let v = v.as_str().ok_or("spec.selector.matchLabels values must be strings")?;
+        parts.push(format!("{k}={v}"));
+    }
+    if parts.is_empty() {
+        // An empty selector would select every pod in the namespace.
+        return Err("spec.selector.matchLabels is empty".into());
+    }
+    let mut ports: Vec<u16> = match spec.get("targetPorts").and_then(|p| p.as_array()) {
+        Some(list) => list
+            .iter()
+            .filter_map(|p| p.get("number").and_then(|n| n.as_u64()))
+            .filter_map(|n| u16::try_from(n).ok())
+            .collect(),
+        None => spec
+            .get("targetPortNumber")
+            .and_then(|n| n.as_u64())
+            .and_then(|n| u16::try_from(n).ok())
+            .into_iter()
+            .collect(),
+    };
+    ports.retain(|p| *p != 0);
+    ports.sort_unstable();
+    ports.dedup();
+    if ports.is_empty() {
+        return Err("no spec.targetPorts[].number".into());
+    }
+    Ok((parts.join(","), ports))
+}
+
+/// Watches one `InferencePool`; (re)starts the pod watch whenever its selector or ports change.
+async fn watch_inference_pool(
+    pool_index: usize,
+    pool: &PoolConfig,
+    namespace: &str,
+    name: &str,
+    client: kube::Client,
+    tx: &UpdateTx,
+    shutdown: &CancellationToken,
+) {
+    let ar = inference_pool_resource();
+    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &ar);
+    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut current: Option<((String, Vec<u16>), CancellationToken)> = None;
+    let mut gate = LogGate::new(Duration::from_secs(30));
+    let mut seen_in_init = false;
+    loop {
+        let event = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            e = stream.next() => e,
+        };
+        let spec = match event {
+            None => break,
+            Some(Ok(Event::Init)) => {
+                seen_in_init = false;
+                continue;
+            }
+            Some(Ok(Event::InitApply(obj))) | Some(Ok(Event::Apply(obj))) => {
+                seen_in_init = true;
+                match pool_spec(&obj) {
+                    Ok(s) => Some(s),
+                    Err(why) => {
+                        tracing::error!(pool = %pool.name, namespace, inference_pool = name, problem = %why,
+                            "kubernetes: InferencePool is unusable; keeping the previous pod list");
+                        continue;
+                    }
+                }
+            }
+            Some(Ok(Event::InitDone)) => {
+                if seen_in_init {
+                    continue;
+                }
+                None
+            }
+            Some(Ok(Event::Delete(_))) => None,
+            Some(Err(e)) => {
+                if let Some(held) = gate.allow(Instant::now()) {
+                    tracing::warn!(pool = %pool.name, namespace, inference_pool = name, error = %e, suppressed = held,
+                        "kubernetes: InferencePool watch failed; retrying with backoff");
+                }
+                continue;
+            }
+        };
+        match spec {
+            Some(spec) => {
+                if current.as_ref().is_some_and(|(s, _)| *s == spec) {
+                    continue;
+                }
+                if let Some((_, stop)) = current.take() {
+                    stop.cancel();
+                }
+                tracing::info!(pool = %pool.name, namespace, inference_pool = name, selector = %spec.0,
+                    ports = ?spec.1, "kubernetes: watching the InferencePool's pods");
+                let stop = shutdown.child_token();
+                let (p, ns, c, t, s) = (pool.clone(), namespace.to_string(), client.clone(), tx.clone(), stop.clone());
+                let (selector, ports) = spec.clone();
+                tokio::spawn(async move {
+                    watch_pods(pool_index, &p, &ns, &selector, &ports, c, &t, &s).await;
+                });
+                current = Some((spec, stop));
+            }
+            None => {
+                // The InferencePool does not exist (or was deleted): the pool has no pods.
+                if let Some((_, stop)) = current.take() {
+                    stop.cancel();
+                }
+                tracing::warn!(pool = %pool.name, namespace, inference_pool = name,
+                    "kubernetes: InferencePool not found; the pool has no pods");
+                if tx.send(Update { pool: pool_index, targets: Vec::new() }).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    if let Some((_, stop)) = current.take() {
+        stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn inference_pool_v1_and_v1alpha2_shapes() {
+        let v1: DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "llama"},
+            "spec": {"selector": {"matchLabels": {"app": "vllm", "model": "llama"}},
+                     "targetPorts": [{"number": 8000}, {"number": 8001}],
+                     "endpointPickerRef": {"name": "epp"}}
+        }))
+        .unwrap();
+        assert_eq!(
+            pool_spec(&v1).unwrap(),
+            ("app=vllm,model=llama".to_string(), vec![8000, 8001])
+        );
+        let alpha: DynamicObject = serde_json::from_value(json!({
+            "metadata": {"name": "llama"},
+            "spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8000}
+        }))
+        .unwrap();
+        assert_eq!(pool_spec(&alpha).unwrap(), ("app=vllm".to_string(), vec![8000]));
+        let empty: DynamicObject = serde_json::from_value(json!({
+            "metadata": {"name": "x"}, "spec": {"selector": {"matchLabels": {}}, "targetPorts": [{"number": 1}]}
+        }))
+        .unwrap();
+        assert!(pool_spec(&empty).unwrap_err().contains("empty"));
+    }
+
+    #[test]
+    fn pods_without_ip_or_terminating_are_skipped_and_readiness_is_kept() {
+        let pod = |name: &str, ip: Option<&str>, ready: bool, terminating: bool| -> Pod {
+            let mut v = json!({
+                "metadata": {"name": name, "uid": name},
+                "status": {"conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}
+            });
+            if let Some(ip) = ip {
+                v["status"]["podIP"] = json!(ip);
+            }
+            if terminating {
+                v["metadata"]["deletionTimestamp"] = json!("2025-01-01T00:00:00Z");
+            }
+            serde_json::from_value(v).unwrap()
+        };
+        let mut map = BTreeMap::new();
+        for p in [
+            pod("a", Some("127.0.0.2"), true, false),
+            pod("b", Some("127.0.0.3"), false, false),
+            pod("c", None, false, false),
+            pod("d", Some("127.0.0.4"), true, true),
+        ] {
+            map.insert(key(&p), entry(&p));
+        }
+        let pool = PoolConfig {
+            name: "p".into(),
+            engine: None,
+            metrics_path: Some("/m".into()),
+            pods: None,
+            dns: None,
+            kubernetes: None,
+        };
+        let t = targets(&pool, &map, &[8000]);
+        let got: Vec<_> = t
+            .iter()
+            .map(|t| (t.address.to_string(), t.ready, t.name.clone().unwrap(), t.metrics_url.clone()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("127.0.0.2:8000".into(), true, "a".into(), "http://127.0.0.2:8000/m".into()),
+                ("127.0.0.3:8000".into(), false, "b".into(), "http://127.0.0.3:8000/m".into()),
+            ]
+        );
+    }
+}

@@ -1,0 +1,100 @@
+//! Small helpers shared by the modules: a log rate limiter and the wall clock.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::time::Instant;
+
+/// Lets one message through per `period` and counts the ones it held back, so a condition that
+/// repeats every 100 ms (Envoy down, a dead pod) logs once in a while with a count instead of
+/// flooding the log.
+#[derive(Debug)]
+pub struct LogGate {
+    period: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl LogGate {
+    /// A gate that opens at most once per `period`.
+    pub fn new(period: Duration) -> LogGate {
+        LogGate {
+            period,
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(n)` when a message may be logged now (`n` = messages held back since the last
+    /// one); `None` when it must be suppressed.
+    pub fn allow(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(t) if now.saturating_duration_since(t) < self.period => {
+                self.suppressed += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.suppressed))
+            }
+        }
+    }
+
+    /// Forgets history (the condition cleared), so the next occurrence logs at once.
+    pub fn reset(&mut self) {
+        self.last = None;
+        self.suppressed = 0;
+    }
+}
+
+/// Wall-clock milliseconds derived from a monotonic clock: `base_ms` at `base`, plus the
+/// monotonic time since. Timestamps in one run are then consistent with each other even if the
+/// system clock is stepped, and follow tokio's paused clock in tests.
+#[derive(Debug, Clone, Copy)]
+pub struct WallClock {
+    base_ms: u64,
+    base: Instant,
+}
+
+impl WallClock {
+    /// Anchors the clock to the system time now.
+    pub fn system() -> WallClock {
+        let base_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        WallClock {
+            base_ms,
+            base: Instant::now(),
+        }
+    }
+
+    /// Unix milliseconds at monotonic instant `at`.
+    pub fn ms_at(&self, at: Instant) -> u64 {
+        self.base_ms + at.saturating_duration_since(self.base).as_millis() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn gate_opens_once_per_period_and_counts_the_rest() {
+        let mut g = LogGate::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert_eq!(g.allow(t0), Some(0));
+        assert_eq!(g.allow(t0 + Duration::from_secs(1)), None);
+        assert_eq!(g.allow(t0 + Duration::from_secs(9)), None);
+        assert_eq!(g.allow(t0 + Duration::from_secs(10)), Some(2));
+        g.reset();
+        assert_eq!(g.allow(t0 + Duration::from_secs(11)), Some(0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn wall_clock_follows_the_monotonic_clock() {
+        let c = WallClock::system();
+        let t0 = Instant::now();
+        let a = c.ms_at(t0);
+        tokio::time::advance(Duration::from_millis(250)).await;
+        assert_eq!(c.ms_at(Instant::now()), a + 250);
+    }
+}
