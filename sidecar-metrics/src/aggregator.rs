@@ -1,0 +1,674 @@
+//! The scrape loop: every `interval`, start a scrape of every pod that is not already being
+//! scraped, fold results in as they arrive, and publish a snapshot when the round is complete
+//! or at its publish deadline, whichever comes first.
+//!
+//! Why this shape:
+//! - Each scrape is its own task with its own timeout, so a slow or dead pod delays nobody: the
+//!   round publishes what has arrived at the deadline (default half the interval) and the slow
+//!   pod's answer, when it comes, is folded into the next round.
+//! - A pod still being scraped is not scraped again, so a hung pod costs one connection, not one
+//!   per interval.
+//! - Publishing right when the last pod answered (typically a few ms into the round) keeps the
+//!   filter's view at most about one interval behind a pod.
+//!
+//! The loop is one task that owns all pod state (no locks); scrapes, parsing included, run on
+//! the runtime's worker threads and send their result back over a channel.
+
+use crate::config::Config;
+use crate::discovery::{Target, Update};
+use crate::metrics::Histogram;
+use crate::pod::{pool_capacities, PodState};
+use crate::scrape::{self, Fetch, ScrapeError};
+use crate::engine::Reading;
+use crate::util::{LogGate, WallClock};
+use bytes::Bytes;
+use gpuroute_core::snapshot::{PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{mpsc, watch};
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+/// Summary of one round, for metrics, tests and the load harness.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoundReport {
+    pub index: u64,
+    /// Time from the round's start to the last answer of its scrapes (or to the deadline).
+    pub duration: Duration,
+    /// Every scrape started in this round answered before publishing.
+    pub complete: bool,
+    /// Scrapes started in this round (pods not already in flight).
+    pub launched: usize,
+    /// Scrapes of this round that failed.
+    pub failed: usize,
+    pub pods: usize,
+    pub healthy: usize,
+}
+
+/// Operator-facing details of one pod that the snapshot does not carry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PodStatus {
+    pub name: Option<String>,
+    pub metrics_url: String,
+    pub last_error: Option<String>,
+    pub consecutive_failures: u32,
+    pub scrapes_total: u64,
+    pub failures_by_kind: Vec<(&'static str, u64)>,
+    pub last_latency: Duration,
+    /// Smoothed inter-token latency, seconds (the capacity estimate's input).
+    pub itl_ewma: Option<f64>,
+    pub in_flight: bool,
+}
+
+/// What one round publishes: the snapshot, its JSON, and everything the HTTP surface shows.
+#[derive(Debug, Clone)]
+pub struct Published {
+    pub snapshot: Snapshot,
+    /// `serde_json` of `snapshot`: the exact bytes pushed and served at `/debug/snapshot`.
+    pub json: Bytes,
+    /// Per pool, per pod, parallel to `snapshot.pools[i].pods`.
+    pub status: Vec<Vec<PodStatus>>,
+    pub round: RoundReport,
+    pub scrape_latency: Histogram,
+    pub round_latency: Histogram,
+    pub rounds_incomplete: u64,
+    pub invalid_snapshots: u64,
+}
+
+/// Channel the aggregator publishes on; `None` until the first round.
+pub type PublishRx = watch::Receiver<Option<Arc<Published>>>;
+
+struct Done {
+    id: u64,
+    round: u64,
+    at: Instant,
+    latency: Duration,
+    result: Result<Reading, ScrapeError>,
+}
+
+struct Pool {
+    name: String,
+    /// Pod ids by address: the snapshot lists pods in address order.
+    pods: BTreeMap<SocketAddr, u64>,
+}
+
+struct Round {
+    index: u64,
+    started: Instant,
+    open: bool,
+    pending: usize,
+    launched: usize,
+    failed: usize,
+    last_answer: Instant,
+}
+
+/// The scrape loop's state. Build with [`Aggregator::new`], drive with [`Aggregator::run`].
+pub struct Aggregator {
+    cfg: Arc<Config>,
+    fetcher: Arc<dyn Fetch>,
+    clock: WallClock,
+    started: Instant,
+    source: String,
+    pools: Vec<Pool>,
+    pods: HashMap<u64, PodState>,
+    next_id: u64,
+    done_tx: mpsc::UnboundedSender<Done>,
+    done_rx: mpsc::UnboundedReceiver<Done>,
+    publish: watch::Sender<Option<Arc<Published>>>,
+    observer: Option<mpsc::UnboundedSender<RoundReport>>,
+    round: Round,
+    version: u64,
+    scrape_latency: Histogram,
+    round_latency: Histogram,
+    rounds_incomplete: u64,
+    invalid_snapshots: u64,
+    invalid_gate: LogGate,
+    failure_gate: LogGate,
+}
+
+impl Aggregator {
+    /// An aggregator for `cfg`'s pools (no pods until discovery sends them) and the channel it
+    /// publishes on.
+    pub fn new(
+        cfg: Arc<Config>,
+        fetcher: Arc<dyn Fetch>,
+        clock: WallClock,
+        observer: Option<mpsc::UnboundedSender<RoundReport>>,
+    ) -> (Aggregator, PublishRx) {
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        let (publish, rx) = watch::channel(None);
+        let now = Instant::now();
+        let source = cfg
+            .source
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "sidecar-metrics".to_string());
+        let pools = cfg
+            .pools
+            .iter()
+            .map(|p| Pool {
+                name: p.name.clone(),
+                pods: BTreeMap::new(),
+            })
+            .collect();
+        let agg = Aggregator {
+            cfg,
+            fetcher,
+            clock,
+            started: now,
+            source,
+            pools,
+            pods: HashMap::new(),
+            next_id: 0,
+            done_tx,
+            done_rx,
+            publish,
+            observer,
+            round: Round {
+                index: 0,
+                started: now,
+                open: false,
+                pending: 0,
+                launched: 0,
+                failed: 0,
+                last_answer: now,
+            },
+            version: 0,
+            scrape_latency: Histogram::default(),
+            round_latency: Histogram::default(),
+            rounds_incomplete: 0,
+            invalid_snapshots: 0,
+            invalid_gate: LogGate::new(Duration::from_secs(10)),
+            failure_gate: LogGate::new(Duration::from_secs(10)),
+        };
+        (agg, rx)
+    }
+
+    /// Runs until `shutdown`, taking pod lists from `updates`.
+    pub async fn run(mut self, mut updates: mpsc::UnboundedReceiver<Update>, shutdown: CancellationToken) {
+        let interval = Duration::from_millis(self.cfg.interval_ms);
+        let deadline_after = Duration::from_millis(self.cfg.publish_deadline_ms());
+        let mut tick = tokio::time::interval(interval);
+        // A loop that fell behind (machine overloaded) skips rounds instead of bursting.
+        tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+        let deadline = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(deadline);
+        let mut updates_open = true;
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return,
+                u = updates.recv(), if updates_open => match u {
+                    Some(u) => self.apply_update(u),
+                    None => updates_open = false,
+                },
+                Some(done) = self.done_rx.recv() => {
+                    self.on_done(done);
+                    if self.round.open && self.round.pending == 0 {
+                        self.close_round(self.round.last_answer);
+                    }
+                }
+                _ = &mut deadline, if self.round.open => {
+                    self.close_round(Instant::now());
+                }
+                _ = tick.tick() => {
+                    if self.round.open {
+                        self.close_round(Instant::now());
+                    }
+                    self.start_round();
+                    deadline.as_mut().reset(self.round.started + deadline_after);
+                    if self.round.pending == 0 {
+                        self.close_round(self.round.started);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reconciles one pool with its new pod list.
+    fn apply_update(&mut self, u: Update) {
+        let Some(pool) = self.pools.get_mut(u.pool) else {
+            return;
+        };
+        let mut next: BTreeMap<SocketAddr, u64> = BTreeMap::new();
+        for t in u.targets {
+            if next.contains_key(&t.address) {
+                continue;
+            }
+            let id = match pool.pods.remove(&t.address) {
+                Some(id) => {
+                    if let Some(p) = self.pods.get_mut(&id) {
+                        if p.target != t {
+                            p.target = t.clone();
+                        }
+                    }
+                    id
+                }
+                None => {
+                    let id = self.next_id;
+                    self.next_id += 1;
+                    self.pods.insert(id, PodState::new(t.clone()));
+                    id
+                }
+            };
+            next.insert(t.address, id);
+        }
+        // What is left was removed; a scrape still in flight for it is ignored on arrival.
+        for id in pool.pods.values() {
+            self.pods.remove(id);
+        }
+        pool.pods = next;
+    }
+
+    fn start_round(&mut self) {
+        let now = Instant::now();
+        self.round = Round {
+            index: self.round.index + 1,
+            started: now,
+            open: true,
+            pending: 0,
+            launched: 0,
+            failed: 0,
+            last_answer: now,
+        };
+        let timeout = Duration::from_millis(self.cfg.timeout_ms);
+        for (id, pod) in self.pods.iter_mut() {
+            if pod.in_flight {
+                continue;
+            }
+            pod.in_flight = true;
+            self.round.pending += 1;
+            self.round.launched += 1;
+            let (id, round) = (*id, self.round.index);
+            let fetcher = self.fetcher.clone();
+            let url = pod.target.metrics_url.clone();
+            let engine = pod.target.engine;
+            let tx = self.done_tx.clone();
+            tokio::spawn(async move {
+                let begin = Instant::now();
+                let result = scrape::scrape(&*fetcher, &url, engine, timeout, false).await;
+                let at = Instant::now();
+                // The receiver is gone only at shutdown.
+                let _ = tx.send(Done {
+                    id,
+                    round,
+                    at,
+                    latency: at - begin,
+                    result,
+                });
+            });
+        }
+    }
+
+    fn on_done(&mut self, d: Done) {
+        let current = d.round == self.round.index && self.round.open;
+        if current {
+            self.round.pending = self.round.pending.saturating_sub(1);
+            self.round.last_answer = self.round.last_answer.max(d.at);
+        }
+        self.scrape_latency.observe(d.latency);
+        let Some(pod) = self.pods.get_mut(&d.id) else {
+            return;
+        };
+        pod.in_flight = false;
+        pod.last_latency = d.latency;
+        match d.result {
+            Ok(reading) => {
+                let wall = self.clock.ms_at(d.at);
+                pod.on_success(reading, d.at, wall, &self.cfg.capacity);
+            }
+            Err(e) => {
+                if current {
+                    self.round.failed += 1;
+                }
+                let first = pod.consecutive_failures == 0;
+                let msg = e.to_string();
+                pod.on_failure(e.kind(), msg.clone());
+                // Log a pod's first failure of a streak (rate limited across pods); the rest
+                // is in /metrics and on the status page.
+                if first {
+                    if let Some(held) = self.failure_gate.allow(d.at) {
+                        tracing::warn!(pod = %pod.target.address, url = %pod.target.metrics_url,
+                            error = %msg, suppressed = held, "scrape failed");
+                    }
+                }
+            }
+        }
+    }
+
+    fn close_round(&mut self, end: Instant) {
+        self.round.open = false;
+        let complete = self.round.pending == 0;
+        let duration = end.saturating_duration_since(self.round.started);
+        self.round_latency.observe(duration);
+        if !complete {
+            self.rounds_incomplete += 1;
+        }
+        let now = Instant::now();
+        let mut pools = Vec::with_capacity(self.pools.len());
+        let mut status = Vec::with_capacity(self.pools.len());
+        let (mut total, mut healthy) = (0, 0);
+        for pool in &self.pools {
+            let mut weights = Vec::with_capacity(pool.pods.len());
+            for id in pool.pods.values() {
+                if let Some(p) = self.pods.get_mut(id) {
+                    weights.push(p.evaluate(now, self.started, &self.cfg.health, &self.cfg.ramp));
+                }
+            }
+            let states: Vec<&PodState> = pool.pods.values().filter_map(|id| self.pods.get(id)).collect();
+            let caps = pool_capacities(states.iter().copied(), self.cfg.capacity.estimate);
+            let mut pods = Vec::with_capacity(states.len());
+            let mut st = Vec::with_capacity(states.len());
+            for ((p, w), c) in states.iter().zip(weights).zip(caps) {
+                total += 1;
+                healthy += usize::from(p.healthy);
+                pods.push(p.snapshot(w, c));
+                st.push(PodStatus {
+                    name: p.target.name.clone(),
+                    metrics_url: p.target.metrics_url.clone(),
+                    last_error: p.last_error.clone(),
+                    consecutive_failures: p.consecutive_failures,
+                    scrapes_total: p.scrapes_total,
+                    failures_by_kind: p.failures_by_kind.clone(),
+                    last_latency: p.last_latency,
+                    itl_ewma: p.itl_ewma,
+                    in_flight: p.in_flight,
+                });
+            }
+            pools.push(PoolSnapshot {
+                name: pool.name.clone(),
+                pods,
+            });
+            status.push(st);
+        }
+        let wall = self.clock.ms_at(now);
+        // Strictly increasing, also across restarts: wall-clock based, never repeating.
+        self.version = (self.version + 1).max(wall.saturating_mul(1000));
+        let snapshot = Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: self.version,
+            source: self.source.clone(),
+            generated_at_ms: wall,
+            pools,
+        };
+        let report = RoundReport {
+            index: self.round.index,
+            duration,
+            complete,
+            launched: self.round.launched,
+            failed: self.round.failed,
+            pods: total,
+            healthy,
+        };
+        if let Some(obs) = &self.observer {
+            let _ = obs.send(report.clone());
+        }
+        // A snapshot the filter would reject is our bug: keep the previous one in force.
+        if let Err(e) = snapshot.validate() {
+            self.invalid_snapshots += 1;
+            if let Some(held) = self.invalid_gate.allow(now) {
+                tracing::error!(error = %e, suppressed = held, "assembled an invalid snapshot; not publishing it (bug)");
+            }
+            return;
+        }
+        let json = match serde_json::to_vec(&snapshot) {
+            Ok(v) => Bytes::from(v),
+            Err(e) => {
+                self.invalid_snapshots += 1;
+                tracing::error!(error = %e, "cannot serialise the snapshot (bug)");
+                return;
+            }
+        };
+        let published = Published {
+            snapshot,
+            json,
+            status,
+            round: report,
+            scrape_latency: self.scrape_latency.clone(),
+            round_latency: self.round_latency.clone(),
+            rounds_incomplete: self.rounds_incomplete,
+            invalid_snapshots: self.invalid_snapshots,
+        };
+        self.publish.send_replace(Some(Arc::new(published)));
+    }
+}
+
+/// Convenience for tests and tools: the targets of a static pool as an [`Update`].
+pub fn static_update(pool: usize, targets: Vec<Target>) -> Update {
+    Update { pool, targets }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::future::BoxFuture;
+    use std::sync::Mutex;
+
+    /// Pods scripted per URL: each answers after its delay with its text, or fails to connect.
+    #[derive(Default)]
+    struct FakeFleet {
+        pods: Mutex<HashMap<String, (Duration, Option<String>)>>,
+        calls: Mutex<HashMap<String, usize>>,
+    }
+
+    impl FakeFleet {
+        fn set(&self, url: &str, delay_ms: u64, body: Option<&str>) {
+            self.pods
+                .lock()
+                .unwrap()
+                .insert(url.to_string(), (Duration::from_millis(delay_ms), body.map(str::to_string)));
+        }
+        fn calls(&self, url: &str) -> usize {
+            self.calls.lock().unwrap().get(url).copied().unwrap_or(0)
+        }
+    }
+
+    impl Fetch for FakeFleet {
+        fn fetch(&self, url: &str) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
+            *self.calls.lock().unwrap().entry(url.to_string()).or_default() += 1;
+            let (delay, body) = self
+                .pods
+                .lock()
+                .unwrap()
+                .get(url)
+                .cloned()
+                .unwrap_or((Duration::ZERO, None));
+            Box::pin(async move {
+                tokio::time::sleep(delay).await;
+                body.map(Bytes::from).ok_or(ScrapeError::Connect("refused".into()))
+            })
+        }
+    }
+
+    fn target(port: u16) -> Target {
+        Target {
+            address: SocketAddr::from(([127, 0, 0, 1], port)),
+            metrics_url: format!("http://127.0.0.1:{port}/metrics"),
+            engine: None,
+            capacity: None,
+            ready: true,
+            name: None,
+        }
+    }
+
+    fn config() -> Arc<Config> {
+        let mut c = Config::default();
+        c.pools.push(crate::config::PoolConfig {
+            name: "p".into(),
+            engine: None,
+            metrics_path: None,
+            pods: Some(vec![]),
+            dns: None,
+            kubernetes: None,
+        });
+        Arc::new(c)
+    }
+
+    struct Harness {
+        fleet: Arc<FakeFleet>,
+        rx: PublishRx,
+        rounds: mpsc::UnboundedReceiver<RoundReport>,
+        updates: mpsc::UnboundedSender<Update>,
+        stop: CancellationToken,
+    }
+
+    fn start(cfg: Arc<Config>, ports: &[u16]) -> Harness {
+        let fleet = Arc::new(FakeFleet::default());
+        let (obs_tx, rounds) = mpsc::unbounded_channel();
+        let (agg, rx) = Aggregator::new(cfg, fleet.clone(), WallClock::system(), Some(obs_tx));
+        let (updates, up_rx) = mpsc::unbounded_channel();
+        updates
+            .send(static_update(0, ports.iter().map(|p| target(*p)).collect()))
+            .unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(agg.run(up_rx, stop.clone()));
+        Harness { fleet, rx, rounds, updates, stop }
+    }
+
+    fn pod<'a>(p: &'a Published, port: u16) -> &'a gpuroute_core::snapshot::PodSnapshot {
+        let addr = format!("127.0.0.1:{port}");
+        p.snapshot.pools[0].pods.iter().find(|x| x.address == addr).unwrap()
+    }
+
+    const BODY: &str = "vllm:num_requests_waiting 2\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0.5\n";
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slow_pod_does_not_delay_the_round_or_get_scraped_twice() {
+        let mut h = start(config(), &[1, 2, 3]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 2, Some(BODY));
+        h.fleet.set("http://127.0.0.1:2/metrics", 3, Some(BODY));
+        // Answers after 250 ms: inside the 300 ms timeout, far past the 50 ms deadline.
+        h.fleet.set("http://127.0.0.1:3/metrics", 250, Some(BODY));
+        let mut durations = Vec::new();
+        for _ in 0..10 {
+            let r = h.rounds.recv().await.unwrap();
+            durations.push(r.duration);
+        }
+        // Every round is published at the 50 ms deadline at the latest, never waiting 250 ms.
+        assert!(durations.iter().all(|d| *d <= Duration::from_millis(50)), "{durations:?}");
+        // 10 rounds = 1 s; the slow pod can be scraped at most once per 250 ms.
+        let slow = h.fleet.calls("http://127.0.0.1:3/metrics");
+        assert!((3..=4).contains(&slow), "slow pod scraped {slow} times");
+        assert!(h.fleet.calls("http://127.0.0.1:1/metrics") >= 10);
+        let p = h.rx.borrow().clone().unwrap();
+        assert!(pod(&p, 1).healthy && pod(&p, 3).healthy, "slow but in time is healthy");
+        assert_eq!(pod(&p, 1).waiting, 2);
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rounds_complete_as_soon_as_every_pod_answered() {
+        let mut h = start(config(), &[1, 2]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 4, Some(BODY));
+        h.fleet.set("http://127.0.0.1:2/metrics", 7, Some(BODY));
+        let _first = h.rounds.recv().await.unwrap();
+        let r = h.rounds.recv().await.unwrap();
+        assert!(r.complete);
+        assert_eq!(r.launched, 2);
+        assert_eq!(r.duration, Duration::from_millis(7));
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dead_and_hung_pods_leave_within_a_second_and_ramp_back() {
+        let cfg = {
+            let mut c = (*config()).clone();
+            // Short start-up grace so the returning pod visibly ramps.
+            c.ramp.startup_grace_ms = 100;
+            Arc::new(c)
+        };
+        let mut h = start(cfg, &[1, 2, 3]);
+        for p in [1, 2, 3] {
+            h.fleet.set(&format!("http://127.0.0.1:{p}/metrics"), 1, Some(BODY));
+        }
+        for _ in 0..5 {
+            h.rounds.recv().await.unwrap();
+        }
+        assert!(pod(&h.rx.borrow().clone().unwrap(), 2).healthy);
+        let died = Instant::now();
+        h.fleet.set("http://127.0.0.1:2/metrics", 0, None); // connection refused
+        h.fleet.set("http://127.0.0.1:3/metrics", 60_000, Some(BODY)); // hangs: timeouts
+        let (mut dead_out, mut hung_out) = (None, None);
+        while dead_out.is_none() || hung_out.is_none() {
+            h.rounds.recv().await.unwrap();
+            let p = h.rx.borrow().clone().unwrap();
+            if dead_out.is_none() && !pod(&p, 2).healthy {
+                dead_out = Some(died.elapsed());
+            }
+            if hung_out.is_none() && !pod(&p, 3).healthy {
+                hung_out = Some(died.elapsed());
+            }
+            assert!(pod(&p, 1).healthy, "the others stay in");
+            assert!(died.elapsed() < Duration::from_secs(3), "took too long");
+        }
+        let (dead_out, hung_out) = (dead_out.unwrap(), hung_out.unwrap());
+        println!("dead pod out after {dead_out:?}, hung pod out after {hung_out:?}");
+        assert!(dead_out <= Duration::from_millis(400), "dead pod out after {dead_out:?}");
+        assert!(hung_out <= Duration::from_millis(1_100), "hung pod out after {hung_out:?}");
+
+        // The dead pod comes back: healthy at once, weight ramping from 0.1 to 1 over 30 s.
+        h.fleet.set("http://127.0.0.1:2/metrics", 1, Some(BODY));
+        let back = Instant::now();
+        let mut seen = Vec::new();
+        loop {
+            h.rounds.recv().await.unwrap();
+            let p = h.rx.borrow().clone().unwrap();
+            let pd = pod(&p, 2);
+            if pd.healthy {
+                seen.push((back.elapsed(), pd.ramp_weight));
+            }
+            if pd.ramp_weight >= 1.0 {
+                break;
+            }
+            assert!(back.elapsed() < Duration::from_secs(31));
+        }
+        let first = seen[0];
+        assert!(first.0 <= Duration::from_millis(200) && first.1 < 0.15, "{first:?}");
+        assert!(seen.windows(2).all(|w| w[1].1 >= w[0].1), "weight never decreases");
+        let last = seen[seen.len() - 1];
+        assert!(last.0 >= Duration::from_secs(29), "full weight only at the window's end: {last:?}");
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn discovery_changes_add_and_remove_pods_and_never_answered_pods_are_listed() {
+        let mut h = start(config(), &[1]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
+        h.rounds.recv().await.unwrap();
+        h.updates.send(static_update(0, vec![target(4), target(1)])).unwrap();
+        for _ in 0..3 {
+            h.rounds.recv().await.unwrap();
+        }
+        let p = h.rx.borrow().clone().unwrap();
+        let addrs: Vec<_> = p.snapshot.pools[0].pods.iter().map(|x| x.address.as_str()).collect();
+        assert_eq!(addrs, ["127.0.0.1:1", "127.0.0.1:4"], "sorted by address");
+        assert!(!pod(&p, 4).healthy, "never answered: listed, unhealthy");
+        assert_eq!(pod(&p, 4).last_scrape_ms, 0);
+        assert!(p.status[0][1].last_error.as_deref().unwrap().contains("refused"));
+        h.updates.send(static_update(0, vec![target(4)])).unwrap();
+        h.rounds.recv().await.unwrap();
+        let p = h.rx.borrow().clone().unwrap();
+        assert_eq!(p.snapshot.pools[0].pods.len(), 1);
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn versions_strictly_increase_and_snapshots_validate() {
+        let mut h = start(config(), &[1]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(BODY));
+        let mut last = 0;
+        for _ in 0..20 {
+            h.rounds.recv().await.unwrap();
+            let p = h.rx.borrow().clone().unwrap();
+            assert!(p.snapshot.version > last);
+            last = p.snapshot.version;
+            let parsed = Snapshot::from_json(&p.json, 1 << 20).unwrap();
+            assert_eq!(parsed, p.snapshot);
+            let pd = pod(&p, 1);
+            assert!(p.snapshot.generated_at_ms >= pd.last_scrape_ms);
+        }
+        h.stop.cancel();
+    }
+}

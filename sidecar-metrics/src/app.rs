@@ -1,0 +1,156 @@
+//! Wiring: binds the HTTP surface, starts discovery, the scrape loop and one push task per
+//! ingest URL, and stops them all on a shared cancellation token. The binary, the tests and the
+//! load harness all start the aggregator through [`start`].
+
+use crate::aggregator::{Aggregator, PublishRx, RoundReport};
+use crate::config::{Config, ConfigError};
+use crate::discovery::{self, kubernetes::KubeError, Deps};
+use crate::http::{self, AppState};
+use crate::push::{self, PushTarget};
+use crate::scrape::{Fetch, HttpFetcher};
+use crate::util::WallClock;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// Test and tool hooks; the defaults are the real thing.
+#[derive(Default)]
+pub struct RunOptions {
+    /// Replaces the HTTP fetcher.
+    pub fetcher: Option<Arc<dyn Fetch>>,
+    /// Replaces the DNS resolver and/or the Kubernetes client.
+    pub deps: Deps,
+    /// Receives a report after every round.
+    pub round_observer: Option<mpsc::UnboundedSender<RoundReport>>,
+}
+
+/// Why the aggregator could not start.
+#[derive(Debug, Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("cannot build the HTTP client: {0}")]
+    Client(#[from] reqwest::Error),
+    #[error(transparent)]
+    Kube(#[from] KubeError),
+}
+
+/// A started aggregator.
+pub struct Running {
+    /// The bound address of the HTTP surface (useful with `listen: 127.0.0.1:0`).
+    pub local_addr: SocketAddr,
+    /// Every published round.
+    pub published: PublishRx,
+    /// The push targets' state.
+    pub push: Arc<Vec<Arc<PushTarget>>>,
+    shutdown: CancellationToken,
+    tasks: JoinSet<()>,
+}
+
+impl Running {
+    /// Asks every task to stop.
+    pub fn shutdown(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Waits until every task has stopped (after [`Running::shutdown`] or the token given to
+    /// [`start`] is cancelled), at most `grace`.
+    pub async fn wait(mut self, grace: Duration) {
+        let all = async { while self.tasks.join_next().await.is_some() {} };
+        if tokio::time::timeout(grace, all).await.is_err() {
+            tracing::warn!("some tasks did not stop within {grace:?}; exiting anyway");
+        }
+    }
+}
+
+/// Validates `cfg` and starts everything. Returns once the HTTP surface is bound.
+pub async fn start(cfg: Config, opts: RunOptions, shutdown: CancellationToken) -> Result<Running, StartError> {
+    cfg.validate()?;
+    let cfg = Arc::new(cfg);
+    let listener = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: cfg.listen.clone(),
+            source,
+        })?;
+    let local_addr = listener.local_addr().map_err(|source| StartError::Bind {
+        addr: cfg.listen.clone(),
+        source,
+    })?;
+
+    let fetcher: Arc<dyn Fetch> = match opts.fetcher {
+        Some(f) => f,
+        None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)?),
+    };
+    let (agg, published) = Aggregator::new(cfg.clone(), fetcher, WallClock::system(), opts.round_observer);
+    let (up_tx, up_rx) = mpsc::unbounded_channel();
+    let mut tasks = JoinSet::new();
+    for h in discovery::spawn_all(&cfg, opts.deps, up_tx, shutdown.clone()).await? {
+        tasks.spawn(async move {
+            let _ = h.await;
+        });
+    }
+    tasks.spawn(agg.run(up_rx, shutdown.clone()));
+
+    let push_targets: Arc<Vec<Arc<PushTarget>>> = Arc::new(
+        cfg.push
+            .urls
+            .iter()
+            .map(|u| Arc::new(PushTarget::new(u.clone())))
+            .collect(),
+    );
+    if !push_targets.is_empty() {
+        let client = push::client()?;
+        let token = cfg.push.token.clone().unwrap_or_default();
+        for t in push_targets.iter() {
+            tasks.spawn(push::run(
+                t.clone(),
+                client.clone(),
+                token.clone(),
+                Duration::from_millis(cfg.push.timeout_ms),
+                published.clone(),
+                shutdown.clone(),
+            ));
+        }
+    } else {
+        tracing::warn!("no push URL configured: snapshots are only served at /debug/snapshot");
+    }
+
+    let state = AppState {
+        published: published.clone(),
+        push: push_targets.clone(),
+        ready_policy: cfg.push.ready,
+    };
+    let stop = shutdown.clone();
+    tasks.spawn(async move {
+        let serve = axum::serve(listener, http::router(state))
+            .with_graceful_shutdown(async move { stop.cancelled().await });
+        if let Err(e) = serve.await {
+            tracing::error!(error = %e, "HTTP server failed");
+        }
+    });
+    tracing::info!(
+        listen = %local_addr,
+        pools = cfg.pools.len(),
+        interval_ms = cfg.interval_ms,
+        timeout_ms = cfg.timeout_ms,
+        push = ?cfg.push.urls,
+        "sidecar-metrics listening"
+    );
+    Ok(Running {
+        local_addr,
+        published,
+        push: push_targets,
+        shutdown,
+        tasks,
+    })
+}

@@ -1,0 +1,215 @@
+//! The aggregator's own HTTP surface: `/healthz`, `/readyz`, `/metrics`, `/debug/snapshot` and
+//! `/`, a status page that refreshes itself every 2 s and shows, per pool, every pod's health,
+//! load, LoRA adapters, ramp-up and last error at a glance.
+
+use crate::aggregator::{Published, PublishRx};
+use crate::config::ReadyPolicy;
+use crate::metrics;
+use crate::push::PushTarget;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use std::fmt::Write;
+use std::sync::Arc;
+
+/// What the handlers read.
+#[derive(Clone)]
+pub struct AppState {
+    pub published: PublishRx,
+    pub push: Arc<Vec<Arc<PushTarget>>>,
+    pub ready_policy: ReadyPolicy,
+}
+
+impl AppState {
+    /// Ready = the configured push targets accepted a snapshot (all of them, or any, per
+    /// `push.ready`); with no push target, ready once a snapshot exists.
+    pub fn ready(&self) -> bool {
+        if self.push.is_empty() {
+            return self.published.borrow().is_some();
+        }
+        match self.ready_policy {
+            ReadyPolicy::All => self.push.iter().all(|t| t.accepted_once()),
+            ReadyPolicy::Any => self.push.iter().any(|t| t.accepted_once()),
+        }
+    }
+
+    fn current(&self) -> Option<Arc<Published>> {
+        self.published.borrow().clone()
+    }
+}
+
+/// The router.
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/", get(status_page))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_handler))
+        .route("/debug/snapshot", get(debug_snapshot))
+        .with_state(state)
+}
+
+async fn readyz(State(s): State<AppState>) -> Response {
+    if s.ready() {
+        (StatusCode::OK, "ready\n").into_response()
+    } else {
+        let why = if s.push.is_empty() {
+            "no snapshot assembled yet\n".to_string()
+        } else {
+            let waiting: Vec<&str> = s
+                .push
+                .iter()
+                .filter(|t| !t.accepted_once())
+                .map(|t| t.url.as_str())
+                .collect();
+            format!("no snapshot accepted yet by: {}\n", waiting.join(", "))
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, why).into_response()
+    }
+}
+
+async fn metrics_handler(State(s): State<AppState>) -> Response {
+    let body = metrics::render(s.current().as_deref(), &s.push);
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        body,
+    )
+        .into_response()
+}
+
+async fn debug_snapshot(State(s): State<AppState>) -> Response {
+    match s.current() {
+        Some(p) => ([(header::CONTENT_TYPE, "application/json")], p.json.clone()).into_response(),
+        None => (StatusCode::SERVICE_UNAVAILABLE, "no snapshot yet\n").into_response(),
+    }
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "–".to_string(), |v| v.to_string())
+}
+
+async fn status_page(State(s): State<AppState>) -> Html<String> {
+    Html(render_status(s.current().as_deref(), &s.push, s.ready()))
+}
+
+/// The status page's HTML.
+pub fn render_status(p: Option<&Published>, push: &[Arc<PushTarget>], ready: bool) -> String {
+    let mut h = String::with_capacity(32 * 1024);
+    h.push_str(
+        "<!doctype html><html><head><meta charset=\"utf-8\"><meta http-equiv=\"refresh\" content=\"2\">\
+         <title>gpuroute sidecar-metrics</title><style>\
+         body{font:14px system-ui,sans-serif;margin:1.5em;color:#222}\
+         table{border-collapse:collapse;margin-bottom:1.5em}td,th{padding:3px 9px;border-bottom:1px solid #ddd;text-align:right}\
+         th{background:#f3f3f3}td.l,th.l{text-align:left}.ok{color:#137333;font-weight:600}.bad{color:#b3261e;font-weight:600}\
+         .bar{display:inline-block;height:9px;background:#4a7fd4;vertical-align:middle}\
+         .barbg{display:inline-block;width:60px;height:9px;background:#e6e6e6;margin-right:4px}\
+         .err{color:#b3261e;max-width:28em;overflow:hidden;text-overflow:ellipsis;white-space:nowrap}\
+         </style></head><body><h1>gpuroute sidecar-metrics</h1>",
+    );
+    let _ = write!(
+        h,
+        "<p>Ready: <span class=\"{}\">{}</span>",
+        if ready { "ok" } else { "bad" },
+        if ready { "yes" } else { "no" }
+    );
+    let Some(p) = p else {
+        h.push_str(" · no round finished yet</p></body></html>");
+        return h;
+    };
+    let snap = &p.snapshot;
+    let _ = write!(
+        h,
+        " · snapshot version {} · {} bytes · round {} took {:.1} ms{} · source {}</p>",
+        snap.version,
+        p.json.len(),
+        p.round.index,
+        p.round.duration.as_secs_f64() * 1000.0,
+        if p.round.complete { "" } else { " (published at the deadline)" },
+        esc(&snap.source)
+    );
+    h.push_str("<h2>Push</h2><table><tr><th class=\"l\">ingest URL</th><th>accepted</th><th>failing for</th><th class=\"l\">last error</th></tr>");
+    for t in push {
+        let st = t.stats();
+        let _ = write!(
+            h,
+            "<tr><td class=\"l\">{}</td><td>{}</td><td class=\"{}\">{}</td><td class=\"l err\">{}</td></tr>",
+            esc(&t.url),
+            st.accepted,
+            if st.consecutive_failures > 0 { "bad" } else { "ok" },
+            if st.consecutive_failures > 0 { format!("{} pushes", st.consecutive_failures) } else { "ok".into() },
+            esc(st.last_error.as_deref().unwrap_or(""))
+        );
+    }
+    if push.is_empty() {
+        h.push_str("<tr><td class=\"l\" colspan=\"4\">no push URL configured</td></tr>");
+    }
+    h.push_str("</table>");
+    for (pool, statuses) in snap.pools.iter().zip(&p.status) {
+        let healthy = pool.pods.iter().filter(|x| x.healthy).count();
+        let _ = write!(
+            h,
+            "<h2>{} <small>{healthy}/{} healthy</small></h2><table><tr><th class=\"l\">pod</th><th class=\"l\">engine</th>\
+             <th>health</th><th>waiting</th><th>running</th><th class=\"l\">KV cache</th><th>prefix hit</th>\
+             <th class=\"l\">LoRA running / waiting (slots)</th><th>capacity</th><th>ramp</th><th>age ms</th>\
+             <th>scrape ms</th><th class=\"l\">last error</th></tr>",
+            esc(&pool.name),
+            pool.pods.len()
+        );
+        for (pod, st) in pool.pods.iter().zip(statuses) {
+            let kv = pod.kv_cache_usage.map_or_else(
+                || "–".to_string(),
+                |k| {
+                    format!(
+                        "<span class=\"barbg\"><span class=\"bar\" style=\"width:{:.0}px\"></span></span>{:.0}%",
+                        (k * 60.0).clamp(0.0, 60.0),
+                        k * 100.0
+                    )
+                },
+            );
+            let lora = pod.lora.as_ref().map_or_else(
+                || "–".to_string(),
+                |l| format!("{} / {} ({})", esc(&l.running.join(",")), esc(&l.waiting.join(",")), l.max_loras),
+            );
+            let age = if pod.last_scrape_ms == 0 {
+                "never".to_string()
+            } else {
+                snap.generated_at_ms.saturating_sub(pod.last_scrape_ms).to_string()
+            };
+            let name = st
+                .name
+                .as_ref()
+                .map_or_else(String::new, |n| format!(" <small>{}</small>", esc(n)));
+            let _ = write!(
+                h,
+                "<tr><td class=\"l\"><a href=\"{}\">{}</a>{name}</td><td class=\"l\">{}</td><td class=\"{}\">{}</td>\
+                 <td>{}</td><td>{}</td><td class=\"l\">{kv}</td><td>{}</td><td class=\"l\">{lora}</td><td>{:.2}</td>\
+                 <td>{:.2}</td><td>{age}</td><td>{:.1}</td><td class=\"l err\" title=\"{}\">{}</td></tr>",
+                esc(&st.metrics_url),
+                esc(&pod.address),
+                pod.engine.as_str(),
+                if pod.healthy { "ok" } else { "bad" },
+                if pod.healthy { "healthy" } else { "DOWN" },
+                pod.waiting,
+                pod.running,
+                opt(pod.prefix_cache_hit_rate.map(|r| format!("{:.0}%", r * 100.0))),
+                pod.capacity,
+                pod.ramp_weight,
+                st.last_latency.as_secs_f64() * 1000.0,
+                esc(st.last_error.as_deref().unwrap_or("")),
+                esc(st.last_error.as_deref().unwrap_or("")),
+            );
+        }
+        h.push_str("</table>");
+    }
+    h.push_str("</body></html>");
+    h
+}

@@ -1,0 +1,150 @@
+//! The aggregator's own Prometheus metrics (`GET /metrics`), rendered by hand in the text
+//! format: a handful of families does not justify a metrics framework, and every value already
+//! lives in the published round or the push targets' stats.
+
+use crate::aggregator::Published;
+use crate::push::PushTarget;
+use std::fmt::Write;
+use std::time::Duration;
+
+/// Bucket bounds (seconds) for scrape, round and push latencies: from 1 ms (a loopback scrape)
+/// to 1 s (well past the default 300 ms scrape timeout).
+pub const LATENCY_BUCKETS: [f64; 11] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+
+/// A fixed-bucket histogram (cumulative on render).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Histogram {
+    counts: [u64; LATENCY_BUCKETS.len()],
+    overflow: u64,
+    sum: f64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&mut self, d: Duration) {
+        let s = d.as_secs_f64();
+        self.sum += s;
+        match LATENCY_BUCKETS.iter().position(|b| s <= *b) {
+            Some(i) => self.counts[i] += 1,
+            None => self.overflow += 1,
+        }
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum::<u64>() + self.overflow
+    }
+
+    /// Writes the `_bucket`, `_sum` and `_count` lines; `labels` is `k="v",...` or empty.
+    pub fn render(&self, out: &mut String, name: &str, labels: &str) {
+        let sep = if labels.is_empty() { "" } else { "," };
+        let mut cum = 0;
+        for (b, c) in LATENCY_BUCKETS.iter().zip(self.counts) {
+            cum += c;
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cum}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", self.count());
+        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
+        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count());
+    }
+}
+
+/// Escapes a label value for the text format.
+pub fn esc(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn header(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+/// Renders every family.
+pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]) -> String {
+    let mut out = String::with_capacity(16 * 1024);
+    if let Some(p) = published {
+        header(&mut out, "sidecar_scrape_duration_seconds", "histogram",
+            "Time to fetch and read one pod's /metrics (successes and failures).");
+        p.scrape_latency.render(&mut out, "sidecar_scrape_duration_seconds", "");
+        header(&mut out, "sidecar_round_duration_seconds", "histogram",
+            "Time from a round's start until every pod scraped in it answered (or the publish deadline).");
+        p.round_latency.render(&mut out, "sidecar_round_duration_seconds", "");
+        header(&mut out, "sidecar_rounds_incomplete_total", "counter",
+            "Rounds published at the deadline with some pods still being scraped.");
+        let _ = writeln!(out, "sidecar_rounds_incomplete_total {}", p.rounds_incomplete);
+        header(&mut out, "sidecar_scrape_failures_total", "counter",
+            "Failed scrapes per pod and kind (connect, timeout, status, body, parse, no_metrics).");
+        for (pool, statuses) in p.snapshot.pools.iter().zip(&p.status) {
+            for (pod, st) in pool.pods.iter().zip(statuses) {
+                for (kind, n) in &st.failures_by_kind {
+                    let _ = writeln!(out,
+                        "sidecar_scrape_failures_total{{pool=\"{}\",pod=\"{}\",kind=\"{kind}\"}} {n}",
+                        esc(&pool.name), esc(&pod.address));
+                }
+            }
+        }
+        header(&mut out, "sidecar_pods", "gauge", "Pods per pool and health.");
+        for pool in &p.snapshot.pools {
+            let healthy = pool.pods.iter().filter(|x| x.healthy).count();
+            let _ = writeln!(out, "sidecar_pods{{pool=\"{}\",healthy=\"true\"}} {healthy}", esc(&pool.name));
+            let _ = writeln!(out, "sidecar_pods{{pool=\"{}\",healthy=\"false\"}} {}",
+                esc(&pool.name), pool.pods.len() - healthy);
+        }
+        header(&mut out, "sidecar_snapshot_bytes", "gauge", "Size of the last snapshot's JSON.");
+        let _ = writeln!(out, "sidecar_snapshot_bytes {}", p.json.len());
+        header(&mut out, "sidecar_snapshot_version", "gauge", "Version of the last snapshot.");
+        let _ = writeln!(out, "sidecar_snapshot_version {}", p.snapshot.version);
+        header(&mut out, "sidecar_snapshots_invalid_total", "counter",
+            "Snapshots that failed their own validation and were not pushed (a bug).");
+        let _ = writeln!(out, "sidecar_snapshots_invalid_total {}", p.invalid_snapshots);
+    }
+    header(&mut out, "sidecar_push_duration_seconds", "histogram",
+        "Time to POST one snapshot to an ingest URL (answered pushes).");
+    for t in push {
+        let s = t.stats();
+        s.latency.render(&mut out, "sidecar_push_duration_seconds", &format!("url=\"{}\"", esc(&t.url)));
+    }
+    header(&mut out, "sidecar_push_accepted_total", "counter", "Snapshots accepted (204) per ingest URL.");
+    for t in push {
+        let _ = writeln!(out, "sidecar_push_accepted_total{{url=\"{}\"}} {}", esc(&t.url), t.stats().accepted);
+    }
+    header(&mut out, "sidecar_push_failures_total", "counter",
+        "Failed pushes per ingest URL and reason (unreachable, timeout, rejected_400, unauthorized_401, too_large_413, status).");
+    for t in push {
+        for (kind, n) in &t.stats().failures {
+            let _ = writeln!(out, "sidecar_push_failures_total{{url=\"{}\",reason=\"{kind}\"}} {n}", esc(&t.url));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_renders_cumulative_buckets_that_our_parser_reads() {
+        let mut h = Histogram::default();
+        for ms in [0, 3, 3, 40, 5000] {
+            h.observe(Duration::from_millis(ms));
+        }
+        let mut out = String::new();
+        h.render(&mut out, "x_seconds", "a=\"b\"");
+        let samples: Vec<_> = crate::prom::parse(&out).collect::<Result<_, _>>().unwrap();
+        let bucket = |le: &str| {
+            samples
+                .iter()
+                .find(|s| s.name == "x_seconds_bucket" && s.label("le").as_deref() == Some(le))
+                .unwrap()
+                .value
+        };
+        assert_eq!(bucket("0.001"), 1.0);
+        assert_eq!(bucket("0.005"), 3.0);
+        assert_eq!(bucket("0.05"), 4.0);
+        assert_eq!(bucket("2.5"), 4.0);
+        assert_eq!(bucket("+Inf"), 5.0);
+        assert_eq!(h.count(), 5);
+    }
+}

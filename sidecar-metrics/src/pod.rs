@@ -1,0 +1,453 @@
+//! Per-pod state across scrapes: health, ramp-up, counter rates and the speed estimate.
+//!
+//! Pure and synchronous: every method takes the instant it happens at, so the rules are tested
+//! with plain instants and the aggregator loop stays a thin driver.
+//!
+//! Rules:
+//! - **Healthy** = the platform says ready (Kubernetes), at least one good scrape whose data is
+//!   no older than `health.max_data_age_ms`, and fewer than `health.unhealthy_after_failures`
+//!   consecutive failed scrapes. A pod that never answered is listed, unhealthy.
+//! - **Ramp**: when a pod turns healthy after having been unhealthy (or appears after the
+//!   aggregator's start-up grace), its weight grows linearly from `ramp.start_weight` to 1 over
+//!   `ramp.window_ms`. An unhealthy pod reports weight 0.
+//! - **Rates** come from deltas between consecutive good scrapes; a counter that went down was
+//!   reset (the server restarted), and its new value is the delta.
+//! - **Speed**: the mean inter-token latency of each interval with at least
+//!   `capacity.min_tokens` decoded tokens, smoothed by an exponential moving average with time
+//!   constant `capacity.time_constant_ms`; see [`pool_capacities`].
+
+use crate::config::{CapacityConfig, HealthConfig, RampConfig};
+use crate::discovery::Target;
+use crate::engine::Reading;
+use gpuroute_core::snapshot::{Engine, PodSnapshot};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Lower and upper bound of an estimated capacity. A 10x spread covers the GPU generations one
+/// pool can realistically mix (A10G to H200); beyond that the estimate is more likely an
+/// artefact (an idle pod with one slow request) than a real speed ratio.
+pub const CAPACITY_MIN: f64 = 0.1;
+/// See [`CAPACITY_MIN`].
+pub const CAPACITY_MAX: f64 = 10.0;
+
+/// The counters kept from the previous good scrape.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Counters {
+    hits: Option<f64>,
+    queries: Option<f64>,
+    itl_sum: Option<f64>,
+    itl_count: Option<f64>,
+}
+
+/// Why the last scrape of a pod failed, as a metric label.
+pub type FailureKind = &'static str;
+
+/// Everything the aggregator remembers about one pod.
+#[derive(Debug, Clone)]
+pub struct PodState {
+    pub target: Target,
+    /// A scrape is running; no second one starts until it ends.
+    pub in_flight: bool,
+    pub consecutive_failures: u32,
+    /// Monotonic and wall-clock time of the last good scrape.
+    pub last_success: Option<Instant>,
+    pub last_success_ms: u64,
+    /// The last good reading.
+    pub reading: Option<Reading>,
+    prev: Option<(Instant, Counters)>,
+    /// Prefix-cache hit rate over the last interval (or the engine's own gauge).
+    pub prefix_hit_rate: Option<f64>,
+    /// Smoothed mean inter-token latency, seconds.
+    pub itl_ewma: Option<f64>,
+    /// Health as of the last [`PodState::evaluate`].
+    pub healthy: bool,
+    ever_healthy: bool,
+    ramp_from: Option<Instant>,
+    /// Last failure, for the status page and `scrape-once`.
+    pub last_error: Option<String>,
+    pub scrapes_total: u64,
+    pub failures_total: u64,
+    /// Failures by kind (`connect`, `timeout`, `status`, `parse`, ...).
+    pub failures_by_kind: Vec<(FailureKind, u64)>,
+    /// Duration of the last finished scrape.
+    pub last_latency: Duration,
+}
+
+impl PodState {
+    /// A pod just discovered: unhealthy until its first good scrape.
+    pub fn new(target: Target) -> PodState {
+        PodState {
+            target,
+            in_flight: false,
+            consecutive_failures: 0,
+            last_success: None,
+            last_success_ms: 0,
+            reading: None,
+            prev: None,
+            prefix_hit_rate: None,
+            itl_ewma: None,
+            healthy: false,
+            ever_healthy: false,
+            ramp_from: None,
+            last_error: None,
+            scrapes_total: 0,
+            failures_total: 0,
+            failures_by_kind: Vec::new(),
+            last_latency: Duration::ZERO,
+        }
+    }
+
+    /// Folds in a good scrape taken at `at` (`wall_ms` on the wall clock).
+    pub fn on_success(&mut self, reading: Reading, at: Instant, wall_ms: u64, cap: &CapacityConfig) {
+        self.scrapes_total += 1;
+        self.consecutive_failures = 0;
+        self.last_success = Some(at);
+        self.last_success_ms = wall_ms;
+        self.last_error = None;
+        let now = Counters {
+            hits: reading.prefix_hits,
+            queries: reading.prefix_queries,
+            itl_sum: reading.itl_sum,
+            itl_count: reading.itl_count,
+        };
+        self.prefix_hit_rate = match (reading.prefix_hit_rate, &self.prev) {
+            // The engine reports a rate itself (SGLang, vLLM V0).
+            (Some(r), _) => Some(r),
+            (None, Some((_, prev))) => match (
+                delta(prev.hits, now.hits),
+                delta(prev.queries, now.queries),
+            ) {
+                (Some(h), Some(q)) if q > 0.0 => Some((h / q).clamp(0.0, 1.0)),
+                // No queries in the interval: no rate, rather than a made-up 0.
+                _ => None,
+            },
+            (None, None) => None,
+        };
+        if let Some((prev_at, prev)) = &self.prev {
+            if let (Some(ds), Some(dc)) = (
+                delta(prev.itl_sum, now.itl_sum),
+                delta(prev.itl_count, now.itl_count),
+            ) {
+                if dc >= cap.min_tokens as f64 && ds > 0.0 {
+                    let sample = ds / dc;
+                    let dt = at.saturating_duration_since(*prev_at).as_secs_f64();
+                    let tau = cap.time_constant_ms as f64 / 1000.0;
+                    let alpha = 1.0 - (-dt / tau).exp();
+                    self.itl_ewma = Some(match self.itl_ewma {
+                        Some(e) => e + alpha * (sample - e),
+                        None => sample,
+                    });
+                }
+            }
+        }
+        self.prev = Some((at, now));
+        self.reading = Some(reading);
+    }
+
+    /// Records a failed scrape.
+    pub fn on_failure(&mut self, kind: FailureKind, message: String) {
+        self.scrapes_total += 1;
+        self.failures_total += 1;
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        self.last_error = Some(message);
+        match self.failures_by_kind.iter_mut().find(|(k, _)| *k == kind) {
+            Some((_, n)) => *n += 1,
+            None => self.failures_by_kind.push((kind, 1)),
+        }
+    }
+
+    /// Updates health and returns the ramp weight at `now`. `started` is the aggregator's start.
+    pub fn evaluate(
+        &mut self,
+        now: Instant,
+        started: Instant,
+        health: &HealthConfig,
+        ramp: &RampConfig,
+    ) -> f64 {
+        let fresh = self.last_success.is_some_and(|t| {
+            now.saturating_duration_since(t) <= Duration::from_millis(health.max_data_age_ms)
+        });
+        let ok = self.target.ready
+            && fresh
+            && self.consecutive_failures < health.unhealthy_after_failures;
+        if ok && !self.healthy {
+            let in_grace = now.saturating_duration_since(started)
+                <= Duration::from_millis(ramp.startup_grace_ms);
+            let skip = ramp.window_ms == 0 || (!self.ever_healthy && in_grace);
+            self.ramp_from = if skip { None } else { Some(now) };
+            self.ever_healthy = true;
+        }
+        self.healthy = ok;
+        if !ok {
+            return 0.0;
+        }
+        match self.ramp_from {
+            None => 1.0,
+            Some(from) => {
+                let f = now.saturating_duration_since(from).as_secs_f64()
+                    / Duration::from_millis(ramp.window_ms).as_secs_f64();
+                if f >= 1.0 {
+                    self.ramp_from = None;
+                    1.0
+                } else {
+                    ramp.start_weight + (1.0 - ramp.start_weight) * f
+                }
+            }
+        }
+    }
+
+    /// The snapshot entry for this pod (after [`PodState::evaluate`]).
+    pub fn snapshot(&self, ramp_weight: f64, capacity: f64) -> PodSnapshot {
+        let r = self.reading.as_ref();
+        let count = |v: Option<f64>| v.map_or(0, |v| v.round().clamp(0.0, f64::from(u32::MAX)) as u32);
+        PodSnapshot {
+            address: self.target.address.to_string(),
+            engine: r
+                .map(|r| r.engine)
+                .filter(|e| *e != Engine::Unknown)
+                .or(self.target.engine)
+                .unwrap_or_default(),
+            healthy: self.healthy,
+            last_scrape_ms: self.last_success_ms,
+            kv_cache_usage: r.and_then(|r| r.kv_cache_usage),
+            waiting: count(r.and_then(|r| r.waiting)),
+            running: count(r.and_then(|r| r.running)),
+            lora: r.and_then(Reading::lora_for_snapshot),
+            prefix_cache_hit_rate: self.prefix_hit_rate,
+            block_size: r.and_then(|r| r.block_size),
+            num_blocks: r.and_then(|r| r.num_blocks),
+            capacity,
+            ramp_weight,
+        }
+    }
+}
+
+/// Counter delta with reset handling: a counter that went down restarted from zero.
+fn delta(prev: Option<f64>, now: Option<f64>) -> Option<f64> {
+    match (prev, now) {
+        (Some(p), Some(n)) if n.is_finite() && p.is_finite() => Some(if n >= p { n - p } else { n }),
+        _ => None,
+    }
+}
+
+/// Capacities of a pool's pods, in order: the configured value where set; else, when
+/// estimation is on, `median ITL of the pool / ITL of the pod`, clamped to
+/// [[`CAPACITY_MIN`], [`CAPACITY_MAX`]] (a pod twice as fast per token as the median gets 2);
+/// 1.0 for pods without data.
+///
+/// Known bias: ITL grows with batch size, so a fast pod that the router loads harder looks
+/// slower than it is; the estimate understates real spreads, never inverts them under equal
+/// load. Configure `capacity` per pod where the hardware is known.
+pub fn pool_capacities<'a>(pods: impl Iterator<Item = &'a PodState> + Clone, estimate: bool) -> Vec<f64> {
+    let median = if estimate {
+        let mut itls: Vec<f64> = pods
+            .clone()
+            .filter_map(|p| p.itl_ewma)
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        itls.sort_by(f64::total_cmp);
+        match itls.len() {
+            0 => None,
+            n if n % 2 == 1 => Some(itls[n / 2]),
+            n => Some((itls[n / 2 - 1] + itls[n / 2]) / 2.0),
+        }
+    } else {
+        None
+    };
+    pods.map(|p| {
+        if let Some(c) = p.target.capacity {
+            return c;
+        }
+        match (median, p.itl_ewma) {
+            (Some(m), Some(itl)) if itl > 0.0 && itl.is_finite() => {
+                (m / itl).clamp(CAPACITY_MIN, CAPACITY_MAX)
+            }
+            _ => 1.0,
+        }
+    })
+    .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target() -> Target {
+        Target {
+            address: "127.0.0.1:8000".parse().unwrap(),
+            metrics_url: "http://127.0.0.1:8000/metrics".into(),
+            engine: None,
+            capacity: None,
+            ready: true,
+            name: None,
+        }
+    }
+
+    fn reading() -> Reading {
+        Reading {
+            engine: Engine::Vllm,
+            waiting: Some(1.0),
+            running: Some(2.0),
+            ..Reading::default()
+        }
+    }
+
+    fn ms(n: u64) -> Duration {
+        Duration::from_millis(n)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_pod_leaves_after_three_failures_and_a_hung_one_after_max_age() {
+        let (h, r, cap) = (HealthConfig::default(), RampConfig::default(), CapacityConfig::default());
+        let t0 = Instant::now();
+        let mut dead = PodState::new(target());
+        assert_eq!(dead.evaluate(t0, t0, &h, &r), 0.0, "never scraped: unhealthy");
+        dead.on_success(reading(), t0, 1, &cap);
+        assert_eq!(dead.evaluate(t0, t0, &h, &r), 1.0, "healthy at start-up: no ramp");
+        // Connection refused every 100 ms.
+        for i in 1..=3 {
+            dead.on_failure("connect", "refused".into());
+            dead.evaluate(t0 + ms(100 * i), t0, &h, &r);
+            assert_eq!(dead.healthy, i < 3, "after {i} failures");
+        }
+
+        // A hung pod: its scrapes time out, so failures come slowly; age decides.
+        let mut hung = PodState::new(target());
+        hung.on_success(reading(), t0, 1, &cap);
+        hung.evaluate(t0, t0, &h, &r);
+        hung.on_failure("timeout", "timeout".into());
+        hung.evaluate(t0 + ms(1000), t0, &h, &r);
+        assert!(hung.healthy, "data exactly max_data_age old is still fresh");
+        hung.evaluate(t0 + ms(1001), t0, &h, &r);
+        assert!(!hung.healthy, "older than max_data_age: out");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_returning_pod_ramps_linearly() {
+        let (h, r, cap) = (HealthConfig::default(), RampConfig::default(), CapacityConfig::default());
+        let t0 = Instant::now();
+        let mut p = PodState::new(target());
+        p.on_success(reading(), t0, 1, &cap);
+        p.evaluate(t0, t0, &h, &r);
+        for _ in 0..3 {
+            p.on_failure("connect", "x".into());
+        }
+        let down = t0 + ms(60_000);
+        assert_eq!(p.evaluate(down, t0, &h, &r), 0.0);
+        let back = down + ms(100);
+        p.on_success(reading(), back, 2, &cap);
+        let w0 = p.evaluate(back, t0, &h, &r);
+        assert!((w0 - 0.1).abs() < 1e-9, "{w0}");
+        p.on_success(reading(), back + ms(15_000), 3, &cap);
+        let mid = p.evaluate(back + ms(15_000), t0, &h, &r);
+        assert!((mid - 0.55).abs() < 1e-9, "{mid}");
+        p.on_success(reading(), back + ms(30_000), 4, &cap);
+        assert_eq!(p.evaluate(back + ms(30_000), t0, &h, &r), 1.0);
+        assert_eq!(p.evaluate(back + ms(30_100), t0, &h, &r), 1.0, "stays at 1");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn new_pods_ramp_only_after_the_startup_grace_and_window_zero_disables() {
+        let (h, cap) = (HealthConfig::default(), CapacityConfig::default());
+        let r = RampConfig::default();
+        let t0 = Instant::now();
+        let late = t0 + ms(r.startup_grace_ms + 1);
+        let mut p = PodState::new(target());
+        p.on_success(reading(), late, 1, &cap);
+        assert!((p.evaluate(late, t0, &h, &r) - r.start_weight).abs() < 1e-9);
+        let off = RampConfig { window_ms: 0, ..RampConfig::default() };
+        let mut q = PodState::new(target());
+        q.on_success(reading(), late, 1, &cap);
+        assert_eq!(q.evaluate(late, t0, &h, &off), 1.0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn not_ready_pods_are_never_healthy() {
+        let (h, r, cap) = (HealthConfig::default(), RampConfig::default(), CapacityConfig::default());
+        let t0 = Instant::now();
+        let mut p = PodState::new(Target { ready: false, ..target() });
+        p.on_success(reading(), t0, 1, &cap);
+        assert_eq!(p.evaluate(t0, t0, &h, &r), 0.0);
+        assert!(!p.healthy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prefix_hit_rate_from_deltas_with_resets() {
+        let cap = CapacityConfig::default();
+        let t0 = Instant::now();
+        let mut p = PodState::new(target());
+        let at = |hits: f64, queries: f64| Reading {
+            prefix_hits: Some(hits),
+            prefix_queries: Some(queries),
+            ..reading()
+        };
+        p.on_success(at(100.0, 1000.0), t0, 1, &cap);
+        assert_eq!(p.prefix_hit_rate, None, "no previous scrape");
+        p.on_success(at(175.0, 1100.0), t0 + ms(100), 2, &cap);
+        assert_eq!(p.prefix_hit_rate, Some(0.75));
+        p.on_success(at(175.0, 1100.0), t0 + ms(200), 3, &cap);
+        assert_eq!(p.prefix_hit_rate, None, "no queries in the interval");
+        // Server restarted: counters start again from 0.
+        p.on_success(at(10.0, 40.0), t0 + ms(300), 4, &cap);
+        assert_eq!(p.prefix_hit_rate, Some(0.25));
+        // SGLang reports the rate directly.
+        p.on_success(Reading { prefix_hit_rate: Some(0.5), ..reading() }, t0 + ms(400), 5, &cap);
+        assert_eq!(p.prefix_hit_rate, Some(0.5));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn capacity_from_inter_token_latency_relative_to_the_pool_median() {
+        let cap = CapacityConfig::default();
+        let t0 = Instant::now();
+        let itl = |sum: f64, count: f64| Reading { itl_sum: Some(sum), itl_count: Some(count), ..reading() };
+        // Three pods: 10 ms, 20 ms and 30 ms per token; one pod idle; one configured.
+        let mut pods: Vec<PodState> = (0..5).map(|_| PodState::new(target())).collect();
+        for (p, per_token) in pods.iter_mut().zip([0.010, 0.020, 0.030]) {
+            p.on_success(itl(0.0, 0.0), t0, 1, &cap);
+            p.on_success(itl(per_token * 100.0, 100.0), t0 + ms(100), 2, &cap);
+        }
+        pods[3].on_success(itl(0.0, 0.0), t0, 1, &cap);
+        pods[3].on_success(itl(0.05, 5.0), t0 + ms(100), 2, &cap); // below min_tokens
+        pods[4].target.capacity = Some(4.0);
+        let c = pool_capacities(pods.iter(), true);
+        assert!((c[0] - 2.0).abs() < 1e-9, "{c:?}");
+        assert!((c[1] - 1.0).abs() < 1e-9, "{c:?}");
+        assert!((c[2] - 2.0 / 3.0).abs() < 1e-9, "{c:?}");
+        assert_eq!(c[3], 1.0, "no usable data");
+        assert_eq!(c[4], 4.0, "configured wins");
+        assert_eq!(pool_capacities(pods.iter(), false), vec![1.0, 1.0, 1.0, 1.0, 4.0]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn itl_average_follows_with_the_time_constant() {
+        let cap = CapacityConfig::default(); // tau = 10 s
+        let t0 = Instant::now();
+        let mut p = PodState::new(target());
+        let itl = |sum: f64, count: f64| Reading { itl_sum: Some(sum), itl_count: Some(count), ..reading() };
+        p.on_success(itl(0.0, 0.0), t0, 1, &cap);
+        p.on_success(itl(1.0, 100.0), t0 + ms(1000), 2, &cap); // 10 ms/token
+        assert_eq!(p.itl_ewma, Some(0.01));
+        // 10 s later the pod became 3x slower: one time constant moves 63% of the way.
+        p.on_success(itl(4.0, 200.0), t0 + ms(11_000), 3, &cap); // 30 ms/token
+        let e = p.itl_ewma.unwrap();
+        let expected = 0.01 + (1.0 - (-1.0f64).exp()) * 0.02;
+        assert!((e - expected).abs() < 1e-12, "{e} vs {expected}");
+    }
+
+    #[test]
+    fn snapshot_entries_are_valid_for_the_filter() {
+        let mut p = PodState::new(target());
+        p.reading = Some(Reading {
+            waiting: Some(3.6),
+            running: Some(-1.0),
+            kv_cache_usage: Some(0.5),
+            ..reading()
+        });
+        p.healthy = true;
+        let s = p.snapshot(0.5, 2.0);
+        assert_eq!((s.waiting, s.running), (4, 0));
+        assert_eq!(s.engine, Engine::Vllm);
+        assert_eq!(s.address, "127.0.0.1:8000");
+        assert_eq!((s.capacity, s.ramp_weight), (2.0, 0.5));
+    }
+}
