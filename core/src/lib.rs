@@ -1,5 +1,26 @@
 //! gpuroute-core: the decision logic of the gpuroute Envoy filter, free of any proxy-wasm
 //! dependency so it runs (and is tested) natively, in the wasm filter, in `sidecar-metrics`
 //! and in the benchmarks alike.
+//!
+//! - [`request`]: OpenAI body parsing (model, stream, prompt text);
+//! - [`routing`]: model -> pool resolution and the `/v1/models` answer;
+//! - [`snapshot`]: the metrics snapshot schema the aggregator pushes;
+//! - [`ingest`]: the rules of the snapshot ingest endpoint;
+//! - [`fleet`]: a snapshot decoded for picking;
+//! - [`load`]: the in-flight table shared by Envoy workers (no thundering herd);
+//! - [`prefix`]: prefix hashing, rendezvous homes and the learned prefix index;
+//! - [`picker`]: candidates, scorers and the pick;
+//! - [`engine`]: the per-request pipeline the filter runs.
 
+pub mod config;
+pub mod engine;
+pub mod error;
+pub mod fleet;
+pub mod ingest;
+pub mod load;
+pub mod picker;
+pub mod prefix;
+pub mod request;
+pub mod rng;
+pub mod routing;
 pub mod snapshot;

@@ -177,8 +177,17 @@ impl Snapshot {
                 limit: max_bytes,
             });
         }
-        let snap: Snapshot =
-            serde_json::from_slice(bytes).map_err(|e| SnapshotError::Json(e.to_string()))?;
+        // The path names the field at fault ("pools[0].pods[3].waiting: invalid type ...").
+        let de = &mut serde_json::Deserializer::from_slice(bytes);
+        let snap: Snapshot = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            SnapshotError::Json(if path == "." {
+                inner.to_string()
+            } else {
+                format!("{path}: {inner}")
+            })
+        })?;
         snap.validate()?;
         Ok(snap)
     }
@@ -361,7 +370,8 @@ mod tests {
 
     #[test]
     fn rejects_what_the_picker_cannot_use() {
-        let cases: Vec<(Box<dyn Fn(&mut Snapshot)>, &str)> = vec![
+        type Mutation = Box<dyn Fn(&mut Snapshot)>;
+        let cases: Vec<(Mutation, &str)> = vec![
             (Box::new(|s| s.schema = 2), "schema 2"),
             (
                 Box::new(|s| s.pools[0].pods[0].address = "pod-a".into()),

@@ -1,1 +1,655 @@
-//! gpuroute proxy-wasm filter (placeholder; see issue 2).
+//! gpuroute proxy-wasm filter: the thin shell between Envoy and `gpuroute-core`.
+//!
+//! Per request (see `Http`): strip client-supplied routing headers; answer `/v1/models` and the
+//! snapshot ingest path; on inference paths pause the headers, buffer the body, let the core
+//! parse, resolve and pick, then set `x-gateway-pool` / `x-gateway-model-name` /
+//! `x-gateway-destination-endpoint` and continue. Every failure has a defined outcome: an
+//! OpenAI-style error, or fail-open (destination left unset, Envoy's load balancer picks).
+//!
+//! Per worker (see `Worker`): the decoded snapshot (re-decoded only when the shared version
+//! changes), the prefix index, and a tick that exchanges prefix decisions with the other
+//! workers through shared data.
+//!
+//! Host calls go through [`host`], which never panics.
+
+mod host;
+mod stats;
+
+use gpuroute_core::config::{DataPlane, FilterConfig};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
+use gpuroute_core::error::ApiError;
+use gpuroute_core::fleet::FleetState;
+use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use gpuroute_core::load::LoadTable;
+use gpuroute_core::picker::{Decision, FailOpen};
+use gpuroute_core::prefix::SyncLog;
+use gpuroute_core::rng::SplitMix64;
+use proxy_wasm::traits::{Context, HttpContext, RootContext};
+use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
+use stats::Stats;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::rc::Rc;
+
+/// Headers the filter sets to steer Envoy. A client must never be able to set them: with an
+/// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere.
+const INTERNAL_HEADERS: &[&str] = &[
+    "x-gateway-destination-endpoint",
+    "x-gateway-model-name",
+    "x-gateway-base-model-name",
+    "x-gateway-pool",
+    "x-gateway-lora-adapter",
+    "x-envoy-original-dst-host",
+];
+const DEST_HEADER: &str = "x-gateway-destination-endpoint";
+const DEBUG_HEADER: &str = "x-gateway-debug";
+const PRIORITY_HEADER: &str = "x-gateway-priority";
+/// Shared-data key holding the number of registered plugin instances (worker ids).
+const WORKERS_KEY: &str = "gpuroute.workers";
+/// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
+/// next request or snapshot corrects it).
+const CAS_ATTEMPTS: usize = 16;
+
+proxy_wasm::main! {{
+    proxy_wasm::set_log_level(LogLevel::Info);
+    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root { id, worker: None }) });
+}}
+
+fn load_key(pool: &str) -> String {
+    format!("gpuroute.load.{pool}")
+}
+fn sync_key(id: u32) -> String {
+    format!("gpuroute.sync.{id}")
+}
+fn sync_seq_key(id: u32) -> String {
+    format!("gpuroute.sync.{id}.seq")
+}
+
+/// Per-plugin-instance state in one worker VM.
+struct Worker {
+    engine: Engine,
+    fleet: Option<FleetState>,
+    /// The version header last read from shared data (not the decoded version: a reader
+    /// compares against what it saw, so a racing writer cannot make it re-decode every time).
+    seen_header: Option<StoredHeader>,
+    rng: SplitMix64,
+    stats: Stats,
+    id: u32,
+    /// Newest sync sequence applied per other worker.
+    applied: HashMap<u32, u64>,
+    published_seq: u64,
+}
+
+impl Worker {
+    /// Re-reads the snapshot version; decodes the snapshot only when it changed.
+    fn refresh_fleet(&mut self) {
+        let (Some(hdr_bytes), _) = host::get_shared(SNAPSHOT_VERSION_KEY) else {
+            return;
+        };
+        let Some(hdr) = StoredHeader::decode(&hdr_bytes) else {
+            return;
+        };
+        if self.seen_header == Some(hdr) {
+            return;
+        }
+        self.seen_header = Some(hdr);
+        if let (Some(stored), _) = host::get_shared(SNAPSHOT_KEY) {
+            match ingest::decode_stored(&stored) {
+                Some((h, snap)) => self.fleet = Some(FleetState::new(snap, h.received_at_ms)),
+                None => host::log(LogLevel::Error, "gpuroute: stored snapshot is unreadable"),
+            }
+        }
+    }
+
+    /// Exchanges prefix decisions with the other workers of this Envoy.
+    fn sync(&mut self) {
+        if self.engine.config.pools.is_empty() {
+            return;
+        }
+        let (seq, payload) = self.engine.sync_payload();
+        if seq != self.published_seq
+            && host::set_shared(&sync_key(self.id), &payload, None).is_ok()
+            && host::set_shared(&sync_seq_key(self.id), &seq.to_le_bytes(), None).is_ok()
+        {
+            self.published_seq = seq;
+        }
+        let workers = match host::get_shared(WORKERS_KEY) {
+            (Some(b), _) => read_u64(&b) as u32,
+            _ => 0,
+        };
+        let mut records = Vec::new();
+        for other in (0..workers).filter(|w| *w != self.id) {
+            let (Some(seq_bytes), _) = host::get_shared(&sync_seq_key(other)) else {
+                continue;
+            };
+            let their = read_u64(&seq_bytes);
+            let applied = self.applied.get(&other).copied().unwrap_or(0);
+            if their <= applied {
+                continue;
+            }
+            if let (Some(ring), _) = host::get_shared(&sync_key(other)) {
+                SyncLog::decode_after(&ring, applied, &mut records);
+                self.engine.apply_sync(&records);
+                self.applied.insert(other, their);
+            }
+        }
+    }
+
+    fn snapshot_age_gauge(&mut self) {
+        if let Some(f) = &self.fleet {
+            let age = f.age_ms(host::now_ms());
+            self.stats.gauge("gpuroute.snapshot.age_ms", age);
+        }
+    }
+}
+
+fn read_u64(b: &[u8]) -> u64 {
+    let mut a = [0u8; 8];
+    let n = b.len().min(8);
+    a[..n].copy_from_slice(&b[..n]);
+    u64::from_le_bytes(a)
+}
+
+/// Takes the next worker id: a compare-and-swap increment of a shared counter.
+fn register_worker() -> u32 {
+    for _ in 0..CAS_ATTEMPTS {
+        let (bytes, cas) = host::get_shared(WORKERS_KEY);
+        let n = bytes.as_deref().map_or(0, read_u64);
+        if host::set_shared(WORKERS_KEY, &(n + 1).to_le_bytes(), cas).is_ok() {
+            return n as u32;
+        }
+    }
+    // Could not register: use an id nobody else reads; only cross-worker prefix sync is lost.
+    u32::MAX
+}
+
+struct Root {
+    id: u32,
+    worker: Option<Rc<RefCell<Worker>>>,
+}
+
+impl Context for Root {}
+
+impl RootContext for Root {
+    fn on_configure(&mut self, size: usize) -> bool {
+        let raw = host::get_buffer(BufferType::PluginConfiguration, 0, size).unwrap_or_default();
+        let config = match FilterConfig::from_json(&raw) {
+            Ok(c) => c,
+            Err(e) => {
+                host::log(
+                    LogLevel::Critical,
+                    &format!("gpuroute: invalid configuration: {e}"),
+                );
+                return false;
+            }
+        };
+        let tick = config.tick_ms.min(u64::from(u32::MAX)) as u32;
+        let routes = !config.pools.is_empty();
+        let id = if routes { register_worker() } else { u32::MAX };
+        let seed = host::now_nanos() ^ (u64::from(self.id) << 32) ^ u64::from(id);
+        let mut worker = Worker {
+            engine: Engine::new(config),
+            fleet: None,
+            seen_header: None,
+            rng: SplitMix64::new(seed),
+            stats: Stats::default(),
+            id,
+            applied: HashMap::new(),
+            published_seq: 0,
+        };
+        worker.refresh_fleet();
+        self.worker = Some(Rc::new(RefCell::new(worker)));
+        if routes {
+            let _ = host::set_tick_period_ms(tick.max(1));
+        }
+        true
+    }
+
+    fn on_tick(&mut self) {
+        if let Some(w) = &self.worker {
+            let mut w = w.borrow_mut();
+            // Decoding here keeps the cost off the request path in the common case.
+            w.refresh_fleet();
+            w.sync();
+            w.snapshot_age_gauge();
+        }
+    }
+
+    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+        Some(Box::new(Http {
+            worker: self.worker.clone(),
+            mode: Mode::Pass,
+            path: String::new(),
+            picked: None,
+            debug: None,
+        }))
+    }
+
+    fn get_type(&self) -> Option<ContextType> {
+        Some(ContextType::HttpContext)
+    }
+}
+
+enum Mode {
+    Pass,
+    Inference,
+    Ingest { current: Option<u64> },
+    Answered,
+}
+
+/// What to undo in the shared load table when the request ends.
+struct Picked {
+    pool: String,
+    pod_key: u64,
+    tokens: u32,
+}
+
+struct Http {
+    worker: Option<Rc<RefCell<Worker>>>,
+    mode: Mode,
+    path: String,
+    picked: Option<Picked>,
+    debug: Option<String>,
+}
+
+impl Context for Http {}
+
+impl Http {
+    fn reply(&mut self, status: u32, body: &str, content_type: &str) -> Action {
+        self.mode = Mode::Answered;
+        let _ = host::send_response(status, &[("content-type", content_type)], body.as_bytes());
+        Action::Pause
+    }
+
+    fn reply_error(&mut self, err: &ApiError) -> Action {
+        self.reply(u32::from(err.status), &err.to_json(), "application/json")
+    }
+
+    fn request_header(name: &str) -> Option<String> {
+        host::get_header_str(MapType::HttpRequestHeaders, name)
+    }
+
+    fn content_length() -> Option<usize> {
+        Self::request_header("content-length").and_then(|v| v.trim().parse().ok())
+    }
+
+    fn ingest_headers(&mut self, w: &mut Worker, method: &str) -> Action {
+        let Some(ing) = w.engine.config.ingest.clone() else {
+            return Action::Continue;
+        };
+        let reject = |w: &mut Worker, reason: &str| {
+            w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
+        };
+        if method != "POST" {
+            reject(w, "method");
+            return self.reply_error(&ApiError::method_not_allowed("POST"));
+        }
+        if ing.loopback_only && !peer_is_loopback() {
+            reject(w, "forbidden");
+            let mut e = ApiError::unauthorized();
+            e.status = 403;
+            e.message = "snapshots are accepted from loopback peers only".into();
+            return self.reply_error(&e);
+        }
+        let auth = Self::request_header("authorization");
+        if !ingest::authorized(auth.as_deref(), &ing.token) {
+            reject(w, "unauthorized");
+            return self.reply_error(&ApiError::unauthorized());
+        }
+        if Self::content_length().is_some_and(|n| n > ing.max_snapshot_bytes) {
+            reject(w, "too_large");
+            return self.reply_error(&ApiError::snapshot_too_large(format!(
+                "snapshot exceeds the limit of {} bytes",
+                ing.max_snapshot_bytes
+            )));
+        }
+        let current = host::get_shared(SNAPSHOT_VERSION_KEY)
+            .0
+            .and_then(|b| StoredHeader::decode(&b))
+            .map(|h| h.version);
+        self.mode = Mode::Ingest { current };
+        Action::Pause
+    }
+
+    fn ingest_body(&mut self, w: &mut Worker, size: usize, current: Option<u64>) -> Action {
+        let Some(ing) = w.engine.config.ingest.clone() else {
+            return Action::Continue;
+        };
+        let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        let snap = match ingest::accept(&body, ing.max_snapshot_bytes, current) {
+            Ok(s) => s,
+            Err(e) => {
+                let reason = if e.status == 413 {
+                    "too_large"
+                } else {
+                    "invalid"
+                };
+                w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
+                host::log(
+                    LogLevel::Warn,
+                    &format!("gpuroute: snapshot rejected: {}", e.message),
+                );
+                return self.reply_error(&e);
+            }
+        };
+        let header = StoredHeader {
+            received_at_ms: host::now_ms(),
+            version: snap.version,
+        };
+        let stored = ingest::encode_stored(header, &body);
+        // Compare-and-swap on the snapshot itself, re-checking the version each time, so two
+        // racing pushes can never leave the older one in place.
+        let mut stored_ok = false;
+        for _ in 0..CAS_ATTEMPTS {
+            let (old, cas) = host::get_shared(SNAPSHOT_KEY);
+            if let Some(h) = old.as_deref().and_then(StoredHeader::decode) {
+                if h.version >= snap.version {
+                    w.stats.inc("gpuroute.snapshot.rejected.invalid");
+                    return self.reply_error(&ApiError::bad_snapshot(format!(
+                        "snapshot version {} is not newer than the current version {}",
+                        snap.version, h.version
+                    )));
+                }
+            }
+            if host::set_shared(SNAPSHOT_KEY, &stored, cas).is_ok() {
+                stored_ok = true;
+                break;
+            }
+        }
+        if !stored_ok || host::set_shared(SNAPSHOT_VERSION_KEY, &header.encode(), None).is_err() {
+            let mut e = ApiError::bad_snapshot("could not store the snapshot; retry");
+            e.status = 503;
+            return self.reply_error(&e);
+        }
+        let pods: usize = snap.pools.iter().map(|p| p.pods.len()).sum();
+        w.stats.inc("gpuroute.snapshot.accepted");
+        w.stats.gauge("gpuroute.snapshot.pods", pods as u64);
+        w.fleet = Some(FleetState::new(snap, header.received_at_ms));
+        w.seen_header = Some(header);
+        self.reply(204, "", "text/plain")
+    }
+
+    fn route(&mut self, w: &mut Worker, size: usize) -> Action {
+        let t0 = host::now_nanos();
+        let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        w.refresh_fleet();
+        let prep = match w.engine.prepare(&self.path, &body) {
+            Ok(p) => p,
+            Err(e) => {
+                w.stats.inc(&format!(
+                    "gpuroute.rejected.{}",
+                    e.code.as_deref().unwrap_or("other")
+                ));
+                return self.reply_error(&e);
+            }
+        };
+        let sheddable = w.engine.config.shed_sheddable
+            && Self::request_header(PRIORITY_HEADER)
+                .and_then(|v| v.trim().parse::<i64>().ok())
+                .is_some_and(|p| p < 0);
+        let debug = w.engine.config.debug_header;
+        let now = t0 / 1_000_000;
+
+        // The shared in-flight table of the pool, aligned with the current snapshot.
+        let pool_state = w.fleet.as_ref().and_then(|f| f.pool(&prep.pool));
+        let key = load_key(&prep.pool);
+        let mut table = LoadTable::default();
+        let mut cas = None;
+        let mut aligned: Option<(u64, Vec<u64>)> = None;
+        if let (Some(f), Some(p)) = (w.fleet.as_ref(), pool_state) {
+            let (bytes, c) = host::get_shared(&key);
+            table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
+            table.rebase(f.version, &p.keys);
+            cas = c;
+            aligned = Some((f.version, p.keys.clone()));
+        }
+        let opts = DecideOptions {
+            now_ms: now,
+            sheddable,
+            debug,
+        };
+        let choice = w
+            .engine
+            .decide(&prep, w.fleet.as_ref(), &table.pods, opts, &mut w.rng);
+        self.debug = choice.debug.clone();
+
+        let pool = prep.pool.clone();
+        match &choice.decision {
+            Decision::Picked(_) => {
+                let (Some(dest), Some(idx), Some(pod_key)) =
+                    (&choice.destination, choice.picked_index, choice.picked_key)
+                else {
+                    return Action::Continue;
+                };
+                // An ORIGINAL_DST cluster parses the header as one address; the list form with
+                // retry fallbacks is for override_host.
+                let dest = match w.engine.config.data_plane {
+                    DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
+                    DataPlane::OverrideHost => dest.as_str(),
+                };
+                let _ = host::set_header(MapType::HttpRequestHeaders, DEST_HEADER, dest);
+                if let Some((version, keys)) = &aligned {
+                    count_sent(&key, table, cas, (idx, prep.prompt_tokens), *version, keys);
+                }
+                w.engine.commit(&prep, pod_key);
+                w.stats.pool_outcome(&pool, "picked");
+                if let Some(addr) = dest.split(',').next() {
+                    w.stats.pod_pick(&pool, addr);
+                }
+                self.picked = Some(Picked {
+                    pool: pool.clone(),
+                    pod_key,
+                    tokens: prep.prompt_tokens,
+                });
+            }
+            Decision::FailOpen(FailOpen::Disabled) => {
+                w.stats.pool_outcome(&pool, "routed");
+            }
+            Decision::FailOpen(reason) => {
+                w.stats.pool_outcome(&pool, "fail_open");
+                w.stats
+                    .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
+                if w.engine.config.data_plane == DataPlane::OriginalDst {
+                    // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
+                    let any = pool_state.and_then(|p| Engine::any_pod(p, &mut w.rng));
+                    match any {
+                        Some(addr) => {
+                            let _ =
+                                host::set_header(MapType::HttpRequestHeaders, DEST_HEADER, &addr);
+                        }
+                        None => {
+                            w.stats.pool_outcome(&pool, "error");
+                            return self.reply_error(&ApiError::no_endpoints(&pool));
+                        }
+                    }
+                }
+            }
+            Decision::Shed => {
+                w.stats.pool_outcome(&pool, "shed");
+                return self.reply_error(&ApiError::shed(&pool));
+            }
+        }
+        self.set_routing_headers(&prep, &body);
+        let t1 = host::now_nanos();
+        w.stats
+            .histogram("gpuroute.decision_us", t1.saturating_sub(t0) / 1_000);
+        Action::Continue
+    }
+
+    fn set_routing_headers(&self, prep: &Prepared, body: &[u8]) {
+        let h = MapType::HttpRequestHeaders;
+        let _ = host::set_header(h, "x-gateway-pool", &prep.pool);
+        let _ = host::set_header(h, "x-gateway-model-name", &prep.target.model);
+        let _ = host::set_header(h, "x-gateway-base-model-name", &prep.target.base_model);
+        if let Some(a) = &prep.target.adapter {
+            let _ = host::set_header(h, "x-gateway-lora-adapter", a);
+        }
+        if let Some(new_body) = &prep.rewritten_body {
+            if host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body).is_ok() {
+                let _ = host::set_header(h, "content-length", &new_body.len().to_string());
+            }
+        }
+    }
+}
+
+/// Counts the request against its pod in the shared table (compare-and-swap; on a lost race the
+/// table is re-read, re-aligned with the snapshot, and the count applied to the fresh copy).
+fn count_sent(
+    key: &str,
+    mut table: LoadTable,
+    mut cas: Option<u32>,
+    at: (usize, u32),
+    version: u64,
+    keys: &[u64],
+) {
+    let (idx, tokens) = at;
+    for _ in 0..CAS_ATTEMPTS {
+        table.add(idx, tokens);
+        if host::set_shared(key, &table.encode(), cas).is_ok() {
+            return;
+        }
+        let (bytes, c) = host::get_shared(key);
+        table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
+        table.rebase(version, keys);
+        cas = c;
+    }
+}
+
+/// Counts the request as finished.
+fn count_finished(p: &Picked) {
+    let key = load_key(&p.pool);
+    for _ in 0..CAS_ATTEMPTS {
+        let (bytes, cas) = host::get_shared(&key);
+        let mut table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
+        if !table.finish(p.pod_key, p.tokens) {
+            return;
+        }
+        if host::set_shared(&key, &table.encode(), cas).is_ok() {
+            return;
+        }
+    }
+}
+
+fn peer_is_loopback() -> bool {
+    let Some(raw) = host::get_property(&["source", "address"]) else {
+        return false;
+    };
+    let Ok(s) = std::str::from_utf8(&raw) else {
+        return false;
+    };
+    s.parse::<SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| s.parse::<IpAddr>())
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
+impl HttpContext for Http {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        for h in INTERNAL_HEADERS {
+            let _ = host::remove_header(MapType::HttpRequestHeaders, h);
+        }
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let mut w = worker.borrow_mut();
+        let full = Self::request_header(":path").unwrap_or_default();
+        self.path = full
+            .split(['?', '#'])
+            .next()
+            .unwrap_or_default()
+            .to_string();
+        let method = Self::request_header(":method").unwrap_or_default();
+
+        if w.engine
+            .config
+            .ingest
+            .as_ref()
+            .is_some_and(|i| i.path == self.path)
+        {
+            let action = self.ingest_headers(&mut w, &method);
+            if matches!(self.mode, Mode::Ingest { .. }) && end_of_stream {
+                let current = match self.mode {
+                    Mode::Ingest { current } => current,
+                    _ => None,
+                };
+                return self.ingest_body(&mut w, 0, current);
+            }
+            return action;
+        }
+        if method == "GET"
+            && !w.engine.config.models_path.is_empty()
+            && self.path == w.engine.config.models_path
+        {
+            w.stats.inc("gpuroute.models_list");
+            let body = w.engine.routes.models_json().to_string();
+            return self.reply(200, &body, "application/json");
+        }
+        if method == "POST" && w.engine.config.is_inference_path(&self.path) {
+            let max = w.engine.config.max_body_bytes;
+            if Self::content_length().is_some_and(|n| n > max) {
+                w.stats.inc("gpuroute.rejected.request_too_large");
+                return self.reply_error(&ApiError::body_too_large(max));
+            }
+            self.mode = Mode::Inference;
+            if end_of_stream {
+                return self.route(&mut w, 0);
+            }
+            return Action::Pause;
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let mut w = worker.borrow_mut();
+        match self.mode {
+            Mode::Inference => {
+                let max = w.engine.config.max_body_bytes;
+                if body_size > max {
+                    w.stats.inc("gpuroute.rejected.request_too_large");
+                    return self.reply_error(&ApiError::body_too_large(max));
+                }
+                if !end_of_stream {
+                    return Action::Pause;
+                }
+                self.route(&mut w, body_size)
+            }
+            Mode::Ingest { current } => {
+                let max = w
+                    .engine
+                    .config
+                    .ingest
+                    .as_ref()
+                    .map_or(0, |i| i.max_snapshot_bytes);
+                if body_size > max {
+                    w.stats.inc("gpuroute.snapshot.rejected.too_large");
+                    return self.reply_error(&ApiError::snapshot_too_large(format!(
+                        "snapshot exceeds the limit of {max} bytes"
+                    )));
+                }
+                if !end_of_stream {
+                    return Action::Pause;
+                }
+                self.ingest_body(&mut w, body_size, current)
+            }
+            Mode::Answered => Action::Pause,
+            Mode::Pass => Action::Continue,
+        }
+    }
+
+    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        if let Some(d) = &self.debug {
+            let _ = host::set_header(MapType::HttpResponseHeaders, DEBUG_HEADER, d);
+        }
+        Action::Continue
+    }
+
+    fn on_log(&mut self) {
+        if let Some(p) = self.picked.take() {
+            count_finished(&p);
+        }
+    }
+}

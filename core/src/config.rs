@@ -1,0 +1,519 @@
+//! The filter's configuration (the JSON in Envoy's `PluginConfig.configuration`), its defaults
+//! and their reasons, and validation that names the offending field.
+//!
+//! Every default here is documented in the README's configuration reference; keep the two in
+//! step.
+
+use serde::Deserialize;
+use std::collections::{BTreeMap, HashSet};
+use thiserror::Error;
+
+/// Top-level filter configuration.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Model pools: which models, aliases and LoRA adapters each serves.
+    pub pools: Vec<PoolConfig>,
+    /// Paths whose bodies are parsed and routed. Other paths pass through untouched.
+    #[serde(default = "default_inference_paths")]
+    pub inference_paths: Vec<String>,
+    /// Path answered by the filter with the OpenAI model list; empty string disables it.
+    #[serde(default = "default_models_path")]
+    pub models_path: String,
+    /// Largest request body the filter buffers (bytes); larger bodies get 413.
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: usize,
+    /// Pool for requests without a `model`; without it they get 400.
+    #[serde(default)]
+    pub default_pool: Option<String>,
+    #[serde(default)]
+    pub scoring: ScoringConfig,
+    #[serde(default)]
+    pub prefix: PrefixConfig,
+    /// Snapshot ingest endpoint; absent = this plugin instance accepts no snapshots.
+    #[serde(default)]
+    pub ingest: Option<IngestConfig>,
+    /// How the chosen pod reaches Envoy's load balancer.
+    #[serde(default)]
+    pub data_plane: DataPlane,
+    /// Extra endpoints after the best one in the destination header, for retries.
+    #[serde(default = "default_fallbacks")]
+    pub fallback_endpoints: usize,
+    /// Add `x-gateway-debug` to responses: chosen pod and every candidate's score breakdown.
+    #[serde(default)]
+    pub debug_header: bool,
+    /// Reject requests with `x-gateway-priority` below zero with 429 when every pod of their
+    /// pool is saturated.
+    #[serde(default = "yes")]
+    pub shed_sheddable: bool,
+    /// Pick endpoints. `false` keeps body-based routing to the pool (headers, errors,
+    /// `/v1/models`) and leaves the pod to Envoy's load balancer: a baseline for benchmarks, or
+    /// a first rollout step.
+    #[serde(default = "yes")]
+    pub pick_endpoints: bool,
+    /// Period of the root context's tick (prefix-index sync between workers), ms.
+    #[serde(default = "default_tick_ms")]
+    pub tick_ms: u64,
+}
+
+/// One model deployment.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Pool name; the snapshot's pool of the same name carries its pods, and the filter sets
+    /// `x-gateway-pool` to it so an Envoy route selects the pool's cluster.
+    pub name: String,
+    /// Model names served by the pool's pods (the first is the base model for adapters).
+    pub models: Vec<String>,
+    /// Extra names clients may use, mapped to one of `models`. The body is rewritten to the
+    /// target name, since the pods do not know the alias.
+    #[serde(default)]
+    pub aliases: BTreeMap<String, String>,
+    /// LoRA adapters served on top of the pool's base model.
+    #[serde(default)]
+    pub adapters: Vec<String>,
+}
+
+/// Which of the published weight sets to start from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    /// Minimise time to first token: queue and load dominate, cache affinity helps.
+    #[default]
+    Latency,
+    /// Maximise reuse (prefix cache, resident adapters), accepting some queueing.
+    Throughput,
+}
+
+/// Scorer weights; each scorer returns 0..1 and the pick maximises the weighted mean.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Weights {
+    pub queue: f64,
+    pub kv_cache: f64,
+    pub running: f64,
+    pub lora: f64,
+    pub prefix: f64,
+}
+
+/// Partial override of a preset's weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WeightOverrides {
+    pub queue: Option<f64>,
+    pub kv_cache: Option<f64>,
+    pub running: Option<f64>,
+    pub lora: Option<f64>,
+    pub prefix: Option<f64>,
+}
+
+impl Preset {
+    /// The published default weights. Reasons in the README ("Default weights").
+    pub fn weights(self) -> Weights {
+        match self {
+            Preset::Latency => Weights {
+                queue: 3.0,
+                kv_cache: 1.5,
+                running: 1.0,
+                lora: 2.0,
+                prefix: 2.0,
+            },
+            Preset::Throughput => Weights {
+                queue: 1.5,
+                kv_cache: 1.0,
+                running: 0.5,
+                lora: 3.0,
+                prefix: 3.0,
+            },
+        }
+    }
+}
+
+/// Endpoint-picking parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScoringConfig {
+    pub preset: Preset,
+    pub weights: WeightOverrides,
+    /// A pod whose last good scrape is older than this is not a candidate.
+    pub stale_after_ms: u64,
+    /// Queue length (per unit of capacity) at which a pod counts as saturated.
+    pub queue_threshold: f64,
+    /// KV-cache use at which a pod counts as saturated.
+    pub kv_threshold: f64,
+    /// Queue length (per unit of capacity) at which the queue score halves.
+    pub queue_scale: f64,
+    /// Running requests (per unit of capacity) at which the running score halves.
+    pub running_scale: f64,
+    /// Prefix score given to the rendezvous-hash home of a prompt no pod is known to hold.
+    pub prefix_home_score: f64,
+}
+
+impl Default for ScoringConfig {
+    fn default() -> Self {
+        ScoringConfig {
+            preset: Preset::Latency,
+            weights: WeightOverrides::default(),
+            stale_after_ms: 1_000,
+            queue_threshold: 5.0,
+            kv_threshold: 0.8,
+            queue_scale: 2.0,
+            running_scale: 32.0,
+            prefix_home_score: 0.5,
+        }
+    }
+}
+
+impl ScoringConfig {
+    /// The preset's weights with the overrides applied.
+    pub fn effective_weights(&self) -> Weights {
+        let mut w = self.preset.weights();
+        let o = self.weights;
+        w.queue = o.queue.unwrap_or(w.queue);
+        w.kv_cache = o.kv_cache.unwrap_or(w.kv_cache);
+        w.running = o.running.unwrap_or(w.running);
+        w.lora = o.lora.unwrap_or(w.lora);
+        w.prefix = o.prefix.unwrap_or(w.prefix);
+        w
+    }
+}
+
+/// Prefix-affinity parameters.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PrefixConfig {
+    /// Characters per prefix block: 16 tokens x ~4 characters, the KV-cache block of vLLM
+    /// (block_size 16), so one hashed block is about one cached block.
+    pub block_chars: usize,
+    /// Leading blocks considered (256 x 64 = 16 KiB of prompt): beyond that, two prompts that
+    /// agree are already on the same pod for all practical purposes.
+    pub max_blocks: usize,
+    /// Entries in each worker's learned prefix index (two generations of half this size).
+    pub index_entries: usize,
+    /// Leading blocks whose hash picks a new prompt's rendezvous home (16 x 64 = 1 KiB): deep
+    /// enough to get past a typical system prompt's opening, shallow enough that the turns of
+    /// one conversation share it.
+    pub home_blocks: usize,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            block_chars: 64,
+            max_blocks: 256,
+            index_entries: 131_072,
+            home_blocks: 16,
+        }
+    }
+}
+
+/// Snapshot ingest endpoint.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct IngestConfig {
+    /// Shared secret; the aggregator sends `Authorization: Bearer <token>`.
+    pub token: String,
+    #[serde(default = "default_ingest_path")]
+    pub path: String,
+    #[serde(default = "default_max_snapshot_bytes")]
+    pub max_snapshot_bytes: usize,
+    /// Accept snapshots only from a loopback peer address.
+    #[serde(default = "yes")]
+    pub loopback_only: bool,
+}
+
+/// How the chosen endpoint is handed to Envoy.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataPlane {
+    /// A cluster of the pool's pods with the `override_host` load-balancing policy: a header
+    /// naming a non-member is ignored and the fallback policy picks, so fail-open is free.
+    #[default]
+    OverrideHost,
+    /// An `ORIGINAL_DST` cluster that connects wherever the header says (GIE-style data
+    /// planes). Without a header it cannot route, so fail-open picks a pod itself.
+    OriginalDst,
+}
+
+fn yes() -> bool {
+    true
+}
+fn default_inference_paths() -> Vec<String> {
+    [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+fn default_models_path() -> String {
+    "/v1/models".to_string()
+}
+/// 4 MiB: a 128k-token prompt is ~0.5 MB of text; 8x headroom for JSON escaping and
+/// multi-part content, while one request cannot make Envoy hold tens of megabytes.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+fn default_max_body_bytes() -> usize {
+    DEFAULT_MAX_BODY_BYTES
+}
+fn default_fallbacks() -> usize {
+    2
+}
+fn default_tick_ms() -> u64 {
+    // Prefix-index sync between workers: well under a chat turn's think time, cheap to run.
+    20
+}
+fn default_ingest_path() -> String {
+    "/gpuroute/v1/snapshot".to_string()
+}
+fn default_max_snapshot_bytes() -> usize {
+    // MAX_PODS pods at ~400 bytes of JSON each, plus adapters.
+    8 * 1024 * 1024
+}
+
+/// A configuration error, naming the field.
+#[derive(Debug, Error, PartialEq)]
+#[error("{field}: {reason}")]
+pub struct ConfigError {
+    pub field: String,
+    pub reason: String,
+}
+
+fn cfg_err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
+
+impl FilterConfig {
+    /// Parses and validates the plugin configuration.
+    pub fn from_json(bytes: &[u8]) -> Result<FilterConfig, ConfigError> {
+        let de = &mut serde_json::Deserializer::from_slice(bytes);
+        let cfg: FilterConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let field = if path == "." {
+                "configuration".to_string()
+            } else {
+                path
+            };
+            cfg_err(field, e.into_inner().to_string())
+        })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let mut pool_names = HashSet::new();
+        let mut names = HashSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let f = format!("pools[{i}]");
+            if pool.name.is_empty() {
+                return Err(cfg_err(format!("{f}.name"), "must not be empty"));
+            }
+            if !pool_names.insert(pool.name.as_str()) {
+                return Err(cfg_err(
+                    format!("{f}.name"),
+                    format!("duplicate pool {:?}", pool.name),
+                ));
+            }
+            if pool.models.is_empty() {
+                return Err(cfg_err(format!("{f}.models"), "needs at least one model"));
+            }
+            let all = pool
+                .models
+                .iter()
+                .map(|m| ("models", m))
+                .chain(pool.aliases.keys().map(|a| ("aliases", a)))
+                .chain(pool.adapters.iter().map(|a| ("adapters", a)));
+            for (kind, name) in all {
+                if name.is_empty() {
+                    return Err(cfg_err(format!("{f}.{kind}"), "empty name"));
+                }
+                if !names.insert(name.as_str()) {
+                    return Err(cfg_err(
+                        format!("{f}.{kind}"),
+                        format!("{name:?} is already served (names must be unique across models, aliases and adapters of all pools)"),
+                    ));
+                }
+            }
+            for (alias, target) in &pool.aliases {
+                if !pool.models.contains(target) {
+                    return Err(cfg_err(
+                        format!("{f}.aliases.{alias}"),
+                        format!("target {target:?} is not one of the pool's models"),
+                    ));
+                }
+            }
+        }
+        for (i, p) in self.inference_paths.iter().enumerate() {
+            if !p.starts_with('/') {
+                return Err(cfg_err(
+                    format!("inference_paths[{i}]"),
+                    "must start with '/'",
+                ));
+            }
+        }
+        if !(1..=64 * 1024 * 1024).contains(&self.max_body_bytes) {
+            return Err(cfg_err("max_body_bytes", "must be between 1 and 64 MiB"));
+        }
+        if let Some(d) = &self.default_pool {
+            if !self.pools.iter().any(|p| &p.name == d) {
+                return Err(cfg_err("default_pool", format!("no pool named {d:?}")));
+            }
+        }
+        if self.fallback_endpoints > 16 {
+            return Err(cfg_err("fallback_endpoints", "at most 16"));
+        }
+        let s = &self.scoring;
+        let w = s.effective_weights();
+        let ws = [w.queue, w.kv_cache, w.running, w.lora, w.prefix];
+        if ws.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err(cfg_err(
+                "scoring.weights",
+                "weights must be finite and >= 0",
+            ));
+        }
+        if ws.iter().sum::<f64>() <= 0.0 {
+            return Err(cfg_err(
+                "scoring.weights",
+                "at least one weight must be positive",
+            ));
+        }
+        for (name, v) in [
+            ("queue_threshold", s.queue_threshold),
+            ("queue_scale", s.queue_scale),
+            ("running_scale", s.running_scale),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(cfg_err(format!("scoring.{name}"), "must be > 0"));
+            }
+        }
+        if !(s.kv_threshold.is_finite() && s.kv_threshold > 0.0 && s.kv_threshold <= 1.0) {
+            return Err(cfg_err("scoring.kv_threshold", "must be in (0, 1]"));
+        }
+        if !(s.prefix_home_score.is_finite() && (0.0..=1.0).contains(&s.prefix_home_score)) {
+            return Err(cfg_err("scoring.prefix_home_score", "must be in [0, 1]"));
+        }
+        if s.stale_after_ms == 0 {
+            return Err(cfg_err("scoring.stale_after_ms", "must be > 0"));
+        }
+        let p = &self.prefix;
+        if !(8..=4096).contains(&p.block_chars) {
+            return Err(cfg_err("prefix.block_chars", "must be between 8 and 4096"));
+        }
+        if !(1..=4096).contains(&p.max_blocks) {
+            return Err(cfg_err("prefix.max_blocks", "must be between 1 and 4096"));
+        }
+        if !(1..=p.max_blocks).contains(&p.home_blocks) {
+            return Err(cfg_err(
+                "prefix.home_blocks",
+                "must be between 1 and max_blocks",
+            ));
+        }
+        if !(16..=16 * 1024 * 1024).contains(&p.index_entries) {
+            return Err(cfg_err(
+                "prefix.index_entries",
+                "must be between 16 and 16M",
+            ));
+        }
+        if let Some(ing) = &self.ingest {
+            if ing.token.len() < 8 {
+                return Err(cfg_err("ingest.token", "must be at least 8 characters"));
+            }
+            if !ing.path.starts_with('/') {
+                return Err(cfg_err("ingest.path", "must start with '/'"));
+            }
+            if self.inference_paths.contains(&ing.path) {
+                return Err(cfg_err("ingest.path", "collides with an inference path"));
+            }
+            if ing.max_snapshot_bytes == 0 {
+                return Err(cfg_err("ingest.max_snapshot_bytes", "must be > 0"));
+            }
+        }
+        if self.tick_ms == 0 {
+            return Err(cfg_err("tick_ms", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// Whether `path` (without query) is an inference path.
+    pub fn is_inference_path(&self, path: &str) -> bool {
+        self.inference_paths.iter().any(|p| p == path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"{"pools":[{"name":"llama","models":["llama-3"]}]}"#;
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = FilterConfig::from_json(MINIMAL.as_bytes()).unwrap();
+        assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
+        assert_eq!(c.inference_paths.len(), 4);
+        assert_eq!(c.models_path, "/v1/models");
+        assert_eq!(c.scoring.stale_after_ms, 1_000);
+        assert_eq!(c.scoring.effective_weights(), Preset::Latency.weights());
+        assert_eq!(c.data_plane, DataPlane::OverrideHost);
+        assert_eq!(c.fallback_endpoints, 2);
+        assert!(c.ingest.is_none());
+    }
+
+    #[test]
+    fn weight_overrides_apply_on_top_of_the_preset() {
+        let c = FilterConfig::from_json(
+            br#"{"pools":[{"name":"p","models":["m"]}],
+                 "scoring":{"preset":"throughput","weights":{"queue":9}}}"#,
+        )
+        .unwrap();
+        let w = c.scoring.effective_weights();
+        assert_eq!(w.queue, 9.0);
+        assert_eq!(w.prefix, Preset::Throughput.weights().prefix);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (r#"{"pools":[{"name":"","models":["m"]}]}"#, "pools[0].name"),
+            (r#"{"pools":[{"name":"p","models":[]}]}"#, "pools[0].models"),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]},{"name":"q","models":["m"]}]}"#,
+                "pools[1].models",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"aliases":{"a":"x"}}]}"#,
+                "pools[0].aliases.a",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"adapters":["m"]}]}"#,
+                "pools[0].adapters",
+            ),
+            (r#"{"pools":[],"default_pool":"z"}"#, "default_pool"),
+            (r#"{"pools":[],"max_body_bytes":0}"#, "max_body_bytes"),
+            (
+                r#"{"pools":[],"scoring":{"weights":{"queue":-1}}}"#,
+                "scoring.weights",
+            ),
+            (r#"{"pools":[],"ingest":{"token":"short"}}"#, "ingest.token"),
+            (
+                r#"{"pools":[],"prefix":{"block_chars":1}}"#,
+                "prefix.block_chars",
+            ),
+            (r#"{"pools":[],"surprise":1}"#, "unknown field `surprise`"),
+        ];
+        for (json, needle) in cases {
+            let err = FilterConfig::from_json(json.as_bytes())
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(needle),
+                "{json}: {err:?} should mention {needle:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,494 @@
+//! The per-request pipeline, in three steps around the one thing only the host can do (read and
+//! update the shared in-flight table):
+//!
+//! 1. [`Engine::prepare`]: parse the body, resolve the model to its pool, hash the prompt, look
+//!    up the learned prefix index;
+//! 2. [`Engine::decide`]: score the pool's candidates with the shared load table;
+//! 3. [`Engine::commit`]: remember where the prompt went (prefix index, sync log for the other
+//!    workers).
+//!
+//! The filter, the native tests and the criterion benchmark all run exactly this code.
+
+use crate::config::FilterConfig;
+use crate::error::ApiError;
+use crate::fleet::{adapter_key, FleetState, PoolState};
+use crate::load::PodLoad;
+use crate::picker::{format_breakdown, Breakdown, Decision, FailOpen, Picker, RequestFeatures};
+use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
+use crate::request::{self, Endpoint};
+use crate::rng::SplitMix64;
+use crate::routing::{RoutingTable, Target};
+
+/// Records kept in a worker's outgoing sync ring: at the default 20 ms tick this covers 25,600
+/// requests/s per worker before a slow reader can miss any (a miss only costs affinity).
+pub const SYNC_RING: usize = 512;
+
+/// A request after step 1.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub target: Target,
+    /// Pool name (what `x-gateway-pool` carries).
+    pub pool: String,
+    pub stream: bool,
+    pub prompt_tokens: u32,
+    /// The body with the alias replaced by the real model name, when an alias was used.
+    pub rewritten_body: Option<Vec<u8>>,
+    anchors: Vec<Anchor>,
+    prefix_blocks: u32,
+    home_key: Option<u64>,
+    matches: Vec<PodMatch>,
+}
+
+impl Prepared {
+    /// Anchor hashes, as recorded in the prefix index.
+    pub fn anchor_hashes(&self) -> Vec<u64> {
+        self.anchors.iter().map(|a| a.hash).collect()
+    }
+}
+
+/// The outcome of step 2.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    pub decision: Decision,
+    /// `ip:port[,ip:port...]`, best first, when pods were picked.
+    pub destination: Option<String>,
+    /// Key of the best pod (for the load table and the prefix index).
+    pub picked_key: Option<u64>,
+    /// Index of the best pod in the pool.
+    pub picked_index: Option<usize>,
+    /// Score breakdown for the debug header, when asked for.
+    pub debug: Option<String>,
+}
+
+/// Per-request inputs of [`Engine::decide`] besides the pool state.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DecideOptions {
+    /// Envoy's clock, unix ms.
+    pub now_ms: u64,
+    /// `x-gateway-priority` < 0.
+    pub sheddable: bool,
+    /// Produce the score breakdown for the debug header.
+    pub debug: bool,
+}
+
+/// Per-worker routing state.
+pub struct Engine {
+    pub config: FilterConfig,
+    pub routes: RoutingTable,
+    pub picker: Picker,
+    prefix: PrefixIndex,
+    sync: SyncLog,
+    hashes: Vec<u64>,
+}
+
+impl Engine {
+    pub fn new(config: FilterConfig) -> Engine {
+        let routes = RoutingTable::new(&config);
+        let picker = Picker::new(config.scoring.clone(), config.fallback_endpoints);
+        let prefix = PrefixIndex::new(config.prefix.index_entries);
+        Engine {
+            routes,
+            picker,
+            prefix,
+            sync: SyncLog::new(SYNC_RING),
+            hashes: Vec::new(),
+            config,
+        }
+    }
+
+    /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send.
+    pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
+        let p = &self.config.prefix;
+        let limit = p.block_chars.saturating_mul(p.max_blocks);
+        let req = request::parse(body, Endpoint::from_path(path), limit)?;
+        let target = self.routes.resolve(req.model.as_deref())?.clone();
+        let rewritten_body = match (&req.model_span, target.rewrite) {
+            (Some(span), true) => Some(rewrite_model(body, span.clone(), &target.model)),
+            _ => None,
+        };
+        // Adapters have their own KV (engines key cached blocks by adapter too).
+        prefix::block_hashes(
+            req.prompt.as_bytes(),
+            prefix::model_seed(&target.model),
+            p.block_chars,
+            p.max_blocks,
+            &mut self.hashes,
+        );
+        let mut anchors = Vec::new();
+        prefix::anchors(&self.hashes, &mut anchors);
+        let home_key = prefix::home_key(&self.hashes, p.home_blocks);
+        let mut matches = Vec::new();
+        self.prefix.lookup(&anchors, &mut matches);
+        Ok(Prepared {
+            pool: self.routes.pool_name(target.pool).to_string(),
+            stream: req.stream,
+            prompt_tokens: req.estimated_prompt_tokens(),
+            rewritten_body,
+            prefix_blocks: self.hashes.len() as u32,
+            home_key,
+            matches,
+            anchors,
+            target,
+        })
+    }
+
+    /// Step 2: pick pods of the request's pool. `fleet` is the worker's decoded snapshot (None
+    /// before the first one), `loads` the shared in-flight table aligned with the pool.
+    pub fn decide(
+        &self,
+        prep: &Prepared,
+        fleet: Option<&FleetState>,
+        loads: &[PodLoad],
+        opts: DecideOptions,
+        rng: &mut SplitMix64,
+    ) -> Choice {
+        let DecideOptions {
+            now_ms,
+            sheddable,
+            debug,
+        } = opts;
+        let none = |d: Decision| Choice {
+            decision: d,
+            destination: None,
+            picked_key: None,
+            picked_index: None,
+            debug: None,
+        };
+        if !self.config.pick_endpoints {
+            return none(Decision::FailOpen(FailOpen::Disabled));
+        }
+        let Some(fleet) = fleet else {
+            return none(Decision::FailOpen(FailOpen::NoSnapshot));
+        };
+        let Some(pool) = fleet.pool(&prep.pool) else {
+            return none(Decision::FailOpen(FailOpen::UnknownPool));
+        };
+        let features = RequestFeatures {
+            adapter: prep.target.adapter.as_deref().map(adapter_key),
+            prompt_tokens: prep.prompt_tokens,
+            prefix_blocks: prep.prefix_blocks,
+            home_key: prep.home_key,
+            matches: &prep.matches,
+            sheddable,
+        };
+        let mut breakdown: Vec<Breakdown> = Vec::new();
+        let decision = self.picker.pick(
+            pool,
+            loads,
+            &features,
+            fleet.age_ms(now_ms),
+            rng,
+            debug.then_some(&mut breakdown),
+        );
+        let mut choice = none(decision);
+        if let Decision::Picked(ranked) = &choice.decision {
+            choice.destination = Some(destination(pool, ranked));
+            choice.picked_index = ranked.first().copied();
+            choice.picked_key = ranked
+                .first()
+                .and_then(|i| pool.pods.get(*i))
+                .map(|p| p.key);
+        }
+        if debug {
+            choice.debug = Some(format_breakdown(pool, choice.picked_index, &breakdown));
+        }
+        choice
+    }
+
+    /// Step 3: remember that the prompt went to `pod_key`, locally and for the other workers.
+    pub fn commit(&mut self, prep: &Prepared, pod_key: u64) {
+        if prep.anchors.is_empty() {
+            return;
+        }
+        let hashes = prep.anchor_hashes();
+        self.prefix.record(&hashes, pod_key);
+        self.sync.push(pod_key, &hashes);
+    }
+
+    /// This worker's outgoing sync ring, encoded for shared data, and its newest sequence.
+    pub fn sync_payload(&self) -> (u64, Vec<u8>) {
+        (self.sync.last_seq(), self.sync.encode())
+    }
+
+    /// Applies another worker's decisions to the local prefix index.
+    pub fn apply_sync(&mut self, records: &[SyncRecord]) {
+        for r in records {
+            self.prefix.record(&r.anchors, r.pod);
+        }
+    }
+
+    /// Entries in the learned prefix index.
+    pub fn prefix_entries(&self) -> usize {
+        self.prefix.len()
+    }
+
+    /// Picks uniformly among a pool's healthy pods, ignoring freshness: the ORIGINAL_DST data
+    /// plane's fail-open, which has no load balancer of its own to fall back on.
+    pub fn any_pod(pool: &PoolState, rng: &mut SplitMix64) -> Option<String> {
+        let healthy: Vec<&str> = pool
+            .pods
+            .iter()
+            .filter(|p| p.snap.healthy)
+            .map(|p| p.snap.address.as_str())
+            .collect();
+        let list = if healthy.is_empty() {
+            pool.pods.iter().map(|p| p.snap.address.as_str()).collect()
+        } else {
+            healthy
+        };
+        if list.is_empty() {
+            return None;
+        }
+        let i = (rng.next_u64() % list.len() as u64) as usize;
+        list.get(i).map(|s| s.to_string())
+    }
+}
+
+/// `ip:port[,ip:port...]` for the ranked pods.
+fn destination(pool: &PoolState, ranked: &[usize]) -> String {
+    let mut s = String::new();
+    for i in ranked {
+        if let Some(p) = pool.pods.get(*i) {
+            if !s.is_empty() {
+                s.push(',');
+            }
+            s.push_str(&p.snap.address);
+        }
+    }
+    s
+}
+
+/// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
+pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
+    let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
+    let mut out = Vec::with_capacity(body.len() + quoted.len());
+    out.extend_from_slice(body.get(..span.start).unwrap_or_default());
+    out.extend_from_slice(quoted.as_bytes());
+    out.extend_from_slice(body.get(span.end..).unwrap_or_default());
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::load::LoadTable;
+    use crate::snapshot::{PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+
+    const CFG: &str = r#"{"pools":[{"name":"llama","models":["llama-3"],"aliases":{"llama":"llama-3"},"adapters":["sql"]}]}"#;
+
+    fn engine() -> Engine {
+        Engine::new(FilterConfig::from_json(CFG.as_bytes()).unwrap())
+    }
+
+    fn fleet(n: u32) -> FleetState {
+        let pods = (1..=n)
+            .map(|i| {
+                let mut p = PodSnapshot::new(format!("10.0.0.{i}:8000"), 1_000);
+                p.kv_cache_usage = Some(0.1);
+                p
+            })
+            .collect();
+        FleetState::new(
+            Snapshot {
+                schema: SNAPSHOT_SCHEMA,
+                version: 1,
+                source: String::new(),
+                generated_at_ms: 1_000,
+                pools: vec![PoolSnapshot {
+                    name: "llama".into(),
+                    pods,
+                }],
+            },
+            1_000,
+        )
+    }
+
+    fn chat(model: &str, text: &str) -> Vec<u8> {
+        serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
+            .to_string()
+            .into_bytes()
+    }
+
+    #[test]
+    fn alias_is_rewritten_in_the_body() {
+        let mut e = engine();
+        let p = e
+            .prepare("/v1/chat/completions", &chat("llama", "hi"))
+            .unwrap();
+        let body = p.rewritten_body.unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["model"], "llama-3");
+        assert_eq!(v["messages"][0]["content"], "hi");
+        assert!(e
+            .prepare("/v1/chat/completions", &chat("llama-3", "hi"))
+            .unwrap()
+            .rewritten_body
+            .is_none());
+    }
+
+    #[test]
+    fn no_snapshot_or_unknown_pool_fails_open() {
+        let mut e = engine();
+        let p = e
+            .prepare("/v1/chat/completions", &chat("llama-3", "hi"))
+            .unwrap();
+        let mut rng = SplitMix64::new(1);
+        let c = e.decide(
+            &p,
+            None,
+            &[],
+            DecideOptions {
+                now_ms: 1_000,
+                sheddable: false,
+                debug: false,
+            },
+            &mut rng,
+        );
+        assert_eq!(c.decision, Decision::FailOpen(FailOpen::NoSnapshot));
+        assert!(c.destination.is_none());
+        let mut f = fleet(2);
+        f.pools[0].name = "other".into();
+        let f = FleetState::new(
+            Snapshot {
+                schema: SNAPSHOT_SCHEMA,
+                version: 2,
+                source: String::new(),
+                generated_at_ms: 1_000,
+                pools: vec![],
+            },
+            1_000,
+        );
+        let c = e.decide(
+            &p,
+            Some(&f),
+            &[],
+            DecideOptions {
+                now_ms: 1_000,
+                sheddable: false,
+                debug: false,
+            },
+            &mut rng,
+        );
+        assert_eq!(c.decision, Decision::FailOpen(FailOpen::UnknownPool));
+    }
+
+    #[test]
+    fn destination_lists_fallbacks_and_debug_explains() {
+        let mut e = engine();
+        let f = fleet(4);
+        let p = e
+            .prepare("/v1/chat/completions", &chat("llama-3", "hello"))
+            .unwrap();
+        let c = e.decide(
+            &p,
+            Some(&f),
+            &[],
+            DecideOptions {
+                now_ms: 1_010,
+                sheddable: false,
+                debug: true,
+            },
+            &mut SplitMix64::new(3),
+        );
+        let dest = c.destination.unwrap();
+        assert_eq!(dest.split(',').count(), 3);
+        assert!(c.debug.unwrap().contains("picked="));
+    }
+
+    #[test]
+    fn conversation_turns_stick_to_one_pod() {
+        let mut e = engine();
+        let f = fleet(8);
+        let pool = f.pool("llama").unwrap();
+        let mut table = LoadTable::default();
+        table.rebase(1, &pool.keys);
+        let mut rng = SplitMix64::new(11);
+        let history = "You are a helpful assistant. ".repeat(4);
+        let mut pods = Vec::new();
+        let mut convo = history.clone();
+        for turn in 0..6 {
+            convo.push_str(&format!(
+                "Question number {turn}: tell me more about routing. "
+            ));
+            let p = e
+                .prepare(
+                    "/v1/completions",
+                    &serde_json::to_vec(&serde_json::json!({"model":"llama-3","prompt":convo}))
+                        .unwrap(),
+                )
+                .unwrap();
+            let c = e.decide(
+                &p,
+                Some(&f),
+                &table.pods,
+                DecideOptions {
+                    now_ms: 1_010,
+                    sheddable: false,
+                    debug: false,
+                },
+                &mut rng,
+            );
+            let idx = c.picked_index.unwrap();
+            e.commit(&p, c.picked_key.unwrap());
+            // The request finished before the next turn.
+            pods.push(idx);
+        }
+        assert!(pods.iter().all(|x| *x == pods[0]), "{pods:?}");
+    }
+
+    #[test]
+    fn workers_agree_through_the_sync_log() {
+        let f = fleet(8);
+        let mut a = engine();
+        let mut b = engine();
+        let text = "shared prefix text ".repeat(20);
+        let pa = a
+            .prepare(
+                "/v1/completions",
+                &serde_json::to_vec(&serde_json::json!({"model":"llama-3","prompt":text})).unwrap(),
+            )
+            .unwrap();
+        // Worker A was forced elsewhere than the home by load: pick the last-ranked pod.
+        let pool = f.pool("llama").unwrap();
+        let forced = pool.pods[7].key;
+        a.commit(&pa, forced);
+        let (_, payload) = a.sync_payload();
+        let mut recs = Vec::new();
+        SyncLog::decode_after(&payload, 0, &mut recs);
+        b.apply_sync(&recs);
+        let longer = format!("{text} and a follow-up question");
+        let pb = b
+            .prepare(
+                "/v1/completions",
+                &serde_json::to_vec(&serde_json::json!({"model":"llama-3","prompt":longer}))
+                    .unwrap(),
+            )
+            .unwrap();
+        let c = b.decide(
+            &pb,
+            Some(&f),
+            &[],
+            DecideOptions {
+                now_ms: 1_010,
+                sheddable: false,
+                debug: false,
+            },
+            &mut SplitMix64::new(5),
+        );
+        assert_eq!(c.picked_key, Some(forced));
+    }
+
+    #[test]
+    fn any_pod_prefers_healthy() {
+        let mut f = fleet(3);
+        f.pools[0].pods[0].snap.healthy = false;
+        f.pools[0].pods[1].snap.healthy = false;
+        let mut rng = SplitMix64::new(1);
+        for _ in 0..10 {
+            assert_eq!(
+                Engine::any_pod(&f.pools[0], &mut rng).as_deref(),
+                Some("10.0.0.3:8000")
+            );
+        }
+    }
+}

@@ -1,0 +1,202 @@
+//! Errors the gateway answers itself, in OpenAI's shape
+//! (`{"error":{"message","type","param","code"}}`), so OpenAI SDKs raise the matching exception
+//! (`BadRequestError` for 400, `NotFoundError` for 404, `RateLimitError` for 429, ...).
+
+use serde::Serialize;
+
+/// An error response the filter sends instead of forwarding the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: u16,
+    pub message: String,
+    /// OpenAI error type, e.g. `invalid_request_error`.
+    pub kind: &'static str,
+    /// The request field at fault, if any.
+    pub param: Option<String>,
+    /// Machine-readable code, e.g. `model_not_found`.
+    pub code: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct Inner<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: Option<&'a str>,
+}
+
+impl ApiError {
+    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+        }
+    }
+
+    fn param(mut self, p: &str) -> Self {
+        self.param = Some(p.to_string());
+        self
+    }
+
+    fn code(mut self, c: &str) -> Self {
+        self.code = Some(c.to_string());
+        self
+    }
+
+    /// 400: the body is not a JSON object.
+    pub fn invalid_json(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", message).code("invalid_json")
+    }
+
+    /// 400: a field has the wrong JSON type.
+    pub fn invalid_type(param: &str, expected: &str) -> ApiError {
+        ApiError::new(
+            400,
+            "invalid_request_error",
+            format!("`{param}` must be a {expected}"),
+        )
+        .param(param)
+        .code("invalid_type")
+    }
+
+    /// 400: no `model` and no default pool is configured.
+    pub fn missing_model() -> ApiError {
+        ApiError::new(
+            400,
+            "invalid_request_error",
+            "you must provide a model parameter",
+        )
+        .param("model")
+        .code("missing_required_parameter")
+    }
+
+    /// 404: the model is not served by this gateway.
+    pub fn model_not_found(model: &str) -> ApiError {
+        // Bound what is echoed back: the name comes from the client.
+        let shown: String = model.chars().take(256).collect();
+        ApiError::new(
+            404,
+            "invalid_request_error",
+            format!("The model `{shown}` does not exist or is not served by this gateway."),
+        )
+        .param("model")
+        .code("model_not_found")
+    }
+
+    /// 413: the body exceeds `max_body_bytes`.
+    pub fn body_too_large(limit: usize) -> ApiError {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("request body exceeds the gateway limit of {limit} bytes"),
+        )
+        .code("request_too_large")
+    }
+
+    /// 429: a sheddable request while every pod of its pool is saturated.
+    pub fn shed(pool: &str) -> ApiError {
+        ApiError::new(
+            429,
+            "rate_limit_error",
+            format!("pool `{pool}` is saturated; sheddable request rejected, retry later"),
+        )
+        .code("pool_saturated")
+    }
+
+    /// 503: no endpoint can take the request and fail-open is impossible.
+    pub fn no_endpoints(pool: &str) -> ApiError {
+        ApiError::new(
+            503,
+            "service_unavailable_error",
+            format!("no endpoint of pool `{pool}` is available"),
+        )
+        .code("no_healthy_endpoints")
+    }
+
+    /// 401: the ingest token is wrong or missing.
+    pub fn unauthorized() -> ApiError {
+        ApiError::new(
+            401,
+            "authentication_error",
+            "missing or invalid bearer token",
+        )
+        .code("invalid_token")
+    }
+
+    /// 400 for a refused snapshot, with the validator's message.
+    pub fn bad_snapshot(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", message).code("invalid_snapshot")
+    }
+
+    /// 413 for a snapshot over the ingest limit.
+    pub fn snapshot_too_large(message: impl Into<String>) -> ApiError {
+        ApiError::new(413, "invalid_request_error", message).code("snapshot_too_large")
+    }
+
+    /// 405 on the ingest path for anything but POST.
+    pub fn method_not_allowed(allowed: &str) -> ApiError {
+        ApiError::new(
+            405,
+            "invalid_request_error",
+            format!("method not allowed; use {allowed}"),
+        )
+        .code("method_not_allowed")
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> String {
+        let env = Envelope {
+            error: Inner {
+                message: &self.message,
+                kind: self.kind,
+                param: self.param.as_deref(),
+                code: self.code.as_deref(),
+            },
+        };
+        // Serialising plain strings cannot fail; fall back to a fixed body rather than panic.
+        serde_json::to_string(&env).unwrap_or_else(|_| {
+            r#"{"error":{"message":"internal error","type":"server_error","param":null,"code":null}}"#
+                .to_string()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_matches_openai() {
+        let v: serde_json::Value =
+            serde_json::from_str(&ApiError::model_not_found("gpt-9").to_json()).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        assert_eq!(v["error"]["code"], "model_not_found");
+        assert_eq!(v["error"]["param"], "model");
+        assert!(v["error"]["message"].as_str().unwrap().contains("gpt-9"));
+        let v: serde_json::Value =
+            serde_json::from_str(&ApiError::invalid_json("x").to_json()).unwrap();
+        assert!(v["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn echoed_model_name_is_bounded_and_escaped() {
+        let long = format!("\"<script>{}", "x".repeat(10_000));
+        let body = ApiError::model_not_found(&long).to_json();
+        assert!(body.len() < 1_000);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("\"<script>"));
+    }
+}

@@ -1,0 +1,174 @@
+//! A snapshot decoded for picking: per pool, per pod, the values the scorers read, with names
+//! pre-hashed. Built once per snapshot version in each worker, never per request.
+
+use crate::prefix::pod_key;
+use crate::snapshot::{PodSnapshot, Snapshot};
+use std::collections::HashMap;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// Hash of a LoRA adapter name, as the picker compares them.
+pub fn adapter_key(name: &str) -> u64 {
+    xxh3_64(name.as_bytes())
+}
+
+/// A name made safe as one segment of an Envoy stat name (no `.` or `:`, which Envoy's
+/// hierarchy and tag extraction treat as separators).
+pub fn stat_segment(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// One pod, ready for scoring.
+#[derive(Debug, Clone)]
+pub struct PodState {
+    pub snap: PodSnapshot,
+    /// [`pod_key`] of the address.
+    pub key: u64,
+    /// How old the pod's data already was when the snapshot was assembled.
+    pub age_at_generation_ms: u64,
+    pub lora_running: Vec<u64>,
+    pub lora_waiting: Vec<u64>,
+}
+
+impl PodState {
+    fn new(snap: PodSnapshot, generated_at_ms: u64) -> PodState {
+        let (lora_running, lora_waiting) = match &snap.lora {
+            Some(l) => (
+                l.running.iter().map(|a| adapter_key(a)).collect(),
+                l.waiting.iter().map(|a| adapter_key(a)).collect(),
+            ),
+            None => (Vec::new(), Vec::new()),
+        };
+        PodState {
+            key: pod_key(&snap.address),
+            age_at_generation_ms: generated_at_ms.saturating_sub(snap.last_scrape_ms),
+            snap,
+            lora_running,
+            lora_waiting,
+        }
+    }
+
+    /// Free LoRA slots: `max_loras` minus the distinct adapters running or waiting. `None` when
+    /// the pod reports no LoRA state.
+    pub fn free_lora_slots(&self) -> Option<u32> {
+        let l = self.snap.lora.as_ref()?;
+        let mut used: Vec<u64> = self.lora_running.clone();
+        for w in &self.lora_waiting {
+            if !used.contains(w) {
+                used.push(*w);
+            }
+        }
+        Some(l.max_loras.saturating_sub(used.len() as u32))
+    }
+}
+
+/// The pods of one pool.
+#[derive(Debug, Clone)]
+pub struct PoolState {
+    pub name: String,
+    pub pods: Vec<PodState>,
+    /// Pod keys in order, for [`crate::load::LoadTable::rebase`].
+    pub keys: Vec<u64>,
+}
+
+/// A whole decoded snapshot.
+#[derive(Debug, Clone)]
+pub struct FleetState {
+    pub version: u64,
+    /// Envoy's clock (unix ms) when the snapshot was accepted.
+    pub received_at_ms: u64,
+    pub source: String,
+    pub pools: Vec<PoolState>,
+    by_name: HashMap<String, usize>,
+}
+
+impl FleetState {
+    pub fn new(snapshot: Snapshot, received_at_ms: u64) -> FleetState {
+        let generated = snapshot.generated_at_ms;
+        let pools: Vec<PoolState> = snapshot
+            .pools
+            .into_iter()
+            .map(|p| {
+                let pods: Vec<PodState> = p
+                    .pods
+                    .into_iter()
+                    .map(|s| PodState::new(s, generated))
+                    .collect();
+                PoolState {
+                    name: p.name,
+                    keys: pods.iter().map(|x| x.key).collect(),
+                    pods,
+                }
+            })
+            .collect();
+        let by_name = pools
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
+        FleetState {
+            version: snapshot.version,
+            received_at_ms,
+            source: snapshot.source,
+            pools,
+            by_name,
+        }
+    }
+
+    pub fn pool(&self, name: &str) -> Option<&PoolState> {
+        self.by_name.get(name).and_then(|i| self.pools.get(*i))
+    }
+
+    /// Milliseconds since the snapshot was accepted.
+    pub fn age_ms(&self, now_ms: u64) -> u64 {
+        now_ms.saturating_sub(self.received_at_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::{LoraState, PoolSnapshot, SNAPSHOT_SCHEMA};
+
+    #[test]
+    fn stat_segment_removes_separators() {
+        assert_eq!(stat_segment("10.0.0.1:8000"), "10_0_0_1_8000");
+        assert_eq!(stat_segment("[::1]:80"), "___1__80");
+        assert_eq!(stat_segment("llama-8b"), "llama-8b");
+    }
+
+    #[test]
+    fn decodes_ages_keys_and_lora_slots() {
+        let mut pod = PodSnapshot::new("10.0.0.1:8000", 900);
+        pod.lora = Some(LoraState {
+            max_loras: 3,
+            running: vec!["a".into(), "b".into()],
+            waiting: vec!["b".into(), "c".into()],
+        });
+        let snap = Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 1,
+            source: String::new(),
+            generated_at_ms: 1_000,
+            pools: vec![PoolSnapshot {
+                name: "p".into(),
+                pods: vec![pod, PodSnapshot::new("10.0.0.2:8000", 1_000)],
+            }],
+        };
+        let f = FleetState::new(snap, 5_000);
+        let p = f.pool("p").unwrap();
+        assert_eq!(p.pods[0].age_at_generation_ms, 100);
+        assert_eq!(p.keys[1], pod_key("10.0.0.2:8000"));
+        assert_eq!(p.pods[0].free_lora_slots(), Some(0));
+        assert_eq!(p.pods[1].free_lora_slots(), None);
+        assert_eq!(f.age_ms(5_250), 250);
+        assert!(f.pool("q").is_none());
+    }
+}

@@ -1,0 +1,155 @@
+//! The snapshot ingest endpoint's rules (authentication, validation, versioning) and the layout
+//! of the snapshot in Envoy shared data. Pure functions; the filter calls them and does the I/O.
+//!
+//! Shared data holds two keys per VM id:
+//! - [`SNAPSHOT_KEY`]: [`StoredHeader`] (received-at and version) followed by the snapshot JSON
+//!   as accepted;
+//! - [`SNAPSHOT_VERSION_KEY`]: the 16-byte header alone. Workers read this small key per request
+//!   and decode the big one only when the version changed.
+
+use crate::error::ApiError;
+use crate::snapshot::{Snapshot, SnapshotError};
+
+/// Shared-data key of the stored snapshot.
+pub const SNAPSHOT_KEY: &str = "gpuroute.snapshot";
+/// Shared-data key of its version header.
+pub const SNAPSHOT_VERSION_KEY: &str = "gpuroute.snapshot.version";
+
+/// Received-at time and version of the stored snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredHeader {
+    pub received_at_ms: u64,
+    pub version: u64,
+}
+
+impl StoredHeader {
+    pub const LEN: usize = 16;
+
+    pub fn encode(&self) -> [u8; 16] {
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&self.received_at_ms.to_le_bytes());
+        b[8..].copy_from_slice(&self.version.to_le_bytes());
+        b
+    }
+
+    pub fn decode(bytes: &[u8]) -> Option<StoredHeader> {
+        let h = bytes.get(..16)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&h[..8]);
+        let received_at_ms = u64::from_le_bytes(a);
+        a.copy_from_slice(&h[8..16]);
+        Some(StoredHeader {
+            received_at_ms,
+            version: u64::from_le_bytes(a),
+        })
+    }
+}
+
+/// Whether an `Authorization` header value carries the token (`Bearer <token>`). The comparison
+/// takes the same time wherever the first difference is.
+pub fn authorized(header: Option<&str>, token: &str) -> bool {
+    let Some(v) = header else { return false };
+    let Some(given) = v.strip_prefix("Bearer ").map(str::trim) else {
+        return false;
+    };
+    let (a, b) = (given.as_bytes(), token.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Validates a pushed snapshot against the size limit, the schema and the stored version.
+pub fn accept(body: &[u8], max_bytes: usize, current: Option<u64>) -> Result<Snapshot, ApiError> {
+    let snap = Snapshot::from_json(body, max_bytes).map_err(|e| match e {
+        SnapshotError::TooLarge { .. } => ApiError::snapshot_too_large(e.to_string()),
+        other => ApiError::bad_snapshot(other.to_string()),
+    })?;
+    if let Some(cur) = current {
+        if snap.version <= cur {
+            return Err(ApiError::bad_snapshot(
+                SnapshotError::NotNewer {
+                    offered: snap.version,
+                    current: cur,
+                }
+                .to_string(),
+            ));
+        }
+    }
+    Ok(snap)
+}
+
+/// The value stored under [`SNAPSHOT_KEY`].
+pub fn encode_stored(header: StoredHeader, json: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(StoredHeader::LEN + json.len());
+    v.extend_from_slice(&header.encode());
+    v.extend_from_slice(json);
+    v
+}
+
+/// Decodes the value stored under [`SNAPSHOT_KEY`]. It was validated when accepted, so a failure
+/// here means corruption; the caller treats it as "no snapshot" (fail open).
+pub fn decode_stored(bytes: &[u8]) -> Option<(StoredHeader, Snapshot)> {
+    let header = StoredHeader::decode(bytes)?;
+    let snap: Snapshot = serde_json::from_slice(bytes.get(StoredHeader::LEN..)?).ok()?;
+    Some((header, snap))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::{PodSnapshot, PoolSnapshot, SNAPSHOT_SCHEMA};
+
+    fn snap(version: u64) -> Vec<u8> {
+        serde_json::to_vec(&Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version,
+            source: String::new(),
+            generated_at_ms: 1,
+            pools: vec![PoolSnapshot {
+                name: "p".into(),
+                pods: vec![PodSnapshot::new("127.0.0.1:1", 1)],
+            }],
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn bearer_token_must_match_exactly() {
+        assert!(authorized(Some("Bearer secret-token"), "secret-token"));
+        assert!(!authorized(Some("Bearer secret-tokeN"), "secret-token"));
+        assert!(!authorized(Some("Bearer secret"), "secret-token"));
+        assert!(!authorized(Some("secret-token"), "secret-token"));
+        assert!(!authorized(None, "secret-token"));
+    }
+
+    #[test]
+    fn versions_must_increase() {
+        assert!(accept(&snap(5), 1 << 20, None).is_ok());
+        assert!(accept(&snap(5), 1 << 20, Some(4)).is_ok());
+        let e = accept(&snap(5), 1 << 20, Some(5)).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.message.contains("not newer"), "{}", e.message);
+        assert_eq!(accept(&snap(3), 1 << 20, Some(5)).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn oversize_is_413_and_garbage_is_400() {
+        assert_eq!(accept(&snap(1), 10, None).unwrap_err().status, 413);
+        assert_eq!(accept(b"{nope", 1 << 20, None).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn stored_value_round_trips() {
+        let h = StoredHeader {
+            received_at_ms: 123,
+            version: 9,
+        };
+        let stored = encode_stored(h, &snap(9));
+        let (h2, s) = decode_stored(&stored).unwrap();
+        assert_eq!(h2, h);
+        assert_eq!(s.version, 9);
+        assert_eq!(StoredHeader::decode(&h.encode()), Some(h));
+        assert!(decode_stored(b"short").is_none());
+    }
+}

@@ -1,0 +1,238 @@
+//! In-flight accounting shared by all Envoy workers: what this gateway has sent to each pod and
+//! not yet seen finish, and how much of that the current snapshot already reflects.
+//!
+//! This is what stops the thundering herd. Between two snapshots every request would otherwise
+//! see the same "best" pod; with this table a pick immediately counts against its pod, so a burst
+//! arriving inside one scrape interval spreads by free capacity.
+//!
+//! The table lives in Envoy shared data (one key per pool) and is updated with compare-and-swap.
+//! Per pod it keeps `inflight` (sent minus finished) and `base`, the value of `inflight` when the
+//! current snapshot took effect. `inflight - base` is then the change since the snapshot: positive
+//! for requests the pods have not reported yet, negative for requests that finished since.
+//! Pods are keyed by [`crate::prefix::pod_key`], so a new snapshot that adds, drops or reorders
+//! pods carries the counts over by identity.
+
+const MAGIC: &[u8; 4] = b"GPL1";
+const HEADER: usize = 4 + 8 + 4;
+const ENTRY: usize = 8 + 4 * 4;
+
+/// One pod's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PodLoad {
+    pub key: u64,
+    pub inflight: u32,
+    pub base: u32,
+    pub tokens: u32,
+    pub base_tokens: u32,
+}
+
+impl PodLoad {
+    /// Requests sent (positive) or finished (negative) since the snapshot.
+    pub fn delta(&self) -> i64 {
+        i64::from(self.inflight) - i64::from(self.base)
+    }
+
+    /// Prompt tokens sent (positive) or finished (negative) since the snapshot.
+    pub fn delta_tokens(&self) -> i64 {
+        i64::from(self.tokens) - i64::from(self.base_tokens)
+    }
+}
+
+/// The per-pool table, in the snapshot's pod order once [`LoadTable::rebase`] ran.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LoadTable {
+    /// Snapshot version the `base` values belong to.
+    pub version: u64,
+    pub pods: Vec<PodLoad>,
+}
+
+impl LoadTable {
+    /// Decodes the shared-data value; an empty or malformed value is an empty table.
+    pub fn decode(bytes: &[u8]) -> LoadTable {
+        let Some(rest) = bytes.strip_prefix(MAGIC.as_slice()) else {
+            return LoadTable::default();
+        };
+        if rest.len() < HEADER - 4 {
+            return LoadTable::default();
+        }
+        let version = u64::from_le_bytes(arr8(rest, 0));
+        let n = u32::from_le_bytes(arr4(rest, 8)) as usize;
+        let body = &rest[12..];
+        if body.len() != n * ENTRY {
+            return LoadTable::default();
+        }
+        let pods = body
+            .chunks_exact(ENTRY)
+            .map(|e| PodLoad {
+                key: u64::from_le_bytes(arr8(e, 0)),
+                inflight: u32::from_le_bytes(arr4(e, 8)),
+                base: u32::from_le_bytes(arr4(e, 12)),
+                tokens: u32::from_le_bytes(arr4(e, 16)),
+                base_tokens: u32::from_le_bytes(arr4(e, 20)),
+            })
+            .collect();
+        LoadTable { version, pods }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER + self.pods.len() * ENTRY);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&(self.pods.len() as u32).to_le_bytes());
+        for p in &self.pods {
+            out.extend_from_slice(&p.key.to_le_bytes());
+            out.extend_from_slice(&p.inflight.to_le_bytes());
+            out.extend_from_slice(&p.base.to_le_bytes());
+            out.extend_from_slice(&p.tokens.to_le_bytes());
+            out.extend_from_slice(&p.base_tokens.to_le_bytes());
+        }
+        out
+    }
+
+    /// Whether the table is aligned with snapshot `version` whose pods have these keys.
+    pub fn matches(&self, version: u64, keys: &[u64]) -> bool {
+        self.version == version
+            && self.pods.len() == keys.len()
+            && self.pods.iter().zip(keys).all(|(p, k)| p.key == *k)
+    }
+
+    /// Aligns the table with a new snapshot: pods in the snapshot's order, counts carried over by
+    /// key, and `base` set to the current in-flight values (the snapshot reflects them).
+    /// Returns false if it was already aligned (nothing to write).
+    pub fn rebase(&mut self, version: u64, keys: &[u64]) -> bool {
+        if self.matches(version, keys) {
+            return false;
+        }
+        let same_version = self.version == version;
+        let pods = keys
+            .iter()
+            .map(|&key| {
+                let old = self.pods.iter().find(|p| p.key == key).copied();
+                match old {
+                    // Same snapshot, different layout (should not happen): keep the bases.
+                    Some(p) if same_version => p,
+                    Some(p) => PodLoad {
+                        key,
+                        inflight: p.inflight,
+                        base: p.inflight,
+                        tokens: p.tokens,
+                        base_tokens: p.tokens,
+                    },
+                    None => PodLoad {
+                        key,
+                        ..PodLoad::default()
+                    },
+                }
+            })
+            .collect();
+        self.version = version;
+        self.pods = pods;
+        true
+    }
+
+    /// Counts a request sent to pod `idx`.
+    pub fn add(&mut self, idx: usize, tokens: u32) {
+        if let Some(p) = self.pods.get_mut(idx) {
+            p.inflight = p.inflight.saturating_add(1);
+            p.tokens = p.tokens.saturating_add(tokens);
+        }
+    }
+
+    /// Counts a request to the pod with `key` as finished. Returns false if the pod is gone from
+    /// the table (it left the pool; nothing to undo).
+    pub fn finish(&mut self, key: u64, tokens: u32) -> bool {
+        let Some(p) = self.pods.iter_mut().find(|p| p.key == key) else {
+            return false;
+        };
+        p.inflight = p.inflight.saturating_sub(1);
+        p.tokens = p.tokens.saturating_sub(tokens);
+        // `base` stays: a request the snapshot counted that finishes makes the delta negative,
+        // which is exactly "one fewer than the snapshot reported".
+        true
+    }
+}
+
+fn arr8(b: &[u8], at: usize) -> [u8; 8] {
+    let mut a = [0u8; 8];
+    if let Some(s) = b.get(at..at + 8) {
+        a.copy_from_slice(s);
+    }
+    a
+}
+
+fn arr4(b: &[u8], at: usize) -> [u8; 4] {
+    let mut a = [0u8; 4];
+    if let Some(s) = b.get(at..at + 4) {
+        a.copy_from_slice(s);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn round_trip() {
+        let mut t = LoadTable::default();
+        t.rebase(3, &[11, 22]);
+        t.add(1, 500);
+        let back = LoadTable::decode(&t.encode());
+        assert_eq!(back, t);
+        assert_eq!(back.pods[1].delta(), 1);
+        assert_eq!(back.pods[1].delta_tokens(), 500);
+    }
+
+    #[test]
+    fn rebase_carries_counts_by_key_and_resets_deltas() {
+        let mut t = LoadTable::default();
+        t.rebase(1, &[1, 2, 3]);
+        t.add(0, 10);
+        t.add(2, 30);
+        t.add(2, 30);
+        assert!(t.rebase(2, &[3, 4, 1]));
+        assert_eq!(t.pods.iter().map(|p| p.key).collect::<Vec<_>>(), [3, 4, 1]);
+        assert_eq!(t.pods[0].inflight, 2);
+        assert_eq!(t.pods[0].delta(), 0);
+        assert_eq!(t.pods[2].inflight, 1);
+        assert!(!t.rebase(2, &[3, 4, 1]), "already aligned");
+        // A request counted by the snapshot finishes: the delta goes negative.
+        assert!(t.finish(3, 30));
+        assert_eq!(t.pods[0].delta(), -1);
+        assert!(!t.finish(99, 1));
+    }
+
+    #[test]
+    fn garbage_decodes_to_an_empty_table() {
+        assert_eq!(LoadTable::decode(b""), LoadTable::default());
+        assert_eq!(LoadTable::decode(b"GPL1\x01"), LoadTable::default());
+        let mut t = LoadTable::default();
+        t.rebase(1, &[1]);
+        let mut bytes = t.encode();
+        bytes.pop();
+        assert_eq!(LoadTable::decode(&bytes), LoadTable::default());
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = LoadTable::decode(&bytes);
+        }
+
+        #[test]
+        fn finishing_everything_sent_returns_to_zero(sends in proptest::collection::vec((0usize..4, 0u32..1000), 0..50)) {
+            let keys = [5u64, 6, 7, 8];
+            let mut t = LoadTable::default();
+            t.rebase(1, &keys);
+            for (i, tok) in &sends { t.add(*i, *tok); }
+            t.rebase(2, &keys);
+            for (i, tok) in &sends { t.finish(keys[*i], *tok); }
+            for p in &t.pods {
+                prop_assert_eq!(p.inflight, 0);
+                prop_assert_eq!(p.tokens, 0);
+                prop_assert!(p.delta() <= 0);
+            }
+        }
+    }
+}

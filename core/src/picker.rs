@@ -1,0 +1,675 @@
+//! Endpoint picking: candidates -> saturation filter -> weighted scorers -> best first.
+//!
+//! Inputs are plain values (the decoded pool, the shared in-flight table, the request's
+//! features, the snapshot's age, an RNG), so a decision is reproducible from them.
+//!
+//! Every scorer returns 0..1 (higher is better); the total is the weighted mean over the scorers
+//! that apply to the request (LoRA only for adapter requests, prefix only for prompts of at least
+//! one block). Load is normalised by each pod's `capacity`, so a pod three times faster is
+//! expected to hold three times the queue at equal score: traffic follows serving speed.
+//! Ties go to a random candidate drawn in proportion to capacity, which also spreads traffic by
+//! speed on an idle fleet.
+
+use crate::config::{ScoringConfig, Weights};
+use crate::fleet::{PodState, PoolState};
+use crate::load::PodLoad;
+use crate::prefix::{hrw_weight, PodMatch};
+use crate::rng::SplitMix64;
+use std::fmt::Write as _;
+
+/// What the picker knows about a request.
+#[derive(Debug, Clone, Default)]
+pub struct RequestFeatures<'a> {
+    /// [`crate::fleet::adapter_key`] of the LoRA adapter, for adapter requests.
+    pub adapter: Option<u64>,
+    /// Estimated prompt tokens (KV blocks the request will take).
+    pub prompt_tokens: u32,
+    /// Prompt blocks considered for prefix affinity (0 = prefix scorer off).
+    pub prefix_blocks: u32,
+    /// Hash that picks the rendezvous home ([`crate::prefix::home_key`]).
+    pub home_key: Option<u64>,
+    /// Pods known to hold part of the prompt ([`crate::prefix::PrefixIndex::lookup`]).
+    pub matches: &'a [PodMatch],
+    /// `x-gateway-priority` < 0: may be rejected when the pool is saturated.
+    pub sheddable: bool,
+}
+
+/// Why the filter left the choice to Envoy's own load balancing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOpen {
+    /// No snapshot was ever received (or it was unreadable).
+    NoSnapshot,
+    /// The snapshot has no entry for the pool.
+    UnknownPool,
+    /// Every pod is unhealthy or its data is older than `stale_after_ms`.
+    NoFreshPod,
+    /// `pick_endpoints` is off.
+    Disabled,
+}
+
+impl FailOpen {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailOpen::NoSnapshot => "no_snapshot",
+            FailOpen::UnknownPool => "unknown_pool",
+            FailOpen::NoFreshPod => "no_fresh_pod",
+            FailOpen::Disabled => "disabled",
+        }
+    }
+}
+
+/// Result of a pick.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Pod indices into the pool, best first (then fallbacks).
+    Picked(Vec<usize>),
+    FailOpen(FailOpen),
+    /// Sheddable request, every candidate saturated.
+    Shed,
+}
+
+/// One candidate's score breakdown, for the debug header and tests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Breakdown {
+    pub pod: usize,
+    pub total: f64,
+    pub queue: f64,
+    pub kv: f64,
+    pub running: f64,
+    pub lora: Option<f64>,
+    pub prefix: Option<f64>,
+    pub saturated: bool,
+}
+
+/// Scoring parameters, fixed per configuration.
+#[derive(Debug, Clone)]
+pub struct Picker {
+    pub weights: Weights,
+    pub scoring: ScoringConfig,
+    pub fallbacks: usize,
+}
+
+/// Effective load of a candidate: snapshot values adjusted by what this gateway sent or saw
+/// finish since.
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    waiting: f64,
+    running: f64,
+    kv: Option<f64>,
+    capacity: f64,
+}
+
+fn effective_load(pod: &PodState, load: Option<&PodLoad>) -> Load {
+    let s = &pod.snap;
+    let (mut waiting, mut running) = (f64::from(s.waiting), f64::from(s.running));
+    let mut kv = s.kv_cache_usage;
+    if let Some(l) = load {
+        let d = l.delta() as f64;
+        if d > 0.0 {
+            // Not yet reported by the pod: it sits in the queue as far as we know.
+            waiting += d;
+        } else {
+            // Finished since the snapshot: it left the running batch.
+            running = (running + d).max(0.0);
+        }
+        if let (Some(k), Some(bs), Some(nb)) = (kv, s.block_size, s.num_blocks) {
+            let capacity_tokens = f64::from(bs) * nb as f64;
+            if capacity_tokens > 0.0 {
+                kv = Some((k + l.delta_tokens() as f64 / capacity_tokens).clamp(0.0, 1.0));
+            }
+        }
+    }
+    Load {
+        waiting,
+        running,
+        kv,
+        capacity: s.capacity,
+    }
+}
+
+impl Picker {
+    pub fn new(scoring: ScoringConfig, fallbacks: usize) -> Picker {
+        Picker {
+            weights: scoring.effective_weights(),
+            scoring,
+            fallbacks,
+        }
+    }
+
+    /// Picks pods of `pool` for a request.
+    ///
+    /// `loads` is the shared in-flight table aligned with the pool (ignored unless its length
+    /// matches); `snapshot_age_ms` is the time since the snapshot was accepted. With
+    /// `breakdown`, every scored candidate's breakdown is appended to it.
+    pub fn pick(
+        &self,
+        pool: &PoolState,
+        loads: &[PodLoad],
+        req: &RequestFeatures<'_>,
+        snapshot_age_ms: u64,
+        rng: &mut SplitMix64,
+        mut breakdown: Option<&mut Vec<Breakdown>>,
+    ) -> Decision {
+        let sc = &self.scoring;
+        let loads_ok = loads.len() == pool.pods.len();
+
+        // Candidates: healthy, fresh, and (for ramping pods) admitted with probability = weight.
+        let mut cands: Vec<(usize, Load, bool)> = Vec::with_capacity(pool.pods.len());
+        for (i, pod) in pool.pods.iter().enumerate() {
+            let age = snapshot_age_ms.saturating_add(pod.age_at_generation_ms);
+            if !pod.snap.healthy || age > sc.stale_after_ms {
+                continue;
+            }
+            let w = pod.snap.ramp_weight;
+            if w < 1.0 && rng.next_f64() >= w {
+                continue;
+            }
+            let l = effective_load(pod, loads_ok.then(|| &loads[i]));
+            let saturated = l.waiting / l.capacity >= sc.queue_threshold
+                || l.kv.is_some_and(|k| k >= sc.kv_threshold);
+            cands.push((i, l, saturated));
+        }
+        if cands.is_empty() {
+            return Decision::FailOpen(FailOpen::NoFreshPod);
+        }
+        if cands.iter().all(|c| c.2) {
+            if req.sheddable {
+                return Decision::Shed;
+            }
+        } else {
+            cands.retain(|c| !c.2);
+        }
+
+        // Rendezvous homes over the surviving candidates, so all gateways agree on them.
+        let prefix_on = req.prefix_blocks > 0 && self.weights.prefix > 0.0;
+        let home = match (prefix_on, req.home_key) {
+            (true, Some(k)) => cands
+                .iter()
+                .max_by_key(|c| hrw_weight(k, pool.pods[c.0].key))
+                .map(|c| c.0),
+            _ => None,
+        };
+        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
+        let adapter_known = adapter.is_some_and(|a| {
+            cands.iter().any(|c| {
+                let p = &pool.pods[c.0];
+                p.lora_running.contains(&a) || p.lora_waiting.contains(&a)
+            })
+        });
+        let adapter_home = match adapter {
+            Some(a) if !adapter_known => cands
+                .iter()
+                .filter(|c| pool.pods[c.0].free_lora_slots().unwrap_or(0) > 0)
+                .max_by_key(|c| hrw_weight(a, pool.pods[c.0].key))
+                .map(|c| c.0),
+            _ => None,
+        };
+        let kv_on = cands.iter().any(|c| c.1.kv.is_some());
+
+        let w = &self.weights;
+        let mut wsum = w.queue + w.running;
+        if kv_on {
+            wsum += w.kv_cache;
+        }
+        if adapter.is_some() {
+            wsum += w.lora;
+        }
+        if prefix_on {
+            wsum += w.prefix;
+        }
+        if wsum <= 0.0 {
+            wsum = 1.0;
+        }
+
+        let mut scored: Vec<(usize, f64, f64)> = Vec::with_capacity(cands.len());
+        for (i, l, saturated) in &cands {
+            let pod = &pool.pods[*i];
+            let queue = 1.0 / (1.0 + (l.waiting / l.capacity) / sc.queue_scale);
+            let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
+            let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
+            let lora = adapter.map(|a| lora_score(pod, a, adapter_known, adapter_home == Some(*i)));
+            let prefix = prefix_on.then(|| {
+                let depth = req
+                    .matches
+                    .iter()
+                    .find(|m| m.pod == pod.key)
+                    .map_or(0, |m| m.depth);
+                let learned = f64::from(depth) / f64::from(req.prefix_blocks);
+                let homed = if home == Some(*i) {
+                    sc.prefix_home_score
+                } else {
+                    0.0
+                };
+                let hit = pod.snap.prefix_cache_hit_rate.unwrap_or(0.0);
+                0.9 * learned.max(homed).min(1.0) + 0.1 * hit
+            });
+            let mut total = w.queue * queue + w.running * running;
+            if kv_on {
+                total += w.kv_cache * kv;
+            }
+            if let Some(s) = lora {
+                total += w.lora * s;
+            }
+            if let Some(s) = prefix {
+                total += w.prefix * s;
+            }
+            total /= wsum;
+            // Random tie-break key, weighted by capacity (Efraimidis-Spirakis: u^(1/w)).
+            let u = rng.next_f64().max(f64::MIN_POSITIVE);
+            let tie = u.powf(1.0 / l.capacity);
+            scored.push((*i, total, tie));
+            if let Some(b) = breakdown.as_deref_mut() {
+                b.push(Breakdown {
+                    pod: *i,
+                    total,
+                    queue,
+                    kv,
+                    running,
+                    lora,
+                    prefix,
+                    saturated: *saturated,
+                });
+            }
+        }
+        // Best first; equal totals (within float noise) by the weighted random key.
+        let better = |a: &(usize, f64, f64), b: &(usize, f64, f64)| {
+            if (a.1 - b.1).abs() > 1e-9 {
+                a.1 > b.1
+            } else {
+                a.2 > b.2
+            }
+        };
+        let k = (1 + self.fallbacks).min(scored.len());
+        // Partial selection: k is tiny, the pool may be large.
+        for slot in 0..k {
+            let mut best = slot;
+            for j in slot + 1..scored.len() {
+                if better(&scored[j], &scored[best]) {
+                    best = j;
+                }
+            }
+            scored.swap(slot, best);
+        }
+        Decision::Picked(scored[..k].iter().map(|s| s.0).collect())
+    }
+}
+
+/// LoRA affinity: resident 1.0 > a free slot to load it 0.8 > queued behind a load 0.6 > 0.
+/// When no candidate has the adapter, free slots are scored by how many are free, and the
+/// adapter's rendezvous home among pods with a free slot gets the top score, so every gateway
+/// loads a new adapter on the same pod instead of one copy per gateway.
+fn lora_score(pod: &PodState, adapter: u64, known: bool, is_home: bool) -> f64 {
+    if pod.lora_running.contains(&adapter) {
+        return 1.0;
+    }
+    let free = pod.free_lora_slots();
+    if known {
+        if free.unwrap_or(0) > 0 {
+            0.8
+        } else if pod.lora_waiting.contains(&adapter) {
+            0.6
+        } else {
+            0.0
+        }
+    } else if is_home {
+        1.0
+    } else {
+        match (free, pod.snap.lora.as_ref()) {
+            (Some(f), Some(l)) if f > 0 && l.max_loras > 0 => {
+                0.4 + 0.4 * f64::from(f) / f64::from(l.max_loras)
+            }
+            _ => 0.0,
+        }
+    }
+}
+
+/// Formats a decision's breakdown for the `x-gateway-debug` response header.
+pub fn format_breakdown(pool: &PoolState, picked: Option<usize>, b: &[Breakdown]) -> String {
+    let mut s = String::new();
+    let _ = write!(s, "pool={}", pool.name);
+    if let Some(p) = picked.and_then(|i| pool.pods.get(i)) {
+        let _ = write!(s, "; picked={}", p.snap.address);
+    }
+    for c in b {
+        let Some(p) = pool.pods.get(c.pod) else {
+            continue;
+        };
+        let _ = write!(
+            s,
+            "; {} total={:.3} queue={:.3} kv={:.3} running={:.3}",
+            p.snap.address, c.total, c.queue, c.kv, c.running
+        );
+        if let Some(l) = c.lora {
+            let _ = write!(s, " lora={l:.3}");
+        }
+        if let Some(x) = c.prefix {
+            let _ = write!(s, " prefix={x:.3}");
+        }
+        if c.saturated {
+            s.push_str(" saturated");
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ScoringConfig;
+    use crate::fleet::{adapter_key, FleetState};
+    use crate::load::LoadTable;
+    use crate::prefix::{pod_key, PodMatch};
+    use crate::snapshot::{LoraState, PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+    use proptest::prelude::*;
+
+    fn pool(pods: Vec<PodSnapshot>) -> PoolState {
+        let snap = Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 1,
+            source: String::new(),
+            generated_at_ms: 5_000,
+            pools: vec![PoolSnapshot {
+                name: "p".into(),
+                pods,
+            }],
+        };
+        FleetState::new(snap, 5_000).pools.remove(0)
+    }
+
+    fn pod(i: u32, waiting: u32, running: u32, kv: f64) -> PodSnapshot {
+        let mut p = PodSnapshot::new(format!("10.0.0.{i}:8000"), 5_000);
+        p.waiting = waiting;
+        p.running = running;
+        p.kv_cache_usage = Some(kv);
+        p
+    }
+
+    fn picker() -> Picker {
+        Picker::new(ScoringConfig::default(), 2)
+    }
+
+    fn best(d: &Decision) -> usize {
+        match d {
+            Decision::Picked(v) => v[0],
+            other => panic!("expected a pick, got {other:?}"),
+        }
+    }
+
+    fn pick(p: &PoolState, req: &RequestFeatures<'_>) -> Decision {
+        picker().pick(p, &[], req, 0, &mut SplitMix64::new(1), None)
+    }
+
+    #[test]
+    fn least_loaded_pod_wins_with_fallbacks() {
+        let p = pool(vec![
+            pod(1, 4, 20, 0.7),
+            pod(2, 0, 3, 0.1),
+            pod(3, 1, 10, 0.4),
+        ]);
+        assert_eq!(
+            pick(&p, &RequestFeatures::default()),
+            Decision::Picked(vec![1, 2, 0])
+        );
+    }
+
+    #[test]
+    fn stale_and_unhealthy_pods_are_not_candidates() {
+        let mut stale = pod(1, 0, 0, 0.0);
+        stale.last_scrape_ms = 1_000; // 4 s old when the snapshot was assembled
+        let mut sick = pod(2, 0, 0, 0.0);
+        sick.healthy = false;
+        let p = pool(vec![stale, sick, pod(3, 3, 30, 0.6)]);
+        assert_eq!(best(&pick(&p, &RequestFeatures::default())), 2);
+        // The snapshot itself has aged past stale_after_ms: nothing is fresh.
+        let d = picker().pick(
+            &p,
+            &[],
+            &RequestFeatures::default(),
+            2_000,
+            &mut SplitMix64::new(1),
+            None,
+        );
+        assert_eq!(d, Decision::FailOpen(FailOpen::NoFreshPod));
+    }
+
+    #[test]
+    fn saturated_pods_are_avoided_unless_all_are_saturated() {
+        // Pod 0 scores better on running but its KV is past the threshold.
+        let p = pool(vec![pod(1, 0, 0, 0.95), pod(2, 2, 40, 0.5)]);
+        assert_eq!(best(&pick(&p, &RequestFeatures::default())), 1);
+        let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.9)]);
+        assert!(matches!(
+            pick(&all, &RequestFeatures::default()),
+            Decision::Picked(_)
+        ));
+        let shed = RequestFeatures {
+            sheddable: true,
+            ..Default::default()
+        };
+        assert_eq!(pick(&all, &shed), Decision::Shed);
+    }
+
+    #[test]
+    fn inflight_since_the_snapshot_spreads_a_burst() {
+        // Identical idle pods; a burst of 30 requests within one snapshot interval.
+        let p = pool((1..=3).map(|i| pod(i, 0, 0, 0.1)).collect());
+        let mut table = LoadTable::default();
+        table.rebase(1, &p.keys);
+        let mut rng = SplitMix64::new(9);
+        let mut counts = [0usize; 3];
+        for _ in 0..30 {
+            let d = picker().pick(
+                &p,
+                &table.pods,
+                &RequestFeatures::default(),
+                10,
+                &mut rng,
+                None,
+            );
+            let i = best(&d);
+            counts[i] += 1;
+            table.add(i, 100);
+        }
+        assert!(counts.iter().all(|c| (9..=11).contains(c)), "{counts:?}");
+    }
+
+    #[test]
+    fn faster_pods_get_proportionally_more_of_a_burst() {
+        let mut fast = pod(1, 0, 0, 0.1);
+        fast.capacity = 3.0;
+        let p = pool(vec![fast, pod(2, 0, 0, 0.1)]);
+        let mut table = LoadTable::default();
+        table.rebase(1, &p.keys);
+        let mut rng = SplitMix64::new(3);
+        let mut counts = [0usize; 2];
+        for _ in 0..400 {
+            let i = best(&picker().pick(
+                &p,
+                &table.pods,
+                &RequestFeatures::default(),
+                10,
+                &mut rng,
+                None,
+            ));
+            counts[i] += 1;
+            table.add(i, 0);
+        }
+        let ratio = counts[0] as f64 / counts[1] as f64;
+        assert!((2.5..=3.5).contains(&ratio), "{counts:?}");
+    }
+
+    #[test]
+    fn idle_ties_are_broken_in_proportion_to_capacity() {
+        let mut fast = pod(1, 0, 0, 0.0);
+        fast.capacity = 3.0;
+        let p = pool(vec![fast, pod(2, 0, 0, 0.0)]);
+        let mut rng = SplitMix64::new(5);
+        let n = 4_000;
+        let fast_wins = (0..n)
+            .filter(|_| {
+                best(&picker().pick(&p, &[], &RequestFeatures::default(), 0, &mut rng, None)) == 0
+            })
+            .count();
+        let share = fast_wins as f64 / n as f64;
+        assert!((0.70..=0.80).contains(&share), "{share}");
+    }
+
+    fn lora_pod(i: u32, running: &[&str], waiting: &[&str], max: u32) -> PodSnapshot {
+        let mut p = pod(i, 0, 2, 0.2);
+        p.lora = Some(LoraState {
+            max_loras: max,
+            running: running.iter().map(|s| s.to_string()).collect(),
+            waiting: waiting.iter().map(|s| s.to_string()).collect(),
+        });
+        p
+    }
+
+    #[test]
+    fn lora_resident_beats_free_slot_beats_waiting() {
+        let p = pool(vec![
+            lora_pod(1, &["x", "y"], &["sql"], 2),
+            lora_pod(2, &["x"], &[], 2),
+            lora_pod(3, &["sql", "y"], &[], 2),
+        ]);
+        let req = RequestFeatures {
+            adapter: Some(adapter_key("sql")),
+            ..Default::default()
+        };
+        assert_eq!(best(&pick(&p, &req)), 2);
+        let p2 = pool(vec![
+            lora_pod(1, &["x", "y"], &["sql"], 2),
+            lora_pod(2, &["x"], &[], 2),
+        ]);
+        assert_eq!(best(&pick(&p2, &req)), 1);
+    }
+
+    #[test]
+    fn a_new_adapter_goes_to_the_same_home_from_every_gateway() {
+        let p = pool((1..=6).map(|i| lora_pod(i, &[], &[], 4)).collect());
+        let req = RequestFeatures {
+            adapter: Some(adapter_key("brand-new")),
+            ..Default::default()
+        };
+        let homes: Vec<usize> = (0..20)
+            .map(|seed| best(&picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(seed), None)))
+            .collect();
+        assert!(homes.iter().all(|h| *h == homes[0]), "{homes:?}");
+    }
+
+    #[test]
+    fn prefix_match_attracts_and_home_is_seed_independent() {
+        let p = pool((1..=4).map(|i| pod(i, 0, 5, 0.3)).collect());
+        let matches = [PodMatch {
+            pod: pod_key("10.0.0.3:8000"),
+            depth: 30,
+        }];
+        let req = RequestFeatures {
+            prefix_blocks: 32,
+            home_key: Some(77),
+            matches: &matches,
+            ..Default::default()
+        };
+        assert_eq!(best(&pick(&p, &req)), 2);
+        let fresh = RequestFeatures {
+            prefix_blocks: 32,
+            home_key: Some(77),
+            ..Default::default()
+        };
+        let homes: Vec<usize> = (0..20)
+            .map(|seed| best(&picker().pick(&p, &[], &fresh, 0, &mut SplitMix64::new(seed), None)))
+            .collect();
+        assert!(homes.iter().all(|h| *h == homes[0]), "{homes:?}");
+    }
+
+    #[test]
+    fn load_outweighs_a_short_prefix_match() {
+        let p = pool(vec![pod(1, 6, 40, 0.75), pod(2, 0, 2, 0.1)]);
+        let matches = [PodMatch {
+            pod: pod_key("10.0.0.1:8000"),
+            depth: 2,
+        }];
+        let req = RequestFeatures {
+            prefix_blocks: 32,
+            matches: &matches,
+            ..Default::default()
+        };
+        assert_eq!(best(&pick(&p, &req)), 1);
+    }
+
+    #[test]
+    fn breakdown_lists_every_candidate() {
+        let p = pool(vec![pod(1, 0, 0, 0.0), pod(2, 1, 1, 0.5)]);
+        let mut b = Vec::new();
+        let d = picker().pick(
+            &p,
+            &[],
+            &RequestFeatures::default(),
+            0,
+            &mut SplitMix64::new(1),
+            Some(&mut b),
+        );
+        assert_eq!(b.len(), 2);
+        let s = format_breakdown(&p, Some(best(&d)), &b);
+        assert!(s.starts_with("pool=p; picked=10.0.0.1:8000"), "{s}");
+        assert!(s.contains("10.0.0.2:8000 total="));
+    }
+
+    fn arb_pod() -> impl Strategy<Value = PodSnapshot> {
+        (
+            0u32..50,
+            0u32..300,
+            proptest::option::of(0.0f64..1.0),
+            any::<bool>(),
+            0u64..3_000,
+            0.1f64..5.0,
+            0.0f64..=1.0,
+        )
+            .prop_map(|(w, r, kv, healthy, age, cap, ramp)| {
+                let mut p = PodSnapshot::new("0.0.0.0:1", 5_000 - age);
+                p.waiting = w;
+                p.running = r;
+                p.kv_cache_usage = kv;
+                p.healthy = healthy;
+                p.capacity = cap;
+                p.ramp_weight = ramp;
+                p
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn pick_is_always_a_fresh_healthy_candidate(pods in proptest::collection::vec(arb_pod(), 1..20), seed in any::<u64>(), age in 0u64..1_500) {
+            let pods: Vec<PodSnapshot> = pods.into_iter().enumerate().map(|(i, mut p)| { p.address = format!("10.1.0.{i}:80"); p }).collect();
+            let pl = pool(pods);
+            let d = picker().pick(&pl, &[], &RequestFeatures::default(), age, &mut SplitMix64::new(seed), None);
+            let eligible = |i: usize| {
+                let p = &pl.pods[i];
+                p.snap.healthy && age + p.age_at_generation_ms <= 1_000
+            };
+            match d {
+                Decision::Picked(v) => {
+                    prop_assert!(!v.is_empty());
+                    let mut seen = std::collections::HashSet::new();
+                    for i in &v {
+                        prop_assert!(eligible(*i));
+                        prop_assert!(seen.insert(*i));
+                    }
+                }
+                Decision::FailOpen(FailOpen::NoFreshPod) => {
+                    // Only when no pod is eligible, or every eligible one was held back by ramp-up.
+                    prop_assert!((0..pl.pods.len()).all(|i| !eligible(i) || pl.pods[i].snap.ramp_weight < 1.0));
+                }
+                other => prop_assert!(false, "unexpected {:?}", other),
+            }
+        }
+
+        #[test]
+        fn same_seed_same_pick(pods in proptest::collection::vec(arb_pod(), 1..20), seed in any::<u64>()) {
+            let pods: Vec<PodSnapshot> = pods.into_iter().enumerate().map(|(i, mut p)| { p.address = format!("10.1.0.{i}:80"); p }).collect();
+            let pl = pool(pods);
+            let a = picker().pick(&pl, &[], &RequestFeatures::default(), 0, &mut SplitMix64::new(seed), None);
+            let b = picker().pick(&pl, &[], &RequestFeatures::default(), 0, &mut SplitMix64::new(seed), None);
+            prop_assert_eq!(a, b);
+        }
+    }
+}

@@ -1,0 +1,462 @@
+//! Prefix-cache affinity without a central index.
+//!
+//! A prompt is cut into blocks of `block_chars` bytes (16 tokens x ~4 characters: one vLLM KV
+//! block) and hashed as a chain seeded by the model, so a block's hash stands for the whole
+//! prefix up to and including it, like the engines' own block hashes.
+//!
+//! Two mechanisms decide where a prefix goes:
+//! - **Rendezvous (HRW) home.** The hash of the prompt's first `home_blocks` blocks ranks the
+//!   pool's pods by `mix64(hash ^ pod)`; the top candidate is the prefix's home. It is a pure
+//!   function of the prompt and the candidate set, so every Envoy worker and every gateway
+//!   replica sends a new conversation to the same pod without sharing any state.
+//! - **A learned index.** After each pick the request's anchors (hashes at a geometric grid of
+//!   depths: 1, 2, 3, 4, 6, 8, 12, 16, ...) are recorded against the chosen pod, so a later
+//!   request that shares a prefix with it finds the pod that holds the longest match even when
+//!   load moved that earlier request away from its home. Workers exchange their records through
+//!   Envoy shared data on a timer ([`SyncLog`]), so every worker of a gateway learns what the
+//!   others sent.
+//!
+//! The geometric grid keeps a request's work at ~2 log2(n) map operations instead of n, and loses
+//! at most a third of a match's depth to quantisation.
+
+use crate::rng::mix64;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Hashes the prompt's full blocks (a trailing partial block is not cached by engines either).
+/// `out` is cleared first; at most `max_blocks` hashes are produced.
+pub fn block_hashes(
+    text: &[u8],
+    seed: u64,
+    block_chars: usize,
+    max_blocks: usize,
+    out: &mut Vec<u64>,
+) {
+    out.clear();
+    if block_chars == 0 {
+        return;
+    }
+    let mut h = seed;
+    for chunk in text.chunks_exact(block_chars).take(max_blocks) {
+        h = xxh3_64_with_seed(chunk, h);
+        out.push(h);
+    }
+}
+
+/// Seed of the hash chain: prefixes of different models (or adapters, whose KV differs) never
+/// collide.
+pub fn model_seed(model: &str) -> u64 {
+    xxh3_64_with_seed(model.as_bytes(), 0x6770_7572_6f75_7465)
+}
+
+/// Stable 64-bit key of a pod address; survives snapshot changes that reorder pods.
+pub fn pod_key(address: &str) -> u64 {
+    // Never 0: 0 marks an empty slot in the index.
+    xxh3_64_with_seed(address.as_bytes(), 0x706f_6473).max(1)
+}
+
+/// Rendezvous weight of `pod` for `key`; the highest weight wins.
+#[inline]
+pub fn hrw_weight(key: u64, pod: u64) -> u64 {
+    mix64(key ^ mix64(pod))
+}
+
+/// A recorded depth and the chain hash at that depth.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Anchor {
+    /// Blocks from the start of the prompt (1-based).
+    pub depth: u32,
+    pub hash: u64,
+}
+
+/// The anchors of a hashed prompt: the grid depths 1, 2, 3, 4, 6, 8, 12, 16, ... up to its
+/// length, shallowest first.
+pub fn anchors(hashes: &[u64], out: &mut Vec<Anchor>) {
+    out.clear();
+    let n = hashes.len();
+    let mut push = |d: usize| {
+        if d >= 1 && d <= n {
+            out.push(Anchor {
+                depth: d as u32,
+                hash: hashes[d - 1],
+            });
+        }
+    };
+    push(1);
+    let mut p = 2usize;
+    while p <= n {
+        push(p);
+        push(p + p / 2);
+        p *= 2;
+    }
+}
+
+/// The hash that picks a prompt's rendezvous home: its chain hash at `min(len, home_blocks)`.
+pub fn home_key(hashes: &[u64], home_blocks: usize) -> Option<u64> {
+    let d = hashes.len().min(home_blocks);
+    d.checked_sub(1).and_then(|i| hashes.get(i)).copied()
+}
+
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 << 8) | u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        // Keys are already xxh3 outputs: uniformly distributed.
+        self.0 = v;
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
+
+/// Pods known to hold one anchor; 4 is plenty (a prefix on more pods is hot everywhere).
+const PODS_PER_ANCHOR: usize = 4;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct PodSet {
+    pods: [u64; PODS_PER_ANCHOR],
+    stamps: [u64; PODS_PER_ANCHOR],
+}
+
+impl PodSet {
+    fn insert(&mut self, pod: u64, stamp: u64) {
+        let mut slot = 0;
+        for i in 0..PODS_PER_ANCHOR {
+            if self.pods[i] == pod {
+                self.stamps[i] = stamp;
+                return;
+            }
+            // Prefer an empty slot, else the oldest.
+            if self.pods[i] == 0 && self.pods[slot] != 0 || self.stamps[i] < self.stamps[slot] {
+                slot = i;
+            }
+        }
+        self.pods[slot] = pod;
+        self.stamps[slot] = stamp;
+    }
+}
+
+/// Per-worker map from anchor hash to the pods recently sent that prefix. Bounded: two
+/// generations of `capacity / 2` entries; when the current one fills, the previous is dropped
+/// (an approximate LRU with O(1) work and no per-entry bookkeeping).
+pub struct PrefixIndex {
+    cur: IdMap<PodSet>,
+    prev: IdMap<PodSet>,
+    half: usize,
+    stamp: u64,
+}
+
+/// How deep a pod's match goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PodMatch {
+    pub pod: u64,
+    /// Matched leading blocks.
+    pub depth: u32,
+}
+
+impl PrefixIndex {
+    pub fn new(capacity: usize) -> Self {
+        let half = (capacity / 2).max(8);
+        PrefixIndex {
+            // Grows on demand: a plugin instance that never routes costs nothing.
+            cur: IdMap::default(),
+            prev: IdMap::default(),
+            half,
+            stamp: 0,
+        }
+    }
+
+    /// Records that `pod` was sent a prompt with these anchors.
+    pub fn record(&mut self, anchors: &[u64], pod: u64) {
+        self.stamp += 1;
+        for &a in anchors {
+            if self.cur.len() >= self.half && !self.cur.contains_key(&a) {
+                self.prev = std::mem::take(&mut self.cur);
+            }
+            let base = self.prev.get(&a).copied().unwrap_or_default();
+            self.cur.entry(a).or_insert(base).insert(pod, self.stamp);
+        }
+    }
+
+    /// For each pod that holds any anchor of the prompt, its deepest anchor. Sorted by depth,
+    /// deepest first.
+    pub fn lookup(&self, anchors: &[Anchor], out: &mut Vec<PodMatch>) {
+        out.clear();
+        for a in anchors.iter().rev() {
+            let Some(set) = self.cur.get(&a.hash).or_else(|| self.prev.get(&a.hash)) else {
+                continue;
+            };
+            for &pod in set.pods.iter().filter(|p| **p != 0) {
+                if !out.iter().any(|m| m.pod == pod) {
+                    out.push(PodMatch {
+                        pod,
+                        depth: a.depth,
+                    });
+                }
+            }
+        }
+    }
+
+    /// Entries held (both generations).
+    pub fn len(&self) -> usize {
+        self.cur.len() + self.prev.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One routing decision as exchanged between workers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncRecord {
+    pub seq: u64,
+    pub pod: u64,
+    pub anchors: Vec<u64>,
+}
+
+const SYNC_MAGIC: &[u8; 4] = b"GPX1";
+
+/// A worker's outgoing ring of recent decisions. The owner is the only writer of its shared-data
+/// key, so publishing needs no compare-and-swap loop; readers remember the last `seq` they
+/// applied from each worker.
+#[derive(Debug, Clone)]
+pub struct SyncLog {
+    records: std::collections::VecDeque<SyncRecord>,
+    next_seq: u64,
+    cap: usize,
+}
+
+impl SyncLog {
+    pub fn new(cap: usize) -> Self {
+        SyncLog {
+            records: Default::default(),
+            next_seq: 1,
+            cap: cap.max(1),
+        }
+    }
+
+    pub fn push(&mut self, pod: u64, anchors: &[u64]) {
+        if self.records.len() == self.cap {
+            self.records.pop_front();
+        }
+        self.records.push_back(SyncRecord {
+            seq: self.next_seq,
+            pod,
+            anchors: anchors.to_vec(),
+        });
+        self.next_seq += 1;
+    }
+
+    /// Sequence number of the newest record (0 if none).
+    pub fn last_seq(&self) -> u64 {
+        self.next_seq - 1
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 + self.records.len() * 96);
+        out.extend_from_slice(SYNC_MAGIC);
+        for r in &self.records {
+            out.extend_from_slice(&r.seq.to_le_bytes());
+            out.extend_from_slice(&r.pod.to_le_bytes());
+            let n = r.anchors.len().min(255);
+            out.push(n as u8);
+            for a in &r.anchors[..n] {
+                out.extend_from_slice(&a.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Decodes another worker's ring, keeping records newer than `after`. Malformed input yields
+    /// the records decoded before the fault: it is only a hint.
+    pub fn decode_after(bytes: &[u8], after: u64, out: &mut Vec<SyncRecord>) {
+        out.clear();
+        let Some(mut rest) = bytes.strip_prefix(SYNC_MAGIC.as_slice()) else {
+            return;
+        };
+        while rest.len() >= 17 {
+            let seq = u64::from_le_bytes(take8(rest, 0));
+            let pod = u64::from_le_bytes(take8(rest, 8));
+            let n = rest[16] as usize;
+            let need = 17 + n * 8;
+            if rest.len() < need {
+                return;
+            }
+            if seq > after {
+                let anchors = (0..n)
+                    .map(|i| u64::from_le_bytes(take8(rest, 17 + i * 8)))
+                    .collect();
+                out.push(SyncRecord { seq, pod, anchors });
+            }
+            rest = &rest[need..];
+        }
+    }
+}
+
+fn take8(b: &[u8], at: usize) -> [u8; 8] {
+    let mut a = [0u8; 8];
+    if let Some(s) = b.get(at..at + 8) {
+        a.copy_from_slice(s);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn hashes(text: &str) -> Vec<u64> {
+        let mut v = Vec::new();
+        block_hashes(text.as_bytes(), model_seed("m"), 4, 64, &mut v);
+        v
+    }
+
+    fn anchor_list(h: &[u64]) -> Vec<Anchor> {
+        let mut a = Vec::new();
+        anchors(h, &mut a);
+        a
+    }
+
+    #[test]
+    fn chain_hash_depends_on_the_whole_prefix() {
+        let a = hashes("aaaabbbbcccc");
+        let b = hashes("aaaabbbbdddd");
+        let c = hashes("xaaabbbbcccc");
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        // Same second block text, different first block: different hash.
+        assert_ne!(a[1], c[1]);
+        // Partial trailing block is not hashed.
+        assert_eq!(hashes("aaaabb").len(), 1);
+    }
+
+    #[test]
+    fn model_seed_separates_models() {
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        block_hashes(b"same text here..", model_seed("m1"), 4, 8, &mut a);
+        block_hashes(b"same text here..", model_seed("m2"), 4, 8, &mut b);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn anchor_grid_is_geometric() {
+        let h: Vec<u64> = (1..=40).collect();
+        let depths: Vec<u32> = anchor_list(&h).iter().map(|a| a.depth).collect();
+        assert_eq!(depths, [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]);
+        assert!(anchor_list(&[]).is_empty());
+        assert_eq!(anchor_list(&[9])[0], Anchor { depth: 1, hash: 9 });
+    }
+
+    #[test]
+    fn index_finds_the_longest_shared_prefix() {
+        let mut idx = PrefixIndex::new(1_000);
+        let first = hashes(&"conversation one ".repeat(10)); // 42 blocks
+        let a: Vec<u64> = anchor_list(&first).iter().map(|a| a.hash).collect();
+        idx.record(&a, 7);
+        let other = hashes(&"something else entirely".repeat(5));
+        let o: Vec<u64> = anchor_list(&other).iter().map(|a| a.hash).collect();
+        idx.record(&o, 9);
+        // A later turn: the first conversation plus more text.
+        let next = hashes(&format!(
+            "{}{}",
+            "conversation one ".repeat(10),
+            "and a reply".repeat(4)
+        ));
+        let mut m = Vec::new();
+        idx.lookup(&anchor_list(&next), &mut m);
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].pod, 7);
+        assert_eq!(m[0].depth, 32); // deepest grid depth <= 42 shared blocks
+    }
+
+    #[test]
+    fn index_keeps_several_pods_per_anchor_and_stays_bounded() {
+        let mut idx = PrefixIndex::new(64);
+        let h = hashes("shared system prompt....");
+        let a: Vec<u64> = anchor_list(&h).iter().map(|a| a.hash).collect();
+        idx.record(&a, 1);
+        idx.record(&a, 2);
+        let mut m = Vec::new();
+        idx.lookup(&anchor_list(&h), &mut m);
+        let mut pods: Vec<u64> = m.iter().map(|x| x.pod).collect();
+        pods.sort();
+        assert_eq!(pods, [1, 2]);
+        for i in 0..10_000u64 {
+            idx.record(&[i.wrapping_mul(0x9E37_79B9_7F4A_7C15)], 3);
+        }
+        assert!(idx.len() <= 64, "{}", idx.len());
+    }
+
+    #[test]
+    fn podset_evicts_the_oldest() {
+        let mut s = PodSet::default();
+        for (i, pod) in [1u64, 2, 3, 4].iter().enumerate() {
+            s.insert(*pod, i as u64 + 1);
+        }
+        s.insert(1, 10); // refresh pod 1
+        s.insert(5, 11); // evicts pod 2, the oldest
+        let mut pods = s.pods.to_vec();
+        pods.sort();
+        assert_eq!(pods, [1, 3, 4, 5]);
+    }
+
+    #[test]
+    fn home_key_uses_a_bounded_depth() {
+        let h: Vec<u64> = (10..30).collect();
+        assert_eq!(home_key(&h, 4), Some(13));
+        assert_eq!(home_key(&h[..2], 4), Some(11));
+        assert_eq!(home_key(&[], 4), None);
+    }
+
+    #[test]
+    fn sync_log_round_trips_and_filters_by_seq() {
+        let mut log = SyncLog::new(3);
+        log.push(1, &[10, 11]);
+        log.push(2, &[20]);
+        log.push(3, &[]);
+        log.push(4, &[40, 41, 42]); // evicts seq 1
+        let bytes = log.encode();
+        let mut out = Vec::new();
+        SyncLog::decode_after(&bytes, 0, &mut out);
+        assert_eq!(out.iter().map(|r| r.seq).collect::<Vec<_>>(), [2, 3, 4]);
+        assert_eq!(out[2].anchors, [40, 41, 42]);
+        SyncLog::decode_after(&bytes, 3, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(log.last_seq(), 4);
+    }
+
+    proptest! {
+        #[test]
+        fn sync_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut out = Vec::new();
+            let mut with_magic = SYNC_MAGIC.to_vec();
+            with_magic.extend_from_slice(&bytes);
+            SyncLog::decode_after(&with_magic, 0, &mut out);
+            SyncLog::decode_after(&bytes, 0, &mut out);
+        }
+
+        #[test]
+        fn hrw_home_is_stable_when_other_pods_leave(key in any::<u64>(), n in 2usize..20, drop in 0usize..20) {
+            let pods: Vec<u64> = (1..=n as u64).collect();
+            let best = *pods.iter().max_by_key(|p| hrw_weight(key, **p)).unwrap();
+            let removed = pods[drop % n];
+            prop_assume!(removed != best);
+            let rest: Vec<u64> = pods.iter().copied().filter(|p| *p != removed).collect();
+            let best2 = *rest.iter().max_by_key(|p| hrw_weight(key, **p)).unwrap();
+            prop_assert_eq!(best, best2);
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! Parsing of OpenAI-compatible request bodies: the `model` (with its byte span, so an alias can
+//! be rewritten without re-serialising the body), `stream`, and the prompt text used for prefix
+//! affinity.
+//!
+//! One pass of `serde_json` over the body borrows every field it needs; only the prompt parts are
+//! visited a second time. Unknown fields are skipped, never interpreted. A duplicated `model` key
+//! is an error (serde's derive rejects it), so the gateway and the model server can never disagree
+//! about which model a body asks for.
+
+use crate::error::ApiError;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use std::borrow::Cow;
+use std::ops::Range;
+
+/// Which OpenAI endpoint a body belongs to; decides where the prompt lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`: `messages`.
+    Chat,
+    /// `/v1/completions`: `prompt`.
+    Completions,
+    /// `/v1/embeddings`: `input`.
+    Embeddings,
+    /// `/v1/responses`: `instructions` and `input`.
+    Responses,
+    /// Any other configured inference path: the first of the fields above that is present.
+    Other,
+}
+
+impl Endpoint {
+    /// Classifies a request path (query string already removed).
+    pub fn from_path(path: &str) -> Endpoint {
+        if path.ends_with("/chat/completions") {
+            Endpoint::Chat
+        } else if path.ends_with("/completions") {
+            Endpoint::Completions
+        } else if path.ends_with("/embeddings") {
+            Endpoint::Embeddings
+        } else if path.ends_with("/responses") {
+            Endpoint::Responses
+        } else {
+            Endpoint::Other
+        }
+    }
+}
+
+/// What the router needs from a request body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InferenceRequest<'a> {
+    /// The `model` field; `None` when absent or `null`.
+    pub model: Option<Cow<'a, str>>,
+    /// Byte range of the `model` value (including its quotes) within the body.
+    pub model_span: Option<Range<usize>>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// Canonical prompt text (roles and contents of chat messages, completion prompts, ...),
+    /// truncated to the `prompt_limit` passed to [`parse`]. Identical leading conversations give
+    /// identical leading text whatever the client's JSON formatting.
+    pub prompt: String,
+    /// Length of the full prompt text in bytes, before truncation; the token estimate uses it.
+    pub prompt_len: usize,
+}
+
+impl InferenceRequest<'_> {
+    /// Prompt tokens, estimated at 4 bytes per token (the usual rule of thumb for English text
+    /// with BPE tokenizers; OpenAI's tokenizer guide gives the same figure).
+    pub fn estimated_prompt_tokens(&self) -> u32 {
+        u32::try_from(self.prompt_len.div_ceil(4)).unwrap_or(u32::MAX)
+    }
+}
+
+#[derive(Deserialize)]
+struct Body<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    instructions: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tool_calls: Option<&'a RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Part<'a> {
+    #[serde(borrow, default)]
+    text: Option<Cow<'a, str>>,
+}
+
+// Separators that cannot appear in normal text keep "ab"+"c" distinct from "a"+"bc".
+const FIELD_SEP: char = '\u{1f}';
+const ITEM_SEP: char = '\u{1e}';
+
+/// Parses a request body. `prompt_limit` caps the prompt text kept for hashing (bytes); the
+/// full length is still measured.
+pub fn parse(
+    body: &[u8],
+    endpoint: Endpoint,
+    prompt_limit: usize,
+) -> Result<InferenceRequest<'_>, ApiError> {
+    let trimmed = body.trim_ascii_start();
+    if trimmed.first() != Some(&b'{') {
+        return Err(ApiError::invalid_json(
+            "the request body must be a JSON object",
+        ));
+    }
+    let raw: Body<'_> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
+
+    let (model, model_span) = match raw.model {
+        None => (None, None),
+        Some(v) if v.get() == "null" => (None, None),
+        Some(v) => {
+            let text = v.get();
+            if !text.starts_with('"') {
+                return Err(ApiError::invalid_type("model", "string"));
+            }
+            let name: Cow<'_, str> = serde_json::from_str(text)
+                .map_err(|e| ApiError::invalid_json(format!("invalid model: {e}")))?;
+            (Some(name), span_of(body, text))
+        }
+    };
+    let stream = matches!(raw.stream.map(RawValue::get), Some("true"));
+
+    let mut prompt = PromptText::new(prompt_limit);
+    match endpoint {
+        Endpoint::Chat => prompt.messages(raw.messages),
+        Endpoint::Completions => prompt.value(raw.prompt),
+        Endpoint::Embeddings => prompt.value(raw.input),
+        Endpoint::Responses => {
+            prompt.value(raw.instructions);
+            prompt.value(raw.input);
+        }
+        Endpoint::Other => {
+            if raw.messages.is_some() {
+                prompt.messages(raw.messages);
+            } else {
+                prompt.value(raw.instructions);
+                prompt.value(raw.prompt.or(raw.input));
+            }
+        }
+    }
+    Ok(InferenceRequest {
+        model,
+        model_span,
+        stream,
+        prompt_len: prompt.len,
+        prompt: prompt.text,
+    })
+}
+
+/// Byte range of `inner` (a slice borrowed from `outer`) within `outer`.
+fn span_of(outer: &[u8], inner: &str) -> Option<Range<usize>> {
+    let start = (inner.as_ptr() as usize).checked_sub(outer.as_ptr() as usize)?;
+    let end = start.checked_add(inner.len())?;
+    (end <= outer.len()).then_some(start..end)
+}
+
+/// Accumulates canonical prompt text up to a limit while measuring the full length.
+struct PromptText {
+    text: String,
+    len: usize,
+    limit: usize,
+}
+
+impl PromptText {
+    fn new(limit: usize) -> Self {
+        PromptText {
+            text: String::new(),
+            len: 0,
+            limit,
+        }
+    }
+
+    fn push(&mut self, s: &str) {
+        self.len += s.len();
+        let room = self.limit.saturating_sub(self.text.len());
+        if room == 0 {
+            return;
+        }
+        if s.len() <= room {
+            self.text.push_str(s);
+        } else {
+            let mut cut = room;
+            while !s.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            self.text.push_str(&s[..cut]);
+        }
+    }
+
+    fn sep(&mut self, c: char) {
+        let mut buf = [0u8; 4];
+        self.push(c.encode_utf8(&mut buf));
+    }
+
+    /// Chat `messages`: role and content of each message, in order.
+    fn messages(&mut self, raw: Option<&RawValue>) {
+        let Some(raw) = raw else { return };
+        let Ok(messages) = serde_json::from_str::<Vec<Message<'_>>>(raw.get()) else {
+            // Not the documented shape: still hash its raw text, so equal bodies stick together.
+            self.push(raw.get());
+            return;
+        };
+        for m in &messages {
+            if let Some(role) = &m.role {
+                self.push(role);
+            }
+            self.sep(FIELD_SEP);
+            if let Some(content) = m.content {
+                self.content(content);
+            }
+            if let Some(calls) = m.tool_calls {
+                self.push(calls.get());
+            }
+            self.sep(ITEM_SEP);
+        }
+    }
+
+    /// A content value: a string, or an array of parts whose `text` is taken (other parts, such
+    /// as images, contribute their raw JSON so different images give different text).
+    fn content(&mut self, raw: &RawValue) {
+        let text = raw.get();
+        if text.starts_with('"') {
+            if let Ok(s) = serde_json::from_str::<Cow<'_, str>>(text) {
+                self.push(&s);
+            }
+        } else if text.starts_with('[') {
+            match serde_json::from_str::<Vec<&RawValue>>(text) {
+                Ok(parts) => {
+                    for part in parts {
+                        match serde_json::from_str::<Part<'_>>(part.get()) {
+                            Ok(Part { text: Some(t) }) => self.push(&t),
+                            _ => self.push(part.get()),
+                        }
+                        self.sep(FIELD_SEP);
+                    }
+                }
+                Err(_) => self.push(text),
+            }
+        } else if text != "null" {
+            self.push(text);
+        }
+    }
+
+    /// A prompt/input value: a string, an array of strings, or anything else as raw JSON
+    /// (token-id arrays, Responses API items).
+    fn value(&mut self, raw: Option<&RawValue>) {
+        let Some(raw) = raw else { return };
+        let text = raw.get();
+        if text.starts_with('"') {
+            self.content(raw);
+            self.sep(ITEM_SEP);
+        } else if text.starts_with('[') {
+            match serde_json::from_str::<Vec<&RawValue>>(text) {
+                Ok(items) => {
+                    for item in items {
+                        if item.get().starts_with('"') {
+                            self.content(item);
+                        } else if let Ok(m) = serde_json::from_str::<Message<'_>>(item.get()) {
+                            // Responses API message items: role + content like chat.
+                            if let Some(role) = &m.role {
+                                self.push(role);
+                            }
+                            self.sep(FIELD_SEP);
+                            match m.content {
+                                Some(c) => self.content(c),
+                                None => self.push(item.get()),
+                            }
+                        } else {
+                            self.push(item.get());
+                        }
+                        self.sep(ITEM_SEP);
+                    }
+                }
+                Err(_) => self.push(text),
+            }
+        } else if text != "null" {
+            self.push(text);
+            self.sep(ITEM_SEP);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn chat(body: &str) -> InferenceRequest<'_> {
+        parse(body.as_bytes(), Endpoint::Chat, 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn extracts_model_stream_and_span() {
+        let body = r#"{ "stream": true, "model" : "llama-3", "messages": [] }"#;
+        let r = chat(body);
+        assert_eq!(r.model.as_deref(), Some("llama-3"));
+        assert!(r.stream);
+        let span = r.model_span.unwrap();
+        assert_eq!(&body[span], "\"llama-3\"");
+    }
+
+    #[test]
+    fn model_with_escapes_is_unescaped() {
+        let r = chat(r#"{"model":"a\/b\u0041"}"#);
+        assert_eq!(r.model.as_deref(), Some("a/bA"));
+    }
+
+    #[test]
+    fn missing_or_null_model_is_none() {
+        assert_eq!(chat(r#"{"messages":[]}"#).model, None);
+        assert_eq!(chat(r#"{"model":null}"#).model, None);
+    }
+
+    #[test]
+    fn non_string_model_is_a_typed_error() {
+        let err = parse(br#"{"model": 42}"#, Endpoint::Chat, 100).unwrap_err();
+        assert_eq!(err.status, 400);
+        assert_eq!(err.param.as_deref(), Some("model"));
+    }
+
+    #[test]
+    fn invalid_json_and_non_objects_are_400() {
+        for body in [
+            &b"{"[..],
+            b"[1,2]",
+            b"",
+            b"\"model\"",
+            b"{\"model\":\"a\"} trailing",
+            b"\xff\xfe",
+        ] {
+            let err = parse(body, Endpoint::Chat, 100).unwrap_err();
+            assert_eq!(err.status, 400, "{body:?}");
+            assert_eq!(err.code.as_deref(), Some("invalid_json"));
+        }
+    }
+
+    #[test]
+    fn duplicate_model_key_is_rejected() {
+        let err = parse(br#"{"model":"a","model":"b"}"#, Endpoint::Chat, 100).unwrap_err();
+        assert_eq!(err.status, 400);
+    }
+
+    #[test]
+    fn chat_prompt_is_independent_of_json_formatting() {
+        let a = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#,
+        );
+        let b = chat(
+            r#"{ "messages" : [ { "content" : "Be brief.", "role" : "system" },
+                 { "role": "user", "content": [ {"type":"text", "text":"Hi"} ] } ], "model":"m" }"#,
+        );
+        // Array-of-parts adds a part separator; the leading system message is identical.
+        assert!(a
+            .prompt
+            .starts_with("system\u{1f}Be brief.\u{1e}user\u{1f}Hi"));
+        assert!(b
+            .prompt
+            .starts_with("system\u{1f}Be brief.\u{1e}user\u{1f}Hi"));
+    }
+
+    #[test]
+    fn later_turns_extend_earlier_turns() {
+        let t1 =
+            chat(r#"{"model":"m","messages":[{"role":"user","content":"Tell me about Envoy."}]}"#);
+        let t2 = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"Tell me about Envoy."},
+            {"role":"assistant","content":"Envoy is a proxy."},{"role":"user","content":"More."}]}"#,
+        );
+        assert!(t2.prompt.starts_with(&t1.prompt));
+    }
+
+    #[test]
+    fn completions_embeddings_and_responses_prompts() {
+        let c = parse(
+            br#"{"model":"m","prompt":"Once upon"}"#,
+            Endpoint::Completions,
+            100,
+        )
+        .unwrap();
+        assert!(c.prompt.starts_with("Once upon"));
+        let c = parse(
+            br#"{"model":"m","prompt":["a","b"]}"#,
+            Endpoint::Completions,
+            100,
+        )
+        .unwrap();
+        assert!(c.prompt.contains('a') && c.prompt.contains('b'));
+        let c = parse(
+            br#"{"model":"m","prompt":[1,2,3]}"#,
+            Endpoint::Completions,
+            100,
+        )
+        .unwrap();
+        assert!(c.prompt.starts_with("1\u{1e}2\u{1e}3"));
+        let e = parse(
+            br#"{"model":"m","input":"embed me"}"#,
+            Endpoint::Embeddings,
+            100,
+        )
+        .unwrap();
+        assert!(e.prompt.starts_with("embed me"));
+        let r = parse(
+            br#"{"model":"m","instructions":"You are terse.","input":[{"role":"user","content":"hi"}]}"#,
+            Endpoint::Responses,
+            100,
+        )
+        .unwrap();
+        assert!(r.prompt.starts_with("You are terse."));
+        assert!(r.prompt.contains("user\u{1f}hi"));
+    }
+
+    #[test]
+    fn prompt_is_truncated_on_a_char_boundary_but_length_is_full() {
+        let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "é".repeat(100));
+        let r = parse(body.as_bytes(), Endpoint::Completions, 11).unwrap();
+        assert!(r.prompt.len() <= 11);
+        assert_eq!(r.prompt_len, 200 + 1); // 100 two-byte chars + the item separator
+        assert_eq!(r.estimated_prompt_tokens(), 51);
+    }
+
+    #[test]
+    fn endpoint_from_path() {
+        assert_eq!(Endpoint::from_path("/v1/chat/completions"), Endpoint::Chat);
+        assert_eq!(
+            Endpoint::from_path("/v1/completions"),
+            Endpoint::Completions
+        );
+        assert_eq!(Endpoint::from_path("/v1/embeddings"), Endpoint::Embeddings);
+        assert_eq!(Endpoint::from_path("/v1/responses"), Endpoint::Responses);
+        assert_eq!(Endpoint::from_path("/v1/score"), Endpoint::Other);
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = parse(&body, Endpoint::Chat, 64);
+            let _ = parse(&body, Endpoint::Other, 64);
+        }
+
+        #[test]
+        fn arbitrary_json_values_never_panic(model in ".{0,20}", content in ".{0,200}", n in 0usize..4) {
+            let msgs: Vec<_> = (0..n).map(|i| serde_json::json!({"role": "user", "content": format!("{content}{i}")})).collect();
+            let body = serde_json::json!({"model": model, "messages": msgs, "stream": n % 2 == 0}).to_string();
+            let r = parse(body.as_bytes(), Endpoint::Chat, 1 << 16).unwrap();
+            prop_assert_eq!(r.model.as_deref(), Some(model.as_str()));
+            prop_assert_eq!(&body[r.model_span.clone().unwrap()], serde_json::to_string(&model).unwrap());
+        }
+    }
+}

@@ -1,0 +1,259 @@
+#!/usr/bin/env python3
+"""Render an Envoy bootstrap for a gpuroute stack.
+
+One description (JSON) drives every shape the project runs: `make run`, the end-to-end tests,
+and each configuration of the benchmark. Envoy reads the output as YAML (JSON is YAML).
+
+Description fields:
+  mode            filter | filter_original_dst | round_robin | least_request
+  listen          "127.0.0.1:8080"  the OpenAI-compatible listener
+  admin           "127.0.0.1:9901"
+  ingest          "127.0.0.1:9002"  loopback listener for snapshot pushes (filter modes)
+  wasm            path of gpuroute_filter.wasm
+  filter_config   the plugin configuration (pools, ingest token, scoring, ...)
+  pools           [{"name": "llama-8b", "endpoints": ["127.0.0.1:18001", ...]}]
+  route_timeout_s 0 = none (streams can be long)
+
+Baselines (round_robin, least_request) still run the filter for body-based routing when there
+is more than one pool (with pick_endpoints false, so the pod is Envoy's choice); with one pool
+they run plain Envoy, exactly what a user without the filter has.
+
+Usage: render.py DESCRIPTION.json > envoy.yaml
+"""
+
+import copy
+import json
+import sys
+
+BODY_HEADROOM = 1024 * 1024
+DEFAULT_MAX_BODY = 4 * 1024 * 1024
+
+
+def addr(s):
+    host, _, port = s.rpartition(":")
+    return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+
+
+def wasm_filter(wasm_path, config):
+    return {
+        "name": "envoy.filters.http.wasm",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "gpuroute",
+                "root_id": "gpuroute",
+                # Same vm_id on both listeners: they share the VM and its shared data.
+                "vm_config": {
+                    "vm_id": "gpuroute",
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": {"local": {"filename": wasm_path}},
+                },
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": json.dumps(config, separators=(",", ":")),
+                },
+                # Without this, pausing in on_http_request_headers becomes StopAll and the
+                # request hangs (verified on Envoy 1.40).
+                "allow_on_headers_stop_iteration": True,
+                # If the VM ever fails, keep serving with Envoy's own routing.
+                "failure_policy": "FAIL_OPEN",
+            },
+        },
+    }
+
+
+def openai_404():
+    body = {
+        "error": {
+            "message": "no route: use an OpenAI inference path or /v1/models",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "not_found",
+        }
+    }
+    return {
+        "status": 404,
+        "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
+    }
+
+
+def cluster(pool, mode, connect_timeout="1s"):
+    c = {
+        "name": "pool_" + pool["name"],
+        "connect_timeout": connect_timeout,
+        "type": "STATIC",
+        "per_connection_buffer_limit_bytes": 1024 * 1024,
+        # Model servers stream for minutes; many concurrent streams per pod are normal.
+        "circuit_breakers": {
+            "thresholds": [
+                {"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000}
+            ]
+        },
+        "load_assignment": {
+            "cluster_name": "pool_" + pool["name"],
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": addr(e)}} for e in pool["endpoints"]]}
+            ],
+        },
+    }
+    least_request = {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.least_request",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+            },
+        }
+    }
+    round_robin = {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.round_robin",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+            },
+        }
+    }
+    if mode == "filter":
+        c["load_balancing_policy"] = {
+            "policies": [
+                {
+                    "typed_extension_config": {
+                        "name": "envoy.load_balancing_policies.override_host",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                            "override_host_sources": [{"header": "x-gateway-destination-endpoint"}],
+                            # Fail-open: no header, or a host that is not a member -> least_request.
+                            "fallback_policy": {"policies": [least_request]},
+                        },
+                    }
+                }
+            ]
+        }
+    elif mode == "filter_original_dst":
+        c["type"] = "ORIGINAL_DST"
+        c["lb_policy"] = "CLUSTER_PROVIDED"
+        c["original_dst_lb_config"] = {
+            "use_http_header": True,
+            "http_header_name": "x-gateway-destination-endpoint",
+        }
+        del c["load_assignment"]
+    elif mode == "least_request":
+        c["load_balancing_policy"] = {"policies": [least_request]}
+    elif mode == "round_robin":
+        c["load_balancing_policy"] = {"policies": [round_robin]}
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    return c
+
+
+def render(desc):
+    mode = desc["mode"]
+    pools = desc["pools"]
+    fcfg = copy.deepcopy(desc.get("filter_config") or {})
+    filter_on = mode.startswith("filter") or len(pools) > 1
+    if not mode.startswith("filter"):
+        fcfg["pick_endpoints"] = False
+        fcfg.pop("ingest", None)
+    if mode == "filter_original_dst":
+        fcfg["data_plane"] = "original_dst"
+    # With a dedicated loopback ingest listener, the public listener does not accept snapshots.
+    ingest_part = fcfg.get("ingest")
+    if desc.get("ingest"):
+        fcfg.pop("ingest", None)
+    max_body = fcfg.get("max_body_bytes", DEFAULT_MAX_BODY)
+    timeout = f"{desc.get('route_timeout_s', 0)}s"
+
+    retry = {
+        # Only before any response byte: a failed connect or a refused stream moves to the next
+        # endpoint of x-gateway-destination-endpoint (or the fallback policy's pick).
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": 2,
+    }
+    routes = []
+    if filter_on:
+        for p in pools:
+            routes.append(
+                {
+                    "match": {
+                        "prefix": "/",
+                        "headers": [{"name": "x-gateway-pool", "string_match": {"exact": p["name"]}}],
+                    },
+                    "route": {"cluster": "pool_" + p["name"], "timeout": timeout, "retry_policy": retry},
+                }
+            )
+        routes.append({"match": {"prefix": "/"}, "direct_response": openai_404()})
+    else:
+        routes.append(
+            {"match": {"prefix": "/"}, "route": {"cluster": "pool_" + pools[0]["name"], "timeout": timeout, "retry_policy": retry}}
+        )
+
+    http_filters = []
+    if filter_on:
+        http_filters.append(wasm_filter(desc["wasm"], fcfg))
+    http_filters.append(
+        {
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+        }
+    )
+
+    def hcm(stat_prefix, route_list, filters):
+        return {
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": stat_prefix,
+                "stream_idle_timeout": "300s",
+                "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": route_list}]},
+                "http_filters": filters,
+            },
+        }
+
+    listeners = [
+        {
+            "name": "openai",
+            "address": addr(desc["listen"]),
+            # The filter buffers bodies up to max_body_bytes; Envoy's own limit sits above it so
+            # the filter, not Envoy, answers an oversize body (with an OpenAI-style 413).
+            "per_connection_buffer_limit_bytes": max_body + BODY_HEADROOM,
+            "filter_chains": [{"filters": [hcm("openai", routes, http_filters)]}],
+        }
+    ]
+    if mode.startswith("filter") and desc.get("ingest"):
+        ingest_cfg = {"pools": [], "ingest": ingest_part or {}}
+        listeners.append(
+            {
+                "name": "gpuroute_ingest",
+                "address": addr(desc["ingest"]),
+                "per_connection_buffer_limit_bytes": 16 * 1024 * 1024,
+                "filter_chains": [
+                    {
+                        "filters": [
+                            hcm(
+                                "gpuroute_ingest",
+                                [{"match": {"prefix": "/"}, "direct_response": openai_404()}],
+                                [wasm_filter(desc["wasm"], ingest_cfg), http_filters[-1]],
+                            )
+                        ]
+                    }
+                ],
+            }
+        )
+    return {
+        "admin": {"address": addr(desc.get("admin", "127.0.0.1:9901"))},
+        "static_resources": {"listeners": listeners, "clusters": [cluster(p, mode) for p in pools]},
+    }
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    with open(sys.argv[1]) as f:
+        desc = json.load(f)
+    json.dump(render(desc), sys.stdout, indent=1)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

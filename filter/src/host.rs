@@ -1,0 +1,280 @@
+//! Panic-free host calls.
+//!
+//! The proxy-wasm SDK's own wrappers `panic!` on any status they do not expect (and some
+//! `unwrap` UTF-8 conversions of header values a client controls); a panic takes the whole VM
+//! down. This module declares the few ABI 0.2.1 imports the filter uses and turns every status
+//! into a `Result`, so a surprising host answer becomes a fail-open decision instead of a crash.
+//! Memory the host returns is allocated through the SDK's exported `proxy_on_memory_allocate`
+//! (a boxed slice), so it is taken back with `Vec::from_raw_parts` exactly like the SDK does.
+
+use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
+use std::ptr::{null, null_mut};
+
+#[link(wasm_import_module = "env")]
+extern "C" {
+    fn proxy_log(level: LogLevel, message_data: *const u8, message_size: usize) -> Status;
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> Status;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> Status;
+    fn proxy_get_buffer_bytes(
+        buffer_type: BufferType,
+        start: usize,
+        max_size: usize,
+        return_buffer_data: *mut *mut u8,
+        return_buffer_size: *mut usize,
+    ) -> Status;
+    fn proxy_set_buffer_bytes(
+        buffer_type: BufferType,
+        start: usize,
+        size: usize,
+        buffer_data: *const u8,
+        buffer_size: usize,
+    ) -> Status;
+    fn proxy_get_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> Status;
+    fn proxy_replace_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+    ) -> Status;
+    fn proxy_remove_header_map_value(
+        map_type: MapType,
+        key_data: *const u8,
+        key_size: usize,
+    ) -> Status;
+    fn proxy_get_property(
+        path_data: *const u8,
+        path_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> Status;
+    fn proxy_get_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+        return_cas: *mut u32,
+    ) -> Status;
+    fn proxy_set_shared_data(
+        key_data: *const u8,
+        key_size: usize,
+        value_data: *const u8,
+        value_size: usize,
+        cas: u32,
+    ) -> Status;
+    #[allow(clippy::too_many_arguments)]
+    fn proxy_send_local_response(
+        status_code: u32,
+        status_code_details_data: *const u8,
+        status_code_details_size: usize,
+        body_data: *const u8,
+        body_size: usize,
+        headers_data: *const u8,
+        headers_size: usize,
+        grpc_status: i32,
+    ) -> Status;
+    fn proxy_define_metric(
+        metric_type: MetricType,
+        name_data: *const u8,
+        name_size: usize,
+        return_id: *mut u32,
+    ) -> Status;
+    fn proxy_increment_metric(metric_id: u32, offset: i64) -> Status;
+    fn proxy_record_metric(metric_id: u32, value: u64) -> Status;
+}
+
+/// Takes ownership of a buffer the host allocated through `proxy_on_memory_allocate`.
+///
+/// # Safety
+/// `data` must be null or a pointer the host obtained from `proxy_on_memory_allocate(size)`.
+unsafe fn take(data: *mut u8, size: usize) -> Vec<u8> {
+    if data.is_null() {
+        Vec::new()
+    } else {
+        Vec::from_raw_parts(data, size, size)
+    }
+}
+
+fn ok(s: Status) -> Result<(), Status> {
+    match s {
+        Status::Ok => Ok(()),
+        other => Err(other),
+    }
+}
+
+pub fn log(level: LogLevel, msg: &str) {
+    // SAFETY: pointer and length of a live &str.
+    let _ = unsafe { proxy_log(level, msg.as_ptr(), msg.len()) };
+}
+
+/// Envoy's wall clock, nanoseconds since the Unix epoch (0 if the host refuses).
+pub fn now_nanos() -> u64 {
+    let mut t = 0u64;
+    // SAFETY: `t` outlives the call.
+    match unsafe { proxy_get_current_time_nanoseconds(&mut t) } {
+        Status::Ok => t,
+        _ => 0,
+    }
+}
+
+pub fn now_ms() -> u64 {
+    now_nanos() / 1_000_000
+}
+
+pub fn set_tick_period_ms(ms: u32) -> Result<(), Status> {
+    // SAFETY: plain value call.
+    ok(unsafe { proxy_set_tick_period_milliseconds(ms) })
+}
+
+pub fn get_buffer(kind: BufferType, start: usize, max: usize) -> Result<Vec<u8>, Status> {
+    let (mut data, mut size) = (null_mut(), 0usize);
+    // SAFETY: out-pointers outlive the call; the returned buffer is host-allocated via our
+    // allocator and owned by us afterwards.
+    unsafe {
+        match proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) {
+            Status::Ok => Ok(take(data, size)),
+            Status::NotFound | Status::Empty => Ok(Vec::new()),
+            other => Err(other),
+        }
+    }
+}
+
+pub fn set_buffer(kind: BufferType, start: usize, size: usize, value: &[u8]) -> Result<(), Status> {
+    // SAFETY: pointer and length of a live slice.
+    ok(unsafe { proxy_set_buffer_bytes(kind, start, size, value.as_ptr(), value.len()) })
+}
+
+/// A header's raw value; `None` when absent or when the host refuses.
+pub fn get_header(map: MapType, name: &str) -> Option<Vec<u8>> {
+    let (mut data, mut size) = (null_mut(), 0usize);
+    // SAFETY: as in `get_buffer`.
+    unsafe {
+        match proxy_get_header_map_value(map, name.as_ptr(), name.len(), &mut data, &mut size) {
+            Status::Ok => Some(take(data, size)),
+            _ => None,
+        }
+    }
+}
+
+/// A header's value as text; a value that is not UTF-8 counts as absent.
+pub fn get_header_str(map: MapType, name: &str) -> Option<String> {
+    get_header(map, name).and_then(|v| String::from_utf8(v).ok())
+}
+
+pub fn set_header(map: MapType, name: &str, value: &str) -> Result<(), Status> {
+    // SAFETY: pointers and lengths of live strings.
+    ok(unsafe {
+        proxy_replace_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
+    })
+}
+
+pub fn remove_header(map: MapType, name: &str) -> Result<(), Status> {
+    // SAFETY: pointer and length of a live string.
+    ok(unsafe { proxy_remove_header_map_value(map, name.as_ptr(), name.len()) })
+}
+
+/// An Envoy attribute, e.g. `["source", "address"]`.
+pub fn get_property(path: &[&str]) -> Option<Vec<u8>> {
+    let mut p = Vec::new();
+    for part in path {
+        p.extend_from_slice(part.as_bytes());
+        p.push(0);
+    }
+    p.pop();
+    let (mut data, mut size) = (null_mut(), 0usize);
+    // SAFETY: as in `get_buffer`.
+    unsafe {
+        match proxy_get_property(p.as_ptr(), p.len(), &mut data, &mut size) {
+            Status::Ok => Some(take(data, size)),
+            _ => None,
+        }
+    }
+}
+
+/// A shared-data value and its CAS token (`None` when the key was never written).
+pub fn get_shared(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
+    let (mut data, mut size, mut cas) = (null_mut(), 0usize, 0u32);
+    // SAFETY: as in `get_buffer`.
+    unsafe {
+        match proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) {
+            Status::Ok => {
+                let v = (!data.is_null()).then(|| take(data, size));
+                (v, (cas != 0).then_some(cas))
+            }
+            _ => (None, None),
+        }
+    }
+}
+
+/// Writes a shared-data value; with `cas`, fails with `CasMismatch` if it changed meanwhile.
+pub fn set_shared(key: &str, value: &[u8], cas: Option<u32>) -> Result<(), Status> {
+    // SAFETY: pointers and lengths of live values.
+    ok(unsafe {
+        proxy_set_shared_data(
+            key.as_ptr(),
+            key.len(),
+            value.as_ptr(),
+            value.len(),
+            cas.unwrap_or(0),
+        )
+    })
+}
+
+/// Sends a local reply and stops the request.
+pub fn send_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -> Result<(), Status> {
+    let mut h = Vec::with_capacity(64);
+    h.extend_from_slice(&(headers.len() as u32).to_le_bytes());
+    for (k, v) in headers {
+        h.extend_from_slice(&(k.len() as u32).to_le_bytes());
+        h.extend_from_slice(&(v.len() as u32).to_le_bytes());
+    }
+    for (k, v) in headers {
+        h.extend_from_slice(k.as_bytes());
+        h.push(0);
+        h.extend_from_slice(v.as_bytes());
+        h.push(0);
+    }
+    let details = b"gpuroute";
+    // SAFETY: pointers and lengths of live buffers.
+    ok(unsafe {
+        proxy_send_local_response(
+            status,
+            details.as_ptr(),
+            details.len(),
+            if body.is_empty() {
+                null()
+            } else {
+                body.as_ptr()
+            },
+            body.len(),
+            h.as_ptr(),
+            h.len(),
+            -1,
+        )
+    })
+}
+
+pub fn define_metric(kind: MetricType, name: &str) -> Option<u32> {
+    let mut id = 0u32;
+    // SAFETY: pointer and length of a live string; `id` outlives the call.
+    match unsafe { proxy_define_metric(kind, name.as_ptr(), name.len(), &mut id) } {
+        Status::Ok => Some(id),
+        _ => None,
+    }
+}
+
+pub fn increment_metric(id: u32, by: i64) {
+    // SAFETY: plain value call.
+    let _ = unsafe { proxy_increment_metric(id, by) };
+}
+
+pub fn record_metric(id: u32, value: u64) {
+    // SAFETY: plain value call.
+    let _ = unsafe { proxy_record_metric(id, value) };
+}

@@ -1,0 +1,166 @@
+"""End-to-end harness: a real Envoy (the pip-installed 1.40 binary) running the built filter.
+
+Everything binds 127.0.0.1 on OS-chosen ports. Used by the pytest suites here and by the
+benchmark orchestration.
+"""
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENVOY = Path(os.environ.get("ENVOY_BIN", ROOT / ".venv" / "bin" / "envoy"))
+WASM = Path(os.environ.get("GPUROUTE_WASM", ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_filter.wasm"))
+sys.path.insert(0, str(ROOT / "envoy"))
+import render  # noqa: E402
+
+TOKEN = "e2e-ingest-token"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def now_ms():
+    return int(time.time() * 1000)
+
+
+class Envoy:
+    """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
+
+    def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None):
+        self.dir = Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
+        self.listen = f"127.0.0.1:{free_port()}"
+        self.admin = f"127.0.0.1:{free_port()}"
+        self.ingest = f"127.0.0.1:{free_port()}"
+        fc = dict(filter_config or {})
+        fc.setdefault("ingest", {"token": TOKEN})
+        desc = {
+            "mode": mode,
+            "listen": self.listen,
+            "admin": self.admin,
+            "ingest": self.ingest,
+            "wasm": str(WASM),
+            "filter_config": fc,
+            "pools": pools,
+        }
+        desc.update(extra or {})
+        self.config_path = self.dir / "envoy.json"
+        self.config_path.write_text(json.dumps(render.render(desc), indent=1))
+        self.log_path = self.dir / "envoy.log"
+        self.proc = subprocess.Popen(
+            [
+                str(ENVOY),
+                "-c", str(self.config_path),
+                "--concurrency", str(concurrency),
+                "--disable-hot-restart",
+                "-l", "warning",
+                "--log-path", str(self.log_path),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout=30):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited early: {self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"http://{self.admin}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except Exception:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("envoy did not become ready")
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def log(self):
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    # --- requests -------------------------------------------------------------------------
+
+    def request(self, method, path, body=None, headers=None, addr=None):
+        host, port = (addr or self.listen).rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        h = {"content-type": "application/json"}
+        h.update(headers or {})
+        conn.request(method, path, body=data, headers=h)
+        r = conn.getresponse()
+        raw = r.read()
+        conn.close()
+        try:
+            parsed = json.loads(raw) if raw else None
+        except ValueError:
+            parsed = None
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed, raw
+
+    def chat(self, model, text="hello", headers=None, path="/v1/chat/completions"):
+        body = {"model": model, "messages": [{"role": "user", "content": text}]}
+        return self.request("POST", path, body, headers)
+
+    def push(self, snapshot, token=TOKEN, raw=None):
+        body = raw if raw is not None else json.dumps(snapshot).encode()
+        return self.request(
+            "POST",
+            "/gpuroute/v1/snapshot",
+            body,
+            {"authorization": f"Bearer {token}"},
+            addr=self.ingest,
+        )
+
+    def stats(self):
+        with urllib.request.urlopen(f"http://{self.admin}/stats?filter=gpuroute", timeout=5) as r:
+            out = {}
+            for line in r.read().decode().splitlines():
+                name, _, value = line.partition(": ")
+                try:
+                    out[name] = int(value)
+                except ValueError:
+                    out[name] = value
+            return out
+
+    def stat(self, name):
+        return self.stats().get(name, 0)
+
+
+_version = [now_ms() * 1000]
+
+
+def snapshot(pools, version=None, generated_at=None, source="e2e"):
+    """pools: {name: [pod dict]} where each pod dict has at least `address`."""
+    ts = generated_at if generated_at is not None else now_ms()
+    if version is None:
+        _version[0] += 1
+        version = _version[0]
+    out = []
+    for name, pods in pools.items():
+        full = []
+        for p in pods:
+            d = {"healthy": True, "last_scrape_ms": ts, "engine": "vllm", "waiting": 0, "running": 0, "kv_cache_usage": 0.1}
+            d.update(p)
+            full.append(d)
+        out.append({"name": name, "pods": full})
+    return {"schema": 1, "version": version, "source": source, "generated_at_ms": ts, "pools": out}

@@ -1,0 +1,348 @@
+"""End-to-end tests of the filter in a real Envoy 1.40 (pip-installed) with the built .wasm,
+against stub pods that say who served each request."""
+
+import json
+import socket
+import time
+from collections import Counter
+
+import pytest
+
+from harness import Envoy, TOKEN, now_ms, snapshot
+from stubpod import StubPod
+
+CONFIG = {
+    "pools": [
+        {
+            "name": "llama",
+            "models": ["llama-3-8b"],
+            "aliases": {"llama": "llama-3-8b"},
+            "adapters": ["sql-lora", "chat-lora"],
+        },
+        {"name": "qwen", "models": ["qwen-7b"]},
+    ],
+    "debug_header": True,
+}
+
+
+@pytest.fixture(scope="module")
+def pods():
+    ps = {name: StubPod(name) for name in ["llama-0", "llama-1", "llama-2", "qwen-0"]}
+    yield ps
+    for p in ps.values():
+        p.close()
+
+
+def pools_of(pods):
+    return [
+        {"name": "llama", "endpoints": [pods[f"llama-{i}"].address for i in range(3)]},
+        {"name": "qwen", "endpoints": [pods["qwen-0"].address]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def envoy(pods):
+    e = Envoy("filter", pools_of(pods), CONFIG)
+    yield e
+    e.stop()
+
+
+def fresh(pods, llama=None, qwen=None):
+    """A snapshot where every pod is idle unless overridden."""
+    llama = llama or [{} for _ in range(3)]
+    return snapshot(
+        {
+            "llama": [dict({"address": pods[f"llama-{i}"].address}, **llama[i]) for i in range(3)],
+            "qwen": [dict({"address": pods["qwen-0"].address}, **(qwen or {}))],
+        }
+    )
+
+
+def served_by(resp):
+    return resp[1].get("x-served-by")
+
+
+def test_routes_by_model_to_the_right_pool(envoy, pods):
+    assert envoy.push(fresh(pods))[0] == 204
+    for _ in range(5):
+        assert served_by(envoy.chat("qwen-7b")) == "qwen-0"
+        assert served_by(envoy.chat("llama-3-8b")).startswith("llama-")
+    # What the pod received: routing headers set by the filter.
+    s, _, body, _ = envoy.chat("qwen-7b")
+    assert body["headers"]["x-gateway-pool"] == "qwen"
+    assert body["headers"]["x-gateway-model-name"] == "qwen-7b"
+
+
+def test_least_loaded_pod_wins_from_a_pushed_snapshot(envoy, pods):
+    loads = [
+        {"waiting": 3, "running": 40, "kv_cache_usage": 0.6},
+        {"waiting": 0, "running": 2, "kv_cache_usage": 0.1},
+        {"waiting": 2, "running": 30, "kv_cache_usage": 0.5},
+    ]
+    assert envoy.push(fresh(pods, loads))[0] == 204
+    got = Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(10))
+    assert got == {"llama-1": 10}, got
+    # The load moves: the routing follows the next snapshot.
+    loads[0], loads[1] = loads[1], loads[0]
+    assert envoy.push(fresh(pods, loads))[0] == 204
+    got = Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(10))
+    assert got == {"llama-0": 10}, got
+
+
+def test_destination_header_lists_fallbacks_and_debug_explains(envoy, pods):
+    assert envoy.push(fresh(pods))[0] == 204
+    s, h, body, _ = envoy.chat("llama-3-8b")
+    dest = body["headers"]["x-gateway-destination-endpoint"].split(",")
+    assert len(dest) == 3 and len(set(dest)) == 3
+    assert dest[0] == pods[h["x-served-by"]].address
+    assert h["x-gateway-debug"].startswith("pool=llama; picked=" + dest[0])
+    assert "queue=" in h["x-gateway-debug"] and "kv=" in h["x-gateway-debug"]
+
+
+def test_lora_affinity(envoy, pods):
+    loras = [
+        {"lora": {"max_loras": 2, "running": ["chat-lora", "x"], "waiting": []}, "running": 3},
+        {"lora": {"max_loras": 2, "running": ["sql-lora", "y"], "waiting": []}, "running": 9, "kv_cache_usage": 0.4},
+        {"lora": {"max_loras": 2, "running": ["a", "b"], "waiting": []}, "running": 1},
+    ]
+    assert envoy.push(fresh(pods, loras))[0] == 204
+    # The resident pod wins although it is busier: the others would have to evict an adapter.
+    got = Counter(served_by(envoy.chat("sql-lora")) for _ in range(6))
+    assert got == {"llama-1": 6}, got
+    # An adapter nobody has goes to a pod with a free slot.
+    loras[2]["lora"]["running"] = ["a"]
+    assert envoy.push(fresh(pods, loras))[0] == 204
+    assert Counter(served_by(envoy.chat("chat-lora")) for _ in range(4)) == {"llama-0": 4}
+    loras[0]["lora"]["running"] = ["x", "z"]
+    assert envoy.push(fresh(pods, loras))[0] == 204
+    assert Counter(served_by(envoy.chat("chat-lora")) for _ in range(4)) == {"llama-2": 4}
+    s, _, body, _ = envoy.chat("sql-lora")
+    assert body["headers"]["x-gateway-base-model-name"] == "llama-3-8b"
+    assert json.loads(body["body"])["model"] == "sql-lora"
+
+
+def test_alias_is_rewritten_for_the_pod(envoy, pods):
+    assert envoy.push(fresh(pods))[0] == 204
+    s, _, body, _ = envoy.chat("llama", "alias me")
+    assert s == 200
+    sent = json.loads(body["body"])
+    assert sent["model"] == "llama-3-8b"
+    assert sent["messages"][0]["content"] == "alias me"
+    assert int(body["headers"]["content-length"]) == len(body["body"].encode())
+
+
+def test_fail_open_without_fresh_metrics(envoy, pods):
+    before = envoy.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod")
+    stale = fresh(pods)
+    for pool in stale["pools"]:
+        for p in pool["pods"]:
+            p["last_scrape_ms"] = stale["generated_at_ms"] - 60_000
+    assert envoy.push(stale)[0] == 204
+    got = Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(30))
+    # Envoy's own least_request fallback spreads them; nobody is refused.
+    assert sum(got.values()) == 30 and len(got) >= 2, got
+    assert envoy.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod") - before == 30
+
+
+def test_fail_open_when_every_pod_is_unhealthy(envoy, pods):
+    assert envoy.push(fresh(pods, [{"healthy": False}] * 3))[0] == 204
+    s, h, _, _ = envoy.chat("llama-3-8b")
+    assert s == 200 and h["x-served-by"].startswith("llama-")
+
+
+def test_snapshot_ages_out(pods):
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 300}))
+    try:
+        loads = [{"waiting": 4}, {"waiting": 0}, {"waiting": 4}]
+        assert e.push(fresh(pods, loads))[0] == 204
+        assert served_by(e.chat("llama-3-8b")) == "llama-1"
+        time.sleep(0.5)
+        before = e.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod")
+        e.chat("llama-3-8b")
+        assert e.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod") == before + 1
+    finally:
+        e.stop()
+
+
+def test_missing_snapshot_fails_open(pods):
+    e = Envoy("filter", pools_of(pods), CONFIG)
+    try:
+        got = Counter(served_by(e.chat("llama-3-8b")) for _ in range(12))
+        assert sum(got.values()) == 12
+        assert e.stat("wasmcustom.gpuroute.fail_open.no_snapshot") == 12
+    finally:
+        e.stop()
+
+
+def test_forged_destination_header_is_ignored_even_with_original_dst(pods):
+    """ORIGINAL_DST connects wherever the header says: a client must not be able to set it."""
+    canary = StubPod("canary")
+    e = Envoy("filter_original_dst", pools_of(pods), CONFIG)
+    try:
+        assert e.push(fresh(pods, [{"waiting": 4}, {}, {"waiting": 4}]))[0] == 204
+        forged = {
+            "x-gateway-destination-endpoint": canary.address,
+            "x-gateway-pool": "qwen",
+            "x-gateway-model-name": "qwen-7b",
+            "x-envoy-original-dst-host": canary.address,
+        }
+        for _ in range(5):
+            s, h, body, _ = e.chat("llama-3-8b", headers=forged)
+            assert s == 200 and h["x-served-by"] == "llama-1"
+            assert body["headers"]["x-gateway-pool"] == "llama"
+            assert canary.address not in body["headers"]["x-gateway-destination-endpoint"]
+        # A non-inference path: the header is still stripped and nothing reaches the canary.
+        e.request("GET", "/anything", headers=forged)
+        assert canary.requests == []
+    finally:
+        e.stop()
+        canary.close()
+
+
+def test_original_dst_fails_open_to_a_known_pod(pods):
+    e = Envoy("filter_original_dst", pools_of(pods), CONFIG)
+    try:
+        # No snapshot at all: ORIGINAL_DST cannot route, so the filter answers 503.
+        s, _, body, _ = e.chat("llama-3-8b")
+        assert s == 503 and body["error"]["code"] == "no_healthy_endpoints"
+        stale = fresh(pods)
+        for pool in stale["pools"]:
+            for p in pool["pods"]:
+                p["last_scrape_ms"] -= 60_000
+        assert e.push(stale)[0] == 204
+        s, h, _, _ = e.chat("llama-3-8b")
+        assert s == 200 and h["x-served-by"].startswith("llama-")
+    finally:
+        e.stop()
+
+
+def error_of(resp):
+    status, _, body, _ = resp
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return status, body["error"]
+
+
+def test_openai_style_errors(envoy):
+    s, err = error_of(envoy.request("POST", "/v1/chat/completions", b'{"model": "llama-3-8b", "messages": [}'))
+    assert (s, err["type"], err["code"]) == (400, "invalid_request_error", "invalid_json")
+    s, err = error_of(envoy.request("POST", "/v1/chat/completions", {"model": 7, "messages": []}))
+    assert (s, err["param"]) == (400, "model")
+    s, err = error_of(envoy.chat("gpt-4o"))
+    assert (s, err["code"], err["param"]) == (404, "model_not_found", "model")
+    s, err = error_of(envoy.request("POST", "/v1/chat/completions", {"messages": []}))
+    assert (s, err["code"]) == (400, "missing_required_parameter")
+    big = b'{"model":"llama-3-8b","prompt":"' + b"x" * (4 * 1024 * 1024 + 10) + b'"}'
+    s, err = error_of(envoy.request("POST", "/v1/completions", big))
+    assert (s, err["code"]) == (413, "request_too_large")
+
+
+def test_oversize_body_without_content_length_is_413(envoy):
+    """Chunked upload: the limit is enforced while buffering, not only from content-length."""
+    host, port = envoy.listen.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"y" * 65536
+        try:
+            for _ in range(80):  # 5 MiB
+                s.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            s.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data = s.recv(65536)
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    assert b"request_too_large" in data
+
+
+def test_models_list(envoy):
+    s, h, body, _ = envoy.request("GET", "/v1/models")
+    assert s == 200 and h["content-type"] == "application/json"
+    assert body["object"] == "list"
+    ids = {m["id"]: m for m in body["data"]}
+    assert set(ids) == {"llama-3-8b", "llama", "sql-lora", "chat-lora", "qwen-7b"}
+    assert ids["sql-lora"]["parent"] == "llama-3-8b"
+
+
+def test_ingest_rejects_bad_token_and_bad_snapshot_and_keeps_the_old_one(envoy, pods):
+    good = fresh(pods, [{"waiting": 4}, {"waiting": 4}, {"waiting": 0}])
+    assert envoy.push(good)[0] == 204
+    assert served_by(envoy.chat("llama-3-8b")) == "llama-2"
+    other = fresh(pods, [{"waiting": 0}, {"waiting": 4}, {"waiting": 4}])
+    s, _, body, _ = envoy.push(other, token="wrong-token")
+    assert s == 401 and body["error"]["code"] == "invalid_token"
+    s, _, body, _ = envoy.push(None, raw=b'{"schema": 1, "version": "x"}')
+    assert s == 400 and "version" in body["error"]["message"]
+    bad = json.loads(json.dumps(other))
+    bad["pools"][0]["pods"][0]["kv_cache_usage"] = 7
+    s, _, body, _ = envoy.push(bad)
+    assert s == 400 and "kv_cache_usage" in body["error"]["message"]
+    older = json.loads(json.dumps(other))
+    older["version"] = good["version"] - 1
+    s, _, body, _ = envoy.push(older)
+    assert s == 400 and "not newer" in body["error"]["message"]
+    # Still routing by the good snapshot.
+    assert Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(5)) == {"llama-2": 5}
+    assert envoy.stat("wasmcustom.gpuroute.snapshot.rejected.unauthorized") >= 1
+    assert envoy.stat("wasmcustom.gpuroute.snapshot.rejected.invalid") >= 3
+
+
+def test_ingest_path_is_not_reachable_from_the_traffic_listener_without_loopback(envoy):
+    # The traffic listener's plugin has no ingest configured: the path is just unrouted.
+    s, _, body, _ = envoy.request("POST", "/gpuroute/v1/snapshot", b"{}", {"authorization": "Bearer " + TOKEN})
+    assert s == 404
+
+
+def test_envoy_keeps_serving_after_1000_malformed_requests(envoy, pods):
+    assert envoy.push(fresh(pods))[0] == 204
+    host, port = envoy.listen.rsplit(":", 1)
+    bodies = [
+        b"{", b"[]", b"null", b'{"model":', b'{"model":{"a":1}}', b'{"model":"llama-3-8b","messages":"x"}',
+        b'\xff\xfe\x00garbage', b'{"model":"llama-3-8b","model":"qwen-7b"}', b'{"model":"' + b"A" * 5000 + b'"}',
+        b'{"model":"llama-3-8b","messages":[{"role":"user","content":[{"type":"image_url"},1,null]}]}',
+    ]
+    statuses = Counter()
+    for i in range(1000):
+        body = bodies[i % len(bodies)]
+        s, _, _, _ = envoy.request("POST", "/v1/chat/completions", body, {"x-gateway-priority": "not-a-number"})
+        statuses[s] += 1
+    assert envoy.alive()
+    assert set(statuses) <= {200, 400, 404}, statuses
+    assert statuses[400] >= 700
+    # Hostile header bytes do not take the VM down either.
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        body = b'{"model":"llama-3-8b","messages":[]}'
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-gateway-priority: \xff\xfe\r\n"
+            b"authorization: Bearer \x80\x81\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
+    assert envoy.chat("llama-3-8b")[0] == 200
+    assert envoy.stat("wasm.gpuroute.vm_reload") == 0 if "wasm.gpuroute.vm_reload" in envoy.stats() else True
+
+
+def test_burst_within_one_snapshot_spreads(pods):
+    """No thundering herd: a burst inside one scrape interval does not pile onto the pod that
+    looked best at the last scrape, because requests in flight count against their pod."""
+    import concurrent.futures
+
+    slow = {n: StubPod(n, delay_s=1.0) for n in ["s0", "s1", "s2"]}
+    e = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in slow.values()]}], CONFIG, concurrency=2)
+    try:
+        snap = snapshot({"llama": [
+            {"address": slow["s0"].address, "running": 0},
+            {"address": slow["s1"].address, "running": 6},
+            {"address": slow["s2"].address, "running": 6},
+        ]})
+        assert e.push(snap)[0] == 204
+        with concurrent.futures.ThreadPoolExecutor(30) as ex:
+            got = Counter(ex.map(lambda _: served_by(e.chat("llama-3-8b", "burst")), range(30)))
+        assert len(got) == 3 and max(got.values()) <= 15, got
+    finally:
+        e.stop()
+        for p in slow.values():
+            p.close()
+
+
+def test_non_inference_paths_pass_through_untouched(envoy, pods):
+    s, _, body, _ = envoy.request("GET", "/health")
+    # No pool header was set, so the route table's catch-all answers.
+    assert s == 404 and body["error"]["code"] == "not_found"
