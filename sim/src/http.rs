@@ -1,0 +1,525 @@
+//! The HTTP surface of one pod, shaped like vLLM's OpenAI-compatible server:
+//! `POST /v1/chat/completions` and `POST /v1/completions` (SSE streaming in vLLM's chunk format
+//! ending with `data: [DONE]`, or one JSON body with `usage`), `GET /v1/models` (base model and
+//! LoRA adapters with `root`/`parent`), `GET /health`, `GET /version` and `GET /metrics`.
+//! Every response carries `x-served-by` and `x-served-by-address`. The failure modes `hang` and
+//! `error` are applied here; `down` is applied by the listener ([`crate::server`]).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::engine::{FinishReason, NewRequest, Output};
+use crate::pod::{Mode, Pod, RequestGuard};
+use crate::text;
+
+/// Largest request body accepted (vLLM has no small limit; long-context prompts are large).
+const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
+
+/// vLLM version the surface imitates (reported by `/version`).
+const VLLM_VERSION: &str = "0.11.0";
+
+/// The router of one pod.
+pub fn router(pod: Arc<Pod>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/version", get(version))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&pod),
+            failure_mode,
+        ))
+        .layer(middleware::from_fn_with_state(Arc::clone(&pod), served_by))
+        .with_state(pod)
+}
+
+async fn served_by(State(pod): State<Arc<Pod>>, req: Request, next: Next) -> Response {
+    let mut res = next.run(req).await;
+    let h = res.headers_mut();
+    if let Ok(v) = HeaderValue::from_str(&pod.cfg.name) {
+        h.insert("x-served-by", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&pod.addr.to_string()) {
+        h.insert("x-served-by-address", v);
+    }
+    res
+}
+
+async fn failure_mode(State(pod): State<Arc<Pod>>, req: Request, next: Next) -> Response {
+    match pod.mode() {
+        Mode::Ok => next.run(req).await,
+        Mode::Error => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            "simulated failure (fleet-sim mode=error)",
+        ),
+        // never answer; the connection is dropped by the client or by mode=down
+        Mode::Hang | Mode::Down => std::future::pending().await,
+    }
+}
+
+/// An error in vLLM's format (`ErrorResponse` with a nested `error` object, vLLM >= 0.10.2).
+pub fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}
+    });
+    json_response(status, body.to_string())
+}
+
+fn json_response(status: StatusCode, body: String) -> Response {
+    (
+        status,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
+        body,
+    )
+        .into_response()
+}
+
+fn bad_request(message: &str) -> Response {
+    error_response(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+async fn not_found() -> Response {
+    json_response(
+        StatusCode::NOT_FOUND,
+        r#"{"detail":"Not Found"}"#.to_string(),
+    )
+}
+
+async fn health() -> Response {
+    StatusCode::OK.into_response()
+}
+
+async fn version() -> Response {
+    json_response(StatusCode::OK, format!(r#"{{"version":"{VLLM_VERSION}"}}"#))
+}
+
+async fn metrics(State(pod): State<Arc<Pod>>) -> Response {
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        crate::render::render(&pod),
+    )
+        .into_response()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+async fn models(State(pod): State<Arc<Pod>>) -> Response {
+    let created = unix_now();
+    let owned_by = match pod.cfg.engine.kind {
+        crate::engine::EngineKind::Vllm => "vllm",
+        crate::engine::EngineKind::Sglang => "sglang",
+    };
+    let perm = |i: usize| {
+        serde_json::json!({
+            "id": format!("modelperm-{}-{i}", pod.cfg.name), "object": "model_permission",
+            "created": created, "allow_create_engine": false, "allow_sampling": true,
+            "allow_logprobs": true, "allow_search_indices": false, "allow_view": true,
+            "allow_fine_tuning": false, "organization": "*", "group": null, "is_blocking": false
+        })
+    };
+    let mut data = vec![serde_json::json!({
+        "id": pod.cfg.model, "object": "model", "created": created, "owned_by": owned_by,
+        "root": pod.cfg.model, "parent": null, "max_model_len": pod.max_model_len(),
+        "permission": [perm(0)]
+    })];
+    for (i, a) in pod.cfg.adapters.iter().enumerate() {
+        data.push(serde_json::json!({
+            "id": a, "object": "model", "created": created, "owned_by": owned_by,
+            "root": format!("/adapters/{a}"), "parent": pod.cfg.model, "max_model_len": null,
+            "permission": [perm(i + 1)]
+        }));
+    }
+    json_response(
+        StatusCode::OK,
+        serde_json::json!({"object": "list", "data": data}).to_string(),
+    )
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatMessage {
+    #[serde(default)]
+    content: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<ChatMessage>,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    max_completion_tokens: Option<i64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    #[serde(default)]
+    model: Option<String>,
+    prompt: Value,
+    #[serde(default)]
+    max_tokens: Option<i64>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+}
+
+/// Chat or text completion: decides the JSON shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Completion,
+}
+
+/// What the response writer needs to know about a request.
+#[derive(Debug)]
+struct Meta {
+    api: Api,
+    /// `{"id":...,"object":...,"created":...,"model":...,` (chunk or body prefix).
+    head: String,
+    prompt_tokens: u32,
+    include_usage: bool,
+}
+
+fn message_text(content: &Option<Value>, out: &mut String) {
+    match content {
+        Some(Value::String(s)) => out.push_str(s),
+        Some(Value::Array(parts)) => {
+            for p in parts {
+                if let Some(t) = p.get("text").and_then(Value::as_str) {
+                    out.push_str(t);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+async fn chat_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: ChatRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(&format!("invalid chat completion request: {e}")),
+    };
+    let mut prompt = String::new();
+    for m in &req.messages {
+        message_text(&m.content, &mut prompt);
+    }
+    let max = req.max_completion_tokens.or(req.max_tokens);
+    let stream = req.stream.unwrap_or(false);
+    let usage = req
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    serve(pod, Api::Chat, req.model, prompt, max, stream, usage).await
+}
+
+async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: CompletionRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(&format!("invalid completion request: {e}")),
+    };
+    let prompt = match &req.prompt {
+        Value::String(s) => s.clone(),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            items[0].as_str().unwrap_or_default().to_string()
+        }
+        // a token-id prompt: keep one "token" (4 bytes of text) per id so counts match
+        Value::Array(items) if items.iter().all(Value::is_number) => items
+            .iter()
+            .map(|v| format!("{:<4}", v.as_u64().unwrap_or(0) % 10_000))
+            .collect(),
+        _ => return bad_request("fleet-sim accepts one prompt: a string, [string] or [token ids]"),
+    };
+    let stream = req.stream.unwrap_or(false);
+    let usage = req
+        .stream_options
+        .as_ref()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false);
+    serve(
+        pod,
+        Api::Completion,
+        req.model,
+        prompt,
+        req.max_tokens,
+        stream,
+        usage,
+    )
+    .await
+}
+
+async fn serve(
+    pod: Arc<Pod>,
+    api: Api,
+    model: Option<String>,
+    prompt: String,
+    max_tokens: Option<i64>,
+    stream: bool,
+    include_usage: bool,
+) -> Response {
+    let n = pod.next_request_number();
+    let model = model.unwrap_or_else(|| pod.cfg.model.clone());
+    let adapter = if model == pod.cfg.model {
+        None
+    } else {
+        match pod.adapter_id(&model) {
+            Some(id) => Some(id),
+            None => {
+                return error_response(
+                    StatusCode::NOT_FOUND,
+                    "NotFoundError",
+                    &format!("The model `{model}` does not exist."),
+                )
+            }
+        }
+    };
+    let prompt_tokens = text::prompt_tokens(&prompt);
+    let max_len = pod.max_model_len();
+    let (output_tokens, finish) = match max_tokens {
+        Some(m) if m < 1 => {
+            return bad_request(&format!("max_tokens must be at least 1, got {m}."));
+        }
+        Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
+        None => {
+            let room = max_len.saturating_sub(prompt_tokens);
+            let drawn = text::drawn_output_tokens(pod.seed, &model, &prompt, room.max(1));
+            (drawn, FinishReason::Stop)
+        }
+    };
+    let total = u64::from(prompt_tokens) + u64::from(output_tokens);
+    if total > u64::from(max_len) {
+        return bad_request(&format!(
+            "This model's maximum context length is {max_len} tokens. However, you requested \
+             {total} tokens ({prompt_tokens} in the messages, {output_tokens} in the \
+             completion). Please reduce the length of the messages or completion."
+        ));
+    }
+    let block_hashes = if pod.cfg.engine.enable_prefix_caching {
+        text::block_hashes(&prompt, pod.cfg.engine.block_size, &model)
+    } else {
+        Vec::new()
+    };
+    drop(prompt);
+    let (prefix, object) = match api {
+        Api::Chat => (
+            "chatcmpl",
+            if stream {
+                "chat.completion.chunk"
+            } else {
+                "chat.completion"
+            },
+        ),
+        Api::Completion => ("cmpl", "text_completion"),
+    };
+    let id = format!(
+        "{prefix}-{:016x}{n:016x}",
+        xxhash_rust::xxh64::xxh64(pod.cfg.name.as_bytes(), pod.seed)
+    );
+    let model_json = serde_json::to_string(&model).unwrap_or_else(|_| "\"\"".to_string());
+    let meta = Meta {
+        api,
+        head: format!(
+            r#"{{"id":"{id}","object":"{object}","created":{},"model":{model_json},"#,
+            unix_now()
+        ),
+        prompt_tokens,
+        include_usage,
+    };
+    let (rx, guard) = pod.submit(NewRequest {
+        prompt_tokens,
+        output_tokens,
+        finish,
+        block_hashes,
+        adapter,
+        stream,
+    });
+    if stream {
+        sse_response(rx, guard, meta)
+    } else {
+        full_response(rx, guard, meta).await
+    }
+}
+
+fn usage_json(prompt: u32, completion: u32, cached: u32) -> String {
+    format!(
+        r#"{{"prompt_tokens":{prompt},"total_tokens":{},"completion_tokens":{completion},"prompt_tokens_details":{{"cached_tokens":{cached}}}}}"#,
+        prompt + completion
+    )
+}
+
+async fn full_response(
+    mut rx: mpsc::UnboundedReceiver<Output>,
+    mut guard: RequestGuard,
+    meta: Meta,
+) -> Response {
+    let mut generated = 0u32;
+    let mut finish = None;
+    let mut cached = 0;
+    while let Some(o) = rx.recv().await {
+        generated += o.new_tokens;
+        cached = o.cached_tokens;
+        if o.finish.is_some() {
+            finish = o.finish;
+            break;
+        }
+    }
+    let Some(finish) = finish else {
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            "the engine stopped before the request finished",
+        );
+    };
+    guard.finish();
+    let content = serde_json::to_string(&text::filler(0, generated)).unwrap_or_default();
+    let usage = usage_json(meta.prompt_tokens, generated, cached);
+    let reason = finish.as_str();
+    let body = match meta.api {
+        Api::Chat => format!(
+            r#"{}"choices":[{{"index":0,"message":{{"role":"assistant","reasoning_content":null,"content":{content},"tool_calls":[]}},"logprobs":null,"finish_reason":"{reason}","stop_reason":null}}],"usage":{usage},"prompt_logprobs":null}}"#,
+            meta.head
+        ),
+        Api::Completion => format!(
+            r#"{}"choices":[{{"index":0,"text":{content},"logprobs":null,"finish_reason":"{reason}","stop_reason":null,"prompt_logprobs":null}}],"usage":{usage}}}"#,
+            meta.head
+        ),
+    };
+    json_response(StatusCode::OK, body)
+}
+
+struct SseState {
+    rx: mpsc::UnboundedReceiver<Output>,
+    guard: RequestGuard,
+    meta: Meta,
+    generated: u32,
+    done: bool,
+}
+
+impl SseState {
+    /// The SSE events for one engine emission.
+    fn events(&mut self, o: &Output) -> Bytes {
+        let mut buf = String::with_capacity(256 + 8 * o.new_tokens as usize);
+        let head = &self.meta.head;
+        if self.generated == 0 && self.meta.api == Api::Chat {
+            // vLLM sends the role chunk together with the first output
+            buf.push_str("data: ");
+            buf.push_str(head);
+            buf.push_str(r#""choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#);
+            buf.push_str("\n\n");
+        }
+        let content = text::filler(self.generated, self.generated + o.new_tokens);
+        let content = serde_json::to_string(&content).unwrap_or_default();
+        self.generated += o.new_tokens;
+        let finish = match o.finish {
+            Some(r) => format!(r#""finish_reason":"{}","stop_reason":null"#, r.as_str()),
+            None => match self.meta.api {
+                Api::Chat => r#""finish_reason":null"#.to_string(),
+                Api::Completion => r#""finish_reason":null,"stop_reason":null"#.to_string(),
+            },
+        };
+        buf.push_str("data: ");
+        buf.push_str(head);
+        match self.meta.api {
+            Api::Chat => {
+                buf.push_str(r#""choices":[{"index":0,"delta":{"content":"#);
+                buf.push_str(&content);
+                buf.push_str(r#"},"logprobs":null,"#);
+                buf.push_str(&finish);
+                buf.push_str("}]}");
+            }
+            Api::Completion => {
+                buf.push_str(r#""choices":[{"index":0,"text":"#);
+                buf.push_str(&content);
+                buf.push_str(r#","logprobs":null,"#);
+                buf.push_str(&finish);
+                buf.push_str(r#"}],"usage":null}"#);
+            }
+        }
+        buf.push_str("\n\n");
+        if o.finish.is_some() {
+            self.guard.finish();
+            self.done = true;
+            if self.meta.include_usage {
+                buf.push_str("data: ");
+                buf.push_str(head);
+                buf.push_str(r#""choices":[],"usage":"#);
+                buf.push_str(&usage_json(
+                    self.meta.prompt_tokens,
+                    self.generated,
+                    o.cached_tokens,
+                ));
+                buf.push_str("}\n\n");
+            }
+            buf.push_str("data: [DONE]\n\n");
+        }
+        Bytes::from(buf)
+    }
+}
+
+fn sse_response(rx: mpsc::UnboundedReceiver<Output>, guard: RequestGuard, meta: Meta) -> Response {
+    let state = SseState {
+        rx,
+        guard,
+        meta,
+        generated: 0,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(state, |mut st| async move {
+        if st.done {
+            return None;
+        }
+        let o = st.rx.recv().await?;
+        let bytes = st.events(&o);
+        Some((Ok::<Bytes, Infallible>(bytes), st))
+    });
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream; charset=utf-8"),
+        )],
+        Body::from_stream(stream),
+    )
+        .into_response()
+}
