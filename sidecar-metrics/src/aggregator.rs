@@ -16,10 +16,10 @@
 
 use crate::config::Config;
 use crate::discovery::{Target, Update};
+use crate::engine::Reading;
 use crate::metrics::Histogram;
 use crate::pod::{pool_capacities, PodState};
 use crate::scrape::{self, Fetch, ScrapeError};
-use crate::engine::Reading;
 use crate::util::{LogGate, WallClock};
 use bytes::Bytes;
 use gpuroute_core::snapshot::{PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
@@ -187,7 +187,11 @@ impl Aggregator {
     }
 
     /// Runs until `shutdown`, taking pod lists from `updates`.
-    pub async fn run(mut self, mut updates: mpsc::UnboundedReceiver<Update>, shutdown: CancellationToken) {
+    pub async fn run(
+        mut self,
+        mut updates: mpsc::UnboundedReceiver<Update>,
+        shutdown: CancellationToken,
+    ) {
         let interval = Duration::from_millis(self.cfg.interval_ms);
         let deadline_after = Duration::from_millis(self.cfg.publish_deadline_ms());
         let mut tick = tokio::time::interval(interval);
@@ -357,7 +361,11 @@ impl Aggregator {
                     weights.push(p.evaluate(now, self.started, &self.cfg.health, &self.cfg.ramp));
                 }
             }
-            let states: Vec<&PodState> = pool.pods.values().filter_map(|id| self.pods.get(id)).collect();
+            let states: Vec<&PodState> = pool
+                .pods
+                .values()
+                .filter_map(|id| self.pods.get(id))
+                .collect();
             let caps = pool_capacities(states.iter().copied(), self.cfg.capacity.estimate);
             let mut pods = Vec::with_capacity(states.len());
             let mut st = Vec::with_capacity(states.len());
@@ -455,10 +463,10 @@ mod tests {
 
     impl FakeFleet {
         fn set(&self, url: &str, delay_ms: u64, body: Option<&str>) {
-            self.pods
-                .lock()
-                .unwrap()
-                .insert(url.to_string(), (Duration::from_millis(delay_ms), body.map(str::to_string)));
+            self.pods.lock().unwrap().insert(
+                url.to_string(),
+                (Duration::from_millis(delay_ms), body.map(str::to_string)),
+            );
         }
         fn calls(&self, url: &str) -> usize {
             self.calls.lock().unwrap().get(url).copied().unwrap_or(0)
@@ -467,7 +475,12 @@ mod tests {
 
     impl Fetch for FakeFleet {
         fn fetch(&self, url: &str) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
-            *self.calls.lock().unwrap().entry(url.to_string()).or_default() += 1;
+            *self
+                .calls
+                .lock()
+                .unwrap()
+                .entry(url.to_string())
+                .or_default() += 1;
             let (delay, body) = self
                 .pods
                 .lock()
@@ -477,7 +490,8 @@ mod tests {
                 .unwrap_or((Duration::ZERO, None));
             Box::pin(async move {
                 tokio::time::sleep(delay).await;
-                body.map(Bytes::from).ok_or(ScrapeError::Connect("refused".into()))
+                body.map(Bytes::from)
+                    .ok_or(ScrapeError::Connect("refused".into()))
             })
         }
     }
@@ -524,15 +538,26 @@ mod tests {
             .unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(agg.run(up_rx, stop.clone()));
-        Harness { fleet, rx, rounds, updates, stop }
+        Harness {
+            fleet,
+            rx,
+            rounds,
+            updates,
+            stop,
+        }
     }
 
-    fn pod<'a>(p: &'a Published, port: u16) -> &'a gpuroute_core::snapshot::PodSnapshot {
+    fn pod(p: &Published, port: u16) -> &gpuroute_core::snapshot::PodSnapshot {
         let addr = format!("127.0.0.1:{port}");
-        p.snapshot.pools[0].pods.iter().find(|x| x.address == addr).unwrap()
+        p.snapshot.pools[0]
+            .pods
+            .iter()
+            .find(|x| x.address == addr)
+            .unwrap()
     }
 
-    const BODY: &str = "vllm:num_requests_waiting 2\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0.5\n";
+    const BODY: &str =
+        "vllm:num_requests_waiting 2\nvllm:num_requests_running 3\nvllm:kv_cache_usage_perc 0.5\n";
 
     #[tokio::test(start_paused = true)]
     async fn a_slow_pod_does_not_delay_the_round_or_get_scraped_twice() {
@@ -547,13 +572,19 @@ mod tests {
             durations.push(r.duration);
         }
         // Every round is published at the 50 ms deadline at the latest, never waiting 250 ms.
-        assert!(durations.iter().all(|d| *d <= Duration::from_millis(50)), "{durations:?}");
+        assert!(
+            durations.iter().all(|d| *d <= Duration::from_millis(50)),
+            "{durations:?}"
+        );
         // 10 rounds = 1 s; the slow pod can be scraped at most once per 250 ms.
         let slow = h.fleet.calls("http://127.0.0.1:3/metrics");
         assert!((3..=4).contains(&slow), "slow pod scraped {slow} times");
         assert!(h.fleet.calls("http://127.0.0.1:1/metrics") >= 10);
         let p = h.rx.borrow().clone().unwrap();
-        assert!(pod(&p, 1).healthy && pod(&p, 3).healthy, "slow but in time is healthy");
+        assert!(
+            pod(&p, 1).healthy && pod(&p, 3).healthy,
+            "slow but in time is healthy"
+        );
         assert_eq!(pod(&p, 1).waiting, 2);
         h.stop.cancel();
     }
@@ -581,7 +612,8 @@ mod tests {
         };
         let mut h = start(cfg, &[1, 2, 3]);
         for p in [1, 2, 3] {
-            h.fleet.set(&format!("http://127.0.0.1:{p}/metrics"), 1, Some(BODY));
+            h.fleet
+                .set(&format!("http://127.0.0.1:{p}/metrics"), 1, Some(BODY));
         }
         for _ in 0..5 {
             h.rounds.recv().await.unwrap();
@@ -589,7 +621,8 @@ mod tests {
         assert!(pod(&h.rx.borrow().clone().unwrap(), 2).healthy);
         let died = Instant::now();
         h.fleet.set("http://127.0.0.1:2/metrics", 0, None); // connection refused
-        h.fleet.set("http://127.0.0.1:3/metrics", 60_000, Some(BODY)); // hangs: timeouts
+        h.fleet
+            .set("http://127.0.0.1:3/metrics", 60_000, Some(BODY)); // hangs: timeouts
         let (mut dead_out, mut hung_out) = (None, None);
         while dead_out.is_none() || hung_out.is_none() {
             h.rounds.recv().await.unwrap();
@@ -605,8 +638,14 @@ mod tests {
         }
         let (dead_out, hung_out) = (dead_out.unwrap(), hung_out.unwrap());
         println!("dead pod out after {dead_out:?}, hung pod out after {hung_out:?}");
-        assert!(dead_out <= Duration::from_millis(400), "dead pod out after {dead_out:?}");
-        assert!(hung_out <= Duration::from_millis(1_100), "hung pod out after {hung_out:?}");
+        assert!(
+            dead_out <= Duration::from_millis(400),
+            "dead pod out after {dead_out:?}"
+        );
+        assert!(
+            hung_out <= Duration::from_millis(1_100),
+            "hung pod out after {hung_out:?}"
+        );
 
         // The dead pod comes back: healthy at once, weight ramping from 0.1 to 1 over 30 s.
         h.fleet.set("http://127.0.0.1:2/metrics", 1, Some(BODY));
@@ -625,10 +664,19 @@ mod tests {
             assert!(back.elapsed() < Duration::from_secs(31));
         }
         let first = seen[0];
-        assert!(first.0 <= Duration::from_millis(200) && first.1 < 0.15, "{first:?}");
-        assert!(seen.windows(2).all(|w| w[1].1 >= w[0].1), "weight never decreases");
+        assert!(
+            first.0 <= Duration::from_millis(200) && first.1 < 0.15,
+            "{first:?}"
+        );
+        assert!(
+            seen.windows(2).all(|w| w[1].1 >= w[0].1),
+            "weight never decreases"
+        );
         let last = seen[seen.len() - 1];
-        assert!(last.0 >= Duration::from_secs(29), "full weight only at the window's end: {last:?}");
+        assert!(
+            last.0 >= Duration::from_secs(29),
+            "full weight only at the window's end: {last:?}"
+        );
         h.stop.cancel();
     }
 
@@ -637,16 +685,26 @@ mod tests {
         let mut h = start(config(), &[1]);
         h.fleet.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
         h.rounds.recv().await.unwrap();
-        h.updates.send(static_update(0, vec![target(4), target(1)])).unwrap();
+        h.updates
+            .send(static_update(0, vec![target(4), target(1)]))
+            .unwrap();
         for _ in 0..3 {
             h.rounds.recv().await.unwrap();
         }
         let p = h.rx.borrow().clone().unwrap();
-        let addrs: Vec<_> = p.snapshot.pools[0].pods.iter().map(|x| x.address.as_str()).collect();
+        let addrs: Vec<_> = p.snapshot.pools[0]
+            .pods
+            .iter()
+            .map(|x| x.address.as_str())
+            .collect();
         assert_eq!(addrs, ["127.0.0.1:1", "127.0.0.1:4"], "sorted by address");
         assert!(!pod(&p, 4).healthy, "never answered: listed, unhealthy");
         assert_eq!(pod(&p, 4).last_scrape_ms, 0);
-        assert!(p.status[0][1].last_error.as_deref().unwrap().contains("refused"));
+        assert!(p.status[0][1]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("refused"));
         h.updates.send(static_update(0, vec![target(4)])).unwrap();
         h.rounds.recv().await.unwrap();
         let p = h.rx.borrow().clone().unwrap();

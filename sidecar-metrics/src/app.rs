@@ -73,7 +73,11 @@ impl Running {
 }
 
 /// Validates `cfg` and starts everything. Returns once the HTTP surface is bound.
-pub async fn start(cfg: Config, opts: RunOptions, shutdown: CancellationToken) -> Result<Running, StartError> {
+pub async fn start(
+    cfg: Config,
+    opts: RunOptions,
+    shutdown: CancellationToken,
+) -> Result<Running, StartError> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
@@ -91,7 +95,12 @@ pub async fn start(cfg: Config, opts: RunOptions, shutdown: CancellationToken) -
         Some(f) => f,
         None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)?),
     };
-    let (agg, published) = Aggregator::new(cfg.clone(), fetcher, WallClock::system(), opts.round_observer);
+    let (agg, published) = Aggregator::new(
+        cfg.clone(),
+        fetcher,
+        WallClock::system(),
+        opts.round_observer,
+    );
     let (up_tx, up_rx) = mpsc::unbounded_channel();
     let mut tasks = JoinSet::new();
     for h in discovery::spawn_all(&cfg, opts.deps, up_tx, shutdown.clone()).await? {

@@ -406,7 +406,14 @@ impl Config {
         serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
             let reason = e.into_inner().to_string();
-            field(if path == "." { "(top level)".into() } else { path }, reason)
+            field(
+                if path == "." {
+                    "(top level)".into()
+                } else {
+                    path
+                },
+                reason,
+            )
         })
     }
 
@@ -470,7 +477,10 @@ impl Config {
         if self.push.token.is_none() {
             if let Some(path) = &self.push.token_file {
                 let t = std::fs::read_to_string(path).map_err(|e| {
-                    field("push.token_file", format!("cannot read {}: {e}", path.display()))
+                    field(
+                        "push.token_file",
+                        format!("cannot read {}: {e}", path.display()),
+                    )
                 })?;
                 self.push.token = Some(t.trim().to_string());
             }
@@ -495,10 +505,7 @@ impl Config {
             }
         }
         if self.listen.parse::<SocketAddr>().is_err() {
-            return Err(field(
-                "listen",
-                format!("{:?} is not ip:port", self.listen),
-            ));
+            return Err(field("listen", format!("{:?} is not ip:port", self.listen)));
         }
         if self.max_body_bytes < 1024 {
             return Err(field("max_body_bytes", "must be at least 1024"));
@@ -507,7 +514,10 @@ impl Config {
             return Err(field("worker_threads", "must be between 1 and 64"));
         }
         if self.health.unhealthy_after_failures == 0 {
-            return Err(field("health.unhealthy_after_failures", "must be at least 1"));
+            return Err(field(
+                "health.unhealthy_after_failures",
+                "must be at least 1",
+            ));
         }
         if self.health.max_data_age_ms < self.interval_ms {
             return Err(field(
@@ -570,10 +580,7 @@ impl PoolConfig {
         .filter(|s| **s)
         .count();
         if sources != 1 {
-            return Err(field(
-                f,
-                "needs exactly one of pods, dns or kubernetes",
-            ));
+            return Err(field(f, "needs exactly one of pods, dns or kubernetes"));
         }
         if let Some(path) = &self.metrics_path {
             if !path.starts_with('/') {
@@ -587,7 +594,10 @@ impl PoolConfig {
                 let addr: SocketAddr = pod.address.parse().map_err(|_| {
                     field(
                         format!("{pf}.address"),
-                        format!("{:?} is not ip:port (use dns discovery for names)", pod.address),
+                        format!(
+                            "{:?} is not ip:port (use dns discovery for names)",
+                            pod.address
+                        ),
                     )
                 })?;
                 if !seen.insert(addr) {
@@ -666,7 +676,9 @@ fn check_http_url(f: &str, u: &str) -> Result<(), ConfigError> {
     if url.scheme() != "http" {
         return Err(field(
             f,
-            format!("{u:?}: only http:// is supported (pods and the ingest listener are plain HTTP)"),
+            format!(
+                "{u:?}: only http:// is supported (pods and the ingest listener are plain HTTP)"
+            ),
         ));
     }
     if url.host().is_none() {
@@ -757,7 +769,10 @@ pools:
             listen: Some("127.0.0.1:0".into()),
             ingest_urls: vec!["http://127.0.0.1:1/x".into(), "http://127.0.0.1:2/x".into()],
             token: Some("cli".into()),
-            pools: vec!["llama-8b=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3".into(), "new=127.0.0.1:9".into()],
+            pools: vec![
+                "llama-8b=127.0.0.1:1,127.0.0.1:2,127.0.0.1:3".into(),
+                "new=127.0.0.1:9".into(),
+            ],
             ..Overrides::default()
         })
         .unwrap();
@@ -799,7 +814,10 @@ pools:
             kubernetes: None,
         };
         assert_eq!(p.metrics_path_for(None), "/metrics");
-        assert_eq!(p.metrics_path_for(Some(Engine::Trtllm)), "/prometheus/metrics");
+        assert_eq!(
+            p.metrics_path_for(Some(Engine::Trtllm)),
+            "/prometheus/metrics"
+        );
         p.metrics_path = Some("/m".into());
         assert_eq!(p.metrics_path_for(Some(Engine::Trtllm)), "/m");
     }

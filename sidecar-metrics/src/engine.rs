@@ -165,7 +165,11 @@ pub fn read(text: &str, hint: Option<Engine>, keep_raw: bool) -> Result<Reading,
     };
     Ok(Reading {
         engine,
-        waiting: acc.waiting.sum().or(acc.waiting_fallback.sum()).map(non_neg),
+        waiting: acc
+            .waiting
+            .sum()
+            .or(acc.waiting_fallback.sum())
+            .map(non_neg),
         running: acc.running.sum().map(non_neg),
         kv_cache_usage: kv.map(|v| v.clamp(0.0, 1.0)),
         lora: acc.lora.map(|(_, l)| l),
@@ -207,9 +211,8 @@ fn take(engine: Engine, s: &Sample<'_>, a: &mut Accs) -> bool {
         (Engine::Vllm, "vllm:gpu_cache_usage_perc") => a.kv_fallback.add(v),
         (Engine::Vllm, "vllm:prefix_cache_hits_total") => a.hits.add(v),
         (Engine::Vllm, "vllm:prefix_cache_queries_total") => a.queries.add(v),
-        (Engine::Vllm, "vllm:gpu_prefix_cache_hit_rate") | (Engine::Sglang, "sglang:cache_hit_rate") => {
-            a.hit_rate.add(v)
-        }
+        (Engine::Vllm, "vllm:gpu_prefix_cache_hit_rate")
+        | (Engine::Sglang, "sglang:cache_hit_rate") => a.hit_rate.add(v),
         (Engine::Vllm, "vllm:cache_config_info") => {
             cache_geometry(s, "block_size", "num_gpu_blocks", a);
         }
@@ -229,19 +232,18 @@ fn take(engine: Engine, s: &Sample<'_>, a: &mut Accs) -> bool {
         | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_count") => a.itl_count.add(v),
         // Older names of the same histogram (vLLM before 0.11; SGLang's per-request TPOT).
         (Engine::Vllm, "vllm:time_per_output_token_seconds_sum")
-        | (Engine::Sglang, "sglang:time_per_output_token_seconds_sum") => {
-            a.itl_sum_fallback.add(v)
-        }
+        | (Engine::Sglang, "sglang:time_per_output_token_seconds_sum") => a.itl_sum_fallback.add(v),
         (Engine::Vllm, "vllm:time_per_output_token_seconds_count")
         | (Engine::Sglang, "sglang:time_per_output_token_seconds_count") => {
             a.itl_count_fallback.add(v)
         }
-        (Engine::Triton, "nv_trt_llm_request_metrics") => match s.label("request_type").as_deref()
-        {
-            Some("waiting") => a.waiting.add(v),
-            Some("scheduled") => a.running.add(v),
-            _ => return false,
-        },
+        (Engine::Triton, "nv_trt_llm_request_metrics") => {
+            match s.label("request_type").as_deref() {
+                Some("waiting") => a.waiting.add(v),
+                Some("scheduled") => a.running.add(v),
+                _ => return false,
+            }
+        }
         (Engine::Triton, "nv_trt_llm_kv_cache_block_metrics") => {
             match s.label("kv_cache_block_type").as_deref() {
                 Some("fraction") => a.kv.add(v),
@@ -325,10 +327,7 @@ mod tests {
     use super::*;
 
     fn sample(name: &str) -> String {
-        let path = format!(
-            "{}/../testdata/metrics/{name}",
-            env!("CARGO_MANIFEST_DIR")
-        );
+        let path = format!("{}/../testdata/metrics/{name}", env!("CARGO_MANIFEST_DIR"));
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
     }
 
@@ -372,7 +371,10 @@ mod tests {
         let lora = r.lora_for_snapshot().unwrap();
         assert_eq!(lora.max_loras, 1);
         assert_eq!(lora.running, vec!["test-lora".to_string()]);
-        assert!(lora.waiting.is_empty(), "the newest series has no waiting adapter");
+        assert!(
+            lora.waiting.is_empty(),
+            "the newest series has no waiting adapter"
+        );
     }
 
     #[test]
@@ -434,7 +436,9 @@ mod tests {
         let text = sample("trtllm-serve-prometheus-aibrix-issue2004-fragment.txt");
         assert!(matches!(
             read(&text, None, false),
-            Err(ReadError::NoMetrics { engine: "model-server" })
+            Err(ReadError::NoMetrics {
+                engine: "model-server"
+            })
         ));
         assert!(matches!(
             read(&text, Some(Engine::Trtllm), false),
@@ -471,12 +475,21 @@ mod tests {
         let r = read(text, None, false).unwrap();
         assert_eq!(r.engine, Engine::Trtllm);
         assert_eq!(
-            (r.waiting, r.running, r.kv_cache_usage, r.block_size, r.num_blocks),
+            (
+                r.waiting,
+                r.running,
+                r.kv_cache_usage,
+                r.block_size,
+                r.num_blocks
+            ),
             (Some(3.0), Some(5.0), Some(0.5), Some(32), Some(1000))
         );
         let r = read("tgi_queue_size 2\ntgi_batch_current_size 7\n", None, false).unwrap();
         assert_eq!(r.engine, Engine::Tgi);
-        assert_eq!((r.waiting, r.running, r.kv_cache_usage), (Some(2.0), Some(7.0), None));
+        assert_eq!(
+            (r.waiting, r.running, r.kv_cache_usage),
+            (Some(2.0), Some(7.0), None)
+        );
     }
 
     #[test]

@@ -2,7 +2,7 @@
 //! `/`, a status page that refreshes itself every 2 s and shows, per pool, every pod's health,
 //! load, LoRA adapters, ramp-up and last error at a glance.
 
-use crate::aggregator::{Published, PublishRx};
+use crate::aggregator::{PublishRx, Published};
 use crate::config::ReadyPolicy;
 use crate::metrics;
 use crate::push::PushTarget;
@@ -73,7 +73,10 @@ async fn readyz(State(s): State<AppState>) -> Response {
 async fn metrics_handler(State(s): State<AppState>) -> Response {
     let body = metrics::render(s.current().as_deref(), &s.push);
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         body,
     )
         .into_response()
@@ -133,7 +136,11 @@ pub fn render_status(p: Option<&Published>, push: &[Arc<PushTarget>], ready: boo
         p.json.len(),
         p.round.index,
         p.round.duration.as_secs_f64() * 1000.0,
-        if p.round.complete { "" } else { " (published at the deadline)" },
+        if p.round.complete {
+            ""
+        } else {
+            " (published at the deadline)"
+        },
         esc(&snap.source)
     );
     h.push_str("<h2>Push</h2><table><tr><th class=\"l\">ingest URL</th><th>accepted</th><th>failing for</th><th class=\"l\">last error</th></tr>");
@@ -177,12 +184,21 @@ pub fn render_status(p: Option<&Published>, push: &[Arc<PushTarget>], ready: boo
             );
             let lora = pod.lora.as_ref().map_or_else(
                 || "–".to_string(),
-                |l| format!("{} / {} ({})", esc(&l.running.join(",")), esc(&l.waiting.join(",")), l.max_loras),
+                |l| {
+                    format!(
+                        "{} / {} ({})",
+                        esc(&l.running.join(",")),
+                        esc(&l.waiting.join(",")),
+                        l.max_loras
+                    )
+                },
             );
             let age = if pod.last_scrape_ms == 0 {
                 "never".to_string()
             } else {
-                snap.generated_at_ms.saturating_sub(pod.last_scrape_ms).to_string()
+                snap.generated_at_ms
+                    .saturating_sub(pod.last_scrape_ms)
+                    .to_string()
             };
             let name = st
                 .name

@@ -4,15 +4,15 @@
 //! listener. The binary (`src/main.rs`) is a thin shell over this library, so tests, examples
 //! and benchmarks drive the very same code.
 
-pub mod engine;
-pub mod prom;
-pub mod config;
-pub mod discovery;
-pub mod util;
 pub mod aggregator;
 pub mod app;
+pub mod config;
+pub mod discovery;
+pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod pod;
+pub mod prom;
 pub mod push;
 pub mod scrape;
+pub mod util;

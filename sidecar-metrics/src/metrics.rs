@@ -45,15 +45,26 @@ impl Histogram {
             cum += c;
             let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cum}");
         }
-        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", self.count());
-        let _ = writeln!(out, "{name}_sum{{{labels}}} {}", self.sum);
-        let _ = writeln!(out, "{name}_count{{{labels}}} {}", self.count());
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}",
+            self.count()
+        );
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum);
+        let _ = writeln!(out, "{name}_count{braces} {}", self.count());
     }
 }
 
 /// Escapes a label value for the text format.
 pub fn esc(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 fn header(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -65,17 +76,35 @@ fn header(out: &mut String, name: &str, kind: &str, help: &str) {
 pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]) -> String {
     let mut out = String::with_capacity(16 * 1024);
     if let Some(p) = published {
-        header(&mut out, "sidecar_scrape_duration_seconds", "histogram",
-            "Time to fetch and read one pod's /metrics (successes and failures).");
-        p.scrape_latency.render(&mut out, "sidecar_scrape_duration_seconds", "");
+        header(
+            &mut out,
+            "sidecar_scrape_duration_seconds",
+            "histogram",
+            "Time to fetch and read one pod's /metrics (successes and failures).",
+        );
+        p.scrape_latency
+            .render(&mut out, "sidecar_scrape_duration_seconds", "");
         header(&mut out, "sidecar_round_duration_seconds", "histogram",
             "Time from a round's start until every pod scraped in it answered (or the publish deadline).");
-        p.round_latency.render(&mut out, "sidecar_round_duration_seconds", "");
-        header(&mut out, "sidecar_rounds_incomplete_total", "counter",
-            "Rounds published at the deadline with some pods still being scraped.");
-        let _ = writeln!(out, "sidecar_rounds_incomplete_total {}", p.rounds_incomplete);
-        header(&mut out, "sidecar_scrape_failures_total", "counter",
-            "Failed scrapes per pod and kind (connect, timeout, status, body, parse, no_metrics).");
+        p.round_latency
+            .render(&mut out, "sidecar_round_duration_seconds", "");
+        header(
+            &mut out,
+            "sidecar_rounds_incomplete_total",
+            "counter",
+            "Rounds published at the deadline with some pods still being scraped.",
+        );
+        let _ = writeln!(
+            out,
+            "sidecar_rounds_incomplete_total {}",
+            p.rounds_incomplete
+        );
+        header(
+            &mut out,
+            "sidecar_scrape_failures_total",
+            "counter",
+            "Failed scrapes per pod and kind (connect, timeout, status, body, parse, no_metrics).",
+        );
         for (pool, statuses) in p.snapshot.pools.iter().zip(&p.status) {
             for (pod, st) in pool.pods.iter().zip(statuses) {
                 for (kind, n) in &st.failures_by_kind {
@@ -85,36 +114,89 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
                 }
             }
         }
-        header(&mut out, "sidecar_pods", "gauge", "Pods per pool and health.");
+        header(
+            &mut out,
+            "sidecar_pods",
+            "gauge",
+            "Pods per pool and health.",
+        );
         for pool in &p.snapshot.pools {
             let healthy = pool.pods.iter().filter(|x| x.healthy).count();
-            let _ = writeln!(out, "sidecar_pods{{pool=\"{}\",healthy=\"true\"}} {healthy}", esc(&pool.name));
-            let _ = writeln!(out, "sidecar_pods{{pool=\"{}\",healthy=\"false\"}} {}",
-                esc(&pool.name), pool.pods.len() - healthy);
+            let _ = writeln!(
+                out,
+                "sidecar_pods{{pool=\"{}\",healthy=\"true\"}} {healthy}",
+                esc(&pool.name)
+            );
+            let _ = writeln!(
+                out,
+                "sidecar_pods{{pool=\"{}\",healthy=\"false\"}} {}",
+                esc(&pool.name),
+                pool.pods.len() - healthy
+            );
         }
-        header(&mut out, "sidecar_snapshot_bytes", "gauge", "Size of the last snapshot's JSON.");
+        header(
+            &mut out,
+            "sidecar_snapshot_bytes",
+            "gauge",
+            "Size of the last snapshot's JSON.",
+        );
         let _ = writeln!(out, "sidecar_snapshot_bytes {}", p.json.len());
-        header(&mut out, "sidecar_snapshot_version", "gauge", "Version of the last snapshot.");
+        header(
+            &mut out,
+            "sidecar_snapshot_version",
+            "gauge",
+            "Version of the last snapshot.",
+        );
         let _ = writeln!(out, "sidecar_snapshot_version {}", p.snapshot.version);
-        header(&mut out, "sidecar_snapshots_invalid_total", "counter",
-            "Snapshots that failed their own validation and were not pushed (a bug).");
-        let _ = writeln!(out, "sidecar_snapshots_invalid_total {}", p.invalid_snapshots);
+        header(
+            &mut out,
+            "sidecar_snapshots_invalid_total",
+            "counter",
+            "Snapshots that failed their own validation and were not pushed (a bug).",
+        );
+        let _ = writeln!(
+            out,
+            "sidecar_snapshots_invalid_total {}",
+            p.invalid_snapshots
+        );
     }
-    header(&mut out, "sidecar_push_duration_seconds", "histogram",
-        "Time to POST one snapshot to an ingest URL (answered pushes).");
+    header(
+        &mut out,
+        "sidecar_push_duration_seconds",
+        "histogram",
+        "Time to POST one snapshot to an ingest URL (answered pushes).",
+    );
     for t in push {
         let s = t.stats();
-        s.latency.render(&mut out, "sidecar_push_duration_seconds", &format!("url=\"{}\"", esc(&t.url)));
+        s.latency.render(
+            &mut out,
+            "sidecar_push_duration_seconds",
+            &format!("url=\"{}\"", esc(&t.url)),
+        );
     }
-    header(&mut out, "sidecar_push_accepted_total", "counter", "Snapshots accepted (204) per ingest URL.");
+    header(
+        &mut out,
+        "sidecar_push_accepted_total",
+        "counter",
+        "Snapshots accepted (204) per ingest URL.",
+    );
     for t in push {
-        let _ = writeln!(out, "sidecar_push_accepted_total{{url=\"{}\"}} {}", esc(&t.url), t.stats().accepted);
+        let _ = writeln!(
+            out,
+            "sidecar_push_accepted_total{{url=\"{}\"}} {}",
+            esc(&t.url),
+            t.stats().accepted
+        );
     }
     header(&mut out, "sidecar_push_failures_total", "counter",
         "Failed pushes per ingest URL and reason (unreachable, timeout, rejected_400, unauthorized_401, too_large_413, status).");
     for t in push {
         for (kind, n) in &t.stats().failures {
-            let _ = writeln!(out, "sidecar_push_failures_total{{url=\"{}\",reason=\"{kind}\"}} {n}", esc(&t.url));
+            let _ = writeln!(
+                out,
+                "sidecar_push_failures_total{{url=\"{}\",reason=\"{kind}\"}} {n}",
+                esc(&t.url)
+            );
         }
     }
     out

@@ -98,7 +98,13 @@ impl PodState {
     }
 
     /// Folds in a good scrape taken at `at` (`wall_ms` on the wall clock).
-    pub fn on_success(&mut self, reading: Reading, at: Instant, wall_ms: u64, cap: &CapacityConfig) {
+    pub fn on_success(
+        &mut self,
+        reading: Reading,
+        at: Instant,
+        wall_ms: u64,
+        cap: &CapacityConfig,
+    ) {
         self.scrapes_total += 1;
         self.consecutive_failures = 0;
         self.last_success = Some(at);
@@ -113,14 +119,13 @@ impl PodState {
         self.prefix_hit_rate = match (reading.prefix_hit_rate, &self.prev) {
             // The engine reports a rate itself (SGLang, vLLM V0).
             (Some(r), _) => Some(r),
-            (None, Some((_, prev))) => match (
-                delta(prev.hits, now.hits),
-                delta(prev.queries, now.queries),
-            ) {
-                (Some(h), Some(q)) if q > 0.0 => Some((h / q).clamp(0.0, 1.0)),
-                // No queries in the interval: no rate, rather than a made-up 0.
-                _ => None,
-            },
+            (None, Some((_, prev))) => {
+                match (delta(prev.hits, now.hits), delta(prev.queries, now.queries)) {
+                    (Some(h), Some(q)) if q > 0.0 => Some((h / q).clamp(0.0, 1.0)),
+                    // No queries in the interval: no rate, rather than a made-up 0.
+                    _ => None,
+                }
+            }
             (None, None) => None,
         };
         if let Some((prev_at, prev)) = &self.prev {
@@ -199,7 +204,8 @@ impl PodState {
     /// The snapshot entry for this pod (after [`PodState::evaluate`]).
     pub fn snapshot(&self, ramp_weight: f64, capacity: f64) -> PodSnapshot {
         let r = self.reading.as_ref();
-        let count = |v: Option<f64>| v.map_or(0, |v| v.round().clamp(0.0, f64::from(u32::MAX)) as u32);
+        let count =
+            |v: Option<f64>| v.map_or(0, |v| v.round().clamp(0.0, f64::from(u32::MAX)) as u32);
         PodSnapshot {
             address: self.target.address.to_string(),
             engine: r
@@ -225,7 +231,9 @@ impl PodState {
 /// Counter delta with reset handling: a counter that went down restarted from zero.
 fn delta(prev: Option<f64>, now: Option<f64>) -> Option<f64> {
     match (prev, now) {
-        (Some(p), Some(n)) if n.is_finite() && p.is_finite() => Some(if n >= p { n - p } else { n }),
+        (Some(p), Some(n)) if n.is_finite() && p.is_finite() => {
+            Some(if n >= p { n - p } else { n })
+        }
         _ => None,
     }
 }
@@ -238,7 +246,10 @@ fn delta(prev: Option<f64>, now: Option<f64>) -> Option<f64> {
 /// Known bias: ITL grows with batch size, so a fast pod that the router loads harder looks
 /// slower than it is; the estimate understates real spreads, never inverts them under equal
 /// load. Configure `capacity` per pod where the hardware is known.
-pub fn pool_capacities<'a>(pods: impl Iterator<Item = &'a PodState> + Clone, estimate: bool) -> Vec<f64> {
+pub fn pool_capacities<'a>(
+    pods: impl Iterator<Item = &'a PodState> + Clone,
+    estimate: bool,
+) -> Vec<f64> {
     let median = if estimate {
         let mut itls: Vec<f64> = pods
             .clone()
@@ -298,12 +309,24 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_dead_pod_leaves_after_three_failures_and_a_hung_one_after_max_age() {
-        let (h, r, cap) = (HealthConfig::default(), RampConfig::default(), CapacityConfig::default());
+        let (h, r, cap) = (
+            HealthConfig::default(),
+            RampConfig::default(),
+            CapacityConfig::default(),
+        );
         let t0 = Instant::now();
         let mut dead = PodState::new(target());
-        assert_eq!(dead.evaluate(t0, t0, &h, &r), 0.0, "never scraped: unhealthy");
+        assert_eq!(
+            dead.evaluate(t0, t0, &h, &r),
+            0.0,
+            "never scraped: unhealthy"
+        );
         dead.on_success(reading(), t0, 1, &cap);
-        assert_eq!(dead.evaluate(t0, t0, &h, &r), 1.0, "healthy at start-up: no ramp");
+        assert_eq!(
+            dead.evaluate(t0, t0, &h, &r),
+            1.0,
+            "healthy at start-up: no ramp"
+        );
         // Connection refused every 100 ms.
         for i in 1..=3 {
             dead.on_failure("connect", "refused".into());
@@ -324,7 +347,11 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_returning_pod_ramps_linearly() {
-        let (h, r, cap) = (HealthConfig::default(), RampConfig::default(), CapacityConfig::default());
+        let (h, r, cap) = (
+            HealthConfig::default(),
+            RampConfig::default(),
+            CapacityConfig::default(),
+        );
         let t0 = Instant::now();
         let mut p = PodState::new(target());
         p.on_success(reading(), t0, 1, &cap);
@@ -355,7 +382,10 @@ mod tests {
         let mut p = PodState::new(target());
         p.on_success(reading(), late, 1, &cap);
         assert!((p.evaluate(late, t0, &h, &r) - r.start_weight).abs() < 1e-9);
-        let off = RampConfig { window_ms: 0, ..RampConfig::default() };
+        let off = RampConfig {
+            window_ms: 0,
+            ..RampConfig::default()
+        };
         let mut q = PodState::new(target());
         q.on_success(reading(), late, 1, &cap);
         assert_eq!(q.evaluate(late, t0, &h, &off), 1.0);
@@ -363,9 +393,16 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn not_ready_pods_are_never_healthy() {
-        let (h, r, cap) = (HealthConfig::default(), RampConfig::default(), CapacityConfig::default());
+        let (h, r, cap) = (
+            HealthConfig::default(),
+            RampConfig::default(),
+            CapacityConfig::default(),
+        );
         let t0 = Instant::now();
-        let mut p = PodState::new(Target { ready: false, ..target() });
+        let mut p = PodState::new(Target {
+            ready: false,
+            ..target()
+        });
         p.on_success(reading(), t0, 1, &cap);
         assert_eq!(p.evaluate(t0, t0, &h, &r), 0.0);
         assert!(!p.healthy);
@@ -391,7 +428,15 @@ mod tests {
         p.on_success(at(10.0, 40.0), t0 + ms(300), 4, &cap);
         assert_eq!(p.prefix_hit_rate, Some(0.25));
         // SGLang reports the rate directly.
-        p.on_success(Reading { prefix_hit_rate: Some(0.5), ..reading() }, t0 + ms(400), 5, &cap);
+        p.on_success(
+            Reading {
+                prefix_hit_rate: Some(0.5),
+                ..reading()
+            },
+            t0 + ms(400),
+            5,
+            &cap,
+        );
         assert_eq!(p.prefix_hit_rate, Some(0.5));
     }
 
@@ -399,7 +444,11 @@ mod tests {
     async fn capacity_from_inter_token_latency_relative_to_the_pool_median() {
         let cap = CapacityConfig::default();
         let t0 = Instant::now();
-        let itl = |sum: f64, count: f64| Reading { itl_sum: Some(sum), itl_count: Some(count), ..reading() };
+        let itl = |sum: f64, count: f64| Reading {
+            itl_sum: Some(sum),
+            itl_count: Some(count),
+            ..reading()
+        };
         // Three pods: 10 ms, 20 ms and 30 ms per token; one pod idle; one configured.
         let mut pods: Vec<PodState> = (0..5).map(|_| PodState::new(target())).collect();
         for (p, per_token) in pods.iter_mut().zip([0.010, 0.020, 0.030]) {
@@ -415,7 +464,10 @@ mod tests {
         assert!((c[2] - 2.0 / 3.0).abs() < 1e-9, "{c:?}");
         assert_eq!(c[3], 1.0, "no usable data");
         assert_eq!(c[4], 4.0, "configured wins");
-        assert_eq!(pool_capacities(pods.iter(), false), vec![1.0, 1.0, 1.0, 1.0, 4.0]);
+        assert_eq!(
+            pool_capacities(pods.iter(), false),
+            vec![1.0, 1.0, 1.0, 1.0, 4.0]
+        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -423,7 +475,11 @@ mod tests {
         let cap = CapacityConfig::default(); // tau = 10 s
         let t0 = Instant::now();
         let mut p = PodState::new(target());
-        let itl = |sum: f64, count: f64| Reading { itl_sum: Some(sum), itl_count: Some(count), ..reading() };
+        let itl = |sum: f64, count: f64| Reading {
+            itl_sum: Some(sum),
+            itl_count: Some(count),
+            ..reading()
+        };
         p.on_success(itl(0.0, 0.0), t0, 1, &cap);
         p.on_success(itl(1.0, 100.0), t0 + ms(1000), 2, &cap); // 10 ms/token
         assert_eq!(p.itl_ewma, Some(0.01));

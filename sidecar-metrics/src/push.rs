@@ -118,7 +118,10 @@ pub async fn run(
                             .ok()
                             .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
                             .unwrap_or(body);
-                        Outcome::Failed { reason: "rejected_400", message }
+                        Outcome::Failed {
+                            reason: "rejected_400",
+                            message,
+                        }
                     }
                     401 => Outcome::Failed {
                         reason: "unauthorized_401",
@@ -126,9 +129,15 @@ pub async fn run(
                     },
                     413 => Outcome::Failed {
                         reason: "too_large_413",
-                        message: format!("snapshot of {} bytes is above the ingest limit", published.json.len()),
+                        message: format!(
+                            "snapshot of {} bytes is above the ingest limit",
+                            published.json.len()
+                        ),
                     },
-                    s => Outcome::Failed { reason: "status", message: format!("HTTP {s}") },
+                    s => Outcome::Failed {
+                        reason: "status",
+                        message: format!("HTTP {s}"),
+                    },
                 }
             }
             Err(e) if e.is_timeout() => Outcome::Failed {
@@ -211,6 +220,9 @@ pub fn client() -> Result<reqwest::Client, reqwest::Error> {
         .tcp_nodelay(true)
         .pool_idle_timeout(Duration::from_secs(60))
         .redirect(reqwest::redirect::Policy::none())
-        .user_agent(concat!("gpuroute-sidecar-metrics/", env!("CARGO_PKG_VERSION")))
+        .user_agent(concat!(
+            "gpuroute-sidecar-metrics/",
+            env!("CARGO_PKG_VERSION")
+        ))
         .build()
 }

@@ -72,7 +72,10 @@ impl HttpFetcher {
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
             .redirect(reqwest::redirect::Policy::none())
-            .user_agent(concat!("gpuroute-sidecar-metrics/", env!("CARGO_PKG_VERSION")))
+            .user_agent(concat!(
+                "gpuroute-sidecar-metrics/",
+                env!("CARGO_PKG_VERSION")
+            ))
             .build()?;
         Ok(HttpFetcher { client, max_body })
     }
@@ -99,9 +102,8 @@ impl Fetch for HttpFetcher {
             if resp.content_length().is_some_and(|n| n as usize > max) {
                 return Err(ScrapeError::TooLarge(max));
             }
-            let mut body = BytesMut::with_capacity(
-                resp.content_length().map_or(16 * 1024, |n| n as usize),
-            );
+            let mut body =
+                BytesMut::with_capacity(resp.content_length().map_or(16 * 1024, |n| n as usize));
             while let Some(chunk) = resp
                 .chunk()
                 .await
@@ -127,7 +129,11 @@ fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// Reads a fetched body as `engine` (or detects it).
-pub fn read_body(body: &[u8], engine: Option<Engine>, keep_raw: bool) -> Result<Reading, ScrapeError> {
+pub fn read_body(
+    body: &[u8],
+    engine: Option<Engine>,
+    keep_raw: bool,
+) -> Result<Reading, ScrapeError> {
     let text = std::str::from_utf8(body).map_err(|_| ScrapeError::NotUtf8)?;
     Ok(engine::read(text, engine, keep_raw)?)
 }
@@ -162,7 +168,10 @@ mod tests {
     #[tokio::test]
     async fn fetches_reads_and_classifies_failures() {
         let router = axum::Router::new()
-            .route("/metrics", get(|| async { "vllm:num_requests_waiting 4\n" }))
+            .route(
+                "/metrics",
+                get(|| async { "vllm:num_requests_waiting 4\n" }),
+            )
             .route("/garbage", get(|| async { "{{{ not metrics\n" }))
             .route("/json", get(|| async { "[]" }))
             .route("/big", get(|| async { "x 1\n".repeat(1000) }))
@@ -176,16 +185,33 @@ mod tests {
         let addr = serve(router).await;
         let f = HttpFetcher::new(2048).unwrap();
         let t = Duration::from_millis(200);
-        let ok = scrape(&f, &format!("http://{addr}/metrics"), None, t, false).await.unwrap();
+        let ok = scrape(&f, &format!("http://{addr}/metrics"), None, t, false)
+            .await
+            .unwrap();
         assert_eq!((ok.engine, ok.waiting), (Engine::Vllm, Some(4.0)));
 
         let kind = |r: Result<Reading, ScrapeError>| r.unwrap_err().kind();
-        assert_eq!(kind(scrape(&f, &format!("http://{addr}/garbage"), None, t, false).await), "parse");
-        assert_eq!(kind(scrape(&f, &format!("http://{addr}/json"), None, t, false).await), "parse");
-        assert_eq!(kind(scrape(&f, &format!("http://{addr}/nope"), None, t, false).await), "status");
-        assert_eq!(kind(scrape(&f, &format!("http://{addr}/big"), None, t, false).await), "body");
+        assert_eq!(
+            kind(scrape(&f, &format!("http://{addr}/garbage"), None, t, false).await),
+            "parse"
+        );
+        assert_eq!(
+            kind(scrape(&f, &format!("http://{addr}/json"), None, t, false).await),
+            "parse"
+        );
+        assert_eq!(
+            kind(scrape(&f, &format!("http://{addr}/nope"), None, t, false).await),
+            "status"
+        );
+        assert_eq!(
+            kind(scrape(&f, &format!("http://{addr}/big"), None, t, false).await),
+            "body"
+        );
         let started = std::time::Instant::now();
-        assert_eq!(kind(scrape(&f, &format!("http://{addr}/slow"), None, t, false).await), "timeout");
+        assert_eq!(
+            kind(scrape(&f, &format!("http://{addr}/slow"), None, t, false).await),
+            "timeout"
+        );
         assert!(started.elapsed() < Duration::from_secs(2));
 
         // A closed port: connection refused.
@@ -193,6 +219,9 @@ mod tests {
             let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
             l.local_addr().unwrap()
         };
-        assert_eq!(kind(scrape(&f, &format!("http://{closed}/metrics"), None, t, false).await), "connect");
+        assert_eq!(
+            kind(scrape(&f, &format!("http://{closed}/metrics"), None, t, false).await),
+            "connect"
+        );
     }
 }

@@ -17,16 +17,28 @@ use tokio_util::sync::CancellationToken;
 /// Resolves a host name to socket addresses.
 pub trait Resolver: Send + Sync + 'static {
     /// All addresses of `name`, each with `port`.
-    fn resolve(&self, name: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
+    fn resolve(
+        &self,
+        name: &str,
+        port: u16,
+    ) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>>;
 }
 
 /// The operating system's resolver (`getaddrinfo` through tokio).
 pub struct SystemResolver;
 
 impl Resolver for SystemResolver {
-    fn resolve(&self, name: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+    fn resolve(
+        &self,
+        name: &str,
+        port: u16,
+    ) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
         let name = name.to_string();
-        Box::pin(async move { Ok(tokio::net::lookup_host((name.as_str(), port)).await?.collect()) })
+        Box::pin(async move {
+            Ok(tokio::net::lookup_host((name.as_str(), port))
+                .await?
+                .collect())
+        })
     }
 }
 
@@ -57,7 +69,13 @@ pub async fn run(
                 if last.as_ref() != Some(&addrs) {
                     tracing::info!(pool = %pool.name, name = %dns.name, pods = addrs.len(), "dns: pod list changed");
                     let targets = addrs.iter().map(|a| Target::for_pool(&pool, *a)).collect();
-                    if tx.send(Update { pool: pool_index, targets }).is_err() {
+                    if tx
+                        .send(Update {
+                            pool: pool_index,
+                            targets,
+                        })
+                        .is_err()
+                    {
                         return;
                     }
                     last = Some(addrs);
@@ -83,17 +101,27 @@ mod tests {
     struct Scripted(Mutex<Vec<std::io::Result<Vec<&'static str>>>>);
 
     impl Resolver for Scripted {
-        fn resolve(&self, name: &str, port: u16) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
+        fn resolve(
+            &self,
+            name: &str,
+            port: u16,
+        ) -> BoxFuture<'static, std::io::Result<Vec<SocketAddr>>> {
             assert_eq!(name, "vllm.llm.svc.cluster.local");
             let mut script = self.0.lock().unwrap();
-            let next = if script.len() > 1 { script.remove(0) } else {
+            let next = if script.len() > 1 {
+                script.remove(0)
+            } else {
                 match &script[0] {
                     Ok(v) => Ok(v.clone()),
                     Err(e) => Err(std::io::Error::new(e.kind(), e.to_string())),
                 }
             };
             Box::pin(async move {
-                next.map(|ips| ips.iter().map(|ip| SocketAddr::new(ip.parse().unwrap(), port)).collect())
+                next.map(|ips| {
+                    ips.iter()
+                        .map(|ip| SocketAddr::new(ip.parse().unwrap(), port))
+                        .collect()
+                })
             })
         }
     }
@@ -117,22 +145,43 @@ mod tests {
             Err(std::io::Error::other("SERVFAIL")),
             Ok(vec!["127.0.0.2", "::1"]),
         ]));
-        let dns = DnsConfig { name: "vllm.llm.svc.cluster.local".into(), port: 8000, refresh_ms: 1000 };
+        let dns = DnsConfig {
+            name: "vllm.llm.svc.cluster.local".into(),
+            port: 8000,
+            refresh_ms: 1000,
+        };
         let (tx, mut rx) = mpsc::unbounded_channel();
         let stop = CancellationToken::new();
         let task = tokio::spawn(run(3, pool(), dns, Arc::new(script), tx, stop.clone()));
 
         let first = rx.recv().await.unwrap();
         assert_eq!(first.pool, 3);
-        let addrs: Vec<String> = first.targets.iter().map(|t| t.address.to_string()).collect();
-        assert_eq!(addrs, ["127.0.0.2:8000", "127.0.0.3:8000"], "sorted and deduplicated");
-        assert_eq!(first.targets[0].metrics_url, "http://127.0.0.2:8000/metrics");
+        let addrs: Vec<String> = first
+            .targets
+            .iter()
+            .map(|t| t.address.to_string())
+            .collect();
+        assert_eq!(
+            addrs,
+            ["127.0.0.2:8000", "127.0.0.3:8000"],
+            "sorted and deduplicated"
+        );
+        assert_eq!(
+            first.targets[0].metrics_url,
+            "http://127.0.0.2:8000/metrics"
+        );
 
         // Same set, then a failure: nothing is sent; then a change is sent.
         let second = rx.recv().await.unwrap();
-        let addrs: Vec<String> = second.targets.iter().map(|t| t.address.to_string()).collect();
+        let addrs: Vec<String> = second
+            .targets
+            .iter()
+            .map(|t| t.address.to_string())
+            .collect();
         assert_eq!(addrs, ["127.0.0.2:8000", "[::1]:8000"]);
-        assert!(tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.is_err());
+        assert!(tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .is_err());
         stop.cancel();
         task.await.unwrap();
     }
@@ -141,6 +190,8 @@ mod tests {
     async fn system_resolver_resolves_localhost_without_the_network() {
         let addrs = SystemResolver.resolve("localhost", 8000).await.unwrap();
         assert!(!addrs.is_empty());
-        assert!(addrs.iter().all(|a| a.ip().is_loopback() && a.port() == 8000));
+        assert!(addrs
+            .iter()
+            .all(|a| a.ip().is_loopback() && a.port() == 8000));
     }
 }

@@ -68,8 +68,16 @@ pub async fn run(
             .await
         }
         (None, Some(name), _) => {
-            watch_inference_pool(pool_index, &pool, &k.namespace, name, client, &tx, &shutdown)
-                .await
+            watch_inference_pool(
+                pool_index,
+                &pool,
+                &k.namespace,
+                name,
+                client,
+                &tx,
+                &shutdown,
+            )
+            .await
         }
         // Validation rejects every other combination.
         _ => {}
@@ -89,10 +97,7 @@ fn entry(pod: &Pod) -> PodEntry {
     let status = pod.status.as_ref();
     let ready = status
         .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| {
-            cs.iter()
-                .any(|c| c.type_ == "Ready" && c.status == "True")
-        });
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
     PodEntry {
         name: pod.metadata.name.clone().unwrap_or_default(),
         ip: status
@@ -165,7 +170,9 @@ async fn watch_pods(
                 false
             }
             Some(Ok(Event::InitApply(p))) => {
-                buffer.get_or_insert_with(BTreeMap::new).insert(key(&p), entry(&p));
+                buffer
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(key(&p), entry(&p));
                 false
             }
             Some(Ok(Event::InitDone)) => {
@@ -174,7 +181,9 @@ async fn watch_pods(
                 gate.reset();
                 true
             }
-            Some(Ok(Event::Apply(p))) => pods.insert(key(&p), entry(&p)).as_ref() != Some(&entry(&p)),
+            Some(Ok(Event::Apply(p))) => {
+                pods.insert(key(&p), entry(&p)).as_ref() != Some(&entry(&p))
+            }
             Some(Ok(Event::Delete(p))) => pods.remove(&key(&p)).is_some(),
             Some(Err(e)) => {
                 if let Some(held) = gate.allow(Instant::now()) {
@@ -189,7 +198,13 @@ async fn watch_pods(
             if last_sent.as_ref() != Some(&t) {
                 tracing::info!(pool = %pool.name, namespace, selector, pods = t.len(),
                     ready = t.iter().filter(|t| t.ready).count(), "kubernetes: pod list changed");
-                if tx.send(Update { pool: pool_index, targets: t.clone() }).is_err() {
+                if tx
+                    .send(Update {
+                        pool: pool_index,
+                        targets: t.clone(),
+                    })
+                    .is_err()
+                {
                     return;
                 }
                 last_sent = Some(t);
@@ -210,7 +225,9 @@ fn pool_spec(obj: &DynamicObject) -> Result<(String, Vec<u16>), String> {
         .ok_or("spec.selector.matchLabels is not a map")?;
     let mut parts = Vec::new();
     for (k, v) in labels {
-        let v = v.as_str().ok_or("spec.selector.matchLabels values must be strings")?;
+        let v = v
+            .as_str()
+            .ok_or("spec.selector.matchLabels values must be strings")?;
         parts.push(format!("{k}={v}"));
     }
     if parts.is_empty() {
@@ -304,7 +321,13 @@ async fn watch_inference_pool(
                 tracing::info!(pool = %pool.name, namespace, inference_pool = name, selector = %spec.0,
                     ports = ?spec.1, "kubernetes: watching the InferencePool's pods");
                 let stop = shutdown.child_token();
-                let (p, ns, c, t, s) = (pool.clone(), namespace.to_string(), client.clone(), tx.clone(), stop.clone());
+                let (p, ns, c, t, s) = (
+                    pool.clone(),
+                    namespace.to_string(),
+                    client.clone(),
+                    tx.clone(),
+                    stop.clone(),
+                );
                 let (selector, ports) = spec.clone();
                 tokio::spawn(async move {
                     watch_pods(pool_index, &p, &ns, &selector, &ports, c, &t, &s).await;
@@ -318,7 +341,13 @@ async fn watch_inference_pool(
                 }
                 tracing::warn!(pool = %pool.name, namespace, inference_pool = name,
                     "kubernetes: InferencePool not found; the pool has no pods");
-                if tx.send(Update { pool: pool_index, targets: Vec::new() }).is_err() {
+                if tx
+                    .send(Update {
+                        pool: pool_index,
+                        targets: Vec::new(),
+                    })
+                    .is_err()
+                {
                     break;
                 }
             }
@@ -353,7 +382,10 @@ mod tests {
             "spec": {"selector": {"app": "vllm"}, "targetPortNumber": 8000}
         }))
         .unwrap();
-        assert_eq!(pool_spec(&alpha).unwrap(), ("app=vllm".to_string(), vec![8000]));
+        assert_eq!(
+            pool_spec(&alpha).unwrap(),
+            ("app=vllm".to_string(), vec![8000])
+        );
         let empty: DynamicObject = serde_json::from_value(json!({
             "metadata": {"name": "x"}, "spec": {"selector": {"matchLabels": {}}, "targetPorts": [{"number": 1}]}
         }))
@@ -396,13 +428,30 @@ mod tests {
         let t = targets(&pool, &map, &[8000]);
         let got: Vec<_> = t
             .iter()
-            .map(|t| (t.address.to_string(), t.ready, t.name.clone().unwrap(), t.metrics_url.clone()))
+            .map(|t| {
+                (
+                    t.address.to_string(),
+                    t.ready,
+                    t.name.clone().unwrap(),
+                    t.metrics_url.clone(),
+                )
+            })
             .collect();
         assert_eq!(
             got,
             vec![
-                ("127.0.0.2:8000".into(), true, "a".into(), "http://127.0.0.2:8000/m".into()),
-                ("127.0.0.3:8000".into(), false, "b".into(), "http://127.0.0.3:8000/m".into()),
+                (
+                    "127.0.0.2:8000".into(),
+                    true,
+                    "a".into(),
+                    "http://127.0.0.2:8000/m".into()
+                ),
+                (
+                    "127.0.0.3:8000".into(),
+                    false,
+                    "b".into(),
+                    "http://127.0.0.3:8000/m".into()
+                ),
             ]
         );
     }

@@ -171,13 +171,20 @@ pools:
         let urls: Vec<_> = a.targets.iter().map(|t| t.metrics_url.as_str()).collect();
         assert_eq!(
             urls,
-            ["http://127.0.0.1:1/metrics", "http://[::1]:2/metrics", "http://127.0.0.1:9/m"]
+            [
+                "http://127.0.0.1:1/metrics",
+                "http://[::1]:2/metrics",
+                "http://127.0.0.1:9/m"
+            ]
         );
         assert_eq!(a.targets[0].engine, Some(Engine::Vllm));
         assert_eq!(a.targets[1].engine, Some(Engine::Sglang));
         assert_eq!(a.targets[1].capacity, Some(2.5));
         let b = rx.recv().await.unwrap();
-        assert_eq!(b.targets[0].metrics_url, "http://127.0.0.1:4/prometheus/metrics");
+        assert_eq!(
+            b.targets[0].metrics_url,
+            "http://127.0.0.1:4/prometheus/metrics"
+        );
         assert!(rx.recv().await.is_none(), "nothing else is sent");
     }
 }
