@@ -76,10 +76,14 @@ async fn failure_mode(State(pod): State<Arc<Pod>>, req: Request, next: Next) -> 
 
 /// An error in vLLM's format (`ErrorResponse` with a nested `error` object, vLLM >= 0.10.2).
 pub fn error_response(status: StatusCode, kind: &str, message: &str) -> Response {
-    let body = serde_json::json!({
-        "error": {"message": message, "type": kind, "param": null, "code": status.as_u16()}
-    });
-    json_response(status, body.to_string())
+    // field order as vLLM's pydantic ErrorInfo: message, type, param, code
+    let message = serde_json::to_string(message).unwrap_or_else(|_| "\"\"".to_string());
+    let kind = serde_json::to_string(kind).unwrap_or_else(|_| "\"\"".to_string());
+    let body = format!(
+        r#"{{"error":{{"message":{message},"type":{kind},"param":null,"code":{}}}}}"#,
+        status.as_u16()
+    );
+    json_response(status, body)
 }
 
 fn json_response(status: StatusCode, body: String) -> Response {

@@ -90,7 +90,7 @@ const WORDS: &[&str] = &[
     " in",
     " this",
     " reply",
-    ".",
+    " now.",
 ];
 
 /// Appends the text of output tokens `[from, to)` to `out`.

@@ -1,0 +1,507 @@
+//! End-to-end tests of the simulated fleet over HTTP on 127.0.0.1: the vLLM streaming and
+//! non-streaming formats, errors, `/v1/models`, `/metrics` names (vLLM and SGLang), prefix-cache
+//! accounting across two requests, the admin API's failure modes, and the ports file.
+
+// test helpers outside #[test] functions may fail loudly too
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use fleet_sim::{Fleet, FleetFile, Overrides};
+use serde_json::Value;
+
+const LLAMA: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+async fn start(time_scale: f64) -> Fleet {
+    let file = FleetFile::parse(&format!(
+        r#"{{"seed": 7, "time_scale": {time_scale}, "pods": [
+            {{"name": "fast", "pool": "llama-8b", "model": "{LLAMA}", "gpu": "h100",
+              "adapters": ["sql-lora", "chat-lora"], "max_loras": 1}},
+            {{"name": "sg", "pool": "qwen-7b", "model": "Qwen/Qwen2.5-7B-Instruct", "gpu": "l40s",
+              "engine": "sglang"}}]}}"#
+    ))
+    .unwrap();
+    let cfg = file.resolve(Overrides::default()).unwrap();
+    Fleet::start(cfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap()
+}
+
+fn addr(fleet: &Fleet, name: &str) -> SocketAddr {
+    fleet.pods.iter().find(|p| p.cfg.name == name).unwrap().addr
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+/// The `data:` payloads of an SSE body, in order.
+fn sse_events(body: &str) -> Vec<String> {
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            assert!(e.starts_with("data: "), "not an SSE data event: {e:?}");
+            e["data: ".len()..].to_string()
+        })
+        .collect()
+}
+
+fn word_count(s: &str) -> usize {
+    // every filler token is one word with a leading space
+    s.split(' ').filter(|w| !w.is_empty()).count()
+}
+
+async fn metric(c: &reqwest::Client, a: SocketAddr, line_prefix: &str) -> f64 {
+    let text = c
+        .get(format!("http://{a}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(line_prefix))
+        .unwrap_or_else(|| panic!("no line starting with {line_prefix}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test]
+async fn streaming_chat_is_vllm_sse_with_content_in_the_first_write() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let prompt = "Tell me about the sea. ".repeat(10);
+    let body = serde_json::json!({
+        "model": LLAMA, "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": 30, "stream": true, "stream_options": {"include_usage": true}
+    });
+    let mut resp = client()
+        .post(format!("http://{a}/v1/chat/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["x-served-by"], "fast");
+    assert_eq!(
+        resp.headers()["x-served-by-address"],
+        a.to_string().as_str()
+    );
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let first = resp.chunk().await.unwrap().unwrap();
+    let first = String::from_utf8(first.to_vec()).unwrap();
+    let mut all = first.clone();
+    while let Some(c) = resp.chunk().await.unwrap() {
+        all.push_str(std::str::from_utf8(&c).unwrap());
+    }
+    // vLLM sends the role chunk and the first content together, at the first token
+    let first_events = sse_events(&first);
+    assert!(first_events.len() >= 2, "{first:?}");
+    let role: Value = serde_json::from_str(&first_events[0]).unwrap();
+    assert_eq!(role["choices"][0]["delta"]["role"], "assistant");
+    let content: Value = serde_json::from_str(&first_events[1]).unwrap();
+    assert!(!content["choices"][0]["delta"]["content"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+
+    let events = sse_events(&all);
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["model"], LLAMA);
+        assert_eq!(c["id"], chunks[0]["id"]);
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(chunks.last().unwrap()["choices"], Value::Array(vec![]));
+    assert_eq!(usage["prompt_tokens"], prompt.len().div_ceil(4));
+    assert_eq!(usage["completion_tokens"], 30);
+    assert_eq!(usage["total_tokens"], prompt.len().div_ceil(4) + 30);
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(word_count(&text), 30);
+    let finish = &chunks[chunks.len() - 2]["choices"][0];
+    assert_eq!(finish["finish_reason"], "length");
+    // coalescing: fewer content chunks than tokens (20 ms wall = 200 ms simulated per chunk)
+    assert!(chunks.len() < 30, "{} chunks", chunks.len());
+}
+
+#[tokio::test]
+async fn non_streaming_responses_carry_usage() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    let resp: Value = c
+        .post(format!("http://{a}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": "sql-lora",
+            "messages": [{"role": "system", "content": "abcdefgh"}, {"role": "user", "content": [{"type": "text", "text": "ijkl"}]}],
+            "max_completion_tokens": 7
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(resp["object"], "chat.completion");
+    assert_eq!(resp["model"], "sql-lora");
+    assert_eq!(resp["usage"]["prompt_tokens"], 3); // 12 bytes of content
+    assert_eq!(resp["usage"]["completion_tokens"], 7);
+    assert_eq!(resp["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        word_count(resp["choices"][0]["message"]["content"].as_str().unwrap()),
+        7
+    );
+
+    // no max_tokens: a drawn length, finish_reason stop, same length for the same request
+    let ask = || async {
+        let v: Value = c
+            .post(format!("http://{a}/v1/completions"))
+            .json(&serde_json::json!({"model": LLAMA, "prompt": "once upon a time"}))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        v
+    };
+    let (x, y) = (ask().await, ask().await);
+    assert_eq!(x["object"], "text_completion");
+    assert_eq!(x["choices"][0]["finish_reason"], "stop");
+    let n = x["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(n >= 1);
+    assert_eq!(y["usage"]["completion_tokens"], n);
+    assert_eq!(
+        word_count(x["choices"][0]["text"].as_str().unwrap()) as u64,
+        n
+    );
+}
+
+#[tokio::test]
+async fn unknown_model_is_a_vllm_404_and_errors_name_the_pod() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let resp = client()
+        .post(format!("http://{a}/v1/chat/completions"))
+        .json(
+            &serde_json::json!({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    assert_eq!(resp.headers()["x-served-by"], "fast");
+    let body = resp.text().await.unwrap();
+    assert_eq!(
+        body,
+        r#"{"error":{"message":"The model `gpt-4` does not exist.","type":"NotFoundError","param":null,"code":404}}"#
+    );
+    // too long for the context: 400
+    let resp = client()
+        .post(format!("http://{a}/v1/completions"))
+        .json(&serde_json::json!({"model": LLAMA, "prompt": "x", "max_tokens": 10_000_000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maximum context length"));
+    // invalid JSON: 400
+    let resp = client()
+        .post(format!("http://{a}/v1/chat/completions"))
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+}
+
+#[tokio::test]
+async fn models_lists_base_and_adapters() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let v: Value = client()
+        .get(format!("http://{a}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let data = v["data"].as_array().unwrap();
+    let ids: Vec<_> = data.iter().map(|m| m["id"].as_str().unwrap()).collect();
+    assert_eq!(ids, [LLAMA, "sql-lora", "chat-lora"]);
+    assert_eq!(data[0]["root"], LLAMA);
+    assert!(data[0]["parent"].is_null());
+    assert_eq!(data[1]["parent"], LLAMA);
+    assert_eq!(data[1]["owned_by"], "vllm");
+}
+
+#[tokio::test]
+async fn metrics_use_exact_engine_names() {
+    let fleet = start(10.0).await;
+    let c = client();
+    let text = c
+        .get(format!("http://{}/metrics", addr(&fleet, "fast")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let labels = format!(r#"{{engine="0",model_name="{LLAMA}"}}"#);
+    for name in [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+    ] {
+        assert!(
+            text.contains(&format!("\n{name}{labels} ")),
+            "missing {name}"
+        );
+    }
+    assert!(text.contains(r#"vllm:request_success_total{engine="0",finished_reason="length","#));
+    assert!(text.contains(r#"vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001","#));
+    assert!(text.contains(r#"vllm:lora_requests_info{max_lora="1",running_lora_adapters="",waiting_lora_adapters=""} "#));
+    assert!(text.contains(r#"vllm:cache_config_info{block_size="16","#));
+    assert!(text.contains("fleet_sim:lora_adapter_loads_total{"));
+    assert!(text.contains("\nfleet_sim:time_scale 10.0\n"));
+    // every sample line is `name{labels} value` with a float value, under a TYPE line
+    let mut typed = std::collections::HashSet::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            typed.insert(rest.split(' ').next().unwrap().to_string());
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let (series, value) = line.rsplit_once(' ').unwrap();
+        assert!(value.parse::<f64>().is_ok() || value == "+Inf", "{line}");
+        let name = series.split('{').next().unwrap();
+        let family = ["_bucket", "_count", "_sum"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s).filter(|f| typed.contains(*f)))
+            .unwrap_or(name);
+        assert!(typed.contains(family), "{name} has no TYPE line");
+    }
+
+    let sg = c
+        .get(format!("http://{}/metrics", addr(&fleet, "sg")))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:token_usage",
+        "sglang:cache_hit_rate",
+        "sglang:gen_throughput",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:time_to_first_token_seconds_sum",
+    ] {
+        assert!(
+            sg.contains(&format!(
+                "\n{name}{{model_name=\"Qwen/Qwen2.5-7B-Instruct\"}} "
+            )),
+            "missing {name}"
+        );
+    }
+    assert!(!sg.contains("vllm:"));
+}
+
+#[tokio::test]
+async fn prefix_sharing_pair_shows_in_prefix_cache_hits() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    let shared = "You are a careful assistant for the fleet. ".repeat(24); // 1032 bytes
+    let ask = |suffix: &'static str| {
+        let c = c.clone();
+        let prompt = format!("{shared}{suffix}");
+        async move {
+            let r = c
+                .post(format!("http://{a}/v1/completions"))
+                .json(&serde_json::json!({"model": LLAMA, "prompt": prompt, "max_tokens": 2}))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.json::<Value>().await.unwrap()
+        }
+    };
+    let before = metric(&c, a, "vllm:prefix_cache_hits_total{").await;
+    let first = ask("What is the first question about?").await;
+    let second = ask("Now a different question entirely.").await;
+    let after = metric(&c, a, "vllm:prefix_cache_hits_total{").await;
+    // blocks are 16 tokens x 4 bytes = 64 bytes; the shared text covers this many full blocks
+    let expected = (shared.len() / 64 * 16) as f64;
+    assert_eq!(after - before, expected);
+    assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+        expected as u64
+    );
+    let queries = metric(&c, a, "vllm:prefix_cache_queries_total{").await;
+    let tokens = |v: &Value| v["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(queries, tokens(&first) + tokens(&second));
+}
+
+#[tokio::test]
+async fn admin_modes_down_error_and_back() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let admin = fleet.admin;
+    let c = client();
+    let set = |mode: &'static str| {
+        let c = c.clone();
+        async move {
+            let r = c
+                .post(format!("http://{admin}/pods/fast/mode"))
+                .json(&serde_json::json!({ "mode": mode }))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    };
+    set("down").await;
+    // the listener closes asynchronously; connections must be refused soon after
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        let fresh = reqwest::Client::new();
+        match fresh.get(format!("http://{a}/health")).send().await {
+            Err(e) if e.is_connect() => break,
+            _ if Instant::now() > deadline => panic!("pod still accepts connections"),
+            _ => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    set("error").await;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let resp = loop {
+        if let Ok(r) = reqwest::Client::new()
+            .get(format!("http://{a}/metrics"))
+            .send()
+            .await
+        {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "pod did not come back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(resp.status(), 500);
+    assert_eq!(resp.headers()["x-served-by"], "fast");
+    set("hang").await;
+    let hung = reqwest::Client::new()
+        .get(format!("http://{a}/health"))
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(hung.unwrap_err().is_timeout());
+    set("ok").await;
+    let r = c.get(format!("http://{a}/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+
+    let pods: Value = c
+        .get(format!("http://{admin}/pods"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let fast = &pods["pods"][0];
+    assert_eq!(fast["name"], "fast");
+    assert_eq!(fast["mode"], "ok");
+    assert_eq!(fast["max_loras"], 1);
+    let r = c
+        .post(format!("http://{admin}/pods/nobody/mode"))
+        .json(&serde_json::json!({"mode": "ok"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
+
+#[tokio::test]
+async fn client_disconnect_aborts_the_request() {
+    let fleet = start(1.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    let mut resp = c
+        .post(format!("http://{a}/v1/completions"))
+        .json(&serde_json::json!({"model": LLAMA, "prompt": "go", "max_tokens": 100_000, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+    drop(resp);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pods: Value = c
+            .get(format!("http://{}/pods/fast", fleet.admin))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if pods["counters"]["aborted"] == 1 && pods["running"] == 0 {
+            assert_eq!(pods["kv_usage"], 0.0);
+            break;
+        }
+        assert!(Instant::now() < deadline, "request was not aborted: {pods}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn ports_file_is_written_whole() {
+    let fleet = start(10.0).await;
+    let dir = std::env::temp_dir().join(format!("fleet-sim-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ports.json");
+    fleet.write_ports_file(&path).unwrap();
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    assert_eq!(v["admin"], fleet.admin.to_string());
+    let pods = v["pods"].as_array().unwrap();
+    assert_eq!(pods.len(), 2);
+    assert_eq!(pods[0]["name"], "fast");
+    assert_eq!(pods[0]["adapters"][0], "sql-lora");
+    assert_eq!(pods[1]["engine"], "sglang");
+    let a = pods[0]["address"].as_str().unwrap();
+    assert_eq!(pods[0]["metrics_url"], format!("http://{a}/metrics"));
+    // no temporary file left behind
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
