@@ -423,6 +423,22 @@ mod tests {
     }
 
     #[test]
+    fn shipped_fleet_files_resolve() {
+        for (file, pods) in [
+            (include_str!("../fleets/example.json"), 2),
+            (include_str!("../fleets/mixed-gpu.json"), 4),
+            (include_str!("../fleets/multi-lora.json"), 4),
+            (include_str!("../fleets/sglang.json"), 2),
+        ] {
+            let c = FleetFile::parse(file)
+                .unwrap()
+                .resolve(Overrides::default())
+                .unwrap();
+            assert_eq!(c.pods.len(), pods);
+        }
+    }
+
+    #[test]
     fn demo_preset_has_six_pods_on_fixed_ports() {
         let c = FleetFile::preset("demo")
             .unwrap()
