@@ -1,1 +1,130 @@
-fn main() {}
+//! Decision cost, natively: the whole per-request pipeline the filter runs (parse the body,
+//! resolve the model, hash the prompt, look up the prefix index, score every pod, pick, record),
+//! for a 64-pod pool with a 4 KB chat prompt and for a 1,000-pod pool.
+//!
+//! Targets (issue 2): <= 20 us for 64 pods, <= 200 us for 1,000 pods.
+//! Run: `cargo bench -p gpuroute-core --bench decision`
+
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuroute_core::config::FilterConfig;
+use gpuroute_core::engine::{DecideOptions, Engine};
+use gpuroute_core::fleet::FleetState;
+use gpuroute_core::load::LoadTable;
+use gpuroute_core::rng::SplitMix64;
+use gpuroute_core::snapshot::{LoraState, PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+
+const NOW: u64 = 1_700_000_000_000;
+
+fn fleet(pods: usize) -> FleetState {
+    let mut rng = SplitMix64::new(7);
+    let pods = (0..pods)
+        .map(|i| {
+            let mut p = PodSnapshot::new(
+                format!("10.{}.{}.{}:8000", i / 65536, (i / 256) % 256, i % 256),
+                NOW - 40,
+            );
+            p.waiting = (rng.next_u64() % 4) as u32;
+            p.running = (rng.next_u64() % 64) as u32;
+            p.kv_cache_usage = Some(rng.next_f64() * 0.7);
+            p.block_size = Some(16);
+            p.num_blocks = Some(20_000);
+            p.prefix_cache_hit_rate = Some(rng.next_f64());
+            p.lora = Some(LoraState {
+                max_loras: 4,
+                running: vec![format!("adapter-{}", i % 16)],
+                waiting: vec![],
+            });
+            p
+        })
+        .collect();
+    FleetState::new(
+        Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 1,
+            source: "bench".into(),
+            generated_at_ms: NOW - 20,
+            pools: vec![PoolSnapshot {
+                name: "llama".into(),
+                pods,
+            }],
+        },
+        NOW - 10,
+    )
+}
+
+/// A realistic 4 KB chat body: system prompt, a few turns, the new question.
+fn chat_body(variant: usize) -> Vec<u8> {
+    let system = "You are a meticulous assistant for a logistics company. Answer with numbered steps, cite the policy section you rely on, and never invent tracking numbers. ".repeat(3);
+    let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+    let mut size = system.len();
+    let mut turn = 0;
+    while size < 3_800 {
+        let q = format!("Turn {turn} of conversation {variant}: the shipment left the Rotterdam hub on Tuesday and has not been scanned since; what should I check next?");
+        let a = "First, check the carrier's manifest for the last handoff scan; second, open a trace with the line-haul partner; third, notify the customer with the policy 4.2 template.";
+        size += q.len() + a.len();
+        messages.push(serde_json::json!({"role": "user", "content": q}));
+        messages.push(serde_json::json!({"role": "assistant", "content": a}));
+        turn += 1;
+    }
+    messages.push(serde_json::json!({"role": "user", "content": "And if the hub says it was never received?"}));
+    serde_json::to_vec(&serde_json::json!({"model": "llama-3-8b", "stream": true, "max_tokens": 256, "messages": messages}))
+        .unwrap_or_default()
+}
+
+fn engine() -> Engine {
+    let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"],"adapters":["adapter-3"]}]}"#;
+    Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")))
+}
+
+fn bench(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decision");
+    for pods in [64usize, 1_000] {
+        let fleet = fleet(pods);
+        let pool = &fleet.pools[0];
+        let mut table = LoadTable::default();
+        table.rebase(fleet.version, &pool.keys);
+        let bodies: Vec<Vec<u8>> = (0..64).map(chat_body).collect();
+        assert!(
+            bodies[0].len() >= 4_000,
+            "body is {} bytes",
+            bodies[0].len()
+        );
+        let mut e = engine();
+        // Warm the prefix index as a running gateway would have it.
+        let mut rng = SplitMix64::new(1);
+        for b in &bodies {
+            if let Ok(p) = e.prepare("/v1/chat/completions", b) {
+                let opts = DecideOptions {
+                    now_ms: NOW,
+                    ..Default::default()
+                };
+                let ch = e.decide(&p, Some(&fleet), &table.pods, opts, &mut rng);
+                if let Some(k) = ch.picked_key {
+                    e.commit(&p, k);
+                }
+            }
+        }
+        let mut i = 0usize;
+        group.bench_with_input(BenchmarkId::new("chat_4kb", pods), &pods, |b, _| {
+            b.iter(|| {
+                i = (i + 1) % bodies.len();
+                let p = e
+                    .prepare("/v1/chat/completions", &bodies[i])
+                    .unwrap_or_else(|e| panic!("{}", e.message));
+                let opts = DecideOptions {
+                    now_ms: NOW,
+                    ..Default::default()
+                };
+                let ch = e.decide(&p, Some(&fleet), &table.pods, opts, &mut rng);
+                if let Some(k) = ch.picked_key {
+                    e.commit(&p, k);
+                }
+                black_box(ch.destination)
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

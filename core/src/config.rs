@@ -113,17 +113,17 @@ impl Preset {
         match self {
             Preset::Latency => Weights {
                 queue: 3.0,
-                kv_cache: 1.5,
-                running: 1.0,
-                lora: 2.0,
-                prefix: 2.0,
-            },
-            Preset::Throughput => Weights {
-                queue: 1.5,
                 kv_cache: 1.0,
                 running: 0.5,
                 lora: 3.0,
                 prefix: 3.0,
+            },
+            Preset::Throughput => Weights {
+                queue: 1.5,
+                kv_cache: 1.0,
+                running: 0.25,
+                lora: 4.0,
+                prefix: 4.0,
             },
         }
     }

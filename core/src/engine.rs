@@ -36,13 +36,19 @@ pub struct Prepared {
     anchors: Vec<Anchor>,
     prefix_blocks: u32,
     home_key: Option<u64>,
+    /// Set for conversations: the rendezvous key is then the conversation's key, and it is
+    /// recorded in the index too, so the pods that served earlier turns are known.
+    conversation: Option<u64>,
+    conversation_pods: Vec<u64>,
     matches: Vec<PodMatch>,
 }
 
 impl Prepared {
-    /// Anchor hashes, as recorded in the prefix index.
+    /// Hashes recorded in the prefix index: the anchors, plus the conversation key.
     pub fn anchor_hashes(&self) -> Vec<u64> {
-        self.anchors.iter().map(|a| a.hash).collect()
+        let mut v: Vec<u64> = self.anchors.iter().map(|a| a.hash).collect();
+        v.extend(self.conversation);
+        v
     }
 }
 
@@ -100,7 +106,8 @@ impl Engine {
     pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
         let p = &self.config.prefix;
         let limit = p.block_chars.saturating_mul(p.max_blocks);
-        let req = request::parse(body, Endpoint::from_path(path), limit)?;
+        let home_chars = p.block_chars.saturating_mul(p.home_blocks);
+        let req = request::parse(body, Endpoint::from_path(path), limit, home_chars)?;
         let target = self.routes.resolve(req.model.as_deref())?.clone();
         let rewritten_body = match (&req.model_span, target.rewrite) {
             (Some(span), true) => Some(rewrite_model(body, span.clone(), &target.model)),
@@ -116,9 +123,19 @@ impl Engine {
         );
         let mut anchors = Vec::new();
         prefix::anchors(&self.hashes, &mut anchors);
-        let home_key = prefix::home_key(&self.hashes, p.home_blocks);
+        let seed = prefix::model_seed(&target.model);
+        // A conversation's identity: stable across its turns, distinct between conversations
+        // that only share a system prompt.
+        let conversation = req
+            .conversation_len
+            .and_then(|n| req.prompt.as_bytes().get(..n))
+            .map(|k| prefix::conversation_key(k, seed));
+        let home_key = conversation.or_else(|| prefix::home_key(&self.hashes, p.home_blocks));
         let mut matches = Vec::new();
         self.prefix.lookup(&anchors, &mut matches);
+        let conversation_pods = conversation
+            .map(|k| self.prefix.pods_of(k))
+            .unwrap_or_default();
         Ok(Prepared {
             pool: self.routes.pool_name(target.pool).to_string(),
             stream: req.stream,
@@ -126,6 +143,8 @@ impl Engine {
             rewritten_body,
             prefix_blocks: self.hashes.len() as u32,
             home_key,
+            conversation,
+            conversation_pods,
             matches,
             anchors,
             target,
@@ -169,6 +188,7 @@ impl Engine {
             prefix_blocks: prep.prefix_blocks,
             home_key: prep.home_key,
             matches: &prep.matches,
+            conversation_pods: prep.conversation.map(|_| prep.conversation_pods.as_slice()),
             sheddable,
         };
         let mut breakdown: Vec<Breakdown> = Vec::new();
@@ -197,7 +217,7 @@ impl Engine {
 
     /// Step 3: remember that the prompt went to `pod_key`, locally and for the other workers.
     pub fn commit(&mut self, prep: &Prepared, pod_key: u64) {
-        if prep.anchors.is_empty() {
+        if prep.anchors.is_empty() && prep.conversation.is_none() {
             return;
         }
         let hashes = prep.anchor_hashes();

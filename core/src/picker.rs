@@ -30,9 +30,23 @@ pub struct RequestFeatures<'a> {
     pub home_key: Option<u64>,
     /// Pods known to hold part of the prompt ([`crate::prefix::PrefixIndex::lookup`]).
     pub matches: &'a [PodMatch],
+    /// For conversations: the pods that served an earlier turn. A match on a pod outside this
+    /// list covers only what conversations share (a system prompt), which every pod caches soon
+    /// enough; it counts at [`SHARED_PREFIX_DISCOUNT`] so it does not pile conversations onto
+    /// whichever pod saw the system prompt first.
+    pub conversation_pods: Option<&'a [u64]>,
     /// `x-gateway-priority` < 0: may be rejected when the pool is saturated.
     pub sheddable: bool,
 }
+
+/// Weight of a prefix match that does not include the conversation itself (see
+/// [`RequestFeatures::conversation_pods`]).
+pub const SHARED_PREFIX_DISCOUNT: f64 = 0.25;
+
+/// Lowest prefix match credited to a pod that served an earlier turn of the conversation: it
+/// holds that turn's whole prompt, and a follow-up adds one exchange, usually a small part of
+/// the history. (The learned depth alone is quantised to the anchor grid and can undercount.)
+pub const CONVERSATION_FLOOR: f64 = 0.75;
 
 /// Why the filter left the choice to Envoy's own load balancing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -234,7 +248,12 @@ impl Picker {
                     .iter()
                     .find(|m| m.pod == pod.key)
                     .map_or(0, |m| m.depth);
-                let learned = f64::from(depth) / f64::from(req.prefix_blocks);
+                let mut learned = f64::from(depth) / f64::from(req.prefix_blocks);
+                match req.conversation_pods {
+                    Some(c) if c.contains(&pod.key) => learned = learned.max(CONVERSATION_FLOOR),
+                    Some(_) => learned *= SHARED_PREFIX_DISCOUNT,
+                    None => {}
+                }
                 let homed = if home == Some(*i) {
                     sc.prefix_home_score
                 } else {

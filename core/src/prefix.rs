@@ -92,10 +92,21 @@ pub fn anchors(hashes: &[u64], out: &mut Vec<Anchor>) {
     }
 }
 
-/// The hash that picks a prompt's rendezvous home: its chain hash at `min(len, home_blocks)`.
+/// The hash that picks an unstructured prompt's rendezvous home: its chain hash at the largest
+/// power of two <= `min(len, home_blocks)`. Quantising keeps the home of a growing prompt (a
+/// completion that is extended turn after turn) stable except when its length doubles.
 pub fn home_key(hashes: &[u64], home_blocks: usize) -> Option<u64> {
     let d = hashes.len().min(home_blocks);
-    d.checked_sub(1).and_then(|i| hashes.get(i)).copied()
+    if d == 0 {
+        return None;
+    }
+    let d = 1usize << (usize::BITS - 1 - d.leading_zeros());
+    hashes.get(d - 1).copied()
+}
+
+/// The rendezvous key of a conversation (see `request::InferenceRequest::conversation_len`).
+pub fn conversation_key(text: &[u8], seed: u64) -> u64 {
+    xxh3_64_with_seed(text, seed ^ 0x636f_6e76)
 }
 
 #[derive(Default)]
@@ -204,6 +215,15 @@ impl PrefixIndex {
                 }
             }
         }
+    }
+
+    /// Pods recorded under one key (e.g. a conversation key).
+    pub fn pods_of(&self, key: u64) -> Vec<u64> {
+        self.cur
+            .get(&key)
+            .or_else(|| self.prev.get(&key))
+            .map(|s| s.pods.iter().copied().filter(|p| *p != 0).collect())
+            .unwrap_or_default()
     }
 
     /// Entries held (both generations).
@@ -417,7 +437,11 @@ mod tests {
     fn home_key_uses_a_bounded_depth() {
         let h: Vec<u64> = (10..30).collect();
         assert_eq!(home_key(&h, 4), Some(13));
+        assert_eq!(home_key(&h, 16), Some(25));
         assert_eq!(home_key(&h[..2], 4), Some(11));
+        // 3, 5, 6 and 7 blocks round down to a power of two: a growing prompt keeps its home.
+        assert_eq!(home_key(&h[..3], 16), Some(11));
+        assert_eq!(home_key(&h[..7], 16), Some(13));
         assert_eq!(home_key(&[], 4), None);
     }
 

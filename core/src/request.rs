@@ -60,6 +60,11 @@ pub struct InferenceRequest<'a> {
     pub prompt: String,
     /// Length of the full prompt text in bytes, before truncation; the token estimate uses it.
     pub prompt_len: usize,
+    /// For conversations (chat messages, Responses API message items): the length of the
+    /// leading part of `prompt` that identifies the conversation: everything before the first
+    /// user message plus up to `home_chars` of it. Every later turn repeats it unchanged, and two
+    /// conversations that share only a system prompt differ in it.
+    pub conversation_len: Option<usize>,
 }
 
 impl InferenceRequest<'_> {
@@ -107,11 +112,13 @@ const FIELD_SEP: char = '\u{1f}';
 const ITEM_SEP: char = '\u{1e}';
 
 /// Parses a request body. `prompt_limit` caps the prompt text kept for hashing (bytes); the
-/// full length is still measured.
+/// full length is still measured. `home_chars` bounds how much of the first user message goes
+/// into [`InferenceRequest::conversation_len`].
 pub fn parse(
     body: &[u8],
     endpoint: Endpoint,
     prompt_limit: usize,
+    home_chars: usize,
 ) -> Result<InferenceRequest<'_>, ApiError> {
     let trimmed = body.trim_ascii_start();
     if trimmed.first() != Some(&b'{') {
@@ -137,7 +144,7 @@ pub fn parse(
     };
     let stream = matches!(raw.stream.map(RawValue::get), Some("true"));
 
-    let mut prompt = PromptText::new(prompt_limit);
+    let mut prompt = PromptText::new(prompt_limit, home_chars);
     match endpoint {
         Endpoint::Chat => prompt.messages(raw.messages),
         Endpoint::Completions => prompt.value(raw.prompt),
@@ -160,6 +167,7 @@ pub fn parse(
         model_span,
         stream,
         prompt_len: prompt.len,
+        conversation_len: prompt.conversation_len,
         prompt: prompt.text,
     })
 }
@@ -176,14 +184,32 @@ struct PromptText {
     text: String,
     len: usize,
     limit: usize,
+    home_chars: usize,
+    conversation_len: Option<usize>,
 }
 
 impl PromptText {
-    fn new(limit: usize) -> Self {
+    fn new(limit: usize, home_chars: usize) -> Self {
         PromptText {
             text: String::new(),
             len: 0,
             limit,
+            home_chars,
+            conversation_len: None,
+        }
+    }
+
+    /// Role, separator and content of one message; the first user message fixes the
+    /// conversation key's extent.
+    fn message(&mut self, role: Option<&str>, content: impl FnOnce(&mut Self)) {
+        if let Some(r) = role {
+            self.push(r);
+        }
+        self.sep(FIELD_SEP);
+        let start = self.text.len();
+        content(self);
+        if role == Some("user") && self.conversation_len.is_none() {
+            self.conversation_len = Some(self.text.len().min(start + self.home_chars));
         }
     }
 
@@ -218,16 +244,14 @@ impl PromptText {
             return;
         };
         for m in &messages {
-            if let Some(role) = &m.role {
-                self.push(role);
-            }
-            self.sep(FIELD_SEP);
-            if let Some(content) = m.content {
-                self.content(content);
-            }
-            if let Some(calls) = m.tool_calls {
-                self.push(calls.get());
-            }
+            self.message(m.role.as_deref(), |p| {
+                if let Some(content) = m.content {
+                    p.content(content);
+                }
+                if let Some(calls) = m.tool_calls {
+                    p.push(calls.get());
+                }
+            });
             self.sep(ITEM_SEP);
         }
     }
@@ -274,14 +298,10 @@ impl PromptText {
                             self.content(item);
                         } else if let Ok(m) = serde_json::from_str::<Message<'_>>(item.get()) {
                             // Responses API message items: role + content like chat.
-                            if let Some(role) = &m.role {
-                                self.push(role);
-                            }
-                            self.sep(FIELD_SEP);
-                            match m.content {
-                                Some(c) => self.content(c),
-                                None => self.push(item.get()),
-                            }
+                            self.message(m.role.as_deref(), |p| match m.content {
+                                Some(c) => p.content(c),
+                                None => p.push(item.get()),
+                            });
                         } else {
                             self.push(item.get());
                         }
@@ -303,7 +323,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn chat(body: &str) -> InferenceRequest<'_> {
-        parse(body.as_bytes(), Endpoint::Chat, 1 << 20).unwrap()
+        parse(body.as_bytes(), Endpoint::Chat, 1 << 20, 1024).unwrap()
     }
 
     #[test]
@@ -330,7 +350,7 @@ mod tests {
 
     #[test]
     fn non_string_model_is_a_typed_error() {
-        let err = parse(br#"{"model": 42}"#, Endpoint::Chat, 100).unwrap_err();
+        let err = parse(br#"{"model": 42}"#, Endpoint::Chat, 100, 1024).unwrap_err();
         assert_eq!(err.status, 400);
         assert_eq!(err.param.as_deref(), Some("model"));
     }
@@ -345,7 +365,7 @@ mod tests {
             b"{\"model\":\"a\"} trailing",
             b"\xff\xfe",
         ] {
-            let err = parse(body, Endpoint::Chat, 100).unwrap_err();
+            let err = parse(body, Endpoint::Chat, 100, 1024).unwrap_err();
             assert_eq!(err.status, 400, "{body:?}");
             assert_eq!(err.code.as_deref(), Some("invalid_json"));
         }
@@ -353,7 +373,7 @@ mod tests {
 
     #[test]
     fn duplicate_model_key_is_rejected() {
-        let err = parse(br#"{"model":"a","model":"b"}"#, Endpoint::Chat, 100).unwrap_err();
+        let err = parse(br#"{"model":"a","model":"b"}"#, Endpoint::Chat, 100, 1024).unwrap_err();
         assert_eq!(err.status, 400);
     }
 
@@ -376,6 +396,42 @@ mod tests {
     }
 
     #[test]
+    fn conversation_key_covers_system_prompt_and_first_user_message() {
+        let t1 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Plan my trip to Lisbon."}]}"#,
+        );
+        let t2 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Plan my trip to Lisbon."},
+            {"role":"assistant","content":"Day 1: Alfama."},{"role":"user","content":"And day 2?"}]}"#,
+        );
+        let other = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Fix my SQL."}]}"#,
+        );
+        let k1 = &t1.prompt[..t1.conversation_len.unwrap()];
+        let k2 = &t2.prompt[..t2.conversation_len.unwrap()];
+        let ko = &other.prompt[..other.conversation_len.unwrap()];
+        assert_eq!(k1, k2);
+        assert!(k1.ends_with("Plan my trip to Lisbon."));
+        assert_ne!(k1, ko);
+        // Long first messages are capped at home_chars.
+        let long = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+            "z".repeat(5000)
+        );
+        let r = parse(long.as_bytes(), Endpoint::Chat, 1 << 20, 100).unwrap();
+        assert_eq!(r.conversation_len, Some("user\u{1f}".len() + 100));
+        // Completions have no structure.
+        let c = parse(
+            br#"{"model":"m","prompt":"abc"}"#,
+            Endpoint::Completions,
+            100,
+            100,
+        )
+        .unwrap();
+        assert_eq!(c.conversation_len, None);
+    }
+
+    #[test]
     fn later_turns_extend_earlier_turns() {
         let t1 =
             chat(r#"{"model":"m","messages":[{"role":"user","content":"Tell me about Envoy."}]}"#);
@@ -392,6 +448,7 @@ mod tests {
             br#"{"model":"m","prompt":"Once upon"}"#,
             Endpoint::Completions,
             100,
+            1024,
         )
         .unwrap();
         assert!(c.prompt.starts_with("Once upon"));
@@ -399,6 +456,7 @@ mod tests {
             br#"{"model":"m","prompt":["a","b"]}"#,
             Endpoint::Completions,
             100,
+            1024,
         )
         .unwrap();
         assert!(c.prompt.contains('a') && c.prompt.contains('b'));
@@ -406,6 +464,7 @@ mod tests {
             br#"{"model":"m","prompt":[1,2,3]}"#,
             Endpoint::Completions,
             100,
+            1024,
         )
         .unwrap();
         assert!(c.prompt.starts_with("1\u{1e}2\u{1e}3"));
@@ -413,6 +472,7 @@ mod tests {
             br#"{"model":"m","input":"embed me"}"#,
             Endpoint::Embeddings,
             100,
+            1024,
         )
         .unwrap();
         assert!(e.prompt.starts_with("embed me"));
@@ -420,6 +480,7 @@ mod tests {
             br#"{"model":"m","instructions":"You are terse.","input":[{"role":"user","content":"hi"}]}"#,
             Endpoint::Responses,
             100,
+            1024,
         )
         .unwrap();
         assert!(r.prompt.starts_with("You are terse."));
@@ -429,7 +490,7 @@ mod tests {
     #[test]
     fn prompt_is_truncated_on_a_char_boundary_but_length_is_full() {
         let body = format!(r#"{{"model":"m","prompt":"{}"}}"#, "é".repeat(100));
-        let r = parse(body.as_bytes(), Endpoint::Completions, 11).unwrap();
+        let r = parse(body.as_bytes(), Endpoint::Completions, 11, 1024).unwrap();
         assert!(r.prompt.len() <= 11);
         assert_eq!(r.prompt_len, 200 + 1); // 100 two-byte chars + the item separator
         assert_eq!(r.estimated_prompt_tokens(), 51);
@@ -450,15 +511,15 @@ mod tests {
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
-            let _ = parse(&body, Endpoint::Chat, 64);
-            let _ = parse(&body, Endpoint::Other, 64);
+            let _ = parse(&body, Endpoint::Chat, 64, 1024);
+            let _ = parse(&body, Endpoint::Other, 64, 1024);
         }
 
         #[test]
         fn arbitrary_json_values_never_panic(model in ".{0,20}", content in ".{0,200}", n in 0usize..4) {
             let msgs: Vec<_> = (0..n).map(|i| serde_json::json!({"role": "user", "content": format!("{content}{i}")})).collect();
             let body = serde_json::json!({"model": model, "messages": msgs, "stream": n % 2 == 0}).to_string();
-            let r = parse(body.as_bytes(), Endpoint::Chat, 1 << 16).unwrap();
+            let r = parse(body.as_bytes(), Endpoint::Chat, 1 << 16, 1024).unwrap();
             prop_assert_eq!(r.model.as_deref(), Some(model.as_str()));
             prop_assert_eq!(&body[r.model_span.clone().unwrap()], serde_json::to_string(&model).unwrap());
         }

