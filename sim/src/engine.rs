@@ -968,6 +968,25 @@ mod tests {
     }
 
     #[test]
+    fn l40s_pod_serves_a_conversation_batch_about_three_times_slower() {
+        // 32 requests shaped like the Azure conversation trace means (1155 in, 211 out)
+        let makespan = |g: &str| {
+            let mut c = cfg(100_000);
+            c.gpu = gpu(g).unwrap();
+            let mut e = Engine::new(c);
+            for i in 0..32 {
+                e.submit(req(1155, 211, vec![]), i * 50 * MS);
+            }
+            run(&mut e);
+            e.clock
+        };
+        let ratio = makespan("l40s") as f64 / makespan("h100") as f64;
+        println!("l40s/h100 makespan ratio {ratio:.2}");
+        // bounded by the datasheet compute (2.73x) and bandwidth (3.88x) ratios
+        assert!(ratio > 2.7 && ratio < 3.9, "{ratio}");
+    }
+
+    #[test]
     fn abort_frees_blocks() {
         let mut e = Engine::new(cfg(1000));
         let id = e.submit(req(300, 1000, vec![]), 0);
