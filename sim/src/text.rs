@@ -147,6 +147,14 @@ mod tests {
             / f64::from(n);
         assert!((mean - DEFAULT_MEAN_OUTPUT_TOKENS).abs() < 15.0, "{mean}");
         assert_eq!(drawn_output_tokens(7, "m", "p", 1), 1);
+        // the seed matters: another seed gives another sequence of lengths
+        let lengths = |seed| {
+            (0..20)
+                .map(|i| drawn_output_tokens(seed, "m", &format!("q{i}"), 100_000))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(lengths(1), lengths(1));
+        assert_ne!(lengths(1), lengths(2));
     }
 
     #[test]
