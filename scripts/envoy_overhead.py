@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""What the filter costs inside Envoy: median latency and requests/s for 4 KB chat bodies,
+with and without the filter, same upstream, same run.
+
+Setup (all on 127.0.0.1):
+  upstream  a separate Envoy (1 worker) answering on 8 ports with a fixed small JSON body
+            (direct_response), so the upstream costs next to nothing and the same for both;
+  gateway   Envoy 1.40 with 1 worker: either plain Envoy (round robin over the 8 upstream ports)
+            or Envoy + the gpuroute filter (override_host over the same 8 ports, a snapshot of
+            the 8 pods re-pushed every 100 ms as sidecar-metrics would);
+  client    target/release/httpload: closed loop, keep-alive, the same 4 KB chat body.
+Latency is measured with 1 connection (no queueing), throughput with 16. The two gateways are
+measured alternately, several rounds; the report gives the median of the rounds.
+
+Usage: scripts/envoy_overhead.py [--rounds 3] [--seconds 5]
+Writes target/bench/envoy-overhead.json.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from harness import ENVOY, Envoy, Pusher, free_port  # noqa: E402
+
+HTTPLOAD = ROOT / "target" / "release" / "httpload"
+PODS = 8
+CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
+
+
+def chat_body():
+    system = ("You are a meticulous assistant for a logistics company. Answer with numbered steps, cite the "
+              "policy section you rely on, and never invent tracking numbers. ") * 3
+    messages = [{"role": "system", "content": system}]
+    turn = 0
+    while len(json.dumps(messages)) < 3900:
+        messages.append({"role": "user", "content": f"Turn {turn}: the shipment left the Rotterdam hub on Tuesday and has not been scanned since; what next?"})
+        messages.append({"role": "assistant", "content": "Check the manifest for the last handoff scan, open a trace with the line-haul partner, notify the customer."})
+        turn += 1
+    messages.append({"role": "user", "content": "And if the hub says it was never received?"})
+    return json.dumps({"model": "llama-3-8b", "stream": False, "max_tokens": 64, "messages": messages}).encode()
+
+
+class Upstream:
+    def __init__(self):
+        self.ports = [free_port() for _ in range(PODS)]
+        body = json.dumps({"id": "cmpl-1", "object": "chat.completion", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}]})
+        listeners = []
+        for p in self.ports:
+            listeners.append({
+                "name": f"pod{p}",
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": p}},
+                "filter_chains": [{"filters": [{
+                    "name": "envoy.filters.network.http_connection_manager",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                        "stat_prefix": "pod",
+                        "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
+                            {"match": {"prefix": "/"}, "direct_response": {"status": 200, "body": {"inline_string": body}}}]}]},
+                        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
+                    }}]}],
+            })
+        cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}},
+               "static_resources": {"listeners": listeners}}
+        self.dir = Path(tempfile.mkdtemp(prefix="gpuroute-upstream-"))
+        path = self.dir / "upstream.json"
+        path.write_text(json.dumps(cfg))
+        self.proc = subprocess.Popen([str(ENVOY), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "error"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.5)
+
+    def addresses(self):
+        return [f"127.0.0.1:{p}" for p in self.ports]
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def load(addr, body_file, connections, seconds):
+    out = subprocess.run([str(HTTPLOAD), "--addr", addr, "--body-file", str(body_file), "--connections", str(connections),
+                          "--duration-s", str(seconds)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=5.0)
+    args = ap.parse_args()
+    if not HTTPLOAD.exists():
+        sys.exit("build first: make native")
+    body_file = Path(tempfile.mkdtemp()) / "chat.json"
+    body_file.write_bytes(chat_body())
+    up = Upstream()
+    pools = [{"name": "llama", "endpoints": up.addresses()}]
+    plain = Envoy("round_robin", pools, CONFIG)
+    filt = Envoy("filter", pools, CONFIG)
+    pusher = Pusher([filt], {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]})
+    rows = {"plain": {"lat": [], "rps": []}, "filter": {"lat": [], "rps": []}}
+    try:
+        for r in range(args.rounds):
+            for name, gw in (("plain", plain), ("filter", filt)):
+                lat = load(gw.listen, body_file, 1, args.seconds)
+                rows[name]["lat"].append(lat)
+            for name, gw in (("filter", filt), ("plain", plain)):
+                thr = load(gw.listen, body_file, 16, args.seconds)
+                rows[name]["rps"].append(thr)
+            print(f"round {r + 1}: p50 plain {rows['plain']['lat'][-1]['latency_us']['p50']} us, filter {rows['filter']['lat'][-1]['latency_us']['p50']} us; "
+                  f"req/s plain {rows['plain']['rps'][-1]['rps']:.0f}, filter {rows['filter']['rps'][-1]['rps']:.0f}", flush=True)
+        picked = filt.stat("wasmcustom.gpuroute.pool.llama.requests.picked")
+        fail_open = filt.stat("wasmcustom.gpuroute.pool.llama.requests.fail_open")
+    finally:
+        pusher.stop()
+        plain.stop()
+        filt.stop()
+        up.stop()
+
+    def med(name, key, q):
+        return statistics.median(x["latency_us"][q] if key == "lat" else x["rps"] for x in rows[name][key])
+
+    res = {
+        "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
+                  "seconds_per_run": args.seconds, "latency_connections": 1, "throughput_connections": 16,
+                  "machine": "2 cores shared by client, gateway Envoy and upstream Envoy"},
+        "plain": {"p50_us": med("plain", "lat", "p50"), "p99_us": med("plain", "lat", "p99"), "rps": med("plain", "rps", None)},
+        "filter": {"p50_us": med("filter", "lat", "p50"), "p99_us": med("filter", "lat", "p99"), "rps": med("filter", "rps", None)},
+        "filter_picked": picked, "filter_fail_open": fail_open, "raw": rows,
+    }
+    res["added_p50_us"] = res["filter"]["p50_us"] - res["plain"]["p50_us"]
+    res["rps_ratio"] = res["filter"]["rps"] / res["plain"]["rps"]
+    out = ROOT / "target" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
+    print(f"\n4 KB chat body, {res['setup']['rounds']} rounds x {args.seconds:g} s, medians:")
+    print(f"  median latency: plain {res['plain']['p50_us']} us, with filter {res['filter']['p50_us']} us -> +{res['added_p50_us']} us (target <= 100)")
+    print(f"  p99 latency:    plain {res['plain']['p99_us']} us, with filter {res['filter']['p99_us']} us")
+    print(f"  requests/s:     plain {res['plain']['rps']:.0f}, with filter {res['filter']['rps']:.0f} -> {100 * res['rps_ratio']:.0f}% (target >= 75%)")
+    print(f"  filter outcomes: picked {picked}, fail-open {fail_open}")
+    if fail_open:
+        print("  WARNING: some requests failed open; the filter's cost is understated for those")
+
+
+if __name__ == "__main__":
+    main()
