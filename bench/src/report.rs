@@ -212,7 +212,7 @@ pub struct Setup {
     pub workload: String,
     /// `trace` or `poisson`.
     pub workload_kind: String,
-    /// Trace file replayed.
+    /// Trace file replayed (Poisson: the file lengths are drawn from, if any).
     pub trace_file: Option<String>,
     /// Quick variant.
     pub quick: bool,
@@ -389,9 +389,10 @@ pub fn build_report(
         ideal_prefix_reuse_slice: w.ideal_prefix_reuse_slice,
         seed: w.seed,
         units: match time_scale {
-            Some(t) => format!(
+            Some(t) if (t - 1.0).abs() > f64::EPSILON => format!(
                 "latencies are wall-clock ms of the compressed run; the fleet runs {t}x faster than real GPUs, so multiply by {t} for simulated GPU time (ratios are unaffected)"
             ),
+            Some(_) => "latencies are wall-clock ms; the fleet runs at real GPU speed (time_scale 1)".into(),
             None => "latencies are wall-clock ms".into(),
         },
         configurations: labels,

@@ -18,6 +18,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use axum::Router;
 use bytes::Bytes;
 use tokio::net::TcpListener;
@@ -84,6 +85,11 @@ pub async fn serve(listener: TcpListener, cfg: StubConfig) -> std::io::Result<()
         .route("/v1/completions", post(completions))
         .route("/metrics", get(metrics))
         .with_state(state);
+    // Nagle on the server plus delayed ACKs on the client hold every small SSE chunk
+    // that follows another for up to 40 ms: without this, TTFT would measure the kernel
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, app).await
 }
 

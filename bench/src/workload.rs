@@ -467,7 +467,7 @@ pub struct WorkloadInfo {
     pub name: String,
     /// `trace` or `poisson`.
     pub kind: String,
-    /// Trace file name, if any.
+    /// Trace file name replayed (Poisson: the file lengths are drawn from), if any.
     pub source: Option<String>,
     /// Trace format, if any.
     pub format: Option<TraceFormat>,
