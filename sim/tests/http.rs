@@ -141,6 +141,40 @@ async fn streaming_chat_is_vllm_sse_with_content_in_the_first_write() {
 }
 
 #[tokio::test]
+async fn client_sees_the_first_token_when_the_prefill_step_ends() {
+    let fleet = start(1.0).await;
+    let a = addr(&fleet, "fast");
+    let prompt = "y".repeat(16_000); // 4000 tokens, one prefill step on an idle pod
+    let pod = &fleet.pods[0];
+    let mut work = fleet_sim::cost::StepWork::default();
+    work.add_chunk(0, 4000);
+    let expected = fleet_sim::cost::step_seconds(
+        pod.cfg.engine.gpu,
+        pod.cfg.engine.model,
+        &work,
+        pod.cfg.engine.speed,
+    );
+    let start = Instant::now();
+    let mut resp = client()
+        .post(format!("http://{a}/v1/completions"))
+        .json(
+            &serde_json::json!({"model": LLAMA, "prompt": prompt, "max_tokens": 3, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let first = resp.chunk().await.unwrap().unwrap();
+    let ttft = start.elapsed().as_secs_f64();
+    assert!(std::str::from_utf8(&first)
+        .unwrap()
+        .contains("\"text\":\" the\""));
+    // never before the step ends; a little after (timer granularity, HTTP, a busy machine)
+    assert!(ttft >= expected, "{ttft} < {expected}");
+    assert!(ttft < expected + 0.1, "{ttft} vs {expected}");
+    while resp.chunk().await.unwrap().is_some() {}
+}
+
+#[tokio::test]
 async fn non_streaming_responses_carry_usage() {
     let fleet = start(10.0).await;
     let a = addr(&fleet, "fast");
