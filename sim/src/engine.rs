@@ -449,11 +449,15 @@ impl Engine {
         tokens.div_ceil(self.cfg.block_size) as usize
     }
 
-    /// Registers the hashes of prompt blocks that are full once `upto` tokens are computed
-    /// (vLLM v1 caches blocks when it allocates them for a step).
-    fn cache_full_blocks(pool: &mut BlockPool, seq: &Seq, upto: u32, block_size: u32) {
-        let full = (upto / block_size) as usize;
-        for j in 0..full.min(seq.hashes.len()).min(seq.blocks.len()) {
+    /// Registers the hashes of prompt blocks that become full when tokens `[from, upto)` are
+    /// computed (vLLM v1 caches blocks when it allocates them for a step). Earlier blocks were
+    /// registered by earlier steps, so a long prompt costs nothing per decode step.
+    fn cache_full_blocks(pool: &mut BlockPool, seq: &Seq, from: u32, upto: u32, block_size: u32) {
+        let first = (from / block_size) as usize;
+        let full = ((upto / block_size) as usize)
+            .min(seq.hashes.len())
+            .min(seq.blocks.len());
+        for j in first..full {
             pool.set_hash(seq.blocks[j], seq.hashes[j]);
         }
     }
@@ -509,7 +513,7 @@ impl Engine {
                     None => break,
                 }
             }
-            Self::cache_full_blocks(&mut self.pool, &self.running[i], computed + n, bs);
+            Self::cache_full_blocks(&mut self.pool, &self.running[i], computed, computed + n, bs);
             work.add_chunk(u64::from(computed), u64::from(computed + n));
             scheduled.push((i, n));
             budget -= n;
@@ -582,7 +586,7 @@ impl Engine {
                 }
                 query_tokens_step += u64::from(num_tokens);
                 hit_tokens_step += u64::from(computed);
-                Self::cache_full_blocks(&mut self.pool, &seq, computed + n, bs);
+                Self::cache_full_blocks(&mut self.pool, &seq, computed, computed + n, bs);
                 work.add_chunk(u64::from(computed), u64::from(computed + n));
                 if let Some(a) = seq.adapter {
                     if !running_loras.contains(&a) {
