@@ -1,0 +1,1110 @@
+#!/usr/bin/env python3
+"""Checks every Envoy configuration gpuroute ships, with the real Envoy binary.
+
+    check_configs.py --envoy .venv/bin/envoy --wasm target/wasm32-wasip1/wasm-release/gpuroute_filter.wasm
+    check_configs.py --regenerate        # rewrite envoy/local/*.yaml from envoy/local/stack.json
+
+Checks, one line each (exit status 1 if any fails):
+  drift        envoy/local/*.yaml are exactly what render.py makes of envoy/local/stack.json
+  validate     `envoy --mode validate` on both local files (wasm path made absolute) and on
+               render.py's output for every mode. Validation instantiates the Wasm plugin, so
+               the filter also judges each plugin configuration.
+  manifests    every YAML document under envoy-gateway/ and istio/ parses and has apiVersion,
+               kind and metadata.name; the references between them resolve and agree (names,
+               ports, tokens, pools, buffer limit).
+  fragments    the Envoy-level parts of the Kubernetes manifests, placed where the control
+               plane puts them: the Wasm filter Envoy Gateway generates from the
+               EnvoyExtensionPolicy with the EnvoyPatchPolicy's JSON patches applied, and
+               Istio's gateway listener and clusters with the EnvoyFilter's patches applied.
+               Each is validated by Envoy, then started, and requests through it must behave
+               (models list, no hang on a body, the catch-all route reaches the filter).
+  plugin       each plugin configuration embedded in a manifest, run by a real Envoy with the
+               local bootstrap: Envoy refuses to start ("invalid configuration" in its log) if
+               FilterConfig::from_json rejects it.
+
+The control-plane translations here are approximations of Envoy Gateway's and Istio's (only
+what the shipped manifests use); a manifest using more fails with "unsupported", to be taught
+here, rather than passing unchecked.
+"""
+
+import argparse
+import concurrent.futures
+import copy
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+try:
+    import yaml
+except ImportError:  # pragma: no cover - depends on the environment
+    sys.exit("check_configs.py needs PyYAML: .venv/bin/pip install pyyaml")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+import render  # noqa: E402
+
+LOCAL = HERE / "local"
+STACK = LOCAL / "stack.json"
+# Generated file -> render.py mode.
+LOCAL_OUTPUTS = {"envoy.yaml": "filter", "envoy-original-dst.yaml": "filter_original_dst"}
+MANIFEST_DIRS = [HERE / "envoy-gateway", HERE / "istio", HERE / "istio" / "patches"]
+
+WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
+STRING_VALUE = "type.googleapis.com/google.protobuf.StringValue"
+HCM_NAME = "envoy.filters.network.http_connection_manager"
+HCM_TYPE = (
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+)
+ROUTER = {
+    "name": "envoy.filters.http.router",
+    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+}
+OVERRIDE_HOST = "envoy.load_balancing_policies.override_host"
+INGEST_PATH = "/gpuroute/v1/snapshot"
+# A port nothing listens on: requests routed to a pool fail fast (connection refused).
+DEAD_ENDPOINT = "127.0.0.1:1"
+ENVOY_START_TIMEOUT_S = 30
+REQUEST_TIMEOUT_S = 5
+
+
+class CheckError(Exception):
+    """A check failed; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------
+# Local bootstraps: rendering and drift
+
+
+def fail(message):
+    """A check that has already failed (for problems found while building the others)."""
+
+    def run():
+        raise CheckError(message)
+
+    return run
+
+
+def header(mode, stack):
+    pools = ", ".join(f"{p['name']} ({len(p['endpoints'])} pods)" for p in stack["pools"])
+    lines = [
+        "GENERATED from envoy/local/stack.json by envoy/render.py (mode %s). Do not edit:" % mode,
+        "edit stack.json, then run `.venv/bin/python envoy/check_configs.py --regenerate`;",
+        "`make validate` fails while this file and stack.json disagree.",
+        "",
+        "Envoy bootstrap for your own fleet, pools: %s." % pools,
+        "Run from the repository root (paths are relative to it):",
+        "  make wasm && .venv/bin/envoy -c envoy/local/%s"
+        % next(f for f, m in LOCAL_OUTPUTS.items() if m == mode),
+        "and feed it live metrics with sidecar-metrics (envoy/README.md).",
+        "OpenAI API on %s (loopback: set \"listen\" to 0.0.0.0:8080 in stack.json to serve"
+        % stack["listen"],
+        "other machines), admin on %s and snapshot ingest on %s (keep both on loopback)."
+        % (stack["admin"], stack["ingest"]),
+    ]
+    if mode == "filter":
+        lines.append(
+            "Data plane: override_host; a destination that is not a pool member is ignored and"
+        )
+        lines.append("least_request picks (fail-open for free).")
+    else:
+        lines.append("Data plane: ORIGINAL_DST; Envoy connects to whatever x-gateway-destination-endpoint")
+        lines.append("names (the filter strips client copies). stack.json's endpoints are unused here.")
+    return "".join("# " + line + "\n" if line else "#\n" for line in lines)
+
+
+def render_local(stack, mode):
+    desc = copy.deepcopy(stack)
+    desc["mode"] = mode
+    body = yaml.safe_dump(
+        render.render(desc), sort_keys=False, default_flow_style=False, width=1 << 20, allow_unicode=True
+    )
+    return header(mode, stack) + body
+
+
+def load_stack():
+    with open(STACK) as f:
+        return json.load(f)
+
+
+def regenerate():
+    stack = load_stack()
+    for name, mode in LOCAL_OUTPUTS.items():
+        (LOCAL / name).write_text(render_local(stack, mode))
+        print(f"wrote envoy/local/{name}")
+
+
+def check_drift(name, mode):
+    want = render_local(load_stack(), mode)
+    path = LOCAL / name
+    have = path.read_text() if path.exists() else ""
+    if have != want:
+        for i, (a, b) in enumerate(zip(have.splitlines(), want.splitlines()), 1):
+            if a != b:
+                break
+        else:
+            i = min(len(have.splitlines()), len(want.splitlines())) + 1
+        raise CheckError(
+            f"differs from stack.json's rendering (first at line {i}); run "
+            "`.venv/bin/python envoy/check_configs.py --regenerate` and commit"
+        )
+    return "matches stack.json"
+
+
+# --------------------------------------------------------------------------------------------
+# Running Envoy
+
+
+def set_wasm_path(obj, wasm):
+    """Points every Wasm vm_config at `wasm` (local file), wherever it sits in a config."""
+    if isinstance(obj, dict):
+        if "vm_config" in obj and isinstance(obj["vm_config"], dict):
+            obj["vm_config"]["code"] = {"local": {"filename": str(wasm)}}
+        for v in obj.values():
+            set_wasm_path(v, wasm)
+    elif isinstance(obj, list):
+        for v in obj:
+            set_wasm_path(v, wasm)
+    return obj
+
+
+def error_lines(text, limit=4):
+    """The lines of an Envoy log that say why, without their timestamp and source prefixes."""
+    lines = [re.sub(r"^\[[^\]]*\]\[\d+\]\[(\w+)\]\[\w+\] \[[^\]]*\] ", r"\1: ", ln) for ln in text.splitlines()]
+    # The filter's own verdict on its configuration says the most.
+    keep = [ln for ln in lines if "invalid configuration" in ln]
+    keep += [ln for ln in lines if re.match(r"(critical|error): ", ln) and ln not in keep]
+    return "\n".join((keep or lines)[:limit])
+
+
+class Envoy:
+    def __init__(self, binary, workdir, wasm):
+        self.binary = binary
+        self.workdir = Path(workdir)
+        self.wasm = wasm
+
+    def _write(self, name, config):
+        path = self.workdir / (re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".json")
+        path.write_text(json.dumps(config, indent=1))
+        return path
+
+    def validate(self, name, config):
+        path = self._write(name, config)
+        p = subprocess.run(
+            [self.binary, "--mode", "validate", "-c", str(path), "-l", "warning"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if p.returncode != 0 or "OK" not in p.stdout + p.stderr:
+            raise CheckError("envoy rejected it:\n" + error_lines(p.stdout + p.stderr))
+
+    def start(self, name, config):
+        """Starts Envoy and waits until it is ready; returns a RunningEnvoy (a context manager)."""
+        path = self._write(name, config)
+        stem = path.with_suffix("")
+        log = Path(str(stem) + ".log")
+        addr_file = Path(str(stem) + ".admin")
+        for stale in (log, addr_file):
+            stale.unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            [
+                self.binary, "-c", str(path),
+                "--concurrency", "1",
+                "--disable-hot-restart",
+                "-l", "warning",
+                "--log-path", str(log),
+                "--admin-address-path", str(addr_file),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        running = RunningEnvoy(proc, log, addr_file)
+        try:
+            running.wait_ready()
+        except BaseException:
+            running.stop()
+            raise
+        return running
+
+
+class RunningEnvoy:
+    def __init__(self, proc, log, addr_file):
+        self.proc, self.log, self.addr_file = proc, log, addr_file
+        self.admin = None
+
+    def log_text(self):
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait_ready(self):
+        deadline = time.time() + ENVOY_START_TIMEOUT_S
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise CheckError("envoy refused to start:\n" + error_lines(self.log_text()))
+            if self.admin is None and self.addr_file.exists():
+                self.admin = self.addr_file.read_text().strip() or None
+            if self.admin:
+                try:
+                    with urllib.request.urlopen(f"http://{self.admin}/ready", timeout=1) as r:
+                        if r.status == 200:
+                            return
+                except (urllib.error.URLError, OSError):
+                    pass
+            time.sleep(0.05)
+        raise CheckError("envoy did not become ready in %d s" % ENVOY_START_TIMEOUT_S)
+
+    def listener(self, name):
+        with urllib.request.urlopen(f"http://{self.admin}/listeners?format=json", timeout=2) as r:
+            for st in json.load(r).get("listener_statuses", []):
+                if st["name"] == name:
+                    sa = st["local_address"]["socket_address"]
+                    return f"{sa['address']}:{sa['port_value']}"
+        raise CheckError(f"listener {name!r} is not up")
+
+    def stat(self, name):
+        with urllib.request.urlopen(f"http://{self.admin}/stats?format=json&filter=^{re.escape(name)}$", timeout=2) as r:
+            for s in json.load(r).get("stats", []):
+                if s.get("name") == name:
+                    return s.get("value", 0)
+        return 0
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def http(addr, method, path, body=None, headers=None):
+    """One request; returns (status, parsed JSON or None). Raises CheckError on a timeout."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://{addr}{path}", data=data, method=method)
+    req.add_header("content-type", "application/json")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (TimeoutError, urllib.error.URLError, OSError) as e:
+        raise CheckError(f"{method} {path}: no answer within {REQUEST_TIMEOUT_S} s ({e})") from None
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, None
+
+
+# --------------------------------------------------------------------------------------------
+# Manifests
+
+
+def load_manifests():
+    """{relative path: [documents]}; raises CheckError naming the file that does not parse."""
+    out = {}
+    for d in MANIFEST_DIRS:
+        for path in sorted(d.glob("*.yaml")):
+            rel = str(path.relative_to(HERE))
+            try:
+                docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+            except yaml.YAMLError as e:
+                raise CheckError(f"{rel}: not valid YAML: {e}") from None
+            out[rel] = docs
+    return out
+
+
+def check_structure(rel, docs):
+    if not docs:
+        raise CheckError(f"{rel}: no documents")
+    for i, doc in enumerate(docs):
+        where = f"{rel} document {i + 1}"
+        if not isinstance(doc, dict):
+            raise CheckError(f"{where}: not a mapping")
+        for key in ("apiVersion", "kind"):
+            if not isinstance(doc.get(key), str) or not doc[key]:
+                raise CheckError(f"{where}: missing {key}")
+        name = (doc.get("metadata") or {}).get("name")
+        if not isinstance(name, str) or not name:
+            raise CheckError(f"{where} ({doc['kind']}): missing metadata.name")
+    return ", ".join(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
+
+
+class Objects:
+    """The documents of one manifest directory, looked up by kind and name."""
+
+    def __init__(self, manifests, prefix):
+        self.docs = [d for rel, docs in manifests.items() if rel.startswith(prefix + "/") for d in docs]
+
+    def all(self, kind):
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def one(self, kind, name=None):
+        found = [d for d in self.all(kind) if name is None or d["metadata"]["name"] == name]
+        if len(found) != 1:
+            what = f"{kind}/{name}" if name else kind
+            raise CheckError(f"expected one {what}, found {len(found)}")
+        return found[0]
+
+
+def ns(doc):
+    return doc["metadata"].get("namespace", "default")
+
+
+def sidecar_config(configmap):
+    try:
+        cfg = yaml.safe_load(configmap["data"]["sidecar.yaml"])
+    except (KeyError, yaml.YAMLError) as e:
+        raise CheckError(f"ConfigMap/{configmap['metadata']['name']}: no readable sidecar.yaml ({e})") from None
+    return cfg
+
+
+def port_of(url):
+    m = re.match(r"https?://[^/:]+:(\d+)(/.*)?$", url)
+    if not m:
+        raise CheckError(f"push URL {url!r} names no port")
+    return int(m.group(1)), m.group(2) or "/"
+
+
+def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_pools):
+    """What must agree between the filter configuration, the aggregator and the routing."""
+    pools = [p["name"] for p in plugin.get("pools", [])]
+    side = sidecar_config(sidecar_cm)
+    side_pools = [p["name"] for p in side.get("pools", [])]
+    if sorted(side_pools) != sorted(pools):
+        raise CheckError(f"sidecar pools {side_pools} != filter pools {pools}")
+    if sorted(route_pools) != sorted(pools):
+        raise CheckError(f"routes match x-gateway-pool {route_pools}, filter pools are {pools}")
+    ingest = plugin.get("ingest") or {}
+    if not ingest.get("loopback_only", True):
+        raise CheckError("ingest.loopback_only must stay true: the aggregator is in the pod")
+    token = secret.get("stringData", {}).get("token")
+    if token != ingest.get("token"):
+        raise CheckError("the Secret's token differs from the filter's ingest.token")
+    for url in side.get("push", {}).get("urls", []):
+        port, path = port_of(url)
+        if not url.startswith("http://127.0.0.1:"):
+            raise CheckError(f"push URL {url} is not loopback (ingest.loopback_only)")
+        if port != listener_port:
+            raise CheckError(f"push URL port {port} is not the Envoy listener's port {listener_port}")
+        if path != ingest.get("path", INGEST_PATH):
+            raise CheckError(f"push URL path {path} is not the ingest path")
+    want = plugin.get("max_body_bytes", render.DEFAULT_MAX_BODY) + render.BODY_HEADROOM
+    if buffer_limit != want:
+        raise CheckError(f"listener buffer limit {buffer_limit} != max_body_bytes + 1 MiB = {want}")
+
+
+# ---- JSON patch with Envoy Gateway's jsonPath extension ------------------------------------
+
+
+def _ptr_escape(tok):
+    return str(tok).replace("~", "~0").replace("/", "~1")
+
+
+def _ptr_tokens(ptr):
+    if ptr == "":
+        return []
+    if not ptr.startswith("/"):
+        raise CheckError(f"JSON pointer {ptr!r} must start with '/'")
+    return [t.replace("~1", "/").replace("~0", "~") for t in ptr[1:].split("/")]
+
+
+_JSONPATH_TOKEN = re.compile(
+    r"""\.\.(?P<desc>[A-Za-z_][\w@]*)
+      | \.(?P<child>[A-Za-z_][\w@]*)
+      | \[(?P<index>\d+)\]
+      | \[\?\(?\s*@\.(?P<ffield>[\w.]+)\s*==\s*(?P<q>['"])(?P<fval>.*?)(?P=q)\s*\)?\]
+      | \[\?\s*match\(\s*@\.(?P<mfield>[\w.]+)\s*,\s*(?P<mq>['"])(?P<mre>.*?)(?P=mq)\s*\)\s*\]
+    """,
+    re.VERBOSE,
+)
+
+
+def _get_field(node, dotted):
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def jsonpath_pointers(doc, expr):
+    """JSON pointers of the nodes `expr` selects (the subset of RFC 9535 the manifests use)."""
+    rest = expr[1:] if expr.startswith("$") else expr
+    nodes = [([], doc)]
+    pos = 0
+    while pos < len(rest):
+        m = _JSONPATH_TOKEN.match(rest, pos)
+        if not m:
+            raise CheckError(f"unsupported jsonPath {expr!r} at {rest[pos:]!r}: teach check_configs.py")
+        pos = m.end()
+        nxt = []
+        if m.group("desc"):
+            key = m.group("desc")
+
+            def walk(path, node):
+                if isinstance(node, dict):
+                    if key in node:
+                        nxt.append((path + [key], node[key]))
+                    for k, v in node.items():
+                        walk(path + [k], v)
+                elif isinstance(node, list):
+                    for i, v in enumerate(node):
+                        walk(path + [i], v)
+
+            for path, node in nodes:
+                walk(path, node)
+        elif m.group("child"):
+            key = m.group("child")
+            nxt = [(p + [key], n[key]) for p, n in nodes if isinstance(n, dict) and key in n]
+        elif m.group("index"):
+            i = int(m.group("index"))
+            nxt = [(p + [i], n[i]) for p, n in nodes if isinstance(n, list) and i < len(n)]
+        else:
+            if m.group("ffield"):
+                field, test = m.group("ffield"), (lambda v, want=m.group("fval"): v == want)
+            else:
+                field, pattern = m.group("mfield"), re.compile(m.group("mre"))
+                test = lambda v, pat=pattern: isinstance(v, str) and pat.fullmatch(v) is not None  # noqa: E731
+            for p, n in nodes:
+                items = enumerate(n) if isinstance(n, list) else (n.items() if isinstance(n, dict) else [])
+                nxt += [(p + [k], v) for k, v in items if test(_get_field(v, field))]
+        nodes = nxt
+    return ["".join("/" + _ptr_escape(t) for t in p) for p, _ in nodes]
+
+
+def json_patch(doc, op):
+    """Applies one operation the way Envoy Gateway does (EnsurePathExistsOnAdd, jsonPath)."""
+    kind = op["op"]
+    if kind not in ("add", "replace", "remove", "test"):
+        raise CheckError(f"unsupported JSON patch op {kind!r}: teach check_configs.py")
+    if "jsonPath" in op:
+        ptrs = jsonpath_pointers(doc, op["jsonPath"])
+        if not ptrs:
+            raise CheckError(f"jsonPath {op['jsonPath']!r} selects nothing")
+        suffix = op.get("path", "")
+        ptrs = [p.rstrip("/") + ("/" + suffix.lstrip("/") if suffix else "") for p in ptrs]
+    else:
+        ptrs = [op["path"]]
+    for ptr in ptrs:
+        toks = _ptr_tokens(ptr)
+        if not toks:
+            raise CheckError("patching the whole resource is not supported here")
+        parent = doc
+        for t in toks[:-1]:
+            if isinstance(parent, list):
+                parent = parent[int(t)]
+            elif t in parent:
+                parent = parent[t]
+            elif kind == "add":
+                parent[t] = {}
+                parent = parent[t]
+            else:
+                raise CheckError(f"{kind} {ptr}: {t!r} does not exist")
+        last = toks[-1]
+        if isinstance(parent, list):
+            idx = len(parent) if last == "-" else int(last)
+            if kind == "add":
+                parent.insert(idx, op["value"])
+            elif kind == "replace":
+                parent[idx] = op["value"]
+            elif kind == "remove":
+                del parent[idx]
+            elif parent[idx] != op["value"]:
+                raise CheckError(f"test {ptr} failed")
+        else:
+            if kind in ("replace", "remove", "test") and last not in parent:
+                raise CheckError(f"{kind} {ptr}: {last!r} does not exist")
+            if kind in ("add", "replace"):
+                parent[last] = op["value"]
+            elif kind == "remove":
+                del parent[last]
+            elif parent[last] != op["value"]:
+                raise CheckError(f"test {ptr} failed")
+
+
+def proto_merge(dst, src):
+    """Istio's MERGE (protobuf merge): messages merge, repeated fields append, scalars replace."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict) and dst[k].get("@type") == v.get("@type"):
+            proto_merge(dst[k], v)
+        elif isinstance(v, list) and isinstance(dst.get(k), list):
+            dst[k] = dst[k] + copy.deepcopy(v)
+        else:
+            dst[k] = copy.deepcopy(v)
+
+
+def lb_override_host(header_name, fallback):
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": OVERRIDE_HOST,
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "override_host_sources": [{"header": header_name}],
+                        "fallback_policy": {"policies": [fallback]},
+                    },
+                }
+            }
+        ]
+    }
+
+
+LB_POLICIES = {
+    "LeastRequest": "least_request.v3.LeastRequest",
+    "RoundRobin": "round_robin.v3.RoundRobin",
+    "Random": "random.v3.Random",
+}
+
+
+def lb_policy(name):
+    if name not in LB_POLICIES:
+        raise CheckError(f"unsupported load balancer type {name!r}: teach check_configs.py")
+    short = LB_POLICIES[name].split(".")[0]
+    return {
+        "typed_extension_config": {
+            "name": f"envoy.load_balancing_policies.{short}",
+            "typed_config": {"@type": f"type.googleapis.com/envoy.extensions.load_balancing_policies.{LB_POLICIES[name]}"},
+        }
+    }
+
+
+def static_cluster(name, extra=None):
+    host, _, port = DEAD_ENDPOINT.rpartition(":")
+    c = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": int(port)}}}}]}
+            ],
+        },
+    }
+    c.update(extra or {})
+    return c
+
+
+def bootstrap(listeners, clusters):
+    return {
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+def loopback_any_port(listener):
+    listener["address"] = {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
+    return listener
+
+
+# ---- Envoy Gateway ---------------------------------------------------------------------------
+
+
+def eg_fragment(manifests, wasm):
+    """Envoy Gateway's translation of the manifests, patched: (bootstrap, facts for the checks)."""
+    o = Objects(manifests, "envoy-gateway")
+    gw = o.one("Gateway")
+    if len(gw["spec"]["listeners"]) != 1:
+        raise CheckError("expected one Gateway listener")
+    gl = gw["spec"]["listeners"][0]
+    proxy_ref = gw["spec"].get("infrastructure", {}).get("parametersRef", {})
+    proxy = o.one("EnvoyProxy", proxy_ref.get("name"))
+    if ns(proxy) != ns(gw):
+        raise CheckError("the EnvoyProxy must be in the Gateway's namespace")
+    containers = proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"]["patch"]["value"]["spec"]["template"]["spec"]["containers"]
+    if not any(c["name"] == "sidecar-metrics" for c in containers):
+        raise CheckError("the EnvoyProxy adds no sidecar-metrics container")
+
+    eep = o.one("EnvoyExtensionPolicy")
+    if {(t["kind"], t["name"]) for t in eep["spec"]["targetRefs"]} != {("Gateway", gw["metadata"]["name"])}:
+        raise CheckError("the EnvoyExtensionPolicy must target the Gateway (the catch-all route needs the filter)")
+    if len(eep["spec"]["wasm"]) != 1:
+        raise CheckError("expected one Wasm extension")
+    w = eep["spec"]["wasm"][0]
+    plugin = w["config"]
+    # Names as internal/gatewayapi/envoyextensionpolicy.go and internal/xds/translator/wasm.go make them.
+    ir_name = f"envoyextensionpolicy/{ns(eep)}/{eep['metadata']['name']}/wasm/0"
+    filter_name = "envoy.filters.http.wasm/" + ir_name
+    wasm_filter = {
+        "name": filter_name,
+        "disabled": True,
+        "typed_config": {
+            "@type": WASM_TYPE,
+            "config": {
+                "name": w.get("name") or ir_name,
+                "vm_config": {
+                    "vm_id": ir_name,
+                    "runtime": "envoy.wasm.runtime.v8",
+                    # Envoy Gateway serves the module from its own cache over HTTP; a local file here.
+                    "code": {"local": {"filename": str(wasm)}},
+                },
+                "configuration": {"@type": STRING_VALUE, "value": json.dumps(plugin)},
+                "fail_open": bool(w.get("failOpen", False)),
+            },
+        },
+    }
+    if w.get("rootID"):
+        wasm_filter["typed_config"]["config"]["root_id"] = w["rootID"]
+    enable = {filter_name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}}
+
+    route = o.one("HTTPRoute")
+    if not any(p["name"] == gw["metadata"]["name"] for p in route["spec"]["parentRefs"]):
+        raise CheckError("the HTTPRoute is not attached to the Gateway")
+    btp = o.one("BackendTrafficPolicy")
+    if {(t["kind"], t["name"]) for t in btp["spec"]["targetRefs"]} != {("HTTPRoute", route["metadata"]["name"])}:
+        raise CheckError("the BackendTrafficPolicy must target the HTTPRoute")
+    lb = btp["spec"]["loadBalancer"]
+    override = [s["header"] for s in lb.get("endpointOverride", {}).get("extractFrom", [])]
+    if override != ["x-gateway-destination-endpoint"]:
+        raise CheckError(f"endpointOverride must extract from x-gateway-destination-endpoint, not {override}")
+    services = {s["metadata"]["name"]: s for s in o.all("Service")}
+
+    routes, clusters, route_pools, pool_clusters = [], [], [], {}
+    for i, rule in enumerate(route["spec"]["rules"]):
+        cluster = f"httproute/{ns(route)}/{route['metadata']['name']}/rule/{i}"
+        for m in rule.get("matches", [{}]):
+            path = m.get("path", {"type": "PathPrefix", "value": "/"})
+            if path["type"] != "PathPrefix":
+                raise CheckError(f"unsupported path match {path}")
+            match = {"prefix": path["value"]}
+            hdrs = []
+            for h in m.get("headers", []):
+                if h.get("type", "Exact") != "Exact":
+                    raise CheckError(f"unsupported header match {h}")
+                hdrs.append({"name": h["name"], "string_match": {"exact": h["value"]}})
+                if h["name"] == "x-gateway-pool":
+                    route_pools.append(h["value"])
+            if hdrs:
+                match["headers"] = hdrs
+            r = {"match": match, "typed_per_filter_config": enable}
+            if rule.get("backendRefs"):
+                for b in rule["backendRefs"]:
+                    svc = services.get(b["name"])
+                    if svc is None or b["port"] not in [p["port"] for p in svc["spec"]["ports"]]:
+                        raise CheckError(f"backendRef {b['name']}:{b['port']} names no Service port here")
+                r["route"] = {"cluster": cluster, "timeout": rule.get("timeouts", {}).get("request", "15s")}
+                retry = btp["spec"].get("retry")
+                if retry:
+                    r["route"]["retry_policy"] = {
+                        "retry_on": ",".join(retry.get("retryOn", {}).get("triggers", [])),
+                        "num_retries": retry.get("numRetries", 2),
+                    }
+                for h in m.get("headers", []):
+                    if h["name"] == "x-gateway-pool":
+                        pool_clusters[h["value"]] = cluster
+                if not any(c["name"] == cluster for c in clusters):
+                    clusters.append(
+                        static_cluster(cluster, {"load_balancing_policy": lb_override_host(override[0], lb_policy(lb["type"]))})
+                    )
+            else:
+                refs = [f["extensionRef"]["name"] for f in rule.get("filters", []) if f.get("type") == "ExtensionRef"]
+                if len(refs) != 1:
+                    raise CheckError(f"rule {i} has neither backendRefs nor one HTTPRouteFilter")
+                dr = o.one("HTTPRouteFilter", refs[0])["spec"]["directResponse"]
+                r["direct_response"] = {"status": dr["statusCode"], "body": {"inline_string": dr["body"]["inline"]}}
+                json.loads(dr["body"]["inline"])
+            routes.append(r)
+    # Gateway API precedence among same-path rules: more header matches first.
+    routes.sort(key=lambda r: -len(r["match"].get("headers", [])))
+
+    listener_name = f"{ns(gw)}/{gw['metadata']['name']}/{gl['name']}"
+    hcm = {
+        "name": HCM_NAME,
+        "typed_config": {
+            "@type": HCM_TYPE,
+            "stat_prefix": f"http-{gl['port']}",
+            "use_remote_address": True,
+            "route_config": {
+                "name": listener_name,
+                "virtual_hosts": [{"name": listener_name + "/*", "domains": ["*"], "routes": routes}],
+            },
+            "http_filters": [wasm_filter, ROUTER],
+        },
+    }
+    listener = {
+        "name": listener_name,
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": gl["port"]}},
+        "default_filter_chain": {"filters": [hcm]},
+        # Envoy Gateway's default (32 KiB); the patch must raise it.
+        "per_connection_buffer_limit_bytes": 32768,
+    }
+
+    epp = o.one("EnvoyPatchPolicy")
+    if epp["spec"]["targetRef"]["name"] != gw["metadata"]["name"] or ns(epp) != ns(gw):
+        raise CheckError("the EnvoyPatchPolicy must target the Gateway, in its namespace")
+    for p in epp["spec"]["jsonPatches"]:
+        if p["type"] != "type.googleapis.com/envoy.config.listener.v3.Listener":
+            raise CheckError(f"patches of {p['type']}: teach check_configs.py")
+        if p["name"] != listener_name:
+            raise CheckError(f"the patch targets listener {p['name']!r}; the Gateway's is {listener_name!r}")
+        json_patch(listener, p["operation"])
+
+    cfg = next(f for f in hcm["typed_config"]["http_filters"] if f["name"] == filter_name)["typed_config"]["config"]
+    if cfg.get("allow_on_headers_stop_iteration") is not True:
+        raise CheckError("after the patches the filter still lacks allow_on_headers_stop_iteration: true")
+
+    check_common(
+        plugin,
+        o.one("ConfigMap", "gpuroute-sidecar"),
+        o.one("Secret", "gpuroute-ingest-token"),
+        gl["port"],
+        listener.get("per_connection_buffer_limit_bytes"),
+        route_pools,
+    )
+    return bootstrap([listener], clusters), {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters}
+
+
+# ---- Istio -----------------------------------------------------------------------------------
+
+
+def istio_fragment(manifests, wasm):
+    """Istio's gateway listener and clusters for the manifests, patched by the EnvoyFilter."""
+    o = Objects(manifests, "istio")
+    gw = o.one("Gateway")
+    vs = o.one("VirtualService")
+    if f"{ns(gw)}/{gw['metadata']['name']}" not in vs["spec"]["gateways"]:
+        raise CheckError("the VirtualService is not bound to the Gateway")
+    ef = o.one("EnvoyFilter")
+    selector = ef["spec"]["workloadSelector"]["labels"]
+    if selector != gw["spec"]["selector"]:
+        raise CheckError(f"the EnvoyFilter selects {selector}, the Gateway {gw['spec']['selector']}")
+    drs = {d["spec"]["host"]: d for d in o.all("DestinationRule")}
+
+    routes, clusters, route_pools, pool_clusters = [], {}, [], {}
+    for h in vs["spec"]["http"]:
+        matches = h.get("match") or [{}]
+        for m in matches:
+            match = {"prefix": "/"}
+            hdrs = []
+            for name, sm in (m.get("headers") or {}).items():
+                if set(sm) != {"exact"}:
+                    raise CheckError(f"unsupported header match {sm}")
+                hdrs.append({"name": name, "string_match": {"exact": sm["exact"]}})
+                if name == "x-gateway-pool":
+                    route_pools.append(sm["exact"])
+            if set(m) - {"headers"}:
+                raise CheckError(f"unsupported match fields {sorted(set(m) - {'headers'})}")
+            if hdrs:
+                match["headers"] = hdrs
+            r = {"match": match, "name": h.get("name", "")}
+            if "route" in h:
+                if len(h["route"]) != 1:
+                    raise CheckError("one destination per route expected")
+                d = h["route"][0]["destination"]
+                cname = f"outbound|{d['port']['number']}||{d['host']}"
+                r["route"] = {"cluster": cname, "timeout": "0s"}
+                if "retries" in h:
+                    r["route"]["retry_policy"] = {
+                        "retry_on": h["retries"]["retryOn"],
+                        "num_retries": h["retries"]["attempts"],
+                    }
+                dr = drs.get(d["host"])
+                if dr is None:
+                    raise CheckError(f"no DestinationRule for {d['host']}")
+                simple = dr["spec"].get("trafficPolicy", {}).get("loadBalancer", {}).get("simple", "LEAST_REQUEST")
+                clusters[cname] = static_cluster(cname, {"lb_policy": simple})
+                for name, sm in (m.get("headers") or {}).items():
+                    if name == "x-gateway-pool":
+                        pool_clusters[sm["exact"]] = cname
+            elif "directResponse" in h:
+                dresp = h["directResponse"]
+                json.loads(dresp["body"]["string"])
+                r["direct_response"] = {"status": dresp["status"], "body": {"inline_string": dresp["body"]["string"]}}
+                for k, v in h.get("headers", {}).get("response", {}).get("set", {}).items():
+                    r.setdefault("response_headers_to_add", []).append(
+                        {"header": {"key": k, "value": v}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                    )
+            else:
+                raise CheckError(f"route {h.get('name')}: neither route nor directResponse")
+            routes.append(r)
+
+    # The pod listens on the gateway Service's target port (8080 for port 80 in Istio's chart).
+    port = 8080
+    listener = {
+        "name": f"0.0.0.0_{port}",
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": HCM_NAME,
+                        "typed_config": {
+                            "@type": HCM_TYPE,
+                            "stat_prefix": f"outbound_0.0.0.0_{port}",
+                            "use_remote_address": True,
+                            "route_config": {
+                                "name": f"http.{port}",
+                                "virtual_hosts": [{"name": "*:80", "domains": ["*"], "routes": routes}],
+                            },
+                            "http_filters": [copy.deepcopy(ROUTER)],
+                        },
+                    }
+                ]
+            }
+        ],
+    }
+
+    plugin = None
+    for p in ef["spec"]["configPatches"]:
+        match, patch = p["match"], p["patch"]
+        if match.get("context") != "GATEWAY":
+            raise CheckError("every patch should match context GATEWAY")
+        where, op = p["applyTo"], patch["operation"]
+        if where == "HTTP_FILTER" and op == "INSERT_BEFORE":
+            lm = match["listener"]
+            if lm.get("portNumber") != port:
+                raise CheckError(f"HTTP_FILTER patch matches port {lm.get('portNumber')}, the listener is {port}")
+            sub = lm["filterChain"]["filter"]["subFilter"]["name"]
+            filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+            idx = next((i for i, f in enumerate(filters) if f["name"] == sub), None)
+            if idx is None:
+                raise CheckError(f"no HTTP filter {sub!r} to insert before")
+            value = copy.deepcopy(patch["value"])
+            cfg = value["typed_config"]["config"]
+            if cfg.get("allow_on_headers_stop_iteration") is not True:
+                raise CheckError("the Wasm filter lacks allow_on_headers_stop_iteration: true")
+            set_wasm_path(value, wasm)
+            plugin = json.loads(cfg["configuration"]["value"])
+            filters.insert(idx, value)
+        elif where == "LISTENER" and op == "MERGE":
+            if match["listener"].get("portNumber") != port:
+                raise CheckError(f"LISTENER patch matches port {match['listener'].get('portNumber')}")
+            proto_merge(listener, patch["value"])
+        elif where == "CLUSTER" and op == "MERGE":
+            cm = match["cluster"]
+            cname = f"outbound|{cm['portNumber']}||{cm['service']}"
+            if cname not in clusters:
+                raise CheckError(f"CLUSTER patch matches {cname}, which no route uses")
+            proto_merge(clusters[cname], patch["value"])
+        else:
+            raise CheckError(f"unsupported patch {where}/{op}: teach check_configs.py")
+    if plugin is None:
+        raise CheckError("the EnvoyFilter inserts no Wasm filter")
+    for cname, c in clusters.items():
+        policies = c.get("load_balancing_policy", {}).get("policies", [])
+        if [pol["typed_extension_config"]["name"] for pol in policies] != [OVERRIDE_HOST]:
+            raise CheckError(f"cluster {cname} does not get exactly the override_host policy")
+
+    check_common(
+        plugin,
+        o.one("ConfigMap", "gpuroute-sidecar"),
+        o.one("Secret", "gpuroute-ingest-token"),
+        port,
+        listener.get("per_connection_buffer_limit_bytes"),
+        route_pools,
+    )
+    deploy = o.one("Deployment")
+    containers = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+    mounts = [m["mountPath"] for m in containers.get("istio-proxy", {}).get("volumeMounts", [])]
+    filename = ef_wasm_filename(ef)
+    if os.path.dirname(filename) not in mounts or "sidecar-metrics" not in containers:
+        raise CheckError("patches/ingressgateway.yaml must mount the module's directory and add sidecar-metrics")
+    return bootstrap([listener], list(clusters.values())), {
+        "listener": listener["name"],
+        "plugin": plugin,
+        "pool_clusters": pool_clusters,
+    }
+
+
+def ef_wasm_filename(ef):
+    for p in ef["spec"]["configPatches"]:
+        if p["applyTo"] == "HTTP_FILTER":
+            return p["patch"]["value"]["typed_config"]["config"]["vm_config"]["code"]["local"]["filename"]
+    raise CheckError("the EnvoyFilter inserts no Wasm filter")
+
+
+# --------------------------------------------------------------------------------------------
+# Checks that need Envoy
+
+
+def validate_fragment(envoy, name, frag):
+    envoy.validate(name, frag[0])
+    return "Envoy accepts the patched listener and clusters"
+
+
+def smoke_fragment(envoy, name, frag):
+    """Starts the patched fragment and sends what matters through it."""
+    config, facts = frag
+    config = copy.deepcopy(config)
+    for listener in config["static_resources"]["listeners"]:
+        loopback_any_port(listener)
+    plugin = facts["plugin"]
+    pool = plugin["pools"][-1]
+    model = pool["models"][0]
+    cluster = facts["pool_clusters"][pool["name"]]
+    with envoy.start(name, config) as e:
+        addr = e.listener(facts["listener"])
+        status, body = http(addr, "GET", "/v1/models")
+        ids = sorted(m.get("id") for m in (body or {}).get("data", []))
+        want = sorted(m for p in plugin["pools"] for m in p["models"] + p.get("adapters", []) + list(p.get("aliases", {})))
+        if status != 200 or not set(want) <= set(ids):
+            raise CheckError(f"GET /v1/models: {status} {ids}, want 200 with {want}")
+        t0 = time.time()
+        status, body = http(
+            addr, "POST", "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        # The pool's only endpoint refuses connections: a 503 after Envoy tried that cluster
+        # proves the body was read and the pool's route taken (404 would be the catch-all; a
+        # hang, a missing stop-iteration flag).
+        ms = (time.time() - t0) * 1000
+        tried = e.stat(f"cluster.{cluster}.upstream_cx_connect_fail")
+        if status != 503 or not tried:
+            raise CheckError(
+                f"chat completion for {model}: {status} {body} after {tried} connection attempts to "
+                f"{cluster}; want 503 from the pool's dead endpoint"
+            )
+        status, _ = http(addr, "POST", plugin.get("ingest", {}).get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
+        if status not in (401, 403):
+            raise CheckError(f"snapshot push with a wrong token: {status}, want 401/403 from the filter")
+        if e.proc.poll() is not None:
+            raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
+    return f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms; the filter answers ingest"
+
+
+def plugin_config_runs(envoy, name, plugin):
+    desc = load_stack()
+    desc.update(
+        {
+            "mode": "filter",
+            "listen": "127.0.0.1:0",
+            "admin": "127.0.0.1:0",
+            "ingest": "127.0.0.1:0",
+            "wasm": str(envoy.wasm),
+            "filter_config": copy.deepcopy(plugin),
+        }
+    )
+    with envoy.start(name, render.render(desc)) as e:
+        time.sleep(0.2)
+        if e.proc.poll() is not None:
+            raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
+    return "the filter accepts it (Envoy started with it)"
+
+
+def validate_local_file(envoy, name, wasm):
+    config = yaml.safe_load((LOCAL / name).read_text())
+    envoy.validate("local-" + name, set_wasm_path(config, wasm))
+    return "valid"
+
+
+def validate_mode(envoy, mode, wasm):
+    desc = load_stack()
+    desc["mode"] = mode
+    desc["wasm"] = str(wasm)
+    envoy.validate("render-" + mode, render.render(desc))
+    return "valid"
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--envoy", default=str(ROOT / ".venv" / "bin" / "envoy"), help="Envoy binary")
+    ap.add_argument(
+        "--wasm",
+        default=str(ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_filter.wasm"),
+        help="the built filter",
+    )
+    ap.add_argument("--regenerate", action="store_true", help="rewrite envoy/local/*.yaml from stack.json and exit")
+    ap.add_argument("--keep", action="store_true", help="keep the generated configs and Envoy logs")
+    args = ap.parse_args()
+
+    if args.regenerate:
+        regenerate()
+        return 0
+
+    wasm = Path(args.wasm).resolve()
+    binary = shutil.which(args.envoy) or args.envoy
+    if not wasm.is_file():
+        print(f"FAIL  setup: no filter at {wasm} (make wasm)")
+        return 1
+    if not os.access(binary, os.X_OK):
+        print(f"FAIL  setup: no Envoy binary at {args.envoy} (make setup)")
+        return 1
+    workdir = tempfile.mkdtemp(prefix="gpuroute-check-")
+    envoy = Envoy(binary, workdir, wasm)
+
+    checks = []  # (name, callable)
+    for name, mode in LOCAL_OUTPUTS.items():
+        checks.append((f"drift     envoy/local/{name}", lambda n=name, m=mode: check_drift(n, m)))
+    for name in LOCAL_OUTPUTS:
+        checks.append((f"validate  envoy/local/{name}", lambda n=name: validate_local_file(envoy, n, wasm)))
+    for mode in ("filter", "filter_original_dst", "round_robin", "least_request"):
+        checks.append((f"validate  render.py mode {mode}", lambda m=mode: validate_mode(envoy, m, wasm)))
+
+    try:
+        manifests = load_manifests()
+        manifest_error = None
+    except CheckError as e:
+        manifests, manifest_error = {}, str(e)
+    if manifest_error:
+        checks.append(("manifests parse", fail(manifest_error)))
+    for rel, docs in manifests.items():
+        checks.append((f"manifest  {rel}", lambda r=rel, d=docs: check_structure(r, d)))
+
+    fragments = {}
+    for label, builder in (("envoy-gateway", eg_fragment), ("istio", istio_fragment)):
+        try:
+            fragments[label] = builder(manifests, wasm) if manifests else None
+            err = None if manifests else "manifests did not load"
+        except CheckError as e:
+            err = str(e)
+        except (KeyError, TypeError, IndexError, ValueError) as e:
+            err = f"unexpected manifest shape: {type(e).__name__}: {e}"
+        if err:
+            checks.append((f"consistency {label}", fail(err)))
+            continue
+        checks.append((f"consistency {label}", lambda: "names, ports, pools, token and buffer limit agree"))
+        frag = fragments[label]
+        checks.append((f"fragment  {label} validate", lambda lb=label, f=frag: validate_fragment(envoy, "frag-" + lb, f)))
+        checks.append((f"fragment  {label} requests", lambda lb=label, f=frag: smoke_fragment(envoy, "smoke-" + lb, f)))
+        checks.append(
+            (f"plugin    {label} configuration", lambda lb=label, f=frag: plugin_config_runs(envoy, "plugin-" + lb, f[1]["plugin"]))
+        )
+
+    t0 = time.time()
+    failed = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        futures = [(name, pool.submit(fn)) for name, fn in checks]
+        for name, fut in futures:
+            try:
+                detail = fut.result()
+                print(f"ok    {name}: {detail}")
+            except CheckError as e:
+                failed += 1
+                lines = str(e).splitlines() or [""]
+                print(f"FAIL  {name}: {lines[0]}")
+                for ln in lines[1:]:
+                    print(f"        {ln}")
+            except Exception as e:  # a bug here, or an unexpected environment: still one line
+                failed += 1
+                print(f"FAIL  {name}: {type(e).__name__}: {e}")
+            sys.stdout.flush()
+    if args.keep:
+        print(f"configs and logs kept in {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"{len(checks) - failed} passed, {failed} failed ({time.time() - t0:.1f} s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
