@@ -37,11 +37,13 @@ def now_ms():
 class Envoy:
     """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
 
-    def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None):
-        self.dir = Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
-        self.listen = f"127.0.0.1:{free_port()}"
-        self.admin = f"127.0.0.1:{free_port()}"
-        self.ingest = f"127.0.0.1:{free_port()}"
+    def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
+                 listen=None, admin=None, ingest=None, workdir=None):
+        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.listen = listen or f"127.0.0.1:{free_port()}"
+        self.admin = admin or f"127.0.0.1:{free_port()}"
+        self.ingest = ingest or f"127.0.0.1:{free_port()}"
         fc = dict(filter_config or {})
         fc.setdefault("ingest", {"token": TOKEN})
         desc = {

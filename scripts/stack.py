@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""Start a whole gpuroute stack on 127.0.0.1: a simulated GPU fleet (fleet-sim),
+sidecar-metrics scraping it and pushing snapshots, and Envoy with the filter (or a baseline
+load balancer).
+
+  stack.py run                                   the demo (make run): fixed ports, waits for Ctrl-C
+  stack.py stack --router filter --scenario mixed-gpu
+                                                 one benchmark scenario's fleet behind one router,
+                                                 left running for any other load tool (make stack)
+
+As a library (the benchmark uses it): Stack(fleet=..., router=...).start() / .stop().
+Routers: filter (override_host + our filter), filter_original_dst, round_robin, least_request.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+from harness import Envoy, free_port  # noqa: E402
+
+FLEET_SIM = ROOT / "target" / "release" / "fleet-sim"
+SIDECAR = ROOT / "target" / "release" / "sidecar-metrics"
+TOKEN = os.environ.get("GPUROUTE_INGEST_TOKEN", "dev-token-change-me")
+
+
+def wait_for(pred, timeout, what):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def http_ok(url):
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return 200 <= r.status < 300
+    except Exception:
+        return False
+
+
+class Stack:
+    def __init__(self, fleet=None, preset=None, router="filter", listen=None, admin=None, ingest=None,
+                 sidecar_listen=None, concurrency=1, interval_ms=100, filter_overrides=None, workdir=None,
+                 time_scale=None, quiet=True):
+        self.fleet = fleet
+        self.preset = preset
+        self.router = router
+        self.listen, self.admin, self.ingest = listen, admin, ingest
+        self.sidecar_listen = sidecar_listen or f"127.0.0.1:{free_port()}"
+        self.concurrency = concurrency
+        self.interval_ms = interval_ms
+        self.filter_overrides = filter_overrides or {}
+        self.dir = Path(workdir or tempfile.mkdtemp(prefix="gpuroute-stack-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.time_scale = time_scale
+        self.quiet = quiet
+        self.procs = []
+        self.envoy = None
+        self.pods = []
+
+    # --- processes ------------------------------------------------------------------------
+
+    def _spawn(self, args, log_name):
+        log = open(self.dir / log_name, "w")
+        p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def start(self):
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self):
+        for b in (FLEET_SIM, SIDECAR):
+            if not b.exists():
+                raise SystemExit(f"{b} is missing: run `make build` first")
+        ports_file = self.dir / "fleet-ports.json"
+        args = [str(FLEET_SIM), "--ports-file", str(ports_file)]
+        if self.preset:
+            args += ["--preset", self.preset]
+        else:
+            fleet_file = self.dir / "fleet.json"
+            fleet_file.write_text(json.dumps(self.fleet))
+            args += ["--fleet", str(fleet_file), "--admin", "127.0.0.1:0"]
+        if self.time_scale:
+            args += ["--time-scale", str(self.time_scale)]
+        fleet_proc = self._spawn(args, "fleet-sim.log")
+        wait_for(lambda: ports_file.exists() or fleet_proc.poll() is not None, 30, "fleet-sim")
+        if fleet_proc.poll() is not None:
+            raise RuntimeError("fleet-sim exited: " + (self.dir / "fleet-sim.log").read_text()[-2000:])
+        ports = json.loads(ports_file.read_text())
+        self.pods = ports["pods"]
+        self.fleet_admin = ports.get("admin")
+
+        pools = {}
+        for p in self.pods:
+            pool = pools.setdefault(p["pool"], {"name": p["pool"], "models": [], "adapters": [], "endpoints": [], "pods": []})
+            if p["model"] not in pool["models"]:
+                pool["models"].append(p["model"])
+            for a in p.get("adapters", []):
+                if a not in pool["adapters"]:
+                    pool["adapters"].append(a)
+            pool["endpoints"].append(p["address"])
+            pool["pods"].append({"address": p["address"], "metrics_url": p["metrics_url"], "engine": p.get("engine", "vllm")})
+        self.pools = list(pools.values())
+        filter_config = {
+            "pools": [{"name": p["name"], "models": p["models"], "adapters": p["adapters"]} for p in self.pools],
+            "ingest": {"token": TOKEN},
+        }
+        filter_config.update(self.filter_overrides)
+        self.envoy = Envoy(self.router, [{"name": p["name"], "endpoints": p["endpoints"]} for p in self.pools],
+                           filter_config, concurrency=self.concurrency, listen=self.listen, admin=self.admin,
+                           ingest=self.ingest, workdir=self.dir / "envoy")
+        self.listen, self.admin, self.ingest = self.envoy.listen, self.envoy.admin, self.envoy.ingest
+
+        if self.router.startswith("filter"):
+            sidecar_cfg = {
+                "interval_ms": self.interval_ms,
+                "listen": self.sidecar_listen,
+                "push": {"urls": [f"http://{self.ingest}/gpuroute/v1/snapshot"], "token": TOKEN},
+                "pools": [{"name": p["name"], "pods": p["pods"]} for p in self.pools],
+            }
+            cfg_file = self.dir / "sidecar.json"
+            cfg_file.write_text(json.dumps(sidecar_cfg, indent=1))
+            sc = self._spawn([str(SIDECAR), "run", "--config", str(cfg_file)], "sidecar-metrics.log")
+            wait_for(lambda: http_ok(f"http://{self.sidecar_listen}/readyz") or sc.poll() is not None, 30,
+                     "sidecar-metrics to push its first snapshot")
+            if sc.poll() is not None:
+                raise RuntimeError("sidecar-metrics exited: " + (self.dir / "sidecar-metrics.log").read_text()[-2000:])
+
+    def stop(self):
+        if self.envoy:
+            self.envoy.stop()
+        for p in reversed(self.procs):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.procs = []
+
+    def describe(self):
+        lines = [f"  OpenAI API     http://{self.listen}   (router: {self.router})",
+                 f"  Envoy admin    http://{self.admin}/stats?filter=gpuroute"]
+        if self.router.startswith("filter"):
+            lines.append(f"  sidecar        http://{self.sidecar_listen}/   (status page; /debug/snapshot, /metrics)")
+        if self.fleet_admin:
+            lines.append(f"  fleet admin    http://{self.fleet_admin}/pods")
+        for p in self.pools:
+            lines.append(f"  pool {p['name']}: models {', '.join(p['models'])}"
+                         + (f"; adapters {', '.join(p['adapters'])}" if p["adapters"] else "")
+                         + f"; {len(p['endpoints'])} pods")
+        lines.append(f"  logs           {self.dir}")
+        return "\n".join(lines)
+
+
+def wait_forever(stack):
+    stop = {"now": False}
+
+    def handler(*_):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        while not stop["now"]:
+            if any(p.poll() is not None for p in stack.procs) or not stack.envoy.alive():
+                print("a component exited; see the logs in", stack.dir)
+                break
+            time.sleep(0.5)
+    finally:
+        print("\nstopping ...")
+        stack.stop()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("run", help="the demo stack on 127.0.0.1:8080")
+    st = sub.add_parser("stack", help="a benchmark scenario's stack, left running")
+    st.add_argument("--router", default="filter", choices=["filter", "filter_original_dst", "round_robin", "least_request"])
+    st.add_argument("--scenario", default="mixed-gpu")
+    st.add_argument("--listen", default="127.0.0.1:8080")
+    st.add_argument("--concurrency", type=int, default=1)
+    args = ap.parse_args()
+
+    if args.cmd == "run":
+        stack = Stack(preset="demo", router="filter", listen="127.0.0.1:8080", admin="127.0.0.1:9901",
+                      ingest="127.0.0.1:9002", sidecar_listen="127.0.0.1:9100", concurrency=2,
+                      filter_overrides={"debug_header": True}, workdir=ROOT / "target" / "run").start()
+        model = stack.pools[0]["models"][0]
+        print("\ngpuroute is up: Envoy + filter + sidecar-metrics + a simulated fleet\n")
+        print(stack.describe())
+        print("\nTry it:\n")
+        print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}' -i\n")
+        print(f"  curl -s http://{stack.listen}/v1/models\n")
+        print("The x-served-by response header names the pod; x-gateway-debug shows why it was picked.")
+        print("Ctrl-C stops everything.", flush=True)
+        wait_forever(stack)
+        return
+    scenario_file = ROOT / "bench" / "scenarios" / f"{args.scenario}.json"
+    if not scenario_file.exists():
+        scenario_file = Path(args.scenario)
+    fleet = json.loads(scenario_file.read_text())["fleet"]
+    stack = Stack(fleet=fleet, router=args.router, listen=args.listen, concurrency=args.concurrency,
+                  workdir=ROOT / "target" / "stack").start()
+    print(f"\nstack for scenario {args.scenario!r} is up:\n")
+    print(stack.describe(), flush=True)
+    print("\nCtrl-C stops everything.", flush=True)
+    wait_forever(stack)
+
+
+if __name__ == "__main__":
+    main()
