@@ -117,6 +117,11 @@ fn init_logging(format: LogFormat) {
     }
 }
 
+/// mimalloc instead of glibc malloc: scraping allocates and frees a ~10 KB body per pod per
+/// interval from two threads, where glibc's allocator showed up as ~15% of the aggregator's CPU.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Exit status for a configuration that cannot be used (distinct from runtime failures).
 const EXIT_BAD_CONFIG: i32 = 2;
 

@@ -81,11 +81,15 @@ impl<'a> Iterator for LabelIter<'a> {
 /// Index of the closing quote in `b` (which starts just after an opening quote).
 fn quoted_end(b: &[u8]) -> Option<usize> {
     let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'\\' => i += 2,
-            b'"' => return Some(i),
-            _ => i += 1,
+    // Jump between the only two bytes that matter; most label values hold neither.
+    while let Some(j) = memchr::memchr2(b'"', b'\\', &b[i..]) {
+        let k = i + j;
+        if b[k] == b'"' {
+            return Some(k);
+        }
+        i = k + 2;
+        if i >= b.len() {
+            return None;
         }
     }
     None
@@ -290,12 +294,18 @@ fn parse_value(s: &str) -> Result<f64, &'static str> {
         "-Inf" => return Ok(f64::NEG_INFINITY),
         _ => {}
     }
-    // Rust's float parser also takes "inf", "infinity" and "nan" in any case; the exposition
-    // format does not, and taking them would hide a broken exporter.
+    // Rust's float parser also takes "inf", "infinity" and "nan" in any case, which the
+    // exposition format does not; each of those starts or ends with a letter, and every
+    // number starts with a digit, sign or '.' and ends with a digit or '.', so checking the two
+    // ends is enough (the parser rejects everything else, e.g. hex and '_').
     let b = s.as_bytes();
-    let ok = !b.is_empty()
-        && b.iter()
-            .all(|c| c.is_ascii_digit() || matches!(c, b'.' | b'e' | b'E' | b'+' | b'-'));
+    let ok = match (b.first(), b.last()) {
+        (Some(f), Some(l)) => {
+            (f.is_ascii_digit() || matches!(f, b'+' | b'-' | b'.'))
+                && (l.is_ascii_digit() || *l == b'.')
+        }
+        _ => false,
+    };
     if !ok {
         return Err("invalid value");
     }

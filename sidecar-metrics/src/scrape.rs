@@ -99,8 +99,17 @@ impl Fetch for HttpFetcher {
             if !resp.status().is_success() {
                 return Err(ScrapeError::Status(resp.status().as_u16()));
             }
-            if resp.content_length().is_some_and(|n| n as usize > max) {
-                return Err(ScrapeError::TooLarge(max));
+            match resp.content_length() {
+                Some(n) if n as usize > max => return Err(ScrapeError::TooLarge(max)),
+                // Known length (prometheus_client and most exporters send it): take hyper's
+                // buffer as is, without copying it into ours.
+                Some(_) => {
+                    return resp
+                        .bytes()
+                        .await
+                        .map_err(|e| ScrapeError::Body(root_cause(&e)));
+                }
+                None => {}
             }
             let mut body =
                 BytesMut::with_capacity(resp.content_length().map_or(16 * 1024, |n| n as usize));
