@@ -425,7 +425,7 @@ mod fleet {
     fn render(t: &Template, pod: u64, start: Instant) -> String {
         let step = start.elapsed().as_millis() as u64 / 100;
         // Half the pods are 3x slower per token, like the mixed-GPU scenario.
-        let itl = if pod % 2 == 0 { 0.010 } else { 0.030 };
+        let itl = if pod.is_multiple_of(2) { 0.010 } else { 0.030 };
         let tokens = (step * 100) as f64 / (itl * 100.0);
         let mut out = String::with_capacity(12 * 1024);
         for (head, v) in &t.lines {
