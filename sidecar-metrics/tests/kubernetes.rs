@@ -1,0 +1,297 @@
+//! Kubernetes discovery against a local fake API server that speaks list and watch (JSON lines
+//! of `{"type": ADDED|MODIFIED|DELETED, "object": ...}`, resourceVersion-ordered, replayed from
+//! the requested version), driven through the real kube-rs client and watcher.
+
+mod common;
+
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::response::Response;
+use axum::routing::get;
+use common::{eventually, vllm_body};
+use futures::StreamExt;
+use serde_json::{json, Value};
+use sidecar_metrics::app::{self, RunOptions};
+use sidecar_metrics::config::{Config, KubernetesConfig, PoolConfig};
+use sidecar_metrics::discovery::{kubernetes, Update};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{broadcast, mpsc};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Clone, Debug)]
+struct Ev {
+    rv: u64,
+    resource: &'static str,
+    kind: &'static str,
+    object: Value,
+}
+
+#[derive(Default)]
+struct Store {
+    rv: u64,
+    objects: HashMap<(&'static str, String), Value>,
+    history: Vec<Ev>,
+}
+
+#[derive(Clone)]
+struct FakeApi {
+    store: Arc<Mutex<Store>>,
+    events: broadcast::Sender<Ev>,
+}
+
+impl FakeApi {
+    fn new() -> FakeApi {
+        FakeApi {
+            store: Arc::default(),
+            events: broadcast::channel(1024).0,
+        }
+    }
+
+    /// Creates or replaces an object, stamping a new resourceVersion.
+    fn put(&self, resource: &'static str, mut object: Value) {
+        let mut s = self.store.lock().unwrap();
+        s.rv += 1;
+        object["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+        let name = object["metadata"]["name"].as_str().unwrap().to_string();
+        let kind = if s.objects.insert((resource, name), object.clone()).is_some() { "MODIFIED" } else { "ADDED" };
+        let ev = Ev { rv: s.rv, resource, kind, object };
+        s.history.push(ev.clone());
+        let _ = self.events.send(ev);
+    }
+
+    fn delete(&self, resource: &'static str, name: &str) {
+        let mut s = self.store.lock().unwrap();
+        s.rv += 1;
+        let Some(mut object) = s.objects.remove(&(resource, name.to_string())) else { return };
+        object["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+        let ev = Ev { rv: s.rv, resource, kind: "DELETED", object };
+        s.history.push(ev.clone());
+        let _ = self.events.send(ev);
+    }
+
+    async fn serve(&self) -> std::net::SocketAddr {
+        let router = axum::Router::new()
+            .route("/api/v1/namespaces/{ns}/pods", get(handle_pods))
+            .route(
+                "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
+                get(handle_pools),
+            )
+            .with_state(self.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        addr
+    }
+}
+
+/// Equality-based label selectors (`a=b,c=d`) and `metadata.name=` field selectors.
+fn matches(obj: &Value, q: &HashMap<String, String>) -> bool {
+    if let Some(sel) = q.get("labelSelector").filter(|s| !s.is_empty()) {
+        for part in sel.split(',') {
+            let (k, v) = part.split_once('=').unwrap();
+            if obj["metadata"]["labels"][k].as_str() != Some(v) {
+                return false;
+            }
+        }
+    }
+    if let Some(sel) = q.get("fieldSelector").filter(|s| !s.is_empty()) {
+        let name = sel.strip_prefix("metadata.name=").unwrap();
+        if obj["metadata"]["name"].as_str() != Some(name) {
+            return false;
+        }
+    }
+    true
+}
+
+async fn handle_pods(s: State<FakeApi>, _ns: Path<String>, q: Query<HashMap<String, String>>) -> Response {
+    respond(s.0, "pods", "PodList", "v1", q.0)
+}
+
+async fn handle_pools(s: State<FakeApi>, _ns: Path<String>, q: Query<HashMap<String, String>>) -> Response {
+    respond(s.0, "inferencepools", "InferencePoolList", "inference.networking.k8s.io/v1", q.0)
+}
+
+fn respond(api: FakeApi, resource: &'static str, list_kind: &str, api_version: &str, q: HashMap<String, String>) -> Response {
+    if q.get("watch").map(String::as_str) != Some("true") {
+        let s = api.store.lock().unwrap();
+        let mut items: Vec<&Value> = s
+            .objects
+            .iter()
+            .filter(|((r, _), o)| *r == resource && matches(o, &q))
+            .map(|(_, o)| o)
+            .collect();
+        items.sort_by_key(|o| o["metadata"]["name"].as_str().unwrap_or("").to_string());
+        let body = json!({"apiVersion": api_version, "kind": list_kind,
+            "metadata": {"resourceVersion": s.rv.to_string()}, "items": items});
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .unwrap();
+    }
+    // Watch: replay history after the requested version, then follow live events.
+    let since: u64 = q.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let (replay, rx) = {
+        let s = api.store.lock().unwrap();
+        let rx = api.events.subscribe();
+        let replay: Vec<Ev> = s.history.iter().filter(|e| e.rv > since).cloned().collect();
+        (replay, rx)
+    };
+    let last_replayed = replay.last().map_or(since, |e| e.rv);
+    let live = tokio_stream_from(rx).filter(move |e| {
+        let keep = e.rv > last_replayed;
+        async move { keep }
+    });
+    let q2 = q.clone();
+    let lines = futures::stream::iter(replay)
+        .chain(live)
+        .filter(move |e| {
+            let keep = e.resource == resource && matches(&e.object, &q2);
+            async move { keep }
+        })
+        .map(|e| Ok::<_, std::io::Error>(format!("{}\n", json!({"type": e.kind, "object": e.object}))));
+    Response::builder()
+        .header("content-type", "application/json")
+        .body(Body::from_stream(lines))
+        .unwrap()
+}
+
+fn tokio_stream_from(rx: broadcast::Receiver<Ev>) -> impl futures::Stream<Item = Ev> {
+    futures::stream::unfold(rx, |mut rx| async move {
+        loop {
+            match rx.recv().await {
+                Ok(e) => return Some((e, rx)),
+                Err(broadcast::error::RecvError::Lagged(_)) => continue,
+                Err(broadcast::error::RecvError::Closed) => return None,
+            }
+        }
+    })
+}
+
+fn pod(name: &str, ip: &str, app: &str, ready: bool) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "llm", "uid": format!("uid-{name}"), "labels": {"app": app}},
+        "status": {"phase": "Running", "podIP": ip,
+                   "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}
+    })
+}
+
+fn client(addr: std::net::SocketAddr) -> kube::Client {
+    let cfg = kube::Config::new(format!("http://{addr}").parse().unwrap());
+    kube::Client::try_from(cfg).unwrap()
+}
+
+fn pool(k: KubernetesConfig) -> PoolConfig {
+    PoolConfig { name: "llama".into(), engine: None, metrics_path: None, pods: None, dns: None, kubernetes: Some(k) }
+}
+
+/// Waits for the next update and returns it as `(address, ready)` pairs.
+async fn next(rx: &mut mpsc::UnboundedReceiver<Update>) -> Vec<(String, bool)> {
+    let u = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("an update").unwrap();
+    u.targets.iter().map(|t| (t.address.to_string(), t.ready)).collect()
+}
+
+#[tokio::test]
+async fn label_selector_pods_join_leave_and_change_readiness() {
+    let api = FakeApi::new();
+    api.put("pods", pod("a", "127.0.0.2", "vllm", true));
+    api.put("pods", pod("b", "127.0.0.3", "vllm", false));
+    api.put("pods", pod("other", "127.0.0.9", "web", true));
+    let addr = api.serve().await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let stop = CancellationToken::new();
+    let k = KubernetesConfig { namespace: "llm".into(), selector: Some("app=vllm".into()), port: Some(8000), inference_pool: None };
+    tokio::spawn(kubernetes::run(0, pool(k.clone()), k, client(addr), tx, stop.clone()));
+
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true), ("127.0.0.3:8000".into(), false)]);
+    api.put("pods", pod("b", "127.0.0.3", "vllm", true));
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true), ("127.0.0.3:8000".into(), true)]);
+    api.put("pods", pod("c", "127.0.0.4", "vllm", true));
+    assert_eq!(next(&mut rx).await.len(), 3);
+    api.delete("pods", "a");
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.3:8000".into(), true), ("127.0.0.4:8000".into(), true)]);
+    // A pod that starts terminating leaves at once.
+    let mut terminating = pod("c", "127.0.0.4", "vllm", true);
+    terminating["metadata"]["deletionTimestamp"] = json!("2025-01-01T00:00:00Z");
+    api.put("pods", terminating);
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.3:8000".into(), true)]);
+    // Pods of other apps never show up.
+    api.put("pods", pod("other2", "127.0.0.10", "web", true));
+    assert!(tokio::time::timeout(Duration::from_millis(300), rx.recv()).await.is_err());
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn inference_pool_selector_and_target_ports_are_followed() {
+    let api = FakeApi::new();
+    api.put("pods", pod("a", "127.0.0.2", "vllm", true));
+    api.put("pods", pod("s", "127.0.0.5", "sglang", true));
+    let ip = |app: &str, port: u16| json!({
+        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "llama", "namespace": "llm"},
+        "spec": {"selector": {"matchLabels": {"app": app}}, "targetPorts": [{"number": port}],
+                 "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+    });
+    api.put("inferencepools", ip("vllm", 8000));
+    api.put("inferencepools", json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "unrelated"}, "spec": {"selector": {"matchLabels": {"app": "web"}}, "targetPorts": [{"number": 1}]}}));
+    let addr = api.serve().await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let stop = CancellationToken::new();
+    let k = KubernetesConfig { namespace: "llm".into(), selector: None, port: None, inference_pool: Some("llama".into()) };
+    tokio::spawn(kubernetes::run(0, pool(k.clone()), k, client(addr), tx, stop.clone()));
+
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true)]);
+    // The pool is edited to select other pods on another port.
+    api.put("inferencepools", ip("sglang", 30000));
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.5:30000".into(), true)]);
+    // Deleted: the pool has no pods.
+    api.delete("inferencepools", "llama");
+    let mut last = next(&mut rx).await;
+    // A late update of the stopped pod watch may come first; the end state is empty.
+    while !last.is_empty() {
+        last = next(&mut rx).await;
+    }
+    stop.cancel();
+}
+
+#[tokio::test]
+async fn discovered_pods_are_scraped_end_to_end() {
+    // Pods on 127.0.0.2 and 127.0.0.3 (loopback), same port, as Kubernetes pod IPs would be.
+    let l2 = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
+    let port = l2.local_addr().unwrap().port();
+    let Ok(l3) = tokio::net::TcpListener::bind(("127.0.0.3", port)).await else {
+        eprintln!("port {port} busy on 127.0.0.3; skipping");
+        return;
+    };
+    for (l, waiting) in [(l2, 4), (l3, 9)] {
+        let body = vllm_body(waiting);
+        let router = axum::Router::new().route("/metrics", get(move || { let b = body.clone(); async move { b } }));
+        tokio::spawn(async move { axum::serve(l, router).await });
+    }
+    let api = FakeApi::new();
+    api.put("pods", pod("a", "127.0.0.2", "vllm", true));
+    api.put("pods", pod("b", "127.0.0.3", "vllm", false));
+    let addr = api.serve().await;
+
+    let mut cfg = Config { listen: "127.0.0.1:0".into(), interval_ms: 50, ..Config::default() };
+    cfg.push.urls.clear();
+    cfg.pools.push(pool(KubernetesConfig {
+        namespace: "llm".into(), selector: Some("app=vllm".into()), port: Some(port), inference_pool: None,
+    }));
+    let mut opts = RunOptions::default();
+    opts.deps.kube_client = Some(client(addr));
+    let run = app::start(cfg, opts, CancellationToken::new()).await.unwrap();
+    let state = |run: &app::Running| -> Vec<(u32, bool)> {
+        run.published.borrow().as_ref().map_or(vec![], |p| {
+            p.snapshot.pools[0].pods.iter().map(|x| (x.waiting, x.healthy)).collect()
+        })
+    };
+    assert!(eventually(Duration::from_secs(5), || state(&run) == vec![(4, true), (9, false)]).await, "{:?}", state(&run));
+    // b becomes ready: healthy at its next scrape.
+    api.put("pods", pod("b", "127.0.0.3", "vllm", true));
+    assert!(eventually(Duration::from_secs(5), || state(&run) == vec![(4, true), (9, true)]).await, "{:?}", state(&run));
+    run.shutdown();
+}
