@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The head-to-head TTFT benchmark (make bench / make bench-quick).
+
+For each scenario in bench/scenarios/: start the scenario's simulated fleet, sidecar-metrics
+and Envoy in each router configuration (round_robin, least_request, filter) in turn, with a
+fresh fleet every time (cold caches, same seed), replay the same workload with loadgen, then
+let bench-report print one table and write target/bench/<scenario>.json and the TTFT CDF SVG.
+
+  scripts/bench.py                      every scenario (~15 min)
+  scripts/bench.py --quick              every scenario briefly (< 3 min), proves the pipeline
+  scripts/bench.py --scenario mixed-gpu --scenario bursty
+  scripts/bench.py --trace FILE [--speedup N]
+                                        replay any Azure-conv CSV or Mooncake JSONL trace through
+                                        every configuration (fleet: the shared-prefix scenario's
+                                        for Mooncake, the bursty scenario's for Azure)
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stack import Stack  # noqa: E402
+
+LOADGEN = ROOT / "target" / "release" / "loadgen"
+REPORT = ROOT / "target" / "release" / "bench-report"
+CONFIGS = ["round_robin", "least_request", "filter"]
+
+
+def scenario_names():
+    return sorted(p.stem for p in (ROOT / "bench" / "scenarios").glob("*.json"))
+
+
+def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency):
+    work = out_dir / "work" / name
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    for label in CONFIGS:
+        t0 = time.time()
+        stack = Stack(fleet=fleet, router=label, workdir=work / label, concurrency=concurrency).start()
+        try:
+            out = work / f"{label}.json"
+            args = [str(LOADGEN), "--target", f"http://{stack.listen}", "--workload", str(scenario_file),
+                    "--out", str(out), "--pods-file", str(stack.dir / "fleet-ports.json"), "--label", label]
+            if quick:
+                args.append("--quick")
+            args += extra_args
+            subprocess.run(args, check=True, stdout=open(work / f"{label}.loadgen.log", "w"), stderr=subprocess.STDOUT)
+            if label.startswith("filter"):
+                (work / f"{label}.envoy-stats.txt").write_text(json.dumps(stack.envoy.stats(), indent=1))
+        finally:
+            stack.stop()
+        print(f"  {name}: {label} done in {time.time() - t0:.0f} s", flush=True)
+        results.append(f"{label}={out}")
+    cmd = [str(REPORT), "--scenario", name, "--out-dir", str(out_dir)]
+    if scenario_file.suffix == ".json" and (ROOT / "bench" / "scenarios" / scenario_file.name).exists():
+        cmd += ["--scenario-file", str(scenario_file)]
+    if quick:
+        cmd.append("--quick")
+    for r in results:
+        cmd += ["--result", r]
+    subprocess.run(cmd, check=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--scenario", action="append", help="scenario name (repeatable); default: all")
+    ap.add_argument("--trace", help="replay this trace file instead of the scenarios")
+    ap.add_argument("--speedup", type=float, help="trace seconds per wall second")
+    ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
+    ap.add_argument("--out-dir", default=str(ROOT / "target" / "bench"))
+    args = ap.parse_args()
+    for b in (LOADGEN, REPORT):
+        if not b.exists():
+            sys.exit(f"{b} is missing: run `make build` first")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    if args.trace:
+        trace = Path(args.trace).resolve()
+        base = "shared-prefix" if trace.suffix == ".jsonl" else "bursty"
+        fleet = json.loads((ROOT / "bench" / "scenarios" / f"{base}.json").read_text())["fleet"]
+        extra = ["--speedup", str(args.speedup)] if args.speedup else []
+        if args.quick:
+            extra += ["--duration-s", "10"]
+        run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency)
+    else:
+        names = args.scenario or scenario_names()
+        for name in names:
+            f = ROOT / "bench" / "scenarios" / f"{name}.json"
+            fleet = json.loads(f.read_text())["fleet"]
+            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency)
+    print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
