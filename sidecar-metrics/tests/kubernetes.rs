@@ -55,8 +55,17 @@ impl FakeApi {
         s.rv += 1;
         object["metadata"]["resourceVersion"] = json!(s.rv.to_string());
         let name = object["metadata"]["name"].as_str().unwrap().to_string();
-        let kind = if s.objects.insert((resource, name), object.clone()).is_some() { "MODIFIED" } else { "ADDED" };
-        let ev = Ev { rv: s.rv, resource, kind, object };
+        let kind = if s.objects.insert((resource, name), object.clone()).is_some() {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        let ev = Ev {
+            rv: s.rv,
+            resource,
+            kind,
+            object,
+        };
         s.history.push(ev.clone());
         let _ = self.events.send(ev);
     }
@@ -64,9 +73,16 @@ impl FakeApi {
     fn delete(&self, resource: &'static str, name: &str) {
         let mut s = self.store.lock().unwrap();
         s.rv += 1;
-        let Some(mut object) = s.objects.remove(&(resource, name.to_string())) else { return };
+        let Some(mut object) = s.objects.remove(&(resource, name.to_string())) else {
+            return;
+        };
         object["metadata"]["resourceVersion"] = json!(s.rv.to_string());
-        let ev = Ev { rv: s.rv, resource, kind: "DELETED", object };
+        let ev = Ev {
+            rv: s.rv,
+            resource,
+            kind: "DELETED",
+            object,
+        };
         s.history.push(ev.clone());
         let _ = self.events.send(ev);
     }
@@ -105,15 +121,35 @@ fn matches(obj: &Value, q: &HashMap<String, String>) -> bool {
     true
 }
 
-async fn handle_pods(s: State<FakeApi>, _ns: Path<String>, q: Query<HashMap<String, String>>) -> Response {
+async fn handle_pods(
+    s: State<FakeApi>,
+    _ns: Path<String>,
+    q: Query<HashMap<String, String>>,
+) -> Response {
     respond(s.0, "pods", "PodList", "v1", q.0)
 }
 
-async fn handle_pools(s: State<FakeApi>, _ns: Path<String>, q: Query<HashMap<String, String>>) -> Response {
-    respond(s.0, "inferencepools", "InferencePoolList", "inference.networking.k8s.io/v1", q.0)
+async fn handle_pools(
+    s: State<FakeApi>,
+    _ns: Path<String>,
+    q: Query<HashMap<String, String>>,
+) -> Response {
+    respond(
+        s.0,
+        "inferencepools",
+        "InferencePoolList",
+        "inference.networking.k8s.io/v1",
+        q.0,
+    )
 }
 
-fn respond(api: FakeApi, resource: &'static str, list_kind: &str, api_version: &str, q: HashMap<String, String>) -> Response {
+fn respond(
+    api: FakeApi,
+    resource: &'static str,
+    list_kind: &str,
+    api_version: &str,
+    q: HashMap<String, String>,
+) -> Response {
     if q.get("watch").map(String::as_str) != Some("true") {
         let s = api.store.lock().unwrap();
         let mut items: Vec<&Value> = s
@@ -131,7 +167,10 @@ fn respond(api: FakeApi, resource: &'static str, list_kind: &str, api_version: &
             .unwrap();
     }
     // Watch: replay history after the requested version, then follow live events.
-    let since: u64 = q.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let since: u64 = q
+        .get("resourceVersion")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
     let (replay, rx) = {
         let s = api.store.lock().unwrap();
         let rx = api.events.subscribe();
@@ -150,7 +189,9 @@ fn respond(api: FakeApi, resource: &'static str, list_kind: &str, api_version: &
             let keep = e.resource == resource && matches(&e.object, &q2);
             async move { keep }
         })
-        .map(|e| Ok::<_, std::io::Error>(format!("{}\n", json!({"type": e.kind, "object": e.object}))));
+        .map(|e| {
+            Ok::<_, std::io::Error>(format!("{}\n", json!({"type": e.kind, "object": e.object})))
+        });
     Response::builder()
         .header("content-type", "application/json")
         .body(Body::from_stream(lines))
@@ -184,13 +225,26 @@ fn client(addr: std::net::SocketAddr) -> kube::Client {
 }
 
 fn pool(k: KubernetesConfig) -> PoolConfig {
-    PoolConfig { name: "llama".into(), engine: None, metrics_path: None, pods: None, dns: None, kubernetes: Some(k) }
+    PoolConfig {
+        name: "llama".into(),
+        engine: None,
+        metrics_path: None,
+        pods: None,
+        dns: None,
+        kubernetes: Some(k),
+    }
 }
 
 /// Waits for the next update and returns it as `(address, ready)` pairs.
 async fn next(rx: &mut mpsc::UnboundedReceiver<Update>) -> Vec<(String, bool)> {
-    let u = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.expect("an update").unwrap();
-    u.targets.iter().map(|t| (t.address.to_string(), t.ready)).collect()
+    let u = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("an update")
+        .unwrap();
+    u.targets
+        .iter()
+        .map(|t| (t.address.to_string(), t.ready))
+        .collect()
 }
 
 #[tokio::test]
@@ -202,16 +256,46 @@ async fn label_selector_pods_join_leave_and_change_readiness() {
     let addr = api.serve().await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let stop = CancellationToken::new();
-    let k = KubernetesConfig { namespace: "llm".into(), selector: Some("app=vllm".into()), port: Some(8000), inference_pool: None };
-    tokio::spawn(kubernetes::run(0, pool(k.clone()), k, client(addr), tx, stop.clone()));
+    let k = KubernetesConfig {
+        namespace: "llm".into(),
+        selector: Some("app=vllm".into()),
+        port: Some(8000),
+        inference_pool: None,
+    };
+    tokio::spawn(kubernetes::run(
+        0,
+        pool(k.clone()),
+        k,
+        client(addr),
+        tx,
+        stop.clone(),
+    ));
 
-    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true), ("127.0.0.3:8000".into(), false)]);
+    assert_eq!(
+        next(&mut rx).await,
+        vec![
+            ("127.0.0.2:8000".into(), true),
+            ("127.0.0.3:8000".into(), false)
+        ]
+    );
     api.put("pods", pod("b", "127.0.0.3", "vllm", true));
-    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true), ("127.0.0.3:8000".into(), true)]);
+    assert_eq!(
+        next(&mut rx).await,
+        vec![
+            ("127.0.0.2:8000".into(), true),
+            ("127.0.0.3:8000".into(), true)
+        ]
+    );
     api.put("pods", pod("c", "127.0.0.4", "vllm", true));
     assert_eq!(next(&mut rx).await.len(), 3);
     api.delete("pods", "a");
-    assert_eq!(next(&mut rx).await, vec![("127.0.0.3:8000".into(), true), ("127.0.0.4:8000".into(), true)]);
+    assert_eq!(
+        next(&mut rx).await,
+        vec![
+            ("127.0.0.3:8000".into(), true),
+            ("127.0.0.4:8000".into(), true)
+        ]
+    );
     // A pod that starts terminating leaves at once.
     let mut terminating = pod("c", "127.0.0.4", "vllm", true);
     terminating["metadata"]["deletionTimestamp"] = json!("2025-01-01T00:00:00Z");
@@ -219,7 +303,9 @@ async fn label_selector_pods_join_leave_and_change_readiness() {
     assert_eq!(next(&mut rx).await, vec![("127.0.0.3:8000".into(), true)]);
     // Pods of other apps never show up.
     api.put("pods", pod("other2", "127.0.0.10", "web", true));
-    assert!(tokio::time::timeout(Duration::from_millis(300), rx.recv()).await.is_err());
+    assert!(tokio::time::timeout(Duration::from_millis(300), rx.recv())
+        .await
+        .is_err());
     stop.cancel();
 }
 
@@ -228,20 +314,34 @@ async fn inference_pool_selector_and_target_ports_are_followed() {
     let api = FakeApi::new();
     api.put("pods", pod("a", "127.0.0.2", "vllm", true));
     api.put("pods", pod("s", "127.0.0.5", "sglang", true));
-    let ip = |app: &str, port: u16| json!({
-        "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-        "metadata": {"name": "llama", "namespace": "llm"},
-        "spec": {"selector": {"matchLabels": {"app": app}}, "targetPorts": [{"number": port}],
-                 "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
-    });
+    let ip = |app: &str, port: u16| {
+        json!({
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "llama", "namespace": "llm"},
+            "spec": {"selector": {"matchLabels": {"app": app}}, "targetPorts": [{"number": port}],
+                     "endpointPickerRef": {"name": "epp", "port": {"number": 9002}}}
+        })
+    };
     api.put("inferencepools", ip("vllm", 8000));
     api.put("inferencepools", json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
         "metadata": {"name": "unrelated"}, "spec": {"selector": {"matchLabels": {"app": "web"}}, "targetPorts": [{"number": 1}]}}));
     let addr = api.serve().await;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let stop = CancellationToken::new();
-    let k = KubernetesConfig { namespace: "llm".into(), selector: None, port: None, inference_pool: Some("llama".into()) };
-    tokio::spawn(kubernetes::run(0, pool(k.clone()), k, client(addr), tx, stop.clone()));
+    let k = KubernetesConfig {
+        namespace: "llm".into(),
+        selector: None,
+        port: None,
+        inference_pool: Some("llama".into()),
+    };
+    tokio::spawn(kubernetes::run(
+        0,
+        pool(k.clone()),
+        k,
+        client(addr),
+        tx,
+        stop.clone(),
+    ));
 
     assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true)]);
     // The pool is edited to select other pods on another port.
@@ -268,7 +368,13 @@ async fn discovered_pods_are_scraped_end_to_end() {
     };
     for (l, waiting) in [(l2, 4), (l3, 9)] {
         let body = vllm_body(waiting);
-        let router = axum::Router::new().route("/metrics", get(move || { let b = body.clone(); async move { b } }));
+        let router = axum::Router::new().route(
+            "/metrics",
+            get(move || {
+                let b = body.clone();
+                async move { b }
+            }),
+        );
         tokio::spawn(async move { axum::serve(l, router).await });
     }
     let api = FakeApi::new();
@@ -276,22 +382,47 @@ async fn discovered_pods_are_scraped_end_to_end() {
     api.put("pods", pod("b", "127.0.0.3", "vllm", false));
     let addr = api.serve().await;
 
-    let mut cfg = Config { listen: "127.0.0.1:0".into(), interval_ms: 50, ..Config::default() };
+    let mut cfg = Config {
+        listen: "127.0.0.1:0".into(),
+        interval_ms: 50,
+        ..Config::default()
+    };
     cfg.push.urls.clear();
     cfg.pools.push(pool(KubernetesConfig {
-        namespace: "llm".into(), selector: Some("app=vllm".into()), port: Some(port), inference_pool: None,
+        namespace: "llm".into(),
+        selector: Some("app=vllm".into()),
+        port: Some(port),
+        inference_pool: None,
     }));
     let mut opts = RunOptions::default();
     opts.deps.kube_client = Some(client(addr));
-    let run = app::start(cfg, opts, CancellationToken::new()).await.unwrap();
+    let run = app::start(cfg, opts, CancellationToken::new())
+        .await
+        .unwrap();
     let state = |run: &app::Running| -> Vec<(u32, bool)> {
         run.published.borrow().as_ref().map_or(vec![], |p| {
-            p.snapshot.pools[0].pods.iter().map(|x| (x.waiting, x.healthy)).collect()
+            p.snapshot.pools[0]
+                .pods
+                .iter()
+                .map(|x| (x.waiting, x.healthy))
+                .collect()
         })
     };
-    assert!(eventually(Duration::from_secs(5), || state(&run) == vec![(4, true), (9, false)]).await, "{:?}", state(&run));
+    assert!(
+        eventually(Duration::from_secs(5), || state(&run)
+            == vec![(4, true), (9, false)])
+        .await,
+        "{:?}",
+        state(&run)
+    );
     // b becomes ready: healthy at its next scrape.
     api.put("pods", pod("b", "127.0.0.3", "vllm", true));
-    assert!(eventually(Duration::from_secs(5), || state(&run) == vec![(4, true), (9, true)]).await, "{:?}", state(&run));
+    assert!(
+        eventually(Duration::from_secs(5), || state(&run)
+            == vec![(4, true), (9, true)])
+        .await,
+        "{:?}",
+        state(&run)
+    );
     run.shutdown();
 }

@@ -24,8 +24,14 @@ fn config(pod: &FakePod, ingest: &str, token: &str, interval_ms: u64) -> Config 
 }
 
 async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let r = reqwest::Client::builder().no_proxy().build().unwrap()
-        .get(format!("http://{addr}{path}")).send().await.unwrap();
+    let r = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .get(format!("http://{addr}{path}"))
+        .send()
+        .await
+        .unwrap();
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
@@ -33,16 +39,31 @@ async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
 async fn envoy_down_then_back_up() {
     let pod = FakePod::start(&vllm_body(2)).await;
     // A port nobody listens on yet: connection refused, like an Envoy that is restarting.
-    let reserved = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-    let run = app::start(config(&pod, &reserved.to_string(), "tok", 50), RunOptions::default(), CancellationToken::new())
-        .await
+    let reserved = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
         .unwrap();
+    let run = app::start(
+        config(&pod, &reserved.to_string(), "tok", 50),
+        RunOptions::default(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
 
     let failing = eventually(Duration::from_secs(3), || {
-        run.push[0].stats().failures.iter().any(|(k, n)| *k == "unreachable" && *n >= 3)
+        run.push[0]
+            .stats()
+            .failures
+            .iter()
+            .any(|(k, n)| *k == "unreachable" && *n >= 3)
     })
     .await;
-    assert!(failing, "pushes fail while Envoy is down: {:?}", run.push[0].stats());
+    assert!(
+        failing,
+        "pushes fail while Envoy is down: {:?}",
+        run.push[0].stats()
+    );
     assert_eq!(get(run.local_addr, "/readyz").await.0, 503);
     // Scraping goes on meanwhile.
     let v1 = run.published.borrow().as_ref().unwrap().snapshot.version;
@@ -54,7 +75,11 @@ async fn envoy_down_then_back_up() {
     let back = tokio::time::Instant::now();
     assert!(eventually(Duration::from_secs(3), || !ingest.versions().is_empty()).await);
     // The next round's snapshot goes out as soon as Envoy answers again.
-    assert!(back.elapsed() < Duration::from_millis(500), "resumed after {:?}", back.elapsed());
+    assert!(
+        back.elapsed() < Duration::from_millis(500),
+        "resumed after {:?}",
+        back.elapsed()
+    );
     assert!(eventually(Duration::from_secs(2), || ingest.versions().len() >= 5).await);
     let (status, _) = get(run.local_addr, "/readyz").await;
     assert_eq!(status, 200);
@@ -75,12 +100,25 @@ async fn a_wrong_token_is_reported_and_never_ready() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     ingest.serve(listener);
-    let run = app::start(config(&pod, &addr.to_string(), "wrong", 50), RunOptions::default(), CancellationToken::new())
+    let run = app::start(
+        config(&pod, &addr.to_string(), "wrong", 50),
+        RunOptions::default(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(3), || ingest
+            .unauthorized
+            .load(std::sync::atomic::Ordering::SeqCst)
+            >= 3)
         .await
-        .unwrap();
-    assert!(eventually(Duration::from_secs(3), || ingest.unauthorized.load(std::sync::atomic::Ordering::SeqCst) >= 3).await);
+    );
     let stats = run.push[0].stats();
-    assert!(stats.failures.iter().any(|(k, _)| *k == "unauthorized_401"), "{stats:?}");
+    assert!(
+        stats.failures.iter().any(|(k, _)| *k == "unauthorized_401"),
+        "{stats:?}"
+    );
     assert_eq!(stats.accepted, 0);
     let (status, body) = get(run.local_addr, "/readyz").await;
     assert_eq!(status, 503);
@@ -98,18 +136,37 @@ async fn a_slow_envoy_gets_the_newest_snapshot_without_a_backlog() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     ingest.serve(listener);
-    let run = app::start(config(&pod, &addr.to_string(), "tok", 20), RunOptions::default(), CancellationToken::new())
-        .await
-        .unwrap();
+    let run = app::start(
+        config(&pod, &addr.to_string(), "tok", 20),
+        RunOptions::default(),
+        CancellationToken::new(),
+    )
+    .await
+    .unwrap();
     tokio::time::sleep(Duration::from_millis(1_100)).await;
     let rounds = run.published.borrow().as_ref().unwrap().round.index;
     let versions = ingest.versions();
     // ~55 rounds in 1.1 s, but one push at a time, each 200 ms: at most 6 got through.
     assert!(rounds >= 30, "{rounds} rounds");
-    assert!((3..=7).contains(&versions.len()), "{} pushes: {versions:?}", versions.len());
-    assert_eq!(ingest.max_in_flight.load(std::sync::atomic::Ordering::SeqCst), 1, "never two pushes at once");
+    assert!(
+        (3..=7).contains(&versions.len()),
+        "{} pushes: {versions:?}",
+        versions.len()
+    );
+    assert_eq!(
+        ingest
+            .max_in_flight
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "never two pushes at once"
+    );
     // Each push carried the newest snapshot: consecutive pushes skip the rounds in between.
     let round_version_step = 20 * 1000; // 20 ms of version space per round
-    assert!(versions.windows(2).all(|w| w[1] - w[0] >= 5 * round_version_step), "{versions:?}");
+    assert!(
+        versions
+            .windows(2)
+            .all(|w| w[1] - w[0] >= 5 * round_version_step),
+        "{versions:?}"
+    );
     run.shutdown();
 }

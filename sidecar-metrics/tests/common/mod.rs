@@ -91,7 +91,12 @@ impl FakeIngest {
     }
 
     pub fn versions(&self) -> Vec<u64> {
-        self.received.lock().unwrap().iter().map(|s| s.version).collect()
+        self.received
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|s| s.version)
+            .collect()
     }
 }
 
@@ -102,7 +107,10 @@ async fn ingest(State(s): State<FakeIngest>, headers: HeaderMap, body: Bytes) ->
     tokio::time::sleep(delay).await;
     s.in_flight.fetch_sub(1, Ordering::SeqCst);
     if headers.get("content-type").and_then(|v| v.to_str().ok()) != Some("application/json") {
-        return (StatusCode::BAD_REQUEST, r#"{"error":{"message":"content-type"}}"#.to_string());
+        return (
+            StatusCode::BAD_REQUEST,
+            r#"{"error":{"message":"content-type"}}"#.to_string(),
+        );
     }
     let expected = format!("Bearer {}", s.token);
     if headers.get("authorization").and_then(|v| v.to_str().ok()) != Some(expected.as_str()) {
