@@ -1,6 +1,9 @@
 //! The binary as a harness starts it: a bad config exits non-zero naming the field, and
 //! `--listen 127.0.0.1:0` logs the bound address, serves, and stops cleanly on SIGTERM.
 
+// Test helpers outside #[test] functions: a failed setup should fail the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use common::{vllm_body, FakePod};

@@ -2,6 +2,9 @@
 //! of `{"type": ADDED|MODIFIED|DELETED, "object": ...}`, resourceVersion-ordered, replayed from
 //! the requested version), driven through the real kube-rs client and watcher.
 
+// Test helpers outside #[test] functions: a failed setup should fail the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use axum::body::Body;

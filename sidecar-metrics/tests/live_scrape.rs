@@ -1,6 +1,9 @@
 //! The scrape loop over real sockets: a slow pod and a dead pod never delay the healthy ones,
 //! and a pod's change reaches the snapshot within about one interval.
 
+// Test helpers outside #[test] functions: a failed setup should fail the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use common::{eventually, vllm_body, FakePod};

@@ -1,6 +1,9 @@
 //! Pushing against a local fake of the filter's ingest endpoint: Envoy down then back, a wrong
 //! token, and a slow Envoy that must not build a backlog.
 
+// Test helpers outside #[test] functions: a failed setup should fail the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
 mod common;
 
 use common::{eventually, vllm_body, FakeIngest, FakePod};

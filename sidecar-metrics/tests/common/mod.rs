@@ -1,6 +1,8 @@
 //! Local fakes shared by the integration tests: model-server pods and an Envoy ingest endpoint,
 //! all on 127.0.0.1 with OS-assigned ports.
-#![allow(dead_code)]
+
+// Test helpers outside #[test] functions: a failed setup should fail the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, dead_code)]
 
 use axum::body::Bytes;
 use axum::extract::State;
