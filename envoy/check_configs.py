@@ -80,6 +80,10 @@ class CheckError(Exception):
     """A check failed; the message says why."""
 
 
+class Skipped(Exception):
+    """A check that could not run here; the message says why."""
+
+
 # --------------------------------------------------------------------------------------------
 # Local bootstraps: rendering and drift
 
@@ -121,11 +125,24 @@ def header(mode, stack):
     return "".join("# " + line + "\n" if line else "#\n" for line in lines)
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """render.py reuses objects (the router filter, the retry policy); spell them out each time
+    rather than as YAML anchors, which read badly and some tools mishandle."""
+
+    def ignore_aliases(self, data):
+        return True
+
+
 def render_local(stack, mode):
     desc = copy.deepcopy(stack)
     desc["mode"] = mode
-    body = yaml.safe_dump(
-        render.render(desc), sort_keys=False, default_flow_style=False, width=1 << 20, allow_unicode=True
+    body = yaml.dump(
+        render.render(desc),
+        Dumper=_PlainDumper,
+        sort_keys=False,
+        default_flow_style=False,
+        width=1 << 20,
+        allow_unicode=True,
     )
     return header(mode, stack) + body
 
@@ -979,6 +996,34 @@ def smoke_fragment(envoy, name, frag):
     return f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms; the filter answers ingest"
 
 
+def sidecar_config_accepted(binary, workdir, label, configmap):
+    """The aggregator's own parser on the ConfigMap's configuration: it validates everything
+    before it builds a Kubernetes client, so "cannot build a Kubernetes client" means accepted."""
+    if not binary or not os.access(binary, os.X_OK):
+        raise Skipped("no sidecar-metrics binary (cargo build --release -p sidecar-metrics)")
+    text = configmap["data"]["sidecar.yaml"]
+    cfg = yaml.safe_load(text) or {}
+    token = Path(workdir) / f"sidecar-{label}.token"
+    token.write_text("t" * 32)
+    if cfg.get("push", {}).get("token_file"):
+        text = text.replace(cfg["push"]["token_file"], str(token))
+    path = Path(workdir) / f"sidecar-{label}.yaml"
+    path.write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+    env["KUBECONFIG"] = str(Path(workdir) / "no-such-kubeconfig")
+    try:
+        p = subprocess.run(
+            [binary, "run", "--config", str(path), "--listen", "127.0.0.1:0"],
+            capture_output=True, text=True, timeout=20, env=env,
+        )
+    except subprocess.TimeoutExpired:
+        raise CheckError("sidecar-metrics kept running: it should have stopped at the Kubernetes client") from None
+    out = p.stdout + p.stderr
+    if "invalid configuration" in out or "Kubernetes client" not in out:
+        raise CheckError("sidecar-metrics rejects it: " + out.strip().splitlines()[0][:300] if out.strip() else "no output")
+    return "sidecar-metrics accepts it"
+
+
 def plugin_config_runs(envoy, name, plugin):
     desc = load_stack()
     desc.update(
@@ -1022,6 +1067,11 @@ def main():
         "--wasm",
         default=str(ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_filter.wasm"),
         help="the built filter",
+    )
+    ap.add_argument(
+        "--sidecar",
+        default=str(ROOT / "target" / "release" / "sidecar-metrics"),
+        help="sidecar-metrics binary for checking the aggregator ConfigMaps (skipped if absent)",
     )
     ap.add_argument("--regenerate", action="store_true", help="rewrite envoy/local/*.yaml from stack.json and exit")
     ap.add_argument("--keep", action="store_true", help="keep the generated configs and Envoy logs")
@@ -1079,15 +1129,22 @@ def main():
         checks.append(
             (f"plugin    {label} configuration", lambda lb=label, f=frag: plugin_config_runs(envoy, "plugin-" + lb, f[1]["plugin"]))
         )
+        cm = Objects(manifests, label).one("ConfigMap", "gpuroute-sidecar")
+        checks.append(
+            (f"sidecar   {label} configuration", lambda lb=label, c=cm: sidecar_config_accepted(args.sidecar, workdir, lb, c))
+        )
 
     t0 = time.time()
-    failed = 0
+    failed = skipped = 0
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         futures = [(name, pool.submit(fn)) for name, fn in checks]
         for name, fut in futures:
             try:
                 detail = fut.result()
                 print(f"ok    {name}: {detail}")
+            except Skipped as e:
+                skipped += 1
+                print(f"skip  {name}: {e}")
             except CheckError as e:
                 failed += 1
                 lines = str(e).splitlines() or [""]
@@ -1102,7 +1159,9 @@ def main():
         print(f"configs and logs kept in {workdir}")
     else:
         shutil.rmtree(workdir, ignore_errors=True)
-    print(f"{len(checks) - failed} passed, {failed} failed ({time.time() - t0:.1f} s)")
+    print(f"checked in {time.time() - t0:.1f} s")
+    summary = f"{len(checks) - failed - skipped} passed, {failed} failed"
+    print(summary + (f", {skipped} skipped" if skipped else ""))
     return 1 if failed else 0
 
 
