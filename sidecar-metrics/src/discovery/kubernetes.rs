@@ -29,7 +29,7 @@ use tokio_util::sync::CancellationToken;
 /// Failure to set up Kubernetes discovery.
 #[derive(Debug, Error)]
 pub enum KubeError {
-    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
+    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG)")]
     Client(#[source] kube::Error),
 }
 
