@@ -77,6 +77,12 @@ pub struct Published {
     pub invalid_snapshots: u64,
 }
 
+/// How long the aggregator waits for every pool's discovery to report before it publishes
+/// anyway. Publishing a pool as empty because the Kubernetes list has not come back yet would
+/// make a restarted aggregator replace Envoy's good snapshot with a worse one; 5 s is far above
+/// a normal API-server list and short enough that a broken discovery does not block the others.
+pub const DISCOVERY_WAIT: Duration = Duration::from_secs(5);
+
 /// Channel the aggregator publishes on; `None` until the first round.
 pub type PublishRx = watch::Receiver<Option<Arc<Published>>>;
 
@@ -112,6 +118,8 @@ pub struct Aggregator {
     started: Instant,
     source: String,
     pools: Vec<Pool>,
+    /// Discovery has reported at least once, per pool.
+    discovered: Vec<bool>,
     pods: HashMap<u64, PodState>,
     next_id: u64,
     done_tx: mpsc::UnboundedSender<Done>,
@@ -153,8 +161,10 @@ impl Aggregator {
                 pods: BTreeMap::new(),
             })
             .collect();
+        let discovered = vec![false; cfg.pools.len()];
         let agg = Aggregator {
             cfg,
+            discovered,
             fetcher,
             clock,
             started: now,
@@ -236,6 +246,7 @@ impl Aggregator {
         let Some(pool) = self.pools.get_mut(u.pool) else {
             return;
         };
+        self.discovered[u.pool] = true;
         let mut next: BTreeMap<SocketAddr, u64> = BTreeMap::new();
         for t in u.targets {
             if next.contains_key(&t.address) {
@@ -351,6 +362,11 @@ impl Aggregator {
             self.rounds_incomplete += 1;
         }
         let now = Instant::now();
+        if !self.discovered.iter().all(|d| *d)
+            && now.saturating_duration_since(self.started) < DISCOVERY_WAIT
+        {
+            return;
+        }
         let mut pools = Vec::with_capacity(self.pools.len());
         let mut status = Vec::with_capacity(self.pools.len());
         let (mut total, mut healthy) = (0, 0);
@@ -710,6 +726,54 @@ mod tests {
         let p = h.rx.borrow().clone().unwrap();
         assert_eq!(p.snapshot.pools[0].pods.len(), 1);
         h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn nothing_is_published_until_every_pool_was_discovered() {
+        let cfg = {
+            let mut c = (*config()).clone();
+            let mut second = c.pools[0].clone();
+            second.name = "q".into();
+            c.pools.push(second);
+            Arc::new(c)
+        };
+        let fleet = Arc::new(FakeFleet::default());
+        fleet.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
+        let (agg, rx) = Aggregator::new(cfg, fleet, WallClock::system(), None);
+        let (updates, up_rx) = mpsc::unbounded_channel();
+        updates.send(static_update(0, vec![target(1)])).unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(agg.run(up_rx, stop.clone()));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(rx.borrow().is_none(), "pool q has not been discovered yet");
+        updates.send(static_update(1, vec![])).unwrap();
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let p = rx.borrow().clone().unwrap();
+        assert_eq!(p.snapshot.pools.len(), 2);
+        assert!(p.snapshot.pools[0].pods[0].healthy);
+        stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pool_whose_discovery_never_answers_stops_blocking_after_the_wait() {
+        let cfg = {
+            let mut c = (*config()).clone();
+            let mut second = c.pools[0].clone();
+            second.name = "q".into();
+            c.pools.push(second);
+            Arc::new(c)
+        };
+        let fleet = Arc::new(FakeFleet::default());
+        let (agg, rx) = Aggregator::new(cfg, fleet, WallClock::system(), None);
+        let (updates, up_rx) = mpsc::unbounded_channel();
+        updates.send(static_update(0, vec![target(1)])).unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(agg.run(up_rx, stop.clone()));
+        tokio::time::sleep(DISCOVERY_WAIT - Duration::from_millis(200)).await;
+        assert!(rx.borrow().is_none());
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(rx.borrow().is_some());
+        stop.cancel();
     }
 
     #[tokio::test(start_paused = true)]
