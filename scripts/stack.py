@@ -90,6 +90,8 @@ class Stack:
             if not b.exists():
                 raise SystemExit(f"{b} is missing: run `make build` first")
         ports_file = self.dir / "fleet-ports.json"
+        # A ports file left by an earlier run in the same directory would be read as this one's.
+        ports_file.unlink(missing_ok=True)
         args = [str(FLEET_SIM), "--ports-file", str(ports_file)]
         if self.preset:
             args += ["--preset", self.preset]
