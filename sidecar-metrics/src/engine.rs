@@ -13,6 +13,7 @@
 
 use crate::prom::{self, ParseError, Sample};
 use gpuroute_core::snapshot::{Engine, LoraState, MAX_ADAPTERS_PER_POD, MAX_NAME_LEN};
+use std::cell::Cell;
 use thiserror::Error;
 
 /// What one successful scrape says about a pod, before deltas against the previous scrape.
@@ -120,29 +121,38 @@ pub fn engine_of(name: &str) -> Option<Engine> {
 /// Parses `text` and reads it as `hint` (or as the detected engine when `hint` is `None` or
 /// [`Engine::Unknown`]). `keep_raw` fills [`Reading::used`].
 pub fn read(text: &str, hint: Option<Engine>, keep_raw: bool) -> Result<Reading, ReadError> {
-    let mut engine = hint.filter(|e| *e != Engine::Unknown);
+    let detected = Cell::new(hint.filter(|e| *e != Engine::Unknown));
     let mut acc = Accs::default();
     let mut used = Vec::new();
-    for sample in prom::parse(text) {
+    // Only the lines the engine's table names are parsed in full; the rest (most of a real
+    // scrape: histograms, process and HTTP metrics) are checked for a valid metric name and
+    // skipped. Each line of the format stands alone, so a broken line we do not read cannot
+    // change the ones we do; a body with nothing we read is still a failed scrape.
+    let wanted = |name: &str| match detected.get() {
+        Some(e) => slot(e, name).is_some(),
+        None => engine_of(name).is_some_and(|e| slot(e, name).is_some()),
+    };
+    for sample in prom::parse_filtered(text, wanted) {
         let s = sample?;
-        let e = match engine {
+        let e = match detected.get() {
             Some(e) => e,
             None => match engine_of(s.name) {
                 Some(e) => {
-                    engine = Some(e);
+                    detected.set(Some(e));
                     e
                 }
                 None => continue,
             },
         };
-        if take(e, &s, &mut acc) {
+        let Some(sl) = slot(e, s.name) else { continue };
+        if take(sl, &s, &mut acc) {
             acc.matched += 1;
             if keep_raw {
                 used.push(format!("{}{{{}}} {}", s.name, s.raw_labels(), s.value));
             }
         }
     }
-    let engine = engine.unwrap_or(Engine::Unknown);
+    let engine = detected.get().unwrap_or(Engine::Unknown);
     if acc.matched == 0 {
         return Err(ReadError::NoMetrics {
             engine: if engine == Engine::Unknown {
@@ -192,70 +202,107 @@ fn non_neg(v: f64) -> f64 {
     v.max(0.0)
 }
 
-/// Folds one sample into the accumulators if `engine` uses it; returns whether it did.
-fn take(engine: Engine, s: &Sample<'_>, a: &mut Accs) -> bool {
-    let v = s.value;
-    match (engine, s.name) {
+/// What a metric is used for; [`slot`] maps engine and name to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Waiting,
+    Running,
+    Kv,
+    KvFallback,
+    Hits,
+    Queries,
+    HitRate,
+    VllmCacheConfig,
+    SglangCacheConfig,
+    BlockSize,
+    MaxBlocks,
+    Lora,
+    ItlSum,
+    ItlCount,
+    ItlSumFallback,
+    ItlCountFallback,
+    TritonRequests,
+    TritonKvBlocks,
+    TritonPending,
+}
+
+/// The one table of metric names per engine (see `shared/DESIGN.md`).
+fn slot(engine: Engine, name: &str) -> Option<Slot> {
+    Some(match (engine, name) {
         (Engine::Vllm, "vllm:num_requests_waiting")
         | (Engine::Sglang, "sglang:num_queue_reqs")
         | (Engine::Trtllm, "trtllm_num_requests_waiting")
-        | (Engine::Tgi, "tgi_queue_size") => a.waiting.add(v),
+        | (Engine::Tgi, "tgi_queue_size") => Slot::Waiting,
         (Engine::Vllm, "vllm:num_requests_running")
         | (Engine::Sglang, "sglang:num_running_reqs")
         | (Engine::Trtllm, "trtllm_num_requests_running")
-        | (Engine::Tgi, "tgi_batch_current_size") => a.running.add(v),
+        | (Engine::Tgi, "tgi_batch_current_size") => Slot::Running,
         (Engine::Vllm, "vllm:kv_cache_usage_perc")
         | (Engine::Sglang, "sglang:token_usage")
-        | (Engine::Trtllm, "trtllm_kv_cache_utilization") => a.kv.add(v),
+        | (Engine::Trtllm, "trtllm_kv_cache_utilization") => Slot::Kv,
         // vLLM V0 and V1 before 0.10 name it this way.
-        (Engine::Vllm, "vllm:gpu_cache_usage_perc") => a.kv_fallback.add(v),
-        (Engine::Vllm, "vllm:prefix_cache_hits_total") => a.hits.add(v),
-        (Engine::Vllm, "vllm:prefix_cache_queries_total") => a.queries.add(v),
+        (Engine::Vllm, "vllm:gpu_cache_usage_perc") => Slot::KvFallback,
+        (Engine::Vllm, "vllm:prefix_cache_hits_total") => Slot::Hits,
+        (Engine::Vllm, "vllm:prefix_cache_queries_total") => Slot::Queries,
         (Engine::Vllm, "vllm:gpu_prefix_cache_hit_rate")
-        | (Engine::Sglang, "sglang:cache_hit_rate") => a.hit_rate.add(v),
-        (Engine::Vllm, "vllm:cache_config_info") => {
-            cache_geometry(s, "block_size", "num_gpu_blocks", a);
-        }
-        (Engine::Sglang, "sglang:cache_config_info") => {
-            cache_geometry(s, "page_size", "num_pages", a);
-        }
-        (Engine::Trtllm, "trtllm_kv_cache_tokens_per_block") => {
-            a.block_size = to_u32(v);
-        }
-        (Engine::Trtllm, "trtllm_kv_cache_max_blocks") => a.kv_max.add(v),
-        (Engine::Vllm, "vllm:lora_requests_info") => lora(s, a),
+        | (Engine::Sglang, "sglang:cache_hit_rate") => Slot::HitRate,
+        (Engine::Vllm, "vllm:cache_config_info") => Slot::VllmCacheConfig,
+        (Engine::Sglang, "sglang:cache_config_info") => Slot::SglangCacheConfig,
+        (Engine::Trtllm, "trtllm_kv_cache_tokens_per_block") => Slot::BlockSize,
+        (Engine::Trtllm, "trtllm_kv_cache_max_blocks") => Slot::MaxBlocks,
+        (Engine::Vllm, "vllm:lora_requests_info") => Slot::Lora,
         (Engine::Vllm, "vllm:inter_token_latency_seconds_sum")
         | (Engine::Sglang, "sglang:inter_token_latency_seconds_sum")
-        | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_sum") => a.itl_sum.add(v),
+        | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_sum") => Slot::ItlSum,
         (Engine::Vllm, "vllm:inter_token_latency_seconds_count")
         | (Engine::Sglang, "sglang:inter_token_latency_seconds_count")
-        | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_count") => a.itl_count.add(v),
+        | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_count") => Slot::ItlCount,
         // Older names of the same histogram (vLLM before 0.11; SGLang's per-request TPOT).
         (Engine::Vllm, "vllm:time_per_output_token_seconds_sum")
-        | (Engine::Sglang, "sglang:time_per_output_token_seconds_sum") => a.itl_sum_fallback.add(v),
+        | (Engine::Sglang, "sglang:time_per_output_token_seconds_sum") => Slot::ItlSumFallback,
         (Engine::Vllm, "vllm:time_per_output_token_seconds_count")
-        | (Engine::Sglang, "sglang:time_per_output_token_seconds_count") => {
-            a.itl_count_fallback.add(v)
-        }
-        (Engine::Triton, "nv_trt_llm_request_metrics") => {
-            match s.label("request_type").as_deref() {
-                Some("waiting") => a.waiting.add(v),
-                Some("scheduled") => a.running.add(v),
-                _ => return false,
-            }
-        }
-        (Engine::Triton, "nv_trt_llm_kv_cache_block_metrics") => {
-            match s.label("kv_cache_block_type").as_deref() {
-                Some("fraction") => a.kv.add(v),
-                Some("used") => a.kv_used.add(v),
-                Some("max") => a.kv_max.add(v),
-                Some("tokens_per") => a.block_size = to_u32(v),
-                _ => return false,
-            }
-        }
+        | (Engine::Sglang, "sglang:time_per_output_token_seconds_count") => Slot::ItlCountFallback,
+        (Engine::Triton, "nv_trt_llm_request_metrics") => Slot::TritonRequests,
+        (Engine::Triton, "nv_trt_llm_kv_cache_block_metrics") => Slot::TritonKvBlocks,
         // Triton core: requests accepted but not yet executing, for any backend.
-        (Engine::Triton, "nv_inference_pending_request_count") => a.waiting_fallback.add(v),
-        _ => return false,
+        (Engine::Triton, "nv_inference_pending_request_count") => Slot::TritonPending,
+        _ => return None,
+    })
+}
+
+/// Folds one sample into the accumulators; returns whether it was used.
+fn take(slot: Slot, s: &Sample<'_>, a: &mut Accs) -> bool {
+    let v = s.value;
+    match slot {
+        Slot::Waiting => a.waiting.add(v),
+        Slot::Running => a.running.add(v),
+        Slot::Kv => a.kv.add(v),
+        Slot::KvFallback => a.kv_fallback.add(v),
+        Slot::Hits => a.hits.add(v),
+        Slot::Queries => a.queries.add(v),
+        Slot::HitRate => a.hit_rate.add(v),
+        Slot::VllmCacheConfig => cache_geometry(s, "block_size", "num_gpu_blocks", a),
+        Slot::SglangCacheConfig => cache_geometry(s, "page_size", "num_pages", a),
+        Slot::BlockSize => a.block_size = to_u32(v),
+        Slot::MaxBlocks => a.kv_max.add(v),
+        Slot::Lora => lora(s, a),
+        Slot::ItlSum => a.itl_sum.add(v),
+        Slot::ItlCount => a.itl_count.add(v),
+        Slot::ItlSumFallback => a.itl_sum_fallback.add(v),
+        Slot::ItlCountFallback => a.itl_count_fallback.add(v),
+        Slot::TritonRequests => match s.label("request_type").as_deref() {
+            Some("waiting") => a.waiting.add(v),
+            Some("scheduled") => a.running.add(v),
+            _ => return false,
+        },
+        Slot::TritonKvBlocks => match s.label("kv_cache_block_type").as_deref() {
+            Some("fraction") => a.kv.add(v),
+            Some("used") => a.kv_used.add(v),
+            Some("max") => a.kv_max.add(v),
+            Some("tokens_per") => a.block_size = to_u32(v),
+            _ => return false,
+        },
+        Slot::TritonPending => a.waiting_fallback.add(v),
     }
     true
 }
