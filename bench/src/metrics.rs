@@ -26,6 +26,9 @@ pub const PREFIX_QUERIES_V08: &str = "vllm:gpu_prefix_cache_queries_total";
 /// fleet-sim's count of LoRA adapter loads (vLLM exposes none).
 pub const ADAPTER_LOADS: &str = "fleet_sim:lora_adapter_loads_total";
 
+/// vLLM's finished-request counter: non-zero before a run means the fleet is not fresh.
+pub const REQUEST_SUCCESS: &str = "vllm:request_success_total";
+
 /// The counters scraped by default.
 pub const DEFAULT_COUNTERS: &[&str] = &[
     PREFIX_HITS,
@@ -33,7 +36,7 @@ pub const DEFAULT_COUNTERS: &[&str] = &[
     PREFIX_HITS_V08,
     PREFIX_QUERIES_V08,
     ADAPTER_LOADS,
-    "vllm:request_success_total",
+    REQUEST_SUCCESS,
     "vllm:prompt_tokens_total",
     "vllm:generation_tokens_total",
 ];

@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::metrics::REQUEST_SUCCESS;
 use crate::results::{LoadgenResults, Percentiles};
 use crate::scenario::{Scenario, Target};
 use crate::svg::{fmt_ms, ttft_cdf_svg};
@@ -353,6 +354,17 @@ pub fn build_report(
             for e in &m.scrape_errors {
                 warnings.push(format!("{}: scrape failed: {e}", r.label));
             }
+            let served_before: f64 = m
+                .before
+                .values()
+                .filter_map(|pod| pod.get(REQUEST_SUCCESS))
+                .sum();
+            if served_before > 0.0 {
+                warnings.push(format!(
+                    "{}: the pods had already served {served_before:.0} requests before this run: their caches were warm, which favours this configuration (start a fresh fleet for each configuration)",
+                    r.label
+                ));
+            }
         } else {
             warnings.push(format!(
                 "{}: no pod metrics (loadgen ran without --pods-file)",
@@ -660,7 +672,9 @@ pub fn write_outputs(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::{MetricsDelta, ADAPTER_LOADS, PREFIX_HITS, PREFIX_QUERIES};
+    use crate::metrics::{
+        MetricsDelta, ADAPTER_LOADS, PREFIX_HITS, PREFIX_QUERIES, REQUEST_SUCCESS,
+    };
     use crate::results::{RequestRecord, Summary};
     use crate::workload::WorkloadInfo;
 
@@ -848,5 +862,20 @@ mod tests {
         let r = build_report("s", &runs, None, false);
         assert_eq!(r.setup.warnings.len(), 2, "{:?}", r.setup.warnings);
         assert!(r.figures.is_empty());
+        // a fleet reused from an earlier configuration
+        if let Some(m) = runs[0].results.metrics.as_mut() {
+            for pod in m.before.values_mut() {
+                pod.insert(REQUEST_SUCCESS.to_string(), 12.0);
+            }
+        }
+        let r = build_report("s", &runs, None, false);
+        assert!(
+            r.setup
+                .warnings
+                .iter()
+                .any(|w| w.contains("already served 12 requests")),
+            "{:?}",
+            r.setup.warnings
+        );
     }
 }
