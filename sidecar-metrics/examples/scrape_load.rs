@@ -51,7 +51,7 @@ fn opts() -> Result<Opts> {
         seconds: 30,
         warmup: 3,
         interval_ms: 100,
-        workers: 1,
+        workers: 2,
         pools: 4,
         full: false,
         serve_fleet: false,
