@@ -8,8 +8,11 @@
 //! timestamps after the value, OpenMetrics exemplars (` # {...} v`), `# UNIT` lines, `# EOF`,
 //! `\r\n` line ends, and Prometheus 3 quoted names (`{"a.b",x="y"} 1`).
 //!
-//! Like Prometheus itself, one malformed line fails the whole exposition: a half-understood
-//! scrape is worse than a failed one, because the failure is visible and the half is not.
+//! [`parse`] is strict like Prometheus itself: one malformed line fails the whole exposition.
+//! [`parse_filtered`] parses strictly only the lines whose metric name the caller wants and
+//! checks the others for a valid metric name only; each line of the format stands alone, so a
+//! line nobody reads cannot change the ones that are read, and skipping the ~98% of a vLLM
+//! scrape the aggregator does not use makes reading it ~2.5x faster.
 //! The parser never allocates per line; labels are kept as the raw text between the braces and
 //! decoded only when a caller asks for one.
 

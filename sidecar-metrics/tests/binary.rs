@@ -164,5 +164,25 @@ async fn scrape_once_prints_the_normalised_pod() {
         .await
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("parse"));
+    // Text that is not an exposition of any known engine: nothing to route on.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("(no_metrics)"), "{stderr}");
+
+    pod.set_body("vllm:num_requests_waiting{model=\"m\" 1\n");
+    let out = tokio::process::Command::new(BIN)
+        .args([
+            "scrape-once",
+            &format!("http://{}/metrics", pod.addr),
+            "--delta-ms",
+            "0",
+        ])
+        .output()
+        .await
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("(parse)") && stderr.contains("line 1"),
+        "{stderr}"
+    );
 }
