@@ -41,6 +41,10 @@ pub struct RunConfig {
     pub lookahead: usize,
     /// Extra request headers.
     pub headers: Vec<(String, String)>,
+    /// Longest wait for requests still running after the last scheduled send; those
+    /// still running then are cut and counted as timeouts. `None`: only the per-request
+    /// timeout bounds the run (a quick run may want a short drain instead).
+    pub max_drain: Option<Duration>,
 }
 
 impl Default for RunConfig {
@@ -54,6 +58,7 @@ impl Default for RunConfig {
             start_delay: Duration::from_millis(200),
             lookahead: 256,
             headers: Vec::new(),
+            max_drain: None,
         }
     }
 }
@@ -145,6 +150,10 @@ pub async fn run(workload: Arc<Workload>, client: reqwest::Client, cfg: &RunConf
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_millis() as u64);
     let base = cfg.target.trim_end_matches('/').to_string();
+    let last_at = workload.requests.last().map_or(0.0, |r| r.at_s.max(0.0));
+    let run_deadline = cfg
+        .max_drain
+        .map(|d| t0 + Duration::from_secs_f64(last_at) + d);
     let in_flight = Arc::new(InFlight::default());
     let mut tasks = tokio::task::JoinSet::new();
     while let Some(p) = rx.recv().await {
@@ -157,7 +166,7 @@ pub async fn run(workload: Arc<Workload>, client: reqwest::Client, cfg: &RunConf
         let headers = cfg.headers.clone();
         tasks.spawn(async move {
             in_flight.enter();
-            let rec = execute(&client, &url, &headers, p, due, t0, timeout).await;
+            let rec = execute(&client, &url, &headers, p, due, t0, timeout, run_deadline).await;
             in_flight.leave();
             rec
         });
@@ -204,6 +213,7 @@ fn ms_between(a: Instant, b: Instant) -> f64 {
     b.saturating_duration_since(a).as_secs_f64() * 1000.0
 }
 
+#[allow(clippy::too_many_arguments)] // one call site; a struct would only rename them
 async fn execute(
     client: &reqwest::Client,
     url: &str,
@@ -212,15 +222,25 @@ async fn execute(
     due: Instant,
     t0: Instant,
     timeout: Duration,
+    run_deadline: Option<Instant>,
 ) -> RequestRecord {
     let sent = Instant::now();
+    let own_deadline = sent + timeout;
+    let (deadline, cut) = match run_deadline {
+        Some(d) if d < own_deadline => (d, true),
+        _ => (own_deadline, false),
+    };
     let mut progress = Progress::default();
-    let outcome = tokio::time::timeout(
-        timeout,
+    let outcome = tokio::time::timeout_at(
+        deadline,
         stream_request(client, url, headers, p.body, &mut progress),
     )
     .await;
     let failure = match outcome {
+        Err(_) if cut => Some((
+            ErrorKind::Timeout,
+            "still running at the end of the run's drain time: cut".to_string(),
+        )),
         Err(_) => Some((
             ErrorKind::Timeout,
             format!("no end of stream within {timeout:?}"),

@@ -53,6 +53,10 @@ pub struct QuickOverrides {
     /// Request cap.
     #[serde(default)]
     pub max_requests: Option<usize>,
+    /// Drain limit for the quick run (loadgen's `--max-drain-s` when not given): a quick
+    /// run proves the pipeline, it need not wait for an overloaded baseline's queue.
+    #[serde(default)]
+    pub max_drain_s: Option<f64>,
 }
 
 /// A figure to reach: `metric` of `config` divided by the same metric of `baseline`
@@ -139,6 +143,14 @@ impl Scenario {
             }),
             _ => self.workload.clone(),
         }
+    }
+
+    /// The drain limit of the quick variant, when `quick`.
+    pub fn max_drain_s(&self, quick: bool) -> Option<f64> {
+        self.quick
+            .as_ref()
+            .filter(|_| quick)
+            .and_then(|q| q.max_drain_s)
     }
 
     /// The fleet's time-scale factor, if it sets one.

@@ -215,6 +215,44 @@ async fn failures_are_counted_by_kind_without_ending_the_run() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_time_cuts_requests_still_running_after_the_last_send() {
+    let addr = spawn(
+        "127.0.0.1:0",
+        StubConfig {
+            first_token_delay: Duration::from_millis(50),
+            token_interval: Duration::from_millis(100),
+            max_tokens_cap: 100,
+            ..StubConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    // one short request and one that would stream for ~2 s
+    let mut wl = (*workload(&[0.0, 0.1], Api::Chat, 2)).clone();
+    wl.requests[1].max_tokens = 20;
+    let cfg = RunConfig {
+        target: format!("http://{addr}"),
+        request_timeout: Duration::from_secs(10),
+        start_delay: Duration::from_millis(10),
+        max_drain: Some(Duration::from_millis(400)),
+        ..RunConfig::default()
+    };
+    let started = std::time::Instant::now();
+    let out = run(Arc::new(wl), build_client(&cfg).unwrap(), &cfg).await;
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(out.records[0].ok());
+    let cut = &out.records[1];
+    assert_eq!(cut.error, Some(ErrorKind::Timeout));
+    assert!(cut.error_detail.as_deref().unwrap_or("").contains("cut"));
+    // what it had streamed before the cut is still measured
+    assert!(cut.ttft_ms.is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pod_counters_are_scraped_around_a_run() {
     let addr = spawn("127.0.0.1:0", StubConfig::default()).await.unwrap();
     let pods = vec![

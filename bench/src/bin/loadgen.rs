@@ -62,6 +62,11 @@ struct Args {
     /// Per-request timeout (seconds, send to end of stream).
     #[arg(long, default_value_t = 120.0)]
     timeout_s: f64,
+    /// Cut requests still running this many seconds after the last scheduled send
+    /// (counted as timeouts); default: the scenario's quick `max_drain_s` with --quick,
+    /// else wait up to --timeout-s for each.
+    #[arg(long)]
+    max_drain_s: Option<f64>,
     /// Extra request header `Name: value` (repeatable).
     #[arg(long = "header")]
     headers: Vec<String>,
@@ -101,6 +106,15 @@ fn main() -> Result<()> {
         target: args.target.clone(),
         request_timeout: Duration::from_secs_f64(args.timeout_s.max(0.001)),
         headers,
+        max_drain: args
+            .max_drain_s
+            .or_else(|| {
+                resolved
+                    .scenario
+                    .as_ref()
+                    .and_then(|s| s.max_drain_s(args.quick))
+            })
+            .map(|d| Duration::from_secs_f64(d.max(0.0))),
         ..RunConfig::default()
     };
     let pods = match &args.pods_file {
