@@ -20,7 +20,7 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy bench-sidecar clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -74,6 +74,9 @@ stack: setup build ## one stack left running for other tools: make stack ROUTER=
 
 bench-core: ## criterion: decision cost for 64 and 1,000 pods
 	$(CARGO) bench -p gpuroute-core --bench decision
+
+bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
+	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
 bench-envoy: setup build ## latency and req/s through Envoy, with and without the filter
 	$(PY) scripts/envoy_overhead.py

@@ -35,11 +35,11 @@ def scenario_names():
     return sorted(p.stem for p in (ROOT / "bench" / "scenarios").glob("*.json"))
 
 
-def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency):
+def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS):
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
-    for label in CONFIGS:
+    for label in configs:
         t0 = time.time()
         stack = Stack(fleet=fleet, router=label, workdir=work / label, concurrency=concurrency).start()
         try:
@@ -73,6 +73,8 @@ def main():
     ap.add_argument("--trace", help="replay this trace file instead of the scenarios")
     ap.add_argument("--speedup", type=float, help="trace seconds per wall second")
     ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="comma-separated router configurations (default: all three)")
     ap.add_argument("--out-dir", default=str(ROOT / "target" / "bench"))
     args = ap.parse_args()
     for b in (LOADGEN, REPORT):
@@ -81,6 +83,7 @@ def main():
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
+    configs = args.configs.split(",")
     if args.trace:
         trace = Path(args.trace).resolve()
         base = "shared-prefix" if trace.suffix == ".jsonl" else "bursty"
@@ -88,13 +91,13 @@ def main():
         extra = ["--speedup", str(args.speedup)] if args.speedup else []
         if args.quick:
             extra += ["--duration-s", "10"]
-        run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency)
+        run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs)
     else:
         names = args.scenario or scenario_names()
         for name in names:
             f = ROOT / "bench" / "scenarios" / f"{name}.json"
             fleet = json.loads(f.read_text())["fleet"]
-            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency)
+            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency, configs)
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

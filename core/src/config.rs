@@ -141,8 +141,11 @@ pub struct ScoringConfig {
     pub queue_threshold: f64,
     /// KV-cache use at which a pod counts as saturated.
     pub kv_threshold: f64,
-    /// Queue length (per unit of capacity) at which the queue score halves.
-    pub queue_scale: f64,
+    /// Extra expected wait over the best candidate, in average requests of prefill on a
+    /// capacity-1 pod, at which the queue score reaches 0. The score falls linearly with the
+    /// extra wait, so it separates pods in proportion to the time a request would lose on each
+    /// (a long prompt on a slow pod loses far more than a short one).
+    pub queue_horizon: f64,
     /// Running requests (per unit of capacity) at which the running score halves.
     pub running_scale: f64,
     /// Prefix score given to the rendezvous-hash home of a prompt no pod is known to hold.
@@ -157,9 +160,9 @@ impl Default for ScoringConfig {
             stale_after_ms: 1_000,
             queue_threshold: 5.0,
             kv_threshold: 0.8,
-            queue_scale: 2.0,
+            queue_horizon: 4.0,
             running_scale: 32.0,
-            prefix_home_score: 0.5,
+            prefix_home_score: 0.3,
         }
     }
 }
@@ -384,7 +387,7 @@ impl FilterConfig {
         }
         for (name, v) in [
             ("queue_threshold", s.queue_threshold),
-            ("queue_scale", s.queue_scale),
+            ("queue_horizon", s.queue_horizon),
             ("running_scale", s.running_scale),
         ] {
             if !(v.is_finite() && v > 0.0) {

@@ -85,7 +85,13 @@ pub struct Engine {
     prefix: PrefixIndex,
     sync: SyncLog,
     hashes: Vec<u64>,
+    /// Moving average of prompt tokens per request (the unit of queued work).
+    avg_prompt_tokens: f64,
 }
+
+/// Weight of the newest request in the prompt-size moving average: ~64 requests of memory,
+/// long enough to be stable, short enough to follow a change of workload within seconds.
+const AVG_ALPHA: f64 = 1.0 / 64.0;
 
 impl Engine {
     pub fn new(config: FilterConfig) -> Engine {
@@ -98,6 +104,7 @@ impl Engine {
             prefix,
             sync: SyncLog::new(SYNC_RING),
             hashes: Vec::new(),
+            avg_prompt_tokens: 0.0,
             config,
         }
     }
@@ -108,6 +115,12 @@ impl Engine {
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
         let req = request::parse(body, Endpoint::from_path(path), limit, home_chars)?;
+        let tokens = f64::from(req.estimated_prompt_tokens());
+        self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
+            tokens
+        } else {
+            self.avg_prompt_tokens + AVG_ALPHA * (tokens - self.avg_prompt_tokens)
+        };
         let target = self.routes.resolve(req.model.as_deref())?.clone();
         let rewritten_body = match (&req.model_span, target.rewrite) {
             (Some(span), true) => Some(rewrite_model(body, span.clone(), &target.model)),
@@ -185,6 +198,7 @@ impl Engine {
         let features = RequestFeatures {
             adapter: prep.target.adapter.as_deref().map(adapter_key),
             prompt_tokens: prep.prompt_tokens,
+            avg_prompt_tokens: self.avg_prompt_tokens,
             prefix_blocks: prep.prefix_blocks,
             home_key: prep.home_key,
             matches: &prep.matches,

@@ -13,7 +13,7 @@
 use crate::config::{ScoringConfig, Weights};
 use crate::fleet::{PodState, PoolState};
 use crate::load::PodLoad;
-use crate::prefix::{hrw_weight, PodMatch};
+use crate::prefix::{weighted_hrw, PodMatch};
 use crate::rng::SplitMix64;
 use std::fmt::Write as _;
 
@@ -24,6 +24,9 @@ pub struct RequestFeatures<'a> {
     pub adapter: Option<u64>,
     /// Estimated prompt tokens (KV blocks the request will take).
     pub prompt_tokens: u32,
+    /// Recent mean prompt tokens per request (this worker's moving average): the unit in which
+    /// queued prefill work is counted. 0 = unknown (every request counts as one unit).
+    pub avg_prompt_tokens: f64,
     /// Prompt blocks considered for prefix affinity (0 = prefix scorer off).
     pub prefix_blocks: u32,
     /// Hash that picks the rendezvous home ([`crate::prefix::home_key`]).
@@ -107,21 +110,30 @@ pub struct Picker {
 /// finish since.
 #[derive(Debug, Clone, Copy)]
 struct Load {
+    /// Prefill work queued ahead of a new request, in average requests.
+    work: f64,
     waiting: f64,
     running: f64,
     kv: Option<f64>,
     capacity: f64,
 }
 
-fn effective_load(pod: &PodState, load: Option<&PodLoad>) -> Load {
+fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Load {
     let s = &pod.snap;
     let (mut waiting, mut running) = (f64::from(s.waiting), f64::from(s.running));
+    let mut work = waiting;
     let mut kv = s.kv_cache_usage;
     if let Some(l) = load {
         let d = l.delta() as f64;
         if d > 0.0 {
-            // Not yet reported by the pod: it sits in the queue as far as we know.
+            // Not yet reported by the pod: as far as we know its prefill is still ahead of a new
+            // request, so it counts by its size (a long prompt is more work than a short one).
             waiting += d;
+            work += if avg_tokens > 0.0 {
+                (l.delta_tokens().max(0) as f64 / avg_tokens).max(d * 0.25)
+            } else {
+                d
+            };
         } else {
             // Finished since the snapshot: it left the running batch.
             running = (running + d).max(0.0);
@@ -134,6 +146,7 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>) -> Load {
         }
     }
     Load {
+        work,
         waiting,
         running,
         kv,
@@ -178,7 +191,7 @@ impl Picker {
             if w < 1.0 && rng.next_f64() >= w {
                 continue;
             }
-            let l = effective_load(pod, loads_ok.then(|| &loads[i]));
+            let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
             let saturated = l.waiting / l.capacity >= sc.queue_threshold
                 || l.kv.is_some_and(|k| k >= sc.kv_threshold);
             cands.push((i, l, saturated));
@@ -196,10 +209,17 @@ impl Picker {
 
         // Rendezvous homes over the surviving candidates, so all gateways agree on them.
         let prefix_on = req.prefix_blocks > 0 && self.weights.prefix > 0.0;
+        // Weighted by capacity, so a pod three times faster is home to three times the
+        // conversations (and adapters). Capacity is quantised to quarters so that the estimate's
+        // jitter between snapshots does not move homes around.
+        let hrw = |k: u64, c: &(usize, Load, bool)| {
+            let w = ((c.1.capacity * 4.0).round() / 4.0).max(0.25);
+            weighted_hrw(k, pool.pods[c.0].key, w)
+        };
         let home = match (prefix_on, req.home_key) {
             (true, Some(k)) => cands
                 .iter()
-                .max_by_key(|c| hrw_weight(k, pool.pods[c.0].key))
+                .max_by(|a, b| hrw(k, a).total_cmp(&hrw(k, b)))
                 .map(|c| c.0),
             _ => None,
         };
@@ -214,11 +234,17 @@ impl Picker {
             Some(a) if !adapter_known => cands
                 .iter()
                 .filter(|c| pool.pods[c.0].free_lora_slots().unwrap_or(0) > 0)
-                .max_by_key(|c| hrw_weight(a, pool.pods[c.0].key))
+                .max_by(|x, y| hrw(a, x).total_cmp(&hrw(a, y)))
                 .map(|c| c.0),
             _ => None,
         };
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
+        // This request's own prefill, in the same unit as the queued work.
+        let own = if req.avg_prompt_tokens > 0.0 {
+            (f64::from(req.prompt_tokens) / req.avg_prompt_tokens).clamp(0.25, 16.0)
+        } else {
+            1.0
+        };
 
         let w = &self.weights;
         let mut wsum = w.queue + w.running;
@@ -235,10 +261,24 @@ impl Picker {
             wsum = 1.0;
         }
 
+        // Expected wait per candidate: prefill work ahead of this request plus its own, in time
+        // on a capacity-1 pod. A slower pod costs more even with an empty queue, because its
+        // prefill of this very request takes longer, and the more so the longer the prompt.
+        let wait = |l: &Load| (l.work + own) / l.capacity;
+        let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
+        for c in &cands {
+            w_min = w_min.min(wait(&c.1));
+            w_max = w_max.max(wait(&c.1));
+        }
+        // Linear in the extra wait over the best candidate, so pods are separated in proportion
+        // to the time a request would lose; if the spread exceeds the horizon (overload), it is
+        // compressed to fit, so the least-loaded pod still stands out.
+        let span = sc.queue_horizon.max(w_max - w_min);
+
         let mut scored: Vec<(usize, f64, f64)> = Vec::with_capacity(cands.len());
         for (i, l, saturated) in &cands {
             let pod = &pool.pods[*i];
-            let queue = 1.0 / (1.0 + (l.waiting / l.capacity) / sc.queue_scale);
+            let queue = 1.0 - (wait(l) - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
             let lora = adapter.map(|a| lora_score(pod, a, adapter_known, adapter_home == Some(*i)));
@@ -518,19 +558,28 @@ mod tests {
     }
 
     #[test]
-    fn idle_ties_are_broken_in_proportion_to_capacity() {
+    fn an_idle_faster_pod_wins_and_equal_pods_share() {
         let mut fast = pod(1, 0, 0, 0.0);
         fast.capacity = 3.0;
         let p = pool(vec![fast, pod(2, 0, 0, 0.0)]);
         let mut rng = SplitMix64::new(5);
-        let n = 4_000;
-        let fast_wins = (0..n)
+        for _ in 0..50 {
+            assert_eq!(
+                best(&picker().pick(&p, &[], &RequestFeatures::default(), 0, &mut rng, None)),
+                0
+            );
+        }
+        // Identical idle pods: a fair coin.
+        let same = pool(vec![pod(1, 0, 0, 0.0), pod(2, 0, 0, 0.0)]);
+        let n = 2_000;
+        let first = (0..n)
             .filter(|_| {
-                best(&picker().pick(&p, &[], &RequestFeatures::default(), 0, &mut rng, None)) == 0
+                best(&picker().pick(&same, &[], &RequestFeatures::default(), 0, &mut rng, None))
+                    == 0
             })
             .count();
-        let share = fast_wins as f64 / n as f64;
-        assert!((0.70..=0.80).contains(&share), "{share}");
+        let share = first as f64 / n as f64;
+        assert!((0.45..=0.55).contains(&share), "{share}");
     }
 
     fn lora_pod(i: u32, running: &[&str], waiting: &[&str], max: u32) -> PodSnapshot {

@@ -62,6 +62,16 @@ pub fn hrw_weight(key: u64, pod: u64) -> u64 {
     mix64(key ^ mix64(pod))
 }
 
+/// Weighted rendezvous score (Schindelhauer & Schomaker, "Weighted distributed hash tables",
+/// SPAA 2005): `w / -ln(u)` with `u` the pod's uniform hash for `key`. Each pod is the winner
+/// for a share of keys proportional to its weight, and removing a pod moves only its own keys.
+#[inline]
+pub fn weighted_hrw(key: u64, pod: u64, weight: f64) -> f64 {
+    // u in (0, 1]: never 0, so -ln(u) is finite; ln(1) = 0 gives +inf, the top score.
+    let u = ((hrw_weight(key, pod) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+    weight / -u.ln()
+}
+
 /// A recorded depth and the chain hash at that depth.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Anchor {
@@ -470,6 +480,20 @@ mod tests {
             with_magic.extend_from_slice(&bytes);
             SyncLog::decode_after(&with_magic, 0, &mut out);
             SyncLog::decode_after(&bytes, 0, &mut out);
+        }
+
+        #[test]
+        fn weighted_hrw_shares_follow_weights(seed in any::<u64>()) {
+            let weights = [3.0, 1.0, 1.0];
+            let mut wins = [0usize; 3];
+            for k in 0..3_000u64 {
+                let key = k.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
+                let best = (0..3).max_by(|a, b| weighted_hrw(key, *a as u64 + 1, weights[*a])
+                    .total_cmp(&weighted_hrw(key, *b as u64 + 1, weights[*b]))).unwrap();
+                wins[best] += 1;
+            }
+            let share = wins[0] as f64 / 3_000.0;
+            prop_assert!((0.55..=0.65).contains(&share), "{:?}", wins);
         }
 
         #[test]
