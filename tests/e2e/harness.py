@@ -200,3 +200,61 @@ class Pusher:
     def stop(self):
         self.stop_event.set()
         self.thread.join(5)
+
+
+SIDECAR = ROOT / "target" / "release" / "sidecar-metrics"
+
+
+class Sidecar:
+    """sidecar-metrics scraping `pools` ({name: [address, ...]}) and pushing to `ingest_urls`."""
+
+    def __init__(self, pools, ingest_urls, interval_ms=100, extra=None, workdir=None):
+        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-sidecar-"))
+        self.listen = f"127.0.0.1:{free_port()}"
+        cfg = {
+            "interval_ms": interval_ms,
+            "listen": self.listen,
+            "push": {"urls": list(ingest_urls), "token": TOKEN},
+            "pools": [{"name": n, "pods": [{"address": a} for a in addrs]} for n, addrs in pools.items()],
+        }
+        cfg.update(extra or {})
+        self.config_path = self.dir / "sidecar.json"
+        self.config_path.write_text(json.dumps(cfg))
+        self.log_path = self.dir / "sidecar.log"
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            [str(SIDECAR), "run", "--config", str(self.config_path)],
+            stdout=open(self.log_path, "a"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("sidecar-metrics exited: " + self.log_path.read_text()[-2000:])
+            try:
+                with urllib.request.urlopen(f"http://{self.listen}/healthz", timeout=1):
+                    return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError("sidecar-metrics did not start")
+
+    def ready(self):
+        try:
+            with urllib.request.urlopen(f"http://{self.listen}/readyz", timeout=1) as r:
+                return r.status == 200
+        except Exception:
+            return False
+
+    def snapshot(self):
+        with urllib.request.urlopen(f"http://{self.listen}/debug/snapshot", timeout=2) as r:
+            return json.loads(r.read())
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()

@@ -1,18 +1,40 @@
 """Small stub model-server pods for the end-to-end tests: each answers every request with a JSON
 echo of what it received (method, path, headers, body) and says who served it in
-`x-served-by`. They bind 127.0.0.1 on an OS-chosen port."""
+`x-served-by`. `GET /metrics` answers vLLM v1 exposition text whose load values the test sets
+(`set_load`). They bind 127.0.0.1 (an OS-chosen port, or a given one to come back on)."""
 
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+VLLM_METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="llama-3-8b"}} {running}
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="llama-3-8b"}} {waiting}
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="llama-3-8b"}} {kv}
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{{block_size="16",num_gpu_blocks="20000"}} 1.0
+"""
+
 
 class StubPod:
-    def __init__(self, name, delay_s=0.0):
+    def __init__(self, name, delay_s=0.0, port=0):
         self.name = name
         self.delay_s = delay_s
         self.requests = []
+        self.load = {"waiting": 0, "running": 0, "kv": 0.05}
+        self.conns = set()
+        self.handler = self._handler_class()
+        self._serve(port)
+
+    def _handler_class(self):
         pod = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -20,6 +42,27 @@ class StubPod:
 
             def log_message(self, *args):
                 pass
+
+            def setup(self):
+                super().setup()
+                pod.conns.add(self.connection)
+
+            def finish(self):
+                pod.conns.discard(self.connection)
+                super().finish()
+
+            def _send(self, status, ctype, out):
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("x-served-by", pod.name)
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def do_GET(self):
+                if self.path == "/metrics":
+                    return self._send(200, "text/plain; version=0.0.4", VLLM_METRICS.format(**pod.load).encode())
+                self._answer()
 
             def _answer(self):
                 n = int(self.headers.get("content-length") or 0)
@@ -34,23 +77,33 @@ class StubPod:
                 pod.requests.append(rec)
                 if pod.delay_s:
                     time.sleep(pod.delay_s)
-                out = json.dumps(rec).encode()
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("x-served-by", pod.name)
-                self.send_header("content-length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
+                self._send(200, "application/json", json.dumps(rec).encode())
 
-            do_GET = _answer
             do_POST = _answer
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        return Handler
+
+    def _serve(self, port):
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self.handler)
         self.server.daemon_threads = True
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def set_load(self, waiting=0, running=0, kv=0.05):
+        self.load = {"waiting": waiting, "running": running, "kv": kv}
+
     def close(self):
+        """Dies like a crashed pod: the listener and every open keep-alive connection close."""
         self.server.shutdown()
         self.server.server_close()
+        for c in list(self.conns):
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+
+    def restart(self):
+        """Comes back on the same address after close()."""
+        self._serve(int(self.address.rsplit(":", 1)[1]))

@@ -1,0 +1,162 @@
+"""sidecar-metrics + a real Envoy with the filter, end to end: pods export vLLM metrics, the
+aggregator scrapes and pushes, the filter routes by what it pushed.
+
+Measured here (printed with -s): how long from a pod's metrics changing until the filter routes
+by the change, and how long until a dead pod stops being picked.
+"""
+
+import statistics
+import time
+
+import pytest
+
+from harness import Envoy, Sidecar, free_port
+from stubpod import StubPod
+
+CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
+INTERVAL_MS = 100
+BUSY = dict(waiting=3, running=40, kv=0.6)
+IDLE = dict(waiting=0, running=1, kv=0.05)
+
+
+def picked(resp):
+    """The pod the filter chose (from the debug header), or None when it failed open."""
+    dbg = resp[1].get("x-gateway-debug", "")
+    for part in dbg.split("; "):
+        if part.startswith("picked="):
+            return part[len("picked="):]
+    return None
+
+
+def chat(gw):
+    return gw.chat("llama-3-8b", "hi")
+
+
+@pytest.fixture()
+def stack():
+    pods = [StubPod(f"pod-{i}") for i in range(3)]
+    for p in pods:
+        p.set_load(**BUSY)
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG)
+    sc = Sidecar({"llama": [p.address for p in pods]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
+                 interval_ms=INTERVAL_MS, extra={"ramp": {"window_ms": 6000, "start_weight": 0.1, "startup_grace_ms": 1000}})
+    deadline = time.time() + 10
+    while not sc.ready() and time.time() < deadline:
+        time.sleep(0.05)
+    assert sc.ready()
+    time.sleep(1.0)  # past the aggregator's start-up grace: from here on a returning pod ramps
+    yield pods, gw, sc
+    sc.stop()
+    gw.stop()
+    for p in pods:
+        try:
+            p.close()
+        except Exception:
+            pass
+
+
+def wait_until_picked(gw, address, timeout=5.0):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if picked(chat(gw)) == address:
+            return time.time() - t0
+        time.sleep(0.01)
+    raise AssertionError(f"{address} never picked")
+
+
+def test_routing_follows_a_load_change_within_two_intervals(stack):
+    pods, gw, sc = stack
+    pods[0].set_load(**IDLE)
+    wait_until_picked(gw, pods[0].address)
+    delays = []
+    for i in range(10):
+        now, nxt = pods[i % 3], pods[(i + 1) % 3]
+        time.sleep(0.03 * (i % 4))  # land at different phases of the scrape interval
+        now.set_load(**BUSY)
+        nxt.set_load(**IDLE)
+        delays.append(wait_until_picked(gw, nxt.address) * 1000)
+    delays.sort()
+    print(f"\nmetrics change -> filter routes by it (interval {INTERVAL_MS} ms): "
+          f"median {statistics.median(delays):.0f} ms, max {delays[-1]:.0f} ms, all {[round(d) for d in delays]}")
+    assert statistics.median(delays) <= INTERVAL_MS * 1.5
+    assert delays[-2] <= INTERVAL_MS * 2, delays  # 9 of 10 within two intervals
+
+
+def test_a_dead_pod_stops_being_picked_within_a_second_and_ramps_up_when_back(stack):
+    pods, gw, sc = stack
+    pods[0].set_load(**IDLE)
+    wait_until_picked(gw, pods[0].address)
+    pods[0].close()
+    t0 = time.time()
+    while picked(chat(gw)) == pods[0].address:
+        assert time.time() - t0 < 3, "dead pod still picked after 3 s"
+        time.sleep(0.005)
+    gone = time.time() - t0
+    # Requests kept succeeding meanwhile: Envoy retried on the next endpoint of the header.
+    for _ in range(20):
+        s, h, _, _ = chat(gw)
+        assert s == 200 and h["x-served-by"] != "pod-0"
+        assert picked((s, h)) != pods[0].address
+    print(f"\ndead pod out of the candidates after {gone * 1000:.0f} ms")
+    assert gone <= 1.2
+
+    # It comes back idle while the others are busy: ramp-up keeps it from taking everything.
+    for p in pods[1:]:
+        p.set_load(**IDLE)
+    pods[0].restart()
+    pods[0].set_load(**IDLE)
+    t0 = time.time()
+    early = []
+    while time.time() - t0 < 2.0:
+        early.append(picked(chat(gw)))
+        time.sleep(0.005)
+    share_early = early.count(pods[0].address) / len(early)
+    time.sleep(5.0)
+    late = [picked(chat(gw)) for _ in range(150)]
+    share_late = late.count(pods[0].address) / len(late)
+    print(f"returning pod's share of picks: first 2 s {share_early:.2f}, after 7 s {share_late:.2f}")
+    assert share_early < 0.2
+    assert share_late > share_early
+
+
+def test_push_keeps_trying_while_envoy_is_down_and_resumes_when_it_is_back():
+    pods = [StubPod(f"pod-{i}") for i in range(2)]
+    pods[1].set_load(**BUSY)
+    ports = {k: f"127.0.0.1:{free_port()}" for k in ("listen", "admin", "ingest")}
+    sc = Sidecar({"llama": [p.address for p in pods]}, [f"http://{ports['ingest']}/gpuroute/v1/snapshot"],
+                 interval_ms=INTERVAL_MS)
+    gw = None
+    try:
+        time.sleep(0.5)
+        assert not sc.ready()  # nobody accepted a push yet, but it keeps scraping
+        pools = [{"name": "llama", "endpoints": [p.address for p in pods]}]
+        gw = Envoy("filter", pools, CONFIG, **ports)
+        t0 = time.time()
+        while picked(chat(gw)) != pods[0].address:
+            assert time.time() - t0 < 3
+            time.sleep(0.01)
+        print(f"\nEnvoy up -> routing by fresh metrics after {(time.time() - t0) * 1000:.0f} ms")
+        assert sc.ready()
+        # Envoy restarts: its shared data is gone; the next push restores routing.
+        gw.stop()
+        gw = Envoy("filter", pools, CONFIG, **ports)
+        t0 = time.time()
+        while picked(chat(gw)) != pods[0].address:
+            assert time.time() - t0 < 3
+            time.sleep(0.01)
+        # The aggregator restarts: its versions continue upwards, Envoy accepts them.
+        sc.stop()
+        sc.start()
+        pods[0].set_load(**BUSY)
+        pods[1].set_load(**IDLE)
+        t0 = time.time()
+        while picked(chat(gw)) != pods[1].address:
+            assert time.time() - t0 < 3, gw.stats()
+            time.sleep(0.01)
+        assert gw.stat("wasmcustom.gpuroute.snapshot.rejected.invalid") == 0
+    finally:
+        sc.stop()
+        if gw:
+            gw.stop()
+        for p in pods:
+            p.close()
