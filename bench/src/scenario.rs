@@ -321,6 +321,7 @@ pub fn resolve_spec(
             api: Default::default(),
             seed: 1,
             speedup: None,
+            rate_per_s: None,
             start_s: 0.0,
             duration_s: None,
             max_requests: None,

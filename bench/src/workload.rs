@@ -171,10 +171,15 @@ pub struct TraceWorkload {
     /// Seed for model choice and filler text.
     #[serde(default = "default_seed")]
     pub seed: u64,
-    /// Replay speed: trace seconds per wall second. Default: fit the slice into
-    /// `duration_s` (or 1 without a duration).
+    /// Replay speed: trace seconds per wall second. Default: from `rate_per_s`, else fit
+    /// the slice into `duration_s`, else 1 (real time).
     #[serde(default)]
     pub speedup: Option<f64>,
+    /// Without `speedup`: replay at the speed that makes the slice's mean arrival rate
+    /// this many requests per wall second (the trace's burstiness is kept around it).
+    /// The natural knob for "load the fleet to X% of its capacity".
+    #[serde(default)]
+    pub rate_per_s: Option<f64>,
     /// Trace time (seconds after its first request) to start replaying from.
     #[serde(default)]
     pub start_s: f64,
@@ -275,6 +280,9 @@ pub struct Overrides {
     pub token_scale: Option<f64>,
     /// Replaces the request cap.
     pub max_requests: Option<usize>,
+    /// Trace: mean arrival rate to replay at (used when no speedup is given).
+    /// Poisson: replaces the rate.
+    pub rate_per_s: Option<f64>,
 }
 
 impl WorkloadConfig {
@@ -297,10 +305,19 @@ impl WorkloadConfig {
                 if o.max_requests.is_some() {
                     t.max_requests = o.max_requests;
                 }
+                if o.rate_per_s.is_some() {
+                    t.rate_per_s = o.rate_per_s;
+                    // an explicit rate replaces the config's own speedup, unless the
+                    // command line also gives one
+                    t.speedup = o.speedup;
+                }
             }
             WorkloadConfig::Poisson(p) => {
                 if let Some(s) = o.seed {
                     p.seed = s;
+                }
+                if let Some(r) = o.rate_per_s {
+                    p.rate_per_s = r;
                 }
                 if let Some(s) = o.speedup {
                     p.rate_per_s *= s;
@@ -569,9 +586,18 @@ fn build_trace(t: &TraceWorkload, base: Option<&Path>) -> Result<Workload, Workl
     if let Some(m) = t.max_requests {
         slice = &slice[..m.min(slice.len())];
     }
-    let speedup = match (t.speedup, t.duration_s) {
-        (Some(s), _) => positive("speedup", s)?,
-        (None, Some(d)) => {
+    let speedup = match (t.speedup, t.rate_per_s, t.duration_s) {
+        (Some(s), _, _) => positive("speedup", s)?,
+        (None, Some(rate), _) => {
+            // the slice's own mean arrival rate, scaled to the requested one
+            let span = trace::span_s(slice);
+            if span > 0.0 && slice.len() > 1 {
+                positive("rate_per_s", rate)? * span / (slice.len() - 1) as f64
+            } else {
+                1.0
+            }
+        }
+        (None, None, Some(d)) => {
             let span = trace::span_s(slice);
             if span > 0.0 {
                 span / positive("duration_s", d)?
@@ -579,7 +605,7 @@ fn build_trace(t: &TraceWorkload, base: Option<&Path>) -> Result<Workload, Workl
                 1.0
             }
         }
-        (None, None) => 1.0,
+        (None, None, None) => 1.0,
     };
     let first = slice.first().map_or(0.0, |r| r.offset_s);
     let cut = slice
@@ -801,6 +827,7 @@ mod tests {
             api: Api::Chat,
             seed: 1,
             speedup: None,
+            rate_per_s: None,
             start_s: 0.0,
             duration_s: None,
             max_requests: None,
@@ -838,6 +865,37 @@ mod tests {
             w2.requests.len()
         );
         assert!((w2.requests[1].at_s - 4.314579 / 2.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn a_target_rate_sets_the_speedup_from_the_slice() {
+        let mut c = trace_cfg("azure-llm-2023-conv.csv");
+        c.start_s = 2750.0;
+        c.rate_per_s = Some(20.0);
+        c.duration_s = Some(30.0);
+        let w = Workload::build(&WorkloadConfig::Trace(c), None).unwrap();
+        // the remaining trace averages ~4.6 req/s: about 4.3x; the 30 s slice keeps the
+        // trace's burstiness, so its own rate is near, not exactly, 20
+        assert!(
+            w.info.speedup > 3.0 && w.info.speedup < 6.0,
+            "{}",
+            w.info.speedup
+        );
+        assert!(
+            (w.info.offered_rate_per_s - 20.0).abs() < 6.0,
+            "{}",
+            w.info.offered_rate_per_s
+        );
+        let o = Overrides {
+            rate_per_s: Some(40.0),
+            ..Overrides::default()
+        };
+        let mut c2 = trace_cfg("azure-llm-2023-conv.csv");
+        c2.start_s = 2750.0;
+        c2.speedup = Some(1.0);
+        c2.duration_s = Some(30.0);
+        let w2 = Workload::build(&WorkloadConfig::Trace(c2).with_overrides(&o), None).unwrap();
+        assert!((w2.info.speedup / w.info.speedup - 2.0).abs() < 1e-9);
     }
 
     #[test]

@@ -38,6 +38,10 @@ struct Args {
     /// Trace replay speed (trace s per wall s); for Poisson, multiplies the rate.
     #[arg(long)]
     speedup: Option<f64>,
+    /// Mean requests per wall second: a trace is replayed at the speed that gives its
+    /// slice this mean rate (when --speedup is not given); a Poisson workload gets it.
+    #[arg(long)]
+    rate: Option<f64>,
     /// Sending duration in wall seconds.
     #[arg(long)]
     duration_s: Option<f64>,
@@ -84,6 +88,7 @@ fn main() -> Result<()> {
         duration_s: args.duration_s,
         token_scale: args.token_scale,
         max_requests: args.max_requests,
+        rate_per_s: args.rate,
     };
     let config = resolved.config.with_overrides(&overrides);
     let workload = Workload::build(&config, resolved.base_dir.as_deref())
