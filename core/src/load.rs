@@ -11,10 +11,15 @@
 //! for requests the pods have not reported yet, negative for requests that finished since.
 //! Pods are keyed by [`crate::prefix::pod_key`], so a new snapshot that adds, drops or reorders
 //! pods carries the counts over by identity.
+//!
+//! It also keeps each pod's **prefill backlog** from this gateway: requests sent whose first
+//! response byte has not come back yet, and their prompt tokens. Engines report a request in
+//! chunked prefill as "running", so a pod busy prefilling long prompts looks idle in its
+//! metrics; the first streamed chunk marks the end of prefill, which the filter sees directly.
 
-const MAGIC: &[u8; 4] = b"GPL1";
+const MAGIC: &[u8; 4] = b"GPL2";
 const HEADER: usize = 4 + 8 + 4;
-const ENTRY: usize = 8 + 4 * 4;
+const ENTRY: usize = 8 + 6 * 4;
 
 /// One pod's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -24,6 +29,10 @@ pub struct PodLoad {
     pub base: u32,
     pub tokens: u32,
     pub base_tokens: u32,
+    /// Requests sent whose first response byte has not arrived (still queued or prefilling).
+    pub prefill: u32,
+    /// Their prompt tokens.
+    pub prefill_tokens: u32,
 }
 
 impl PodLoad {
@@ -69,6 +78,8 @@ impl LoadTable {
                 base: u32::from_le_bytes(arr4(e, 12)),
                 tokens: u32::from_le_bytes(arr4(e, 16)),
                 base_tokens: u32::from_le_bytes(arr4(e, 20)),
+                prefill: u32::from_le_bytes(arr4(e, 24)),
+                prefill_tokens: u32::from_le_bytes(arr4(e, 28)),
             })
             .collect();
         LoadTable { version, pods }
@@ -85,6 +96,8 @@ impl LoadTable {
             out.extend_from_slice(&p.base.to_le_bytes());
             out.extend_from_slice(&p.tokens.to_le_bytes());
             out.extend_from_slice(&p.base_tokens.to_le_bytes());
+            out.extend_from_slice(&p.prefill.to_le_bytes());
+            out.extend_from_slice(&p.prefill_tokens.to_le_bytes());
         }
         out
     }
@@ -112,11 +125,9 @@ impl LoadTable {
                     // Same snapshot, different layout (should not happen): keep the bases.
                     Some(p) if same_version => p,
                     Some(p) => PodLoad {
-                        key,
-                        inflight: p.inflight,
                         base: p.inflight,
-                        tokens: p.tokens,
                         base_tokens: p.tokens,
+                        ..p
                     },
                     None => PodLoad {
                         key,
@@ -130,20 +141,38 @@ impl LoadTable {
         true
     }
 
-    /// Counts a request sent to pod `idx`.
+    /// Counts a request sent to pod `idx` (in flight, and in prefill until its first byte).
     pub fn add(&mut self, idx: usize, tokens: u32) {
         if let Some(p) = self.pods.get_mut(idx) {
             p.inflight = p.inflight.saturating_add(1);
             p.tokens = p.tokens.saturating_add(tokens);
+            p.prefill = p.prefill.saturating_add(1);
+            p.prefill_tokens = p.prefill_tokens.saturating_add(tokens);
         }
     }
 
-    /// Counts a request to the pod with `key` as finished. Returns false if the pod is gone from
-    /// the table (it left the pool; nothing to undo).
-    pub fn finish(&mut self, key: u64, tokens: u32) -> bool {
+    /// The first response byte of a request to the pod with `key` arrived: its prefill is done.
+    /// Returns false if the pod is gone from the table.
+    pub fn first_byte(&mut self, key: u64, tokens: u32) -> bool {
         let Some(p) = self.pods.iter_mut().find(|p| p.key == key) else {
             return false;
         };
+        p.prefill = p.prefill.saturating_sub(1);
+        p.prefill_tokens = p.prefill_tokens.saturating_sub(tokens);
+        true
+    }
+
+    /// Counts a request to the pod with `key` as finished (and as out of prefill, if no byte
+    /// came back first). Returns false if the pod is gone from the table (it left the pool;
+    /// nothing to undo).
+    pub fn finish(&mut self, key: u64, tokens: u32, in_prefill: bool) -> bool {
+        let Some(p) = self.pods.iter_mut().find(|p| p.key == key) else {
+            return false;
+        };
+        if in_prefill {
+            p.prefill = p.prefill.saturating_sub(1);
+            p.prefill_tokens = p.prefill_tokens.saturating_sub(tokens);
+        }
         p.inflight = p.inflight.saturating_sub(1);
         p.tokens = p.tokens.saturating_sub(tokens);
         // `base` stays: a request the snapshot counted that finishes makes the delta negative,
@@ -198,15 +227,19 @@ mod tests {
         assert_eq!(t.pods[2].inflight, 1);
         assert!(!t.rebase(2, &[3, 4, 1]), "already aligned");
         // A request counted by the snapshot finishes: the delta goes negative.
-        assert!(t.finish(3, 30));
+        assert!(t.first_byte(3, 30));
+        assert_eq!((t.pods[0].prefill, t.pods[0].prefill_tokens), (1, 30));
+        assert!(t.finish(3, 30, false));
         assert_eq!(t.pods[0].delta(), -1);
-        assert!(!t.finish(99, 1));
+        assert!(t.finish(3, 30, true));
+        assert_eq!((t.pods[0].prefill, t.pods[0].inflight), (0, 0));
+        assert!(!t.finish(99, 1, true));
     }
 
     #[test]
     fn garbage_decodes_to_an_empty_table() {
         assert_eq!(LoadTable::decode(b""), LoadTable::default());
-        assert_eq!(LoadTable::decode(b"GPL1\x01"), LoadTable::default());
+        assert_eq!(LoadTable::decode(b"GPL2\x01"), LoadTable::default());
         let mut t = LoadTable::default();
         t.rebase(1, &[1]);
         let mut bytes = t.encode();
@@ -227,10 +260,16 @@ mod tests {
             t.rebase(1, &keys);
             for (i, tok) in &sends { t.add(*i, *tok); }
             t.rebase(2, &keys);
-            for (i, tok) in &sends { t.finish(keys[*i], *tok); }
+            for (n, (i, tok)) in sends.iter().enumerate() {
+                // Half get a first byte before they finish, half fail before any byte.
+                if n % 2 == 0 { t.first_byte(keys[*i], *tok); }
+                t.finish(keys[*i], *tok, n % 2 == 1);
+            }
             for p in &t.pods {
                 prop_assert_eq!(p.inflight, 0);
                 prop_assert_eq!(p.tokens, 0);
+                prop_assert_eq!(p.prefill, 0);
+                prop_assert_eq!(p.prefill_tokens, 0);
                 prop_assert!(p.delta() <= 0);
             }
         }

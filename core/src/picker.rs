@@ -123,7 +123,13 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
     let (mut waiting, mut running) = (f64::from(s.waiting), f64::from(s.running));
     let mut work = waiting;
     let mut kv = s.kv_cache_usage;
+    let mut backlog = 0.0;
     if let Some(l) = load {
+        backlog = if avg_tokens > 0.0 {
+            f64::from(l.prefill_tokens) / avg_tokens
+        } else {
+            f64::from(l.prefill)
+        };
         let d = l.delta() as f64;
         if d > 0.0 {
             // Not yet reported by the pod: as far as we know its prefill is still ahead of a new
@@ -146,7 +152,9 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
         }
     }
     Load {
-        work,
+        // The snapshot's view (other gateways' requests, queues) or this gateway's own prefill
+        // backlog (which the snapshot hides inside "running"), whichever says more.
+        work: work.max(backlog),
         waiting,
         running,
         kv,
@@ -224,20 +232,12 @@ impl Picker {
             _ => None,
         };
         let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
-        let adapter_known = adapter.is_some_and(|a| {
-            cands.iter().any(|c| {
-                let p = &pool.pods[c.0];
-                p.lora_running.contains(&a) || p.lora_waiting.contains(&a)
-            })
-        });
-        let adapter_home = match adapter {
-            Some(a) if !adapter_known => cands
+        let adapter_home = adapter.and_then(|a| {
+            cands
                 .iter()
-                .filter(|c| pool.pods[c.0].free_lora_slots().unwrap_or(0) > 0)
                 .max_by(|x, y| hrw(a, x).total_cmp(&hrw(a, y)))
-                .map(|c| c.0),
-            _ => None,
-        };
+                .map(|c| c.0)
+        });
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
         // This request's own prefill, in the same unit as the queued work.
         let own = if req.avg_prompt_tokens > 0.0 {
@@ -281,7 +281,7 @@ impl Picker {
             let queue = 1.0 - (wait(l) - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
-            let lora = adapter.map(|a| lora_score(pod, a, adapter_known, adapter_home == Some(*i)));
+            let lora = adapter.map(|a| lora_score(pod, a, adapter_home == Some(*i)));
             let prefix = prefix_on.then(|| {
                 let depth = req
                     .matches
@@ -353,32 +353,33 @@ impl Picker {
     }
 }
 
-/// LoRA affinity: resident 1.0 > a free slot to load it 0.8 > queued behind a load 0.6 > 0.
-/// When no candidate has the adapter, free slots are scored by how many are free, and the
-/// adapter's rendezvous home among pods with a free slot gets the top score, so every gateway
-/// loads a new adapter on the same pod instead of one copy per gateway.
-fn lora_score(pod: &PodState, adapter: u64, known: bool, is_home: bool) -> f64 {
+/// LoRA affinity, from what the pod reports:
+/// - the adapter is in the running batch: 1.0 (nothing to load);
+/// - a free slot: 0.6, up to 0.7 the more slots are free (a load, but it starts at once);
+/// - the adapter is queued behind a load here: 0.4 (no extra load, but it waits for a slot);
+/// - otherwise 0 (a load that must first wait for a slot to drain).
+///
+/// The adapter's rendezvous home (capacity-weighted, over all candidates) gets +0.3 unless the
+/// adapter already runs there: engines report only adapters of running requests, and an idle
+/// adapter usually stays in its slot, so the home most likely still holds it; and every gateway
+/// agrees on the home, so one adapter is not loaded on a different pod by each gateway.
+pub const LORA_HOME_BONUS: f64 = 0.3;
+
+fn lora_score(pod: &PodState, adapter: u64, is_home: bool) -> f64 {
     if pod.lora_running.contains(&adapter) {
         return 1.0;
     }
-    let free = pod.free_lora_slots();
-    if known {
-        if free.unwrap_or(0) > 0 {
-            0.8
-        } else if pod.lora_waiting.contains(&adapter) {
-            0.6
-        } else {
-            0.0
+    let base = match (pod.free_lora_slots(), pod.snap.lora.as_ref()) {
+        (Some(f), Some(l)) if f > 0 && l.max_loras > 0 => {
+            0.6 + 0.1 * f64::from(f) / f64::from(l.max_loras)
         }
-    } else if is_home {
-        1.0
+        _ if pod.lora_waiting.contains(&adapter) => 0.4,
+        _ => 0.0,
+    };
+    if is_home {
+        (base + LORA_HOME_BONUS).min(1.0)
     } else {
-        match (free, pod.snap.lora.as_ref()) {
-            (Some(f), Some(l)) if f > 0 && l.max_loras > 0 => {
-                0.4 + 0.4 * f64::from(f) / f64::from(l.max_loras)
-            }
-            _ => 0.0,
-        }
+        base
     }
 }
 
@@ -598,17 +599,23 @@ mod tests {
             lora_pod(1, &["x", "y"], &["sql"], 2),
             lora_pod(2, &["x"], &[], 2),
             lora_pod(3, &["sql", "y"], &[], 2),
+            lora_pod(4, &["x", "y"], &[], 2),
         ]);
+        let sql = adapter_key("sql");
+        let score = |i: usize, home: bool| lora_score(&p.pods[i], sql, home);
+        assert_eq!(score(2, false), 1.0);
+        assert!(score(1, false) > score(0, false), "free slot > waiting");
+        assert!(score(0, false) > score(3, false), "waiting > nothing");
+        assert_eq!(score(3, false), 0.0);
+        // The home is favoured, but never above a pod where the adapter runs.
+        assert!(score(3, true) > score(3, false));
+        assert!(score(1, true) <= 1.0 && score(2, true) == 1.0);
+        // End to end: the resident pod wins.
         let req = RequestFeatures {
-            adapter: Some(adapter_key("sql")),
+            adapter: Some(sql),
             ..Default::default()
         };
         assert_eq!(best(&pick(&p, &req)), 2);
-        let p2 = pool(vec![
-            lora_pod(1, &["x", "y"], &["sql"], 2),
-            lora_pod(2, &["x"], &[], 2),
-        ]);
-        assert_eq!(best(&pick(&p2, &req)), 1);
     }
 
     #[test]

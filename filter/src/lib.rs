@@ -243,6 +243,8 @@ struct Picked {
     pool: String,
     pod_key: u64,
     tokens: u32,
+    /// No response byte yet: the request is still queued or prefilling.
+    in_prefill: bool,
 }
 
 struct Http {
@@ -441,6 +443,7 @@ impl Http {
                     pool: pool.clone(),
                     pod_key,
                     tokens: prep.prompt_tokens,
+                    in_prefill: true,
                 });
             }
             Decision::FailOpen(FailOpen::Disabled) => {
@@ -516,13 +519,14 @@ fn count_sent(
     }
 }
 
-/// Counts the request as finished.
-fn count_finished(p: &Picked) {
-    let key = load_key(&p.pool);
+/// Applies `f` to the pool's shared load table (compare-and-swap, retried on a lost race).
+/// `f` returns false when there is nothing to write (the pod left the table).
+fn update_table(pool: &str, mut f: impl FnMut(&mut LoadTable) -> bool) {
+    let key = load_key(pool);
     for _ in 0..CAS_ATTEMPTS {
         let (bytes, cas) = host::get_shared(&key);
         let mut table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
-        if !table.finish(p.pod_key, p.tokens) {
+        if !f(&mut table) {
             return;
         }
         if host::set_shared(&key, &table.encode(), cas).is_ok() {
@@ -647,9 +651,20 @@ impl HttpContext for Http {
         Action::Continue
     }
 
+    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+        // The first streamed chunk is the first token (vLLM sends its first SSE event with the
+        // first output): the pod's prefill of this request is over.
+        if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
+            p.in_prefill = false;
+            let (key, tokens) = (p.pod_key, p.tokens);
+            update_table(&p.pool, |t| t.first_byte(key, tokens));
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
         if let Some(p) = self.picked.take() {
-            count_finished(&p);
+            update_table(&p.pool, |t| t.finish(p.pod_key, p.tokens, p.in_prefill));
         }
     }
 }
