@@ -346,3 +346,19 @@ def test_non_inference_paths_pass_through_untouched(envoy, pods):
     s, _, body, _ = envoy.request("GET", "/health")
     # No pool header was set, so the route table's catch-all answers.
     assert s == 404 and body["error"]["code"] == "not_found"
+
+
+def test_sheddable_requests_get_429_when_every_pod_is_saturated(envoy, pods):
+    saturated = [{"waiting": 9, "kv_cache_usage": 0.9}] * 3
+    assert envoy.push(fresh(pods, saturated))[0] == 204
+    s, _, body, _ = envoy.chat("llama-3-8b", headers={"x-gateway-priority": "-1"})
+    assert s == 429 and body["error"]["type"] == "rate_limit_error"
+    # Normal priority is still served, by the least bad pod.
+    s, h, _, _ = envoy.chat("llama-3-8b")
+    assert s == 200 and h["x-served-by"].startswith("llama-")
+    # With one pod not saturated, a sheddable request is served too.
+    saturated = [{"waiting": 9}, {"waiting": 0}, {"waiting": 9}]
+    assert envoy.push(fresh(pods, saturated))[0] == 204
+    s, h, _, _ = envoy.chat("llama-3-8b", headers={"x-gateway-priority": "-5"})
+    assert s == 200 and h["x-served-by"] == "llama-1"
+    assert envoy.stat("wasmcustom.gpuroute.pool.llama.requests.shed") >= 1
