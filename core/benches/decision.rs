@@ -5,6 +5,9 @@
 //! Targets (issue 2): <= 20 us for 64 pods, <= 200 us for 1,000 pods.
 //! Run: `cargo bench -p gpuroute-core --bench decision`
 
+// A benchmark, like a test, may stop loudly on broken setup.
+#![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
+
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuroute_core::config::FilterConfig;
 use gpuroute_core::engine::{DecideOptions, Engine};
