@@ -23,6 +23,9 @@ use crate::routing::{RoutingTable, Target};
 /// requests/s per worker before a slow reader can miss any (a miss only costs affinity).
 pub const SYNC_RING: usize = 512;
 
+/// Seed domain of adapter keys in the index.
+const ADAPTER_DOMAIN: u64 = 0x6c6f_7261_6164_6170;
+
 /// A request after step 1.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -40,14 +43,19 @@ pub struct Prepared {
     /// recorded in the index too, so the pods that served earlier turns are known.
     conversation: Option<u64>,
     conversation_pods: Vec<u64>,
+    /// For adapter requests: the index key of the adapter, and the pods it was recently sent to
+    /// (likely still loaded there even when no request of it is running).
+    adapter_anchor: Option<u64>,
+    adapter_pods: Vec<u64>,
     matches: Vec<PodMatch>,
 }
 
 impl Prepared {
-    /// Hashes recorded in the prefix index: the anchors, plus the conversation key.
+    /// Hashes recorded in the index: the anchors, plus the conversation and adapter keys.
     pub fn anchor_hashes(&self) -> Vec<u64> {
         let mut v: Vec<u64> = self.anchors.iter().map(|a| a.hash).collect();
         v.extend(self.conversation);
+        v.extend(self.adapter_anchor);
         v
     }
 }
@@ -149,6 +157,15 @@ impl Engine {
         let conversation_pods = conversation
             .map(|k| self.prefix.pods_of(k))
             .unwrap_or_default();
+        // Where this adapter went lately: the same index, under a key no prompt hash can take
+        // by accident (its own seed domain).
+        let adapter_anchor = target
+            .adapter
+            .as_deref()
+            .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
+        let adapter_pods = adapter_anchor
+            .map(|k| self.prefix.pods_of(k))
+            .unwrap_or_default();
         Ok(Prepared {
             pool: self.routes.pool_name(target.pool).to_string(),
             stream: req.stream,
@@ -158,6 +175,8 @@ impl Engine {
             home_key,
             conversation,
             conversation_pods,
+            adapter_anchor,
+            adapter_pods,
             matches,
             anchors,
             target,
@@ -203,6 +222,7 @@ impl Engine {
             home_key: prep.home_key,
             matches: &prep.matches,
             conversation_pods: prep.conversation.map(|_| prep.conversation_pods.as_slice()),
+            adapter_pods: &prep.adapter_pods,
             sheddable,
         };
         let mut breakdown: Vec<Breakdown> = Vec::new();
@@ -231,7 +251,7 @@ impl Engine {
 
     /// Step 3: remember that the prompt went to `pod_key`, locally and for the other workers.
     pub fn commit(&mut self, prep: &Prepared, pod_key: u64) {
-        if prep.anchors.is_empty() && prep.conversation.is_none() {
+        if prep.anchors.is_empty() && prep.conversation.is_none() && prep.adapter_anchor.is_none() {
             return;
         }
         let hashes = prep.anchor_hashes();

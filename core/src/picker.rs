@@ -38,6 +38,10 @@ pub struct RequestFeatures<'a> {
     /// enough; it counts at [`SHARED_PREFIX_DISCOUNT`] so it does not pile conversations onto
     /// whichever pod saw the system prompt first.
     pub conversation_pods: Option<&'a [u64]>,
+    /// For adapter requests: pods this gateway recently sent the adapter to. Engines report only
+    /// adapters of running requests, but an adapter stays loaded after its requests finish
+    /// until its slot is needed, so these pods most likely still hold it.
+    pub adapter_pods: &'a [u64],
     /// `x-gateway-priority` < 0: may be rejected when the pool is saturated.
     pub sheddable: bool,
 }
@@ -281,7 +285,10 @@ impl Picker {
             let queue = 1.0 - (wait(l) - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
-            let lora = adapter.map(|a| lora_score(pod, a, adapter_home == Some(*i)));
+            let lora = adapter.map(|a| {
+                let recent = req.adapter_pods.contains(&pod.key);
+                lora_score(pod, a, recent, adapter_home == Some(*i))
+            });
             let prefix = prefix_on.then(|| {
                 let depth = req
                     .matches
@@ -355,6 +362,7 @@ impl Picker {
 
 /// LoRA affinity, from what the pod reports:
 /// - the adapter is in the running batch: 1.0 (nothing to load);
+/// - it was sent here recently (so it is most likely still loaded, idle): 0.85;
 /// - a free slot: 0.6, up to 0.7 the more slots are free (a load, but it starts at once);
 /// - the adapter is queued behind a load here: 0.4 (no extra load, but it waits for a slot);
 /// - otherwise 0 (a load that must first wait for a slot to drain).
@@ -365,9 +373,12 @@ impl Picker {
 /// agrees on the home, so one adapter is not loaded on a different pod by each gateway.
 pub const LORA_HOME_BONUS: f64 = 0.3;
 
-fn lora_score(pod: &PodState, adapter: u64, is_home: bool) -> f64 {
+fn lora_score(pod: &PodState, adapter: u64, recent: bool, is_home: bool) -> f64 {
     if pod.lora_running.contains(&adapter) {
         return 1.0;
+    }
+    if recent {
+        return (0.85 + if is_home { LORA_HOME_BONUS } else { 0.0 }).min(1.0);
     }
     let base = match (pod.free_lora_slots(), pod.snap.lora.as_ref()) {
         (Some(f), Some(l)) if f > 0 && l.max_loras > 0 => {
@@ -602,7 +613,7 @@ mod tests {
             lora_pod(4, &["x", "y"], &[], 2),
         ]);
         let sql = adapter_key("sql");
-        let score = |i: usize, home: bool| lora_score(&p.pods[i], sql, home);
+        let score = |i: usize, home: bool| lora_score(&p.pods[i], sql, false, home);
         assert_eq!(score(2, false), 1.0);
         assert!(score(1, false) > score(0, false), "free slot > waiting");
         assert!(score(0, false) > score(3, false), "waiting > nothing");
@@ -610,6 +621,9 @@ mod tests {
         // The home is favoured, but never above a pod where the adapter runs.
         assert!(score(3, true) > score(3, false));
         assert!(score(1, true) <= 1.0 && score(2, true) == 1.0);
+        // Recently sent here: likely still loaded, above any free slot, below running.
+        let recent = lora_score(&p.pods[3], sql, true, false);
+        assert!(recent > score(1, false) && recent < 1.0);
         // End to end: the resident pod wins.
         let req = RequestFeatures {
             adapter: Some(sql),
