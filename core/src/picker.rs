@@ -119,6 +119,8 @@ struct Load {
     waiting: f64,
     running: f64,
     kv: Option<f64>,
+    /// Free KV-cache tokens, when the pod reports its cache geometry.
+    free_tokens: Option<f64>,
     capacity: f64,
 }
 
@@ -148,13 +150,14 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
             // Finished since the snapshot: it left the running batch.
             running = (running + d).max(0.0);
         }
-        if let (Some(k), Some(bs), Some(nb)) = (kv, s.block_size, s.num_blocks) {
-            let capacity_tokens = f64::from(bs) * nb as f64;
-            if capacity_tokens > 0.0 {
-                kv = Some((k + l.delta_tokens() as f64 / capacity_tokens).clamp(0.0, 1.0));
-            }
+        if let (Some(k), Some(cap)) = (kv, kv_tokens(s)) {
+            kv = Some((k + l.delta_tokens() as f64 / cap).clamp(0.0, 1.0));
         }
     }
+    let free_tokens = match (kv, kv_tokens(s)) {
+        (Some(k), Some(cap)) => Some((1.0 - k) * cap),
+        _ => None,
+    };
     Load {
         // The snapshot's view (other gateways' requests, queues) or this gateway's own prefill
         // backlog (which the snapshot hides inside "running"), whichever says more.
@@ -162,8 +165,15 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
         waiting,
         running,
         kv,
+        free_tokens,
         capacity: s.capacity,
     }
+}
+
+/// KV-cache capacity in tokens, when the pod reports its block size and count.
+fn kv_tokens(s: &crate::snapshot::PodSnapshot) -> Option<f64> {
+    let cap = f64::from(s.block_size?) * s.num_blocks? as f64;
+    (cap > 0.0).then_some(cap)
 }
 
 impl Picker {
@@ -268,7 +278,13 @@ impl Picker {
         // Expected wait per candidate: prefill work ahead of this request plus its own, in time
         // on a capacity-1 pod. A slower pod costs more even with an empty queue, because its
         // prefill of this very request takes longer, and the more so the longer the prompt.
-        let wait = |l: &Load| (l.work + own) / l.capacity;
+        // A pod whose free KV cache cannot hold the prompt makes it wait until running requests
+        // finish (or preempts one): count that as a full horizon of extra wait.
+        let prompt_tokens = f64::from(req.prompt_tokens);
+        let wait = |l: &Load| {
+            let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
+            (l.work + own) / l.capacity + if no_room { sc.queue_horizon } else { 0.0 }
+        };
         let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
         for c in &cands {
             w_min = w_min.min(wait(&c.1));
@@ -668,6 +684,31 @@ mod tests {
             .map(|seed| best(&picker().pick(&p, &[], &fresh, 0, &mut SplitMix64::new(seed), None)))
             .collect();
         assert!(homes.iter().all(|h| *h == homes[0]), "{homes:?}");
+    }
+
+    #[test]
+    fn a_prompt_that_does_not_fit_in_free_kv_goes_elsewhere() {
+        // 1,000 blocks of 16 tokens: pod 0 has 4,000 tokens free, pod 1 has 8,000 and a bit
+        // more load.
+        let mut a = pod(1, 0, 2, 0.75);
+        let mut b = pod(2, 1, 6, 0.5);
+        for p in [&mut a, &mut b] {
+            p.block_size = Some(16);
+            p.num_blocks = Some(1_000);
+        }
+        let p = pool(vec![a, b]);
+        let big = RequestFeatures {
+            prompt_tokens: 6_000,
+            avg_prompt_tokens: 2_000.0,
+            ..Default::default()
+        };
+        assert_eq!(best(&pick(&p, &big)), 1);
+        let small = RequestFeatures {
+            prompt_tokens: 500,
+            avg_prompt_tokens: 2_000.0,
+            ..Default::default()
+        };
+        assert_eq!(best(&pick(&p, &small)), 0);
     }
 
     #[test]
