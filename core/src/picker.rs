@@ -166,8 +166,19 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
         running,
         kv,
         free_tokens,
-        capacity: s.capacity,
+        capacity: speed_class(s.capacity),
     }
+}
+
+/// A pod's capacity rounded to a step of sqrt(2) (..., 0.71, 1, 1.41, 2, 2.83, ...). Estimates
+/// of identical GPUs differ by some tens of percent with the batch each happens to run, and
+/// acting on that noise would feed back into it (more traffic, bigger batch, lower estimate);
+/// real generation gaps (2-3x) survive the rounding.
+pub fn speed_class(capacity: f64) -> f64 {
+    if !(capacity.is_finite() && capacity > 0.0) {
+        return 1.0;
+    }
+    2f64.powf((capacity.log2() * 2.0).round() / 2.0)
 }
 
 /// KV-cache capacity in tokens, when the pod reports its block size and count.
@@ -232,10 +243,10 @@ impl Picker {
         // Rendezvous homes over the surviving candidates, so all gateways agree on them.
         let prefix_on = req.prefix_blocks > 0 && self.weights.prefix > 0.0;
         // Weighted by capacity, so a pod three times faster is home to three times the
-        // conversations (and adapters). Capacity is quantised to quarters so that the estimate's
-        // jitter between snapshots does not move homes around.
+        // conversations (and adapters). The speed class (not the raw estimate) keeps the
+        // estimate's jitter between snapshots from moving homes around.
         let hrw = |k: u64, c: &(usize, Load, bool)| {
-            let w = ((c.1.capacity * 4.0).round() / 4.0).max(0.25);
+            let w = c.1.capacity;
             weighted_hrw(k, pool.pods[c.0].key, w)
         };
         let home = match (prefix_on, req.home_key) {
@@ -583,6 +594,17 @@ mod tests {
         }
         let ratio = counts[0] as f64 / counts[1] as f64;
         assert!((2.5..=3.5).contains(&ratio), "{counts:?}");
+    }
+
+    #[test]
+    fn speed_classes_ignore_noise_and_keep_generations_apart() {
+        assert_eq!(speed_class(1.0), 1.0);
+        assert_eq!(speed_class(1.15), 1.0);
+        assert_eq!(speed_class(0.86), 1.0);
+        assert!((speed_class(1.9) - 2.0).abs() < 1e-9);
+        assert!((speed_class(0.65) - 0.5f64.sqrt()).abs() < 1e-9);
+        assert!(speed_class(3.0) / speed_class(0.33) > 6.0);
+        assert_eq!(speed_class(f64::NAN), 1.0);
     }
 
     #[test]
