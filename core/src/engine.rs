@@ -9,15 +9,18 @@
 //!
 //! The filter, the native tests and the criterion benchmark all run exactly this code.
 
+use crate::adapters::{partition, SlotPod};
 use crate::config::FilterConfig;
 use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::load::PodLoad;
+use crate::picker::speed_class;
 use crate::picker::{format_breakdown, Breakdown, Decision, FailOpen, Picker, RequestFeatures};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
 use crate::request::{self, Endpoint};
 use crate::rng::SplitMix64;
 use crate::routing::{RoutingTable, Target};
+use std::collections::HashMap;
 
 /// Records kept in a worker's outgoing sync ring: at the default 20 ms tick this covers 25,600
 /// requests/s per worker before a slow reader can miss any (a miss only costs affinity).
@@ -43,10 +46,10 @@ pub struct Prepared {
     /// recorded in the index too, so the pods that served earlier turns are known.
     conversation: Option<u64>,
     conversation_pods: Vec<u64>,
-    /// For adapter requests: the index key of the adapter, and the pods it was recently sent to
+    /// For adapter requests: the index key of the adapter, and the pod it was last sent to
     /// (likely still loaded there even when no request of it is running).
     adapter_anchor: Option<u64>,
-    adapter_pods: Vec<u64>,
+    adapter_recent: Option<u64>,
     matches: Vec<PodMatch>,
 }
 
@@ -95,6 +98,8 @@ pub struct Engine {
     hashes: Vec<u64>,
     /// Moving average of prompt tokens per request (the unit of queued work).
     avg_prompt_tokens: f64,
+    /// Adapter homes per pool, for the snapshot version they were computed from.
+    adapter_homes: HashMap<String, (u64, HashMap<u64, u64>)>,
 }
 
 /// Weight of the newest request in the prompt-size moving average: ~64 requests of memory,
@@ -113,6 +118,7 @@ impl Engine {
             sync: SyncLog::new(SYNC_RING),
             hashes: Vec::new(),
             avg_prompt_tokens: 0.0,
+            adapter_homes: HashMap::new(),
             config,
         }
     }
@@ -163,9 +169,7 @@ impl Engine {
             .adapter
             .as_deref()
             .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
-        let adapter_pods = adapter_anchor
-            .map(|k| self.prefix.pods_of(k))
-            .unwrap_or_default();
+        let adapter_recent = adapter_anchor.and_then(|k| self.prefix.latest_pod_of(k));
         Ok(Prepared {
             pool: self.routes.pool_name(target.pool).to_string(),
             stream: req.stream,
@@ -176,7 +180,7 @@ impl Engine {
             conversation,
             conversation_pods,
             adapter_anchor,
-            adapter_pods,
+            adapter_recent,
             matches,
             anchors,
             target,
@@ -186,7 +190,7 @@ impl Engine {
     /// Step 2: pick pods of the request's pool. `fleet` is the worker's decoded snapshot (None
     /// before the first one), `loads` the shared in-flight table aligned with the pool.
     pub fn decide(
-        &self,
+        &mut self,
         prep: &Prepared,
         fleet: Option<&FleetState>,
         loads: &[PodLoad],
@@ -214,6 +218,10 @@ impl Engine {
         let Some(pool) = fleet.pool(&prep.pool) else {
             return none(Decision::FailOpen(FailOpen::UnknownPool));
         };
+        let adapter_home = match &prep.target.adapter {
+            Some(a) => self.adapter_home(fleet.version, prep.target.pool, pool, adapter_key(a)),
+            None => None,
+        };
         let features = RequestFeatures {
             adapter: prep.target.adapter.as_deref().map(adapter_key),
             prompt_tokens: prep.prompt_tokens,
@@ -222,7 +230,8 @@ impl Engine {
             home_key: prep.home_key,
             matches: &prep.matches,
             conversation_pods: prep.conversation.map(|_| prep.conversation_pods.as_slice()),
-            adapter_pods: &prep.adapter_pods,
+            adapter_recent: prep.adapter_recent,
+            adapter_home,
             sheddable,
         };
         let mut breakdown: Vec<Breakdown> = Vec::new();
@@ -247,6 +256,44 @@ impl Engine {
             choice.debug = Some(format_breakdown(pool, choice.picked_index, &breakdown));
         }
         choice
+    }
+
+    /// The home pod of an adapter: the pool's configured adapters partitioned over its healthy
+    /// pods, recomputed once per snapshot version.
+    fn adapter_home(
+        &mut self,
+        version: u64,
+        pool_idx: usize,
+        pool: &PoolState,
+        adapter: u64,
+    ) -> Option<u64> {
+        let fresh = self
+            .adapter_homes
+            .get(&pool.name)
+            .is_some_and(|(v, _)| *v == version);
+        if !fresh {
+            let adapters: Vec<u64> = self
+                .config
+                .pools
+                .get(pool_idx)
+                .map(|p| p.adapters.iter().map(|a| adapter_key(a)).collect())
+                .unwrap_or_default();
+            let pods: Vec<SlotPod> = pool
+                .pods
+                .iter()
+                .filter(|p| p.snap.healthy)
+                .map(|p| SlotPod {
+                    key: p.key,
+                    weight: speed_class(p.snap.capacity),
+                    slots: p.snap.lora.as_ref().map_or(0, |l| l.max_loras),
+                })
+                .collect();
+            self.adapter_homes
+                .insert(pool.name.clone(), (version, partition(&adapters, &pods)));
+        }
+        self.adapter_homes
+            .get(&pool.name)
+            .and_then(|(_, h)| h.get(&adapter).copied())
     }
 
     /// Step 3: remember that the prompt went to `pod_key`, locally and for the other workers.
@@ -530,6 +577,45 @@ mod tests {
             &mut SplitMix64::new(5),
         );
         assert_eq!(c.picked_key, Some(forced));
+    }
+
+    #[test]
+    fn every_gateway_sends_an_adapter_to_the_same_home() {
+        let cfg = r#"{"pools":[{"name":"llama","models":["llama-3"],"adapters":["a0","a1","a2","a3","a4","a5","a6","a7"]}]}"#;
+        let mut f = fleet(4);
+        for p in &mut f.pools[0].pods {
+            p.snap.lora = Some(crate::snapshot::LoraState {
+                max_loras: 2,
+                running: vec![],
+                waiting: vec![],
+            });
+        }
+        let mut homes = std::collections::HashMap::new();
+        for seed in 0..6 {
+            let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+            for a in 0..8 {
+                let p = e
+                    .prepare("/v1/chat/completions", &chat(&format!("a{a}"), "hi"))
+                    .unwrap();
+                let opts = DecideOptions {
+                    now_ms: 1_010,
+                    ..Default::default()
+                };
+                let c = e.decide(&p, Some(&f), &[], opts, &mut SplitMix64::new(seed));
+                let first = *homes.entry(a).or_insert(c.picked_index.unwrap());
+                assert_eq!(
+                    first,
+                    c.picked_index.unwrap(),
+                    "adapter a{a}, gateway seed {seed}"
+                );
+            }
+        }
+        // Eight adapters, eight slots: two per pod.
+        let mut per_pod = [0; 4];
+        for i in homes.values() {
+            per_pod[*i] += 1;
+        }
+        assert_eq!(per_pod, [2, 2, 2, 2]);
     }
 
     #[test]

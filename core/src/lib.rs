@@ -4,6 +4,7 @@
 //!
 //! - [`request`]: OpenAI body parsing (model, stream, prompt text);
 //! - [`routing`]: model -> pool resolution and the `/v1/models` answer;
+//! - [`adapters`]: the balanced partition of LoRA adapters over a pool's pods;
 //! - [`snapshot`]: the metrics snapshot schema the aggregator pushes;
 //! - [`ingest`]: the rules of the snapshot ingest endpoint;
 //! - [`fleet`]: a snapshot decoded for picking;
@@ -12,6 +13,7 @@
 //! - [`picker`]: candidates, scorers and the pick;
 //! - [`engine`]: the per-request pipeline the filter runs.
 
+pub mod adapters;
 pub mod config;
 pub mod engine;
 pub mod error;

@@ -38,10 +38,12 @@ pub struct RequestFeatures<'a> {
     /// enough; it counts at [`SHARED_PREFIX_DISCOUNT`] so it does not pile conversations onto
     /// whichever pod saw the system prompt first.
     pub conversation_pods: Option<&'a [u64]>,
-    /// For adapter requests: pods this gateway recently sent the adapter to. Engines report only
+    /// For adapter requests: the pod this gateway last sent the adapter to. Engines report only
     /// adapters of running requests, but an adapter stays loaded after its requests finish
-    /// until its slot is needed, so these pods most likely still hold it.
-    pub adapter_pods: &'a [u64],
+    /// until its slot is needed, so that pod most likely still holds it.
+    pub adapter_recent: Option<u64>,
+    /// For adapter requests: the adapter's home pod ([`crate::adapters::partition`]).
+    pub adapter_home: Option<u64>,
     /// `x-gateway-priority` < 0: may be rejected when the pool is saturated.
     pub sheddable: bool,
 }
@@ -239,6 +241,20 @@ impl Picker {
         } else {
             cands.retain(|c| !c.2);
         }
+        // LoRA affinity filter: an adapter request stays on the pods that hold its adapter (it
+        // runs there, or it is the adapter's home, or where it was last sent) while any of them
+        // is not saturated. Copying an adapter to another pod takes a slot that pod's own
+        // adapters rely on and starts a cascade of loads; the saturation check above is the
+        // escape valve. (The GIE endpoint picker has the same filter stage.)
+        if let Some(a) = req.adapter.filter(|_| self.weights.lora > 0.0) {
+            let holds = |c: &(usize, Load, bool)| {
+                let p = &pool.pods[c.0];
+                !c.2 && (p.lora_running.contains(&a) || likely_loaded(p, req))
+            };
+            if cands.iter().any(holds) {
+                cands.retain(holds);
+            }
+        }
 
         // Rendezvous homes over the surviving candidates, so all gateways agree on them.
         let prefix_on = req.prefix_blocks > 0 && self.weights.prefix > 0.0;
@@ -257,12 +273,6 @@ impl Picker {
             _ => None,
         };
         let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
-        let adapter_home = adapter.and_then(|a| {
-            cands
-                .iter()
-                .max_by(|x, y| hrw(a, x).total_cmp(&hrw(a, y)))
-                .map(|c| c.0)
-        });
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
         // This request's own prefill, in the same unit as the queued work.
         let own = if req.avg_prompt_tokens > 0.0 {
@@ -312,10 +322,7 @@ impl Picker {
             let queue = 1.0 - (wait(l) - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
-            let lora = adapter.map(|a| {
-                let recent = req.adapter_pods.contains(&pod.key);
-                lora_score(pod, a, recent, adapter_home == Some(*i))
-            });
+            let lora = adapter.map(|a| lora_score(pod, a, likely_loaded(pod, req)));
             let prefix = prefix_on.then(|| {
                 let depth = req
                     .matches
@@ -387,37 +394,39 @@ impl Picker {
     }
 }
 
-/// LoRA affinity, from what the pod reports:
-/// - the adapter is in the running batch: 1.0 (nothing to load);
-/// - it was sent here recently (so it is most likely still loaded, idle): 0.85;
-/// - a free slot: 0.6, up to 0.7 the more slots are free (a load, but it starts at once);
-/// - the adapter is queued behind a load here: 0.4 (no extra load, but it waits for a slot);
-/// - otherwise 0 (a load that must first wait for a slot to drain).
-///
-/// The adapter's rendezvous home (capacity-weighted, over all candidates) gets +0.3 unless the
-/// adapter already runs there: engines report only adapters of running requests, and an idle
-/// adapter usually stays in its slot, so the home most likely still holds it; and every gateway
-/// agrees on the home, so one adapter is not loaded on a different pod by each gateway.
-pub const LORA_HOME_BONUS: f64 = 0.3;
+/// Whether the request's adapter is most likely loaded (idle) on this pod: it is the adapter's
+/// home or where it was last sent, and the pod has a slot that no running or queued adapter
+/// claims (if every slot ran other adapters, ours was evicted).
+fn likely_loaded(pod: &PodState, req: &RequestFeatures<'_>) -> bool {
+    (req.adapter_home == Some(pod.key) || req.adapter_recent == Some(pod.key))
+        && pod.free_lora_slots().is_none_or(|f| f > 0)
+}
 
-fn lora_score(pod: &PodState, adapter: u64, recent: bool, is_home: bool) -> f64 {
+/// LoRA affinity, from what the pod reports and what the gateway knows:
+/// - the adapter is in the running batch: 1.0 (nothing to load);
+/// - the adapter's home ([`crate::adapters::partition`]) or the pod it was last sent to: 0.85.
+///   Engines report only adapters of running requests, but an idle adapter stays in its slot
+///   until the slot is needed, and the partition gives every adapter a slot of its own while
+///   they fit, so these pods most likely hold it;
+/// - a free slot: 0.2, up to 0.3 the more slots are free (a load: it starts at once, but it
+///   takes a slot another adapter's home relies on, and evicting that one starts a cascade of
+///   loads, so a copy is made only when the adapter's own pods are clearly busier: about three
+///   average requests of extra wait at the default weights);
+/// - the adapter is queued behind a load here: 0.1 (no extra load, but it waits for a slot);
+/// - otherwise 0 (a load that must first wait for a slot to drain).
+fn lora_score(pod: &PodState, adapter: u64, likely_loaded: bool) -> f64 {
     if pod.lora_running.contains(&adapter) {
         return 1.0;
     }
-    if recent {
-        return (0.85 + if is_home { LORA_HOME_BONUS } else { 0.0 }).min(1.0);
+    if likely_loaded {
+        return 0.85;
     }
-    let base = match (pod.free_lora_slots(), pod.snap.lora.as_ref()) {
+    match (pod.free_lora_slots(), pod.snap.lora.as_ref()) {
         (Some(f), Some(l)) if f > 0 && l.max_loras > 0 => {
-            0.6 + 0.1 * f64::from(f) / f64::from(l.max_loras)
+            0.2 + 0.1 * f64::from(f) / f64::from(l.max_loras)
         }
-        _ if pod.lora_waiting.contains(&adapter) => 0.4,
+        _ if pod.lora_waiting.contains(&adapter) => 0.1,
         _ => 0.0,
-    };
-    if is_home {
-        (base + LORA_HOME_BONUS).min(1.0)
-    } else {
-        base
     }
 }
 
@@ -651,17 +660,14 @@ mod tests {
             lora_pod(4, &["x", "y"], &[], 2),
         ]);
         let sql = adapter_key("sql");
-        let score = |i: usize, home: bool| lora_score(&p.pods[i], sql, false, home);
+        let score = |i: usize, loaded: bool| lora_score(&p.pods[i], sql, loaded);
         assert_eq!(score(2, false), 1.0);
         assert!(score(1, false) > score(0, false), "free slot > waiting");
         assert!(score(0, false) > score(3, false), "waiting > nothing");
         assert_eq!(score(3, false), 0.0);
-        // The home is favoured, but never above a pod where the adapter runs.
-        assert!(score(3, true) > score(3, false));
-        assert!(score(1, true) <= 1.0 && score(2, true) == 1.0);
-        // Recently sent here: likely still loaded, above any free slot, below running.
-        let recent = lora_score(&p.pods[3], sql, true, false);
-        assert!(recent > score(1, false) && recent < 1.0);
+        // Home or last pod: likely loaded, above any free slot, below running.
+        assert!(score(3, true) > score(1, false) && score(3, true) < 1.0);
+        assert_eq!(score(2, true), 1.0);
         // End to end: the resident pod wins.
         let req = RequestFeatures {
             adapter: Some(sql),
@@ -671,16 +677,51 @@ mod tests {
     }
 
     #[test]
-    fn a_new_adapter_goes_to_the_same_home_from_every_gateway() {
+    fn the_adapter_home_beats_a_free_slot_elsewhere() {
         let p = pool((1..=6).map(|i| lora_pod(i, &[], &[], 4)).collect());
         let req = RequestFeatures {
             adapter: Some(adapter_key("brand-new")),
+            adapter_home: Some(p.pods[4].key),
             ..Default::default()
         };
-        let homes: Vec<usize> = (0..20)
-            .map(|seed| best(&picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(seed), None)))
-            .collect();
-        assert!(homes.iter().all(|h| *h == homes[0]), "{homes:?}");
+        for seed in 0..20 {
+            assert_eq!(
+                best(&picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(seed), None)),
+                4
+            );
+        }
+    }
+
+    #[test]
+    fn adapter_requests_stay_on_their_pods_until_those_saturate() {
+        let mut home = lora_pod(1, &["x"], &[], 4);
+        home.waiting = 3;
+        let p = pool(vec![
+            home,
+            lora_pod(2, &[], &[], 4),
+            lora_pod(3, &[], &[], 4),
+        ]);
+        let req = RequestFeatures {
+            adapter: Some(adapter_key("sql")),
+            adapter_home: Some(p.pods[0].key),
+            ..Default::default()
+        };
+        // Busier, but it holds the adapter: no copy is made elsewhere.
+        assert_eq!(pick(&p, &req), Decision::Picked(vec![0]));
+        // Saturated: the escape valve opens and a free slot elsewhere takes it.
+        let mut full = lora_pod(1, &["x"], &[], 4);
+        full.waiting = 9;
+        let p = pool(vec![
+            full,
+            lora_pod(2, &[], &[], 4),
+            lora_pod(3, &[], &[], 4),
+        ]);
+        let req = RequestFeatures {
+            adapter: Some(adapter_key("sql")),
+            adapter_home: Some(p.pods[0].key),
+            ..Default::default()
+        };
+        assert_ne!(best(&pick(&p, &req)), 0);
     }
 
     #[test]

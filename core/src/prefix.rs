@@ -236,6 +236,15 @@ impl PrefixIndex {
             .unwrap_or_default()
     }
 
+    /// The pod most recently recorded under a key.
+    pub fn latest_pod_of(&self, key: u64) -> Option<u64> {
+        let set = self.cur.get(&key).or_else(|| self.prev.get(&key))?;
+        (0..PODS_PER_ANCHOR)
+            .filter(|i| set.pods[*i] != 0)
+            .max_by_key(|i| set.stamps[*i])
+            .map(|i| set.pods[i])
+    }
+
     /// Entries held (both generations).
     pub fn len(&self) -> usize {
         self.cur.len() + self.prev.len()
@@ -424,6 +433,8 @@ mod tests {
         let mut pods: Vec<u64> = m.iter().map(|x| x.pod).collect();
         pods.sort();
         assert_eq!(pods, [1, 2]);
+        assert_eq!(idx.latest_pod_of(a[0]), Some(2));
+        assert_eq!(idx.latest_pod_of(12345), None);
         for i in 0..10_000u64 {
             idx.record(&[i.wrapping_mul(0x9E37_79B9_7F4A_7C15)], 3);
         }
