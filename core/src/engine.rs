@@ -14,8 +14,8 @@ use crate::config::FilterConfig;
 use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::load::PodLoad;
-use crate::picker::speed_class;
 use crate::picker::{format_breakdown, Breakdown, Decision, FailOpen, Picker, RequestFeatures};
+use crate::picker::{speed_class, uncached_tokens};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
 use crate::request::{self, Endpoint};
 use crate::rng::SplitMix64;
@@ -73,6 +73,8 @@ pub struct Choice {
     pub picked_key: Option<u64>,
     /// Index of the best pod in the pool.
     pub picked_index: Option<usize>,
+    /// Prompt tokens the best pod must prefill (those it is not known to hold in its cache).
+    pub prefill_tokens: u32,
     /// Score breakdown for the debug header, when asked for.
     pub debug: Option<String>,
 }
@@ -207,6 +209,7 @@ impl Engine {
             destination: None,
             picked_key: None,
             picked_index: None,
+            prefill_tokens: prep.prompt_tokens,
             debug: None,
         };
         if !self.config.pick_endpoints {
@@ -227,6 +230,7 @@ impl Engine {
             prompt_tokens: prep.prompt_tokens,
             avg_prompt_tokens: self.avg_prompt_tokens,
             prefix_blocks: prep.prefix_blocks,
+            block_tokens: (self.config.prefix.block_chars / 4) as u32,
             home_key: prep.home_key,
             matches: &prep.matches,
             conversation_pods: prep.conversation.map(|_| prep.conversation_pods.as_slice()),
@@ -251,6 +255,18 @@ impl Engine {
                 .first()
                 .and_then(|i| pool.pods.get(*i))
                 .map(|p| p.key);
+            if let Some(k) = choice.picked_key {
+                let depth = prep
+                    .matches
+                    .iter()
+                    .find(|m| m.pod == k)
+                    .map_or(0, |m| m.depth);
+                choice.prefill_tokens = uncached_tokens(
+                    prep.prompt_tokens,
+                    depth,
+                    (self.config.prefix.block_chars / 4) as u32,
+                );
+            }
         }
         if debug {
             choice.debug = Some(format_breakdown(pool, choice.picked_index, &breakdown));

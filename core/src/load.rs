@@ -141,37 +141,39 @@ impl LoadTable {
         true
     }
 
-    /// Counts a request sent to pod `idx` (in flight, and in prefill until its first byte).
-    pub fn add(&mut self, idx: usize, tokens: u32) {
+    /// Counts a request sent to pod `idx`: in flight with its prompt `tokens` (KV it will take),
+    /// and in prefill with `prefill_tokens` (the part the pod must compute, not cached) until
+    /// its first byte.
+    pub fn add(&mut self, idx: usize, tokens: u32, prefill_tokens: u32) {
         if let Some(p) = self.pods.get_mut(idx) {
             p.inflight = p.inflight.saturating_add(1);
             p.tokens = p.tokens.saturating_add(tokens);
             p.prefill = p.prefill.saturating_add(1);
-            p.prefill_tokens = p.prefill_tokens.saturating_add(tokens);
+            p.prefill_tokens = p.prefill_tokens.saturating_add(prefill_tokens);
         }
     }
 
     /// The first response byte of a request to the pod with `key` arrived: its prefill is done.
     /// Returns false if the pod is gone from the table.
-    pub fn first_byte(&mut self, key: u64, tokens: u32) -> bool {
+    pub fn first_byte(&mut self, key: u64, prefill_tokens: u32) -> bool {
         let Some(p) = self.pods.iter_mut().find(|p| p.key == key) else {
             return false;
         };
         p.prefill = p.prefill.saturating_sub(1);
-        p.prefill_tokens = p.prefill_tokens.saturating_sub(tokens);
+        p.prefill_tokens = p.prefill_tokens.saturating_sub(prefill_tokens);
         true
     }
 
-    /// Counts a request to the pod with `key` as finished (and as out of prefill, if no byte
-    /// came back first). Returns false if the pod is gone from the table (it left the pool;
-    /// nothing to undo).
-    pub fn finish(&mut self, key: u64, tokens: u32, in_prefill: bool) -> bool {
+    /// Counts a request to the pod with `key` as finished; `in_prefill` carries its prefill
+    /// tokens when no byte came back first. Returns false if the pod is gone from the table (it
+    /// left the pool; nothing to undo).
+    pub fn finish(&mut self, key: u64, tokens: u32, in_prefill: Option<u32>) -> bool {
         let Some(p) = self.pods.iter_mut().find(|p| p.key == key) else {
             return false;
         };
-        if in_prefill {
+        if let Some(pt) = in_prefill {
             p.prefill = p.prefill.saturating_sub(1);
-            p.prefill_tokens = p.prefill_tokens.saturating_sub(tokens);
+            p.prefill_tokens = p.prefill_tokens.saturating_sub(pt);
         }
         p.inflight = p.inflight.saturating_sub(1);
         p.tokens = p.tokens.saturating_sub(tokens);
@@ -206,7 +208,7 @@ mod tests {
     fn round_trip() {
         let mut t = LoadTable::default();
         t.rebase(3, &[11, 22]);
-        t.add(1, 500);
+        t.add(1, 500, 500);
         let back = LoadTable::decode(&t.encode());
         assert_eq!(back, t);
         assert_eq!(back.pods[1].delta(), 1);
@@ -217,9 +219,9 @@ mod tests {
     fn rebase_carries_counts_by_key_and_resets_deltas() {
         let mut t = LoadTable::default();
         t.rebase(1, &[1, 2, 3]);
-        t.add(0, 10);
-        t.add(2, 30);
-        t.add(2, 30);
+        t.add(0, 10, 10);
+        t.add(2, 30, 30);
+        t.add(2, 30, 30);
         assert!(t.rebase(2, &[3, 4, 1]));
         assert_eq!(t.pods.iter().map(|p| p.key).collect::<Vec<_>>(), [3, 4, 1]);
         assert_eq!(t.pods[0].inflight, 2);
@@ -229,11 +231,11 @@ mod tests {
         // A request counted by the snapshot finishes: the delta goes negative.
         assert!(t.first_byte(3, 30));
         assert_eq!((t.pods[0].prefill, t.pods[0].prefill_tokens), (1, 30));
-        assert!(t.finish(3, 30, false));
+        assert!(t.finish(3, 30, None));
         assert_eq!(t.pods[0].delta(), -1);
-        assert!(t.finish(3, 30, true));
+        assert!(t.finish(3, 30, Some(30)));
         assert_eq!((t.pods[0].prefill, t.pods[0].inflight), (0, 0));
-        assert!(!t.finish(99, 1, true));
+        assert!(!t.finish(99, 1, Some(1)));
     }
 
     #[test]
@@ -258,12 +260,12 @@ mod tests {
             let keys = [5u64, 6, 7, 8];
             let mut t = LoadTable::default();
             t.rebase(1, &keys);
-            for (i, tok) in &sends { t.add(*i, *tok); }
+            for (i, tok) in &sends { t.add(*i, *tok, *tok / 2); }
             t.rebase(2, &keys);
             for (n, (i, tok)) in sends.iter().enumerate() {
                 // Half get a first byte before they finish, half fail before any byte.
-                if n % 2 == 0 { t.first_byte(keys[*i], *tok); }
-                t.finish(keys[*i], *tok, n % 2 == 1);
+                if n % 2 == 0 { t.first_byte(keys[*i], *tok / 2); }
+                t.finish(keys[*i], *tok, (n % 2 == 1).then_some(*tok / 2));
             }
             for p in &t.pods {
                 prop_assert_eq!(p.inflight, 0);

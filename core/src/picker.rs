@@ -29,6 +29,9 @@ pub struct RequestFeatures<'a> {
     pub avg_prompt_tokens: f64,
     /// Prompt blocks considered for prefix affinity (0 = prefix scorer off).
     pub prefix_blocks: u32,
+    /// Tokens per prefix block (block characters / 4): converts a matched depth into cached
+    /// tokens the pod does not have to prefill.
+    pub block_tokens: u32,
     /// Hash that picks the rendezvous home ([`crate::prefix::home_key`]).
     pub home_key: Option<u64>,
     /// Pods known to hold part of the prompt ([`crate::prefix::PrefixIndex::lookup`]).
@@ -274,11 +277,20 @@ impl Picker {
         };
         let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
-        // This request's own prefill, in the same unit as the queued work.
-        let own = if req.avg_prompt_tokens > 0.0 {
-            (f64::from(req.prompt_tokens) / req.avg_prompt_tokens).clamp(0.25, 16.0)
-        } else {
-            1.0
+        // This request's own prefill on a pod, in the same unit as the queued work: only what
+        // the pod does not already hold in its prefix cache needs computing.
+        let own = |pod: &PodState| {
+            let depth = req
+                .matches
+                .iter()
+                .find(|m| m.pod == pod.key)
+                .map_or(0, |m| m.depth);
+            let uncached = uncached_tokens(req.prompt_tokens, depth, req.block_tokens);
+            if req.avg_prompt_tokens > 0.0 {
+                (f64::from(uncached) / req.avg_prompt_tokens).clamp(0.02, 16.0)
+            } else {
+                1.0
+            }
         };
 
         let w = &self.weights;
@@ -302,14 +314,16 @@ impl Picker {
         // A pod whose free KV cache cannot hold the prompt makes it wait until running requests
         // finish (or preempts one): count that as a full horizon of extra wait.
         let prompt_tokens = f64::from(req.prompt_tokens);
-        let wait = |l: &Load| {
+        let wait = |c: &(usize, Load, bool)| {
+            let l = &c.1;
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
-            (l.work + own) / l.capacity + if no_room { sc.queue_horizon } else { 0.0 }
+            (l.work + own(&pool.pods[c.0])) / l.capacity
+                + if no_room { sc.queue_horizon } else { 0.0 }
         };
         let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
         for c in &cands {
-            w_min = w_min.min(wait(&c.1));
-            w_max = w_max.max(wait(&c.1));
+            w_min = w_min.min(wait(c));
+            w_max = w_max.max(wait(c));
         }
         // Linear in the extra wait over the best candidate, so pods are separated in proportion
         // to the time a request would lose; if the spread exceeds the horizon (overload), it is
@@ -319,7 +333,7 @@ impl Picker {
         let mut scored: Vec<(usize, f64, f64)> = Vec::with_capacity(cands.len());
         for (i, l, saturated) in &cands {
             let pod = &pool.pods[*i];
-            let queue = 1.0 - (wait(l) - w_min) / span;
+            let queue = 1.0 - (wait(&(*i, *l, *saturated)) - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
             let lora = adapter.map(|a| lora_score(pod, a, likely_loaded(pod, req)));
@@ -392,6 +406,11 @@ impl Picker {
         }
         Decision::Picked(scored[..k].iter().map(|s| s.0).collect())
     }
+}
+
+/// Prompt tokens a pod must prefill when it holds `depth` leading blocks of the prompt.
+pub fn uncached_tokens(prompt_tokens: u32, depth: u32, block_tokens: u32) -> u32 {
+    prompt_tokens.saturating_sub(depth.saturating_mul(block_tokens))
 }
 
 /// Whether the request's adapter is most likely loaded (idle) on this pod: it is the adapter's
@@ -575,7 +594,7 @@ mod tests {
             );
             let i = best(&d);
             counts[i] += 1;
-            table.add(i, 100);
+            table.add(i, 100, 100);
         }
         assert!(counts.iter().all(|c| (9..=11).contains(c)), "{counts:?}");
     }
@@ -599,7 +618,7 @@ mod tests {
                 None,
             ));
             counts[i] += 1;
-            table.add(i, 0);
+            table.add(i, 0, 0);
         }
         let ratio = counts[0] as f64 / counts[1] as f64;
         assert!((2.5..=3.5).contains(&ratio), "{counts:?}");

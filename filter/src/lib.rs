@@ -243,6 +243,8 @@ struct Picked {
     pool: String,
     pod_key: u64,
     tokens: u32,
+    /// Tokens the pod must prefill (not in its prefix cache as far as we know).
+    prefill_tokens: u32,
     /// No response byte yet: the request is still queued or prefilling.
     in_prefill: bool,
 }
@@ -432,7 +434,14 @@ impl Http {
                 };
                 let _ = host::set_header(MapType::HttpRequestHeaders, DEST_HEADER, dest);
                 if let Some((version, keys)) = &aligned {
-                    count_sent(&key, table, cas, (idx, prep.prompt_tokens), *version, keys);
+                    count_sent(
+                        &key,
+                        table,
+                        cas,
+                        (idx, prep.prompt_tokens, choice.prefill_tokens),
+                        *version,
+                        keys,
+                    );
                 }
                 w.engine.commit(&prep, pod_key);
                 w.stats.pool_outcome(&pool, "picked");
@@ -443,6 +452,7 @@ impl Http {
                     pool: pool.clone(),
                     pod_key,
                     tokens: prep.prompt_tokens,
+                    prefill_tokens: choice.prefill_tokens,
                     in_prefill: true,
                 });
             }
@@ -502,13 +512,13 @@ fn count_sent(
     key: &str,
     mut table: LoadTable,
     mut cas: Option<u32>,
-    at: (usize, u32),
+    at: (usize, u32, u32),
     version: u64,
     keys: &[u64],
 ) {
-    let (idx, tokens) = at;
+    let (idx, tokens, prefill_tokens) = at;
     for _ in 0..CAS_ATTEMPTS {
-        table.add(idx, tokens);
+        table.add(idx, tokens, prefill_tokens);
         if host::set_shared(key, &table.encode(), cas).is_ok() {
             return;
         }
@@ -656,7 +666,7 @@ impl HttpContext for Http {
         // first output): the pod's prefill of this request is over.
         if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
             p.in_prefill = false;
-            let (key, tokens) = (p.pod_key, p.tokens);
+            let (key, tokens) = (p.pod_key, p.prefill_tokens);
             update_table(&p.pool, |t| t.first_byte(key, tokens));
         }
         Action::Continue
@@ -664,7 +674,8 @@ impl HttpContext for Http {
 
     fn on_log(&mut self) {
         if let Some(p) = self.picked.take() {
-            update_table(&p.pool, |t| t.finish(p.pod_key, p.tokens, p.in_prefill));
+            let in_prefill = p.in_prefill.then_some(p.prefill_tokens);
+            update_table(&p.pool, |t| t.finish(p.pod_key, p.tokens, in_prefill));
         }
     }
 }
