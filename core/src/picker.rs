@@ -280,11 +280,18 @@ impl Picker {
         // This request's own prefill on a pod, in the same unit as the queued work: only what
         // the pod does not already hold in its prefix cache needs computing.
         let own = |pod: &PodState| {
-            let depth = req
+            let mut depth = req
                 .matches
                 .iter()
                 .find(|m| m.pod == pod.key)
                 .map_or(0, |m| m.depth);
+            // For a conversation, only pods that served it get the credit: what conversations
+            // merely share (a system prompt) is soon cached on every pod, and crediting the
+            // first pod that computed it would pile conversations onto it and make gateways,
+            // which each know only their own decisions, disagree.
+            if req.conversation_pods.is_some_and(|c| !c.contains(&pod.key)) {
+                depth = 0;
+            }
             let uncached = uncached_tokens(req.prompt_tokens, depth, req.block_tokens);
             if req.avg_prompt_tokens > 0.0 {
                 (f64::from(uncached) / req.avg_prompt_tokens).clamp(0.02, 16.0)

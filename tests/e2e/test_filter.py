@@ -231,9 +231,15 @@ def test_openai_style_errors(envoy):
     assert (s, err["code"], err["param"]) == (404, "model_not_found", "model")
     s, err = error_of(envoy.request("POST", "/v1/chat/completions", {"messages": []}))
     assert (s, err["code"]) == (400, "missing_required_parameter")
-    big = b'{"model":"llama-3-8b","prompt":"' + b"x" * (4 * 1024 * 1024 + 10) + b'"}'
-    s, err = error_of(envoy.request("POST", "/v1/completions", big))
-    assert (s, err["code"]) == (413, "request_too_large")
+    # Declared too large: answered from the headers alone, before any body byte is read.
+    host, port = envoy.listen.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % (4 * 1024 * 1024 + 10))
+        data = sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    body = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert body["error"]["code"] == "request_too_large"
 
 
 def test_oversize_body_without_content_length_is_413(envoy):
