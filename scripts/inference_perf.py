@@ -3,8 +3,9 @@
 inference-perf (issue 4): the same stack, the same requests at the same times, TTFT side by side.
 
   .venv/bin/python scripts/inference_perf.py                      mixed-gpu and uniform-steady,
-                                                                  round_robin and filter (~15 min)
-  .venv/bin/python scripts/inference_perf.py --quick              5 s of each schedule (~3 min)
+                                                                  round_robin and filter, one run each (~10 min)
+  .venv/bin/python scripts/inference_perf.py --quick              5 s of each schedule (~4 min; proves the
+                                                                  pipeline: 180 requests cannot judge a p99)
   .venv/bin/python scripts/inference_perf.py --scenario mixed-gpu --routers filter --repeat 2
   .venv/bin/python scripts/inference_perf.py --report-only        re-print the table of the last run
 
@@ -13,10 +14,12 @@ Steps (bench/inference-perf/README.md has the why):
 2. A local byte-level BPE tokenizer (bench/inference-perf/build_tokenizer.py): no model hub is
    reachable, and fleet-sim counts a token per 4 bytes, so it is trained to ~4 bytes/token.
 3. The scenario's exact request schedule as an Azure-format CSV (bench/inference-perf/schedule.py,
-   a port of loadgen's Poisson generator): both tools replay that file, inference-perf as
-   `trace_replay` + `random` data, loadgen as a `trace` workload, both on /v1/completions.
+   a port of loadgen's Poisson generator), after a 5 s lead-in request: both tools replay that
+   file, inference-perf as `trace_replay` + `random` data, loadgen as a `trace` workload, both
+   on /v1/completions.
 4. Per scenario, router and tool: a fresh stack (scripts/stack.py: fleet-sim, sidecar-metrics,
-   Envoy), one run, stop. Runs alternate the tool order per repeat.
+   Envoy; or `--routers stub`: sse-stub with a fixed 50 ms TTFT, to calibrate the tools), one
+   run, the pods' counters scraped, stop. Runs alternate the tool order per repeat.
 5. A table: tool x router x TTFT p50/p90/p99, output tokens/s, send lag, and inference-perf's
    difference from loadgen. Everything lands in target/bench/inference-perf/ (summary.json,
    summary.md, per-run reports and logs under runs/).
@@ -27,10 +30,12 @@ Needs `make build` (fleet-sim, sidecar-metrics, loadgen, the filter) and `make s
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from string import Template
 
@@ -123,13 +128,13 @@ class StubStack:
 
 # --- the two tools -------------------------------------------------------------------------
 
-def run_inference_perf(stack, run_dir, csv, sched_info, tok_dir, model, seed, lead_in):
+def run_inference_perf(stack, run_dir, csv, sched_info, tok_dir, model, seed, lead_in, max_concurrency=None):
     out = run_dir / "report"
     shutil.rmtree(out, ignore_errors=True)
     cfg = Template(TEMPLATE.read_text()).substitute(
         model=model, base_url=f"http://{stack.listen}", tokenizer_dir=str(tok_dir), schedule_csv=str(csv),
         rate=max(1, round(sched_info["offered_rate_per_s"] or 1)), duration=max(1, round(sched_info["span_s"] + lead_in)),
-        num_workers=2, max_concurrency=sched_info["requests"] + 10, timeout_s=TIMEOUT_S, seed=seed, out_dir=str(out))
+        num_workers=2, max_concurrency=max_concurrency or sched_info["requests"] + 10, timeout_s=TIMEOUT_S, seed=seed, out_dir=str(out))
     (run_dir / "inference-perf.yaml").write_text(cfg)
     with open(run_dir / "inference-perf.log", "w") as lf:
         subprocess.run([str(IP_BIN), "--config_file", str(run_dir / "inference-perf.yaml")], cwd=run_dir,
@@ -148,6 +153,52 @@ def run_loadgen(stack, run_dir, csv, model, label, lead_in):
                        + (["--pods-file", str(pods)] if pods.exists() else []),
                        stdout=lf, stderr=subprocess.STDOUT, check=True)
     return parse_loadgen(out, lead_in > 0)
+
+
+def run_loadgen_scenario(stack, run_dir, sc_file, label, quick):
+    """The reference: loadgen on the scenario file itself (its own Poisson schedule, chat API, no
+    lead-in), as `make bench` runs it. Shows the CSV replay offers what the scenario offers."""
+    out = run_dir / "results.json"
+    pods = stack.dir / "fleet-ports.json"
+    with open(run_dir / "loadgen.log", "w") as lf:
+        subprocess.run([str(LOADGEN), "--target", f"http://{stack.listen}", "--workload", str(sc_file), "--out", str(out),
+                        "--label", label, "--timeout-s", str(TIMEOUT_S)] + (["--quick"] if quick else [])
+                       + (["--pods-file", str(pods)] if pods.exists() else []),
+                       stdout=lf, stderr=subprocess.STDOUT, check=True)
+    return parse_loadgen(out, False)
+
+
+POD_COUNTERS = ("vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+def pod_counters(stack):
+    """Each pod's request, prompt and generated token counters after a run (fresh fleet: totals =
+    this run). Output lengths are exact (max_tokens from the schedule), so the generated tokens per
+    pod say which requests each pod served: runs with the same per-pod figures had the same
+    request-to-pod assignment, whichever tool sent them."""
+    out = {}
+    for pod in getattr(stack, "pods", []) or []:
+        try:
+            with urllib.request.urlopen(pod["metrics_url"], timeout=5) as r:
+                text = r.read().decode()
+        except Exception:
+            continue
+        vals = {}
+        for line in text.splitlines():
+            name = line.split("{")[0].split(" ")[0]
+            if name in POD_COUNTERS:
+                vals[name] = vals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        out[pod["name"]] = vals
+    return out
+
+
+def assignment(counters):
+    """Signature of a run's request-to-pod assignment: per pod type (name without -N), the sorted
+    generated-token totals of its pods."""
+    by = {}
+    for name, v in counters.items():
+        by.setdefault(name.rsplit("-", 1)[0], []).append(int(v.get("vllm:generation_tokens_total", 0)))
+    return ";".join(f"{t}:{'/'.join(map(str, sorted(x)))}" for t, x in sorted(by.items())) if by else None
 
 
 # --- results -------------------------------------------------------------------------------
@@ -264,6 +315,16 @@ def table(summary):
         noise = c.get("loadgen_spread")
         lines.append(f"| {c['scenario']} | {c['router']} | {f('p50')} | {f('p90')} | {f('p99')} | {f('throughput')} | "
                      + (" / ".join(f"{noise[k] * 100:.0f}%" for k in ("p50", "p90", "p99")) if noise else "-") + " |")
+    if summary.get("same_assignment"):
+        lines += ["", "Same request-to-pod assignment only (runs grouped by the generated tokens each pod served; "
+                  "recomputed TTFT, median of the group's runs, inference-perf vs loadgen):", "",
+                  "| scenario | router | assignment (tokens per pod) | runs ip/lg | p50 ms | p90 ms | p99 ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for g in summary["same_assignment"]:
+            cells = "".join(f"| {g['ttft_ms'][k]['inference-perf']:.0f} vs {g['ttft_ms'][k]['loadgen']:.0f} "
+                            f"({g['diff'][k] * 100:+.1f}%) " for k in ("p50", "p90", "p99"))
+            lines.append(f"| {g['scenario']} | {g['router']} | {g['assignment']} | "
+                         f"{g['runs'].get('inference-perf', 0)}/{g['runs'].get('loadgen', 0)} {cells}|")
     if summary.get("paired"):
         lines += ["", "Request by request (first repeat of each tool; TTFT inference-perf - loadgen, ms; "
                   "first bin = first quarter of the schedule):", "",
@@ -303,6 +364,31 @@ def compare(runs):
     return out
 
 
+def same_assignment(runs):
+    """Runs grouped by request-to-pod assignment (see assignment()): where the router's choices
+    vary from run to run (Envoy's round robin starts its rotation at a random place, so a
+    different quarter of the requests meets each pod), tools are compared within a group."""
+    out = []
+    for sc, router in sorted({(r["scenario"], r["router"]) for r in runs}):
+        groups = {}
+        for r in runs:
+            a = r["result"].get("assignment")
+            if r["scenario"] == sc and r["router"] == router and a and r["tool"] in ("inference-perf", "loadgen"):
+                groups.setdefault(a, {}).setdefault(r["tool"], []).append(r["result"])
+        for a, by in sorted(groups.items()):
+            if len(by) < 2:
+                continue
+            g = {"scenario": sc, "router": router, "assignment": a,
+                 "runs": {t: len(v) for t, v in by.items()}, "ttft_ms": {}, "diff": {}}
+            for k in ("p50", "p90", "p99"):
+                ip = median([m["recomputed"]["ttft_ms"].get(k) for m in by["inference-perf"]])
+                lg = median([m["recomputed"]["ttft_ms"].get(k) for m in by["loadgen"]])
+                g["ttft_ms"][k] = {"inference-perf": ip, "loadgen": lg}
+                g["diff"][k] = rel(ip, lg)
+            out.append(g)
+    return out
+
+
 def paired(runs, csvs):
     out = []
     for sc, router in sorted({(r["scenario"], r["router"]) for r in runs}):
@@ -326,15 +412,25 @@ def main():
                     help="comma-separated: round_robin, least_request, filter, filter_original_dst, or stub "
                          f"(sse-stub, first token after exactly {STUB_FIRST_TOKEN_MS} ms: calibrates the tools) "
                          "(default: round_robin,filter)")
-    ap.add_argument("--tools", default="inference-perf,loadgen")
+    ap.add_argument("--tools", default="inference-perf,loadgen",
+                    help="comma-separated: inference-perf, loadgen (both replay the schedule CSV), "
+                         "loadgen-scenario (loadgen on the scenario file itself: chat API, no lead-in; a reference)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per scenario, router and tool (order alternates)")
     ap.add_argument("--quick", action="store_true", help="the scenario's quick duration (5 s of schedule)")
     ap.add_argument("--lead-in-s", type=float, default=5.0,
                     help="a tiny request this long before the schedule, so inference-perf has built its prompts "
                          "before the first measured send (0: none; see bench/inference-perf/schedule.py)")
+    ap.add_argument("--ip-worker-max-concurrency", type=int,
+                    help="inference-perf's load.worker_max_concurrency (default: the request count, i.e. open "
+                         "loop; inference-perf's own default, 100 per worker, shows what a cap does)")
+    ap.add_argument("--schedule-csv", help="replay this Azure-format CSV instead of the scenario's schedule "
+                                           "(the scenario still gives the fleet; --lead-in-s is ignored)")
     ap.add_argument("--out-dir", default=str(ROOT / "target" / "bench" / "inference-perf"))
     ap.add_argument("--report-only", action="store_true", help="print the table of the summary.json in --out-dir")
     args = ap.parse_args()
+    if args.schedule_csv:
+        args.schedule_csv = str(Path(args.schedule_csv).resolve())
+        args.lead_in_s = 0.0
     out_dir = Path(args.out_dir).resolve()
     if args.report_only:
         log(table(json.loads((out_dir / "summary.json").read_text())))
@@ -358,6 +454,7 @@ def main():
 
     def save():
         summary["comparison"] = compare(runs)
+        summary["same_assignment"] = same_assignment(runs)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
 
     for name in args.scenario or SCENARIOS:
@@ -365,9 +462,14 @@ def main():
         sc = json.loads(sc_file.read_text())
         duration = sc.get("quick", {}).get("duration_s", 5.0) if args.quick else None
         seed = sc["workload"].get("seed", 1)
-        schedule = sched_mod.poisson_schedule(sc["workload"], sc_file.parent, duration=duration)
         csv = out_dir / f"{name}{'-quick' if args.quick else ''}.schedule.csv"
-        sched_mod.write_csv(schedule, csv, args.lead_in_s)
+        if args.schedule_csv:
+            # any Azure-format CSV, replayed as it is (its rows already include whatever lead-in it wants)
+            shutil.copyfile(args.schedule_csv, csv)
+            schedule = [(t, p, o) for t, p, o in sched_mod.read_azure_rows(csv)]
+        else:
+            schedule = sched_mod.poisson_schedule(sc["workload"], sc_file.parent, duration=duration)
+            sched_mod.write_csv(schedule, csv, args.lead_in_s)
         csvs[name] = csv
         info = sched_mod.describe(schedule)
         summary["schedules"][name] = dict(info, csv=str(csv))
@@ -388,20 +490,29 @@ def main():
                         stack = StubStack(run_dir / "stack").start()
                     else:
                         stack = Stack(fleet=sc["fleet"], router=router, workdir=run_dir / "stack").start()
+                    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     try:
                         if tool == "inference-perf":
-                            res = run_inference_perf(stack, run_dir, csv, info, tok_dir, model, seed, args.lead_in_s)
+                            res = run_inference_perf(stack, run_dir, csv, info, tok_dir, model, seed, args.lead_in_s,
+                                                     args.ip_worker_max_concurrency)
                         elif tool == "loadgen":
                             res = run_loadgen(stack, run_dir, csv, model, router, args.lead_in_s)
+                        elif tool == "loadgen-scenario":
+                            res = run_loadgen_scenario(stack, run_dir, sc_file, router, args.quick)
                         else:
                             sys.exit(f"unknown tool {tool}")
+                        # the tool is the only child reaped in between (the stack's processes still run)
+                        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                        res["tool_cpu_s"] = round(cpu1.ru_utime - cpu0.ru_utime + cpu1.ru_stime - cpu0.ru_stime, 1)
+                        res["pods"] = pod_counters(stack)
+                        res["assignment"] = assignment(res["pods"])
                     finally:
                         stack.stop()
                     o, t = res["own"], res["recomputed"]["ttft_ms"]
                     log(f"  {name} {router} {tool} #{rep}: TTFT p50 {t.get('p50', 0):.0f} / p90 {t.get('p90', 0):.0f} / "
                         f"p99 {t.get('p99', 0):.0f} ms, {o['ok']}/{o['requests']} ok, "
                         f"{res['recomputed']['output_tokens_per_s'] or 0:.0f} out tok/s "
-                        f"({time.time() - t0:.0f} s, load {load:.1f})")
+                        f"(tool CPU {res.get('tool_cpu_s', 0):.0f} s; {time.time() - t0:.0f} s, load {load:.1f})")
                     runs.append({"scenario": name, "router": router, "tool": tool, "repeat": rep,
                                  "loadavg_before": load, "loadavg_after": os.getloadavg()[0],
                                  "wall_s": round(time.time() - t0, 1), "dir": str(run_dir), "result": res})

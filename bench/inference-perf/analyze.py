@@ -95,13 +95,46 @@ def analyze(ip_dir, lg_dir, schedule_csv, bins=4):
     return out
 
 
+def ttfts_by_row(run_dir):
+    """TTFT (s, None if failed) per schedule row, from either tool's run dir."""
+    run_dir = Path(run_dir)
+    if (run_dir / "results.json").exists():
+        recs = sorted(json.loads((run_dir / "results.json").read_text())["records"], key=lambda r: r["id"])
+        return [r["ttft_ms"] / 1e3 if r.get("error") is None and r.get("ttft_ms") is not None else None for r in recs]
+    per = sorted(json.loads((run_dir / "report" / "per_request_lifecycle_metrics.json").read_text()),
+                 key=lambda r: r["start_time"])
+    return [None if r.get("error") else (r.get("computed_metrics") or {}).get("time_to_first_token") for r in per]
+
+
+def rr_phase(run_dir, pods=4, slow=2):
+    """Round robin sends request i to pod (start + i) mod `pods`, `start` drawn at random when Envoy
+    starts. On a fleet with `slow` slow pods, the requests of the slow pods' residues queue for
+    seconds: the residues with the longest mean TTFT over the second half of the schedule name the
+    phase a run had (what the runner's per-pod counters tell directly in newer runs)."""
+    t = ttfts_by_row(run_dir)
+    n = len(t)
+    means = []
+    for k in range(pods):
+        xs = [t[i] for i in range(n // 2, n) if i % pods == k and t[i] is not None]
+        means.append(sum(xs) / len(xs) if xs else 0.0)
+    return tuple(sorted(sorted(range(pods), key=lambda k: -means[k])[:slow]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("ip_dir")
-    ap.add_argument("lg_dir")
-    ap.add_argument("schedule")
+    ap.add_argument("ip_dir", nargs="?")
+    ap.add_argument("lg_dir", nargs="?")
+    ap.add_argument("schedule", nargs="?")
     ap.add_argument("--bins", type=int, default=4)
+    ap.add_argument("--rr-phase", nargs="+", metavar="RUN_DIR",
+                    help="instead: each run's round-robin phase (slow residues mod 4) and TTFT p50/p90/p99")
     a = ap.parse_args()
+    if a.rr_phase:
+        for d in a.rr_phase:
+            t = [x * 1e3 for x in ttfts_by_row(d) if x is not None]
+            print(f"{d}\tslow residues {rr_phase(d)}\tTTFT p50 {pct(t, 50):.0f} p90 {pct(t, 90):.0f} "
+                  f"p99 {pct(t, 99):.0f} ms")
+        return
     print(json.dumps(analyze(a.ip_dir, a.lg_dir, a.schedule, a.bins), indent=1))
 
 

@@ -63,6 +63,14 @@ def read_azure_lengths(path):
         return [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in rows]
 
 
+def read_azure_rows(path):
+    """[(offset_s, ContextTokens, GeneratedTokens)] of an Azure-format CSV, offsets from its first row."""
+    with open(path, newline="") as f:
+        rows = [(dt.datetime.strptime(r["TIMESTAMP"].strip()[:26], "%Y-%m-%d %H:%M:%S.%f"), int(r["ContextTokens"]),
+                 int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    return [((t - rows[0][0]).total_seconds(), p, o) for t, p, o in rows]
+
+
 def poisson_schedule(workload, base_dir, duration=None, rate=None, seed=None):
     """[(at_s, prompt_tokens, max_tokens)], as loadgen's build_poisson makes them."""
     if workload.get("kind") != "poisson" or "lengths_from_trace" not in workload:
