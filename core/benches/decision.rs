@@ -127,6 +127,35 @@ fn bench(c: &mut Criterion) {
         });
     }
     group.finish();
+
+    // The parts, to see where the time goes.
+    let body = chat_body(1);
+    let mut parts = c.benchmark_group("parts");
+    parts.bench_function("parse_4kb", |b| {
+        b.iter(|| {
+            black_box(
+                gpuroute_core::request::parse(
+                    &body,
+                    gpuroute_core::request::Endpoint::Chat,
+                    16_384,
+                    1_024,
+                )
+                .map(|r| r.prompt.len()),
+            )
+        })
+    });
+    let text =
+        gpuroute_core::request::parse(&body, gpuroute_core::request::Endpoint::Chat, 16_384, 1_024)
+            .map(|r| r.prompt)
+            .unwrap_or_default();
+    let mut hashes = Vec::new();
+    parts.bench_function("hash_4kb", |b| {
+        b.iter(|| {
+            gpuroute_core::prefix::block_hashes(text.as_bytes(), 7, 64, 256, &mut hashes);
+            black_box(hashes.len())
+        })
+    });
+    parts.finish();
 }
 
 criterion_group!(benches, bench);

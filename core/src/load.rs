@@ -142,14 +142,16 @@ impl LoadTable {
     }
 
     /// Counts a request sent to pod `idx`: in flight with its prompt `tokens` (KV it will take),
-    /// and in prefill with `prefill_tokens` (the part the pod must compute, not cached) until
-    /// its first byte.
-    pub fn add(&mut self, idx: usize, tokens: u32, prefill_tokens: u32) {
+    /// and, when its end of prefill is observable (a streamed response), in prefill with
+    /// `prefill_tokens` (the part the pod must compute, not cached) until its first byte.
+    pub fn add(&mut self, idx: usize, tokens: u32, prefill_tokens: Option<u32>) {
         if let Some(p) = self.pods.get_mut(idx) {
             p.inflight = p.inflight.saturating_add(1);
             p.tokens = p.tokens.saturating_add(tokens);
-            p.prefill = p.prefill.saturating_add(1);
-            p.prefill_tokens = p.prefill_tokens.saturating_add(prefill_tokens);
+            if let Some(pt) = prefill_tokens {
+                p.prefill = p.prefill.saturating_add(1);
+                p.prefill_tokens = p.prefill_tokens.saturating_add(pt);
+            }
         }
     }
 
@@ -208,7 +210,7 @@ mod tests {
     fn round_trip() {
         let mut t = LoadTable::default();
         t.rebase(3, &[11, 22]);
-        t.add(1, 500, 500);
+        t.add(1, 500, Some(500));
         let back = LoadTable::decode(&t.encode());
         assert_eq!(back, t);
         assert_eq!(back.pods[1].delta(), 1);
@@ -219,9 +221,9 @@ mod tests {
     fn rebase_carries_counts_by_key_and_resets_deltas() {
         let mut t = LoadTable::default();
         t.rebase(1, &[1, 2, 3]);
-        t.add(0, 10, 10);
-        t.add(2, 30, 30);
-        t.add(2, 30, 30);
+        t.add(0, 10, Some(10));
+        t.add(2, 30, Some(30));
+        t.add(2, 30, Some(30));
         assert!(t.rebase(2, &[3, 4, 1]));
         assert_eq!(t.pods.iter().map(|p| p.key).collect::<Vec<_>>(), [3, 4, 1]);
         assert_eq!(t.pods[0].inflight, 2);
@@ -260,7 +262,7 @@ mod tests {
             let keys = [5u64, 6, 7, 8];
             let mut t = LoadTable::default();
             t.rebase(1, &keys);
-            for (i, tok) in &sends { t.add(*i, *tok, *tok / 2); }
+            for (i, tok) in &sends { t.add(*i, *tok, Some(*tok / 2)); }
             t.rebase(2, &keys);
             for (n, (i, tok)) in sends.iter().enumerate() {
                 // Half get a first byte before they finish, half fail before any byte.

@@ -245,14 +245,17 @@ impl Picker {
             cands.retain(|c| !c.2);
         }
         // LoRA affinity filter: an adapter request stays on the pods that hold its adapter (it
-        // runs there, or it is the adapter's home, or where it was last sent) while any of them
-        // is not saturated. Copying an adapter to another pod takes a slot that pod's own
+        // runs there, or it is the adapter's home) while any of them is not saturated. Where an
+        // overflow last sent it does not count here: once the home has room again, traffic goes
+        // back instead of keeping a second copy that evicts that pod's own adapters. Copying an adapter to another pod takes a slot that pod's own
         // adapters rely on and starts a cascade of loads; the saturation check above is the
         // escape valve. (The GIE endpoint picker has the same filter stage.)
         if let Some(a) = req.adapter.filter(|_| self.weights.lora > 0.0) {
             let holds = |c: &(usize, Load, bool)| {
                 let p = &pool.pods[c.0];
-                !c.2 && (p.lora_running.contains(&a) || likely_loaded(p, req))
+                let home =
+                    req.adapter_home == Some(p.key) && p.free_lora_slots().is_none_or(|f| f > 0);
+                !c.2 && (p.lora_running.contains(&a) || home)
             };
             if cands.iter().any(holds) {
                 cands.retain(holds);
@@ -601,7 +604,7 @@ mod tests {
             );
             let i = best(&d);
             counts[i] += 1;
-            table.add(i, 100, 100);
+            table.add(i, 100, Some(100));
         }
         assert!(counts.iter().all(|c| (9..=11).contains(c)), "{counts:?}");
     }
@@ -625,7 +628,7 @@ mod tests {
                 None,
             ));
             counts[i] += 1;
-            table.add(i, 0, 0);
+            table.add(i, 0, Some(0));
         }
         let ratio = counts[0] as f64 / counts[1] as f64;
         assert!((2.5..=3.5).contains(&ratio), "{counts:?}");

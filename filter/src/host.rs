@@ -29,12 +29,10 @@ extern "C" {
         buffer_data: *const u8,
         buffer_size: usize,
     ) -> Status;
-    fn proxy_get_header_map_value(
+    fn proxy_get_header_map_pairs(
         map_type: MapType,
-        key_data: *const u8,
-        key_size: usize,
-        return_value_data: *mut *mut u8,
-        return_value_size: *mut usize,
+        return_map_data: *mut *mut u8,
+        return_map_size: *mut usize,
     ) -> Status;
     fn proxy_replace_header_map_value(
         map_type: MapType,
@@ -150,21 +148,47 @@ pub fn set_buffer(kind: BufferType, start: usize, size: usize, value: &[u8]) -> 
     ok(unsafe { proxy_set_buffer_bytes(kind, start, size, value.as_ptr(), value.len()) })
 }
 
-/// A header's raw value; `None` when absent or when the host refuses.
-pub fn get_header(map: MapType, name: &str) -> Option<Vec<u8>> {
+/// All headers of a map in one host call, as the raw serialised map (see [`header_pairs`]).
+pub fn get_header_map(map: MapType) -> Vec<u8> {
     let (mut data, mut size) = (null_mut(), 0usize);
     // SAFETY: as in `get_buffer`.
     unsafe {
-        match proxy_get_header_map_value(map, name.as_ptr(), name.len(), &mut data, &mut size) {
-            Status::Ok => Some(take(data, size)),
-            _ => None,
+        match proxy_get_header_map_pairs(map, &mut data, &mut size) {
+            Status::Ok => take(data, size),
+            _ => Vec::new(),
         }
     }
 }
 
-/// A header's value as text; a value that is not UTF-8 counts as absent.
-pub fn get_header_str(map: MapType, name: &str) -> Option<String> {
-    get_header(map, name).and_then(|v| String::from_utf8(v).ok())
+/// Decodes a serialised header map: a u32 count, then (key length, value length) u32 pairs,
+/// then each key and value followed by a NUL. Anything malformed ends the list early.
+pub fn header_pairs(raw: &[u8]) -> Vec<(&[u8], &[u8])> {
+    let u32_at = |at: usize| -> Option<usize> {
+        let b = raw.get(at..at + 4)?;
+        Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+    };
+    let Some(n) = u32_at(0) else {
+        return Vec::new();
+    };
+    // Every pair needs 8 bytes of lengths: a count beyond that is malformed.
+    let n = n.min(raw.len() / 8);
+    let mut out = Vec::with_capacity(n.min(256));
+    let mut data = 4usize.saturating_add(n.saturating_mul(8));
+    for i in 0..n {
+        let (Some(kl), Some(vl)) = (u32_at(4 + i * 8), u32_at(8 + i * 8)) else {
+            break;
+        };
+        let Some(k) = raw.get(data..data.saturating_add(kl)) else {
+            break;
+        };
+        let v_start = data.saturating_add(kl).saturating_add(1);
+        let Some(v) = raw.get(v_start..v_start.saturating_add(vl)) else {
+            break;
+        };
+        out.push((k, v));
+        data = v_start.saturating_add(vl).saturating_add(1);
+    }
+    out
 }
 
 pub fn set_header(map: MapType, name: &str, value: &str) -> Result<(), Status> {

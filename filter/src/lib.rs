@@ -44,7 +44,6 @@ const INTERNAL_HEADERS: &[&str] = &[
 ];
 const DEST_HEADER: &str = "x-gateway-destination-endpoint";
 const DEBUG_HEADER: &str = "x-gateway-debug";
-const PRIORITY_HEADER: &str = "x-gateway-priority";
 /// Shared-data key holding the number of registered plugin instances (worker ids).
 const WORKERS_KEY: &str = "gpuroute.workers";
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
@@ -213,6 +212,7 @@ impl RootContext for Root {
             w.refresh_fleet();
             w.sync();
             w.snapshot_age_gauge();
+            w.stats.flush();
         }
     }
 
@@ -220,6 +220,7 @@ impl RootContext for Root {
         Some(Box::new(Http {
             worker: self.worker.clone(),
             mode: Mode::Pass,
+            head: Head::default(),
             path: String::new(),
             picked: None,
             debug: None,
@@ -249,9 +250,53 @@ struct Picked {
     in_prefill: bool,
 }
 
+/// What the filter needs from the request headers, read in one host call.
+#[derive(Default)]
+struct Head {
+    path: String,
+    method: String,
+    content_length: Option<usize>,
+    priority: Option<i64>,
+    authorization: Option<String>,
+    /// Internal headers the client sent (to strip).
+    forged: Vec<&'static str>,
+}
+
+impl Head {
+    fn read() -> Head {
+        let raw = host::get_header_map(MapType::HttpRequestHeaders);
+        let mut h = Head::default();
+        for (k, v) in host::header_pairs(&raw) {
+            // Header names arrive lower-case from Envoy; values that are not UTF-8 count as absent.
+            let text = || std::str::from_utf8(v).ok();
+            match k {
+                b":path" => {
+                    let full = text().unwrap_or_default();
+                    h.path = full
+                        .split(['?', '#'])
+                        .next()
+                        .unwrap_or_default()
+                        .to_string();
+                }
+                b":method" => h.method = text().unwrap_or_default().to_string(),
+                b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
+                b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
+                b"authorization" => h.authorization = text().map(str::to_string),
+                _ => {
+                    if let Some(name) = INTERNAL_HEADERS.iter().find(|n| n.as_bytes() == k) {
+                        h.forged.push(name);
+                    }
+                }
+            }
+        }
+        h
+    }
+}
+
 struct Http {
     worker: Option<Rc<RefCell<Worker>>>,
     mode: Mode,
+    head: Head,
     path: String,
     picked: Option<Picked>,
     debug: Option<String>,
@@ -268,14 +313,6 @@ impl Http {
 
     fn reply_error(&mut self, err: &ApiError) -> Action {
         self.reply(u32::from(err.status), &err.to_json(), "application/json")
-    }
-
-    fn request_header(name: &str) -> Option<String> {
-        host::get_header_str(MapType::HttpRequestHeaders, name)
-    }
-
-    fn content_length() -> Option<usize> {
-        Self::request_header("content-length").and_then(|v| v.trim().parse().ok())
     }
 
     fn ingest_headers(&mut self, w: &mut Worker, method: &str) -> Action {
@@ -296,12 +333,15 @@ impl Http {
             e.message = "snapshots are accepted from loopback peers only".into();
             return self.reply_error(&e);
         }
-        let auth = Self::request_header("authorization");
-        if !ingest::authorized(auth.as_deref(), &ing.token) {
+        if !ingest::authorized(self.head.authorization.as_deref(), &ing.token) {
             reject(w, "unauthorized");
             return self.reply_error(&ApiError::unauthorized());
         }
-        if Self::content_length().is_some_and(|n| n > ing.max_snapshot_bytes) {
+        if self
+            .head
+            .content_length
+            .is_some_and(|n| n > ing.max_snapshot_bytes)
+        {
             reject(w, "too_large");
             return self.reply_error(&ApiError::snapshot_too_large(format!(
                 "snapshot exceeds the limit of {} bytes",
@@ -388,10 +428,7 @@ impl Http {
                 return self.reply_error(&e);
             }
         };
-        let sheddable = w.engine.config.shed_sheddable
-            && Self::request_header(PRIORITY_HEADER)
-                .and_then(|v| v.trim().parse::<i64>().ok())
-                .is_some_and(|p| p < 0);
+        let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
         let now = t0 / 1_000_000;
 
@@ -438,22 +475,27 @@ impl Http {
                         &key,
                         table,
                         cas,
-                        (idx, prep.prompt_tokens, choice.prefill_tokens),
+                        (
+                            idx,
+                            prep.prompt_tokens,
+                            prep.stream.then_some(choice.prefill_tokens),
+                        ),
                         *version,
                         keys,
                     );
                 }
                 w.engine.commit(&prep, pod_key);
-                w.stats.pool_outcome(&pool, "picked");
                 if let Some(addr) = dest.split(',').next() {
-                    w.stats.pod_pick(&pool, addr);
+                    w.stats.picked(&pool, addr);
                 }
                 self.picked = Some(Picked {
                     pool: pool.clone(),
                     pod_key,
                     tokens: prep.prompt_tokens,
                     prefill_tokens: choice.prefill_tokens,
-                    in_prefill: true,
+                    // A buffered (non-streamed) response's first byte is its last: the end of
+                    // prefill is not observable, so such requests are not counted in it.
+                    in_prefill: prep.stream,
                 });
             }
             Decision::FailOpen(FailOpen::Disabled) => {
@@ -494,8 +536,8 @@ impl Http {
         let h = MapType::HttpRequestHeaders;
         let _ = host::set_header(h, "x-gateway-pool", &prep.pool);
         let _ = host::set_header(h, "x-gateway-model-name", &prep.target.model);
-        let _ = host::set_header(h, "x-gateway-base-model-name", &prep.target.base_model);
         if let Some(a) = &prep.target.adapter {
+            let _ = host::set_header(h, "x-gateway-base-model-name", &prep.target.base_model);
             let _ = host::set_header(h, "x-gateway-lora-adapter", a);
         }
         if let Some(new_body) = &prep.rewritten_body {
@@ -512,7 +554,7 @@ fn count_sent(
     key: &str,
     mut table: LoadTable,
     mut cas: Option<u32>,
-    at: (usize, u32, u32),
+    at: (usize, u32, Option<u32>),
     version: u64,
     keys: &[u64],
 ) {
@@ -560,20 +602,17 @@ fn peer_is_loopback() -> bool {
 
 impl HttpContext for Http {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
-        for h in INTERNAL_HEADERS {
+        // One host call reads every header; only client-sent internal headers are removed.
+        self.head = Head::read();
+        for h in &self.head.forged {
             let _ = host::remove_header(MapType::HttpRequestHeaders, h);
         }
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
         let mut w = worker.borrow_mut();
-        let full = Self::request_header(":path").unwrap_or_default();
-        self.path = full
-            .split(['?', '#'])
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        let method = Self::request_header(":method").unwrap_or_default();
+        self.path = std::mem::take(&mut self.head.path);
+        let method = std::mem::take(&mut self.head.method);
 
         if w.engine
             .config
@@ -601,7 +640,7 @@ impl HttpContext for Http {
         }
         if method == "POST" && w.engine.config.is_inference_path(&self.path) {
             let max = w.engine.config.max_body_bytes;
-            if Self::content_length().is_some_and(|n| n > max) {
+            if self.head.content_length.is_some_and(|n| n > max) {
                 w.stats.inc("gpuroute.rejected.request_too_large");
                 return self.reply_error(&ApiError::body_too_large(max));
             }
