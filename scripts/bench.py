@@ -11,8 +11,10 @@ let bench-report print one table and write target/bench/<scenario>.json and the 
   scripts/bench.py --scenario mixed-gpu --scenario bursty
   scripts/bench.py --trace FILE [--speedup N]
                                         replay any Azure-conv CSV or Mooncake JSONL trace through
-                                        every configuration (fleet: the shared-prefix scenario's
-                                        for Mooncake, the bursty scenario's for Azure)
+                                        every configuration for 40 s (fleet: the shared-prefix
+                                        scenario's for Mooncake, replayed at 3x with 512-token
+                                        blocks scaled to 64; the bursty scenario's for Azure,
+                                        at ~70% of its capacity unless SPEEDUP is given)
 """
 
 import argparse
@@ -86,11 +88,21 @@ def main():
     configs = args.configs.split(",")
     if args.trace:
         trace = Path(args.trace).resolve()
-        base = "shared-prefix" if trace.suffix == ".jsonl" else "bursty"
+        mooncake = trace.read_text(errors="replace").lstrip().startswith("{")
+        # The fleet of the scenario built on the same kind of trace, and the replay settings that
+        # scenario's calibration found sensible for it (bench/README.md, "Calibration").
+        base = "shared-prefix" if mooncake else "bursty"
         fleet = json.loads((ROOT / "bench" / "scenarios" / f"{base}.json").read_text())["fleet"]
-        extra = ["--speedup", str(args.speedup)] if args.speedup else []
-        if args.quick:
-            extra += ["--duration-s", "10"]
+        model = fleet["pods"][0]["model"]
+        extra = ["--model", model, "--duration-s", "10" if args.quick else "40"]
+        if args.speedup:
+            extra += ["--speedup", str(args.speedup)]
+        elif mooncake:
+            extra += ["--speedup", "3"]
+        else:
+            extra += ["--rate", "8"]  # ~70% of the bursty fleet's ~11.6 req/s
+        if mooncake:
+            extra += ["--token-scale", "0.125"]  # 512-token blocks -> 64 tokens, as shared-prefix
         run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs)
     else:
         names = args.scenario or scenario_names()
