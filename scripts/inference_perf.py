@@ -42,7 +42,9 @@ from string import Template
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "bench" / "inference-perf"))
+import stack as stack_mod  # noqa: E402
 from stack import Stack, free_port, http_ok, wait_for  # noqa: E402
+import harness  # noqa: E402  (tests/e2e, put on the path by stack.py)
 import analyze  # noqa: E402
 import schedule as sched_mod  # noqa: E402
 
@@ -95,6 +97,30 @@ def ensure_tokenizer(tok_dir):
         return json.loads((tok_dir / "build-info.json").read_text())
     subprocess.run([str(IP_PY), str(HERE / "build_tokenizer.py"), str(tok_dir)], check=True, env=offline_env())
     return json.loads((tok_dir / "build-info.json").read_text())
+
+
+def freeze_binaries(out_dir):
+    """Copy the filter and the native binaries into OUT/bin and run every stack and loadgen from
+    the copies: others rebuilding the tree mid-run cannot change the system under test between
+    two runs that are compared. Returns {name: sha256}."""
+    global LOADGEN, SSE_STUB
+    import hashlib
+    bin_dir = out_dir / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    frozen = {}
+    for name, src in (("gpuroute_filter.wasm", Path(harness.WASM)), ("fleet-sim", stack_mod.FLEET_SIM),
+                      ("sidecar-metrics", stack_mod.SIDECAR), ("loadgen", LOADGEN), ("sse-stub", SSE_STUB)):
+        if not Path(src).exists():
+            continue
+        dst = bin_dir / name
+        shutil.copy2(src, dst)
+        frozen[name] = {"sha256": hashlib.sha256(dst.read_bytes()).hexdigest(),
+                        "built": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(Path(src).stat().st_mtime))}
+    harness.WASM = bin_dir / "gpuroute_filter.wasm"
+    stack_mod.FLEET_SIM = bin_dir / "fleet-sim"
+    stack_mod.SIDECAR = bin_dir / "sidecar-metrics"
+    LOADGEN, SSE_STUB = bin_dir / "loadgen", bin_dir / "sse-stub"
+    return frozen
 
 
 def offline_env():
@@ -438,6 +464,7 @@ def main():
     if not LOADGEN.exists():
         sys.exit(f"{LOADGEN} is missing: run `make build` first")
     out_dir.mkdir(parents=True, exist_ok=True)
+    frozen = freeze_binaries(out_dir)
     ensure_venv()
     tok_dir = out_dir / "tokenizer"
     tok_info = ensure_tokenizer(tok_dir)
@@ -448,7 +475,9 @@ def main():
     started = time.time()
     runs, csvs = [], {}
     summary = {"inference_perf_version": IP_VERSION, "tokenizer": tok_info, "quick": args.quick,
-               "lead_in_s": args.lead_in_s,
+               "lead_in_s": args.lead_in_s, "binaries": frozen,
+               "git_head": subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True).stdout.strip(),
                "command": " ".join([".venv/bin/python", "scripts/inference_perf.py", *sys.argv[1:]]),
                "machine": {"cpus": os.cpu_count()}, "schedules": {}, "runs": runs}
 
