@@ -261,9 +261,22 @@ def recomputed(reqs):
             "output_tokens_per_s": sum(r[3] for r in reqs) / window if window else None}
 
 
+def slim_per_request(path):
+    """inference-perf's per-request report keeps every token's timestamp (~33 MB a mixed-gpu run);
+    keep what the figures and analyze.py read (send/end times, TTFT, usage, errors)."""
+    per = json.loads(path.read_text())
+    for r in per:
+        rm = (r.get("info") or {}).get("response_metrics") or {}
+        for k in ("chunk_times", "output_token_times", "response_chunks"):
+            rm.pop(k, None)
+        (r.get("computed_metrics") or {}).pop("inter_token_latencies", None)
+    path.write_text(json.dumps(per))
+    return per
+
+
 def parse_inference_perf(out, lead_in):
     s = json.loads((out / "summary_lifecycle_metrics.json").read_text())
-    per = json.loads((out / "per_request_lifecycle_metrics.json").read_text())
+    per = slim_per_request(out / "per_request_lifecycle_metrics.json")
     per.sort(key=lambda r: r["start_time"])
     if lead_in:
         per = per[1:]     # the earliest send is the lead-in request
