@@ -34,6 +34,16 @@ def now_ms():
     return int(time.time() * 1000)
 
 
+def stop_process(proc, grace_s=10):
+    """SIGTERM, then SIGKILL if it has not exited after `grace_s`."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 class Envoy:
     """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
 
@@ -91,12 +101,7 @@ class Envoy:
         return self.proc.poll() is None
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
     def log(self):
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -252,9 +257,4 @@ class Sidecar:
             return json.loads(r.read())
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
