@@ -20,10 +20,10 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy bench-sidecar clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy bench-sidecar bench-crosscheck clean-venv
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
 
 $(VENV)/.ready: Makefile
 	python3 -m venv $(VENV)
@@ -86,6 +86,9 @@ bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRA
 
 bench-quick: setup build ## every scenario briefly (< 3 min): proves the pipeline, asserts no ratios
 	$(PY) scripts/bench.py --quick
+
+bench-crosscheck: $(VENV)/.ready build ## TTFT cross-check with kubernetes-sigs inference-perf (~10 min; QUICK=1 for 1 min)
+	$(PY) scripts/inference_perf.py $(if $(QUICK),--quick) $(CROSSCHECK_ARGS)
 
 clean-venv: ## remove .venv
 	rm -rf $(VENV)

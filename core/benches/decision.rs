@@ -155,6 +155,15 @@ fn bench(c: &mut Criterion) {
             black_box(hashes.len())
         })
     });
+    let mut e = engine();
+    parts.bench_function("prepare_4kb", |b| {
+        b.iter(|| {
+            black_box(
+                e.prepare("/v1/chat/completions", &body)
+                    .map(|p| p.prompt_tokens),
+            )
+        })
+    });
     parts.finish();
 }
 

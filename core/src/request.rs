@@ -2,12 +2,16 @@
 //! be rewritten without re-serialising the body), `stream`, and the prompt text used for prefix
 //! affinity.
 //!
-//! One pass of `serde_json` over the body borrows every field it needs; only the prompt parts are
-//! visited a second time. Unknown fields are skipped, never interpreted. A duplicated `model` key
+//! Chat bodies (the hot path) are read in one typed pass of `serde_json` that borrows every
+//! field it needs; a string content without escapes is then used as it stands in the body. Any
+//! other shape, and the other endpoints, take the general path: the top-level fields as raw JSON,
+//! then the prompt parts visited a second time. Both give the same result for the same body (a
+//! property test holds them to it). Unknown fields are skipped, never interpreted. A duplicated `model` key
 //! is an error (serde's derive rejects it), so the gateway and the model server can never disagree
 //! about which model a body asks for.
 
 use crate::error::ApiError;
+use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
@@ -91,6 +95,24 @@ struct Body<'a> {
     instructions: Option<&'a RawValue>,
 }
 
+/// A chat body in the documented shape, read in one pass. The other endpoints' prompt fields are
+/// declared (and skipped) so a duplicated one is rejected exactly as [`Body`] rejects it.
+#[derive(Deserialize)]
+struct ChatBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<Vec<Message<'a>>>,
+    #[serde(default, rename = "prompt")]
+    _prompt: Option<IgnoredAny>,
+    #[serde(default, rename = "input")]
+    _input: Option<IgnoredAny>,
+    #[serde(default, rename = "instructions")]
+    _instructions: Option<IgnoredAny>,
+}
+
 #[derive(Deserialize)]
 struct Message<'a> {
     #[serde(borrow, default)]
@@ -126,25 +148,42 @@ pub fn parse(
             "the request body must be a JSON object",
         ));
     }
+    let mut prompt = PromptText::new(prompt_limit, home_chars);
+    if endpoint == Endpoint::Chat {
+        // Fast path; anything it does not take (a body that is not valid JSON, `messages`
+        // absent, null or not a list of message objects) goes the general way, which decides.
+        if let Ok(ChatBody {
+            model,
+            stream,
+            messages: Some(messages),
+            ..
+        }) = serde_json::from_slice::<ChatBody<'_>>(body)
+        {
+            let (model, model_span) = model_field(body, model)?;
+            prompt.message_list(&messages);
+            return Ok(InferenceRequest {
+                model,
+                model_span,
+                stream: is_true(stream),
+                prompt_len: prompt.len,
+                conversation_len: prompt.conversation_len,
+                prompt: prompt.text,
+            });
+        }
+    }
+    parse_general(body, endpoint, prompt)
+}
+
+/// The general path: top-level fields as raw JSON, then the prompt of the endpoint.
+fn parse_general(
+    body: &[u8],
+    endpoint: Endpoint,
+    mut prompt: PromptText,
+) -> Result<InferenceRequest<'_>, ApiError> {
     let raw: Body<'_> = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
-
-    let (model, model_span) = match raw.model {
-        None => (None, None),
-        Some(v) if v.get() == "null" => (None, None),
-        Some(v) => {
-            let text = v.get();
-            if !text.starts_with('"') {
-                return Err(ApiError::invalid_type("model", "string"));
-            }
-            let name: Cow<'_, str> = serde_json::from_str(text)
-                .map_err(|e| ApiError::invalid_json(format!("invalid model: {e}")))?;
-            (Some(name), span_of(body, text))
-        }
-    };
-    let stream = matches!(raw.stream.map(RawValue::get), Some("true"));
-
-    let mut prompt = PromptText::new(prompt_limit, home_chars);
+    let (model, model_span) = model_field(body, raw.model)?;
+    let stream = is_true(raw.stream);
     match endpoint {
         Endpoint::Chat => prompt.messages(raw.messages),
         Endpoint::Completions => prompt.value(raw.prompt),
@@ -170,6 +209,41 @@ pub fn parse(
         conversation_len: prompt.conversation_len,
         prompt: prompt.text,
     })
+}
+
+/// A model name and the byte range of its JSON string in the body.
+type ModelField<'a> = (Option<Cow<'a, str>>, Option<Range<usize>>);
+
+/// The `model` value: a string (unescaped, with its span in the body), absent or null.
+fn model_field<'a>(body: &[u8], raw: Option<&'a RawValue>) -> Result<ModelField<'a>, ApiError> {
+    match raw {
+        None => Ok((None, None)),
+        Some(v) if v.get() == "null" => Ok((None, None)),
+        Some(v) => {
+            let text = v.get();
+            if !text.starts_with('"') {
+                return Err(ApiError::invalid_type("model", "string"));
+            }
+            let name = json_str(text)
+                .ok_or_else(|| ApiError::invalid_json("invalid model: not a JSON string"))?;
+            Ok((Some(name), span_of(body, text)))
+        }
+    }
+}
+
+fn is_true(raw: Option<&RawValue>) -> bool {
+    matches!(raw.map(RawValue::get), Some("true"))
+}
+
+/// The text of a JSON string token (`raw` includes the quotes and was validated by the parser
+/// that produced it): borrowed as it stands when it has no escapes, unescaped otherwise.
+fn json_str(raw: &str) -> Option<Cow<'_, str>> {
+    let inner = raw.strip_prefix('"')?.strip_suffix('"')?;
+    if inner.contains('\\') {
+        serde_json::from_str::<Cow<'_, str>>(raw).ok()
+    } else {
+        Some(Cow::Borrowed(inner))
+    }
 }
 
 /// Byte range of `inner` (a slice borrowed from `outer`) within `outer`.
@@ -243,7 +317,11 @@ impl PromptText {
             self.push(raw.get());
             return;
         };
-        for m in &messages {
+        self.message_list(&messages);
+    }
+
+    fn message_list(&mut self, messages: &[Message<'_>]) {
+        for m in messages {
             self.message(m.role.as_deref(), |p| {
                 if let Some(content) = m.content {
                     p.content(content);
@@ -261,7 +339,7 @@ impl PromptText {
     fn content(&mut self, raw: &RawValue) {
         let text = raw.get();
         if text.starts_with('"') {
-            if let Ok(s) = serde_json::from_str::<Cow<'_, str>>(text) {
+            if let Some(s) = json_str(text) {
                 self.push(&s);
             }
         } else if text.starts_with('[') {
@@ -497,6 +575,23 @@ mod tests {
     }
 
     #[test]
+    fn escaped_content_is_unescaped_and_plain_content_borrowed() {
+        let r = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"line\nnext \"q\" \u00e9"},{"role":"user","content":"plain"}]}"#,
+        );
+        assert_eq!(
+            r.prompt,
+            "user\u{1f}line\nnext \"q\" é\u{1e}user\u{1f}plain\u{1e}"
+        );
+        assert_eq!(json_str(r#""a\\b""#).as_deref(), Some("a\\b"));
+        assert!(matches!(
+            json_str(r#""plain""#),
+            Some(Cow::Borrowed("plain"))
+        ));
+        assert_eq!(json_str("plain"), None);
+    }
+
+    #[test]
     fn endpoint_from_path() {
         assert_eq!(Endpoint::from_path("/v1/chat/completions"), Endpoint::Chat);
         assert_eq!(
@@ -522,6 +617,60 @@ mod tests {
             let r = parse(body.as_bytes(), Endpoint::Chat, 1 << 16, 1024).unwrap();
             prop_assert_eq!(r.model.as_deref(), Some(model.as_str()));
             prop_assert_eq!(&body[r.model_span.clone().unwrap()], serde_json::to_string(&model).unwrap());
+        }
+
+        /// The chat fast path and the general path agree on every body, in the documented shape
+        /// or not: same fields, same canonical prompt, same errors.
+        #[test]
+        fn chat_fast_path_equals_general_path(
+            messages in proptest::collection::vec((0u8..5, 0u8..7, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..4), 0..5),
+            shape in 0u8..6,
+            model in 0u8..4,
+            extra in 0u8..4,
+            limit in prop_oneof![Just(1usize << 16), 0usize..40],
+        ) {
+            let q = |t: &str| serde_json::to_string(t).unwrap();
+            let msgs: Vec<String> = messages.iter().map(|(role, content, text, content_first, more)| {
+                let role = match role { 0 => q("user"), 1 => q("system"), 2 => q("assistant"), 3 => "null".into(), _ => "7".into() };
+                let content = match content {
+                    0 => q(text),
+                    1 => "null".into(),
+                    2 => format!(r#"[{{"type":"text","text":{}}},{{"type":"image_url","image_url":{{"url":"x"}}}}]"#, q(text)),
+                    3 => format!(r#"[{},{{"text":null}}, 5]"#, q(text)),
+                    4 => "42".into(),
+                    5 => format!(r#"{{"text":{}}}"#, q(text)),
+                    _ => format!(r#"[{{"text":{}, "text": "dup"}}]"#, q(text)),
+                };
+                let mut fields = vec![format!(r#""role":{role}"#), format!(r#""content" : {content}"#)];
+                if *content_first { fields.reverse(); }
+                match more {
+                    1 => fields.push(r#""tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]"#.into()),
+                    2 => fields.push(r#""name":"bob""#.into()),
+                    3 => fields.push(format!(r#""role":{}"#, q("user"))),
+                    _ => {}
+                }
+                format!("{{{}}}", fields.join(","))
+            }).collect();
+            let messages = match shape {
+                0..=2 => format!(r#","messages":[{}]"#, msgs.join(", ")),
+                3 => r#","messages":null"#.into(),
+                4 => r#","messages":"hello""#.into(),
+                _ => String::new(),
+            };
+            let model = match model { 0 => r#""model":"m\u0031""#, 1 => r#""model":null"#, 2 => r#""model":3"#, _ => r#""x":1"# };
+            let extra = match extra {
+                0 => "",
+                1 => r#","stream":true,"max_tokens":9"#,
+                2 => r#","prompt":"p","prompt":"q""#,
+                _ => r#","input":[1,2],"stream":"true""#,
+            };
+            let body = format!("{{{model}{messages}{extra}}}");
+            let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
+                .map(|r| (r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
+                .map_err(|e| (e.status, e.code, e.param));
+            let fast = summary(parse(body.as_bytes(), Endpoint::Chat, limit, 16));
+            let general = summary(parse_general(body.as_bytes(), Endpoint::Chat, PromptText::new(limit, 16)));
+            prop_assert_eq!(fast, general, "body: {}", body);
         }
     }
 }

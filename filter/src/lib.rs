@@ -49,6 +49,9 @@ const WORKERS_KEY: &str = "gpuroute.workers";
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
 /// next request or snapshot corrects it).
 const CAS_ATTEMPTS: usize = 16;
+/// The request path re-reads the shared snapshot version at most this often (the tick re-reads
+/// it too): a host call that copies into the VM costs as much as a small decision.
+const VERSION_CHECK_NS: u64 = 1_000_000;
 
 proxy_wasm::main! {{
     proxy_wasm::set_log_level(LogLevel::Info);
@@ -78,6 +81,41 @@ struct Worker {
     /// Newest sync sequence applied per other worker.
     applied: HashMap<u32, u64>,
     published_seq: u64,
+    /// Completions (first byte, end of request) not yet written to the shared load tables, per
+    /// pool. They ride on the next send's compare-and-swap of the same table, or the tick's,
+    /// whichever comes first: one shared-data write per request instead of three.
+    pending: HashMap<String, Vec<Completion>>,
+    /// When the request path last read the shared snapshot version.
+    version_checked_ns: u64,
+}
+
+/// A change to a pod's in-flight counts waiting to be written to the shared table.
+#[derive(Debug, Clone, Copy)]
+enum Completion {
+    /// The first response byte arrived: prefill of `prefill_tokens` done.
+    FirstByte { pod_key: u64, prefill_tokens: u32 },
+    /// The request ended; `in_prefill` carries its prefill tokens if no byte came back first.
+    Finished {
+        pod_key: u64,
+        tokens: u32,
+        in_prefill: Option<u32>,
+    },
+}
+
+impl Completion {
+    fn apply(self, table: &mut LoadTable) -> bool {
+        match self {
+            Completion::FirstByte {
+                pod_key,
+                prefill_tokens,
+            } => table.first_byte(pod_key, prefill_tokens),
+            Completion::Finished {
+                pod_key,
+                tokens,
+                in_prefill,
+            } => table.finish(pod_key, tokens, in_prefill),
+        }
+    }
 }
 
 impl Worker {
@@ -95,8 +133,39 @@ impl Worker {
         self.seen_header = Some(hdr);
         if let (Some(stored), _) = host::get_shared(SNAPSHOT_KEY) {
             match ingest::decode_stored(&stored) {
-                Some((h, snap)) => self.fleet = Some(FleetState::new(snap, h.received_at_ms)),
+                Some((h, snap)) => {
+                    // Completions still pending would otherwise land after the tables are
+                    // re-based on the new snapshot and count twice.
+                    self.flush_completions();
+                    self.fleet = Some(FleetState::new(snap, h.received_at_ms));
+                }
                 None => host::log(LogLevel::Error, "gpuroute: stored snapshot is unreadable"),
+            }
+        }
+    }
+
+    /// Re-reads the snapshot version on the request path, at most every `VERSION_CHECK_NS`.
+    fn refresh_fleet_throttled(&mut self, now_ns: u64) {
+        if now_ns.wrapping_sub(self.version_checked_ns) >= VERSION_CHECK_NS || self.fleet.is_none()
+        {
+            self.version_checked_ns = now_ns;
+            self.refresh_fleet();
+        }
+    }
+
+    /// Writes every pending completion to its pool's shared table (on the tick).
+    fn flush_completions(&mut self) {
+        for (pool, ops) in self.pending.iter_mut() {
+            if ops.is_empty() {
+                continue;
+            }
+            let written = update_table(pool, |t| {
+                // A pod that left the table has nothing to undo; the write is still needed for
+                // the others.
+                ops.iter().fold(false, |any, op| op.apply(t) | any)
+            });
+            if written {
+                ops.clear();
             }
         }
     }
@@ -196,6 +265,8 @@ impl RootContext for Root {
             id,
             applied: HashMap::new(),
             published_seq: 0,
+            pending: HashMap::new(),
+            version_checked_ns: 0,
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -210,6 +281,7 @@ impl RootContext for Root {
             let mut w = w.borrow_mut();
             // Decoding here keeps the cost off the request path in the common case.
             w.refresh_fleet();
+            w.flush_completions();
             w.sync();
             w.snapshot_age_gauge();
             w.stats.flush();
@@ -305,6 +377,18 @@ struct Http {
 impl Context for Http {}
 
 impl Http {
+    /// Queues a completion for the shared load table (see `Worker::pending`).
+    fn complete(&self, pool: String, op: Completion) {
+        if let Some(w) = &self.worker {
+            if let Ok(mut w) = w.try_borrow_mut() {
+                w.pending.entry(pool).or_default().push(op);
+                return;
+            }
+        }
+        // Never expected (the worker is not borrowed between callbacks); write it directly.
+        update_table(&pool, |t| op.apply(t));
+    }
+
     fn reply(&mut self, status: u32, body: &str, content_type: &str) -> Action {
         self.mode = Mode::Answered;
         let _ = host::send_response(status, &[("content-type", content_type)], body.as_bytes());
@@ -409,6 +493,7 @@ impl Http {
         let pods: usize = snap.pools.iter().map(|p| p.pods.len()).sum();
         w.stats.inc("gpuroute.snapshot.accepted");
         w.stats.gauge("gpuroute.snapshot.pods", pods as u64);
+        w.flush_completions();
         w.fleet = Some(FleetState::new(snap, header.received_at_ms));
         w.seen_header = Some(header);
         self.reply(204, "", "text/plain")
@@ -417,7 +502,7 @@ impl Http {
     fn route(&mut self, w: &mut Worker, size: usize) -> Action {
         let t0 = host::now_nanos();
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
-        w.refresh_fleet();
+        w.refresh_fleet_throttled(t0);
         let prep = match w.engine.prepare(&self.path, &body) {
             Ok(p) => p,
             Err(e) => {
@@ -442,6 +527,10 @@ impl Http {
             let (bytes, c) = host::get_shared(&key);
             table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
             table.rebase(f.version, &p.keys);
+            // This worker's completions not written yet are part of the pool's current load.
+            for op in w.pending.get(&prep.pool).into_iter().flatten() {
+                op.apply(&mut table);
+            }
             cas = c;
             aligned = Some((f.version, p.keys.clone()));
         }
@@ -471,18 +560,16 @@ impl Http {
                 };
                 let _ = host::set_header(MapType::HttpRequestHeaders, DEST_HEADER, dest);
                 if let Some((version, keys)) = &aligned {
-                    count_sent(
-                        &key,
-                        table,
-                        cas,
-                        (
-                            idx,
-                            prep.prompt_tokens,
-                            prep.stream.then_some(choice.prefill_tokens),
-                        ),
-                        *version,
-                        keys,
+                    let ops = w.pending.remove(&pool).unwrap_or_default();
+                    let sent = (
+                        idx,
+                        prep.prompt_tokens,
+                        prep.stream.then_some(choice.prefill_tokens),
                     );
+                    if !count_sent(&key, table, cas, sent, &ops, *version, keys) {
+                        // Not written: keep the completions for the tick.
+                        w.pending.entry(pool.clone()).or_default().extend(ops);
+                    }
                 }
                 w.engine.commit(&prep, pod_key);
                 if let Some(addr) = dest.split(',').next() {
@@ -548,43 +635,52 @@ impl Http {
     }
 }
 
-/// Counts the request against its pod in the shared table (compare-and-swap; on a lost race the
-/// table is re-read, re-aligned with the snapshot, and the count applied to the fresh copy).
+/// Counts the request against its pod in the shared table, which already carries this worker's
+/// pending `completions` of the pool (compare-and-swap; on a lost race the table is re-read,
+/// re-aligned with the snapshot, and the completions and the count applied to the fresh copy).
+/// Returns whether it was written.
 fn count_sent(
     key: &str,
     mut table: LoadTable,
     mut cas: Option<u32>,
     at: (usize, u32, Option<u32>),
+    completions: &[Completion],
     version: u64,
     keys: &[u64],
-) {
+) -> bool {
     let (idx, tokens, prefill_tokens) = at;
     for _ in 0..CAS_ATTEMPTS {
         table.add(idx, tokens, prefill_tokens);
         if host::set_shared(key, &table.encode(), cas).is_ok() {
-            return;
+            return true;
         }
         let (bytes, c) = host::get_shared(key);
         table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
         table.rebase(version, keys);
+        for op in completions {
+            op.apply(&mut table);
+        }
         cas = c;
     }
+    false
 }
 
 /// Applies `f` to the pool's shared load table (compare-and-swap, retried on a lost race).
-/// `f` returns false when there is nothing to write (the pod left the table).
-fn update_table(pool: &str, mut f: impl FnMut(&mut LoadTable) -> bool) {
+/// `f` returns false when there is nothing to write (the pods left the table). Returns false
+/// only when every attempt lost its race.
+fn update_table(pool: &str, mut f: impl FnMut(&mut LoadTable) -> bool) -> bool {
     let key = load_key(pool);
     for _ in 0..CAS_ATTEMPTS {
         let (bytes, cas) = host::get_shared(&key);
         let mut table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
         if !f(&mut table) {
-            return;
+            return true;
         }
         if host::set_shared(&key, &table.encode(), cas).is_ok() {
-            return;
+            return true;
         }
     }
+    false
 }
 
 fn peer_is_loopback() -> bool {
@@ -705,16 +801,24 @@ impl HttpContext for Http {
         // first output): the pod's prefill of this request is over.
         if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
             p.in_prefill = false;
-            let (key, tokens) = (p.pod_key, p.prefill_tokens);
-            update_table(&p.pool, |t| t.first_byte(key, tokens));
+            let op = Completion::FirstByte {
+                pod_key: p.pod_key,
+                prefill_tokens: p.prefill_tokens,
+            };
+            let pool = p.pool.clone();
+            self.complete(pool, op);
         }
         Action::Continue
     }
 
     fn on_log(&mut self) {
         if let Some(p) = self.picked.take() {
-            let in_prefill = p.in_prefill.then_some(p.prefill_tokens);
-            update_table(&p.pool, |t| t.finish(p.pod_key, p.tokens, in_prefill));
+            let op = Completion::Finished {
+                pod_key: p.pod_key,
+                tokens: p.tokens,
+                in_prefill: p.in_prefill.then_some(p.prefill_tokens),
+            };
+            self.complete(p.pool, op);
         }
     }
 }
