@@ -79,7 +79,7 @@ bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM p
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
 bench-envoy: setup build ## latency and req/s through Envoy, with and without the filter
-	$(PY) scripts/envoy_overhead.py
+	$(PY) scripts/envoy_overhead.py --rounds 5
 
 bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace
 	$(PY) scripts/bench.py $(if $(TRACE),--trace $(TRACE)) $(if $(SPEEDUP),--speedup $(SPEEDUP))
