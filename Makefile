@@ -84,7 +84,7 @@ bench-envoy: setup build ## latency and req/s through Envoy, with and without th
 bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace
 	$(PY) scripts/bench.py $(if $(TRACE),--trace $(TRACE)) $(if $(SPEEDUP),--speedup $(SPEEDUP))
 
-bench-quick: setup build ## every scenario briefly (< 3 min): proves the pipeline, asserts no ratios
+bench-quick: setup build ## every scenario briefly (< 3 min, into target/bench/quick): proves the pipeline, asserts no ratios
 	$(PY) scripts/bench.py --quick
 
 bench-crosscheck: $(VENV)/.ready build ## TTFT cross-check with kubernetes-sigs inference-perf (~10 min; QUICK=1 for 1 min)

@@ -77,8 +77,11 @@ def main():
     ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated router configurations (default: all three)")
-    ap.add_argument("--out-dir", default=str(ROOT / "target" / "bench"))
+    ap.add_argument("--out-dir", help="default: target/bench (--quick: target/bench/quick, so a quick "
+                    "run never replaces the results of a full one)")
     args = ap.parse_args()
+    if args.out_dir is None:
+        args.out_dir = str(ROOT / "target" / "bench" / ("quick" if args.quick else ""))
     for b in (LOADGEN, REPORT):
         if not b.exists():
             sys.exit(f"{b} is missing: run `make build` first")
