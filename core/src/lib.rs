@@ -2,7 +2,8 @@
 //! dependency so it runs (and is tested) natively, in the wasm filter, in `sidecar-metrics`
 //! and in the benchmarks alike.
 //!
-//! - [`request`]: OpenAI body parsing (model, stream, prompt text);
+//! - [`request`]: OpenAI body parsing (model, stream, prompt text), with a single-pass
+//!   scanner for the common chat shape (`scan`);
 //! - [`routing`]: model -> pool resolution and the `/v1/models` answer;
 //! - [`adapters`]: the balanced partition of LoRA adapters over a pool's pods;
 //! - [`snapshot`]: the metrics snapshot schema the aggregator pushes;
@@ -25,4 +26,5 @@ pub mod prefix;
 pub mod request;
 pub mod rng;
 pub mod routing;
+mod scan;
 pub mod snapshot;

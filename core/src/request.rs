@@ -2,15 +2,17 @@
 //! be rewritten without re-serialising the body), `stream`, and the prompt text used for prefix
 //! affinity.
 //!
-//! Chat bodies (the hot path) are read in one typed pass of `serde_json` that borrows every
-//! field it needs; a string content without escapes is then used as it stands in the body. Any
-//! other shape, and the other endpoints, take the general path: the top-level fields as raw JSON,
-//! then the prompt parts visited a second time. Both give the same result for the same body (a
-//! property test holds them to it). Unknown fields are skipped, never interpreted. A duplicated `model` key
+//! Chat bodies (the hot path) are read by a single-pass scanner when they have the common shape
+//! (string contents; see `scan`), else in one typed pass of `serde_json` that borrows every
+//! field it needs. Any other shape, and the other endpoints, take the general path: the
+//! top-level fields as raw JSON, then the prompt parts visited a second time. All three give the
+//! same result for the same body (a property test holds them to it). Unknown fields are skipped,
+//! never interpreted. A duplicated `model` key
 //! is an error (serde's derive rejects it), so the gateway and the model server can never disagree
 //! about which model a body asks for.
 
 use crate::error::ApiError;
+use crate::scan;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -148,30 +150,66 @@ pub fn parse(
             "the request body must be a JSON object",
         ));
     }
-    let mut prompt = PromptText::new(prompt_limit, home_chars);
+    let prompt = || PromptText::new(prompt_limit, home_chars);
     if endpoint == Endpoint::Chat {
-        // Fast path; anything it does not take (a body that is not valid JSON, `messages`
-        // absent, null or not a list of message objects) goes the general way, which decides.
-        if let Ok(ChatBody {
+        // Fast paths; a body they do not take (not valid JSON, `messages` absent, null or not a
+        // list of message objects, ...) goes the general way, which decides.
+        if let Some(r) = parse_chat_scan(body, prompt()) {
+            return r;
+        }
+        if let Some(r) = parse_chat_serde(body, prompt()) {
+            return r;
+        }
+    }
+    parse_general(body, endpoint, prompt())
+}
+
+/// Chat, first tier: the single-pass scanner (string contents only).
+fn parse_chat_scan(
+    body: &[u8],
+    mut prompt: PromptText,
+) -> Option<Result<InferenceRequest<'_>, ApiError>> {
+    let scan = scan::chat(body)?;
+    Some(model_field(body, scan.model).map(|(model, model_span)| {
+        prompt.scanned(&scan.messages);
+        InferenceRequest {
             model,
-            stream,
-            messages: Some(messages),
-            ..
-        }) = serde_json::from_slice::<ChatBody<'_>>(body)
-        {
-            let (model, model_span) = model_field(body, model)?;
+            model_span,
+            stream: scan.stream == Some("true"),
+            prompt_len: prompt.len,
+            conversation_len: prompt.conversation_len,
+            prompt: prompt.text,
+        }
+    }))
+}
+
+/// Chat, second tier: one typed `serde_json` pass (any content shape).
+fn parse_chat_serde(
+    body: &[u8],
+    mut prompt: PromptText,
+) -> Option<Result<InferenceRequest<'_>, ApiError>> {
+    let Ok(ChatBody {
+        model,
+        stream,
+        messages: Some(messages),
+        ..
+    }) = serde_json::from_slice::<ChatBody<'_>>(body)
+    else {
+        return None;
+    };
+    Some(
+        model_field(body, model.map(RawValue::get)).map(|(model, model_span)| {
             prompt.message_list(&messages);
-            return Ok(InferenceRequest {
+            InferenceRequest {
                 model,
                 model_span,
                 stream: is_true(stream),
                 prompt_len: prompt.len,
                 conversation_len: prompt.conversation_len,
                 prompt: prompt.text,
-            });
-        }
-    }
-    parse_general(body, endpoint, prompt)
+            }
+        }),
+    )
 }
 
 /// The general path: top-level fields as raw JSON, then the prompt of the endpoint.
@@ -182,7 +220,7 @@ fn parse_general(
 ) -> Result<InferenceRequest<'_>, ApiError> {
     let raw: Body<'_> = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
-    let (model, model_span) = model_field(body, raw.model)?;
+    let (model, model_span) = model_field(body, raw.model.map(RawValue::get))?;
     let stream = is_true(raw.stream);
     match endpoint {
         Endpoint::Chat => prompt.messages(raw.messages),
@@ -214,13 +252,12 @@ fn parse_general(
 /// A model name and the byte range of its JSON string in the body.
 type ModelField<'a> = (Option<Cow<'a, str>>, Option<Range<usize>>);
 
-/// The `model` value: a string (unescaped, with its span in the body), absent or null.
-fn model_field<'a>(body: &[u8], raw: Option<&'a RawValue>) -> Result<ModelField<'a>, ApiError> {
+/// The `model` value (its raw JSON text, borrowed from `body`): a string (unescaped, with its
+/// span in the body), absent or null.
+fn model_field<'a>(body: &[u8], raw: Option<&'a str>) -> Result<ModelField<'a>, ApiError> {
     match raw {
-        None => Ok((None, None)),
-        Some(v) if v.get() == "null" => Ok((None, None)),
-        Some(v) => {
-            let text = v.get();
+        None | Some("null") => Ok((None, None)),
+        Some(text) => {
             if !text.starts_with('"') {
                 return Err(ApiError::invalid_type("model", "string"));
             }
@@ -318,6 +355,21 @@ impl PromptText {
             return;
         };
         self.message_list(&messages);
+    }
+
+    /// Messages read by the scanner: contents already unescaped, `tool_calls` raw.
+    fn scanned(&mut self, messages: &[scan::ChatMessage<'_>]) {
+        for m in messages {
+            self.message(m.role, |p| {
+                if let Some(content) = &m.content {
+                    p.push(content);
+                }
+                if let Some(calls) = m.tool_calls {
+                    p.push(calls);
+                }
+            });
+            self.sep(ITEM_SEP);
+        }
     }
 
     fn message_list(&mut self, messages: &[Message<'_>]) {
@@ -623,10 +675,11 @@ mod tests {
         /// or not: same fields, same canonical prompt, same errors.
         #[test]
         fn chat_fast_path_equals_general_path(
-            messages in proptest::collection::vec((0u8..5, 0u8..7, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..4), 0..5),
+            messages in proptest::collection::vec((0u8..5, 0u8..11, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..6), 0..5),
             shape in 0u8..6,
             model in 0u8..4,
-            extra in 0u8..4,
+            extra in 0u8..7,
+            tail in 0u8..3,
             limit in prop_oneof![Just(1usize << 16), 0usize..40],
         ) {
             let q = |t: &str| serde_json::to_string(t).unwrap();
@@ -639,7 +692,11 @@ mod tests {
                     3 => format!(r#"[{},{{"text":null}}, 5]"#, q(text)),
                     4 => "42".into(),
                     5 => format!(r#"{{"text":{}}}"#, q(text)),
-                    _ => format!(r#"[{{"text":{}, "text": "dup"}}]"#, q(text)),
+                    6 => format!(r#"[{{"text":{}, "text": "dup"}}]"#, q(text)),
+                    7 => r#""pair \ud83d\ude00 \u00e9\/""#.into(),
+                    8 => r#""lone \ud800""#.into(),
+                    9 => format!(r#""\u0041{}""#, &q(text)[1..]),
+                    _ => "true".into(),
                 };
                 let mut fields = vec![format!(r#""role":{role}"#), format!(r#""content" : {content}"#)];
                 if *content_first { fields.reverse(); }
@@ -647,6 +704,8 @@ mod tests {
                     1 => fields.push(r#""tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]"#.into()),
                     2 => fields.push(r#""name":"bob""#.into()),
                     3 => fields.push(format!(r#""role":{}"#, q("user"))),
+                    4 => fields.push(r#""tool_calls" : null"#.into()),
+                    5 => fields.push(r#""r\u006fle":"x""#.into()),
                     _ => {}
                 }
                 format!("{{{}}}", fields.join(","))
@@ -662,15 +721,25 @@ mod tests {
                 0 => "",
                 1 => r#","stream":true,"max_tokens":9"#,
                 2 => r#","prompt":"p","prompt":"q""#,
-                _ => r#","input":[1,2],"stream":"true""#,
+                3 => r#","input":[1,2],"stream":"true""#,
+                4 => r#" , "temperature" : -0.5e-3 ,"stop":[null,true,{"a":[]}],"n":10"#,
+                5 => r#","x":01"#,
+                _ => r#","x":"a\u0000b","y":{"z":[1E+2,-0]}"#,
             };
-            let body = format!("{{{model}{messages}{extra}}}");
+            let tail = ["", " \n\t", " x"][usize::from(tail)];
+            let body = format!("{{{model}{messages}{extra}}}{tail}");
             let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
                 .map(|r| (r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
                 .map_err(|e| (e.status, e.code, e.param));
-            let fast = summary(parse(body.as_bytes(), Endpoint::Chat, limit, 16));
-            let general = summary(parse_general(body.as_bytes(), Endpoint::Chat, PromptText::new(limit, 16)));
-            prop_assert_eq!(fast, general, "body: {}", body);
+            let b = body.as_bytes();
+            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16)));
+            if let Some(r) = parse_chat_scan(b, PromptText::new(limit, 16)) {
+                prop_assert_eq!(summary(r), general.clone(), "scanner, body: {}", body);
+            }
+            if let Some(r) = parse_chat_serde(b, PromptText::new(limit, 16)) {
+                prop_assert_eq!(summary(r), general.clone(), "serde tier, body: {}", body);
+            }
+            prop_assert_eq!(summary(parse(b, Endpoint::Chat, limit, 16)), general, "body: {}", body);
         }
     }
 }
