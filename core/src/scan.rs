@@ -391,6 +391,22 @@ mod tests {
     use super::*;
 
     proptest::proptest! {
+        /// Token soup that looks like JSON: never a panic, whatever the scanner decides.
+        #[test]
+        fn arbitrary_json_like_bytes_never_panic(parts in proptest::collection::vec(proptest::prop_oneof![
+            proptest::strategy::Just("{".to_string()), proptest::strategy::Just("}".to_string()),
+            proptest::strategy::Just("[".to_string()), proptest::strategy::Just("]".to_string()),
+            proptest::strategy::Just(",".to_string()), proptest::strategy::Just(":".to_string()),
+            proptest::strategy::Just("\"messages\"".to_string()), proptest::strategy::Just("\"role\"".to_string()),
+            proptest::strategy::Just("\"content\"".to_string()), proptest::strategy::Just("\"model\"".to_string()),
+            proptest::strategy::Just("null".to_string()), proptest::strategy::Just("-1.5e3".to_string()),
+            proptest::strategy::Just("\"\\u12".to_string()), proptest::strategy::Just("\\".to_string()),
+            "[ -~]{0,6}",
+        ], 0..40)) {
+            let body = format!("{{{}", parts.concat());
+            let _ = chat(body.as_bytes());
+        }
+
         #[test]
         fn special_finds_the_first_special_byte(b in proptest::collection::vec(proptest::prop_oneof![
             12 => proptest::strategy::Just(b'a'),
