@@ -229,20 +229,10 @@ def assignment(counters):
 
 # --- results -------------------------------------------------------------------------------
 
-def pct(values, p):
-    """Linear interpolation between closest ranks (numpy's default), so both tools' per-request
-    TTFTs can be summarised the same way."""
-    if not values:
-        return None
-    v = sorted(values)
-    k = (len(v) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (k - lo)
-
-
 def same_method(ttfts_ms):
-    return {f"p{p}": round(pct(ttfts_ms, p), 2) for p in (50, 90, 99)} if ttfts_ms else {}
+    """Both tools' per-request TTFTs summarised the same way (analyze.pct: linear interpolation
+    between closest ranks, numpy's default)."""
+    return {f"p{p}": round(analyze.pct(ttfts_ms, p), 2) for p in (50, 90, 99)} if ttfts_ms else {}
 
 
 def own_figures(n, ok, errors, ttft, tput, lag_p99, lag_max):

@@ -723,33 +723,27 @@ mod tests {
 
     #[test]
     fn adapter_requests_stay_on_their_pods_until_those_saturate() {
-        let mut home = lora_pod(1, &["x"], &[], 4);
-        home.waiting = 3;
-        let p = pool(vec![
-            home,
-            lora_pod(2, &[], &[], 4),
-            lora_pod(3, &[], &[], 4),
-        ]);
-        let req = RequestFeatures {
-            adapter: Some(adapter_key("sql")),
-            adapter_home: Some(p.pods[0].key),
-            ..Default::default()
+        // The adapter's home (pod 0) with `waiting` queued requests, two idle pods with free slots.
+        let setup = |waiting| {
+            let mut home = lora_pod(1, &["x"], &[], 4);
+            home.waiting = waiting;
+            let p = pool(vec![
+                home,
+                lora_pod(2, &[], &[], 4),
+                lora_pod(3, &[], &[], 4),
+            ]);
+            let req = RequestFeatures {
+                adapter: Some(adapter_key("sql")),
+                adapter_home: Some(p.pods[0].key),
+                ..Default::default()
+            };
+            (p, req)
         };
         // Busier, but it holds the adapter: no copy is made elsewhere.
+        let (p, req) = setup(3);
         assert_eq!(pick(&p, &req), Decision::Picked(vec![0]));
         // Saturated: the escape valve opens and a free slot elsewhere takes it.
-        let mut full = lora_pod(1, &["x"], &[], 4);
-        full.waiting = 9;
-        let p = pool(vec![
-            full,
-            lora_pod(2, &[], &[], 4),
-            lora_pod(3, &[], &[], 4),
-        ]);
-        let req = RequestFeatures {
-            adapter: Some(adapter_key("sql")),
-            adapter_home: Some(p.pods[0].key),
-            ..Default::default()
-        };
+        let (p, req) = setup(9);
         assert_ne!(best(&pick(&p, &req)), 0);
     }
 

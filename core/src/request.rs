@@ -170,16 +170,9 @@ fn parse_chat_scan(
     mut prompt: PromptText,
 ) -> Option<Result<InferenceRequest<'_>, ApiError>> {
     let scan = scan::chat(body)?;
-    Some(model_field(body, scan.model).map(|(model, model_span)| {
+    Some(model_field(body, scan.model).map(|model| {
         prompt.scanned(&scan.messages);
-        InferenceRequest {
-            model,
-            model_span,
-            stream: scan.stream == Some("true"),
-            prompt_len: prompt.len,
-            conversation_len: prompt.conversation_len,
-            prompt: prompt.text,
-        }
+        prompt.finish(model, is_true(scan.stream))
     }))
 }
 
@@ -197,19 +190,10 @@ fn parse_chat_serde(
     else {
         return None;
     };
-    Some(
-        model_field(body, model.map(RawValue::get)).map(|(model, model_span)| {
-            prompt.message_list(&messages);
-            InferenceRequest {
-                model,
-                model_span,
-                stream: is_true(stream),
-                prompt_len: prompt.len,
-                conversation_len: prompt.conversation_len,
-                prompt: prompt.text,
-            }
-        }),
-    )
+    Some(model_field(body, model.map(RawValue::get)).map(|model| {
+        prompt.message_list(&messages);
+        prompt.finish(model, is_true(stream.map(RawValue::get)))
+    }))
 }
 
 /// The general path: top-level fields as raw JSON, then the prompt of the endpoint.
@@ -220,8 +204,8 @@ fn parse_general(
 ) -> Result<InferenceRequest<'_>, ApiError> {
     let raw: Body<'_> = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
-    let (model, model_span) = model_field(body, raw.model.map(RawValue::get))?;
-    let stream = is_true(raw.stream);
+    let model = model_field(body, raw.model.map(RawValue::get))?;
+    let stream = is_true(raw.stream.map(RawValue::get));
     match endpoint {
         Endpoint::Chat => prompt.messages(raw.messages),
         Endpoint::Completions => prompt.value(raw.prompt),
@@ -239,14 +223,7 @@ fn parse_general(
             }
         }
     }
-    Ok(InferenceRequest {
-        model,
-        model_span,
-        stream,
-        prompt_len: prompt.len,
-        conversation_len: prompt.conversation_len,
-        prompt: prompt.text,
-    })
+    Ok(prompt.finish(model, stream))
 }
 
 /// A model name and the byte range of its JSON string in the body.
@@ -268,8 +245,9 @@ fn model_field<'a>(body: &[u8], raw: Option<&'a str>) -> Result<ModelField<'a>, 
     }
 }
 
-fn is_true(raw: Option<&RawValue>) -> bool {
-    matches!(raw.map(RawValue::get), Some("true"))
+/// `stream` (its raw JSON text) is the literal `true`.
+fn is_true(raw: Option<&str>) -> bool {
+    raw == Some("true")
 }
 
 /// The text of a JSON string token (`raw` includes the quotes and was validated by the parser
@@ -355,6 +333,18 @@ impl PromptText {
             return;
         };
         self.message_list(&messages);
+    }
+
+    /// The parsed request, with this prompt text.
+    fn finish(self, (model, model_span): ModelField<'_>, stream: bool) -> InferenceRequest<'_> {
+        InferenceRequest {
+            model,
+            model_span,
+            stream,
+            prompt_len: self.len,
+            conversation_len: self.conversation_len,
+            prompt: self.text,
+        }
     }
 
     /// Messages read by the scanner: contents already unescaped, `tool_calls` raw.

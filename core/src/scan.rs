@@ -176,36 +176,8 @@ impl<'a> Scanner<'a> {
             b'"' => {
                 self.string()?;
             }
-            b'{' => {
-                self.i += 1;
-                self.ws();
-                if self.peek()? == b'}' {
-                    self.i += 1;
-                } else {
-                    loop {
-                        self.string()?;
-                        self.eat(b':')?;
-                        self.value(depth + 1)?;
-                        if !self.next_or_end(b'}')? {
-                            break;
-                        }
-                    }
-                }
-            }
-            b'[' => {
-                self.i += 1;
-                self.ws();
-                if self.peek()? == b']' {
-                    self.i += 1;
-                } else {
-                    loop {
-                        self.value(depth + 1)?;
-                        if !self.next_or_end(b']')? {
-                            break;
-                        }
-                    }
-                }
-            }
+            b'{' => self.object(|_, s| s.value(depth + 1).map(drop))?,
+            b'[' => self.array(|s| s.value(depth + 1).map(drop))?,
             b't' => self.literal(b"true")?,
             b'f' => self.literal(b"false")?,
             b'n' => self.literal(b"null")?,
@@ -214,28 +186,36 @@ impl<'a> Scanner<'a> {
         self.text.get(start..self.i)
     }
 
-    /// An object key without escapes (a key with escapes could spell a known field).
-    fn key(&mut self) -> Option<&'a str> {
-        let (tok, escaped) = self.string()?;
-        if escaped {
-            return None;
-        }
-        tok.get(1..tok.len() - 1)
+    /// Calls `member(key, scanner)` for every member of an object; `member` reads the value.
+    /// `key` is `None` when it holds escapes (it could spell any field).
+    fn object(
+        &mut self,
+        mut member: impl FnMut(Option<&'a str>, &mut Self) -> Option<()>,
+    ) -> Option<()> {
+        self.eat(b'{')?;
+        self.members(b'}', |s| {
+            let (tok, escaped) = s.string()?;
+            s.eat(b':')?;
+            member(tok.get(1..tok.len() - 1).filter(|_| !escaped), s)
+        })
     }
 
-    /// Calls `member(key, scanner)` for every member of an object; `member` reads the value.
-    fn object(&mut self, mut member: impl FnMut(&str, &mut Self) -> Option<()>) -> Option<()> {
-        self.eat(b'{')?;
+    /// Calls `item(scanner)` for every element of an array; `item` reads it.
+    fn array(&mut self, item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.eat(b'[')?;
+        self.members(b']', item)
+    }
+
+    /// The members of an object or array, after its opening bracket up to its closing `end`.
+    fn members(&mut self, end: u8, mut member: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
         self.ws();
-        if self.peek()? == b'}' {
+        if self.peek()? == end {
             self.i += 1;
             return Some(());
         }
         loop {
-            let k = self.key()?;
-            self.eat(b':')?;
-            member(k, self)?;
-            if !self.next_or_end(b'}')? {
+            member(self)?;
+            if !self.next_or_end(end)? {
                 return Some(());
             }
         }
@@ -245,25 +225,17 @@ impl<'a> Scanner<'a> {
         let mut model = None;
         let mut stream = None;
         let mut messages = None;
-        // model, stream, messages, prompt, input, instructions: each at most once.
         let mut seen = [false; 6];
         self.object(|k, s| {
-            let slot = [
+            const FIELDS: [&str; 6] = [
                 "model",
                 "stream",
                 "messages",
                 "prompt",
                 "input",
                 "instructions",
-            ]
-            .iter()
-            .position(|n| *n == k);
-            if let Some(n) = slot {
-                if std::mem::replace(seen.get_mut(n)?, true) {
-                    return None;
-                }
-            }
-            match slot {
+            ];
+            match field(k, FIELDS, &mut seen)? {
                 Some(0) => {
                     let raw = s.value(1)?;
                     model = match raw.as_bytes().first()? {
@@ -288,19 +260,12 @@ impl<'a> Scanner<'a> {
     }
 
     fn messages(&mut self) -> Option<Vec<ChatMessage<'a>>> {
-        self.eat(b'[')?;
         let mut out = Vec::new();
-        self.ws();
-        if self.peek()? == b']' {
-            self.i += 1;
-            return Some(out);
-        }
-        loop {
-            out.push(self.message()?);
-            if !self.next_or_end(b']')? {
-                return Some(out);
-            }
-        }
+        self.array(|s| {
+            out.push(s.message()?);
+            Some(())
+        })?;
+        Some(out)
     }
 
     fn message(&mut self) -> Option<ChatMessage<'a>> {
@@ -311,15 +276,7 @@ impl<'a> Scanner<'a> {
         };
         let mut seen = [false; 3];
         self.object(|k, s| {
-            let slot = ["role", "content", "tool_calls"]
-                .iter()
-                .position(|n| *n == k);
-            if let Some(n) = slot {
-                if std::mem::replace(seen.get_mut(n)?, true) {
-                    return None;
-                }
-            }
-            match slot {
+            match field(k, ["role", "content", "tool_calls"], &mut seen)? {
                 Some(0) => {
                     let raw = s.value(2)?;
                     if raw != "null" {
@@ -357,6 +314,24 @@ impl<'a> Scanner<'a> {
         })?;
         Some(m)
     }
+}
+
+/// Which of `names` an object key is: `Some(Some(i))`, or `Some(None)` for any other key. Each
+/// name is accepted once; a repeated one, or a key with escapes, makes the scanner decline
+/// (`serde_json` rejects duplicates of the fields it knows).
+fn field<const N: usize>(
+    key: Option<&str>,
+    names: [&str; N],
+    seen: &mut [bool; N],
+) -> Option<Option<usize>> {
+    let key = key?;
+    let slot = names.iter().position(|n| *n == key);
+    if let Some(i) = slot {
+        if std::mem::replace(seen.get_mut(i)?, true) {
+            return None;
+        }
+    }
+    Some(slot)
 }
 
 /// Index of the first `"`, `\\` or control character (< 0x20) in `b`, eight bytes at a time

@@ -24,6 +24,7 @@ use gpuroute_core::load::LoadTable;
 use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::prefix::SyncLog;
 use gpuroute_core::rng::SplitMix64;
+use gpuroute_core::snapshot::Snapshot;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use stats::Stats;
@@ -133,15 +134,18 @@ impl Worker {
         self.seen_header = Some(hdr);
         if let (Some(stored), _) = host::get_shared(SNAPSHOT_KEY) {
             match ingest::decode_stored(&stored) {
-                Some((h, snap)) => {
-                    // Completions still pending would otherwise land after the tables are
-                    // re-based on the new snapshot and count twice.
-                    self.flush_completions();
-                    self.fleet = Some(FleetState::new(snap, h.received_at_ms));
-                }
+                Some((h, snap)) => self.install_fleet(snap, h.received_at_ms),
                 None => host::log(LogLevel::Error, "gpuroute: stored snapshot is unreadable"),
             }
         }
+    }
+
+    /// Makes `snap` this worker's snapshot. Completions still pending are written first: they
+    /// would otherwise land after the load tables are re-based on the new snapshot and count
+    /// twice.
+    fn install_fleet(&mut self, snap: Snapshot, received_at_ms: u64) {
+        self.flush_completions();
+        self.fleet = Some(FleetState::new(snap, received_at_ms));
     }
 
     /// Re-reads the snapshot version on the request path, at most every `VERSION_CHECK_NS`.
@@ -493,8 +497,7 @@ impl Http {
         let pods: usize = snap.pools.iter().map(|p| p.pods.len()).sum();
         w.stats.inc("gpuroute.snapshot.accepted");
         w.stats.gauge("gpuroute.snapshot.pods", pods as u64);
-        w.flush_completions();
-        w.fleet = Some(FleetState::new(snap, header.received_at_ms));
+        w.install_fleet(snap, header.received_at_ms);
         w.seen_header = Some(header);
         self.reply(204, "", "text/plain")
     }
@@ -522,7 +525,7 @@ impl Http {
         let key = load_key(&prep.pool);
         let mut table = LoadTable::default();
         let mut cas = None;
-        let mut aligned: Option<(u64, Vec<u64>)> = None;
+        let mut aligned: Option<(u64, &[u64])> = None;
         if let (Some(f), Some(p)) = (w.fleet.as_ref(), pool_state) {
             let (bytes, c) = host::get_shared(&key);
             table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
@@ -532,7 +535,7 @@ impl Http {
                 op.apply(&mut table);
             }
             cas = c;
-            aligned = Some((f.version, p.keys.clone()));
+            aligned = Some((f.version, &p.keys));
         }
         let opts = DecideOptions {
             now_ms: now,
