@@ -9,11 +9,12 @@
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds)
+//! - `gpuroute.models_list` (counter: `/v1/models` answered)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request; every
-//! other counter is immediate.
-//! - `gpuroute.models_list` (counter: `/v1/models` answered)
+//! other counter is immediate. Their ids are cached per pool and pod (`hot`), apart from the
+//! by-name cache of the others, so the hot path formats no metric names.
 
 use crate::host;
 use gpuroute_core::fleet::stat_segment as sanitize;
