@@ -78,8 +78,8 @@ bench-core: ## criterion: decision cost for 64 and 1,000 pods
 bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
-bench-envoy: setup build ## latency and req/s through Envoy, with and without the filter
-	$(PY) scripts/envoy_overhead.py --rounds 5
+bench-envoy: setup build ## latency, req/s and CPU per request through Envoy, with and without the filter (~3 min)
+	$(PY) scripts/envoy_overhead.py
 
 bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace
 	$(PY) scripts/bench.py $(if $(TRACE),--trace $(TRACE)) $(if $(SPEEDUP),--speedup $(SPEEDUP))

@@ -1,71 +1,75 @@
 //! Panic-free host calls.
 //!
-//! The proxy-wasm SDK's own wrappers `panic!` on any status they do not expect (and some
-//! `unwrap` UTF-8 conversions of header values a client controls); a panic takes the whole VM
-//! down. This module declares the few ABI 0.2.1 imports the filter uses and turns every status
-//! into a `Result`, so a surprising host answer becomes a fail-open decision instead of a crash.
-//! Memory the host returns is allocated through the SDK's exported `proxy_on_memory_allocate`
-//! (a boxed slice), so it is taken back with `Vec::from_raw_parts` exactly like the SDK does.
+//! The proxy-wasm SDK's wrappers `panic!` on any status they do not expect (and some `unwrap`
+//! UTF-8 conversions of header values a client controls); a panic takes the whole VM down. The
+//! filter does not use the SDK: this module declares the ABI 0.2.1 imports the filter uses, with
+//! plain integer arguments and results, and turns every status into a `Result`, so a surprising
+//! host answer becomes a fail-open decision instead of a crash. Memory the host returns is
+//! allocated through `abi::proxy_on_memory_allocate` (a boxed slice), so it is taken back with
+//! `Vec::from_raw_parts`.
 
-use proxy_wasm::types::{BufferType, LogLevel, MapType, MetricType, Status};
+use crate::abi::{BufferType, LogLevel, MapType, MetricType, Status};
 use std::ptr::{null, null_mut};
 
 #[link(wasm_import_module = "env")]
 extern "C" {
-    fn proxy_log(level: LogLevel, message_data: *const u8, message_size: usize) -> Status;
-    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> Status;
-    fn proxy_set_tick_period_milliseconds(period: u32) -> Status;
+    fn proxy_log(level: u32, message_data: *const u8, message_size: usize) -> u32;
+    fn proxy_get_current_time_nanoseconds(return_time: *mut u64) -> u32;
+    fn proxy_set_tick_period_milliseconds(period: u32) -> u32;
     fn proxy_get_buffer_bytes(
-        buffer_type: BufferType,
+        buffer_type: u32,
         start: usize,
         max_size: usize,
         return_buffer_data: *mut *mut u8,
         return_buffer_size: *mut usize,
-    ) -> Status;
+    ) -> u32;
     fn proxy_set_buffer_bytes(
-        buffer_type: BufferType,
+        buffer_type: u32,
         start: usize,
         size: usize,
         buffer_data: *const u8,
         buffer_size: usize,
-    ) -> Status;
+    ) -> u32;
     fn proxy_get_header_map_pairs(
-        map_type: MapType,
+        map_type: u32,
         return_map_data: *mut *mut u8,
         return_map_size: *mut usize,
-    ) -> Status;
+    ) -> u32;
     fn proxy_replace_header_map_value(
-        map_type: MapType,
+        map_type: u32,
         key_data: *const u8,
         key_size: usize,
         value_data: *const u8,
         value_size: usize,
-    ) -> Status;
-    fn proxy_remove_header_map_value(
-        map_type: MapType,
+    ) -> u32;
+    fn proxy_add_header_map_value(
+        map_type: u32,
         key_data: *const u8,
         key_size: usize,
-    ) -> Status;
+        value_data: *const u8,
+        value_size: usize,
+    ) -> u32;
+    fn proxy_remove_header_map_value(map_type: u32, key_data: *const u8, key_size: usize) -> u32;
     fn proxy_get_property(
         path_data: *const u8,
         path_size: usize,
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
-    ) -> Status;
+    ) -> u32;
     fn proxy_get_shared_data(
         key_data: *const u8,
         key_size: usize,
         return_value_data: *mut *mut u8,
         return_value_size: *mut usize,
         return_cas: *mut u32,
-    ) -> Status;
+    ) -> u32;
     fn proxy_set_shared_data(
         key_data: *const u8,
         key_size: usize,
         value_data: *const u8,
         value_size: usize,
         cas: u32,
-    ) -> Status;
+    ) -> u32;
     #[allow(clippy::too_many_arguments)]
     fn proxy_send_local_response(
         status_code: u32,
@@ -76,15 +80,15 @@ extern "C" {
         headers_data: *const u8,
         headers_size: usize,
         grpc_status: i32,
-    ) -> Status;
+    ) -> u32;
     fn proxy_define_metric(
-        metric_type: MetricType,
+        metric_type: u32,
         name_data: *const u8,
         name_size: usize,
         return_id: *mut u32,
-    ) -> Status;
-    fn proxy_increment_metric(metric_id: u32, offset: i64) -> Status;
-    fn proxy_record_metric(metric_id: u32, value: u64) -> Status;
+    ) -> u32;
+    fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
+    fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
 }
 
 /// Takes ownership of a buffer the host allocated through `proxy_on_memory_allocate`.
@@ -99,8 +103,8 @@ unsafe fn take(data: *mut u8, size: usize) -> Vec<u8> {
     }
 }
 
-fn ok(s: Status) -> Result<(), Status> {
-    match s {
+fn ok(raw: u32) -> Result<(), Status> {
+    match Status::from_raw(raw) {
         Status::Ok => Ok(()),
         other => Err(other),
     }
@@ -108,14 +112,14 @@ fn ok(s: Status) -> Result<(), Status> {
 
 pub fn log(level: LogLevel, msg: &str) {
     // SAFETY: pointer and length of a live &str.
-    let _ = unsafe { proxy_log(level, msg.as_ptr(), msg.len()) };
+    let _ = unsafe { proxy_log(level as u32, msg.as_ptr(), msg.len()) };
 }
 
 /// Envoy's wall clock, nanoseconds since the Unix epoch (0 if the host refuses).
 pub fn now_nanos() -> u64 {
     let mut t = 0u64;
     // SAFETY: `t` outlives the call.
-    match unsafe { proxy_get_current_time_nanoseconds(&mut t) } {
+    match Status::from_raw(unsafe { proxy_get_current_time_nanoseconds(&mut t) }) {
         Status::Ok => t,
         _ => 0,
     }
@@ -135,7 +139,13 @@ pub fn get_buffer(kind: BufferType, start: usize, max: usize) -> Result<Vec<u8>,
     // SAFETY: out-pointers outlive the call; the returned buffer is host-allocated via our
     // allocator and owned by us afterwards.
     unsafe {
-        match proxy_get_buffer_bytes(kind, start, max, &mut data, &mut size) {
+        match Status::from_raw(proxy_get_buffer_bytes(
+            kind as u32,
+            start,
+            max,
+            &mut data,
+            &mut size,
+        )) {
             Status::Ok => Ok(take(data, size)),
             Status::NotFound | Status::Empty => Ok(Vec::new()),
             other => Err(other),
@@ -145,7 +155,7 @@ pub fn get_buffer(kind: BufferType, start: usize, max: usize) -> Result<Vec<u8>,
 
 pub fn set_buffer(kind: BufferType, start: usize, size: usize, value: &[u8]) -> Result<(), Status> {
     // SAFETY: pointer and length of a live slice.
-    ok(unsafe { proxy_set_buffer_bytes(kind, start, size, value.as_ptr(), value.len()) })
+    ok(unsafe { proxy_set_buffer_bytes(kind as u32, start, size, value.as_ptr(), value.len()) })
 }
 
 /// All headers of a map in one host call, as the raw serialised map (see [`header_pairs`]).
@@ -153,7 +163,7 @@ pub fn get_header_map(map: MapType) -> Vec<u8> {
     let (mut data, mut size) = (null_mut(), 0usize);
     // SAFETY: as in `get_buffer`.
     unsafe {
-        match proxy_get_header_map_pairs(map, &mut data, &mut size) {
+        match Status::from_raw(proxy_get_header_map_pairs(map as u32, &mut data, &mut size)) {
             Status::Ok => take(data, size),
             _ => Vec::new(),
         }
@@ -194,13 +204,34 @@ pub fn header_pairs(raw: &[u8]) -> Vec<(&[u8], &[u8])> {
 pub fn set_header(map: MapType, name: &str, value: &str) -> Result<(), Status> {
     // SAFETY: pointers and lengths of live strings.
     ok(unsafe {
-        proxy_replace_header_map_value(map, name.as_ptr(), name.len(), value.as_ptr(), value.len())
+        proxy_replace_header_map_value(
+            map as u32,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
+    })
+}
+
+/// Adds a header without looking for an existing one (cheaper than [`set_header`]): for the
+/// filter's own headers, which were stripped from the request on arrival.
+pub fn add_header(map: MapType, name: &str, value: &str) -> Result<(), Status> {
+    // SAFETY: pointers and lengths of live strings.
+    ok(unsafe {
+        proxy_add_header_map_value(
+            map as u32,
+            name.as_ptr(),
+            name.len(),
+            value.as_ptr(),
+            value.len(),
+        )
     })
 }
 
 pub fn remove_header(map: MapType, name: &str) -> Result<(), Status> {
     // SAFETY: pointer and length of a live string.
-    ok(unsafe { proxy_remove_header_map_value(map, name.as_ptr(), name.len()) })
+    ok(unsafe { proxy_remove_header_map_value(map as u32, name.as_ptr(), name.len()) })
 }
 
 /// An Envoy attribute, e.g. `["source", "address"]`.
@@ -214,7 +245,12 @@ pub fn get_property(path: &[&str]) -> Option<Vec<u8>> {
     let (mut data, mut size) = (null_mut(), 0usize);
     // SAFETY: as in `get_buffer`.
     unsafe {
-        match proxy_get_property(p.as_ptr(), p.len(), &mut data, &mut size) {
+        match Status::from_raw(proxy_get_property(
+            p.as_ptr(),
+            p.len(),
+            &mut data,
+            &mut size,
+        )) {
             Status::Ok => Some(take(data, size)),
             _ => None,
         }
@@ -226,7 +262,13 @@ pub fn get_shared(key: &str) -> (Option<Vec<u8>>, Option<u32>) {
     let (mut data, mut size, mut cas) = (null_mut(), 0usize, 0u32);
     // SAFETY: as in `get_buffer`.
     unsafe {
-        match proxy_get_shared_data(key.as_ptr(), key.len(), &mut data, &mut size, &mut cas) {
+        match Status::from_raw(proxy_get_shared_data(
+            key.as_ptr(),
+            key.len(),
+            &mut data,
+            &mut size,
+            &mut cas,
+        )) {
             Status::Ok => {
                 let v = (!data.is_null()).then(|| take(data, size));
                 (v, (cas != 0).then_some(cas))
@@ -287,7 +329,9 @@ pub fn send_response(status: u32, headers: &[(&str, &str)], body: &[u8]) -> Resu
 pub fn define_metric(kind: MetricType, name: &str) -> Option<u32> {
     let mut id = 0u32;
     // SAFETY: pointer and length of a live string; `id` outlives the call.
-    match unsafe { proxy_define_metric(kind, name.as_ptr(), name.len(), &mut id) } {
+    match Status::from_raw(unsafe {
+        proxy_define_metric(kind as u32, name.as_ptr(), name.len(), &mut id)
+    }) {
         Status::Ok => Some(id),
         _ => None,
     }

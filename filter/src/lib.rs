@@ -10,11 +10,14 @@
 //! changes), the prefix index, and a tick that exchanges prefix decisions with the other
 //! workers through shared data.
 //!
-//! Host calls go through [`host`], which never panics.
+//! The host calls in through [`abi`] (the ABI 0.2.1 exports, only those the filter uses) and is
+//! called through [`host`]; neither can panic.
 
+mod abi;
 mod host;
 mod stats;
 
+use abi::{Action, BufferType, LogLevel, MapType};
 use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
 use gpuroute_core::error::ApiError;
@@ -25,8 +28,6 @@ use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::prefix::SyncLog;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::Snapshot;
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use stats::Stats;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -53,11 +54,6 @@ const CAS_ATTEMPTS: usize = 16;
 /// The request path re-reads the shared snapshot version at most this often (the tick re-reads
 /// it too): a host call that copies into the VM costs as much as a small decision.
 const VERSION_CHECK_NS: u64 = 1_000_000;
-
-proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|id| -> Box<dyn RootContext> { Box::new(Root { id, worker: None }) });
-}}
 
 fn load_key(pool: &str) -> String {
     format!("gpuroute.load.{pool}")
@@ -241,9 +237,11 @@ struct Root {
     worker: Option<Rc<RefCell<Worker>>>,
 }
 
-impl Context for Root {}
+impl Root {
+    fn new(id: u32) -> Root {
+        Root { id, worker: None }
+    }
 
-impl RootContext for Root {
     fn on_configure(&mut self, size: usize) -> bool {
         let raw = host::get_buffer(BufferType::PluginConfiguration, 0, size).unwrap_or_default();
         let config = match FilterConfig::from_json(&raw) {
@@ -292,19 +290,15 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Http {
+    fn create_http(&self) -> Http {
+        Http {
             worker: self.worker.clone(),
             mode: Mode::Pass,
             head: Head::default(),
             path: String::new(),
             picked: None,
             debug: None,
-        }))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
+        }
     }
 }
 
@@ -375,10 +369,9 @@ struct Http {
     head: Head,
     path: String,
     picked: Option<Picked>,
+    /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
 }
-
-impl Context for Http {}
 
 impl Http {
     /// Queues a completion for the shared load table (see `Worker::pending`).
@@ -542,10 +535,10 @@ impl Http {
             sheddable,
             debug,
         };
-        let choice = w
+        let mut choice = w
             .engine
             .decide(&prep, w.fleet.as_ref(), &table.pods, opts, &mut w.rng);
-        self.debug = choice.debug.clone();
+        self.debug = choice.debug.take();
 
         let pool = prep.pool.clone();
         match &choice.decision {
@@ -561,7 +554,7 @@ impl Http {
                     DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
                     DataPlane::OverrideHost => dest.as_str(),
                 };
-                let _ = host::set_header(MapType::HttpRequestHeaders, DEST_HEADER, dest);
+                let _ = host::add_header(MapType::HttpRequestHeaders, DEST_HEADER, dest);
                 if let Some((version, keys)) = &aligned {
                     let ops = w.pending.remove(&pool).unwrap_or_default();
                     let sent = (
@@ -624,11 +617,12 @@ impl Http {
 
     fn set_routing_headers(&self, prep: &Prepared, body: &[u8]) {
         let h = MapType::HttpRequestHeaders;
-        let _ = host::set_header(h, "x-gateway-pool", &prep.pool);
-        let _ = host::set_header(h, "x-gateway-model-name", &prep.target.model);
+        // Added, not replaced: every internal header was stripped on arrival (cheaper for Envoy).
+        let _ = host::add_header(h, "x-gateway-pool", &prep.pool);
+        let _ = host::add_header(h, "x-gateway-model-name", &prep.target.model);
         if let Some(a) = &prep.target.adapter {
-            let _ = host::set_header(h, "x-gateway-base-model-name", &prep.target.base_model);
-            let _ = host::set_header(h, "x-gateway-lora-adapter", a);
+            let _ = host::add_header(h, "x-gateway-base-model-name", &prep.target.base_model);
+            let _ = host::add_header(h, "x-gateway-lora-adapter", a);
         }
         if let Some(new_body) = &prep.rewritten_body {
             if host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body).is_ok() {
@@ -699,8 +693,8 @@ fn peer_is_loopback() -> bool {
         .is_ok_and(|ip| ip.is_loopback())
 }
 
-impl HttpContext for Http {
-    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+impl Http {
+    fn on_request_headers(&mut self, end_of_stream: bool) -> Action {
         // One host call reads every header; only client-sent internal headers are removed.
         self.head = Head::read();
         for h in &self.head.forged {
@@ -752,7 +746,7 @@ impl HttpContext for Http {
         Action::Continue
     }
 
-    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+    fn on_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
@@ -792,14 +786,14 @@ impl HttpContext for Http {
         }
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_response_headers(&mut self) -> Action {
         if let Some(d) = &self.debug {
             let _ = host::set_header(MapType::HttpResponseHeaders, DEBUG_HEADER, d);
         }
         Action::Continue
     }
 
-    fn on_http_response_body(&mut self, _body_size: usize, _end_of_stream: bool) -> Action {
+    fn on_response_body(&mut self) -> Action {
         // The first streamed chunk is the first token (vLLM sends its first SSE event with the
         // first output): the pod's prefill of this request is over.
         if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
@@ -814,7 +808,8 @@ impl HttpContext for Http {
         Action::Continue
     }
 
-    fn on_log(&mut self) {
+    /// The request is over (the host deletes its context): it leaves the in-flight table.
+    fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
             let op = Completion::Finished {
                 pod_key: p.pod_key,

@@ -16,9 +16,9 @@
 //! other counter is immediate. Their ids are cached per pool and pod (`hot`), apart from the
 //! by-name cache of the others, so the hot path formats no metric names.
 
+use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::fleet::stat_segment as sanitize;
-use proxy_wasm::types::MetricType;
 use std::collections::HashMap;
 
 /// Metric ids, defined lazily and cached per worker.

@@ -89,6 +89,21 @@ def test_least_loaded_pod_wins_from_a_pushed_snapshot(envoy, pods):
     assert got == {"llama-0": 10}, got
 
 
+def test_finished_requests_leave_the_in_flight_count(envoy, pods):
+    """A request counts against its pod while in flight and stops counting when it ends (the
+    host deleting the request's context): sequential requests keep going to the idle pod. If
+    finished requests stayed counted, the idle pod would look busier than the others after a
+    few requests and the picks would spread."""
+    loads = [{"running": 0}, {"running": 3}, {"running": 3}]
+    assert envoy.push(fresh(pods, loads))[0] == 204
+    # Distinct prompts, so prefix affinity plays no part; 12 requests stay well inside the
+    # snapshot's 1 s freshness (a stale snapshot would fail open to Envoy's balancer).
+    rs = [envoy.chat("llama-3-8b", f"question {i}: {'x' * i}") for i in range(12)]
+    assert all(r[1]["x-gateway-debug"].startswith("pool=llama; picked=") for r in rs)
+    got = Counter(served_by(r) for r in rs)
+    assert got == {"llama-0": 12}, got
+
+
 def test_destination_header_lists_fallbacks_and_debug_explains(envoy, pods):
     assert envoy.push(fresh(pods))[0] == 204
     s, h, body, _ = envoy.chat("llama-3-8b")
