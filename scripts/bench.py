@@ -37,13 +37,15 @@ def scenario_names():
     return sorted(p.stem for p in (ROOT / "bench" / "scenarios").glob("*.json"))
 
 
-def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS):
+def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False):
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
     for label in configs:
         t0 = time.time()
-        stack = Stack(fleet=fleet, router=label, workdir=work / label, concurrency=concurrency).start()
+        overrides = {"debug_header": True} if debug else None
+        stack = Stack(fleet=fleet, router=label, workdir=work / label, concurrency=concurrency,
+                      filter_overrides=overrides).start()
         try:
             out = work / f"{label}.json"
             args = [str(LOADGEN), "--target", f"http://{stack.listen}", "--workload", str(scenario_file),
@@ -77,6 +79,9 @@ def main():
     ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated router configurations (default: all three)")
+    ap.add_argument("--debug-header", action="store_true",
+                    help="filter: record each decision's x-gateway-debug breakdown in the per-request records "
+                    "(work/<scenario>/filter.json)")
     ap.add_argument("--out-dir", help="default: target/bench (--quick: target/bench/quick, so a quick "
                     "run never replaces the results of a full one)")
     args = ap.parse_args()
@@ -106,13 +111,14 @@ def main():
             extra += ["--rate", "8"]  # ~70% of the bursty fleet's ~11.6 req/s
         if mooncake:
             extra += ["--token-scale", "0.125"]  # 512-token blocks -> 64 tokens, as shared-prefix
-        run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs)
+        run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs,
+                     args.debug_header)
     else:
         names = args.scenario or scenario_names()
         for name in names:
             f = ROOT / "bench" / "scenarios" / f"{name}.json"
             fleet = json.loads(f.read_text())["fleet"]
-            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency, configs)
+            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header)
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

@@ -696,6 +696,7 @@ mod tests {
                 output_tokens: 10,
                 usage_reported: true,
                 served_by: Some(format!("pod-{}", i % 3)),
+                gateway_debug: None,
             })
             .collect();
         let counters = |h: f64, q: f64, l: f64| {

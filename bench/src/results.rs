@@ -74,6 +74,10 @@ pub struct RequestRecord {
     pub usage_reported: bool,
     /// The `x-served-by` response header.
     pub served_by: Option<String>,
+    /// The filter's `x-gateway-debug` response header, when its `debug_header` option is on
+    /// (why the request went where it went).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway_debug: Option<String>,
 }
 
 impl RequestRecord {
@@ -301,6 +305,7 @@ mod tests {
             output_tokens: tokens,
             usage_reported: true,
             served_by: Some(format!("pod-{}", id % 2)),
+            gateway_debug: None,
         }
     }
 

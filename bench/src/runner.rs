@@ -24,6 +24,8 @@ use crate::workload::Workload;
 
 /// The response header naming the pod that served a request (set by fleet-sim).
 pub const SERVED_BY_HEADER: &str = "x-served-by";
+/// The filter's decision breakdown (`debug_header: true` in its configuration).
+pub const GATEWAY_DEBUG_HEADER: &str = "x-gateway-debug";
 
 /// Settings of a run.
 #[derive(Debug, Clone)]
@@ -202,6 +204,7 @@ struct Progress {
     usage_tokens: Option<u64>,
     done: bool,
     served_by: Option<String>,
+    gateway_debug: Option<String>,
 }
 
 type Failure = (ErrorKind, String);
@@ -274,6 +277,7 @@ async fn execute(
         output_tokens,
         usage_reported: progress.usage_tokens.is_some(),
         served_by: progress.served_by,
+        gateway_debug: progress.gateway_debug,
     }
 }
 
@@ -315,6 +319,11 @@ async fn stream_request(
     p.served_by = resp
         .headers()
         .get(SERVED_BY_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    p.gateway_debug = resp
+        .headers()
+        .get(GATEWAY_DEBUG_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
     if !resp.status().is_success() {

@@ -271,14 +271,24 @@ impl Picker {
             let w = c.1.capacity;
             weighted_hrw(k, pool.pods[c.0].key, w)
         };
-        let home = match (prefix_on, req.home_key) {
-            (true, Some(k)) => cands
+        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
+        let home = match (prefix_on, adapter, req.home_key) {
+            // An adapter request's prompt is homed with its adapter: on the adapter's home pod,
+            // or, when that pod is not a candidate (saturated), on the adapter's own rendezvous
+            // pod among the rest. So the prefix signal agrees with the LoRA one instead of
+            // scattering a busy adapter's overflow (and its loads) over every pod; the overflow
+            // goes to one pod, where the adapter then stays loaded.
+            (true, Some(a), _) => cands
+                .iter()
+                .find(|c| req.adapter_home == Some(pool.pods[c.0].key))
+                .or_else(|| cands.iter().max_by(|x, y| hrw(a, x).total_cmp(&hrw(a, y))))
+                .map(|c| c.0),
+            (true, None, Some(k)) => cands
                 .iter()
                 .max_by(|a, b| hrw(k, a).total_cmp(&hrw(k, b)))
                 .map(|c| c.0),
             _ => None,
         };
-        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
         // This request's own prefill on a pod, in the same unit as the queued work: only what
         // the pod does not already hold in its prefix cache needs computing.
@@ -745,6 +755,35 @@ mod tests {
         // Saturated: the escape valve opens and a free slot elsewhere takes it.
         let (p, req) = setup(9);
         assert_ne!(best(&pick(&p, &req)), 0);
+    }
+
+    #[test]
+    fn a_saturated_adapter_home_overflows_to_one_pod_whatever_the_prompt() {
+        // Pod 0 is the adapter's home and saturated; three idle pods with free slots. Prompts
+        // differ (each its own prefix home key): the overflow still goes to one pod, so the
+        // adapter is loaded once more, not once per pod.
+        let mut home = lora_pod(1, &["sql"], &[], 4);
+        home.waiting = 9;
+        let p = pool(vec![
+            home,
+            lora_pod(2, &[], &[], 4),
+            lora_pod(3, &[], &[], 4),
+            lora_pod(4, &[], &[], 4),
+        ]);
+        let picks: std::collections::HashSet<usize> = (0..40u64)
+            .map(|prompt| {
+                let req = RequestFeatures {
+                    adapter: Some(adapter_key("sql")),
+                    adapter_home: Some(p.pods[0].key),
+                    prefix_blocks: 8,
+                    home_key: Some(prompt.wrapping_mul(0x9E37_79B9_7F4A_7C15)),
+                    ..Default::default()
+                };
+                best(&picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(prompt), None))
+            })
+            .collect();
+        assert_eq!(picks.len(), 1, "{picks:?}");
+        assert!(!picks.contains(&0));
     }
 
     #[test]
