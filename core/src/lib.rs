@@ -19,6 +19,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fleet;
+pub mod idmap;
 pub mod ingest;
 pub mod load;
 pub mod picker;

@@ -250,7 +250,8 @@ impl Picker {
         // back instead of keeping a second copy that evicts that pod's own adapters. Copying an adapter to another pod takes a slot that pod's own
         // adapters rely on and starts a cascade of loads; the saturation check above is the
         // escape valve. (The GIE endpoint picker has the same filter stage.)
-        if let Some(a) = req.adapter.filter(|_| self.weights.lora > 0.0) {
+        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
+        if let Some(a) = adapter {
             let holds = |c: &(usize, Load, bool)| {
                 let p = &pool.pods[c.0];
                 let home =
@@ -271,7 +272,6 @@ impl Picker {
             let w = c.1.capacity;
             weighted_hrw(k, pool.pods[c.0].key, w)
         };
-        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
         let home = match (prefix_on, adapter, req.home_key) {
             // An adapter request's prompt is homed with its adapter: on the adapter's home pod,
             // or, when that pod is not a candidate (saturated), on the adapter's own rendezvous

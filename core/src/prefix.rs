@@ -19,9 +19,8 @@
 //! The geometric grid keeps a request's work at ~2 log2(n) map operations instead of n, and loses
 //! at most a third of a match's depth to quantisation.
 
+use crate::idmap::IdMap;
 use crate::rng::mix64;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 /// Hashes the prompt's full blocks (a trailing partial block is not cached by engines either).
@@ -119,26 +118,6 @@ pub fn conversation_key(text: &[u8], seed: u64) -> u64 {
     xxh3_64_with_seed(text, seed ^ 0x636f_6e76)
 }
 
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 << 8) | u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        // Keys are already xxh3 outputs: uniformly distributed.
-        self.0 = v;
-    }
-}
-
-type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
-
 /// Pods known to hold one anchor; 4 is plenty (a prefix on more pods is hot everywhere).
 const PODS_PER_ANCHOR: usize = 4;
 
@@ -170,8 +149,8 @@ impl PodSet {
 /// generations of `capacity / 2` entries; when the current one fills, the previous is dropped
 /// (an approximate LRU with O(1) work and no per-entry bookkeeping).
 pub struct PrefixIndex {
-    cur: IdMap<PodSet>,
-    prev: IdMap<PodSet>,
+    cur: IdMap<u64, PodSet>,
+    prev: IdMap<u64, PodSet>,
     half: usize,
     stamp: u64,
 }

@@ -29,9 +29,8 @@
 //! host's default (`Continue`).
 
 use crate::{Http, Root};
+use gpuroute_core::idmap::IdMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 use std::mem::MaybeUninit;
 
 /// `proxy_log` levels.
@@ -98,31 +97,11 @@ pub enum Action {
     Pause = 1,
 }
 
-/// Context ids are small distinct integers handed out by the host: they are their own hash.
-#[derive(Default)]
-struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 << 8) | u64::from(*b);
-        }
-    }
-    fn write_u32(&mut self, n: u32) {
-        // Spread the bits so hashbrown's top-7-bit control bytes differ between ids.
-        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    }
-}
-
-type IdMap<V> = HashMap<u32, V, BuildHasherDefault<IdHasher>>;
-
+/// Live contexts by the host's context id (small integers: `IdMap` spreads them, no SipHash).
 #[derive(Default)]
 struct Contexts {
-    roots: IdMap<Root>,
-    streams: IdMap<Http>,
+    roots: IdMap<u32, Root>,
+    streams: IdMap<u32, Http>,
 }
 
 thread_local! {

@@ -693,6 +693,7 @@ fn peer_is_loopback() -> bool {
         .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// The stream callbacks, called by [`abi`].
 impl Http {
     fn on_request_headers(&mut self, end_of_stream: bool) -> Action {
         // One host call reads every header; only client-sent internal headers are removed.
