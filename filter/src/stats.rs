@@ -19,6 +19,7 @@
 use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::fleet::stat_segment as sanitize;
+use gpuroute_core::idmap::IdMap;
 use std::collections::HashMap;
 
 /// Metric ids, defined lazily and cached per worker.
@@ -29,7 +30,7 @@ pub struct Stats {
     /// path neither formats names nor hashes long strings.
     hot: HashMap<String, PoolIds>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
-    pending: HashMap<u32, i64>,
+    pending: IdMap<u32, i64>,
 }
 
 #[derive(Default)]
