@@ -20,7 +20,7 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy bench-sidecar bench-crosscheck clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -80,6 +80,9 @@ bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM p
 
 bench-envoy: setup build ## latency, req/s and CPU per request through Envoy, with and without the filter (~3 min)
 	$(PY) scripts/envoy_overhead.py
+
+bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle, with and without the filter (~3 min)
+	$(PY) scripts/envoy_streaming.py
 
 bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace
 	$(PY) scripts/bench.py $(if $(TRACE),--trace $(TRACE)) $(if $(SPEEDUP),--speedup $(SPEEDUP))

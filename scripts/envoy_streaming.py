@@ -1,0 +1,139 @@
+#!/usr/bin/env python3
+"""What the filter costs on streamed responses and when the gateway is idle.
+
+Envoy calls the filter for every response chunk (proxy-wasm cannot stop the calls after the
+first one, which is the only one the filter needs), and the filter has background work: its
+tick every `tick_ms` and the snapshot pushes. This measures both, on the gateway Envoy's CPU
+time (user + system from /proc), plain Envoy against Envoy with the filter, same upstream:
+
+  idle        gateway CPU per second with no traffic: without a snapshot, while snapshots are
+              pushed every 100 ms (as sidecar-metrics does), and with a snapshot but no pushes;
+  streaming   open-loop streamed chat requests (loadgen, Poisson) against 4 `sse-stub` pods
+              that send one SSE chunk per token every 5 ms; gateway CPU per request for short
+              (8 tokens) and long (128 tokens) streams. The slope between the two is the cost
+              per chunk; the filter's extra per chunk is its slope minus plain Envoy's.
+
+At a low request rate the per-request figures include each configuration's background cost
+divided by the rate, which is why the idle figures are reported beside them.
+
+Usage: scripts/envoy_streaming.py [--rate 60] [--seconds 10] [--rounds 3]
+Writes target/bench/envoy-streaming.json.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import envoy_overhead as eo  # noqa: E402
+from harness import Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
+
+ROOT = eo.ROOT
+RELEASE = ROOT / "target" / "release"
+SHORT, LONG = 8, 128
+
+
+def start_stubs(n):
+    procs, addrs = [], []
+    for _ in range(n):
+        port = free_port()
+        procs.append(subprocess.Popen([str(RELEASE / "sse-stub"), "--listen", f"127.0.0.1:{port}", "--threads", "1",
+                                       "--token-interval-ms", "5", "--max-tokens", "1000"], stdout=subprocess.DEVNULL))
+        addrs.append(f"127.0.0.1:{port}")
+    time.sleep(0.5)
+    return procs, addrs
+
+
+def idle_cpu(gateways, seconds):
+    """CPU milliseconds per second of each gateway over `seconds` of no traffic."""
+    out = {}
+    for name, gw in gateways:
+        c0 = eo.cpu_seconds(gw.proc.pid)
+        time.sleep(seconds)
+        out[name] = (eo.cpu_seconds(gw.proc.pid) - c0) * 1000 / seconds
+    return out
+
+
+def stream_round(gw, rate, seconds, tokens, seed, work):
+    out = work / f"{gw.listen.replace(':', '_')}-{tokens}-{seed}.json"
+    c0 = eo.cpu_seconds(gw.proc.pid)
+    subprocess.run([str(RELEASE / "loadgen"), "--target", f"http://{gw.listen}", "--model", "llama-3-8b", "--out", str(out),
+                    "--workload", f"poisson:rate={rate},duration={seconds},prompt=200,output={tokens},seed={seed}"],
+                   check=True, capture_output=True)
+    cpu = eo.cpu_seconds(gw.proc.pid) - c0
+    records = json.loads(out.read_text())["records"]
+    ok = [r for r in records if r["status"] == 200]
+    return {"cpu_us_per_request": cpu * 1e6 / max(1, len(ok)), "requests": len(records), "ok": len(ok),
+            "tokens_per_request": sum(r.get("output_tokens", 0) for r in ok) / max(1, len(ok))}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", type=float, default=60.0)
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    for binary in ("sse-stub", "loadgen"):
+        if not (RELEASE / binary).exists():
+            sys.exit("build first: make native")
+    work = Path(tempfile.mkdtemp(prefix="gpuroute-streaming-"))
+    stubs, addrs = start_stubs(4)
+    pools = [{"name": "llama", "endpoints": addrs}]
+    plain = Envoy("round_robin", pools, eo.CONFIG)
+    filt = Envoy("filter", pools, eo.CONFIG)
+    gateways = (("plain", plain), ("filter", filt))
+    pods = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in addrs]}
+    res = {"setup": {"upstream": "4 sse-stub pods, one SSE chunk per token every 5 ms", "rate_per_s": args.rate,
+                     "seconds_per_run": args.seconds, "rounds": args.rounds, "tokens": [SHORT, LONG], "gateway_workers": 1,
+                     "machine": "2 cores shared by client, gateway Envoys and upstream"},
+           "idle_cpu_ms_per_s": {}, "streaming": {"plain": {SHORT: [], LONG: []}, "filter": {SHORT: [], LONG: []}}}
+    pusher = None
+    try:
+        res["idle_cpu_ms_per_s"]["no_snapshot"] = idle_cpu(gateways, 10)
+        pusher = Pusher([filt], pods)
+        res["idle_cpu_ms_per_s"]["pushes_every_100ms"] = idle_cpu(gateways, 10)
+        for r in range(args.rounds):
+            for tokens in (SHORT, LONG):
+                order = gateways if r % 2 == 0 else gateways[::-1]
+                for name, gw in order:
+                    row = stream_round(gw, args.rate, args.seconds, tokens, r + 1, work)
+                    res["streaming"][name][tokens].append(row)
+                    print(f"round {r + 1}, {tokens} tokens, {name}: {row['cpu_us_per_request']:.0f} us CPU per request "
+                          f"({row['ok']}/{row['requests']} ok)", flush=True)
+        pusher.stop()
+        pusher = None
+        res["idle_cpu_ms_per_s"]["snapshot_no_pushes"] = idle_cpu(gateways, 10)
+    finally:
+        if pusher:
+            pusher.stop()
+        plain.stop()
+        filt.stop()
+        for s in stubs:
+            s.terminate()
+
+    med = {name: {t: statistics.median(x["cpu_us_per_request"] for x in rows) for t, rows in by.items()}
+           for name, by in res["streaming"].items()}
+    slope = {name: (m[LONG] - m[SHORT]) / (LONG - SHORT) for name, m in med.items()}
+    res["median_cpu_us_per_request"] = med
+    res["cpu_us_per_chunk"] = slope
+    res["filter_extra_us_per_chunk"] = slope["filter"] - slope["plain"]
+    out = ROOT / "target" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "envoy-streaming.json").write_text(json.dumps(res, indent=1))
+    print("\nidle gateway CPU, ms per second (plain / filter):")
+    for k, v in res["idle_cpu_ms_per_s"].items():
+        print(f"  {k:22s} {v['plain']:.1f} / {v['filter']:.1f}")
+    print(f"streamed requests at {args.rate:g}/s, median gateway CPU per request (plain / filter):")
+    for t in (SHORT, LONG):
+        print(f"  {t:4d} tokens: {med['plain'][t]:.0f} / {med['filter'][t]:.0f} us")
+    print(f"per chunk: plain {slope['plain']:.1f} us, filter {slope['filter']:.1f} us -> the filter adds "
+          f"{res['filter_extra_us_per_chunk']:.1f} us per chunk")
+
+
+if __name__ == "__main__":
+    main()
