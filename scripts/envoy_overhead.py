@@ -14,6 +14,9 @@ Setup (all on 127.0.0.1):
             or Envoy + the gpuroute filter (override_host over the same 8 ports, a snapshot of
             the 8 pods re-pushed every 100 ms as sidecar-metrics would);
   client    target/release/httpload: closed loop, keep-alive, the same 4 KB chat body.
+  reference Envoy round robin with its own C++ `buffer` filter in front: the same pause of the
+            headers until the whole body is in, done natively (what the filter's pause-and-buffer
+            would cost without a VM).
 Latency is measured with 1 connection (no queueing), throughput with 16. The two gateways are
 measured alternately (the order flips every round), several rounds; the report gives the median
 of the rounds, the median and range of the per-round requests/s ratio (filter / plain, measured
@@ -26,6 +29,7 @@ Writes target/bench/envoy-overhead.json.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -33,11 +37,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import ENVOY, Envoy, Pusher, free_port  # noqa: E402
+from harness import ENVOY, WASM, Envoy, Pusher, free_port  # noqa: E402
 
 HTTPLOAD = ROOT / "target" / "release" / "httpload"
 PODS = 8
@@ -94,6 +99,53 @@ class Upstream:
         self.proc.wait(10)
 
 
+class NativeBuffer:
+    """Plain Envoy (round robin) with Envoy's native `buffer` filter before the router."""
+
+    def __init__(self, pools):
+        sys.path.insert(0, str(ROOT / "envoy"))
+        import render  # noqa: E402  (envoy/render.py, the shipped configs' renderer)
+
+        self.listen = f"127.0.0.1:{free_port()}"
+        self.admin = f"127.0.0.1:{free_port()}"
+        cfg = render.render({"mode": "round_robin", "listen": self.listen, "admin": self.admin, "ingest": None,
+                             "wasm": "", "filter_config": {}, "pools": pools})
+        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        if any("wasm" in f["name"] for f in hcm["http_filters"]):
+            raise RuntimeError("the reference gateway must not run the wasm filter")
+        hcm["http_filters"].insert(0, {"name": "envoy.filters.http.buffer", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 1048576}})
+        self.dir = Path(tempfile.mkdtemp(prefix="gpuroute-native-buffer-"))
+        path = self.dir / "envoy.json"
+        path.write_text(json.dumps(cfg))
+        self.proc = subprocess.Popen([str(ENVOY), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "error"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://{self.admin}/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("the native-buffer Envoy did not become ready")
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def cluster_stat(admin, name):
+    """A counter of the pool's cluster from an Envoy's admin /stats (0 if absent)."""
+    full = f"cluster.pool_llama.{name}"
+    with urllib.request.urlopen(f"http://{admin}/stats?filter=^{full}$", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            key, _, value = line.partition(": ")
+            if key == full:
+                return int(value)
+    return 0
+
+
 WARMUP = 200  # requests per connection before httpload starts measuring (its default)
 
 
@@ -127,30 +179,32 @@ def main():
     up = Upstream()
     pools = [{"name": "llama", "endpoints": up.addresses()}]
     plain = Envoy("round_robin", pools, CONFIG)
+    native = NativeBuffer(pools)
     filt = Envoy("filter", pools, CONFIG)
     pusher = Pusher([filt], {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]})
-    rows = {"plain": {"lat": [], "rps": []}, "filter": {"lat": [], "rps": []}}
+    gateways = (("plain", plain), ("native_buffer", native), ("filter", filt))
+    rows = {name: {"lat": [], "rps": []} for name, _ in gateways}
     try:
         for r in range(args.rounds):
-            order = (("plain", plain), ("filter", filt))
-            order = order if r % 2 == 0 else order[::-1]
+            order = gateways if r % 2 == 0 else gateways[::-1]
             for name, gw in order:
                 lat = load(gw.listen, body_file, 1, args.seconds)
                 rows[name]["lat"].append(lat)
             for name, gw in order[::-1]:
                 thr = load(gw.listen, body_file, 16, args.seconds, pid=gw.proc.pid)
                 rows[name]["rps"].append(thr)
-            print(f"round {r + 1}: p50 plain {rows['plain']['lat'][-1]['latency_us']['p50']} us, filter {rows['filter']['lat'][-1]['latency_us']['p50']} us; "
-                  f"req/s plain {rows['plain']['rps'][-1]['rps']:.0f}, filter {rows['filter']['rps'][-1]['rps']:.0f}", flush=True)
+            print(f"round {r + 1}: " + ", ".join(f"{name} p50 {rows[name]['lat'][-1]['latency_us']['p50']} us, "
+                                                 f"{rows[name]['rps'][-1]['rps']:.0f} req/s" for name, _ in gateways), flush=True)
         picked = filt.stat("wasmcustom.gpuroute.pool.llama.requests.picked")
         fail_open = filt.stat("wasmcustom.gpuroute.pool.llama.requests.fail_open")
         # Upstream connections opened per request: ~0 when keep-alive works (16 clients reuse a
         # handful of connections); 1 would mean a TCP connect per request on the measured path.
-        conns = {name: gw.stat("cluster.pool_llama.upstream_cx_total") / max(1, gw.stat("cluster.pool_llama.upstream_rq_total"))
-                 for name, gw in (("plain", plain), ("filter", filt))}
+        conns = {name: cluster_stat(gw.admin, "upstream_cx_total") / max(1, cluster_stat(gw.admin, "upstream_rq_total"))
+                 for name, gw in gateways}
     finally:
         pusher.stop()
         plain.stop()
+        native.stop()
         filt.stop()
         up.stop()
 
@@ -163,13 +217,18 @@ def main():
                   "machine": "2 cores shared by client, gateway Envoy and upstream Envoy"},
         "plain": {"p50_us": med("plain", "lat", "p50"), "p99_us": med("plain", "lat", "p99"), "rps": med("plain", "rps", None)},
         "filter": {"p50_us": med("filter", "lat", "p50"), "p99_us": med("filter", "lat", "p99"), "rps": med("filter", "rps", None)},
+        "native_buffer": {"p50_us": med("native_buffer", "lat", "p50"), "p99_us": med("native_buffer", "lat", "p99"),
+                          "rps": med("native_buffer", "rps", None)},
+        "wasm": {"path": str(WASM), "sha256": hashlib.sha256(WASM.read_bytes()).hexdigest()},
         "filter_picked": picked, "filter_fail_open": fail_open, "upstream_connections_per_request": conns, "raw": rows,
     }
     res["added_p50_us"] = res["filter"]["p50_us"] - res["plain"]["p50_us"]
     res["rps_ratio"] = res["filter"]["rps"] / res["plain"]["rps"]
     ratios = [f["rps"] / p["rps"] for f, p in zip(rows["filter"]["rps"], rows["plain"]["rps"])]
     res["rps_ratio_per_round"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-    for name in ("plain", "filter"):
+    nb = [n["rps"] / p["rps"] for n, p in zip(rows["native_buffer"]["rps"], rows["plain"]["rps"])]
+    res["native_buffer_rps_ratio_per_round"] = {"median": statistics.median(nb), "min": min(nb), "max": max(nb)}
+    for name in ("plain", "native_buffer", "filter"):
         res[name]["cpu_us_per_request"] = statistics.median(x["cpu_us_per_request"] for x in rows[name]["rps"])
     res["cpu_ratio"] = res["plain"]["cpu_us_per_request"] / res["filter"]["cpu_us_per_request"]
     out = ROOT / "target" / "bench"
@@ -183,10 +242,16 @@ def main():
     print(f"  per-round ratio: median {100 * pr['median']:.1f}%, range {100 * pr['min']:.1f}-{100 * pr['max']:.1f}%")
     print(f"  gateway CPU per request: plain {res['plain']['cpu_us_per_request']:.1f} us, with filter "
           f"{res['filter']['cpu_us_per_request']:.1f} us -> {100 * res['cpu_ratio']:.1f}% of plain Envoy's capacity per core")
-    print(f"  filter outcomes: picked {picked}, fail-open {fail_open}")
-    print(f"  upstream connections opened per request: plain {conns['plain']:.4f}, filter {conns['filter']:.4f}")
+    nr = res["native_buffer_rps_ratio_per_round"]
+    print(f"  reference, plain Envoy + its native buffer filter: median latency {res['native_buffer']['p50_us']} us, "
+          f"requests/s per-round ratio median {100 * nr['median']:.1f}% (range {100 * nr['min']:.1f}-{100 * nr['max']:.1f}%), "
+          f"CPU per request {res['native_buffer']['cpu_us_per_request']:.1f} us")
+    print(f"  filter outcomes: picked {picked}, fail-open {fail_open} ({WASM.name} sha256 {res['wasm']['sha256'][:12]})")
+    if not picked:
+        print("  WARNING: the filter counted no picks: is the built .wasm the filter as committed?")
+    print("  upstream connections opened per request: " + ", ".join(f"{k} {v:.4f}" for k, v in conns.items()))
     if max(conns.values()) > 0.01:
-        print("  WARNING: upstream connections are not being reused; both figures include a TCP connect per request")
+        print("  WARNING: upstream connections are not being reused; the figures include a TCP connect per request")
     if fail_open:
         print("  WARNING: some requests failed open; the filter's cost is understated for those")
 

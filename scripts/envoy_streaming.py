@@ -21,6 +21,7 @@ Writes target/bench/envoy-streaming.json.
 """
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -31,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envoy_overhead as eo  # noqa: E402
-from harness import Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
+from harness import WASM, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
 
 ROOT = eo.ROOT
 RELEASE = ROOT / "target" / "release"
@@ -108,6 +109,8 @@ def main():
         pusher.stop()
         pusher = None
         res["idle_cpu_ms_per_s"]["snapshot_no_pushes"] = idle_cpu(gateways, 10)
+        res["filter_picked"] = filt.stat("wasmcustom.gpuroute.pool.llama.requests.picked")
+        res["wasm"] = {"path": str(WASM), "sha256": hashlib.sha256(WASM.read_bytes()).hexdigest()}
     finally:
         if pusher:
             pusher.stop()
@@ -133,6 +136,9 @@ def main():
         print(f"  {t:4d} tokens: {med['plain'][t]:.0f} / {med['filter'][t]:.0f} us")
     print(f"per chunk: plain {slope['plain']:.1f} us, filter {slope['filter']:.1f} us -> the filter adds "
           f"{res['filter_extra_us_per_chunk']:.1f} us per chunk")
+    print(f"filter picks counted: {res['filter_picked']} ({WASM.name} sha256 {res['wasm']['sha256'][:12]})")
+    if not res["filter_picked"]:
+        print("WARNING: the filter counted no picks: is the built .wasm the filter as committed?")
 
 
 if __name__ == "__main__":
