@@ -104,6 +104,42 @@ def test_finished_requests_leave_the_in_flight_count(envoy, pods):
     assert got == {"llama-0": 12}, got
 
 
+def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
+    """The filter's Envoy stats: picks per pool and per pod (batched in the worker, handed to
+    Envoy on the tick), rejections by code, and the decision-time histogram. The per-pod counts
+    must match who actually served the requests."""
+    assert envoy.push(fresh(pods))[0] == 204
+    stats = envoy.stats
+
+    def pod_stat(name):
+        return "wasmcustom.gpuroute.pool.llama.pod." + pods[name].address.replace(".", "_").replace(":", "_") + ".picks"
+
+    before = stats()
+    served = Counter(served_by(envoy.chat("llama-3-8b", f"stats {i}")) for i in range(20))
+    for _ in range(5):
+        assert served_by(envoy.chat("qwen-7b")) == "qwen-0"
+    assert envoy.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
+    want = {
+        "wasmcustom.gpuroute.pool.llama.requests.picked": 20,
+        "wasmcustom.gpuroute.pool.qwen.requests.picked": 5,
+        "wasmcustom.gpuroute.rejected.invalid_json": 1,
+        **{pod_stat(name): n for name, n in served.items()},
+    }
+    deadline = time.time() + 3
+    while True:
+        now = stats()
+        got = {k: now.get(k, 0) - before.get(k, 0) for k in want}
+        if got == want or time.time() > deadline:
+            break
+        time.sleep(0.05)
+    assert got == want
+    # Envoy publishes histogram values on its stats flush (every 5 s by default).
+    deadline = time.time() + 7
+    while "P50" not in str(stats().get("wasmcustom.gpuroute.decision_us", "")) and time.time() < deadline:
+        time.sleep(0.2)
+    assert "P50" in str(stats().get("wasmcustom.gpuroute.decision_us")), stats().get("wasmcustom.gpuroute.decision_us")
+
+
 def test_destination_header_lists_fallbacks_and_debug_explains(envoy, pods):
     assert envoy.push(fresh(pods))[0] == 204
     s, h, body, _ = envoy.chat("llama-3-8b")
