@@ -78,7 +78,7 @@ bench-core: ## criterion: decision cost for 64 and 1,000 pods
 bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
-bench-envoy: setup build ## latency, req/s and CPU per request through Envoy, with and without the filter (~3 min)
+bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, with the filter, with native buffering (~5 min)
 	$(PY) scripts/envoy_overhead.py
 
 bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle, with and without the filter (~3 min)
