@@ -17,7 +17,7 @@ Setup (all on 127.0.0.1):
   reference Envoy round robin with its own C++ `buffer` filter in front: the same pause of the
             headers until the whole body is in, done natively (what the filter's pause-and-buffer
             would cost without a VM).
-Latency is measured with 1 connection (no queueing), throughput with 16. The two gateways are
+Latency is measured with 1 connection (no queueing), throughput with 16. The three gateways are
 measured alternately (the order flips every round), several rounds; the report gives the median
 of the rounds, the median and range of the per-round requests/s ratio (filter / plain, measured
 seconds apart, so a slow spell of the shared machine hits both), and the gateway Envoy's CPU time
