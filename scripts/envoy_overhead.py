@@ -37,7 +37,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,51 +98,19 @@ class Upstream:
         self.proc.wait(10)
 
 
-class NativeBuffer:
-    """Plain Envoy (round robin) with Envoy's native `buffer` filter before the router."""
-
-    def __init__(self, pools):
-        sys.path.insert(0, str(ROOT / "envoy"))
-        import render  # noqa: E402  (envoy/render.py, the shipped configs' renderer)
-
-        self.listen = f"127.0.0.1:{free_port()}"
-        self.admin = f"127.0.0.1:{free_port()}"
-        cfg = render.render({"mode": "round_robin", "listen": self.listen, "admin": self.admin, "ingest": None,
-                             "wasm": "", "filter_config": {}, "pools": pools})
-        hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        if any("wasm" in f["name"] for f in hcm["http_filters"]):
-            raise RuntimeError("the reference gateway must not run the wasm filter")
-        hcm["http_filters"].insert(0, {"name": "envoy.filters.http.buffer", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 1048576}})
-        self.dir = Path(tempfile.mkdtemp(prefix="gpuroute-native-buffer-"))
-        path = self.dir / "envoy.json"
-        path.write_text(json.dumps(cfg))
-        self.proc = subprocess.Popen([str(ENVOY), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "error"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://{self.admin}/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("the native-buffer Envoy did not become ready")
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(10)
+def native_buffer(config):
+    """Puts Envoy's native `buffer` filter before the router of a rendered round-robin gateway."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    if any("wasm" in f["name"] for f in hcm["http_filters"]):
+        raise RuntimeError("the reference gateway must not run the wasm filter")
+    hcm["http_filters"].insert(0, {"name": "envoy.filters.http.buffer", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.buffer.v3.Buffer", "max_request_bytes": 1048576}})
 
 
-def cluster_stat(admin, name):
-    """A counter of the pool's cluster from an Envoy's admin /stats (0 if absent)."""
-    full = f"cluster.pool_llama.{name}"
-    with urllib.request.urlopen(f"http://{admin}/stats?filter=^{full}$", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            key, _, value = line.partition(": ")
-            if key == full:
-                return int(value)
-    return 0
+def upstream_connections_per_request(gw):
+    """Upstream connections the gateway opened per request sent upstream."""
+    s = gw.stats("^cluster.pool_llama.upstream_(cx|rq)_total$")
+    return s.get("cluster.pool_llama.upstream_cx_total", 0) / max(1, s.get("cluster.pool_llama.upstream_rq_total", 0))
 
 
 WARMUP = 200  # requests per connection before httpload starts measuring (its default)
@@ -179,7 +146,7 @@ def main():
     up = Upstream()
     pools = [{"name": "llama", "endpoints": up.addresses()}]
     plain = Envoy("round_robin", pools, CONFIG)
-    native = NativeBuffer(pools)
+    native = Envoy("round_robin", pools, CONFIG, patch=native_buffer)
     filt = Envoy("filter", pools, CONFIG)
     pusher = Pusher([filt], {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]})
     gateways = (("plain", plain), ("native_buffer", native), ("filter", filt))
@@ -199,8 +166,7 @@ def main():
         fail_open = filt.stat("wasmcustom.gpuroute.pool.llama.requests.fail_open")
         # Upstream connections opened per request: ~0 when keep-alive works (16 clients reuse a
         # handful of connections); 1 would mean a TCP connect per request on the measured path.
-        conns = {name: cluster_stat(gw.admin, "upstream_cx_total") / max(1, cluster_stat(gw.admin, "upstream_rq_total"))
-                 for name, gw in gateways}
+        conns = {name: upstream_connections_per_request(gw) for name, gw in gateways}
     finally:
         pusher.stop()
         plain.stop()

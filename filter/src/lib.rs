@@ -569,7 +569,7 @@ impl Http {
                 }
                 w.engine.commit(&prep, pod_key);
                 if let Some(addr) = dest.split(',').next() {
-                    w.stats.picked(&pool, addr);
+                    w.stats.picked(&pool, pod_key, addr);
                 }
                 self.picked = Some(Picked {
                     pool: pool.clone(),

@@ -36,7 +36,8 @@ pub struct Stats {
 #[derive(Default)]
 struct PoolIds {
     picked: Option<u32>,
-    pods: HashMap<String, Option<u32>>,
+    /// By pod key ([`gpuroute_core::prefix::pod_key`]): no address string hashed per request.
+    pods: IdMap<u64, Option<u32>>,
 }
 
 impl Stats {
@@ -75,39 +76,33 @@ impl Stats {
     }
 
     /// Counts a pick (pool `picked` and the pod's `picks`) without a host call: batched until
-    /// the next [`Stats::flush`] (the root context's tick, every few ms).
-    pub fn picked(&mut self, pool: &str, address: &str) {
+    /// the next [`Stats::flush`] (the root context's tick, every few ms). `address` names the
+    /// pod's counter the first time the pod (`pod_key`) is picked.
+    pub fn picked(&mut self, pool: &str, pod_key: u64, address: &str) {
         if !self.hot.contains_key(pool) {
-            let id = host::define_metric(
+            let picked = host::define_metric(
                 MetricType::Counter,
                 &format!("gpuroute.pool.{}.requests.picked", sanitize(pool)),
             );
-            self.hot.insert(
-                pool.to_string(),
-                PoolIds {
-                    picked: id,
-                    pods: HashMap::new(),
-                },
-            );
+            let ids = PoolIds {
+                picked,
+                pods: IdMap::default(),
+            };
+            self.hot.insert(pool.to_string(), ids);
         }
         let Some(ids) = self.hot.get_mut(pool) else {
             return;
         };
-        let pod = match ids.pods.get(address) {
-            Some(id) => *id,
-            None => {
-                let id = host::define_metric(
-                    MetricType::Counter,
-                    &format!(
-                        "gpuroute.pool.{}.pod.{}.picks",
-                        sanitize(pool),
-                        sanitize(address)
-                    ),
-                );
-                ids.pods.insert(address.to_string(), id);
-                id
-            }
-        };
+        let pod = *ids.pods.entry(pod_key).or_insert_with(|| {
+            host::define_metric(
+                MetricType::Counter,
+                &format!(
+                    "gpuroute.pool.{}.pod.{}.picks",
+                    sanitize(pool),
+                    sanitize(address)
+                ),
+            )
+        });
         for id in [ids.picked, pod].into_iter().flatten() {
             *self.pending.entry(id).or_insert(0) += 1;
         }

@@ -48,7 +48,9 @@ class Envoy:
     """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
-                 listen=None, admin=None, ingest=None, workdir=None):
+                 listen=None, admin=None, ingest=None, workdir=None, patch=None):
+        """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
+        (benchmarks use it for reference gateways the shipped renderer does not describe)."""
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.listen = listen or f"127.0.0.1:{free_port()}"
@@ -67,7 +69,10 @@ class Envoy:
         }
         desc.update(extra or {})
         self.config_path = self.dir / "envoy.json"
-        self.config_path.write_text(json.dumps(render.render(desc), indent=1))
+        config = render.render(desc)
+        if patch:
+            patch(config)
+        self.config_path.write_text(json.dumps(config, indent=1))
         self.log_path = self.dir / "envoy.log"
         self.proc = subprocess.Popen(
             [
@@ -138,8 +143,9 @@ class Envoy:
             addr=self.ingest,
         )
 
-    def stats(self):
-        with urllib.request.urlopen(f"http://{self.admin}/stats?filter=gpuroute", timeout=5) as r:
+    def stats(self, filter="gpuroute"):
+        """Envoy's stats whose names match the regular expression `filter`."""
+        with urllib.request.urlopen(f"http://{self.admin}/stats?filter={filter}", timeout=5) as r:
             out = {}
             for line in r.read().decode().splitlines():
                 name, _, value = line.partition(": ")
