@@ -20,7 +20,7 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core bench-envoy bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -40,8 +40,8 @@ wasm: ## build the filter (.wasm)
 	$(CARGO) build -p gpuroute-filter --target $(WASM_TARGET) --profile wasm-release
 	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
 
-native: ## build the native binaries (aggregator, simulator, benchmark tools)
-	$(CARGO) build --release -p sidecar-metrics -p fleet-sim -p gpuroute-bench
+native: ## build the native binaries (aggregator, simulator, benchmark tools, the dynamic-module filter)
+	$(CARGO) build --release -p sidecar-metrics -p fleet-sim -p gpuroute-bench -p gpuroute-dynmod
 
 build: wasm native ## build everything
 
@@ -63,7 +63,10 @@ validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped E
 e2e: $(VENV)/.ready build ## end-to-end tests: real Envoy + the built .wasm
 	cd tests/e2e && ../../$(VENV)/bin/pytest -q
 
-test: setup lint unit wasm-test validate e2e ## everything CI runs
+e2e-dynamic: $(VENV)/.ready build ## the same end-to-end suite with the dynamic-module build (libgpuroute.so)
+	cd tests/e2e && GPUROUTE_RUNTIME=dynamic ../../$(VENV)/bin/pytest -q
+
+test: setup lint unit wasm-test validate e2e e2e-dynamic ## everything CI runs
 	@echo "all tests passed"
 
 run: setup build ## Envoy + filter + sidecar-metrics + simulated fleet on http://127.0.0.1:8080
@@ -78,7 +81,7 @@ bench-core: ## criterion: decision cost for 64 and 1,000 pods
 bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
-bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, with the filter, with native buffering (~5 min)
+bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, native buffering (~7 min)
 	$(PY) scripts/envoy_overhead.py
 
 bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle, with and without the filter (~3 min)

@@ -6,7 +6,8 @@
 
 Checks, one line each (exit status 1 if any fails):
   drift        envoy/local/*.yaml are exactly what render.py makes of envoy/local/stack.json
-  validate     `envoy --mode validate` on both local files (wasm path made absolute) and on
+  validate     `envoy --mode validate` on the local files (wasm path made absolute; the dynamic-
+               module one with ENVOY_DYNAMIC_MODULES_SEARCH_PATH at --module-dir) and on
                render.py's output for every mode. Validation instantiates the Wasm plugin, so
                the filter also judges each plugin configuration.
   manifests    every YAML document under envoy-gateway/ and istio/ parses and has apiVersion,
@@ -54,8 +55,12 @@ import render  # noqa: E402
 
 LOCAL = HERE / "local"
 STACK = LOCAL / "stack.json"
-# Generated file -> render.py mode.
-LOCAL_OUTPUTS = {"envoy.yaml": "filter", "envoy-original-dst.yaml": "filter_original_dst"}
+# Generated file -> (render.py mode, filter runtime).
+LOCAL_OUTPUTS = {
+    "envoy.yaml": ("filter", "wasm"),
+    "envoy-original-dst.yaml": ("filter_original_dst", "wasm"),
+    "envoy-dynamic-module.yaml": ("filter", "dynamic"),
+}
 MANIFEST_DIRS = [HERE / "envoy-gateway", HERE / "istio", HERE / "istio" / "patches"]
 
 WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
@@ -97,7 +102,7 @@ def fail(message):
     return run
 
 
-def header(mode, stack):
+def header(mode, stack, runtime="wasm"):
     pools = ", ".join(f"{p['name']} ({len(p['endpoints'])} pods)" for p in stack["pools"])
     lines = [
         "GENERATED from envoy/local/stack.json by envoy/render.py (mode %s). Do not edit:" % mode,
@@ -106,14 +111,18 @@ def header(mode, stack):
         "",
         "Envoy bootstrap for your own fleet, pools: %s." % pools,
         "Run from the repository root (paths are relative to it):",
-        "  make wasm && .venv/bin/envoy -c envoy/local/%s"
-        % next(f for f, m in LOCAL_OUTPUTS.items() if m == mode),
+        ("  make wasm && .venv/bin/envoy -c envoy/local/%s" if runtime == "wasm" else
+         "  make native && ENVOY_DYNAMIC_MODULES_SEARCH_PATH=target/release .venv/bin/envoy -c envoy/local/%s")
+        % next(f for f, m in LOCAL_OUTPUTS.items() if m == (mode, runtime)),
         "and feed it live metrics with sidecar-metrics (envoy/README.md).",
         "OpenAI API on %s (loopback: set \"listen\" to 0.0.0.0:8080 in stack.json to serve"
         % stack["listen"],
         "other machines), admin on %s and snapshot ingest on %s (keep both on loopback)."
         % (stack["admin"], stack["ingest"]),
     ]
+    if runtime == "dynamic":
+        lines.append("Filter: the Envoy dynamic-module build (libgpuroute.so, built for Envoy 1.40 exactly),")
+        lines.append("the same decisions as the proxy-wasm filter, run natively: less than half its added cost.")
     if mode == "filter":
         lines.append(
             "Data plane: override_host; a destination that is not a pool member is ignored and"
@@ -133,9 +142,10 @@ class _PlainDumper(yaml.SafeDumper):
         return True
 
 
-def render_local(stack, mode):
+def render_local(stack, mode, runtime="wasm"):
     desc = copy.deepcopy(stack)
     desc["mode"] = mode
+    desc["runtime"] = runtime
     body = yaml.dump(
         render.render(desc),
         Dumper=_PlainDumper,
@@ -144,7 +154,7 @@ def render_local(stack, mode):
         width=1 << 20,
         allow_unicode=True,
     )
-    return header(mode, stack) + body
+    return header(mode, stack, runtime) + body
 
 
 def load_stack():
@@ -154,13 +164,13 @@ def load_stack():
 
 def regenerate():
     stack = load_stack()
-    for name, mode in LOCAL_OUTPUTS.items():
-        (LOCAL / name).write_text(render_local(stack, mode))
+    for name, (mode, runtime) in LOCAL_OUTPUTS.items():
+        (LOCAL / name).write_text(render_local(stack, mode, runtime))
         print(f"wrote envoy/local/{name}")
 
 
-def check_drift(name, mode):
-    want = render_local(load_stack(), mode)
+def check_drift(name, mode, runtime):
+    want = render_local(load_stack(), mode, runtime)
     path = LOCAL / name
     have = path.read_text() if path.exists() else ""
     if have != want:
@@ -203,10 +213,14 @@ def error_lines(text, limit=4):
 
 
 class Envoy:
-    def __init__(self, binary, workdir, wasm):
+    def __init__(self, binary, workdir, wasm, module_dir=None):
         self.binary = binary
         self.workdir = Path(workdir)
         self.wasm = wasm
+        # Where Envoy finds libgpuroute.so for configurations with the dynamic-module filter.
+        self.env = dict(os.environ)
+        if module_dir:
+            self.env["ENVOY_DYNAMIC_MODULES_SEARCH_PATH"] = str(module_dir)
 
     def _write(self, name, config):
         path = self.workdir / (re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".json")
@@ -220,6 +234,7 @@ class Envoy:
             capture_output=True,
             text=True,
             timeout=120,
+            env=self.env,
         )
         if p.returncode != 0 or "OK" not in p.stdout + p.stderr:
             raise CheckError("envoy rejected it:\n" + error_lines(p.stdout + p.stderr))
@@ -243,6 +258,7 @@ class Envoy:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=self.env,
         )
         running = RunningEnvoy(proc, log, addr_file)
         try:
@@ -1049,11 +1065,12 @@ def validate_local_file(envoy, name, wasm):
     return "valid"
 
 
-def validate_mode(envoy, mode, wasm):
+def validate_mode(envoy, mode, wasm, runtime="wasm"):
     desc = load_stack()
     desc["mode"] = mode
+    desc["runtime"] = runtime
     desc["wasm"] = str(wasm)
-    envoy.validate("render-" + mode, render.render(desc))
+    envoy.validate(f"render-{mode}-{runtime}", render.render(desc))
     return "valid"
 
 
@@ -1067,6 +1084,11 @@ def main():
         "--wasm",
         default=str(ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_filter.wasm"),
         help="the built filter",
+    )
+    ap.add_argument(
+        "--module-dir",
+        default=str(ROOT / "target" / "release"),
+        help="directory holding the dynamic-module build, libgpuroute.so",
     )
     ap.add_argument(
         "--sidecar",
@@ -1090,15 +1112,21 @@ def main():
         print(f"FAIL  setup: no Envoy binary at {args.envoy} (make setup)")
         return 1
     workdir = tempfile.mkdtemp(prefix="gpuroute-check-")
-    envoy = Envoy(binary, workdir, wasm)
+    module_dir = Path(args.module_dir).resolve()
+    if not (module_dir / "libgpuroute.so").is_file():
+        print(f"FAIL  setup: no dynamic module at {module_dir}/libgpuroute.so (make native)")
+        return 1
+    envoy = Envoy(binary, workdir, wasm, module_dir)
 
     checks = []  # (name, callable)
-    for name, mode in LOCAL_OUTPUTS.items():
-        checks.append((f"drift     envoy/local/{name}", lambda n=name, m=mode: check_drift(n, m)))
+    for name, (mode, runtime) in LOCAL_OUTPUTS.items():
+        checks.append((f"drift     envoy/local/{name}", lambda n=name, m=mode, r=runtime: check_drift(n, m, r)))
     for name in LOCAL_OUTPUTS:
         checks.append((f"validate  envoy/local/{name}", lambda n=name: validate_local_file(envoy, n, wasm)))
     for mode in ("filter", "filter_original_dst", "round_robin", "least_request"):
         checks.append((f"validate  render.py mode {mode}", lambda m=mode: validate_mode(envoy, m, wasm)))
+    checks.append(("validate  render.py mode filter, dynamic module",
+                   lambda: validate_mode(envoy, "filter", wasm, runtime="dynamic")))
 
     try:
         manifests = load_manifests()

@@ -10,6 +10,8 @@ Description fields:
   admin           "127.0.0.1:9901"
   ingest          "127.0.0.1:9002"  loopback listener for snapshot pushes (filter modes)
   wasm            path of gpuroute_filter.wasm
+  runtime         "wasm" (default) or "dynamic": the same filter as an Envoy dynamic module
+                  (libgpuroute.so, found through ENVOY_DYNAMIC_MODULES_SEARCH_PATH)
   filter_config   the plugin configuration (pools, ingest token, scoring, ...)
   pools           [{"name": "llama-8b", "endpoints": ["127.0.0.1:18001", ...]}]
   route_timeout_s 0 = none (streams can be long)
@@ -145,6 +147,29 @@ def cluster(pool, mode, connect_timeout="1s"):
     return c
 
 
+def dynamic_module_filter(config):
+    return {
+        "name": "envoy.filters.http.dynamic_modules",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter",
+            # lib<name>.so from ENVOY_DYNAMIC_MODULES_SEARCH_PATH; loaded once per process, so
+            # both listeners share its snapshot. Kept loaded: the module holds process state.
+            "dynamic_module_config": {"name": "gpuroute", "do_not_close": True},
+            "filter_name": "gpuroute",
+            "filter_config": {
+                "@type": "type.googleapis.com/google.protobuf.StringValue",
+                "value": json.dumps(config, separators=(",", ":")),
+            },
+        },
+    }
+
+
+def gpuroute_filter(desc, config):
+    if desc.get("runtime", "wasm") == "dynamic":
+        return dynamic_module_filter(config)
+    return wasm_filter(desc["wasm"], config)
+
+
 def render(desc):
     mode = desc["mode"]
     pools = desc["pools"]
@@ -188,7 +213,7 @@ def render(desc):
 
     http_filters = []
     if filter_on:
-        http_filters.append(wasm_filter(desc["wasm"], fcfg))
+        http_filters.append(gpuroute_filter(desc, fcfg))
     http_filters.append(
         {
             "name": "envoy.filters.http.router",
@@ -231,7 +256,7 @@ def render(desc):
                             hcm(
                                 "gpuroute_ingest",
                                 [{"match": {"prefix": "/"}, "direct_response": openai_404()}],
-                                [wasm_filter(desc["wasm"], ingest_cfg), http_filters[-1]],
+                                [gpuroute_filter(desc, ingest_cfg), http_filters[-1]],
                             )
                         ]
                     }

@@ -10,16 +10,18 @@ Setup (all on 127.0.0.1):
             connection, and every request then pays a TCP connect at the gateway (that inflated
             plain Envoy's cost per request 2.5x in an earlier version of this script; the report
             now checks that upstream connections are reused);
-  gateway   Envoy 1.40 with 1 worker: either plain Envoy (round robin over the 8 upstream ports)
-            or Envoy + the gpuroute filter (override_host over the same 8 ports, a snapshot of
-            the 8 pods re-pushed every 100 ms as sidecar-metrics would);
+  gateway   Envoy 1.40 with 1 worker: plain Envoy (round robin over the 8 upstream ports),
+            Envoy + the gpuroute proxy-wasm filter ("filter": override_host over the same 8
+            ports, a snapshot of the 8 pods re-pushed every 100 ms as sidecar-metrics would), or
+            Envoy + the same filter built as a dynamic module ("module": libgpuroute.so, same
+            configuration, same pushes);
   client    target/release/httpload: closed loop, keep-alive, the same 4 KB chat body.
   reference Envoy round robin with its own C++ `buffer` filter in front: the same pause of the
             headers until the whole body is in, done natively (what the filter's pause-and-buffer
             would cost without a VM).
-Latency is measured with 1 connection (no queueing), throughput with 16. The three gateways are
+Latency is measured with 1 connection (no queueing), throughput with 16. The four gateways are
 measured alternately (the order flips every round), several rounds; the report gives the median
-of the rounds, the median and range of the per-round requests/s ratio (filter / plain, measured
+of the rounds, the median and range of the per-round requests/s ratio (ours / plain, measured
 seconds apart, so a slow spell of the shared machine hits both), and the gateway Envoy's CPU time
 per request (user + system of the whole process, from /proc: what the ratio would be if the
 gateway had a core to itself).
@@ -41,7 +43,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import ENVOY, WASM, Envoy, Pusher, free_port  # noqa: E402
+from harness import ENVOY, MODULE_DIR, WASM, Envoy, Pusher, free_port  # noqa: E402
+
+MODULE = MODULE_DIR / "libgpuroute.so"
 
 HTTPLOAD = ROOT / "target" / "release" / "httpload"
 PODS = 8
@@ -147,9 +151,12 @@ def main():
     pools = [{"name": "llama", "endpoints": up.addresses()}]
     plain = Envoy("round_robin", pools, CONFIG)
     native = Envoy("round_robin", pools, CONFIG, patch=native_buffer)
-    filt = Envoy("filter", pools, CONFIG)
-    pusher = Pusher([filt], {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]})
-    gateways = (("plain", plain), ("native_buffer", native), ("filter", filt))
+    filt = Envoy("filter", pools, CONFIG, runtime="wasm")
+    module = Envoy("filter", pools, CONFIG, runtime="dynamic")
+    snap = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
+    pusher = Pusher([filt, module], snap)
+    gateways = (("plain", plain), ("native_buffer", native), ("filter", filt), ("module", module))
+    ours = {"filter": ("wasmcustom.", WASM), "module": ("dynamicmodulescustom.", MODULE)}
     rows = {name: {"lat": [], "rps": []} for name, _ in gateways}
     try:
         for r in range(args.rounds):
@@ -162,16 +169,17 @@ def main():
                 rows[name]["rps"].append(thr)
             print(f"round {r + 1}: " + ", ".join(f"{name} p50 {rows[name]['lat'][-1]['latency_us']['p50']} us, "
                                                  f"{rows[name]['rps'][-1]['rps']:.0f} req/s" for name, _ in gateways), flush=True)
-        picked = filt.stat("wasmcustom.gpuroute.pool.llama.requests.picked")
-        fail_open = filt.stat("wasmcustom.gpuroute.pool.llama.requests.fail_open")
+        outcomes = {
+            name: {o: gw.stat(f"{ours[name][0]}gpuroute.pool.llama.requests.{o}") for o in ("picked", "fail_open")}
+            for name, gw in gateways if name in ours
+        }
         # Upstream connections opened per request: ~0 when keep-alive works (16 clients reuse a
         # handful of connections); 1 would mean a TCP connect per request on the measured path.
         conns = {name: upstream_connections_per_request(gw) for name, gw in gateways}
     finally:
         pusher.stop()
-        plain.stop()
-        native.stop()
-        filt.stop()
+        for _, gw in gateways:
+            gw.stop()
         up.stop()
 
     def med(name, key, q):
@@ -181,45 +189,46 @@ def main():
         "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
                   "seconds_per_run": args.seconds, "latency_connections": 1, "throughput_connections": 16,
                   "machine": "2 cores shared by client, gateway Envoy and upstream Envoy"},
-        "plain": {"p50_us": med("plain", "lat", "p50"), "p99_us": med("plain", "lat", "p99"), "rps": med("plain", "rps", None)},
-        "filter": {"p50_us": med("filter", "lat", "p50"), "p99_us": med("filter", "lat", "p99"), "rps": med("filter", "rps", None)},
-        "native_buffer": {"p50_us": med("native_buffer", "lat", "p50"), "p99_us": med("native_buffer", "lat", "p99"),
-                          "rps": med("native_buffer", "rps", None)},
-        "wasm": {"path": str(WASM), "sha256": hashlib.sha256(WASM.read_bytes()).hexdigest()},
-        "filter_picked": picked, "filter_fail_open": fail_open, "upstream_connections_per_request": conns, "raw": rows,
+        "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+                   for name, (_, path) in ours.items()},
+        "outcomes": outcomes, "upstream_connections_per_request": conns, "raw": rows,
     }
-    res["added_p50_us"] = res["filter"]["p50_us"] - res["plain"]["p50_us"]
-    res["rps_ratio"] = res["filter"]["rps"] / res["plain"]["rps"]
-    ratios = [f["rps"] / p["rps"] for f, p in zip(rows["filter"]["rps"], rows["plain"]["rps"])]
-    res["rps_ratio_per_round"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
-    nb = [n["rps"] / p["rps"] for n, p in zip(rows["native_buffer"]["rps"], rows["plain"]["rps"])]
-    res["native_buffer_rps_ratio_per_round"] = {"median": statistics.median(nb), "min": min(nb), "max": max(nb)}
-    for name in ("plain", "native_buffer", "filter"):
-        res[name]["cpu_us_per_request"] = statistics.median(x["cpu_us_per_request"] for x in rows[name]["rps"])
-    res["cpu_ratio"] = res["plain"]["cpu_us_per_request"] / res["filter"]["cpu_us_per_request"]
+    for name, _ in gateways:
+        res[name] = {"p50_us": med(name, "lat", "p50"), "p99_us": med(name, "lat", "p99"), "rps": med(name, "rps", None),
+                     "cpu_us_per_request": statistics.median(x["cpu_us_per_request"] for x in rows[name]["rps"])}
+        if name == "plain":
+            continue
+        ratios = [f["rps"] / p["rps"] for f, p in zip(rows[name]["rps"], rows["plain"]["rps"])]
+        res[name]["added_p50_us"] = res[name]["p50_us"] - res["plain"]["p50_us"]
+        res[name]["rps_ratio"] = res[name]["rps"] / res["plain"]["rps"]
+        res[name]["rps_ratio_per_round"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
-    print(f"\n4 KB chat body, {res['setup']['rounds']} rounds x {args.seconds:g} s, medians:")
-    print(f"  median latency: plain {res['plain']['p50_us']} us, with filter {res['filter']['p50_us']} us -> +{res['added_p50_us']} us (target <= 100)")
-    print(f"  p99 latency:    plain {res['plain']['p99_us']} us, with filter {res['filter']['p99_us']} us")
-    pr = res["rps_ratio_per_round"]
-    print(f"  requests/s:     plain {res['plain']['rps']:.0f}, with filter {res['filter']['rps']:.0f} -> {100 * res['rps_ratio']:.1f}% (target >= 75%)")
-    print(f"  per-round ratio: median {100 * pr['median']:.1f}%, range {100 * pr['min']:.1f}-{100 * pr['max']:.1f}%")
-    print(f"  gateway CPU per request: plain {res['plain']['cpu_us_per_request']:.1f} us, with filter "
-          f"{res['filter']['cpu_us_per_request']:.1f} us -> {100 * res['cpu_ratio']:.1f}% of plain Envoy's capacity per core")
-    nr = res["native_buffer_rps_ratio_per_round"]
-    print(f"  reference, plain Envoy + its native buffer filter: median latency {res['native_buffer']['p50_us']} us, "
-          f"requests/s per-round ratio median {100 * nr['median']:.1f}% (range {100 * nr['min']:.1f}-{100 * nr['max']:.1f}%), "
-          f"CPU per request {res['native_buffer']['cpu_us_per_request']:.1f} us")
-    print(f"  filter outcomes: picked {picked}, fail-open {fail_open} ({WASM.name} sha256 {res['wasm']['sha256'][:12]})")
-    if not picked:
-        print("  WARNING: the filter counted no picks: is the built .wasm the filter as committed?")
+    p = res["plain"]
+    print(f"\n4 KB chat body, {args.rounds} rounds x {args.seconds:g} s, medians "
+          f"(plain Envoy: median latency {p['p50_us']} us, p99 {p['p99_us']} us, {p['rps']:.0f} req/s, "
+          f"CPU {p['cpu_us_per_request']:.1f} us per request):")
+    labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter"}
+    for name in ("filter", "module", "native_buffer"):
+        g = res[name]
+        pr = g["rps_ratio_per_round"]
+        print(f"  {labels[name]}:")
+        print(f"    median latency {g['p50_us']} us -> +{g['added_p50_us']} us (target <= 100); p99 {g['p99_us']} us")
+        print(f"    requests/s {g['rps']:.0f} -> {100 * g['rps_ratio']:.1f}% of plain (target >= 75%); "
+              f"per-round ratio median {100 * pr['median']:.1f}%, range {100 * pr['min']:.1f}-{100 * pr['max']:.1f}%")
+        print(f"    gateway CPU per request {g['cpu_us_per_request']:.1f} us")
+    for name, (_, path) in ours.items():
+        o = outcomes[name]
+        print(f"  {labels[name]} outcomes: picked {o['picked']}, fail-open {o['fail_open']} "
+              f"({path.name} sha256 {res['builds'][name]['sha256'][:12]})")
+        if not o["picked"]:
+            print(f"  WARNING: the {labels[name]} counted no picks: is the build the one committed?")
+        if o["fail_open"]:
+            print(f"  WARNING: the {labels[name]} failed open on some requests; its cost is understated for those")
     print("  upstream connections opened per request: " + ", ".join(f"{k} {v:.4f}" for k, v in conns.items()))
     if max(conns.values()) > 0.01:
         print("  WARNING: upstream connections are not being reused; the figures include a TCP connect per request")
-    if fail_open:
-        print("  WARNING: some requests failed open; the filter's cost is understated for those")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,8 @@ pub struct FilterConfig {
     /// a first rollout step.
     #[serde(default = "yes")]
     pub pick_endpoints: bool,
-    /// Period of the root context's tick (prefix-index sync between workers), ms.
+    /// Period of the root context's tick (prefix-index sync between workers), ms. The dynamic
+    /// module hands its batched metrics to Envoy at this period.
     #[serde(default = "default_tick_ms")]
     pub tick_ms: u64,
 }

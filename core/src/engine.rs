@@ -96,7 +96,8 @@ pub struct Engine {
     pub routes: RoutingTable,
     pub picker: Picker,
     prefix: PrefixIndex,
-    sync: SyncLog,
+    /// `None` when one engine serves every worker (the dynamic module): nobody reads it.
+    sync: Option<SyncLog>,
     hashes: Vec<u64>,
     /// Moving average of prompt tokens per request (the unit of queued work).
     avg_prompt_tokens: f64,
@@ -117,7 +118,7 @@ impl Engine {
             routes,
             picker,
             prefix,
-            sync: SyncLog::new(SYNC_RING),
+            sync: Some(SyncLog::new(SYNC_RING)),
             hashes: Vec::new(),
             avg_prompt_tokens: 0.0,
             adapter_homes: HashMap::new(),
@@ -319,12 +320,23 @@ impl Engine {
         }
         let hashes = prep.anchor_hashes();
         self.prefix.record(&hashes, pod_key);
-        self.sync.push(pod_key, &hashes);
+        if let Some(sync) = &mut self.sync {
+            sync.push(pod_key, &hashes);
+        }
     }
 
     /// This worker's outgoing sync ring, encoded for shared data, and its newest sequence.
     pub fn sync_payload(&self) -> (u64, Vec<u8>) {
-        (self.sync.last_seq(), self.sync.encode())
+        match &self.sync {
+            Some(sync) => (sync.last_seq(), sync.encode()),
+            None => (0, Vec::new()),
+        }
+    }
+
+    /// For an engine shared by every worker (behind a lock): no outgoing sync log is kept.
+    pub fn without_sync_log(mut self) -> Engine {
+        self.sync = None;
+        self
     }
 
     /// Applies another worker's decisions to the local prefix index.

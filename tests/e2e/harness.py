@@ -21,7 +21,21 @@ WASM = Path(os.environ.get("GPUROUTE_WASM", ROOT / "target" / "wasm32-wasip1" / 
 sys.path.insert(0, str(ROOT / "envoy"))
 import render  # noqa: E402
 
+# GPUROUTE_RUNTIME=dynamic runs every gateway of the suite with the dynamic-module build instead.
+RUNTIME = os.environ.get("GPUROUTE_RUNTIME", "wasm")
+MODULE_DIR = Path(os.environ.get("GPUROUTE_MODULE_DIR", ROOT / "target" / "release"))
+# Where Envoy puts the filter's own stats.
+STAT_PREFIX = "dynamicmodulescustom." if RUNTIME == "dynamic" else "wasmcustom."
 TOKEN = "e2e-ingest-token"
+
+
+def pod_picks_stat(pool, address):
+    """Name of the counter of picks of one pod. The wasm filter defines one counter per pod when
+    it is first picked; the dynamic module must define its metrics up front, so it has one
+    counter labelled by pool and pod (a Prometheus label each, on /stats/prometheus)."""
+    if RUNTIME == "dynamic":
+        return f"{STAT_PREFIX}gpuroute.picks.pool.{pool}.pod.{address}"
+    return f"{STAT_PREFIX}gpuroute.pool.{pool}.pod." + address.replace(".", "_").replace(":", "_") + ".picks"
 
 
 def free_port():
@@ -48,9 +62,11 @@ class Envoy:
     """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
-                 listen=None, admin=None, ingest=None, workdir=None, patch=None):
+                 listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None):
         """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
-        (benchmarks use it for reference gateways the shipped renderer does not describe)."""
+        (benchmarks use it for reference gateways the shipped renderer does not describe).
+        `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway."""
+        self.runtime = runtime or RUNTIME
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         self.listen = listen or f"127.0.0.1:{free_port()}"
@@ -64,6 +80,7 @@ class Envoy:
             "admin": self.admin,
             "ingest": self.ingest,
             "wasm": str(WASM),
+            "runtime": runtime or RUNTIME,
             "filter_config": fc,
             "pools": pools,
         }
@@ -85,6 +102,7 @@ class Envoy:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)},
         )
         self._wait_ready()
 
@@ -156,6 +174,10 @@ class Envoy:
             return out
 
     def stat(self, name):
+        """A counter's value once the filter has handed over what it batched: the wasm filter
+        batches picks until its next tick, the dynamic module every counter (both every
+        `tick_ms`, 20 ms by default), so the value is read after a settling pause."""
+        time.sleep(0.1)
         return self.stats().get(name, 0)
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from harness import Envoy, TOKEN, now_ms, snapshot
+from harness import RUNTIME, STAT_PREFIX, TOKEN, Envoy, now_ms, pod_picks_stat, snapshot
 from stubpod import StubPod
 
 CONFIG = {
@@ -112,7 +112,7 @@ def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     stats = envoy.stats
 
     def pod_stat(name):
-        return "wasmcustom.gpuroute.pool.llama.pod." + pods[name].address.replace(".", "_").replace(":", "_") + ".picks"
+        return pod_picks_stat("llama", pods[name].address)
 
     before = stats()
     served = Counter(served_by(envoy.chat("llama-3-8b", f"stats {i}")) for i in range(20))
@@ -120,9 +120,9 @@ def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
         assert served_by(envoy.chat("qwen-7b")) == "qwen-0"
     assert envoy.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
     want = {
-        "wasmcustom.gpuroute.pool.llama.requests.picked": 20,
-        "wasmcustom.gpuroute.pool.qwen.requests.picked": 5,
-        "wasmcustom.gpuroute.rejected.invalid_json": 1,
+        STAT_PREFIX + "gpuroute.pool.llama.requests.picked": 20,
+        STAT_PREFIX + "gpuroute.pool.qwen.requests.picked": 5,
+        STAT_PREFIX + "gpuroute.rejected.invalid_json": 1,
         **{pod_stat(name): n for name, n in served.items()},
     }
     deadline = time.time() + 3
@@ -135,9 +135,9 @@ def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     assert got == want
     # Envoy publishes histogram values on its stats flush (every 5 s by default).
     deadline = time.time() + 7
-    while "P50" not in str(stats().get("wasmcustom.gpuroute.decision_us", "")) and time.time() < deadline:
+    while "P50" not in str(stats().get(STAT_PREFIX + "gpuroute.decision_us", "")) and time.time() < deadline:
         time.sleep(0.2)
-    assert "P50" in str(stats().get("wasmcustom.gpuroute.decision_us")), stats().get("wasmcustom.gpuroute.decision_us")
+    assert "P50" in str(stats().get(STAT_PREFIX + "gpuroute.decision_us")), stats().get(STAT_PREFIX + "gpuroute.decision_us")
 
 
 def test_destination_header_lists_fallbacks_and_debug_explains(envoy, pods):
@@ -183,7 +183,7 @@ def test_alias_is_rewritten_for_the_pod(envoy, pods):
 
 
 def test_fail_open_without_fresh_metrics(envoy, pods):
-    before = envoy.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod")
+    before = envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
     stale = fresh(pods)
     for pool in stale["pools"]:
         for p in pool["pods"]:
@@ -192,7 +192,7 @@ def test_fail_open_without_fresh_metrics(envoy, pods):
     got = Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(30))
     # Envoy's own least_request fallback spreads them; nobody is refused.
     assert sum(got.values()) == 30 and len(got) >= 2, got
-    assert envoy.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod") - before == 30
+    assert envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod") - before == 30
 
 
 def test_fail_open_when_every_pod_is_unhealthy(envoy, pods):
@@ -208,9 +208,9 @@ def test_snapshot_ages_out(pods):
         assert e.push(fresh(pods, loads))[0] == 204
         assert served_by(e.chat("llama-3-8b")) == "llama-1"
         time.sleep(0.5)
-        before = e.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod")
+        before = e.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
         e.chat("llama-3-8b")
-        assert e.stat("wasmcustom.gpuroute.fail_open.no_fresh_pod") == before + 1
+        assert e.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod") == before + 1
     finally:
         e.stop()
 
@@ -220,7 +220,7 @@ def test_missing_snapshot_fails_open(pods):
     try:
         got = Counter(served_by(e.chat("llama-3-8b")) for _ in range(12))
         assert sum(got.values()) == 12
-        assert e.stat("wasmcustom.gpuroute.fail_open.no_snapshot") == 12
+        assert e.stat(STAT_PREFIX + "gpuroute.fail_open.no_snapshot") == 12
     finally:
         e.stop()
 
@@ -338,8 +338,8 @@ def test_ingest_rejects_bad_token_and_bad_snapshot_and_keeps_the_old_one(envoy, 
     assert s == 400 and "not newer" in body["error"]["message"]
     # Still routing by the good snapshot.
     assert Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(5)) == {"llama-2": 5}
-    assert envoy.stat("wasmcustom.gpuroute.snapshot.rejected.unauthorized") >= 1
-    assert envoy.stat("wasmcustom.gpuroute.snapshot.rejected.invalid") >= 3
+    assert envoy.stat(STAT_PREFIX + "gpuroute.snapshot.rejected.unauthorized") >= 1
+    assert envoy.stat(STAT_PREFIX + "gpuroute.snapshot.rejected.invalid") >= 3
 
 
 def test_ingest_path_is_not_reachable_from_the_traffic_listener_without_loopback(envoy):
@@ -418,4 +418,17 @@ def test_sheddable_requests_get_429_when_every_pod_is_saturated(envoy, pods):
     assert envoy.push(fresh(pods, saturated))[0] == 204
     s, h, _, _ = envoy.chat("llama-3-8b", headers={"x-gateway-priority": "-5"})
     assert s == 200 and h["x-served-by"] == "llama-1"
-    assert envoy.stat("wasmcustom.gpuroute.pool.llama.requests.shed") >= 1
+    assert envoy.stat(STAT_PREFIX + "gpuroute.pool.llama.requests.shed") >= 1
+
+
+@pytest.mark.skipif(RUNTIME != "dynamic", reason="the dynamic-module build only")
+def test_dynamic_module_abi_is_this_envoys(pods):
+    """The module declares Envoy 1.40's ABI version: Envoy loads it without the "deprecated ABI"
+    warning (an Envoy upgrade that changes the ABI fails here first)."""
+    e = Envoy("filter", pools_of(pods), CONFIG)
+    try:
+        assert e.chat("qwen-7b")[0] == 200
+    finally:
+        e.stop()
+    log = e.log()
+    assert "ABI version" not in log, log[-2000:]

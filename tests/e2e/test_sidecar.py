@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from harness import Envoy, Sidecar, free_port
+from harness import STAT_PREFIX, Envoy, Sidecar, free_port
 from stubpod import StubPod
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
@@ -153,7 +153,7 @@ def test_push_keeps_trying_while_envoy_is_down_and_resumes_when_it_is_back():
         while picked(chat(gw)) != pods[1].address:
             assert time.time() - t0 < 3, gw.stats()
             time.sleep(0.01)
-        assert gw.stat("wasmcustom.gpuroute.snapshot.rejected.invalid") == 0
+        assert gw.stat(STAT_PREFIX + "gpuroute.snapshot.rejected.invalid") == 0
     finally:
         sc.stop()
         if gw:

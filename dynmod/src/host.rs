@@ -1,0 +1,360 @@
+//! Safe wrappers over the callbacks in [`crate::abi`]. Every call is given a live filter pointer
+//! (the one Envoy passed to the current hook) and returns plain values; nothing here panics.
+
+use crate::abi::*;
+
+/// The Envoy side of one HTTP stream, valid during the hook it was passed to.
+#[derive(Clone, Copy)]
+pub struct Stream(pub FilterEnvoyPtr);
+
+impl Stream {
+    /// Replaces a header (an empty value removes it).
+    pub fn set_header(self, map: u32, name: &str, value: &str) {
+        let v = if value.is_empty() {
+            ModuleBuffer::NULL
+        } else {
+            ModuleBuffer::of(value.as_bytes())
+        };
+        // SAFETY: live filter pointer; both buffers outlive the call (Envoy copies them).
+        unsafe {
+            envoy_dynamic_module_callback_http_set_header(
+                self.0,
+                map,
+                ModuleBuffer::of(name.as_bytes()),
+                v,
+            );
+        }
+    }
+
+    pub fn remove_header(self, map: u32, name: &str) {
+        self.set_header(map, name, "");
+    }
+
+    /// Appends a header value (used for headers that were stripped on arrival: cheaper than a
+    /// replace).
+    pub fn add_header(self, map: u32, name: &str, value: &str) {
+        // SAFETY: as for `set_header`.
+        unsafe {
+            envoy_dynamic_module_callback_http_add_header(
+                self.0,
+                map,
+                ModuleBuffer::of(name.as_bytes()),
+                ModuleBuffer::of(value.as_bytes()),
+            );
+        }
+    }
+
+    /// Every request header, in one call. The slices borrow Envoy's header map: they are valid
+    /// until the current hook returns or the map is changed, whichever comes first.
+    pub fn request_headers<'a>(self) -> Vec<(&'a [u8], &'a [u8])> {
+        // SAFETY: live filter pointer; the vector is sized by Envoy's own count first.
+        unsafe {
+            let n = envoy_dynamic_module_callback_http_get_headers_size(self.0, REQUEST_HEADERS);
+            let mut hs = vec![
+                EnvoyHeader {
+                    key_ptr: std::ptr::null(),
+                    key_len: 0,
+                    value_ptr: std::ptr::null(),
+                    value_len: 0,
+                };
+                n
+            ];
+            if n == 0
+                || !envoy_dynamic_module_callback_http_get_headers(
+                    self.0,
+                    REQUEST_HEADERS,
+                    hs.as_mut_ptr(),
+                )
+            {
+                return Vec::new();
+            }
+            hs.iter()
+                .map(|h| {
+                    let k = EnvoyBuffer {
+                        ptr: h.key_ptr,
+                        len: h.key_len,
+                    };
+                    let v = EnvoyBuffer {
+                        ptr: h.value_ptr,
+                        len: h.value_len,
+                    };
+                    (k.as_slice(), v.as_slice())
+                })
+                .collect()
+        }
+    }
+
+    fn body_chunks(self, kind: u32, out: &mut Vec<EnvoyBuffer>) {
+        // SAFETY: live filter pointer; the chunk vector is sized by Envoy's own count first.
+        unsafe {
+            let n = envoy_dynamic_module_callback_http_get_body_chunks_size(self.0, kind);
+            if n == 0 {
+                return;
+            }
+            let at = out.len();
+            out.resize(at + n, EnvoyBuffer::EMPTY);
+            if !envoy_dynamic_module_callback_http_get_body_chunks(
+                self.0,
+                kind,
+                out[at..].as_mut_ptr(),
+            ) {
+                out.truncate(at);
+            }
+        }
+    }
+
+    /// Bytes of the request body held so far: what Envoy buffered plus the chunk of the current
+    /// hook (unless that chunk already is the buffer).
+    pub fn request_body_len(self) -> usize {
+        // SAFETY: live filter pointer.
+        unsafe {
+            let buffered =
+                envoy_dynamic_module_callback_http_get_body_size(self.0, BUFFERED_REQUEST_BODY);
+            if envoy_dynamic_module_callback_http_received_buffered_request_body(self.0) {
+                return buffered;
+            }
+            buffered
+                + envoy_dynamic_module_callback_http_get_body_size(self.0, RECEIVED_REQUEST_BODY)
+        }
+    }
+
+    /// Runs `f` on the whole request body (at its end): Envoy's own bytes when they are one
+    /// chunk, a copy otherwise.
+    pub fn with_request_body<R>(self, f: impl FnOnce(&[u8]) -> R) -> R {
+        let mut chunks = Vec::with_capacity(4);
+        self.body_chunks(BUFFERED_REQUEST_BODY, &mut chunks);
+        // SAFETY: live filter pointer.
+        if !unsafe { envoy_dynamic_module_callback_http_received_buffered_request_body(self.0) } {
+            self.body_chunks(RECEIVED_REQUEST_BODY, &mut chunks);
+        }
+        chunks.retain(|c| c.len > 0);
+        // SAFETY: the chunks are Envoy's, valid until this hook returns; `f` runs inside it and
+        // nothing changes the body meanwhile.
+        unsafe {
+            match chunks.as_slice() {
+                [] => f(&[]),
+                [one] => f(one.as_slice()),
+                many => {
+                    let mut body = Vec::with_capacity(many.iter().map(|c| c.len).sum());
+                    for c in many {
+                        body.extend_from_slice(c.as_slice());
+                    }
+                    f(&body)
+                }
+            }
+        }
+    }
+
+    /// Replaces the whole request body with `new` (at its end).
+    pub fn replace_request_body(self, new: &[u8]) {
+        // SAFETY: live filter pointer; `new` outlives the call (Envoy copies it).
+        unsafe {
+            let buffered =
+                envoy_dynamic_module_callback_http_get_body_size(self.0, BUFFERED_REQUEST_BODY);
+            envoy_dynamic_module_callback_http_drain_body(self.0, BUFFERED_REQUEST_BODY, buffered);
+            let target =
+                if envoy_dynamic_module_callback_http_received_buffered_request_body(self.0) {
+                    BUFFERED_REQUEST_BODY
+                } else {
+                    let received = envoy_dynamic_module_callback_http_get_body_size(
+                        self.0,
+                        RECEIVED_REQUEST_BODY,
+                    );
+                    envoy_dynamic_module_callback_http_drain_body(
+                        self.0,
+                        RECEIVED_REQUEST_BODY,
+                        received,
+                    );
+                    RECEIVED_REQUEST_BODY
+                };
+            envoy_dynamic_module_callback_http_append_body(self.0, target, ModuleBuffer::of(new));
+        }
+    }
+
+    /// Sends a local reply; the stream stops here.
+    pub fn send_response(self, status: u32, headers: &[(&str, &str)], body: &[u8]) {
+        let hs: Vec<ModuleHeader> = headers
+            .iter()
+            .map(|(k, v)| ModuleHeader {
+                key_ptr: k.as_ptr(),
+                key_len: k.len(),
+                value_ptr: v.as_ptr(),
+                value_len: v.len(),
+            })
+            .collect();
+        let details = b"gpuroute";
+        // SAFETY: live filter pointer; every buffer outlives the call (Envoy copies them).
+        unsafe {
+            envoy_dynamic_module_callback_http_send_response(
+                self.0,
+                status,
+                hs.as_ptr(),
+                hs.len(),
+                ModuleBuffer::of(body),
+                ModuleBuffer::of(details),
+            );
+        }
+    }
+
+    pub fn clear_route_cache(self) {
+        // SAFETY: live filter pointer.
+        unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
+    }
+
+    /// The downstream peer's address (`ip:port` or `ip`).
+    pub fn source_address(self) -> Option<String> {
+        let mut out = EnvoyBuffer::EMPTY;
+        let len_ptr: *mut usize = &mut out.len;
+        // SAFETY: live filter pointer; `out` outlives the call.
+        let ok = unsafe {
+            envoy_dynamic_module_callback_http_filter_get_attribute_string(
+                self.0,
+                ATTRIBUTE_SOURCE_ADDRESS,
+                &mut out,
+                len_ptr,
+            )
+        };
+        // SAFETY: valid until the hook returns; copied right away.
+        ok.then(|| String::from_utf8_lossy(unsafe { out.as_slice() }).into_owned())
+    }
+}
+
+/// Metric updates through the filter configuration, outside any stream (used on the main
+/// thread, from `on_http_filter_config_scheduled`).
+#[derive(Clone, Copy)]
+pub struct ConfigStats(pub ConfigEnvoyPtr);
+
+impl ConfigStats {
+    pub fn counter(self, id: Option<usize>, labels: &[&str], by: u64) {
+        let Some(id) = id else { return };
+        let ls: Vec<ModuleBuffer> = labels
+            .iter()
+            .map(|l| ModuleBuffer::of(l.as_bytes()))
+            .collect();
+        // SAFETY: the config pointer Envoy passed to the current hook; labels outlive the call.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_increment_counter(
+                self.0,
+                id,
+                ls.as_ptr(),
+                ls.len(),
+                by,
+            );
+        }
+    }
+
+    pub fn gauge(self, id: Option<usize>, value: u64) {
+        let Some(id) = id else { return };
+        // SAFETY: the config pointer Envoy passed to the current hook.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_set_gauge(
+                self.0,
+                id,
+                std::ptr::null(),
+                0,
+                value,
+            );
+        }
+    }
+
+    pub fn histogram(self, id: Option<usize>, value: u64) {
+        let Some(id) = id else { return };
+        // SAFETY: the config pointer Envoy passed to the current hook.
+        unsafe {
+            envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
+                self.0,
+                id,
+                std::ptr::null(),
+                0,
+                value,
+            );
+        }
+    }
+}
+
+/// Wakes `on_http_filter_config_scheduled` on Envoy's main thread; `commit` may be called from
+/// any thread (Envoy posts the event to the main dispatcher).
+pub struct Scheduler(*mut std::ffi::c_void);
+
+// SAFETY: Envoy documents the config scheduler's commit as callable from any thread; the
+// pointer is deleted only through `delete`, on the main thread, after the last commit.
+unsafe impl Send for Scheduler {}
+unsafe impl Sync for Scheduler {}
+
+impl Scheduler {
+    /// # Safety
+    /// `config` must be the live config pointer of `on_http_filter_config_new`.
+    pub unsafe fn new(config: ConfigEnvoyPtr) -> Option<Scheduler> {
+        let p = envoy_dynamic_module_callback_http_filter_config_scheduler_new(config);
+        (!p.is_null()).then_some(Scheduler(p))
+    }
+
+    pub fn commit(&self, event: u64) {
+        // SAFETY: live until `delete`.
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_commit(self.0, event) }
+    }
+
+    pub fn delete(self) {
+        // SAFETY: deleted once; no commit follows (the owner took it out of its slot).
+        unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0) }
+    }
+}
+
+/// Metric definitions, only possible while the filter config is being created.
+pub struct Definer(pub ConfigEnvoyPtr);
+
+impl Definer {
+    fn define(
+        &self,
+        f: unsafe fn(ConfigEnvoyPtr, ModuleBuffer, *const ModuleBuffer, usize, *mut usize) -> u32,
+        name: &str,
+        labels: &[&str],
+    ) -> Option<usize> {
+        let ls: Vec<ModuleBuffer> = labels
+            .iter()
+            .map(|l| ModuleBuffer::of(l.as_bytes()))
+            .collect();
+        let mut id = 0usize;
+        // SAFETY: the config pointer is live during `on_http_filter_config_new`; buffers outlive
+        // the call.
+        let rc = unsafe {
+            f(
+                self.0,
+                ModuleBuffer::of(name.as_bytes()),
+                ls.as_ptr(),
+                ls.len(),
+                &mut id,
+            )
+        };
+        (rc == METRICS_SUCCESS).then_some(id)
+    }
+
+    pub fn counter(&self, name: &str, labels: &[&str]) -> Option<usize> {
+        self.define(
+            envoy_dynamic_module_callback_http_filter_config_define_counter,
+            name,
+            labels,
+        )
+    }
+
+    pub fn gauge(&self, name: &str) -> Option<usize> {
+        self.define(
+            envoy_dynamic_module_callback_http_filter_config_define_gauge,
+            name,
+            &[],
+        )
+    }
+
+    pub fn histogram(&self, name: &str) -> Option<usize> {
+        self.define(
+            envoy_dynamic_module_callback_http_filter_config_define_histogram,
+            name,
+            &[],
+        )
+    }
+}
+
+pub fn log(level: u32, msg: &str) {
+    // SAFETY: the message outlives the call.
+    unsafe { envoy_dynamic_module_callback_log(level, ModuleBuffer::of(msg.as_bytes())) }
+}

@@ -1,0 +1,1031 @@
+//! gpuroute as an Envoy dynamic module: the same `gpuroute-core` decisions as the proxy-wasm
+//! filter, compiled natively and run in Envoy's worker threads without a VM.
+//!
+//! Why a second shell: through Envoy, the proxy-wasm filter's fixed costs (a VM call per hook,
+//! copying headers and the body into the VM, shared data through the host) and the ~2.5x
+//! slower code inside V8 add ~55 us of gateway CPU per request (`make bench-envoy`); the same
+//! decision natively takes a few microseconds. Behaviour is the wasm filter's, request for
+//! request (the end-to-end suite runs against both: `GPUROUTE_RUNTIME=dynamic`); what differs
+//! is only where state lives:
+//!
+//! - the snapshot is one process-wide `Arc` swapped by the ingest path (no shared-data copy, no
+//!   per-worker decode);
+//! - the in-flight tables and the prefix index are one per filter configuration, behind a
+//!   mutex held only for the decision (prepare, score, count, commit): every worker sees every
+//!   other worker's picks at once, with no sync ring and no tick;
+//! - metrics are defined when the configuration loads (Envoy freezes definitions after that),
+//!   so per-pool counters exist for the configured pools, and per-pod picks are one counter
+//!   labelled by pool and pod.
+//!
+//! The ABI is pinned to Envoy 1.40 (see [`abi`]); a module built for another Envoy version
+//! must not be loaded.
+
+pub mod abi;
+mod host;
+
+use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
+use gpuroute_core::config::{DataPlane, FilterConfig};
+use gpuroute_core::engine::{DecideOptions, Engine};
+use gpuroute_core::error::ApiError;
+use gpuroute_core::fleet::{stat_segment, FleetState};
+use gpuroute_core::idmap::IdMap;
+use gpuroute_core::ingest;
+use gpuroute_core::load::LoadTable;
+use gpuroute_core::picker::{Decision, FailOpen};
+use gpuroute_core::rng::SplitMix64;
+use host::{ConfigStats, Definer, Scheduler, Stream};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Headers the filter sets to steer Envoy; a client-sent copy is removed on arrival (with an
+/// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere).
+const INTERNAL_HEADERS: &[&str] = &[
+    "x-gateway-destination-endpoint",
+    "x-gateway-model-name",
+    "x-gateway-base-model-name",
+    "x-gateway-pool",
+    "x-gateway-lora-adapter",
+    "x-envoy-original-dst-host",
+];
+const DEST_HEADER: &str = "x-gateway-destination-endpoint";
+const DEBUG_HEADER: &str = "x-gateway-debug";
+const OUTCOMES: &[&str] = &["picked", "fail_open", "shed", "error", "routed"];
+const FAIL_OPEN: &[&str] = &["no_snapshot", "unknown_pool", "no_fresh_pod"];
+const REJECTED: &[&str] = &[
+    "invalid_json",
+    "invalid_type",
+    "model_not_found",
+    "missing_required_parameter",
+    "request_too_large",
+    "other",
+];
+const SNAPSHOT_REJECTED: &[&str] = &[
+    "method",
+    "forbidden",
+    "unauthorized",
+    "too_large",
+    "invalid",
+];
+
+/// The accepted snapshot, shared by every worker and every filter configuration.
+static FLEET: RwLock<Option<Arc<FleetState>>> = RwLock::new(None);
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Nothing in this module panics while holding a lock; if something ever did, the state is
+    // still consistent enough to route with (counts may be off until the next snapshot).
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn current_fleet() -> Option<Arc<FleetState>> {
+    FLEET.read().unwrap_or_else(PoisonError::into_inner).clone()
+}
+
+/// Metric ids (defined at configuration time; `None` if Envoy refused one).
+struct Metrics {
+    outcome: HashMap<(String, &'static str), Option<usize>>,
+    fail_open: HashMap<&'static str, Option<usize>>,
+    rejected: HashMap<&'static str, Option<usize>>,
+    snapshot_rejected: HashMap<&'static str, Option<usize>>,
+    snapshot_accepted: Option<usize>,
+    snapshot_age: Option<usize>,
+    snapshot_pods: Option<usize>,
+    models_list: Option<usize>,
+    decision_us: Option<usize>,
+    picks: Option<usize>,
+}
+
+impl Metrics {
+    fn define(d: &Definer, config: &FilterConfig) -> Metrics {
+        let mut outcome = HashMap::new();
+        for p in &config.pools {
+            for o in OUTCOMES {
+                let name = format!("gpuroute.pool.{}.requests.{o}", stat_segment(&p.name));
+                outcome.insert((p.name.clone(), *o), d.counter(&name, &[]));
+            }
+        }
+        let named = |prefix: &str, list: &[&'static str]| {
+            list.iter()
+                .map(|r| (*r, d.counter(&format!("{prefix}.{r}"), &[])))
+                .collect::<HashMap<_, _>>()
+        };
+        Metrics {
+            outcome,
+            fail_open: named("gpuroute.fail_open", FAIL_OPEN),
+            rejected: named("gpuroute.rejected", REJECTED),
+            snapshot_rejected: named("gpuroute.snapshot.rejected", SNAPSHOT_REJECTED),
+            snapshot_accepted: d.counter("gpuroute.snapshot.accepted", &[]),
+            snapshot_age: d.gauge("gpuroute.snapshot.age_ms"),
+            snapshot_pods: d.gauge("gpuroute.snapshot.pods"),
+            models_list: d.counter("gpuroute.models_list", &[]),
+            decision_us: d.histogram("gpuroute.decision_us"),
+            picks: d.counter("gpuroute.picks", &["pool", "pod"]),
+        }
+    }
+
+    fn outcome_id(&self, pool: &str, outcome: &'static str) -> Option<usize> {
+        self.outcome
+            .get(&(pool.to_string(), outcome))
+            .copied()
+            .flatten()
+    }
+
+    fn rejected_id(&self, code: Option<&str>) -> Option<usize> {
+        let key = code
+            .and_then(|c| REJECTED.iter().find(|r| **r == c))
+            .copied()
+            .unwrap_or("other");
+        self.rejected.get(key).copied().flatten()
+    }
+
+    fn snapshot_rejected_id(&self, reason: &'static str) -> Option<usize> {
+        self.snapshot_rejected.get(reason).copied().flatten()
+    }
+}
+
+/// Metric updates not yet handed to Envoy. The request path only adds to this (one short lock,
+/// no call into Envoy); `Config::flush` hands it over on Envoy's main thread every `tick_ms`.
+/// Envoy's labelled counters cost ~5 us per increment (a symbol-table lookup under a lock) and
+/// even plain counters and histograms a few, which batching takes off the request path.
+#[derive(Default)]
+struct Pending {
+    counts: HashMap<usize, u64>,
+    /// Picks per pool, per pod (by pod key): the pod's address and the count.
+    picks: HashMap<String, IdMap<u64, (String, u64)>>,
+    decision_us: Vec<u64>,
+    snapshot_pods: Option<u64>,
+}
+
+/// Decision times kept per tick at most (beyond this, one in two is dropped: the histogram stays
+/// representative and memory bounded).
+const MAX_PENDING_TIMES: usize = 65_536;
+
+impl Pending {
+    fn count(&mut self, id: Option<usize>) {
+        if let Some(id) = id {
+            *self.counts.entry(id).or_insert(0) += 1;
+        }
+    }
+
+    fn pick(&mut self, pool: &str, pod_key: u64, address: &str) {
+        if !self.picks.contains_key(pool) {
+            self.picks.insert(pool.to_string(), IdMap::default());
+        }
+        if let Some(pods) = self.picks.get_mut(pool) {
+            pods.entry(pod_key)
+                .or_insert_with(|| (address.to_string(), 0))
+                .1 += 1;
+        }
+    }
+
+    fn decision_time(&mut self, us: u64) {
+        if self.decision_us.len() >= MAX_PENDING_TIMES {
+            let mut keep = false;
+            self.decision_us.retain(|_| {
+                keep = !keep;
+                keep
+            });
+        }
+        self.decision_us.push(us);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.counts.is_empty()
+            && self.picks.is_empty()
+            && self.decision_us.is_empty()
+            && self.snapshot_pods.is_none()
+    }
+}
+
+/// Routing state of one filter configuration, shared by all workers.
+struct Router {
+    engine: Engine,
+    /// In-flight requests per pod, per pool (re-aligned with each new snapshot).
+    loads: HashMap<String, LoadTable>,
+    rng: SplitMix64,
+}
+
+/// One filter configuration (`on_http_filter_config_new`).
+struct Config {
+    settings: FilterConfig,
+    models_json: String,
+    router: Mutex<Router>,
+    metrics: Metrics,
+    pending: Mutex<Pending>,
+    /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
+    /// the configuration, which also ends the ticker thread.
+    scheduler: Mutex<Option<Scheduler>>,
+}
+
+impl Config {
+    fn new(raw: &[u8], definer: &Definer) -> Result<Config, String> {
+        let settings = FilterConfig::from_json(raw).map_err(|e| e.to_string())?;
+        let metrics = Metrics::define(definer, &settings);
+        // One engine for every worker: picks are visible to all at once, no sync log needed.
+        let engine = Engine::new(settings.clone()).without_sync_log();
+        let models_json = engine.routes.models_json().to_string();
+        let seed = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Ok(Config {
+            settings,
+            models_json,
+            router: Mutex::new(Router {
+                engine,
+                loads: HashMap::new(),
+                rng: SplitMix64::new(seed),
+            }),
+            metrics,
+            pending: Mutex::new(Pending::default()),
+            scheduler: Mutex::new(None),
+        })
+    }
+
+    fn count(&self, id: Option<usize>) {
+        lock(&self.pending).count(id);
+    }
+
+    /// Hands the pending metric updates to Envoy (main thread, `on_http_filter_config_scheduled`).
+    fn flush(&self, stats: ConfigStats) {
+        let p = std::mem::take(&mut *lock(&self.pending));
+        let m = &self.metrics;
+        for (id, n) in p.counts {
+            stats.counter(Some(id), &[], n);
+        }
+        for (pool, pods) in &p.picks {
+            for (addr, n) in pods.values() {
+                stats.counter(m.picks, &[pool.as_str(), addr.as_str()], *n);
+            }
+        }
+        for us in p.decision_us {
+            stats.histogram(m.decision_us, us);
+        }
+        if let Some(n) = p.snapshot_pods {
+            stats.gauge(m.snapshot_pods, n);
+        }
+        if let Some(f) = current_fleet() {
+            stats.gauge(m.snapshot_age, f.age_ms(now_ms()));
+        }
+    }
+
+    /// Starts the ticker: every `tick_ms` it asks Envoy's main thread to run `flush` (always for
+    /// a routing configuration, whose snapshot-age gauge moves; otherwise only when something
+    /// is pending). It holds only a weak reference and stops once the scheduler is gone.
+    fn start_ticker(config: &Arc<Config>, scheduler: Scheduler) {
+        *lock(&config.scheduler) = Some(scheduler);
+        let weak = Arc::downgrade(config);
+        let tick = Duration::from_millis(config.settings.tick_ms.max(1));
+        let spawned = std::thread::Builder::new()
+            .name("gpuroute-stats".into())
+            .spawn(move || loop {
+                std::thread::sleep(tick);
+                let Some(c) = weak.upgrade() else { return };
+                let routes = !c.settings.pools.is_empty();
+                if !routes && lock(&c.pending).is_empty() {
+                    continue;
+                }
+                let guard = lock(&c.scheduler);
+                match guard.as_ref() {
+                    Some(s) => s.commit(0),
+                    None => return,
+                }
+            });
+        if spawned.is_err() {
+            host::log(abi::LOG_ERROR, "gpuroute: could not start the stats ticker");
+        }
+    }
+
+    /// Counts a change in a pod's in-flight load (first byte back, or the end of the request).
+    fn complete(&self, pool: &str, f: impl FnOnce(&mut LoadTable)) {
+        let mut r = lock(&self.router);
+        if let Some(t) = r.loads.get_mut(pool) {
+            f(t);
+        }
+    }
+}
+
+enum Mode {
+    Pass,
+    Inference,
+    Ingest,
+    Answered,
+}
+
+/// What to undo in the in-flight table when the request ends.
+struct Picked {
+    pool: String,
+    pod_key: u64,
+    tokens: u32,
+    prefill_tokens: u32,
+    in_prefill: bool,
+}
+
+/// One HTTP stream (`on_http_filter_new`).
+struct Filter {
+    config: Arc<Config>,
+    mode: Mode,
+    path: String,
+    priority: Option<i64>,
+    authorization: Option<String>,
+    picked: Option<Picked>,
+    debug: Option<String>,
+}
+
+impl Filter {
+    fn reply(&mut self, s: Stream, status: u16, body: &str, content_type: &str) {
+        self.mode = Mode::Answered;
+        s.send_response(
+            u32::from(status),
+            &[("content-type", content_type)],
+            body.as_bytes(),
+        );
+    }
+
+    fn reply_error(&mut self, s: Stream, err: &ApiError) {
+        self.reply(s, err.status, &err.to_json(), "application/json");
+    }
+
+    fn on_request_headers(&mut self, s: Stream, end_of_stream: bool) -> u32 {
+        let config = Arc::clone(&self.config);
+        let cfg = &config.settings;
+        // One call reads every header (names arrive lower-case; values that are not UTF-8
+        // count as absent); only client-sent internal headers are then removed.
+        let mut method = String::new();
+        let mut content_length: Option<usize> = None;
+        let mut forged: Vec<&'static str> = Vec::new();
+        for (k, v) in s.request_headers() {
+            let text = || std::str::from_utf8(v).ok();
+            match k {
+                b":path" => {
+                    let full = text().unwrap_or_default();
+                    let path = full.split(['?', '#']).next().unwrap_or_default();
+                    self.path = path.to_string();
+                }
+                b":method" => method = text().unwrap_or_default().to_string(),
+                b"content-length" => content_length = text().and_then(|t| t.trim().parse().ok()),
+                b"x-gateway-priority" => self.priority = text().and_then(|t| t.trim().parse().ok()),
+                b"authorization" => self.authorization = text().map(str::to_string),
+                // Every internal header starts with "x-": most headers are skipped on one compare.
+                _ if k.starts_with(b"x-") => {
+                    forged.extend(INTERNAL_HEADERS.iter().find(|n| n.as_bytes() == k));
+                }
+                _ => {}
+            }
+        }
+        // The borrowed header slices are dead from here on: the map may change.
+        for h in forged {
+            s.remove_header(REQUEST_HEADERS, h);
+        }
+
+        if let Some(ing) = cfg.ingest.as_ref().filter(|i| i.path == self.path) {
+            let m = &config.metrics;
+            if method != "POST" {
+                config.count(m.snapshot_rejected_id("method"));
+                self.reply_error(s, &ApiError::method_not_allowed("POST"));
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            if ing.loopback_only && !peer_is_loopback(s) {
+                config.count(m.snapshot_rejected_id("forbidden"));
+                let mut e = ApiError::unauthorized();
+                e.status = 403;
+                e.message = "snapshots are accepted from loopback peers only".into();
+                self.reply_error(s, &e);
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            if !ingest::authorized(self.authorization.as_deref(), &ing.token) {
+                config.count(m.snapshot_rejected_id("unauthorized"));
+                self.reply_error(s, &ApiError::unauthorized());
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            if content_length.is_some_and(|n| n > ing.max_snapshot_bytes) {
+                config.count(m.snapshot_rejected_id("too_large"));
+                self.reply_error(
+                    s,
+                    &ApiError::snapshot_too_large(format!(
+                        "snapshot exceeds the limit of {} bytes",
+                        ing.max_snapshot_bytes
+                    )),
+                );
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            self.mode = Mode::Ingest;
+            if end_of_stream {
+                self.ingest(s);
+            }
+            return abi::HEADERS_STOP_ITERATION;
+        }
+        if method == "GET" && !cfg.models_path.is_empty() && self.path == cfg.models_path {
+            config.count(config.metrics.models_list);
+            self.reply(s, 200, &config.models_json, "application/json");
+            return abi::HEADERS_STOP_ITERATION;
+        }
+        if method == "POST" && cfg.is_inference_path(&self.path) {
+            if content_length.is_some_and(|n| n > cfg.max_body_bytes) {
+                config.count(config.metrics.rejected_id(Some("request_too_large")));
+                self.reply_error(s, &ApiError::body_too_large(cfg.max_body_bytes));
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            self.mode = Mode::Inference;
+            if end_of_stream {
+                self.route(s);
+                return match self.mode {
+                    Mode::Answered => abi::HEADERS_STOP_ITERATION,
+                    _ => abi::HEADERS_CONTINUE,
+                };
+            }
+            return abi::HEADERS_STOP_ITERATION;
+        }
+        abi::HEADERS_CONTINUE
+    }
+
+    fn on_request_body(&mut self, s: Stream, end_of_stream: bool) -> u32 {
+        let config = Arc::clone(&self.config);
+        match self.mode {
+            Mode::Inference => {
+                let max = config.settings.max_body_bytes;
+                if s.request_body_len() > max {
+                    config.count(config.metrics.rejected_id(Some("request_too_large")));
+                    self.reply_error(s, &ApiError::body_too_large(max));
+                    return abi::BODY_STOP_NO_BUFFER;
+                }
+                if !end_of_stream {
+                    return abi::BODY_STOP_AND_BUFFER;
+                }
+                self.route(s);
+                match self.mode {
+                    Mode::Answered => abi::BODY_STOP_NO_BUFFER,
+                    _ => abi::BODY_CONTINUE,
+                }
+            }
+            Mode::Ingest => {
+                let max = config
+                    .settings
+                    .ingest
+                    .as_ref()
+                    .map_or(0, |i| i.max_snapshot_bytes);
+                if s.request_body_len() > max {
+                    config.count(config.metrics.snapshot_rejected_id("too_large"));
+                    self.reply_error(
+                        s,
+                        &ApiError::snapshot_too_large(format!(
+                            "snapshot exceeds the limit of {max} bytes"
+                        )),
+                    );
+                    return abi::BODY_STOP_NO_BUFFER;
+                }
+                if !end_of_stream {
+                    return abi::BODY_STOP_AND_BUFFER;
+                }
+                self.ingest(s);
+                abi::BODY_STOP_NO_BUFFER
+            }
+            Mode::Answered => abi::BODY_STOP_NO_BUFFER,
+            Mode::Pass => abi::BODY_CONTINUE,
+        }
+    }
+
+    /// Validates and installs a pushed snapshot (the whole body is in).
+    fn ingest(&mut self, s: Stream) {
+        let config = Arc::clone(&self.config);
+        let m = &config.metrics;
+        let Some(ing) = config.settings.ingest.as_ref() else {
+            return;
+        };
+        let current = current_fleet().map(|f| f.version);
+        let accepted = s.with_request_body(|b| ingest::accept(b, ing.max_snapshot_bytes, current));
+        let snap = match accepted {
+            Ok(snap) => snap,
+            Err(e) => {
+                config.count(m.snapshot_rejected_id(if e.status == 413 {
+                    "too_large"
+                } else {
+                    "invalid"
+                }));
+                host::log(
+                    abi::LOG_WARN,
+                    &format!("gpuroute: snapshot rejected: {}", e.message),
+                );
+                self.reply_error(s, &e);
+                return;
+            }
+        };
+        let pods: usize = snap.pools.iter().map(|p| p.pods.len()).sum();
+        let fleet = Arc::new(FleetState::new(snap, now_ms()));
+        {
+            let mut slot = FLEET.write().unwrap_or_else(PoisonError::into_inner);
+            // Re-checked under the lock: of two racing pushes the older never wins.
+            if let Some(old) = slot.as_ref().filter(|old| old.version >= fleet.version) {
+                let e = ApiError::bad_snapshot(format!(
+                    "snapshot version {} is not newer than the current version {}",
+                    fleet.version, old.version
+                ));
+                drop(slot);
+                config.count(m.snapshot_rejected_id("invalid"));
+                self.reply_error(s, &e);
+                return;
+            }
+            *slot = Some(fleet);
+        }
+        {
+            let mut p = lock(&config.pending);
+            p.count(m.snapshot_accepted);
+            p.snapshot_pods = Some(pods as u64);
+        }
+        self.reply(s, 204, "", "text/plain");
+    }
+
+    /// Parses, resolves and picks (the whole body is in), then sets the routing headers.
+    fn route(&mut self, s: Stream) {
+        let t0 = Instant::now();
+        let config = Arc::clone(&self.config);
+        let cfg = &config.settings;
+        let m = &config.metrics;
+        let fleet = current_fleet();
+        let now = now_ms();
+
+        let mut guard = lock(&config.router);
+        let r = &mut *guard;
+        let prepared = s.with_request_body(|body| r.engine.prepare(&self.path, body));
+        let prep = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                drop(guard);
+                config.count(m.rejected_id(e.code.as_deref()));
+                self.reply_error(s, &e);
+                return;
+            }
+        };
+        let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
+        let table = r.loads.entry(prep.pool.clone()).or_default();
+        if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
+            table.rebase(f.version, &p.keys);
+        }
+        let opts = DecideOptions {
+            now_ms: now,
+            sheddable: cfg.shed_sheddable && self.priority.is_some_and(|p| p < 0),
+            debug: cfg.debug_header,
+        };
+        let mut choice = r
+            .engine
+            .decide(&prep, fleet.as_deref(), &table.pods, opts, &mut r.rng);
+        self.debug = choice.debug.take();
+        let mut any_pod = None;
+        if let Decision::Picked(_) = &choice.decision {
+            if let (Some(idx), Some(pod_key), Some(_)) =
+                (choice.picked_index, choice.picked_key, pool_state)
+            {
+                table.add(
+                    idx,
+                    prep.prompt_tokens,
+                    prep.stream.then_some(choice.prefill_tokens),
+                );
+                r.engine.commit(&prep, pod_key);
+                self.picked = Some(Picked {
+                    pool: prep.pool.clone(),
+                    pod_key,
+                    tokens: prep.prompt_tokens,
+                    prefill_tokens: choice.prefill_tokens,
+                    // A buffered response's first byte is its last: the end of prefill is not
+                    // observable, so such requests are not counted in it.
+                    in_prefill: prep.stream,
+                });
+            }
+        } else if matches!(choice.decision, Decision::FailOpen(r) if r != FailOpen::Disabled)
+            && cfg.data_plane == DataPlane::OriginalDst
+        {
+            // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
+            any_pod = pool_state.and_then(|p| Engine::any_pod(p, &mut r.rng));
+        }
+        drop(guard);
+
+        let pool = prep.pool.as_str();
+        // What to count, handed to `pending` in one lock at the end.
+        let mut outcome = None;
+        let mut fail_open = None;
+        let mut picked_at = None;
+        let mut answer = None;
+        match &choice.decision {
+            Decision::Picked(_) => {
+                if let Some(dest) = &choice.destination {
+                    let dest = match cfg.data_plane {
+                        DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
+                        DataPlane::OverrideHost => dest.as_str(),
+                    };
+                    s.add_header(REQUEST_HEADERS, DEST_HEADER, dest);
+                    outcome = Some("picked");
+                    picked_at = choice.picked_key.zip(dest.split(',').next());
+                }
+            }
+            Decision::FailOpen(FailOpen::Disabled) => outcome = Some("routed"),
+            Decision::FailOpen(reason) => {
+                outcome = Some("fail_open");
+                fail_open = m.fail_open.get(reason.as_str()).copied().flatten();
+                if cfg.data_plane == DataPlane::OriginalDst {
+                    match any_pod {
+                        Some(addr) => s.set_header(REQUEST_HEADERS, DEST_HEADER, &addr),
+                        None => answer = Some(("error", ApiError::no_endpoints(pool))),
+                    }
+                }
+            }
+            Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
+        }
+        if answer.is_none() {
+            s.add_header(REQUEST_HEADERS, "x-gateway-pool", pool);
+            s.add_header(REQUEST_HEADERS, "x-gateway-model-name", &prep.target.model);
+            if let Some(a) = &prep.target.adapter {
+                s.add_header(
+                    REQUEST_HEADERS,
+                    "x-gateway-base-model-name",
+                    &prep.target.base_model,
+                );
+                s.add_header(REQUEST_HEADERS, "x-gateway-lora-adapter", a);
+            }
+            if let Some(new_body) = &prep.rewritten_body {
+                s.replace_request_body(new_body);
+                s.set_header(
+                    REQUEST_HEADERS,
+                    "content-length",
+                    &new_body.len().to_string(),
+                );
+            }
+            // The route was matched on the headers as they arrived; match again on the pool.
+            s.clear_route_cache();
+        }
+        {
+            let mut p = lock(&config.pending);
+            p.count(outcome.and_then(|o| m.outcome_id(pool, o)));
+            p.count(fail_open);
+            if let Some((key, addr)) = picked_at {
+                p.pick(pool, key, addr);
+            }
+            if let Some((o, _)) = &answer {
+                p.count(m.outcome_id(pool, o));
+            } else {
+                p.decision_time(t0.elapsed().as_micros() as u64);
+            }
+        }
+        if let Some((_, e)) = answer {
+            self.reply_error(s, &e);
+        }
+    }
+
+    fn on_response_headers(&mut self, s: Stream) {
+        if let Some(d) = &self.debug {
+            s.set_header(RESPONSE_HEADERS, DEBUG_HEADER, d);
+        }
+    }
+
+    /// The first streamed chunk is the first token: the pod's prefill of this request is over.
+    fn on_response_body(&mut self) {
+        if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
+            p.in_prefill = false;
+            let (key, tokens) = (p.pod_key, p.prefill_tokens);
+            self.config.complete(&p.pool, |t| {
+                t.first_byte(key, tokens);
+            });
+        }
+    }
+
+    /// The request is over: it leaves the in-flight table.
+    fn on_end(&mut self) {
+        if let Some(p) = self.picked.take() {
+            let in_prefill = p.in_prefill.then_some(p.prefill_tokens);
+            self.config.complete(&p.pool, |t| {
+                t.finish(p.pod_key, p.tokens, in_prefill);
+            });
+        }
+    }
+}
+
+fn peer_is_loopback(s: Stream) -> bool {
+    let Some(a) = s.source_address() else {
+        return false;
+    };
+    a.parse::<SocketAddr>()
+        .map(|a| a.ip())
+        .or_else(|_| a.parse::<IpAddr>())
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
+// ----------------------------------------------------------------------------------------------
+// Event hooks: Envoy resolves every one of these by name when it loads the module.
+// ----------------------------------------------------------------------------------------------
+
+/// The ABI version of Envoy 1.40 (its `ENVOY_DYNAMIC_MODULES_ABI_VERSION`). Envoy only warns on
+/// a mismatch; the callbacks this module needs are checked for real by `abi::init`.
+static ABI_VERSION: &[u8] = b"v0.2.0\0";
+
+/// Resolves the Envoy callbacks; null (Envoy refuses the module) if one is missing.
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
+    match abi::init() {
+        Ok(()) => ABI_VERSION.as_ptr(),
+        Err(missing) => {
+            // `log` may be the missing one; stderr reaches Envoy's console either way.
+            eprintln!(
+                "gpuroute: this Envoy lacks the callback {missing}: the module needs Envoy 1.40"
+            );
+            std::ptr::null()
+        }
+    }
+}
+
+/// # Safety
+/// Called by Envoy with a live config pointer and buffers valid for the call.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
+    config_envoy: ConfigEnvoyPtr,
+    _name: EnvoyBuffer,
+    config: EnvoyBuffer,
+) -> *const c_void {
+    match Config::new(config.as_slice(), &Definer(config_envoy)) {
+        Ok(c) => {
+            let c = Arc::new(c);
+            match Scheduler::new(config_envoy) {
+                Some(s) => Config::start_ticker(&c, s),
+                None => host::log(
+                    abi::LOG_ERROR,
+                    "gpuroute: no config scheduler: stats stay at 0",
+                ),
+            }
+            Arc::into_raw(c).cast()
+        }
+        Err(e) => {
+            host::log(
+                abi::LOG_CRITICAL,
+                &format!("gpuroute: invalid configuration: {e}"),
+            );
+            std::ptr::null()
+        }
+    }
+}
+
+/// # Safety
+/// `config` is a pointer returned by `on_http_filter_config_new`, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
+    if !config.is_null() {
+        let c = Arc::from_raw(config.cast::<Config>());
+        // Main thread: delete the scheduler here; the ticker sees it gone and stops.
+        let scheduler = lock(&c.scheduler).take();
+        if let Some(s) = scheduler {
+            s.delete();
+        }
+    }
+}
+
+/// # Safety
+/// Envoy's pointers for a live configuration (main thread).
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
+    config_envoy: ConfigEnvoyPtr,
+    config: *const c_void,
+    _event: u64,
+) {
+    if let Some(c) = config.cast::<Config>().as_ref() {
+        c.flush(ConfigStats(config_envoy));
+    }
+}
+
+/// # Safety
+/// `config` is a live pointer returned by `on_http_filter_config_new`.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
+    config: *const c_void,
+    _filter_envoy: FilterEnvoyPtr,
+) -> *mut c_void {
+    if config.is_null() {
+        return std::ptr::null_mut();
+    }
+    let config = config.cast::<Config>();
+    Arc::increment_strong_count(config);
+    let filter = Filter {
+        config: Arc::from_raw(config),
+        mode: Mode::Pass,
+        path: String::new(),
+        priority: None,
+        authorization: None,
+        picked: None,
+        debug: None,
+    };
+    Box::into_raw(Box::new(filter)).cast()
+}
+
+/// # Safety
+/// `filter` is null or a live pointer returned by `on_http_filter_new`.
+unsafe fn filter<'a>(filter: *mut c_void) -> Option<&'a mut Filter> {
+    filter.cast::<Filter>().as_mut()
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
+    envoy: FilterEnvoyPtr,
+    f: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    filter(f).map_or(abi::HEADERS_CONTINUE, |f| {
+        f.on_request_headers(Stream(envoy), end_of_stream)
+    })
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
+    envoy: FilterEnvoyPtr,
+    f: *mut c_void,
+    end_of_stream: bool,
+) -> u32 {
+    filter(f).map_or(abi::BODY_CONTINUE, |f| {
+        f.on_request_body(Stream(envoy), end_of_stream)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    _envoy: FilterEnvoyPtr,
+    _f: *mut c_void,
+) -> u32 {
+    0
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
+    envoy: FilterEnvoyPtr,
+    f: *mut c_void,
+    _end_of_stream: bool,
+) -> u32 {
+    if let Some(f) = filter(f) {
+        f.on_response_headers(Stream(envoy));
+    }
+    0
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
+    _envoy: FilterEnvoyPtr,
+    f: *mut c_void,
+    _end_of_stream: bool,
+) -> u32 {
+    if let Some(f) = filter(f) {
+        f.on_response_body();
+    }
+    0
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
+    _envoy: FilterEnvoyPtr,
+    _f: *mut c_void,
+) -> u32 {
+    0
+}
+
+/// # Safety
+/// Envoy's pointers for a live stream.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
+    _envoy: FilterEnvoyPtr,
+    f: *mut c_void,
+) {
+    if let Some(f) = filter(f) {
+        f.on_end();
+    }
+}
+
+/// # Safety
+/// `f` is null or a pointer returned by `on_http_filter_new`, destroyed once.
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(f: *mut c_void) {
+    if !f.is_null() {
+        let mut f = Box::from_raw(f.cast::<Filter>());
+        // A stream reset before `stream_complete` still leaves the in-flight table.
+        f.on_end();
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
+    _envoy: FilterEnvoyPtr,
+    _f: *mut c_void,
+    _code: u32,
+    _details: EnvoyBuffer,
+    _reset_imminent: bool,
+) -> u32 {
+    0
+}
+
+/// Hooks for features this module does not use (callouts, scheduling, streams, watermarks,
+/// per-route configuration). They must exist for Envoy to load the module.
+macro_rules! unused_hooks {
+    ($($name:ident),* $(,)?) => {$(
+        #[no_mangle]
+        pub extern "C" fn $name() {}
+    )*};
+}
+unused_hooks!(
+    envoy_dynamic_module_on_http_filter_http_callout_done,
+    envoy_dynamic_module_on_http_filter_scheduled,
+    envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
+    envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
+    envoy_dynamic_module_on_http_filter_http_stream_headers,
+    envoy_dynamic_module_on_http_filter_http_stream_data,
+    envoy_dynamic_module_on_http_filter_http_stream_trailers,
+    envoy_dynamic_module_on_http_filter_http_stream_complete,
+    envoy_dynamic_module_on_http_filter_http_stream_reset,
+    envoy_dynamic_module_on_http_filter_config_http_callout_done,
+    envoy_dynamic_module_on_http_filter_config_http_stream_headers,
+    envoy_dynamic_module_on_http_filter_config_http_stream_data,
+    envoy_dynamic_module_on_http_filter_config_http_stream_trailers,
+    envoy_dynamic_module_on_http_filter_config_http_stream_complete,
+    envoy_dynamic_module_on_http_filter_config_http_stream_reset,
+    envoy_dynamic_module_on_http_filter_per_route_config_destroy,
+);
+
+/// No per-route configuration: a null answer (only consulted when a route sets one).
+#[no_mangle]
+pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
+    _name: EnvoyBuffer,
+    _config: EnvoyBuffer,
+) -> *const c_void {
+    std::ptr::null()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_counts_by_id_and_picks_by_pool_and_pod() {
+        let mut p = Pending::default();
+        assert!(p.is_empty());
+        p.count(Some(3));
+        p.count(Some(3));
+        p.count(None);
+        p.pick("llama", 7, "10.0.0.1:8000");
+        p.pick("llama", 7, "10.0.0.1:8000");
+        p.pick("llama", 9, "10.0.0.2:8000");
+        p.pick("qwen", 7, "10.0.0.1:8000");
+        assert_eq!(p.counts.get(&3), Some(&2));
+        assert_eq!(p.counts.len(), 1);
+        let llama = &p.picks["llama"];
+        assert_eq!(llama[&7], ("10.0.0.1:8000".to_string(), 2));
+        assert_eq!(llama[&9].1, 1);
+        assert_eq!(p.picks["qwen"][&7].1, 1);
+        assert!(!p.is_empty());
+    }
+
+    #[test]
+    fn pending_decision_times_stay_bounded_and_keep_the_newest() {
+        let mut p = Pending::default();
+        for us in 0..(3 * MAX_PENDING_TIMES as u64) {
+            p.decision_time(us);
+        }
+        assert!(p.decision_us.len() <= MAX_PENDING_TIMES);
+        assert!(p.decision_us.len() >= MAX_PENDING_TIMES / 2);
+        assert_eq!(
+            p.decision_us.last(),
+            Some(&(3 * MAX_PENDING_TIMES as u64 - 1))
+        );
+        // Thinned evenly, not truncated: old and new values both remain.
+        assert!(p
+            .decision_us
+            .first()
+            .is_some_and(|v| *v < MAX_PENDING_TIMES as u64));
+    }
+
+    #[test]
+    fn outside_envoy_the_module_refuses_to_load_and_callbacks_are_inert() {
+        // No Envoy in this process: the first callback is missing, so Envoy would be told the
+        // module failed to initialise instead of crashing on the first request.
+        assert_eq!(abi::init(), Err("envoy_dynamic_module_callback_log"));
+        assert!(envoy_dynamic_module_on_program_init().is_null());
+        // Unresolved callbacks answer their defaults.
+        let s = Stream(std::ptr::null_mut());
+        assert_eq!(s.request_body_len(), 0);
+        assert!(s.request_headers().is_empty());
+        assert!(Definer(std::ptr::null_mut()).counter("x", &[]).is_none());
+    }
+
+    #[test]
+    fn config_defines_metrics_only_through_envoy_and_rejects_bad_json() {
+        // Without Envoy there is no config pointer; `Config::new` must still judge the JSON
+        // before it defines anything.
+        let err = Config::new(b"{not json", &Definer(std::ptr::null_mut()));
+        assert!(err.is_err());
+    }
+}
