@@ -84,7 +84,7 @@ bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM p
 bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, native buffering (~7 min)
 	$(PY) scripts/envoy_overhead.py
 
-bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle, with and without the filter (~3 min)
+bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle: plain, wasm filter, dynamic module (~4 min)
 	$(PY) scripts/envoy_streaming.py
 
 bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace

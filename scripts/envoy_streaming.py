@@ -4,14 +4,15 @@
 Envoy calls the filter for every response chunk (proxy-wasm cannot stop the calls after the
 first one, which is the only one the filter needs), and the filter has background work: its
 tick every `tick_ms` and the snapshot pushes. This measures both, on the gateway Envoy's CPU
-time (user + system from /proc), plain Envoy against Envoy with the filter, same upstream:
+time (user + system from /proc), plain Envoy against Envoy with the proxy-wasm filter and with
+the dynamic-module build ("module", libgpuroute.so), same upstream:
 
   idle        gateway CPU per second with no traffic: without a snapshot, while snapshots are
               pushed every 100 ms (as sidecar-metrics does), and with a snapshot but no pushes;
   streaming   open-loop streamed chat requests (loadgen, Poisson) against 4 `sse-stub` pods
               that send one SSE chunk per token every 5 ms; gateway CPU per request for short
               (8 tokens) and long (128 tokens) streams. The slope between the two is the cost
-              per chunk; the filter's extra per chunk is its slope minus plain Envoy's.
+              per chunk; a build's extra per chunk is its slope minus plain Envoy's.
 
 At a low request rate the per-request figures include each configuration's background cost
 divided by the rate, which is why the idle figures are reported beside them.
@@ -32,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envoy_overhead as eo  # noqa: E402
-from harness import WASM, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
+from harness import MODULE_DIR, WASM, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
 
 ROOT = eo.ROOT
 RELEASE = ROOT / "target" / "release"
@@ -86,17 +87,19 @@ def main():
     stubs, addrs = start_stubs(4)
     pools = [{"name": "llama", "endpoints": addrs}]
     plain = Envoy("round_robin", pools, eo.CONFIG)
-    filt = Envoy("filter", pools, eo.CONFIG)
-    gateways = (("plain", plain), ("filter", filt))
+    filt = Envoy("filter", pools, eo.CONFIG, runtime="wasm")
+    module = Envoy("filter", pools, eo.CONFIG, runtime="dynamic")
+    gateways = (("plain", plain), ("filter", filt), ("module", module))
+    ours = {"filter": ("wasmcustom.", WASM), "module": ("dynamicmodulescustom.", MODULE_DIR / "libgpuroute.so")}
     pods = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in addrs]}
     res = {"setup": {"upstream": "4 sse-stub pods, one SSE chunk per token every 5 ms", "rate_per_s": args.rate,
                      "seconds_per_run": args.seconds, "rounds": args.rounds, "tokens": [SHORT, LONG], "gateway_workers": 1,
                      "machine": "2 cores shared by client, gateway Envoys and upstream"},
-           "idle_cpu_ms_per_s": {}, "streaming": {"plain": {SHORT: [], LONG: []}, "filter": {SHORT: [], LONG: []}}}
+           "idle_cpu_ms_per_s": {}, "streaming": {name: {SHORT: [], LONG: []} for name, _ in gateways}}
     pusher = None
     try:
         res["idle_cpu_ms_per_s"]["no_snapshot"] = idle_cpu(gateways, 10)
-        pusher = Pusher([filt], pods)
+        pusher = Pusher([filt, module], pods)
         res["idle_cpu_ms_per_s"]["pushes_every_100ms"] = idle_cpu(gateways, 10)
         for r in range(args.rounds):
             for tokens in (SHORT, LONG):
@@ -109,13 +112,15 @@ def main():
         pusher.stop()
         pusher = None
         res["idle_cpu_ms_per_s"]["snapshot_no_pushes"] = idle_cpu(gateways, 10)
-        res["filter_picked"] = filt.stat("wasmcustom.gpuroute.pool.llama.requests.picked")
-        res["wasm"] = {"path": str(WASM), "sha256": hashlib.sha256(WASM.read_bytes()).hexdigest()}
+        res["picked"] = {name: gw.stat(f"{ours[name][0]}gpuroute.pool.llama.requests.picked")
+                         for name, gw in gateways if name in ours}
+        res["builds"] = {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+                         for name, (_, path) in ours.items()}
     finally:
         if pusher:
             pusher.stop()
-        plain.stop()
-        filt.stop()
+        for _, gw in gateways:
+            gw.stop()
         for s in stubs:
             s.terminate()
 
@@ -124,21 +129,23 @@ def main():
     slope = {name: (m[LONG] - m[SHORT]) / (LONG - SHORT) for name, m in med.items()}
     res["median_cpu_us_per_request"] = med
     res["cpu_us_per_chunk"] = slope
-    res["filter_extra_us_per_chunk"] = slope["filter"] - slope["plain"]
+    res["extra_us_per_chunk"] = {name: slope[name] - slope["plain"] for name in ours}
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-streaming.json").write_text(json.dumps(res, indent=1))
-    print("\nidle gateway CPU, ms per second (plain / filter):")
+    print("\nidle gateway CPU, ms per second (plain / proxy-wasm filter / dynamic module):")
     for k, v in res["idle_cpu_ms_per_s"].items():
-        print(f"  {k:22s} {v['plain']:.1f} / {v['filter']:.1f}")
-    print(f"streamed requests at {args.rate:g}/s, median gateway CPU per request (plain / filter):")
+        print(f"  {k:22s} {v['plain']:.1f} / {v['filter']:.1f} / {v['module']:.1f}")
+    print(f"streamed requests at {args.rate:g}/s, median gateway CPU per request (plain / filter / module):")
     for t in (SHORT, LONG):
-        print(f"  {t:4d} tokens: {med['plain'][t]:.0f} / {med['filter'][t]:.0f} us")
-    print(f"per chunk: plain {slope['plain']:.1f} us, filter {slope['filter']:.1f} us -> the filter adds "
-          f"{res['filter_extra_us_per_chunk']:.1f} us per chunk")
-    print(f"filter picks counted: {res['filter_picked']} ({WASM.name} sha256 {res['wasm']['sha256'][:12]})")
-    if not res["filter_picked"]:
-        print("WARNING: the filter counted no picks: is the built .wasm the filter as committed?")
+        print(f"  {t:4d} tokens: {med['plain'][t]:.0f} / {med['filter'][t]:.0f} / {med['module'][t]:.0f} us")
+    print(f"per chunk: plain {slope['plain']:.1f} us, proxy-wasm filter {slope['filter']:.1f} us "
+          f"(+{res['extra_us_per_chunk']['filter']:.1f}), dynamic module {slope['module']:.1f} us "
+          f"(+{res['extra_us_per_chunk']['module']:.1f})")
+    for name, (_, path) in ours.items():
+        print(f"{name} picks counted: {res['picked'][name]} ({path.name} sha256 {res['builds'][name]['sha256'][:12]})")
+        if not res["picked"][name]:
+            print(f"WARNING: the {name} build counted no picks: is it the one committed?")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,15 @@
 //! - [`load`]: the in-flight table shared by Envoy workers (no thundering herd);
 //! - [`prefix`]: prefix hashing, rendezvous homes and the learned prefix index;
 //! - [`picker`]: candidates, scorers and the pick;
-//! - [`engine`]: the per-request pipeline the filter runs.
+//! - [`engine`]: the per-request pipeline the filter runs;
+//! - [`headers`]: the headers the filter sets (and strips from clients).
 
 pub mod adapters;
 pub mod config;
 pub mod engine;
 pub mod error;
 pub mod fleet;
+pub mod headers;
 pub mod idmap;
 pub mod ingest;
 pub mod load;

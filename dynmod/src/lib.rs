@@ -12,10 +12,12 @@
 //!   per-worker decode);
 //! - the in-flight tables and the prefix index are one per filter configuration, behind a
 //!   mutex held only for the decision (prepare, score, count, commit): every worker sees every
-//!   other worker's picks at once, with no sync ring and no tick;
+//!   other worker's picks at once, with no sync ring;
 //! - metrics are defined when the configuration loads (Envoy freezes definitions after that),
 //!   so per-pool counters exist for the configured pools, and per-pod picks are one counter
-//!   labelled by pool and pod.
+//!   labelled by pool and pod; requests only add to a local tally, which a ticker thread has
+//!   Envoy's main thread hand over every `tick_ms` (Envoy's own metric calls cost more per
+//!   request than the decision).
 //!
 //! The ABI is pinned to Envoy 1.40 (see [`abi`]); a module built for another Envoy version
 //! must not be loaded.
@@ -28,6 +30,7 @@ use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine};
 use gpuroute_core::error::ApiError;
 use gpuroute_core::fleet::{stat_segment, FleetState};
+use gpuroute_core::headers;
 use gpuroute_core::idmap::IdMap;
 use gpuroute_core::ingest;
 use gpuroute_core::load::LoadTable;
@@ -40,18 +43,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-/// Headers the filter sets to steer Envoy; a client-sent copy is removed on arrival (with an
-/// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere).
-const INTERNAL_HEADERS: &[&str] = &[
-    "x-gateway-destination-endpoint",
-    "x-gateway-model-name",
-    "x-gateway-base-model-name",
-    "x-gateway-pool",
-    "x-gateway-lora-adapter",
-    "x-envoy-original-dst-host",
-];
-const DEST_HEADER: &str = "x-gateway-destination-endpoint";
-const DEBUG_HEADER: &str = "x-gateway-debug";
 const OUTCOMES: &[&str] = &["picked", "fail_open", "shed", "error", "routed"];
 const FAIL_OPEN: &[&str] = &["no_snapshot", "unknown_pool", "no_fresh_pod"];
 const REJECTED: &[&str] = &[
@@ -375,7 +366,7 @@ impl Filter {
                 b"authorization" => self.authorization = text().map(str::to_string),
                 // Every internal header starts with "x-": most headers are skipped on one compare.
                 _ if k.starts_with(b"x-") => {
-                    forged.extend(INTERNAL_HEADERS.iter().find(|n| n.as_bytes() == k));
+                    forged.extend(headers::INTERNAL.iter().find(|n| n.as_bytes() == k));
                 }
                 _ => {}
             }
@@ -619,7 +610,7 @@ impl Filter {
                         DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
                         DataPlane::OverrideHost => dest.as_str(),
                     };
-                    s.add_header(REQUEST_HEADERS, DEST_HEADER, dest);
+                    s.add_header(REQUEST_HEADERS, headers::DESTINATION, dest);
                     outcome = Some("picked");
                     picked_at = choice.picked_key.zip(dest.split(',').next());
                 }
@@ -630,7 +621,7 @@ impl Filter {
                 fail_open = m.fail_open.get(reason.as_str()).copied().flatten();
                 if cfg.data_plane == DataPlane::OriginalDst {
                     match any_pod {
-                        Some(addr) => s.set_header(REQUEST_HEADERS, DEST_HEADER, &addr),
+                        Some(addr) => s.set_header(REQUEST_HEADERS, headers::DESTINATION, &addr),
                         None => answer = Some(("error", ApiError::no_endpoints(pool))),
                     }
                 }
@@ -638,15 +629,15 @@ impl Filter {
             Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
         }
         if answer.is_none() {
-            s.add_header(REQUEST_HEADERS, "x-gateway-pool", pool);
-            s.add_header(REQUEST_HEADERS, "x-gateway-model-name", &prep.target.model);
+            s.add_header(REQUEST_HEADERS, headers::POOL, pool);
+            s.add_header(REQUEST_HEADERS, headers::MODEL, &prep.target.model);
             if let Some(a) = &prep.target.adapter {
                 s.add_header(
                     REQUEST_HEADERS,
-                    "x-gateway-base-model-name",
+                    headers::BASE_MODEL,
                     &prep.target.base_model,
                 );
-                s.add_header(REQUEST_HEADERS, "x-gateway-lora-adapter", a);
+                s.add_header(REQUEST_HEADERS, headers::ADAPTER, a);
             }
             if let Some(new_body) = &prep.rewritten_body {
                 s.replace_request_body(new_body);
@@ -679,7 +670,7 @@ impl Filter {
 
     fn on_response_headers(&mut self, s: Stream) {
         if let Some(d) = &self.debug {
-            s.set_header(RESPONSE_HEADERS, DEBUG_HEADER, d);
+            s.set_header(RESPONSE_HEADERS, headers::DEBUG, d);
         }
     }
 

@@ -22,6 +22,7 @@ use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
 use gpuroute_core::error::ApiError;
 use gpuroute_core::fleet::FleetState;
+use gpuroute_core::headers;
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::LoadTable;
 use gpuroute_core::picker::{Decision, FailOpen};
@@ -34,18 +35,6 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
 
-/// Headers the filter sets to steer Envoy. A client must never be able to set them: with an
-/// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere.
-const INTERNAL_HEADERS: &[&str] = &[
-    "x-gateway-destination-endpoint",
-    "x-gateway-model-name",
-    "x-gateway-base-model-name",
-    "x-gateway-pool",
-    "x-gateway-lora-adapter",
-    "x-envoy-original-dst-host",
-];
-const DEST_HEADER: &str = "x-gateway-destination-endpoint";
-const DEBUG_HEADER: &str = "x-gateway-debug";
 /// Shared-data key holding the number of registered plugin instances (worker ids).
 const WORKERS_KEY: &str = "gpuroute.workers";
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
@@ -353,7 +342,7 @@ impl Head {
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),
                 _ => {
-                    if let Some(name) = INTERNAL_HEADERS.iter().find(|n| n.as_bytes() == k) {
+                    if let Some(name) = headers::INTERNAL.iter().find(|n| n.as_bytes() == k) {
                         h.forged.push(name);
                     }
                 }
@@ -554,7 +543,7 @@ impl Http {
                     DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
                     DataPlane::OverrideHost => dest.as_str(),
                 };
-                let _ = host::add_header(MapType::HttpRequestHeaders, DEST_HEADER, dest);
+                let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
                 if let Some((version, keys)) = &aligned {
                     let ops = w.pending.remove(&pool).unwrap_or_default();
                     let sent = (
@@ -593,8 +582,11 @@ impl Http {
                     let any = pool_state.and_then(|p| Engine::any_pod(p, &mut w.rng));
                     match any {
                         Some(addr) => {
-                            let _ =
-                                host::set_header(MapType::HttpRequestHeaders, DEST_HEADER, &addr);
+                            let _ = host::set_header(
+                                MapType::HttpRequestHeaders,
+                                headers::DESTINATION,
+                                &addr,
+                            );
                         }
                         None => {
                             w.stats.pool_outcome(&pool, "error");
@@ -618,11 +610,11 @@ impl Http {
     fn set_routing_headers(&self, prep: &Prepared, body: &[u8]) {
         let h = MapType::HttpRequestHeaders;
         // Added, not replaced: every internal header was stripped on arrival (cheaper for Envoy).
-        let _ = host::add_header(h, "x-gateway-pool", &prep.pool);
-        let _ = host::add_header(h, "x-gateway-model-name", &prep.target.model);
+        let _ = host::add_header(h, headers::POOL, &prep.pool);
+        let _ = host::add_header(h, headers::MODEL, &prep.target.model);
         if let Some(a) = &prep.target.adapter {
-            let _ = host::add_header(h, "x-gateway-base-model-name", &prep.target.base_model);
-            let _ = host::add_header(h, "x-gateway-lora-adapter", a);
+            let _ = host::add_header(h, headers::BASE_MODEL, &prep.target.base_model);
+            let _ = host::add_header(h, headers::ADAPTER, a);
         }
         if let Some(new_body) = &prep.rewritten_body {
             if host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body).is_ok() {
@@ -789,7 +781,7 @@ impl Http {
 
     fn on_response_headers(&mut self) -> Action {
         if let Some(d) = &self.debug {
-            let _ = host::set_header(MapType::HttpResponseHeaders, DEBUG_HEADER, d);
+            let _ = host::set_header(MapType::HttpResponseHeaders, headers::DEBUG, d);
         }
         Action::Continue
     }
