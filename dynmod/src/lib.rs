@@ -155,6 +155,9 @@ struct Pending {
     snapshot_pods: Option<u64>,
 }
 
+/// The longest the snapshot-age gauge goes without an update when nothing else is pending.
+const GAUGE_REFRESH: Duration = Duration::from_secs(1);
+
 /// Decision times kept per tick at most (beyond this, one in two is dropped: the histogram stays
 /// representative and memory bounded).
 const MAX_PENDING_TIMES: usize = 65_536;
@@ -267,26 +270,33 @@ impl Config {
         }
     }
 
-    /// Starts the ticker: every `tick_ms` it asks Envoy's main thread to run `flush` (always for
-    /// a routing configuration, whose snapshot-age gauge moves; otherwise only when something
-    /// is pending). It holds only a weak reference and stops once the scheduler is gone.
+    /// Starts the ticker: every `tick_ms` it asks Envoy's main thread to run `flush` when
+    /// something is pending, and at least every `GAUGE_REFRESH` for a routing configuration
+    /// (its snapshot-age gauge moves by itself). An idle gateway is woken once a second, not 50
+    /// times. It holds only a weak reference and stops once the scheduler is gone.
     fn start_ticker(config: &Arc<Config>, scheduler: Scheduler) {
         *lock(&config.scheduler) = Some(scheduler);
         let weak = Arc::downgrade(config);
         let tick = Duration::from_millis(config.settings.tick_ms.max(1));
         let spawned = std::thread::Builder::new()
             .name("gpuroute-stats".into())
-            .spawn(move || loop {
-                std::thread::sleep(tick);
-                let Some(c) = weak.upgrade() else { return };
-                let routes = !c.settings.pools.is_empty();
-                if !routes && lock(&c.pending).is_empty() {
-                    continue;
-                }
-                let guard = lock(&c.scheduler);
-                match guard.as_ref() {
-                    Some(s) => s.commit(0),
-                    None => return,
+            .spawn(move || {
+                let mut flushed = Instant::now();
+                loop {
+                    std::thread::sleep(tick);
+                    let Some(c) = weak.upgrade() else { return };
+                    let gauge_due =
+                        !c.settings.pools.is_empty() && flushed.elapsed() >= GAUGE_REFRESH;
+                    let work = gauge_due || !lock(&c.pending).is_empty();
+                    let guard = lock(&c.scheduler);
+                    match guard.as_ref() {
+                        Some(s) if work => {
+                            s.commit(0);
+                            flushed = Instant::now();
+                        }
+                        Some(_) => {}
+                        None => return,
+                    }
                 }
             });
         if spawned.is_err() {
