@@ -182,6 +182,24 @@ def test_alias_is_rewritten_for_the_pod(envoy, pods):
     assert int(body["headers"]["content-length"]) == len(body["body"].encode())
 
 
+def test_large_body_arriving_in_many_reads_is_routed_and_rewritten_whole(envoy, pods):
+    """A 600 KB body reaches the filter over many socket reads (Envoy buffers it in several
+    slices): the filter reads all of it, and an alias rewrite replaces all of it."""
+    assert envoy.push(fresh(pods))[0] == 204
+    text = "".join(f"line {i} of a long document. " for i in range(24_000))
+    body = {"model": "llama", "messages": [{"role": "user", "content": text}]}
+    s, _, answer, _ = envoy.request("POST", "/v1/chat/completions", body)
+    assert s == 200, answer
+    sent = json.loads(answer["body"])
+    assert sent["model"] == "llama-3-8b"
+    assert sent["messages"][0]["content"] == text
+    assert int(answer["headers"]["content-length"]) == len(answer["body"].encode())
+    # Without a rewrite the body passes byte for byte.
+    raw = json.dumps(dict(body, model="llama-3-8b")).encode()
+    s, _, answer, _ = envoy.request("POST", "/v1/chat/completions", raw)
+    assert s == 200 and answer["body"].encode() == raw
+
+
 def test_fail_open_without_fresh_metrics(envoy, pods):
     before = envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
     stale = fresh(pods)
