@@ -1,6 +1,6 @@
 //! gpuroute-core: the decision logic of the gpuroute Envoy filter, free of any proxy-wasm
-//! dependency so it runs (and is tested) natively, in the wasm filter, in `sidecar-metrics`
-//! and in the benchmarks alike.
+//! dependency so it runs (and is tested) natively, in the wasm filter, in the dynamic module
+//! (`dynmod/`), in `sidecar-metrics` and in the benchmarks alike.
 //!
 //! - [`request`]: OpenAI body parsing (model, stream, prompt text), with a single-pass
 //!   scanner for the common chat shape (`scan`);
