@@ -122,7 +122,7 @@ def header(mode, stack, runtime="wasm"):
     ]
     if runtime == "dynamic":
         lines.append("Filter: the Envoy dynamic-module build (libgpuroute.so, built for Envoy 1.40 exactly),")
-        lines.append("the same decisions as the proxy-wasm filter, run natively: less than half its added cost.")
+        lines.append("the same decisions as the proxy-wasm filter, run natively: about half its added cost.")
     if mode == "filter":
         lines.append(
             "Data plane: override_host; a destination that is not a pool member is ignored and"
