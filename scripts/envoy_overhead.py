@@ -43,9 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import ENVOY, MODULE_DIR, WASM, Envoy, Pusher, free_port  # noqa: E402
-
-MODULE = MODULE_DIR / "libgpuroute.so"
+from harness import BUILDS, ENVOY, Envoy, Pusher, free_port  # noqa: E402
 
 HTTPLOAD = ROOT / "target" / "release" / "httpload"
 PODS = 8
@@ -156,7 +154,7 @@ def main():
     snap = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
     pusher = Pusher([filt, module], snap)
     gateways = (("plain", plain), ("native_buffer", native), ("filter", filt), ("module", module))
-    ours = {"filter": ("wasmcustom.", WASM), "module": ("dynamicmodulescustom.", MODULE)}
+    ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
     rows = {name: {"lat": [], "rps": []} for name, _ in gateways}
     try:
         for r in range(args.rounds):

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envoy_overhead as eo  # noqa: E402
-from harness import MODULE_DIR, WASM, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
+from harness import BUILDS, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
 
 ROOT = eo.ROOT
 RELEASE = ROOT / "target" / "release"
@@ -90,7 +90,7 @@ def main():
     filt = Envoy("filter", pools, eo.CONFIG, runtime="wasm")
     module = Envoy("filter", pools, eo.CONFIG, runtime="dynamic")
     gateways = (("plain", plain), ("filter", filt), ("module", module))
-    ours = {"filter": ("wasmcustom.", WASM), "module": ("dynamicmodulescustom.", MODULE_DIR / "libgpuroute.so")}
+    ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
     pods = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in addrs]}
     res = {"setup": {"upstream": "4 sse-stub pods, one SSE chunk per token every 5 ms", "rate_per_s": args.rate,
                      "seconds_per_run": args.seconds, "rounds": args.rounds, "tokens": [SHORT, LONG], "gateway_workers": 1,

@@ -22,10 +22,91 @@ pub const ADAPTER: &str = "x-gateway-lora-adapter";
 /// Response header with the decision's score breakdown (`debug_header`).
 pub const DEBUG: &str = "x-gateway-debug";
 
+/// What the filter needs from the request headers, read in one pass over them.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct RequestHead {
+    /// `:path` without its query or fragment.
+    pub path: String,
+    pub method: String,
+    pub content_length: Option<usize>,
+    /// `x-gateway-priority` (below 0: sheddable).
+    pub priority: Option<i64>,
+    pub authorization: Option<String>,
+    /// Internal headers the client sent (to strip before anything else).
+    pub forged: Vec<&'static str>,
+}
+
+impl RequestHead {
+    /// Reads `(name, value)` pairs as Envoy hands them over (names lower-case). A value that is
+    /// not UTF-8 counts as absent.
+    pub fn read<'a>(pairs: impl IntoIterator<Item = (&'a [u8], &'a [u8])>) -> RequestHead {
+        let mut h = RequestHead::default();
+        for (k, v) in pairs {
+            let text = || std::str::from_utf8(v).ok();
+            match k {
+                b":path" => {
+                    let full = text().unwrap_or_default();
+                    h.path = full
+                        .split(['?', '#'])
+                        .next()
+                        .unwrap_or_default()
+                        .to_string();
+                }
+                b":method" => h.method = text().unwrap_or_default().to_string(),
+                b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
+                b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
+                b"authorization" => h.authorization = text().map(str::to_string),
+                // Every internal header starts with "x-": most headers are skipped on one compare.
+                _ if k.starts_with(b"x-") => {
+                    h.forged.extend(INTERNAL.iter().find(|n| n.as_bytes() == k));
+                }
+                _ => {}
+            }
+        }
+        h
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn every_internal_header_starts_with_x_dash() {
-        assert!(super::INTERNAL.iter().all(|h| h.starts_with("x-")));
+        assert!(INTERNAL.iter().all(|h| h.starts_with("x-")));
+    }
+
+    #[test]
+    fn reads_what_the_filter_needs_and_flags_forged_headers() {
+        let pairs: Vec<(&[u8], &[u8])> = vec![
+            (b":path", b"/v1/chat/completions?x=1#f"),
+            (b":method", b"POST"),
+            (b"content-length", b" 42 "),
+            (b"x-gateway-priority", b"-1"),
+            (b"authorization", b"Bearer t"),
+            (b"x-gateway-destination-endpoint", b"10.0.0.1:80"),
+            (b"x-gateway-pool", b"p"),
+            (b"x-other", b"v"),
+            (b"user-agent", b"curl"),
+        ];
+        let h = RequestHead::read(pairs);
+        assert_eq!(h.path, "/v1/chat/completions");
+        assert_eq!(h.method, "POST");
+        assert_eq!(h.content_length, Some(42));
+        assert_eq!(h.priority, Some(-1));
+        assert_eq!(h.authorization.as_deref(), Some("Bearer t"));
+        assert_eq!(h.forged, vec![DESTINATION, POOL]);
+    }
+
+    #[test]
+    fn non_utf8_values_count_as_absent() {
+        let pairs: Vec<(&[u8], &[u8])> = vec![
+            (b":path", b"/v1/\xff"),
+            (b"authorization", &[0xff, 0xfe]),
+            (b"content-length", &[0xff]),
+        ];
+        let h = RequestHead::read(pairs);
+        assert_eq!(h.authorization, None);
+        assert_eq!(h.content_length, None);
     }
 }

@@ -7,6 +7,7 @@
 //! - [`SNAPSHOT_VERSION_KEY`]: the 16-byte header alone. Workers read this small key per request
 //!   and decode the big one only when the version changed.
 
+use crate::config::IngestConfig;
 use crate::error::ApiError;
 use crate::snapshot::{Snapshot, SnapshotError};
 
@@ -43,6 +44,48 @@ impl StoredHeader {
             version: u64::from_le_bytes(a),
         })
     }
+}
+
+/// Why an ingest request was refused (the `gpuroute.snapshot.rejected.<reason>` stat) and the
+/// answer to send.
+pub type Refusal = (&'static str, ApiError);
+
+/// Checks an ingest request before its body, in this order: method, peer, token, declared size.
+/// `peer_is_loopback` is asked only when the configuration restricts the peer.
+pub fn check_request(
+    cfg: &IngestConfig,
+    method: &str,
+    peer_is_loopback: impl FnOnce() -> bool,
+    authorization: Option<&str>,
+    content_length: Option<usize>,
+) -> Result<(), Refusal> {
+    if method != "POST" {
+        return Err(("method", ApiError::method_not_allowed("POST")));
+    }
+    if cfg.loopback_only && !peer_is_loopback() {
+        let mut e = ApiError::unauthorized();
+        e.status = 403;
+        e.message = "snapshots are accepted from loopback peers only".into();
+        return Err(("forbidden", e));
+    }
+    if !authorized(authorization, &cfg.token) {
+        return Err(("unauthorized", ApiError::unauthorized()));
+    }
+    check_size(cfg, content_length.unwrap_or(0))
+}
+
+/// Checks the bytes of a snapshot received (or declared) so far against the limit.
+pub fn check_size(cfg: &IngestConfig, bytes: usize) -> Result<(), Refusal> {
+    if bytes > cfg.max_snapshot_bytes {
+        return Err((
+            "too_large",
+            ApiError::snapshot_too_large(format!(
+                "snapshot exceeds the limit of {} bytes",
+                cfg.max_snapshot_bytes
+            )),
+        ));
+    }
+    Ok(())
 }
 
 /// Whether an `Authorization` header value carries the token (`Bearer <token>`). The comparison
@@ -151,5 +194,55 @@ mod tests {
         assert_eq!(s.version, 9);
         assert_eq!(StoredHeader::decode(&h.encode()), Some(h));
         assert!(decode_stored(b"short").is_none());
+    }
+
+    #[test]
+    fn ingest_requests_are_checked_in_order() {
+        let cfg = IngestConfig {
+            token: "secret-token".into(),
+            path: "/p".into(),
+            max_snapshot_bytes: 100,
+            loopback_only: true,
+        };
+        let auth = Some("Bearer secret-token");
+        let reason = |r: Result<(), Refusal>| r.err().map(|(why, e)| (why, e.status));
+        assert_eq!(
+            reason(check_request(&cfg, "GET", || true, auth, None)),
+            Some(("method", 405))
+        );
+        assert_eq!(
+            reason(check_request(&cfg, "POST", || false, auth, None)),
+            Some(("forbidden", 403))
+        );
+        assert_eq!(
+            reason(check_request(&cfg, "POST", || true, Some("Bearer x"), None)),
+            Some(("unauthorized", 401))
+        );
+        assert_eq!(
+            reason(check_request(&cfg, "POST", || true, auth, Some(101))),
+            Some(("too_large", 413))
+        );
+        assert_eq!(
+            reason(check_request(&cfg, "POST", || true, auth, Some(100))),
+            None
+        );
+        assert_eq!(
+            reason(check_request(&cfg, "POST", || true, auth, None)),
+            None
+        );
+        let open = IngestConfig {
+            loopback_only: false,
+            ..cfg
+        };
+        let asked = std::cell::Cell::new(false);
+        let peer = || {
+            asked.set(true);
+            false
+        };
+        assert_eq!(reason(check_request(&open, "POST", peer, auth, None)), None);
+        assert!(
+            !asked.get(),
+            "the peer is not looked up unless the config restricts it"
+        );
     }
 }

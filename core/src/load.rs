@@ -201,6 +201,74 @@ fn arr4(b: &[u8], at: usize) -> [u8; 4] {
     a
 }
 
+/// A change to a pod's in-flight counts (the filter may queue it before writing it).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Completion {
+    /// The first response byte arrived: prefill of `prefill_tokens` done.
+    FirstByte { pod_key: u64, prefill_tokens: u32 },
+    /// The request ended; `in_prefill` carries its prefill tokens if no byte came back first.
+    Finished {
+        pod_key: u64,
+        tokens: u32,
+        in_prefill: Option<u32>,
+    },
+}
+
+impl Completion {
+    /// Applies it to `table`; false if the pod is gone from it (nothing to undo).
+    pub fn apply(self, table: &mut LoadTable) -> bool {
+        match self {
+            Completion::FirstByte {
+                pod_key,
+                prefill_tokens,
+            } => table.first_byte(pod_key, prefill_tokens),
+            Completion::Finished {
+                pod_key,
+                tokens,
+                in_prefill,
+            } => table.finish(pod_key, tokens, in_prefill),
+        }
+    }
+}
+
+/// A request counted against a pod (by [`LoadTable::add`]) until it ends: what to undo.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InFlight {
+    pub pool: String,
+    pub pod_key: u64,
+    pub tokens: u32,
+    /// Tokens the pod must prefill (not in its prefix cache as far as we know).
+    pub prefill_tokens: u32,
+    /// No response byte yet: the request is still queued or prefilling. Only streamed requests
+    /// start so: a buffered response's first byte is its last, so the end of its prefill is not
+    /// observable and it is not counted in prefill.
+    pub in_prefill: bool,
+}
+
+impl InFlight {
+    /// The first response byte arrived (the first streamed chunk is the first token): the
+    /// change to make, once per request.
+    pub fn first_byte(&mut self) -> Option<Completion> {
+        if !self.in_prefill {
+            return None;
+        }
+        self.in_prefill = false;
+        Some(Completion::FirstByte {
+            pod_key: self.pod_key,
+            prefill_tokens: self.prefill_tokens,
+        })
+    }
+
+    /// The request ended: the change that takes it out of the table.
+    pub fn finished(&self) -> Completion {
+        Completion::Finished {
+            pod_key: self.pod_key,
+            tokens: self.tokens,
+            in_prefill: self.in_prefill.then_some(self.prefill_tokens),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,5 +345,42 @@ mod tests {
                 prop_assert!(p.delta() <= 0);
             }
         }
+    }
+
+    #[test]
+    fn in_flight_undoes_exactly_what_was_added() {
+        let mut t = LoadTable::default();
+        t.rebase(1, &[7, 9]);
+        t.add(0, 100, Some(80));
+        let mut f = InFlight {
+            pool: "p".into(),
+            pod_key: 7,
+            tokens: 100,
+            prefill_tokens: 80,
+            in_prefill: true,
+        };
+        let first = f.first_byte();
+        assert!(first.is_some_and(|op| op.apply(&mut t)));
+        assert_eq!(f.first_byte(), None, "the first byte counts once");
+        assert_eq!((t.pods[0].prefill, t.pods[0].prefill_tokens), (0, 0));
+        assert!(f.finished().apply(&mut t));
+        assert_eq!((t.pods[0].inflight, t.pods[0].tokens), (0, 0));
+        // Ended before any byte came back: its prefill is undone too.
+        t.add(1, 50, Some(50));
+        let g = InFlight {
+            pod_key: 9,
+            tokens: 50,
+            prefill_tokens: 50,
+            in_prefill: true,
+            ..f
+        };
+        assert!(g.finished().apply(&mut t));
+        assert_eq!(
+            t.pods[1],
+            PodLoad {
+                key: 9,
+                ..PodLoad::default()
+            }
+        );
     }
 }

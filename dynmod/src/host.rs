@@ -224,51 +224,52 @@ impl Stream {
 #[derive(Clone, Copy)]
 pub struct ConfigStats(pub ConfigEnvoyPtr);
 
+/// Metric labels (or label names) as Envoy takes them.
+fn buffers(labels: &[&str]) -> Vec<ModuleBuffer> {
+    labels
+        .iter()
+        .map(|l| ModuleBuffer::of(l.as_bytes()))
+        .collect()
+}
+
+/// The shape of every config-level metric update callback.
+type ConfigMetricFn = unsafe fn(ConfigEnvoyPtr, usize, *const ModuleBuffer, usize, u64) -> u32;
+
 impl ConfigStats {
-    pub fn counter(self, id: Option<usize>, labels: &[&str], by: u64) {
+    fn update(self, f: ConfigMetricFn, id: Option<usize>, labels: &[&str], value: u64) {
         let Some(id) = id else { return };
-        let ls: Vec<ModuleBuffer> = labels
-            .iter()
-            .map(|l| ModuleBuffer::of(l.as_bytes()))
-            .collect();
+        let ls = buffers(labels);
         // SAFETY: the config pointer Envoy passed to the current hook; labels outlive the call.
         unsafe {
-            envoy_dynamic_module_callback_http_filter_config_increment_counter(
-                self.0,
-                id,
-                ls.as_ptr(),
-                ls.len(),
-                by,
-            );
+            f(self.0, id, ls.as_ptr(), ls.len(), value);
         }
+    }
+
+    pub fn counter(self, id: Option<usize>, labels: &[&str], by: u64) {
+        self.update(
+            envoy_dynamic_module_callback_http_filter_config_increment_counter,
+            id,
+            labels,
+            by,
+        );
     }
 
     pub fn gauge(self, id: Option<usize>, value: u64) {
-        let Some(id) = id else { return };
-        // SAFETY: the config pointer Envoy passed to the current hook.
-        unsafe {
-            envoy_dynamic_module_callback_http_filter_config_set_gauge(
-                self.0,
-                id,
-                std::ptr::null(),
-                0,
-                value,
-            );
-        }
+        self.update(
+            envoy_dynamic_module_callback_http_filter_config_set_gauge,
+            id,
+            &[],
+            value,
+        );
     }
 
     pub fn histogram(self, id: Option<usize>, value: u64) {
-        let Some(id) = id else { return };
-        // SAFETY: the config pointer Envoy passed to the current hook.
-        unsafe {
-            envoy_dynamic_module_callback_http_filter_config_record_histogram_value(
-                self.0,
-                id,
-                std::ptr::null(),
-                0,
-                value,
-            );
-        }
+        self.update(
+            envoy_dynamic_module_callback_http_filter_config_record_histogram_value,
+            id,
+            &[],
+            value,
+        );
     }
 }
 
@@ -310,10 +311,7 @@ impl Definer {
         name: &str,
         labels: &[&str],
     ) -> Option<usize> {
-        let ls: Vec<ModuleBuffer> = labels
-            .iter()
-            .map(|l| ModuleBuffer::of(l.as_bytes()))
-            .collect();
+        let ls = buffers(labels);
         let mut id = 0usize;
         // SAFETY: the config pointer is live during `on_http_filter_config_new`; buffers outlive
         // the call.

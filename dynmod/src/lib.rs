@@ -30,10 +30,10 @@ use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine};
 use gpuroute_core::error::ApiError;
 use gpuroute_core::fleet::{stat_segment, FleetState};
-use gpuroute_core::headers;
+use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::IdMap;
 use gpuroute_core::ingest;
-use gpuroute_core::load::LoadTable;
+use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::rng::SplitMix64;
 use host::{ConfigStats, Definer, Scheduler, Stream};
@@ -82,7 +82,8 @@ fn current_fleet() -> Option<Arc<FleetState>> {
 
 /// Metric ids (defined at configuration time; `None` if Envoy refused one).
 struct Metrics {
-    outcome: HashMap<(String, &'static str), Option<usize>>,
+    /// Per pool, one id per entry of `OUTCOMES` (looked up by `&str`: no allocation per request).
+    outcome: HashMap<String, Vec<Option<usize>>>,
     fail_open: HashMap<&'static str, Option<usize>>,
     rejected: HashMap<&'static str, Option<usize>>,
     snapshot_rejected: HashMap<&'static str, Option<usize>>,
@@ -96,13 +97,20 @@ struct Metrics {
 
 impl Metrics {
     fn define(d: &Definer, config: &FilterConfig) -> Metrics {
-        let mut outcome = HashMap::new();
-        for p in &config.pools {
-            for o in OUTCOMES {
-                let name = format!("gpuroute.pool.{}.requests.{o}", stat_segment(&p.name));
-                outcome.insert((p.name.clone(), *o), d.counter(&name, &[]));
-            }
-        }
+        let outcome = config
+            .pools
+            .iter()
+            .map(|p| {
+                let ids = OUTCOMES
+                    .iter()
+                    .map(|o| {
+                        let name = format!("gpuroute.pool.{}.requests.{o}", stat_segment(&p.name));
+                        d.counter(&name, &[])
+                    })
+                    .collect();
+                (p.name.clone(), ids)
+            })
+            .collect();
         let named = |prefix: &str, list: &[&'static str]| {
             list.iter()
                 .map(|r| (*r, d.counter(&format!("{prefix}.{r}"), &[])))
@@ -123,10 +131,8 @@ impl Metrics {
     }
 
     fn outcome_id(&self, pool: &str, outcome: &'static str) -> Option<usize> {
-        self.outcome
-            .get(&(pool.to_string(), outcome))
-            .copied()
-            .flatten()
+        let i = OUTCOMES.iter().position(|o| *o == outcome)?;
+        self.outcome.get(pool)?.get(i).copied().flatten()
     }
 
     fn rejected_id(&self, code: Option<&str>) -> Option<usize> {
@@ -305,10 +311,10 @@ impl Config {
     }
 
     /// Counts a change in a pod's in-flight load (first byte back, or the end of the request).
-    fn complete(&self, pool: &str, f: impl FnOnce(&mut LoadTable)) {
+    fn complete(&self, pool: &str, op: Completion) {
         let mut r = lock(&self.router);
         if let Some(t) = r.loads.get_mut(pool) {
-            f(t);
+            op.apply(t);
         }
     }
 }
@@ -320,23 +326,12 @@ enum Mode {
     Answered,
 }
 
-/// What to undo in the in-flight table when the request ends.
-struct Picked {
-    pool: String,
-    pod_key: u64,
-    tokens: u32,
-    prefill_tokens: u32,
-    in_prefill: bool,
-}
-
 /// One HTTP stream (`on_http_filter_new`).
 struct Filter {
     config: Arc<Config>,
     mode: Mode,
-    path: String,
-    priority: Option<i64>,
-    authorization: Option<String>,
-    picked: Option<Picked>,
+    head: RequestHead,
+    picked: Option<InFlight>,
     debug: Option<String>,
 }
 
@@ -357,64 +352,27 @@ impl Filter {
     fn on_request_headers(&mut self, s: Stream, end_of_stream: bool) -> u32 {
         let config = Arc::clone(&self.config);
         let cfg = &config.settings;
-        // One call reads every header (names arrive lower-case; values that are not UTF-8
-        // count as absent); only client-sent internal headers are then removed.
-        let mut method = String::new();
-        let mut content_length: Option<usize> = None;
-        let mut forged: Vec<&'static str> = Vec::new();
-        for (k, v) in s.request_headers() {
-            let text = || std::str::from_utf8(v).ok();
-            match k {
-                b":path" => {
-                    let full = text().unwrap_or_default();
-                    let path = full.split(['?', '#']).next().unwrap_or_default();
-                    self.path = path.to_string();
-                }
-                b":method" => method = text().unwrap_or_default().to_string(),
-                b"content-length" => content_length = text().and_then(|t| t.trim().parse().ok()),
-                b"x-gateway-priority" => self.priority = text().and_then(|t| t.trim().parse().ok()),
-                b"authorization" => self.authorization = text().map(str::to_string),
-                // Every internal header starts with "x-": most headers are skipped on one compare.
-                _ if k.starts_with(b"x-") => {
-                    forged.extend(headers::INTERNAL.iter().find(|n| n.as_bytes() == k));
-                }
-                _ => {}
-            }
-        }
+        // One call reads every header; only client-sent internal headers are then removed.
+        self.head = RequestHead::read(s.request_headers());
+        let method = std::mem::take(&mut self.head.method);
+        let content_length = self.head.content_length;
+        let forged = std::mem::take(&mut self.head.forged);
         // The borrowed header slices are dead from here on: the map may change.
         for h in forged {
             s.remove_header(REQUEST_HEADERS, h);
         }
 
-        if let Some(ing) = cfg.ingest.as_ref().filter(|i| i.path == self.path) {
-            let m = &config.metrics;
-            if method != "POST" {
-                config.count(m.snapshot_rejected_id("method"));
-                self.reply_error(s, &ApiError::method_not_allowed("POST"));
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            if ing.loopback_only && !peer_is_loopback(s) {
-                config.count(m.snapshot_rejected_id("forbidden"));
-                let mut e = ApiError::unauthorized();
-                e.status = 403;
-                e.message = "snapshots are accepted from loopback peers only".into();
+        if let Some(ing) = cfg.ingest.as_ref().filter(|i| i.path == self.head.path) {
+            let checked = ingest::check_request(
+                ing,
+                &method,
+                || peer_is_loopback(s),
+                self.head.authorization.as_deref(),
+                content_length,
+            );
+            if let Err((reason, e)) = checked {
+                config.count(config.metrics.snapshot_rejected_id(reason));
                 self.reply_error(s, &e);
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            if !ingest::authorized(self.authorization.as_deref(), &ing.token) {
-                config.count(m.snapshot_rejected_id("unauthorized"));
-                self.reply_error(s, &ApiError::unauthorized());
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            if content_length.is_some_and(|n| n > ing.max_snapshot_bytes) {
-                config.count(m.snapshot_rejected_id("too_large"));
-                self.reply_error(
-                    s,
-                    &ApiError::snapshot_too_large(format!(
-                        "snapshot exceeds the limit of {} bytes",
-                        ing.max_snapshot_bytes
-                    )),
-                );
                 return abi::HEADERS_STOP_ITERATION;
             }
             self.mode = Mode::Ingest;
@@ -423,12 +381,12 @@ impl Filter {
             }
             return abi::HEADERS_STOP_ITERATION;
         }
-        if method == "GET" && !cfg.models_path.is_empty() && self.path == cfg.models_path {
+        if method == "GET" && !cfg.models_path.is_empty() && self.head.path == cfg.models_path {
             config.count(config.metrics.models_list);
             self.reply(s, 200, &config.models_json, "application/json");
             return abi::HEADERS_STOP_ITERATION;
         }
-        if method == "POST" && cfg.is_inference_path(&self.path) {
+        if method == "POST" && cfg.is_inference_path(&self.head.path) {
             if content_length.is_some_and(|n| n > cfg.max_body_bytes) {
                 config.count(config.metrics.rejected_id(Some("request_too_large")));
                 self.reply_error(s, &ApiError::body_too_large(cfg.max_body_bytes));
@@ -467,19 +425,14 @@ impl Filter {
                 }
             }
             Mode::Ingest => {
-                let max = config
+                let checked = config
                     .settings
                     .ingest
                     .as_ref()
-                    .map_or(0, |i| i.max_snapshot_bytes);
-                if s.request_body_len() > max {
-                    config.count(config.metrics.snapshot_rejected_id("too_large"));
-                    self.reply_error(
-                        s,
-                        &ApiError::snapshot_too_large(format!(
-                            "snapshot exceeds the limit of {max} bytes"
-                        )),
-                    );
+                    .map(|i| ingest::check_size(i, s.request_body_len()));
+                if let Some(Err((reason, e))) = checked {
+                    config.count(config.metrics.snapshot_rejected_id(reason));
+                    self.reply_error(s, &e);
                     return abi::BODY_STOP_NO_BUFFER;
                 }
                 if !end_of_stream {
@@ -554,7 +507,7 @@ impl Filter {
 
         let mut guard = lock(&config.router);
         let r = &mut *guard;
-        let prepared = s.with_request_body(|body| r.engine.prepare(&self.path, body));
+        let prepared = s.with_request_body(|body| r.engine.prepare(&self.head.path, body));
         let prep = match prepared {
             Ok(p) => p,
             Err(e) => {
@@ -565,13 +518,18 @@ impl Filter {
             }
         };
         let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
-        let table = r.loads.entry(prep.pool.clone()).or_default();
+        if !r.loads.contains_key(&prep.pool) {
+            r.loads.insert(prep.pool.clone(), LoadTable::default());
+        }
+        let Some(table) = r.loads.get_mut(&prep.pool) else {
+            return;
+        };
         if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
             table.rebase(f.version, &p.keys);
         }
         let opts = DecideOptions {
             now_ms: now,
-            sheddable: cfg.shed_sheddable && self.priority.is_some_and(|p| p < 0),
+            sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
             debug: cfg.debug_header,
         };
         let mut choice = r
@@ -589,13 +547,11 @@ impl Filter {
                     prep.stream.then_some(choice.prefill_tokens),
                 );
                 r.engine.commit(&prep, pod_key);
-                self.picked = Some(Picked {
+                self.picked = Some(InFlight {
                     pool: prep.pool.clone(),
                     pod_key,
                     tokens: prep.prompt_tokens,
                     prefill_tokens: choice.prefill_tokens,
-                    // A buffered response's first byte is its last: the end of prefill is not
-                    // observable, so such requests are not counted in it.
                     in_prefill: prep.stream,
                 });
             }
@@ -686,22 +642,17 @@ impl Filter {
 
     /// The first streamed chunk is the first token: the pod's prefill of this request is over.
     fn on_response_body(&mut self) {
-        if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
-            p.in_prefill = false;
-            let (key, tokens) = (p.pod_key, p.prefill_tokens);
-            self.config.complete(&p.pool, |t| {
-                t.first_byte(key, tokens);
-            });
+        if let Some(p) = self.picked.as_mut() {
+            if let Some(op) = p.first_byte() {
+                self.config.complete(&p.pool, op);
+            }
         }
     }
 
     /// The request is over: it leaves the in-flight table.
     fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
-            let in_prefill = p.in_prefill.then_some(p.prefill_tokens);
-            self.config.complete(&p.pool, |t| {
-                t.finish(p.pod_key, p.tokens, in_prefill);
-            });
+            self.config.complete(&p.pool, p.finished());
         }
     }
 }
@@ -811,9 +762,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     let filter = Filter {
         config: Arc::from_raw(config),
         mode: Mode::Pass,
-        path: String::new(),
-        priority: None,
-        authorization: None,
+        head: RequestHead::default(),
         picked: None,
         debug: None,
     };

@@ -22,9 +22,9 @@ use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
 use gpuroute_core::error::ApiError;
 use gpuroute_core::fleet::FleetState;
-use gpuroute_core::headers;
+use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
-use gpuroute_core::load::LoadTable;
+use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::prefix::SyncLog;
 use gpuroute_core::rng::SplitMix64;
@@ -73,35 +73,6 @@ struct Worker {
     pending: HashMap<String, Vec<Completion>>,
     /// When the request path last read the shared snapshot version.
     version_checked_ns: u64,
-}
-
-/// A change to a pod's in-flight counts waiting to be written to the shared table.
-#[derive(Debug, Clone, Copy)]
-enum Completion {
-    /// The first response byte arrived: prefill of `prefill_tokens` done.
-    FirstByte { pod_key: u64, prefill_tokens: u32 },
-    /// The request ended; `in_prefill` carries its prefill tokens if no byte came back first.
-    Finished {
-        pod_key: u64,
-        tokens: u32,
-        in_prefill: Option<u32>,
-    },
-}
-
-impl Completion {
-    fn apply(self, table: &mut LoadTable) -> bool {
-        match self {
-            Completion::FirstByte {
-                pod_key,
-                prefill_tokens,
-            } => table.first_byte(pod_key, prefill_tokens),
-            Completion::Finished {
-                pod_key,
-                tokens,
-                in_prefill,
-            } => table.finish(pod_key, tokens, in_prefill),
-        }
-    }
 }
 
 impl Worker {
@@ -283,7 +254,7 @@ impl Root {
         Http {
             worker: self.worker.clone(),
             mode: Mode::Pass,
-            head: Head::default(),
+            head: RequestHead::default(),
             path: String::new(),
             picked: None,
             debug: None,
@@ -298,66 +269,12 @@ enum Mode {
     Answered,
 }
 
-/// What to undo in the shared load table when the request ends.
-struct Picked {
-    pool: String,
-    pod_key: u64,
-    tokens: u32,
-    /// Tokens the pod must prefill (not in its prefix cache as far as we know).
-    prefill_tokens: u32,
-    /// No response byte yet: the request is still queued or prefilling.
-    in_prefill: bool,
-}
-
-/// What the filter needs from the request headers, read in one host call.
-#[derive(Default)]
-struct Head {
-    path: String,
-    method: String,
-    content_length: Option<usize>,
-    priority: Option<i64>,
-    authorization: Option<String>,
-    /// Internal headers the client sent (to strip).
-    forged: Vec<&'static str>,
-}
-
-impl Head {
-    fn read() -> Head {
-        let raw = host::get_header_map(MapType::HttpRequestHeaders);
-        let mut h = Head::default();
-        for (k, v) in host::header_pairs(&raw) {
-            // Header names arrive lower-case from Envoy; values that are not UTF-8 count as absent.
-            let text = || std::str::from_utf8(v).ok();
-            match k {
-                b":path" => {
-                    let full = text().unwrap_or_default();
-                    h.path = full
-                        .split(['?', '#'])
-                        .next()
-                        .unwrap_or_default()
-                        .to_string();
-                }
-                b":method" => h.method = text().unwrap_or_default().to_string(),
-                b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
-                b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
-                b"authorization" => h.authorization = text().map(str::to_string),
-                _ => {
-                    if let Some(name) = headers::INTERNAL.iter().find(|n| n.as_bytes() == k) {
-                        h.forged.push(name);
-                    }
-                }
-            }
-        }
-        h
-    }
-}
-
 struct Http {
     worker: Option<Rc<RefCell<Worker>>>,
     mode: Mode,
-    head: Head,
+    head: RequestHead,
     path: String,
-    picked: Option<Picked>,
+    picked: Option<InFlight>,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
 }
@@ -389,34 +306,16 @@ impl Http {
         let Some(ing) = w.engine.config.ingest.clone() else {
             return Action::Continue;
         };
-        let reject = |w: &mut Worker, reason: &str| {
+        let checked = ingest::check_request(
+            &ing,
+            method,
+            peer_is_loopback,
+            self.head.authorization.as_deref(),
+            self.head.content_length,
+        );
+        if let Err((reason, e)) = checked {
             w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
-        };
-        if method != "POST" {
-            reject(w, "method");
-            return self.reply_error(&ApiError::method_not_allowed("POST"));
-        }
-        if ing.loopback_only && !peer_is_loopback() {
-            reject(w, "forbidden");
-            let mut e = ApiError::unauthorized();
-            e.status = 403;
-            e.message = "snapshots are accepted from loopback peers only".into();
             return self.reply_error(&e);
-        }
-        if !ingest::authorized(self.head.authorization.as_deref(), &ing.token) {
-            reject(w, "unauthorized");
-            return self.reply_error(&ApiError::unauthorized());
-        }
-        if self
-            .head
-            .content_length
-            .is_some_and(|n| n > ing.max_snapshot_bytes)
-        {
-            reject(w, "too_large");
-            return self.reply_error(&ApiError::snapshot_too_large(format!(
-                "snapshot exceeds the limit of {} bytes",
-                ing.max_snapshot_bytes
-            )));
         }
         let current = host::get_shared(SNAPSHOT_VERSION_KEY)
             .0
@@ -560,13 +459,11 @@ impl Http {
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(&pool, pod_key, addr);
                 }
-                self.picked = Some(Picked {
+                self.picked = Some(InFlight {
                     pool: pool.clone(),
                     pod_key,
                     tokens: prep.prompt_tokens,
                     prefill_tokens: choice.prefill_tokens,
-                    // A buffered (non-streamed) response's first byte is its last: the end of
-                    // prefill is not observable, so such requests are not counted in it.
                     in_prefill: prep.stream,
                 });
             }
@@ -689,7 +586,8 @@ fn peer_is_loopback() -> bool {
 impl Http {
     fn on_request_headers(&mut self, end_of_stream: bool) -> Action {
         // One host call reads every header; only client-sent internal headers are removed.
-        self.head = Head::read();
+        let raw = host::get_header_map(MapType::HttpRequestHeaders);
+        self.head = RequestHead::read(host::header_pairs(&raw));
         for h in &self.head.forged {
             let _ = host::remove_header(MapType::HttpRequestHeaders, h);
         }
@@ -757,17 +655,15 @@ impl Http {
                 self.route(&mut w, body_size)
             }
             Mode::Ingest { current } => {
-                let max = w
+                let checked = w
                     .engine
                     .config
                     .ingest
                     .as_ref()
-                    .map_or(0, |i| i.max_snapshot_bytes);
-                if body_size > max {
-                    w.stats.inc("gpuroute.snapshot.rejected.too_large");
-                    return self.reply_error(&ApiError::snapshot_too_large(format!(
-                        "snapshot exceeds the limit of {max} bytes"
-                    )));
+                    .map(|i| ingest::check_size(i, body_size));
+                if let Some(Err((reason, e))) = checked {
+                    w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
+                    return self.reply_error(&e);
                 }
                 if !end_of_stream {
                     return Action::Pause;
@@ -789,14 +685,11 @@ impl Http {
     fn on_response_body(&mut self) -> Action {
         // The first streamed chunk is the first token (vLLM sends its first SSE event with the
         // first output): the pod's prefill of this request is over.
-        if let Some(p) = self.picked.as_mut().filter(|p| p.in_prefill) {
-            p.in_prefill = false;
-            let op = Completion::FirstByte {
-                pod_key: p.pod_key,
-                prefill_tokens: p.prefill_tokens,
-            };
-            let pool = p.pool.clone();
-            self.complete(pool, op);
+        if let Some(p) = self.picked.as_mut() {
+            if let Some(op) = p.first_byte() {
+                let pool = p.pool.clone();
+                self.complete(pool, op);
+            }
         }
         Action::Continue
     }
@@ -804,11 +697,7 @@ impl Http {
     /// The request is over (the host deletes its context): it leaves the in-flight table.
     fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
-            let op = Completion::Finished {
-                pod_key: p.pod_key,
-                tokens: p.tokens,
-                in_prefill: p.in_prefill.then_some(p.prefill_tokens),
-            };
+            let op = p.finished();
             self.complete(p.pool, op);
         }
     }

@@ -24,8 +24,13 @@ import render  # noqa: E402
 # GPUROUTE_RUNTIME=dynamic runs every gateway of the suite with the dynamic-module build instead.
 RUNTIME = os.environ.get("GPUROUTE_RUNTIME", "wasm")
 MODULE_DIR = Path(os.environ.get("GPUROUTE_MODULE_DIR", ROOT / "target" / "release"))
-# Where Envoy puts the filter's own stats.
-STAT_PREFIX = "dynamicmodulescustom." if RUNTIME == "dynamic" else "wasmcustom."
+# Each build of the filter: its runtime, where Envoy puts its stats, and the built file.
+BUILDS = {
+    "filter": ("wasm", "wasmcustom.", WASM),
+    "module": ("dynamic", "dynamicmodulescustom.", MODULE_DIR / "libgpuroute.so"),
+}
+# Where Envoy puts the filter's own stats, for the runtime under test.
+STAT_PREFIX = next(prefix for runtime, prefix, _ in BUILDS.values() if runtime == RUNTIME)
 TOKEN = "e2e-ingest-token"
 
 
