@@ -13,7 +13,7 @@
 use crate::config::{ScoringConfig, Weights};
 use crate::fleet::{PodState, PoolState};
 use crate::load::PodLoad;
-use crate::prefix::{weighted_hrw, PodMatch};
+use crate::prefix::{hrw_weight, weighted_hrw, PodMatch};
 use crate::rng::SplitMix64;
 use std::fmt::Write as _;
 
@@ -277,11 +277,17 @@ impl Picker {
             // or, when that pod is not a candidate (saturated), on the adapter's own rendezvous
             // pod among the rest. So the prefix signal agrees with the LoRA one instead of
             // scattering a busy adapter's overflow (and its loads) over every pod; the overflow
-            // goes to one pod, where the adapter then stays loaded.
+            // goes to one pod, where the adapter then stays loaded. That pod is picked in plain
+            // rendezvous order, as the homes are (crate::adapters): a capacity-weighted order
+            // would move it whenever a pod's estimated speed class flips with load.
             (true, Some(a), _) => cands
                 .iter()
                 .find(|c| req.adapter_home == Some(pool.pods[c.0].key))
-                .or_else(|| cands.iter().max_by(|x, y| hrw(a, x).total_cmp(&hrw(a, y))))
+                .or_else(|| {
+                    cands
+                        .iter()
+                        .max_by_key(|c| hrw_weight(a, pool.pods[c.0].key))
+                })
                 .map(|c| c.0),
             (true, None, Some(k)) => cands
                 .iter()
