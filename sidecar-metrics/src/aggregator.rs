@@ -58,7 +58,7 @@ pub struct PodStatus {
     pub failures_by_kind: Vec<(&'static str, u64)>,
     pub last_latency: Duration,
     /// Smoothed inter-token latency, seconds (the capacity estimate's input).
-    pub itl_ewma: Option<f64>,
+    pub itl_estimate: Option<f64>,
     pub in_flight: bool,
 }
 
@@ -397,7 +397,7 @@ impl Aggregator {
                     scrapes_total: p.scrapes_total,
                     failures_by_kind: p.failures_by_kind.clone(),
                     last_latency: p.last_latency,
-                    itl_ewma: p.itl_ewma,
+                    itl_estimate: p.itl_estimate,
                     in_flight: p.in_flight,
                 });
             }

@@ -36,8 +36,9 @@ pub const DEFAULT_RAMP_START_WEIGHT: f64 = 0.1;
 /// Pods that first become healthy this soon after the aggregator starts do not ramp: a restart
 /// of the aggregator must not throttle a whole healthy fleet.
 pub const DEFAULT_STARTUP_GRACE_MS: u64 = 5_000;
-/// Time constant of the per-pod speed (inter-token latency) average. 10 s smooths over batch
-/// composition changes while following a real change (another GPU, a throttled card) quickly.
+/// Window of the per-pod speed (inter-token latency) estimate, a low quantile of the window's
+/// interval means. 10 s holds ~100 intervals at the default scrape interval while following a
+/// real change (another GPU, a throttled card) within seconds.
 pub const DEFAULT_CAPACITY_TIME_CONSTANT_MS: u64 = 10_000;
 /// Fewest decoded tokens in one scrape interval for its mean inter-token latency to count: below
 /// that one long prefill stall dominates the mean.

@@ -305,7 +305,7 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
             "engine_detected": detected,
             "fetch_ms": fetch_ms,
             "pod": snap,
-            "itl_ewma_seconds": pod.itl_ewma,
+            "itl_estimate_seconds": pod.itl_estimate,
             "raw": raw,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -343,7 +343,7 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
                 "none (no prefix-cache queries in the interval)".into(),
                 |r| format!("{:.3}", r)
             ),
-            pod.itl_ewma.map_or(
+            pod.itl_estimate.map_or(
                 "none (no tokens decoded in the interval)".into(),
                 |s| format!("{:.2} ms", s * 1000.0)
             )
