@@ -10,9 +10,9 @@
 //! highest-ranked pod in plain rendezvous order that still has room. So a pod's share of
 //! adapters follows its capacity and every adapter can stay loaded.
 //!
-//! Capacity enters through the quotas only, not the ranking. The capacity estimate moves with
-//! load (a busy pod's inter-token latency rises, so it looks slower: on four identical pods the
-//! estimates spread over 0.6-1.2 in one multi-lora run), and a capacity-weighted ranking
+//! Capacity enters through the quotas only, not the ranking. Any speed estimate moves with load
+//! (the mean-latency one `sidecar-metrics` used before its decode-step estimate spread over
+//! 0.6-1.2 on four identical pods in a multi-lora run), and a capacity-weighted ranking
 //! reshuffled homes every time a pod's speed class flipped; every reshuffle is a round of
 //! adapter loads. With the ranking fixed, homes move only when quotas change, and when the
 //! adapters fill every slot of the pool (the case that matters for loads) quotas are the slot

@@ -57,7 +57,7 @@ pub struct PodStatus {
     pub scrapes_total: u64,
     pub failures_by_kind: Vec<(&'static str, u64)>,
     pub last_latency: Duration,
-    /// Smoothed inter-token latency, seconds (the capacity estimate's input).
+    /// Decode step time estimate, seconds (the capacity estimate's input).
     pub itl_estimate: Option<f64>,
     pub in_flight: bool,
 }
