@@ -172,10 +172,12 @@ impl PodState {
             self.itl_window.pop_front();
         }
         self.itl_window.push_back((at, sample));
+        // Linear selection, not a sort: 1,000 busy pods scraped every 100 ms do this 10,000
+        // times a second.
         let mut v: Vec<f64> = self.itl_window.iter().map(|(_, x)| *x).collect();
-        v.sort_by(f64::total_cmp);
-        let i = ((v.len() as f64) * ITL_QUANTILE) as usize;
-        self.itl_estimate = v.get(i.min(v.len() - 1)).copied();
+        let i = (((v.len() as f64) * ITL_QUANTILE) as usize).min(v.len() - 1);
+        let (_, q, _) = v.select_nth_unstable_by(i, f64::total_cmp);
+        self.itl_estimate = Some(*q);
     }
 
     /// Records a failed scrape.
