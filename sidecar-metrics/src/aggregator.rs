@@ -18,7 +18,7 @@ use crate::config::Config;
 use crate::discovery::{Target, Update};
 use crate::engine::Reading;
 use crate::metrics::Histogram;
-use crate::pod::{pool_capacities, PodState};
+use crate::pod::{pool_capacities, stable_capacity, PodState};
 use crate::scrape::{self, Fetch, ScrapeError};
 use crate::util::{LogGate, WallClock};
 use bytes::Bytes;
@@ -382,10 +382,15 @@ impl Aggregator {
                 .values()
                 .filter_map(|id| self.pods.get(id))
                 .collect();
-            let caps = pool_capacities(states.iter().copied(), self.cfg.capacity.estimate);
+            let caps: Vec<f64> =
+                pool_capacities(states.iter().copied(), self.cfg.capacity.estimate)
+                    .into_iter()
+                    .zip(&states)
+                    .map(|(c, p)| stable_capacity(p.published_capacity, c))
+                    .collect();
             let mut pods = Vec::with_capacity(states.len());
             let mut st = Vec::with_capacity(states.len());
-            for ((p, w), c) in states.iter().zip(weights).zip(caps) {
+            for ((p, w), c) in states.iter().zip(weights).zip(caps.iter().copied()) {
                 total += 1;
                 healthy += usize::from(p.healthy);
                 pods.push(p.snapshot(w, c));
@@ -400,6 +405,13 @@ impl Aggregator {
                     itl_estimate: p.itl_estimate,
                     in_flight: p.in_flight,
                 });
+            }
+            // The same pods in the same order as `states`.
+            let mut published = caps.into_iter();
+            for id in pool.pods.values() {
+                if let Some(p) = self.pods.get_mut(id) {
+                    p.published_capacity = published.next();
+                }
             }
             pools.push(PoolSnapshot {
                 name: pool.name.clone(),

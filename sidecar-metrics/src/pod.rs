@@ -36,6 +36,13 @@ pub const CAPACITY_MAX: f64 = 10.0;
 pub const ITL_QUANTILE: f64 = 0.2;
 /// Most samples kept per pod (10 s of 100 ms scrapes is 100).
 const ITL_WINDOW_MAX: usize = 512;
+/// A published capacity changes only when the estimate moves further than this from it (as a
+/// ratio). The filter rounds capacities to speed classes (steps of sqrt 2) and homes
+/// conversations and adapters by them, so an estimate wandering across a class boundary would
+/// move homes back and forth. Replaying the mixed-gpu benchmark's scrapes (H100s 1.9-2.8 against
+/// a boundary at 2.38): 7 changes of the pool's classes in 48 s without, 2 with 25%. A real
+/// change (another GPU, a throttled card) is 2x and more.
+pub const CAPACITY_DEADBAND: f64 = 0.25;
 
 /// The counters kept from the previous good scrape.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -69,6 +76,8 @@ pub struct PodState {
     pub itl_estimate: Option<f64>,
     /// Per-interval mean inter-token latencies in the estimate's window, oldest first.
     itl_window: VecDeque<(Instant, f64)>,
+    /// The capacity last published for this pod ([`stable_capacity`]).
+    pub published_capacity: Option<f64>,
     /// Health as of the last [`PodState::evaluate`].
     pub healthy: bool,
     ever_healthy: bool,
@@ -97,6 +106,7 @@ impl PodState {
             prefix_hit_rate: None,
             itl_estimate: None,
             itl_window: VecDeque::new(),
+            published_capacity: None,
             healthy: false,
             ever_healthy: false,
             ramp_from: None,
@@ -308,6 +318,15 @@ pub fn pool_capacities<'a>(
         }
     })
     .collect()
+}
+
+/// The capacity to publish: the previous one while `estimate` stays within
+/// [`CAPACITY_DEADBAND`] of it, else `estimate`.
+pub fn stable_capacity(previous: Option<f64>, estimate: f64) -> f64 {
+    match previous {
+        Some(p) if p > 0.0 && (estimate / p).ln().abs() <= (1.0 + CAPACITY_DEADBAND).ln() => p,
+        _ => estimate,
+    }
 }
 
 #[cfg(test)]
@@ -540,6 +559,20 @@ mod tests {
         // No tokens for a while: the estimate holds.
         p.on_success(itl(sum, count), t0 + ms(60_000), 500, &cap);
         assert_eq!(p.itl_estimate, Some(0.03));
+    }
+
+    #[test]
+    fn published_capacity_ignores_wander_and_follows_real_changes() {
+        let mut published = None;
+        let mut seen = Vec::new();
+        // An H100 wandering around 2.3, then throttled to half.
+        for e in [2.3, 2.0, 2.7, 1.9, 2.8, 3.0, 2.5, 1.2, 1.1, 1.3] {
+            let c = stable_capacity(published, e);
+            published = Some(c);
+            seen.push(c);
+        }
+        assert_eq!(seen, [2.3, 2.3, 2.3, 2.3, 2.3, 3.0, 3.0, 1.2, 1.2, 1.2]);
+        assert_eq!(stable_capacity(Some(0.0), 1.0), 1.0);
     }
 
     #[test]
