@@ -239,6 +239,18 @@ pub enum DataPlane {
     OriginalDst,
 }
 
+impl DataPlane {
+    /// The destination header's value for a pick's `ip:port[,ip:port...]` list: an
+    /// ORIGINAL_DST cluster parses the header as one address; the list form with retry
+    /// fallbacks is for override_host.
+    pub fn destination(self, list: &str) -> &str {
+        match self {
+            DataPlane::OriginalDst => list.split(',').next().unwrap_or(list),
+            DataPlane::OverrideHost => list,
+        }
+    }
+}
+
 fn yes() -> bool {
     true
 }

@@ -13,7 +13,8 @@ use crate::adapters::{partition, SlotPod};
 use crate::config::FilterConfig;
 use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
-use crate::load::PodLoad;
+use crate::headers;
+use crate::load::{InFlight, PodLoad};
 use crate::picker::{format_breakdown, Breakdown, Decision, FailOpen, Picker, RequestFeatures};
 use crate::picker::{speed_class, uncached_tokens};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
@@ -54,6 +55,33 @@ pub struct Prepared {
 }
 
 impl Prepared {
+    /// The headers that steer Envoy's route to the pool (name, value), in the order the shells
+    /// add them: pool and model, and for an adapter its base model and the adapter.
+    pub fn routing_headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        let t = &self.target;
+        [
+            Some((headers::POOL, self.pool.as_str())),
+            Some((headers::MODEL, t.model.as_str())),
+            t.adapter
+                .as_ref()
+                .map(|_| (headers::BASE_MODEL, t.base_model.as_str())),
+            t.adapter.as_deref().map(|a| (headers::ADAPTER, a)),
+        ]
+        .into_iter()
+        .flatten()
+    }
+
+    /// The in-flight record of this request once it is counted against `pod_key`.
+    pub fn in_flight(&self, pod_key: u64, prefill_tokens: u32) -> InFlight {
+        InFlight {
+            pool: self.pool.clone(),
+            pod_key,
+            tokens: self.prompt_tokens,
+            prefill_tokens,
+            in_prefill: self.stream,
+        }
+    }
+
     /// Hashes recorded in the index: the anchors, plus the conversation and adapter keys.
     pub fn anchor_hashes(&self) -> Vec<u64> {
         let mut v: Vec<u64> = self.anchors.iter().map(|a| a.hash).collect();

@@ -547,13 +547,7 @@ impl Filter {
                     prep.stream.then_some(choice.prefill_tokens),
                 );
                 r.engine.commit(&prep, pod_key);
-                self.picked = Some(InFlight {
-                    pool: prep.pool.clone(),
-                    pod_key,
-                    tokens: prep.prompt_tokens,
-                    prefill_tokens: choice.prefill_tokens,
-                    in_prefill: prep.stream,
-                });
+                self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
             }
         } else if matches!(choice.decision, Decision::FailOpen(r) if r != FailOpen::Disabled)
             && cfg.data_plane == DataPlane::OriginalDst
@@ -572,10 +566,7 @@ impl Filter {
         match &choice.decision {
             Decision::Picked(_) => {
                 if let Some(dest) = &choice.destination {
-                    let dest = match cfg.data_plane {
-                        DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
-                        DataPlane::OverrideHost => dest.as_str(),
-                    };
+                    let dest = cfg.data_plane.destination(dest);
                     s.add_header(REQUEST_HEADERS, headers::DESTINATION, dest);
                     outcome = Some("picked");
                     picked_at = choice.picked_key.zip(dest.split(',').next());
@@ -595,15 +586,8 @@ impl Filter {
             Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
         }
         if answer.is_none() {
-            s.add_header(REQUEST_HEADERS, headers::POOL, pool);
-            s.add_header(REQUEST_HEADERS, headers::MODEL, &prep.target.model);
-            if let Some(a) = &prep.target.adapter {
-                s.add_header(
-                    REQUEST_HEADERS,
-                    headers::BASE_MODEL,
-                    &prep.target.base_model,
-                );
-                s.add_header(REQUEST_HEADERS, headers::ADAPTER, a);
+            for (name, value) in prep.routing_headers() {
+                s.add_header(REQUEST_HEADERS, name, value);
             }
             if let Some(new_body) = &prep.rewritten_body {
                 s.replace_request_body(new_body);

@@ -436,12 +436,7 @@ impl Http {
                 else {
                     return Action::Continue;
                 };
-                // An ORIGINAL_DST cluster parses the header as one address; the list form with
-                // retry fallbacks is for override_host.
-                let dest = match w.engine.config.data_plane {
-                    DataPlane::OriginalDst => dest.split(',').next().unwrap_or(dest),
-                    DataPlane::OverrideHost => dest.as_str(),
-                };
+                let dest = w.engine.config.data_plane.destination(dest);
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
                 if let Some((version, keys)) = &aligned {
                     let ops = w.pending.remove(&pool).unwrap_or_default();
@@ -459,13 +454,7 @@ impl Http {
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(&pool, pod_key, addr);
                 }
-                self.picked = Some(InFlight {
-                    pool: pool.clone(),
-                    pod_key,
-                    tokens: prep.prompt_tokens,
-                    prefill_tokens: choice.prefill_tokens,
-                    in_prefill: prep.stream,
-                });
+                self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
             }
             Decision::FailOpen(FailOpen::Disabled) => {
                 w.stats.pool_outcome(&pool, "routed");
@@ -507,11 +496,8 @@ impl Http {
     fn set_routing_headers(&self, prep: &Prepared, body: &[u8]) {
         let h = MapType::HttpRequestHeaders;
         // Added, not replaced: every internal header was stripped on arrival (cheaper for Envoy).
-        let _ = host::add_header(h, headers::POOL, &prep.pool);
-        let _ = host::add_header(h, headers::MODEL, &prep.target.model);
-        if let Some(a) = &prep.target.adapter {
-            let _ = host::add_header(h, headers::BASE_MODEL, &prep.target.base_model);
-            let _ = host::add_header(h, headers::ADAPTER, a);
+        for (name, value) in prep.routing_headers() {
+            let _ = host::add_header(h, name, value);
         }
         if let Some(new_body) = &prep.rewritten_body {
             if host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body).is_ok() {
