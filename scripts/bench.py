@@ -37,13 +37,16 @@ def scenario_names():
     return sorted(p.stem for p in (ROOT / "bench" / "scenarios").glob("*.json"))
 
 
-def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False):
+def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False,
+                 filter_config=None):
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
     for label in configs:
         t0 = time.time()
-        overrides = {"debug_header": True} if debug else None
+        overrides = dict(filter_config or {})
+        if debug:
+            overrides["debug_header"] = True
         stack = Stack(fleet=fleet, router=label, workdir=work / label, concurrency=concurrency,
                       filter_overrides=overrides).start()
         try:
@@ -82,6 +85,9 @@ def main():
     ap.add_argument("--debug-header", action="store_true",
                     help="filter: record each decision's x-gateway-debug breakdown in the per-request records "
                     "(work/<scenario>/filter.json)")
+    ap.add_argument("--filter-config", type=json.loads, default=None, metavar="JSON",
+                    help="merged into the filter's configuration for this run, e.g. "
+                    "'{\"scoring\": {\"weights\": {\"prefix\": 1.5}}}' (what-if runs of other weights)")
     ap.add_argument("--out-dir", help="default: target/bench (--quick: target/bench/quick, so a quick "
                     "run never replaces the results of a full one)")
     args = ap.parse_args()
@@ -112,13 +118,14 @@ def main():
         if mooncake:
             extra += ["--token-scale", "0.125"]  # 512-token blocks -> 64 tokens, as shared-prefix
         run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs,
-                     args.debug_header)
+                     args.debug_header, args.filter_config)
     else:
         names = args.scenario or scenario_names()
         for name in names:
             f = ROOT / "bench" / "scenarios" / f"{name}.json"
             fleet = json.loads(f.read_text())["fleet"]
-            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header)
+            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header,
+                         args.filter_config)
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

@@ -11,11 +11,14 @@
 //!   a run;
 //! - [`report`]: the comparison table, the JSON other tools read, and a TTFT CDF chart
 //!   ([`svg`]);
+//! - [`floor`]: each request's best possible TTFT (idle pod, ideal cache), from fleet-sim's
+//!   engine, so targets read against what any router could reach;
 //! - [`scenario`]: scenario files pairing a fleet with a workload, and workload SPECs;
 //! - [`stub`]: a trivial streaming server with known timings for tests and self-measurement.
 //!
 //! Binaries: `loadgen`, `bench-report`, `bench-scenario`, `sse-stub`.
 
+pub mod floor;
 pub mod metrics;
 pub mod report;
 pub mod results;

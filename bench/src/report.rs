@@ -56,6 +56,21 @@ pub struct Quantiles {
     pub mean: f64,
 }
 
+impl Quantiles {
+    /// A quantile by its name in metric paths (`p50`, `p90`, `p95`, `p99`, `max`, `mean`).
+    pub fn get(&self, name: &str) -> Option<f64> {
+        match name {
+            "p50" => Some(self.p50),
+            "p90" => Some(self.p90),
+            "p95" => Some(self.p95),
+            "p99" => Some(self.p99),
+            "max" => Some(self.max),
+            "mean" => Some(self.mean),
+            _ => None,
+        }
+    }
+}
+
 impl From<Percentiles> for Quantiles {
     fn from(p: Percentiles) -> Self {
         Self {
@@ -131,18 +146,9 @@ impl ConfigResult {
 
     /// A metric by the name targets use (`ttft_ms.p99`, `output_tokens_per_s`, ...).
     pub fn metric(&self, name: &str) -> Option<f64> {
-        let q = |q: &Quantiles, p: &str| match p {
-            "p50" => Some(q.p50),
-            "p90" => Some(q.p90),
-            "p95" => Some(q.p95),
-            "p99" => Some(q.p99),
-            "max" => Some(q.max),
-            "mean" => Some(q.mean),
-            _ => None,
-        };
         match name.split_once('.') {
-            Some(("ttft_ms", p)) => q(&self.ttft_ms, p),
-            Some(("e2e_ms", p)) => q(&self.e2e_ms, p),
+            Some(("ttft_ms", p)) => self.ttft_ms.get(p),
+            Some(("e2e_ms", p)) => self.e2e_ms.get(p),
             _ => match name {
                 "output_tokens_per_s" => Some(self.output_tokens_per_s),
                 "prefix_hit_rate" => self.prefix_hit_rate,
@@ -241,6 +247,16 @@ pub struct Setup {
     pub ideal_prefix_reuse_full: Option<f64>,
     /// Ideal prefix reuse of the replayed slice (the hit-rate target's reference).
     pub ideal_prefix_reuse_slice: Option<f64>,
+    /// The workload's TTFT floor on this fleet (each request on an idle pod holding every
+    /// prefix sent before it; see `floor.rs`): the best any router could reach. `None` without
+    /// the scenario's fleet.
+    #[serde(default)]
+    pub ttft_floor_ms: Option<Quantiles>,
+    /// The workload's TTFT under the greedy oracle router (each request to the pod where, on
+    /// the engines' exact state at its arrival, its first token comes soonest; see `floor.rs`):
+    /// what routing on perfect information reaches. Not a bound.
+    #[serde(default)]
+    pub ttft_oracle_ms: Option<Quantiles>,
     /// Seed.
     pub seed: u64,
     /// What the latency numbers measure.
@@ -270,6 +286,13 @@ pub struct FigureCheck {
     pub baseline_value: Option<f64>,
     /// value / baseline.
     pub ratio: Option<f64>,
+    /// For TTFT figures: the workload's TTFT floor at the same percentile / baseline, the
+    /// smallest ratio any router could reach. A `max_ratio` below it cannot be met.
+    #[serde(default)]
+    pub floor_ratio: Option<f64>,
+    /// For TTFT figures: the greedy oracle router's TTFT at the same percentile / baseline.
+    #[serde(default)]
+    pub oracle_ratio: Option<f64>,
     /// Allowed maximum ratio.
     pub max_ratio: Option<f64>,
     /// Allowed minimum ratio.
@@ -329,6 +352,7 @@ pub fn build_report(
     runs: &[ConfigRun],
     scenario: Option<&Scenario>,
     quick: bool,
+    references: References,
 ) -> Report {
     let results: BTreeMap<String, ConfigResult> = runs
         .iter()
@@ -399,6 +423,8 @@ pub fn build_report(
         mean_output_tokens: w.mean_output_tokens,
         ideal_prefix_reuse_full: w.ideal_prefix_reuse_full,
         ideal_prefix_reuse_slice: w.ideal_prefix_reuse_slice,
+        ttft_floor_ms: references.floor,
+        ttft_oracle_ms: references.oracle,
         seed: w.seed,
         units: match time_scale {
             Some(t) if (t - 1.0).abs() > f64::EPSILON => format!(
@@ -427,6 +453,15 @@ pub fn build_report(
     }
 }
 
+/// TTFT references computed from the workload and the fleet rather than measured (`floor.rs`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct References {
+    /// The TTFT floor.
+    pub floor: Option<Quantiles>,
+    /// The greedy oracle router's TTFT.
+    pub oracle: Option<Quantiles>,
+}
+
 /// Send lag above which a run is flagged as overloaded: a few ms of lag is timer
 /// granularity (tokio's timer wheel ticks in 1 ms); tens of ms is a CPU-starved machine.
 pub const OVERLOAD_LAG_MS: f64 = 20.0;
@@ -448,6 +483,16 @@ fn check_target(
     };
     let met =
         ratio.map(|r| t.max_ratio.is_none_or(|m| r <= m) && t.min_ratio.is_none_or(|m| r >= m));
+    let reference_ratio = |reference: Option<Quantiles>| match (
+        t.metric.strip_prefix("ttft_ms."),
+        reference,
+        baseline_value,
+    ) {
+        (Some(q), Some(r), Some(b)) if b > 0.0 && t.baseline != "ideal_prefix_reuse" => {
+            r.get(q).map(|v| v / b)
+        }
+        _ => None,
+    };
     FigureCheck {
         figure: t.figure.clone(),
         metric: t.metric.clone(),
@@ -456,6 +501,8 @@ fn check_target(
         value,
         baseline_value,
         ratio,
+        floor_ratio: reference_ratio(setup.ttft_floor_ms),
+        oracle_ratio: reference_ratio(setup.ttft_oracle_ms),
         max_ratio: t.max_ratio,
         min_ratio: t.min_ratio,
         met,
@@ -532,6 +579,21 @@ pub fn render_table(report: &Report) -> String {
         ]);
     }
     s.push_str(&render_rows(&rows));
+    for (q, what) in [
+        (st.ttft_floor_ms, "TTFT floor (each request alone on an idle pod holding every prefix sent before it; no router beats it)"),
+        (st.ttft_oracle_ms, "TTFT of the greedy oracle router (each request to the pod where, on the engines' exact state, its first token comes soonest)"),
+    ] {
+        if let Some(f) = q {
+            let _ = writeln!(
+                s,
+                "{what}: p50 {}, p90 {}, p95 {}, p99 {}",
+                fmt_ms(f.p50),
+                fmt_ms(f.p90),
+                fmt_ms(f.p95),
+                fmt_ms(f.p99)
+            );
+        }
+    }
     s
 }
 
@@ -584,9 +646,18 @@ pub fn render_figures(report: &Report) -> String {
             (Some(lo), None) => format!(">= {lo}"),
             (None, None) => "any".into(),
         };
+        let floor = match (f.floor_ratio, f.max_ratio) {
+            (Some(fr), Some(hi)) if fr > hi => {
+                format!("; floor {fr:.3}: below what any router can reach")
+            }
+            (Some(fr), _) => format!("; floor {fr:.3}"),
+            (None, _) => String::new(),
+        } + &f
+            .oracle_ratio
+            .map_or_else(String::new, |o| format!(", greedy oracle {o:.3}"));
         let _ = writeln!(
             s,
-            "{verdict:7} {}: {} {} = {} vs {} {} -> ratio {} (target {bound})",
+            "{verdict:7} {}: {} {} = {} vs {} {} -> ratio {} (target {bound}{floor})",
             f.figure,
             f.config,
             f.metric,
@@ -754,7 +825,10 @@ mod tests {
             run("least_request", 0.5, 120.0, 15.0),
         ];
         let sc = scenario();
-        (build_report("s", &runs, Some(&sc), false), runs)
+        (
+            build_report("s", &runs, Some(&sc), false, References::default()),
+            runs,
+        )
     }
 
     #[test]
@@ -811,11 +885,70 @@ mod tests {
             run("filter", 1.0, 0.0, 0.0),
             run("round_robin", 1.0, 0.0, 0.0),
         ];
-        let r = build_report("s", &runs, Some(&scenario()), true);
+        let r = build_report("s", &runs, Some(&scenario()), true, References::default());
         assert_eq!(r.figures[0].met, Some(false));
         // adapter loads 0 vs 0: no ratio
         assert_eq!(r.figures[2].met, None);
         assert!(render_figures(&r).contains("MISSED"));
+    }
+
+    #[test]
+    fn ttft_figures_carry_the_floor_and_say_when_a_target_is_below_it() {
+        // round robin's TTFT p99 is 99 ms (1..=100 ms, each twice); a floor p99 of 19.8 ms
+        // makes 0.2 the best reachable ratio, above the 0.1 target
+        let runs = vec![
+            run("filter", 0.15, 0.0, 0.0),
+            run("round_robin", 1.0, 0.0, 0.0),
+        ];
+        let floor = Quantiles {
+            p50: 1.0,
+            p90: 5.0,
+            p95: 10.0,
+            p99: 19.8,
+            max: 30.0,
+            mean: 3.0,
+        };
+        let oracle = Quantiles { p99: 29.7, ..floor };
+        let refs = References {
+            floor: Some(floor),
+            oracle: Some(oracle),
+        };
+        let r = build_report("s", &runs, Some(&scenario()), false, refs);
+        let f = &r.figures[0];
+        let rr_p99 = r.results["round_robin"].ttft_ms.p99;
+        assert!((f.floor_ratio.unwrap() - 19.8 / rr_p99).abs() < 1e-9);
+        assert!(f.floor_ratio.unwrap() > 0.1);
+        assert_eq!(f.met, Some(false));
+        assert!((f.oracle_ratio.unwrap() - 29.7 / rr_p99).abs() < 1e-9);
+        assert!(render_figures(&r).contains("below what any router can reach"));
+        assert!(render_figures(&r).contains("greedy oracle 0.3"));
+        // figures without a TTFT reference end with their target alone
+        assert!(render_figures(&r).contains("(target >= 0.85)"));
+        // not a TTFT figure: no floor
+        assert_eq!(r.figures[1].floor_ratio, None);
+        assert_eq!(r.figures[2].floor_ratio, None);
+        assert!(render_table(&r).contains("TTFT floor"));
+        assert!(render_table(&r).contains("greedy oracle router"));
+        let v = serde_json::to_value(&r).unwrap();
+        assert_eq!(v["setup"]["ttft_floor_ms"]["p99"].as_f64(), Some(19.8));
+        // a reachable target says only where the floor is
+        let low = Quantiles { p99: 2.0, ..floor };
+        let r = build_report(
+            "s",
+            &runs,
+            Some(&scenario()),
+            false,
+            References {
+                floor: Some(low),
+                oracle: None,
+            },
+        );
+        let text = render_figures(&r);
+        assert!(
+            text.contains("floor 0.0") && !text.contains("below what"),
+            "{text}"
+        );
+        assert!(!text.contains("oracle"), "{text}");
     }
 
     #[test]
@@ -860,7 +993,7 @@ mod tests {
         ];
         runs[0].results.workload.request_count = 199;
         runs[1].results.metrics = None;
-        let r = build_report("s", &runs, None, false);
+        let r = build_report("s", &runs, None, false, References::default());
         assert_eq!(r.setup.warnings.len(), 2, "{:?}", r.setup.warnings);
         assert!(r.figures.is_empty());
         // a fleet reused from an earlier configuration
@@ -869,7 +1002,7 @@ mod tests {
                 pod.insert(REQUEST_SUCCESS.to_string(), 12.0);
             }
         }
-        let r = build_report("s", &runs, None, false);
+        let r = build_report("s", &runs, None, false, References::default());
         assert!(
             r.setup
                 .warnings

@@ -175,3 +175,134 @@ async fn mooncake_blocks_hit_the_sim_prefix_cache_as_the_trace_says() {
         "hit rate {hit} vs ideal {ideal}"
     );
 }
+
+/// Starts a one-pod fleet, replays `requests` straight at it; returns each request's TTFT (ms,
+/// workload order).
+async fn ttft_at_one_pod(
+    cfg: fleet_sim::FleetConfig,
+    requests: Vec<gpuroute_bench::workload::TimedRequest>,
+) -> Vec<f64> {
+    let n = requests.len();
+    let fleet = Fleet::start(cfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let pods: PodsFile =
+        serde_json::from_value(serde_json::to_value(fleet.ports()).unwrap()).unwrap();
+    let wl = Arc::new(Workload {
+        requests,
+        info: gpuroute_bench::workload::WorkloadInfo::default(),
+    });
+    let run_cfg = RunConfig {
+        target: format!("http://{}", pods.pods[0].address.clone().unwrap()),
+        request_timeout: Duration::from_secs(20),
+        start_delay: Duration::from_millis(20),
+        ..RunConfig::default()
+    };
+    let client = build_client(&run_cfg).unwrap();
+    let out = run(wl, client, &run_cfg).await;
+    fleet.shutdown(Duration::from_secs(1)).await;
+    let mut measured = vec![0.0; n];
+    for r in &out.records {
+        assert!(r.ok(), "{r:?}");
+        measured[r.id] = r.ttft_ms.unwrap();
+    }
+    measured
+}
+
+fn one_pod(gpu: &str) -> fleet_sim::FleetConfig {
+    let file: FleetFile = serde_json::from_value(serde_json::json!({
+        "time_scale": 1,
+        "pods": [{"name": gpu, "count": 1, "pool": "p", "model": LLAMA, "gpu": gpu}]
+    }))
+    .unwrap();
+    file.resolve(SimOverrides::default()).unwrap()
+}
+
+const LLAMA: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+fn prefixed(
+    at_s: f64,
+    group: u64,
+    id: u64,
+    prefix_chars: usize,
+    chars: usize,
+) -> gpuroute_bench::workload::TimedRequest {
+    use gpuroute_bench::workload::{Api, PromptSpec, TimedRequest};
+    TimedRequest {
+        at_s,
+        api: Api::Chat,
+        model: LLAMA.into(),
+        prompt: PromptSpec::Prefixed {
+            group,
+            prefix_chars,
+            seed: 3,
+            id,
+            chars,
+        },
+        max_tokens: 2,
+    }
+}
+
+/// The TTFT floor (`gpuroute_bench::floor`) is what a real simulated pod measures when each
+/// request finds it idle with every earlier prefix cached: requests sent one at a time, straight
+/// at one pod of each GPU profile, at real GPU speed (time scale 1), must come back within a
+/// few milliseconds of their floors: a floor that drifted from the engine (a different
+/// tokenisation, block hashing, chunking or step model) would fail here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn floor_matches_an_idle_simulated_pod() {
+    use gpuroute_bench::floor::ttft_floor_ms;
+    for gpu in ["a100", "l40s"] {
+        let cfg = one_pod(gpu);
+        // a long new prompt, the same prefix again, a new prefix, a short prompt; one second
+        // apart, so each finds the pod idle (every floor here is under half a second)
+        let requests = vec![
+            prefixed(0.0, 1, 1, 12_000, 400),
+            prefixed(1.0, 1, 2, 12_000, 600),
+            prefixed(2.0, 2, 3, 6_000, 200),
+            prefixed(3.0, 3, 4, 0, 300),
+        ];
+        let floors = ttft_floor_ms(&requests, &cfg);
+        let measured = ttft_at_one_pod(cfg, requests).await;
+        eprintln!("{gpu}: measured TTFT {measured:?} ms, floors {floors:?} ms");
+        for (i, (m, f)) in measured.iter().zip(&floors).enumerate() {
+            let f = f.unwrap();
+            // the pod cannot beat its own engine; HTTP, the SSE encoding and timer wake-ups
+            // add a few ms on this shared machine
+            assert!(
+                *m >= f - 1.0 && *m <= f * 1.03 + 10.0,
+                "{gpu} request {i}: measured {m:.1} ms, floor {f:.1} ms (all: {measured:?} vs {floors:?})"
+            );
+        }
+        // and the floors are not trivially equal: the cached prefix and the prompt lengths show
+        let f: Vec<f64> = floors.iter().map(|f| f.unwrap()).collect();
+        assert!(f[1] < f[0] / 3.0 && f[3] < f[2], "{f:?}");
+    }
+}
+
+/// The greedy oracle router plays copies of the engines forward; on a one-pod fleet its
+/// TTFTs are simply that engine's, so a burst of overlapping requests replayed at a real
+/// simulated pod must measure what the oracle computed, queueing, batching and cache hits
+/// included. (Step boundaries shift by the send jitter, so the match is within a step.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oracle_playback_matches_a_busy_simulated_pod() {
+    use gpuroute_bench::floor::{oracle_ttft_ms, ttft_floor_ms};
+    let cfg = one_pod("a100");
+    // six prompts 40 ms apart, each longer to prefill than the gap: they queue
+    let requests: Vec<_> = (0..6u64)
+        .map(|i| prefixed(i as f64 * 0.04, i % 2, i, 8_000, 2_000 + 500 * i as usize))
+        .collect();
+    let oracle = oracle_ttft_ms(&requests, &cfg);
+    let floors = ttft_floor_ms(&requests, &cfg);
+    let measured = ttft_at_one_pod(cfg, requests).await;
+    eprintln!("measured TTFT {measured:?} ms, oracle {oracle:?} ms, floors {floors:?} ms");
+    for (i, (m, o)) in measured.iter().zip(&oracle).enumerate() {
+        let o = o.unwrap();
+        assert!(
+            (m - o).abs() <= 0.05 * o + 15.0,
+            "request {i}: measured {m:.1} ms, oracle {o:.1} ms (all: {measured:?} vs {oracle:?})"
+        );
+    }
+    // the burst really queued: the last request waits well past its own floor
+    let (o5, f5) = (oracle[5].unwrap(), floors[5].unwrap());
+    assert!(o5 > 2.0 * f5, "{o5} vs {f5}");
+}

@@ -237,7 +237,7 @@ pub struct EngineGauges {
     pub waiting_adapters: Vec<AdapterId>,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Seq {
     id: SeqId,
     arrival: SimNs,
@@ -266,15 +266,16 @@ impl Seq {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Step {
     end: SimNs,
     // (index into `running`, tokens computed); `running` does not change while a step runs
     scheduled: Vec<(usize, u32)>,
 }
 
-/// One pod's engine.
-#[derive(Debug)]
+/// One pod's engine. `Clone` lets a caller play a copy forward to see what a request would
+/// meet (the benchmark's oracle router does), leaving the original untouched.
+#[derive(Debug, Clone)]
 pub struct Engine {
     cfg: EngineConfig,
     pool: BlockPool,

@@ -11,7 +11,7 @@ pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
 
 /// The block pool of one pod.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct BlockPool {
     ref_cnt: Vec<u32>,
     hash: Vec<Option<u64>>,

@@ -8,8 +8,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use gpuroute_bench::floor::{floor_percentiles, oracle_ttft_ms, scenario_parts, ttft_floor_ms};
 use gpuroute_bench::report::{
     build_report, render_figures, render_pod_share, render_table, write_outputs, ConfigRun,
+    Quantiles, References,
 };
 use gpuroute_bench::results::LoadgenResults;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario};
@@ -46,6 +48,22 @@ fn main() -> Result<()> {
         Some(p) => Some(Scenario::load(p)?),
         None => None,
     };
+    // The workload's TTFT floor and greedy-oracle TTFT on the scenario's fleet: rebuilt from
+    // the scenario file, so only when the runs replayed that file's workload (checked against
+    // their request count).
+    let floors = match (&scenario, &scenario_path) {
+        (Some(s), Some(p)) => match scenario_parts(s, p, args.quick) {
+            Ok((workload, fleet)) => Some((
+                ttft_floor_ms(&workload.requests, &fleet),
+                oracle_ttft_ms(&workload.requests, &fleet),
+            )),
+            Err(e) => {
+                eprintln!("warning: no TTFT floor: {e}");
+                None
+            }
+        },
+        _ => None,
+    };
     let mut runs = Vec::new();
     for r in &args.results {
         let Some((label, path)) = r.split_once('=') else {
@@ -59,7 +77,22 @@ fn main() -> Result<()> {
             results,
         });
     }
-    let report = build_report(&args.scenario, &runs, scenario.as_ref(), args.quick);
+    let replayed = runs.first().map(|r| r.results.workload.request_count);
+    let refs = match floors {
+        Some((f, o)) if Some(f.len()) == replayed => References {
+            floor: floor_percentiles(&f).map(Quantiles::from),
+            oracle: floor_percentiles(&o).map(Quantiles::from),
+        },
+        Some((f, _)) => {
+            eprintln!(
+                "warning: no TTFT floor: the scenario's workload has {} requests, the runs replayed {replayed:?}",
+                f.len()
+            );
+            References::default()
+        }
+        None => References::default(),
+    };
+    let report = build_report(&args.scenario, &runs, scenario.as_ref(), args.quick, refs);
     println!("{}", render_table(&report));
     println!("requests per pod\n{}", render_pod_share(&report));
     if !report.figures.is_empty() {

@@ -1,14 +1,16 @@
 //! `bench-scenario`: reads scenario files for the scripts that run the benchmark, so
-//! they need no JSON tool: the fleet part for fleet-sim, the workload's description, the
-//! list of scenarios.
+//! they need no JSON tool: the fleet part for fleet-sim, the workload's description, its TTFT
+//! floor, the list of scenarios.
 //!
 //! `bench-scenario fleet mixed-gpu > fleet.json`, `bench-scenario describe mixed-gpu --quick`,
-//! `bench-scenario list`.
+//! `bench-scenario floor shared-prefix`, `bench-scenario list`.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use gpuroute_bench::floor::{floor_percentiles, oracle_ttft_ms, scenario_parts, ttft_floor_ms};
+use gpuroute_bench::report::Quantiles;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario, SCENARIO_DIR};
 use gpuroute_bench::workload::Workload;
 
@@ -34,6 +36,20 @@ enum Cmd {
         /// The quick variant.
         #[arg(long)]
         quick: bool,
+    },
+    /// The workload's TTFT floor on the scenario's fleet (each request alone on an idle pod
+    /// holding every prefix sent before it, the best any router could give it) and its TTFT
+    /// under the greedy oracle router (each request to the pod where, on the engines' exact
+    /// state, its first token comes soonest).
+    Floor {
+        /// Scenario name or file.
+        scenario: String,
+        /// The quick variant.
+        #[arg(long)]
+        quick: bool,
+        /// Also list each request's floor (ms, workload order; null where none).
+        #[arg(long)]
+        per_request: bool,
     },
     /// List scenario names.
     List,
@@ -61,6 +77,29 @@ fn main() -> Result<()> {
             let s = Scenario::load(&path)?;
             let w = Workload::build(&s.workload_config(quick), path.parent())?;
             println!("{}", serde_json::to_string_pretty(&w.info)?);
+        }
+        Cmd::Floor {
+            scenario,
+            quick,
+            per_request,
+        } => {
+            let path = find(&scenario)?;
+            let s = Scenario::load(&path)?;
+            let (workload, fleet) = scenario_parts(&s, &path, quick).map_err(anyhow::Error::msg)?;
+            let floors = ttft_floor_ms(&workload.requests, &fleet);
+            let oracle = oracle_ttft_ms(&workload.requests, &fleet);
+            let mut out = serde_json::json!({
+                "scenario": s.name,
+                "requests": floors.len(),
+                "with_floor": floors.iter().flatten().count(),
+                "ttft_floor_ms": floor_percentiles(&floors).map(Quantiles::from),
+                "ttft_oracle_ms": floor_percentiles(&oracle).map(Quantiles::from),
+            });
+            if per_request {
+                out["floors_ms"] = serde_json::json!(floors);
+                out["oracle_ms"] = serde_json::json!(oracle);
+            }
+            println!("{}", serde_json::to_string_pretty(&out)?);
         }
         Cmd::List => {
             let dir = scenario_candidates("x")
