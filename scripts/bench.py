@@ -52,7 +52,8 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
         try:
             out = work / f"{label}.json"
             args = [str(LOADGEN), "--target", f"http://{stack.listen}", "--workload", str(scenario_file),
-                    "--out", str(out), "--pods-file", str(stack.dir / "fleet-ports.json"), "--label", label]
+                    "--out", str(out), "--pods-file", str(stack.dir / "fleet-ports.json"), "--label", label,
+                    "--fleet-file", str(stack.dir / "fleet.json")]
             if quick:
                 args.append("--quick")
             args += extra_args

@@ -20,7 +20,7 @@ use fleet_sim::config::{FleetConfig, PodConfig};
 use fleet_sim::engine::{Engine, EngineConfig, FinishReason, NewRequest, Output, SimNs};
 use fleet_sim::text as sim_text;
 
-use crate::results::Percentiles;
+use crate::results::{Percentiles, TtftReferences};
 use crate::scenario::Scenario;
 use crate::workload::{TimedRequest, Workload};
 
@@ -190,6 +190,14 @@ pub fn scenario_parts(
     let workload = Workload::build(&scenario.workload_config(quick), path.parent())
         .map_err(|e| format!("{}: {e}", scenario.name))?;
     Ok((workload, fleet))
+}
+
+/// Both references of `requests` on `fleet`, as percentiles; `None` when no request has one.
+pub fn references(requests: &[TimedRequest], fleet: &FleetConfig) -> Option<TtftReferences> {
+    Some(TtftReferences {
+        floor_ms: floor_percentiles(&ttft_floor_ms(requests, fleet))?,
+        oracle_ms: floor_percentiles(&oracle_ttft_ms(requests, fleet))?,
+    })
 }
 
 /// Percentiles of the values that exist (`None` when none does).
@@ -416,5 +424,10 @@ mod tests {
         let p = floor_percentiles(&floors).unwrap();
         assert_eq!(p.count, 1);
         assert_eq!(floor_percentiles(&[None]), None);
+        // both references, as percentiles of the requests that have them
+        let refs = references(&reqs, &f).unwrap();
+        assert_eq!((refs.floor_ms.count, refs.oracle_ms.count), (1, 1));
+        assert!(refs.oracle_ms.p50 >= refs.floor_ms.p50 - 1e-6);
+        assert_eq!(references(&reqs[..2], &f), None);
     }
 }

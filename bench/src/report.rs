@@ -462,6 +462,15 @@ pub struct References {
     pub oracle: Option<Quantiles>,
 }
 
+impl From<crate::results::TtftReferences> for References {
+    fn from(t: crate::results::TtftReferences) -> Self {
+        References {
+            floor: Some(t.floor_ms.into()),
+            oracle: Some(t.oracle_ms.into()),
+        }
+    }
+}
+
 /// Send lag above which a run is flagged as overloaded: a few ms of lag is timer
 /// granularity (tokio's timer wheel ticks in 1 ms); tens of ms is a CPU-starved machine.
 pub const OVERLOAD_LAG_MS: f64 = 20.0;

@@ -277,8 +277,22 @@ pub struct LoadgenResults {
     /// Pod metrics scraped before and after, if a pods file was given.
     #[serde(default)]
     pub metrics: Option<MetricsDelta>,
+    /// The workload's TTFT references on the fleet, if a fleet file was given (computed,
+    /// not measured: see `floor.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub references: Option<TtftReferences>,
     /// Every request.
     pub records: Vec<RequestRecord>,
+}
+
+/// TTFT references of a workload on a fleet (milliseconds): the floor (each request alone on
+/// an idle pod holding every earlier prefix) and the greedy oracle router's TTFT.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TtftReferences {
+    /// Percentiles of the floors.
+    pub floor_ms: Percentiles,
+    /// Percentiles of the greedy oracle router's TTFTs.
+    pub oracle_ms: Percentiles,
 }
 
 /// Current version of [`LoadgenResults`].

@@ -8,10 +8,10 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
-use gpuroute_bench::floor::{floor_percentiles, oracle_ttft_ms, scenario_parts, ttft_floor_ms};
+use gpuroute_bench::floor::{references, scenario_parts};
 use gpuroute_bench::report::{
     build_report, render_figures, render_pod_share, render_table, write_outputs, ConfigRun,
-    Quantiles, References,
+    References,
 };
 use gpuroute_bench::results::LoadgenResults;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario};
@@ -48,22 +48,6 @@ fn main() -> Result<()> {
         Some(p) => Some(Scenario::load(p)?),
         None => None,
     };
-    // The workload's TTFT floor and greedy-oracle TTFT on the scenario's fleet: rebuilt from
-    // the scenario file, so only when the runs replayed that file's workload (checked against
-    // their request count).
-    let floors = match (&scenario, &scenario_path) {
-        (Some(s), Some(p)) => match scenario_parts(s, p, args.quick) {
-            Ok((workload, fleet)) => Some((
-                ttft_floor_ms(&workload.requests, &fleet),
-                oracle_ttft_ms(&workload.requests, &fleet),
-            )),
-            Err(e) => {
-                eprintln!("warning: no TTFT floor: {e}");
-                None
-            }
-        },
-        _ => None,
-    };
     let mut runs = Vec::new();
     for r in &args.results {
         let Some((label, path)) = r.split_once('=') else {
@@ -77,20 +61,33 @@ fn main() -> Result<()> {
             results,
         });
     }
-    let replayed = runs.first().map(|r| r.results.workload.request_count);
-    let refs = match floors {
-        Some((f, o)) if Some(f.len()) == replayed => References {
-            floor: floor_percentiles(&f).map(Quantiles::from),
-            oracle: floor_percentiles(&o).map(Quantiles::from),
-        },
-        Some((f, _)) => {
-            eprintln!(
-                "warning: no TTFT floor: the scenario's workload has {} requests, the runs replayed {replayed:?}",
-                f.len()
-            );
-            References::default()
+    // The workload's TTFT floor and greedy-oracle TTFT on the fleet: from the runs (loadgen
+    // computes them when given the fleet file), else rebuilt from the scenario file, which is
+    // only right when the runs replayed that file's workload (checked by request count).
+    let refs = match runs.iter().find_map(|r| r.results.references) {
+        Some(t) => References::from(t),
+        None => {
+            let replayed = runs.first().map(|r| r.results.workload.request_count);
+            match (&scenario, &scenario_path) {
+                (Some(s), Some(p)) => match scenario_parts(s, p, args.quick) {
+                    Ok((w, _)) if Some(w.requests.len()) != replayed => {
+                        eprintln!(
+                            "warning: no TTFT floor: the scenario's workload has {} requests, the runs replayed {replayed:?}",
+                            w.requests.len()
+                        );
+                        References::default()
+                    }
+                    Ok((w, fleet)) => references(&w.requests, &fleet)
+                        .map(References::from)
+                        .unwrap_or_default(),
+                    Err(e) => {
+                        eprintln!("warning: no TTFT floor: {e}");
+                        References::default()
+                    }
+                },
+                _ => References::default(),
+            }
         }
-        None => References::default(),
     };
     let report = build_report(&args.scenario, &runs, scenario.as_ref(), args.quick, refs);
     println!("{}", render_table(&report));

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use gpuroute_bench::floor::references;
 use gpuroute_bench::metrics::{scrape_all, MetricsDelta, PodsFile, DEFAULT_COUNTERS};
 use gpuroute_bench::results::{LoadgenResults, RunInfo, Summary, RESULTS_VERSION};
 use gpuroute_bench::runner::{build_client, run, RunConfig};
@@ -60,6 +61,10 @@ struct Args {
     /// fleet-sim ports file: pods' counters are scraped before and after the run.
     #[arg(long)]
     pods_file: Option<PathBuf>,
+    /// The fleet's fleet-sim file: adds the workload's TTFT floor and greedy-oracle TTFT on
+    /// that fleet to the results (computed before the run, not measured).
+    #[arg(long)]
+    fleet_file: Option<PathBuf>,
     /// Configuration label stored in the results (round_robin, least_request, filter).
     #[arg(long)]
     label: Option<String>,
@@ -122,6 +127,17 @@ fn main() -> Result<()> {
             .map(|d| Duration::from_secs_f64(d.max(0.0))),
         ..RunConfig::default()
     };
+    let references = match &args.fleet_file {
+        Some(p) => {
+            let fleet = std::fs::read_to_string(p)
+                .with_context(|| format!("reading {}", p.display()))
+                .and_then(|t| Ok(fleet_sim::FleetFile::parse(&t)?))
+                .and_then(|f| Ok(f.resolve(fleet_sim::Overrides::default())?))
+                .with_context(|| format!("fleet file {}", p.display()))?;
+            references(&workload.requests, &fleet)
+        }
+        None => None,
+    };
     let pods = match &args.pods_file {
         Some(p) => Some(PodsFile::load(p)?),
         None => None,
@@ -156,6 +172,7 @@ fn main() -> Result<()> {
             workload: workload.info.clone(),
             summary,
             metrics,
+            references,
             records: out.records,
         })
     })?;
