@@ -51,8 +51,11 @@ pub fn ttft_floor_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opti
                     best = Some(best.map_or(ms, |b: f64| b.min(ms)));
                 }
             }
-            for (bs, hashes) in hashed {
-                seen.entry(bs).or_default().extend(hashes);
+            // Only a request some pod accepts leaves its blocks in a cache.
+            if best.is_some() {
+                for (bs, hashes) in hashed {
+                    seen.entry(bs).or_default().extend(hashes);
+                }
             }
             best
         })
