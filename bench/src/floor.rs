@@ -35,17 +35,13 @@ pub fn ttft_floor_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opti
     requests
         .iter()
         .map(|req| {
-            let prompt = req.prompt.text();
-            let tokens = sim_text::prompt_tokens(&prompt);
-            let output = u32::try_from(req.max_tokens.max(1)).unwrap_or(u32::MAX);
+            let mut sim = SimPrompt::new(req);
             let mut best: Option<f64> = None;
-            let mut hashed: HashMap<u32, Vec<u64>> = HashMap::new();
             for p in profiles.iter().filter(|p| serves(p, &req.model)) {
                 let e = &p.engine;
-                let hashes = hashed
-                    .entry(e.block_size)
-                    .or_insert_with(|| sim_text::block_hashes(&prompt, e.block_size, &req.model));
                 let set = seen.entry(e.block_size).or_default();
+                let (tokens, output) = (sim.tokens, sim.output);
+                let hashes = sim.hashes(e);
                 let cached = hashes.iter().take_while(|h| set.contains(h)).count();
                 if let Some(ms) = idle_ttft_ms(e, tokens, output, hashes, cached) {
                     best = Some(best.map_or(ms, |b: f64| b.min(ms)));
@@ -53,7 +49,7 @@ pub fn ttft_floor_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opti
             }
             // Only a request some pod accepts leaves its blocks in a cache.
             if best.is_some() {
-                for (bs, hashes) in hashed {
+                for (bs, hashes) in sim.hashed {
                     seen.entry(bs).or_default().extend(hashes);
                 }
             }
@@ -83,12 +79,8 @@ pub fn oracle_ttft_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opt
         ttft: vec![None; requests.len()],
         out: Vec::new(),
     };
-    let mut hashed: HashMap<u32, Vec<u64>> = HashMap::new();
     for (r, req) in requests.iter().enumerate() {
-        let prompt = req.prompt.text();
-        let tokens = sim_text::prompt_tokens(&prompt);
-        let output = u32::try_from(req.max_tokens.max(1)).unwrap_or(u32::MAX);
-        hashed.clear();
+        let mut sim = SimPrompt::new(req);
         // (wall ns of the first token, pod, request, arrival)
         let mut best: Option<(f64, usize, NewRequest, SimNs)> = None;
         for (i, pod) in fleet.pods.iter().enumerate() {
@@ -99,17 +91,10 @@ pub fn oracle_ttft_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opt
             let now = (req.at_s.max(0.0) * cfg.time_scale * 1e9) as SimNs;
             oracle.advance(i, now);
             let engine = &oracle.engines[i];
-            if u64::from(tokens) + u64::from(output) > u64::from(engine.max_model_len()) {
+            if !sim.fits(engine) {
                 continue;
             }
-            let hashes = hashed.entry(cfg.block_size).or_insert_with(|| {
-                if cfg.enable_prefix_caching {
-                    sim_text::block_hashes(&prompt, cfg.block_size, &req.model)
-                } else {
-                    Vec::new()
-                }
-            });
-            let mut new = request(tokens, output, hashes.clone());
+            let mut new = request(sim.tokens, sim.output, sim.hashes(cfg).to_vec());
             new.adapter = pod
                 .adapters
                 .iter()
@@ -198,15 +183,58 @@ pub fn scenario_parts(
 /// Both references of `requests` on `fleet`, as percentiles; `None` when no request has one.
 pub fn references(requests: &[TimedRequest], fleet: &FleetConfig) -> Option<TtftReferences> {
     Some(TtftReferences {
-        floor_ms: floor_percentiles(&ttft_floor_ms(requests, fleet))?,
-        oracle_ms: floor_percentiles(&oracle_ttft_ms(requests, fleet))?,
+        floor_ms: present_percentiles(&ttft_floor_ms(requests, fleet))?,
+        oracle_ms: present_percentiles(&oracle_ttft_ms(requests, fleet))?,
     })
 }
 
 /// Percentiles of the values that exist (`None` when none does).
-pub fn floor_percentiles(floors: &[Option<f64>]) -> Option<Percentiles> {
+pub fn present_percentiles(floors: &[Option<f64>]) -> Option<Percentiles> {
     let p = Percentiles::of(floors.iter().flatten().copied());
     (p.count > 0).then_some(p)
+}
+
+/// A request as a simulated pod reads it: prompt and output tokens, and the prompt's block
+/// hashes per block size, computed once (empty where the pod does not cache prefixes, as the
+/// pod's HTTP layer passes them).
+struct SimPrompt<'a> {
+    req: &'a TimedRequest,
+    text: String,
+    tokens: u32,
+    output: u32,
+    hashed: HashMap<u32, Vec<u64>>,
+}
+
+impl<'a> SimPrompt<'a> {
+    fn new(req: &'a TimedRequest) -> Self {
+        let text = req.prompt.text();
+        SimPrompt {
+            req,
+            tokens: sim_text::prompt_tokens(&text),
+            output: u32::try_from(req.max_tokens.max(1)).unwrap_or(u32::MAX),
+            text,
+            hashed: HashMap::new(),
+        }
+    }
+
+    fn hashes(&mut self, cfg: &EngineConfig) -> &[u64] {
+        if !cfg.enable_prefix_caching {
+            return &[];
+        }
+        let (text, model) = (&self.text, &self.req.model);
+        self.hashed
+            .entry(cfg.block_size)
+            .or_insert_with(|| sim_text::block_hashes(text, cfg.block_size, model))
+    }
+
+    fn fits(&self, engine: &Engine) -> bool {
+        fits(self.tokens, self.output, engine)
+    }
+}
+
+/// Prompt plus output fit the model's context on `engine` (the pod refuses them otherwise).
+fn fits(tokens: u32, output: u32, engine: &Engine) -> bool {
+    u64::from(tokens) + u64::from(output) <= u64::from(engine.max_model_len())
 }
 
 fn serves(pod: &PodConfig, model: &str) -> bool {
@@ -248,11 +276,10 @@ fn idle_ttft_ms(
     cached: usize,
 ) -> Option<f64> {
     let mut engine = Engine::new(cfg.clone());
-    if u64::from(tokens) + u64::from(output) > u64::from(engine.max_model_len()) {
+    if !fits(tokens, output, &engine) {
         return None;
     }
     let mut out = Vec::new();
-    let cached = if cfg.enable_prefix_caching { cached } else { 0 };
     let mut now: SimNs = 0;
     if cached > 0 {
         let warm_tokens = u32::try_from(cached).ok()?.checked_mul(cfg.block_size)?;
@@ -424,9 +451,9 @@ mod tests {
         let oracle = oracle_ttft_ms(&reqs, &f);
         assert_eq!(&oracle[..2], &[None, None]);
         assert!(oracle[2].is_some());
-        let p = floor_percentiles(&floors).unwrap();
+        let p = present_percentiles(&floors).unwrap();
         assert_eq!(p.count, 1);
-        assert_eq!(floor_percentiles(&[None]), None);
+        assert_eq!(present_percentiles(&[None]), None);
         // both references, as percentiles of the requests that have them
         let refs = references(&reqs, &f).unwrap();
         assert_eq!((refs.floor_ms.count, refs.oracle_ms.count), (1, 1));

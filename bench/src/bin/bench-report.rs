@@ -4,7 +4,7 @@
 //! `bench-report --scenario mixed-gpu --result round_robin=rr.json
 //!  --result least_request=lr.json --result filter=f.json --out-dir target/bench`
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -62,29 +62,13 @@ fn main() -> Result<()> {
         });
     }
     // The workload's TTFT floor and greedy-oracle TTFT on the fleet: from the runs (loadgen
-    // computes them when given the fleet file), else rebuilt from the scenario file, which is
-    // only right when the runs replayed that file's workload (checked by request count).
+    // computes them when given the fleet file), else rebuilt from the scenario file.
     let refs = match runs.iter().find_map(|r| r.results.references) {
         Some(t) => References::from(t),
         None => {
             let replayed = runs.first().map(|r| r.results.workload.request_count);
             match (&scenario, &scenario_path) {
-                (Some(s), Some(p)) => match scenario_parts(s, p, args.quick) {
-                    Ok((w, _)) if Some(w.requests.len()) != replayed => {
-                        eprintln!(
-                            "warning: no TTFT floor: the scenario's workload has {} requests, the runs replayed {replayed:?}",
-                            w.requests.len()
-                        );
-                        References::default()
-                    }
-                    Ok((w, fleet)) => references(&w.requests, &fleet)
-                        .map(References::from)
-                        .unwrap_or_default(),
-                    Err(e) => {
-                        eprintln!("warning: no TTFT floor: {e}");
-                        References::default()
-                    }
-                },
+                (Some(s), Some(p)) => scenario_references(s, p, args.quick, replayed),
                 _ => References::default(),
             }
         }
@@ -101,4 +85,30 @@ fn main() -> Result<()> {
     let (json, svg) = write_outputs(&report, &runs, &args.out_dir)?;
     println!("wrote {} and {}", json.display(), svg.display());
     Ok(())
+}
+
+/// The references rebuilt from the scenario file: only right when the runs replayed that file's
+/// workload (checked by request count); a warning and none otherwise.
+fn scenario_references(
+    scenario: &Scenario,
+    path: &Path,
+    quick: bool,
+    replayed: Option<usize>,
+) -> References {
+    match scenario_parts(scenario, path, quick) {
+        Ok((w, _)) if Some(w.requests.len()) != replayed => {
+            eprintln!(
+                "warning: no TTFT floor: the scenario's workload has {} requests, the runs replayed {replayed:?}",
+                w.requests.len()
+            );
+            References::default()
+        }
+        Ok((w, fleet)) => references(&w.requests, &fleet)
+            .map(References::from)
+            .unwrap_or_default(),
+        Err(e) => {
+            eprintln!("warning: no TTFT floor: {e}");
+            References::default()
+        }
+    }
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
-use gpuroute_bench::floor::{floor_percentiles, oracle_ttft_ms, scenario_parts, ttft_floor_ms};
+use gpuroute_bench::floor::{oracle_ttft_ms, present_percentiles, scenario_parts, ttft_floor_ms};
 use gpuroute_bench::report::Quantiles;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario, SCENARIO_DIR};
 use gpuroute_bench::workload::Workload;
@@ -92,8 +92,8 @@ fn main() -> Result<()> {
                 "scenario": s.name,
                 "requests": floors.len(),
                 "with_floor": floors.iter().flatten().count(),
-                "ttft_floor_ms": floor_percentiles(&floors).map(Quantiles::from),
-                "ttft_oracle_ms": floor_percentiles(&oracle).map(Quantiles::from),
+                "ttft_floor_ms": present_percentiles(&floors).map(Quantiles::from),
+                "ttft_oracle_ms": present_percentiles(&oracle).map(Quantiles::from),
             });
             if per_request {
                 out["floors_ms"] = serde_json::json!(floors);
