@@ -74,9 +74,22 @@ class Envoy:
         self.runtime = runtime or RUNTIME
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.listen = listen or f"127.0.0.1:{free_port()}"
-        self.admin = admin or f"127.0.0.1:{free_port()}"
-        self.ingest = ingest or f"127.0.0.1:{free_port()}"
+        # Ports the harness picks are free when picked but not reserved: another process can
+        # take one before Envoy binds it. Envoy then exits at once; pick again (a port the
+        # caller chose is not retried).
+        for attempt in range(3):
+            self.listen = listen or f"127.0.0.1:{free_port()}"
+            self.admin = admin or f"127.0.0.1:{free_port()}"
+            self.ingest = ingest or f"127.0.0.1:{free_port()}"
+            self._start(mode, pools, filter_config, concurrency, extra, patch, runtime)
+            try:
+                self._wait_ready()
+                return
+            except RuntimeError as e:
+                if attempt == 2 or "Address already in use" not in str(e) or (listen and admin and ingest):
+                    raise
+
+    def _start(self, mode, pools, filter_config, concurrency, extra, patch, runtime):
         fc = dict(filter_config or {})
         fc.setdefault("ingest", {"token": TOKEN})
         desc = {
@@ -96,6 +109,7 @@ class Envoy:
             patch(config)
         self.config_path.write_text(json.dumps(config, indent=1))
         self.log_path = self.dir / "envoy.log"
+        self.log_path.write_text("")
         self.proc = subprocess.Popen(
             [
                 str(ENVOY),
@@ -109,7 +123,6 @@ class Envoy:
             stderr=subprocess.DEVNULL,
             env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)},
         )
-        self._wait_ready()
 
     def _wait_ready(self, timeout=30):
         deadline = time.time() + timeout
