@@ -19,6 +19,11 @@ Setup (all on 127.0.0.1):
   reference Envoy round robin with its own C++ `buffer` filter in front: the same pause of the
             headers until the whole body is in, done natively (what the filter's pause-and-buffer
             would cost without a VM).
+  floor     the proxy-wasm floor (bench/wasm-floor): the least any proxy-wasm filter that routes
+            on the body and sets the destination does per request (read the headers, pause,
+            copy the body into the VM, find the model, add the pool, model and destination
+            headers; destination round robin, no decision). What no work on the filter's own code
+            can remove.
 Latency is measured with 1 connection (no queueing), throughput with 16. The four gateways are
 measured alternately (the order flips every round), several rounds; the report gives the median
 of the rounds, the median and range of the per-round requests/s ratio (ours / plain, measured
@@ -46,6 +51,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from harness import BUILDS, ENVOY, Envoy, Pusher, free_port  # noqa: E402
 
 HTTPLOAD = ROOT / "target" / "release" / "httpload"
+FLOOR_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
 PODS = 8
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
 
@@ -125,6 +131,10 @@ def load(addr, body_file, connections, seconds, pid=None):
     out = subprocess.run([str(HTTPLOAD), "--addr", addr, "--body-file", str(body_file), "--connections", str(connections),
                           "--duration-s", str(seconds), "--warmup", str(WARMUP)], capture_output=True, text=True, check=True)
     res = json.loads(out.stdout)
+    if res["errors"] or not res["requests"]:
+        # A gateway answering errors (a 404 from a route it failed to steer, say) would be
+        # measured as fast and cheap: refuse to report it.
+        raise RuntimeError(f"gateway {addr}: {res['errors']} failed requests, {res['requests']} answered 200")
     if pid:
         res["cpu_us_per_request"] = (cpu_seconds(pid) - c0) * 1e6 / (res["requests"] + WARMUP * connections)
     return res
@@ -141,8 +151,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--seconds", type=float, default=4.0)
     args = ap.parse_args()
-    if not HTTPLOAD.exists():
-        sys.exit("build first: make native")
+    if not HTTPLOAD.exists() or not FLOOR_WASM.exists():
+        sys.exit("build first: make build")
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
@@ -151,9 +161,10 @@ def main():
     native = Envoy("round_robin", pools, CONFIG, patch=native_buffer)
     filt = Envoy("filter", pools, CONFIG, runtime="wasm")
     module = Envoy("filter", pools, CONFIG, runtime="dynamic")
+    floor = Envoy("filter", pools, dict(CONFIG, floor_endpoints=up.addresses()), runtime="wasm", wasm=FLOOR_WASM)
     snap = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
     pusher = Pusher([filt, module], snap)
-    gateways = (("plain", plain), ("native_buffer", native), ("filter", filt), ("module", module))
+    gateways = (("plain", plain), ("native_buffer", native), ("wasm_floor", floor), ("filter", filt), ("module", module))
     ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
     rows = {name: {"lat": [], "rps": []} for name, _ in gateways}
     try:
@@ -188,7 +199,7 @@ def main():
                   "seconds_per_run": args.seconds, "latency_connections": 1, "throughput_connections": 16,
                   "machine": "2 cores shared by client, gateway Envoy and upstream Envoy"},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-                   for name, (_, path) in ours.items()},
+                   for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
         "outcomes": outcomes, "upstream_connections_per_request": conns, "raw": rows,
     }
     for name, _ in gateways:
@@ -207,8 +218,9 @@ def main():
     print(f"\n4 KB chat body, {args.rounds} rounds x {args.seconds:g} s, medians "
           f"(plain Envoy: median latency {p['p50_us']} us, p99 {p['p99_us']} us, {p['rps']:.0f} req/s, "
           f"CPU {p['cpu_us_per_request']:.1f} us per request):")
-    labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter"}
-    for name in ("filter", "module", "native_buffer"):
+    labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
+              "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)"}
+    for name in ("filter", "module", "wasm_floor", "native_buffer"):
         g = res[name]
         pr = g["rps_ratio_per_round"]
         print(f"  {labels[name]}:")

@@ -67,11 +67,13 @@ class Envoy:
     """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
-                 listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None):
+                 listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None, wasm=None):
         """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
         (benchmarks use it for reference gateways the shipped renderer does not describe).
-        `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway."""
+        `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway; `wasm`, the
+        .wasm it loads (benchmarks load reference builds)."""
         self.runtime = runtime or RUNTIME
+        self.wasm = Path(wasm) if wasm else WASM
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
         self.dir.mkdir(parents=True, exist_ok=True)
         # Ports the harness picks are free when picked but not reserved: another process can
@@ -97,7 +99,7 @@ class Envoy:
             "listen": self.listen,
             "admin": self.admin,
             "ingest": self.ingest,
-            "wasm": str(WASM),
+            "wasm": str(self.wasm),
             "runtime": runtime or RUNTIME,
             "filter_config": fc,
             "pools": pools,
