@@ -24,7 +24,7 @@ Setup (all on 127.0.0.1):
             copy the body into the VM, find the model, add the pool, model and destination
             headers; destination round robin, no decision). What no work on the filter's own code
             can remove.
-Latency is measured with 1 connection (no queueing), throughput with 16. The four gateways are
+Latency is measured with 1 connection (no queueing), throughput with 16. The five gateways are
 measured alternately (the order flips every round), several rounds; the report gives the median
 of the rounds, the median and range of the per-round requests/s ratio (ours / plain, measured
 seconds apart, so a slow spell of the shared machine hits both), and the gateway Envoy's CPU time
@@ -48,10 +48,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import BUILDS, ENVOY, Envoy, Pusher, free_port  # noqa: E402
+from harness import BUILDS, ENVOY, FLOOR_WASM, Envoy, Pusher, free_port  # noqa: E402
 
 HTTPLOAD = ROOT / "target" / "release" / "httpload"
-FLOOR_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
 PODS = 8
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
 

@@ -18,6 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ENVOY = Path(os.environ.get("ENVOY_BIN", ROOT / ".venv" / "bin" / "envoy"))
 WASM = Path(os.environ.get("GPUROUTE_WASM", ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_filter.wasm"))
+# The proxy-wasm floor (bench/wasm-floor): the reference `make bench-envoy` measures beside the filter.
+FLOOR_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
 sys.path.insert(0, str(ROOT / "envoy"))
 import render  # noqa: E402
 

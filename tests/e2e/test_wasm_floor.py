@@ -5,10 +5,8 @@ or the floor it reports would be a floor of something else."""
 
 import pytest
 
-from harness import ROOT, RUNTIME, Envoy
+from harness import FLOOR_WASM, RUNTIME, Envoy
 from stubpod import StubPod
-
-FLOOR_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
 
 pytestmark = pytest.mark.skipif(RUNTIME != "wasm", reason="a proxy-wasm reference: runs once, in the wasm suite")
 
