@@ -148,11 +148,11 @@ fn bench(c: &mut Criterion) {
         gpuroute_core::request::parse(&body, gpuroute_core::request::Endpoint::Chat, 16_384, 1_024)
             .map(|r| r.prompt)
             .unwrap_or_default();
-    let mut hashes = Vec::new();
+    let mut anchors = Vec::new();
     parts.bench_function("hash_4kb", |b| {
         b.iter(|| {
-            gpuroute_core::prefix::block_hashes(text.as_bytes(), 7, 64, 256, &mut hashes);
-            black_box(hashes.len())
+            gpuroute_core::prefix::prompt_anchors(text.as_bytes(), 7, 64, 256, &mut anchors);
+            black_box(anchors.len())
         })
     });
     let mut e = engine();

@@ -15,8 +15,8 @@ use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::headers;
 use crate::load::{InFlight, PodLoad};
+use crate::picker::uncached_tokens;
 use crate::picker::{format_breakdown, Breakdown, Decision, FailOpen, Picker, RequestFeatures};
-use crate::picker::{speed_class, uncached_tokens};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
 use crate::request::{self, Endpoint};
 use crate::rng::SplitMix64;
@@ -126,7 +126,6 @@ pub struct Engine {
     prefix: PrefixIndex,
     /// `None` when one engine serves every worker (the dynamic module): nobody reads it.
     sync: Option<SyncLog>,
-    hashes: Vec<u64>,
     /// Moving average of prompt tokens per request (the unit of queued work).
     avg_prompt_tokens: f64,
     /// Adapter homes per pool, for the snapshot version they were computed from.
@@ -147,7 +146,6 @@ impl Engine {
             picker,
             prefix,
             sync: Some(SyncLog::new(SYNC_RING)),
-            hashes: Vec::new(),
             avg_prompt_tokens: 0.0,
             adapter_homes: HashMap::new(),
             config,
@@ -172,23 +170,22 @@ impl Engine {
             _ => None,
         };
         // Adapters have their own KV (engines key cached blocks by adapter too).
-        prefix::block_hashes(
+        let seed = prefix::model_seed(&target.model);
+        let mut anchors = Vec::new();
+        let blocks = prefix::prompt_anchors(
             req.prompt.as_bytes(),
-            prefix::model_seed(&target.model),
+            seed,
             p.block_chars,
             p.max_blocks,
-            &mut self.hashes,
+            &mut anchors,
         );
-        let mut anchors = Vec::new();
-        prefix::anchors(&self.hashes, &mut anchors);
-        let seed = prefix::model_seed(&target.model);
         // A conversation's identity: stable across its turns, distinct between conversations
         // that only share a system prompt.
         let conversation = req
             .conversation_len
             .and_then(|n| req.prompt.as_bytes().get(..n))
             .map(|k| prefix::conversation_key(k, seed));
-        let home_key = conversation.or_else(|| prefix::home_key(&self.hashes, p.home_blocks));
+        let home_key = conversation.or_else(|| prefix::home_key(&anchors, p.home_blocks));
         let mut matches = Vec::new();
         self.prefix.lookup(&anchors, &mut matches);
         let conversation_pods = conversation
@@ -206,7 +203,7 @@ impl Engine {
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
             rewritten_body,
-            prefix_blocks: self.hashes.len() as u32,
+            prefix_blocks: blocks as u32,
             home_key,
             conversation,
             conversation_pods,
@@ -329,7 +326,7 @@ impl Engine {
                 .filter(|p| p.snap.healthy)
                 .map(|p| SlotPod {
                     key: p.key,
-                    weight: speed_class(p.snap.capacity),
+                    weight: p.speed,
                     slots: p.snap.lora.as_ref().map_or(0, |l| l.max_loras),
                 })
                 .collect();

@@ -1,6 +1,7 @@
 //! A snapshot decoded for picking: per pool, per pod, the values the scorers read, with names
 //! pre-hashed. Built once per snapshot version in each worker, never per request.
 
+use crate::picker::speed_class;
 use crate::prefix::pod_key;
 use crate::snapshot::{PodSnapshot, Snapshot};
 use std::collections::HashMap;
@@ -35,6 +36,9 @@ pub struct PodState {
     pub age_at_generation_ms: u64,
     pub lora_running: Vec<u64>,
     pub lora_waiting: Vec<u64>,
+    /// [`speed_class`] of the pod's capacity: per snapshot, not per request (a logarithm, a
+    /// rounding and a power each time otherwise).
+    pub speed: f64,
 }
 
 impl PodState {
@@ -48,6 +52,7 @@ impl PodState {
         };
         PodState {
             key: pod_key(&snap.address),
+            speed: speed_class(snap.capacity),
             age_at_generation_ms: generated_at_ms.saturating_sub(snap.last_scrape_ms),
             snap,
             lora_running,

@@ -171,7 +171,7 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
         running,
         kv,
         free_tokens,
-        capacity: speed_class(s.capacity),
+        capacity: pod.speed,
     }
 }
 
@@ -270,7 +270,7 @@ impl Picker {
         // estimate's jitter between snapshots from moving homes around.
         let hrw = |k: u64, c: &(usize, Load, bool)| {
             let w = c.1.capacity;
-            weighted_hrw(k, pool.pods[c.0].key, w)
+            (weighted_hrw(k, pool.pods[c.0].key, w), c.0)
         };
         let home = match (prefix_on, adapter, req.home_key) {
             // An adapter request's prompt is homed with its adapter: on the adapter's home pod,
@@ -289,10 +289,12 @@ impl Picker {
                         .max_by_key(|c| hrw_weight(a, pool.pods[c.0].key))
                 })
                 .map(|c| c.0),
+            // One weight per candidate (a logarithm each), not two per comparison.
             (true, None, Some(k)) => cands
                 .iter()
-                .max_by(|a, b| hrw(k, a).total_cmp(&hrw(k, b)))
-                .map(|c| c.0),
+                .map(|c| hrw(k, c))
+                .max_by(|a, b| a.0.total_cmp(&b.0))
+                .map(|(_, i)| i),
             _ => None,
         };
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
@@ -394,9 +396,10 @@ impl Picker {
                 total += w.prefix * s;
             }
             total /= wsum;
-            // Random tie-break key, weighted by capacity (Efraimidis-Spirakis: u^(1/w)).
+            // Random tie-break key, weighted by capacity (Efraimidis-Spirakis: u^(1/w), compared
+            // as its logarithm ln(u)/w, which orders the same and costs one `ln`, not a `powf`).
             let u = rng.next_f64().max(f64::MIN_POSITIVE);
-            let tie = u.powf(1.0 / l.capacity);
+            let tie = u.ln() / l.capacity;
             scored.push((*i, total, tie));
             if let Some(b) = breakdown.as_deref_mut() {
                 b.push(Breakdown {

@@ -131,9 +131,11 @@ struct Part<'a> {
     text: Option<Cow<'a, str>>,
 }
 
-// Separators that cannot appear in normal text keep "ab"+"c" distinct from "a"+"bc".
+// Separators that cannot appear in normal text keep "ab"+"c" distinct from "a"+"bc". ASCII: one
+// byte each (`PromptText::sep` relies on it).
 const FIELD_SEP: char = '\u{1f}';
 const ITEM_SEP: char = '\u{1e}';
+const _: () = assert!(FIELD_SEP.is_ascii() && ITEM_SEP.is_ascii());
 
 /// Parses a request body. `prompt_limit` caps the prompt text kept for hashing (bytes); the
 /// full length is still measured. `home_chars` bounds how much of the first user message goes
@@ -150,7 +152,9 @@ pub fn parse(
             "the request body must be a JSON object",
         ));
     }
-    let prompt = || PromptText::new(prompt_limit, home_chars);
+    // The prompt text is shorter than the body in every shape we read (a message's JSON around
+    // its text is longer than the two separators that replace it): one allocation holds it.
+    let prompt = || PromptText::new(prompt_limit, home_chars, body.len());
     if endpoint == Endpoint::Chat {
         // Fast paths; a body they do not take (not valid JSON, `messages` absent, null or not a
         // list of message objects, ...) goes the general way, which decides.
@@ -278,9 +282,9 @@ struct PromptText {
 }
 
 impl PromptText {
-    fn new(limit: usize, home_chars: usize) -> Self {
+    fn new(limit: usize, home_chars: usize, body_len: usize) -> Self {
         PromptText {
-            text: String::new(),
+            text: String::with_capacity(limit.min(body_len)),
             len: 0,
             limit,
             home_chars,
@@ -302,15 +306,13 @@ impl PromptText {
         }
     }
 
+    #[inline]
     fn push(&mut self, s: &str) {
         self.len += s.len();
         let room = self.limit.saturating_sub(self.text.len());
-        if room == 0 {
-            return;
-        }
         if s.len() <= room {
             self.text.push_str(s);
-        } else {
+        } else if room > 0 {
             let mut cut = room;
             while !s.is_char_boundary(cut) {
                 cut -= 1;
@@ -319,9 +321,13 @@ impl PromptText {
         }
     }
 
+    /// One separator (ASCII, so one byte).
+    #[inline]
     fn sep(&mut self, c: char) {
-        let mut buf = [0u8; 4];
-        self.push(c.encode_utf8(&mut buf));
+        self.len += 1;
+        if self.text.len() < self.limit {
+            self.text.push(c);
+        }
     }
 
     /// Chat `messages`: role and content of each message, in order.
@@ -722,11 +728,11 @@ mod tests {
                 .map(|r| (r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
                 .map_err(|e| (e.status, e.code, e.param));
             let b = body.as_bytes();
-            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16)));
-            if let Some(r) = parse_chat_scan(b, PromptText::new(limit, 16)) {
+            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16, b.len())));
+            if let Some(r) = parse_chat_scan(b, PromptText::new(limit, 16, b.len())) {
                 prop_assert_eq!(summary(r), general.clone(), "scanner, body: {}", body);
             }
-            if let Some(r) = parse_chat_serde(b, PromptText::new(limit, 16)) {
+            if let Some(r) = parse_chat_serde(b, PromptText::new(limit, 16, b.len())) {
                 prop_assert_eq!(summary(r), general.clone(), "serde tier, body: {}", body);
             }
             prop_assert_eq!(summary(parse(b, Endpoint::Chat, limit, 16)), general, "body: {}", body);

@@ -260,7 +260,8 @@ impl<'a> Scanner<'a> {
     }
 
     fn messages(&mut self) -> Option<Vec<ChatMessage<'a>>> {
-        let mut out = Vec::new();
+        // Conversations are rarely short: one allocation for the first 32 messages.
+        let mut out = Vec::with_capacity(32);
         self.array(|s| {
             out.push(s.message()?);
             Some(())
@@ -278,14 +279,16 @@ impl<'a> Scanner<'a> {
         self.object(|k, s| {
             match field(k, ["role", "content", "tool_calls"], &mut seen)? {
                 Some(0) => {
-                    let raw = s.value(2)?;
-                    if raw != "null" {
+                    s.ws();
+                    if s.peek()? == b'"' {
                         // A plain string only: escapes and other types go to serde_json.
-                        let inner = raw.strip_prefix('"')?.strip_suffix('"')?;
-                        if inner.contains('\\') {
+                        let (tok, escaped) = s.string()?;
+                        if escaped {
                             return None;
                         }
-                        m.role = Some(inner);
+                        m.role = Some(tok.get(1..tok.len() - 1)?);
+                    } else if s.value(2)? != "null" {
+                        return None;
                     }
                 }
                 Some(1) => {
@@ -342,10 +345,43 @@ fn special(b: &[u8]) -> Option<usize> {
     {
         special_sse2(b)
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        special_simd128(b)
+    }
+    #[cfg(not(any(
+        all(target_arch = "x86_64", target_feature = "sse2"),
+        all(target_arch = "wasm32", target_feature = "simd128")
+    )))]
     {
         special_swar(b)
     }
+}
+
+/// [`special`] sixteen bytes at a time with WebAssembly SIMD (the filter's build enables
+/// `simd128`, see `.cargo/config.toml`; V8 compiles it to SSE/AVX or NEON). Equal compares for
+/// the quote and the backslash, an unsigned less-than for control characters.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+fn special_simd128(b: &[u8]) -> Option<usize> {
+    use std::arch::wasm32::*;
+    let quote = u8x16_splat(b'"');
+    let backslash = u8x16_splat(b'\\');
+    let limit = u8x16_splat(0x20);
+    let mut i = 0;
+    while let Some(chunk) = b.get(i..i + 16) {
+        // SAFETY: `chunk` is 16 bytes in bounds; `v128_load` has no alignment requirement.
+        let x = unsafe { v128_load(chunk.as_ptr().cast()) };
+        let hit = v128_or(
+            v128_or(u8x16_eq(x, quote), u8x16_eq(x, backslash)),
+            u8x16_lt(x, limit),
+        );
+        let mask = u8x16_bitmask(hit);
+        if mask != 0 {
+            return Some(i + mask.trailing_zeros() as usize);
+        }
+        i += 16;
+    }
+    special_swar(b.get(i..)?).map(|p| i + p)
 }
 
 /// [`special`] sixteen bytes at a time (x86-64 always has SSE2: the dynamic-module build and the

@@ -44,8 +44,14 @@ const CAS_ATTEMPTS: usize = 16;
 /// it too): a host call that copies into the VM costs as much as a small decision.
 const VERSION_CHECK_NS: u64 = 1_000_000;
 
+/// Built per request: plain concatenation, so the request path runs none of `core::fmt` (a
+/// large body of code that would otherwise be fetched cold for one short string).
 fn load_key(pool: &str) -> String {
-    format!("gpuroute.load.{pool}")
+    const PREFIX: &str = "gpuroute.load.";
+    let mut k = String::with_capacity(PREFIX.len() + pool.len());
+    k.push_str(PREFIX);
+    k.push_str(pool);
+    k
 }
 fn sync_key(id: u32) -> String {
     format!("gpuroute.sync.{id}")
