@@ -31,7 +31,13 @@ seconds apart, so a slow spell of the shared machine hits both), and the gateway
 per request (user + system of the whole process, from /proc: what the ratio would be if the
 gateway had a core to itself).
 
-Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4]
+Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--compare-wasm NAME=PATH ...]
+  --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
+  to the alternated rounds, e.g. the build before a change: builds compared within one run agree
+  far better than runs of different days on this shared machine. To build an earlier revision:
+    git worktree add /tmp/prev REV && (cd /tmp/prev && cargo build -p gpuroute-filter \
+      --target wasm32-wasip1 --profile wasm-release --target-dir /tmp/prev-target)
+    scripts/envoy_overhead.py --compare-wasm prev=/tmp/prev-target/wasm32-wasip1/wasm-release/gpuroute_filter.wasm
 Writes target/bench/envoy-overhead.json.
 """
 
@@ -149,9 +155,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--compare-wasm", action="append", default=[], metavar="NAME=PATH",
+                    help="another build of the proxy-wasm filter to measure in the same rounds (repeatable)")
     args = ap.parse_args()
     if not HTTPLOAD.exists() or not FLOOR_WASM.exists():
         sys.exit("build first: make build")
+    extra = {}
+    for spec in args.compare_wasm:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            sys.exit(f"--compare-wasm {spec!r}: want NAME=PATH of a .wasm file")
+        if name in extra or name in ("plain", "native_buffer", "wasm_floor", "filter", "module"):
+            sys.exit(f"--compare-wasm: the name {name!r} is taken")
+        extra[name] = Path(path).resolve()
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
@@ -161,10 +177,13 @@ def main():
     filt = Envoy("filter", pools, CONFIG, runtime="wasm")
     module = Envoy("filter", pools, CONFIG, runtime="dynamic")
     floor = Envoy("filter", pools, dict(CONFIG, floor_endpoints=up.addresses()), runtime="wasm", wasm=FLOOR_WASM)
+    others = {name: Envoy("filter", pools, CONFIG, runtime="wasm", wasm=path) for name, path in extra.items()}
     snap = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
-    pusher = Pusher([filt, module], snap)
-    gateways = (("plain", plain), ("native_buffer", native), ("wasm_floor", floor), ("filter", filt), ("module", module))
+    pusher = Pusher([filt, module, *others.values()], snap)
+    gateways = (("plain", plain), ("native_buffer", native), ("wasm_floor", floor), ("filter", filt), ("module", module),
+                *others.items())
     ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
+    ours.update({name: (ours["filter"][0], path) for name, path in extra.items()})
     rows = {name: {"lat": [], "rps": []} for name, _ in gateways}
     try:
         for r in range(args.rounds):
@@ -218,8 +237,9 @@ def main():
           f"(plain Envoy: median latency {p['p50_us']} us, p99 {p['p99_us']} us, {p['rps']:.0f} req/s, "
           f"CPU {p['cpu_us_per_request']:.1f} us per request):")
     labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
-              "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)"}
-    for name in ("filter", "module", "wasm_floor", "native_buffer"):
+              "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)",
+              **{name: f"proxy-wasm filter, build '{name}' ({path})" for name, path in extra.items()}}
+    for name in ("filter", *extra, "module", "wasm_floor", "native_buffer"):
         g = res[name]
         pr = g["rps_ratio_per_round"]
         print(f"  {labels[name]}:")
@@ -235,6 +255,13 @@ def main():
             print(f"  WARNING: the {labels[name]} counted no picks: is the build the one committed?")
         if o["fail_open"]:
             print(f"  WARNING: the {labels[name]} failed open on some requests; its cost is understated for those")
+    for name in extra:
+        # Round by round, so a slow spell of the machine hits both builds alike.
+        ratios = [f["rps"] / o["rps"] for f, o in zip(rows["filter"]["rps"], rows[name]["rps"])]
+        print(f"  proxy-wasm filter vs build '{name}': requests/s ratio per round median "
+              f"{100 * statistics.median(ratios):.1f}% (range {100 * min(ratios):.1f}-{100 * max(ratios):.1f}%), "
+              f"CPU per request {res['filter']['cpu_us_per_request']:.1f} vs {res[name]['cpu_us_per_request']:.1f} us, "
+              f"median latency {res['filter']['p50_us']} vs {res[name]['p50_us']} us")
     print("  upstream connections opened per request: " + ", ".join(f"{k} {v:.4f}" for k, v in conns.items()))
     if max(conns.values()) > 0.01:
         print("  WARNING: upstream connections are not being reused; the figures include a TCP connect per request")
