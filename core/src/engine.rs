@@ -22,6 +22,7 @@ use crate::request::{self, Endpoint};
 use crate::rng::SplitMix64;
 use crate::routing::{RoutingTable, Target};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Records kept in a worker's outgoing sync ring: at the default 20 ms tick this covers 25,600
 /// requests/s per worker before a slow reader can miss any (a miss only costs affinity).
@@ -33,7 +34,7 @@ const ADAPTER_DOMAIN: u64 = 0x6c6f_7261_6164_6170;
 /// A request after step 1.
 #[derive(Debug, Clone)]
 pub struct Prepared {
-    pub target: Target,
+    pub target: Arc<Target>,
     /// Pool name (what `x-gateway-pool` carries).
     pub pool: String,
     pub stream: bool,
@@ -83,11 +84,12 @@ impl Prepared {
     }
 
     /// Hashes recorded in the index: the anchors, plus the conversation and adapter keys.
-    pub fn anchor_hashes(&self) -> Vec<u64> {
-        let mut v: Vec<u64> = self.anchors.iter().map(|a| a.hash).collect();
-        v.extend(self.conversation);
-        v.extend(self.adapter_anchor);
-        v
+    /// `out` is cleared first.
+    pub fn anchor_hashes(&self, out: &mut Vec<u64>) {
+        out.clear();
+        out.extend(self.anchors.iter().map(|a| a.hash));
+        out.extend(self.conversation);
+        out.extend(self.adapter_anchor);
     }
 }
 
@@ -128,6 +130,8 @@ pub struct Engine {
     sync: Option<SyncLog>,
     /// Moving average of prompt tokens per request (the unit of queued work).
     avg_prompt_tokens: f64,
+    /// Scratch for [`Engine::commit`].
+    recorded: Vec<u64>,
     /// Adapter homes per pool, for the snapshot version they were computed from.
     adapter_homes: HashMap<String, (u64, HashMap<u64, u64>)>,
 }
@@ -147,6 +151,7 @@ impl Engine {
             prefix,
             sync: Some(SyncLog::new(SYNC_RING)),
             avg_prompt_tokens: 0.0,
+            recorded: Vec::new(),
             adapter_homes: HashMap::new(),
             config,
         }
@@ -343,11 +348,14 @@ impl Engine {
         if prep.anchors.is_empty() && prep.conversation.is_none() && prep.adapter_anchor.is_none() {
             return;
         }
-        let hashes = prep.anchor_hashes();
+        // A buffer kept between requests: no allocation per commit.
+        let mut hashes = std::mem::take(&mut self.recorded);
+        prep.anchor_hashes(&mut hashes);
         self.prefix.record(&hashes, pod_key);
         if let Some(sync) = &mut self.sync {
             sync.push(pod_key, &hashes);
         }
+        self.recorded = hashes;
     }
 
     /// This worker's outgoing sync ring, encoded for shared data, and its newest sequence.

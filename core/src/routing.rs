@@ -6,6 +6,7 @@ use crate::config::FilterConfig;
 use crate::error::ApiError;
 use serde::Serialize;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// Where a model name leads.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,9 +26,10 @@ pub struct Target {
 /// Every name the gateway serves.
 #[derive(Debug, Clone)]
 pub struct RoutingTable {
-    by_name: HashMap<String, Target>,
+    /// Shared, so a request takes its target without copying its strings.
+    by_name: HashMap<String, Arc<Target>>,
     pool_names: Vec<String>,
-    default_target: Option<Target>,
+    default_target: Option<Arc<Target>>,
     models_json: String,
 }
 
@@ -58,37 +60,37 @@ impl RoutingTable {
             for m in &pool.models {
                 by_name.insert(
                     m.clone(),
-                    Target {
+                    Arc::new(Target {
                         pool: pi,
                         model: m.clone(),
                         base_model: m.clone(),
                         adapter: None,
                         rewrite: false,
-                    },
+                    }),
                 );
             }
             for (alias, target) in &pool.aliases {
                 by_name.insert(
                     alias.clone(),
-                    Target {
+                    Arc::new(Target {
                         pool: pi,
                         model: target.clone(),
                         base_model: target.clone(),
                         adapter: None,
                         rewrite: true,
-                    },
+                    }),
                 );
             }
             for a in &pool.adapters {
                 by_name.insert(
                     a.clone(),
-                    Target {
+                    Arc::new(Target {
                         pool: pi,
                         model: a.clone(),
                         base_model: base.clone(),
                         adapter: Some(a.clone()),
                         rewrite: false,
-                    },
+                    }),
                 );
             }
         }
@@ -113,13 +115,13 @@ impl RoutingTable {
         let default_target = cfg.default_pool.as_ref().and_then(|d| {
             let pi = cfg.pools.iter().position(|p| &p.name == d)?;
             let m = cfg.pools[pi].models.first()?.clone();
-            Some(Target {
+            Some(Arc::new(Target {
                 pool: pi,
                 model: m.clone(),
                 base_model: m,
                 adapter: None,
                 rewrite: false,
-            })
+            }))
         });
         RoutingTable {
             by_name,
@@ -130,7 +132,7 @@ impl RoutingTable {
     }
 
     /// Resolves the body's `model` (None when absent) to its pool.
-    pub fn resolve(&self, model: Option<&str>) -> Result<&Target, ApiError> {
+    pub fn resolve(&self, model: Option<&str>) -> Result<&Arc<Target>, ApiError> {
         match model {
             Some(m) => self
                 .by_name
