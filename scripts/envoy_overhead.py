@@ -145,6 +145,12 @@ def load(addr, body_file, connections, seconds, pid=None):
     return res
 
 
+def round_ratios(rows, a, b):
+    """Requests/s of gateway `a` over gateway `b`, round by round (measured seconds apart, so a
+    slow spell of the shared machine hits both)."""
+    return [x["rps"] / y["rps"] for x, y in zip(rows[a]["rps"], rows[b]["rps"])]
+
+
 def cpu_seconds(pid):
     """user + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -225,7 +231,7 @@ def main():
                      "cpu_us_per_request": statistics.median(x["cpu_us_per_request"] for x in rows[name]["rps"])}
         if name == "plain":
             continue
-        ratios = [f["rps"] / p["rps"] for f, p in zip(rows[name]["rps"], rows["plain"]["rps"])]
+        ratios = round_ratios(rows, name, "plain")
         res[name]["added_p50_us"] = res[name]["p50_us"] - res["plain"]["p50_us"]
         res[name]["rps_ratio"] = res[name]["rps"] / res["plain"]["rps"]
         res[name]["rps_ratio_per_round"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
@@ -256,8 +262,7 @@ def main():
         if o["fail_open"]:
             print(f"  WARNING: the {labels[name]} failed open on some requests; its cost is understated for those")
     for name in extra:
-        # Round by round, so a slow spell of the machine hits both builds alike.
-        ratios = [f["rps"] / o["rps"] for f, o in zip(rows["filter"]["rps"], rows[name]["rps"])]
+        ratios = round_ratios(rows, "filter", name)
         print(f"  proxy-wasm filter vs build '{name}': requests/s ratio per round median "
               f"{100 * statistics.median(ratios):.1f}% (range {100 * min(ratios):.1f}-{100 * max(ratios):.1f}%), "
               f"CPU per request {res['filter']['cpu_us_per_request']:.1f} vs {res[name]['cpu_us_per_request']:.1f} us, "

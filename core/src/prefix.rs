@@ -270,13 +270,15 @@ impl SyncLog {
 
     pub fn push(&mut self, pod: u64, anchors: &[u64]) {
         // A full ring reuses its oldest record's list: no allocation per request once full.
-        let mut list = Vec::new();
-        if self.records.len() == self.cap {
-            if let Some(old) = self.records.pop_front() {
-                list = old.anchors;
-                list.clear();
-            }
-        }
+        let mut list = if self.records.len() == self.cap {
+            self.records
+                .pop_front()
+                .map(|r| r.anchors)
+                .unwrap_or_default()
+        } else {
+            Vec::new()
+        };
+        list.clear();
         list.extend_from_slice(anchors);
         self.records.push_back(SyncRecord {
             seq: self.next_seq,

@@ -386,7 +386,7 @@ fn special_simd128(b: &[u8]) -> Option<usize> {
 
 /// [`special`] sixteen bytes at a time (x86-64 always has SSE2: the dynamic-module build and the
 /// native tools). Two compares and a signed less-than per block; the same answer as the SWAR
-/// version, which the wasm build uses.
+/// version (wasm builds without `simd128`, other targets).
 #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
 fn special_sse2(b: &[u8]) -> Option<usize> {
     use std::arch::x86_64::*;
