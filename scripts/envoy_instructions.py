@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from envoy_overhead import CONFIG, Upstream, chat_body, native_buffer  # noqa: E402
+from envoy_overhead import CONFIG, Upstream, chat_body, compare_builds, native_buffer  # noqa: E402
 from harness import BUILDS, FLOOR_WASM, Envoy, snapshot  # noqa: E402
 
 WARMUP = 300
@@ -93,12 +93,7 @@ def main():
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
-    extra = {}
-    for spec in args.compare_wasm:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not Path(path).is_file():
-            sys.exit(f"--compare-wasm {spec!r}: want NAME=PATH of a .wasm file")
-        extra[name] = Path(path).resolve()
+    extra = compare_builds(args.compare_wasm)
     body = chat_body()
     up = Upstream()
     pools = [{"name": "llama", "endpoints": up.addresses()}]

@@ -145,6 +145,23 @@ def load(addr, body_file, connections, seconds, pid=None):
     return res
 
 
+GATEWAYS = ("plain", "native_buffer", "wasm_floor", "filter", "module")
+
+
+def compare_builds(specs):
+    """The `--compare-wasm NAME=PATH` arguments as {name: path}; exits on a malformed one, a
+    missing file or a name already taken."""
+    extra = {}
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not Path(path).is_file():
+            sys.exit(f"--compare-wasm {spec!r}: want NAME=PATH of a .wasm file")
+        if name in extra or name in GATEWAYS:
+            sys.exit(f"--compare-wasm: the name {name!r} is taken")
+        extra[name] = Path(path).resolve()
+    return extra
+
+
 def round_ratios(rows, a, b):
     """Requests/s of gateway `a` over gateway `b`, round by round (measured seconds apart, so a
     slow spell of the shared machine hits both)."""
@@ -166,14 +183,7 @@ def main():
     args = ap.parse_args()
     if not HTTPLOAD.exists() or not FLOOR_WASM.exists():
         sys.exit("build first: make build")
-    extra = {}
-    for spec in args.compare_wasm:
-        name, sep, path = spec.partition("=")
-        if not sep or not name or not Path(path).is_file():
-            sys.exit(f"--compare-wasm {spec!r}: want NAME=PATH of a .wasm file")
-        if name in extra or name in ("plain", "native_buffer", "wasm_floor", "filter", "module"):
-            sys.exit(f"--compare-wasm: the name {name!r} is taken")
-        extra[name] = Path(path).resolve()
+    extra = compare_builds(args.compare_wasm)
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
