@@ -92,6 +92,10 @@ pub fn prompt_anchors(
         return 0;
     };
     let n = n.min(max_blocks);
+    // The grid has at most two depths per power of two up to n: one allocation, not three.
+    if n > 0 {
+        out.reserve(2 * (usize::BITS - n.leading_zeros()) as usize);
+    }
     let mut h = seed;
     let mut from = 0;
     for depth in grid(n) {

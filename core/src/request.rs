@@ -671,16 +671,21 @@ mod tests {
         /// or not: same fields, same canonical prompt, same errors.
         #[test]
         fn chat_fast_path_equals_general_path(
-            messages in proptest::collection::vec((0u8..5, 0u8..11, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..6), 0..5),
+            messages in proptest::collection::vec((0u8..10, 0u8..11, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..9), 0..5),
             shape in 0u8..6,
             model in 0u8..4,
-            extra in 0u8..7,
+            extra in 0u8..8,
             tail in 0u8..3,
             limit in prop_oneof![Just(1usize << 16), 0usize..40],
         ) {
             let q = |t: &str| serde_json::to_string(t).unwrap();
             let msgs: Vec<String> = messages.iter().map(|(role, content, text, content_first, more)| {
-                let role = match role { 0 => q("user"), 1 => q("system"), 2 => q("assistant"), 3 => "null".into(), _ => "7".into() };
+                // Roles the scanner reads as literals, near misses of them, and an escaped one.
+                let role = match role {
+                    0 => q("user"), 1 => q("system"), 2 => q("assistant"), 3 => "null".into(),
+                    5 => q("users"), 6 => q("tool"), 7 => r#""us\u0065r""#.into(), 8 => q("develope"),
+                    9 => q("developer"), _ => "7".into(),
+                };
                 let content = match content {
                     0 => q(text),
                     1 => "null".into(),
@@ -702,6 +707,10 @@ mod tests {
                     3 => fields.push(format!(r#""role":{}"#, q("user"))),
                     4 => fields.push(r#""tool_calls" : null"#.into()),
                     5 => fields.push(r#""r\u006fle":"x""#.into()),
+                    // Keys that start like the ones read as literals.
+                    6 => fields.push(r#""roles":"x""#.into()),
+                    7 => fields.push(r#""contents":5,"tool_call":[]"#.into()),
+                    8 => fields.push(r#""content":"again""#.into()),
                     _ => {}
                 }
                 format!("{{{}}}", fields.join(","))
@@ -720,6 +729,7 @@ mod tests {
                 3 => r#","input":[1,2],"stream":"true""#,
                 4 => r#" , "temperature" : -0.5e-3 ,"stop":[null,true,{"a":[]}],"n":10"#,
                 5 => r#","x":01"#,
+                6 => r#","models":"z","message":[],"streams":1"#,
                 _ => r#","x":"a\u0000b","y":{"z":[1E+2,-0]}"#,
             };
             let tail = ["", " \n\t", " x"][usize::from(tail)];

@@ -31,12 +31,15 @@ pub struct ChatMessage<'a> {
     pub tool_calls: Option<&'a str>,
 }
 
+/// Chat roles read as literals (any other role, or one with escapes, takes the string scan).
+const ROLES: [&str; 5] = ["user", "assistant", "system", "tool", "developer"];
+
 /// Nesting deeper than this is left to `serde_json` (its own limit is 128).
 const MAX_DEPTH: u32 = 64;
 
 /// Scans a chat body; `None` means "not certain: use the general parser".
 pub fn chat(body: &[u8]) -> Option<ChatScan<'_>> {
-    let text = std::str::from_utf8(body).ok()?;
+    let text = utf8(body)?;
     let mut s = Scanner {
         text,
         b: body,
@@ -200,6 +203,53 @@ impl<'a> Scanner<'a> {
         })
     }
 
+    /// [`Scanner::object`] for objects whose keys of interest are `names`: calls
+    /// `member(slot, scanner)` with the key's index in `names` (`None` for any other key), each
+    /// name accepted once (see [`field`]). A key spelled exactly as one of `names` is matched
+    /// as a literal, without a string scan: most keys of a chat body are these few, and a string
+    /// scan's fixed cost (~100 instructions) is most of what a short key costs.
+    fn object_fields<const N: usize>(
+        &mut self,
+        names: [&str; N],
+        seen: &mut [bool; N],
+        mut member: impl FnMut(Option<usize>, &mut Self) -> Option<()>,
+    ) -> Option<()> {
+        self.eat(b'{')?;
+        self.members(b'}', |s| {
+            s.ws();
+            let slot = match s.quoted_literal(&names) {
+                Some(i) => {
+                    if std::mem::replace(seen.get_mut(i)?, true) {
+                        return None;
+                    }
+                    Some(i)
+                }
+                None => {
+                    let (tok, escaped) = s.string()?;
+                    field(tok.get(1..tok.len() - 1).filter(|_| !escaped), names, seen)?
+                }
+            };
+            s.eat(b':')?;
+            member(slot, s)
+        })
+    }
+
+    /// At a string token spelled exactly `"word"` for one of `words` (no escapes): consumes it
+    /// and returns the word's index. Otherwise consumes nothing: the same token read by
+    /// [`Scanner::string`] is then none of `words`, or holds escapes.
+    fn quoted_literal(&mut self, words: &[&str]) -> Option<usize> {
+        let rest = self.b.get(self.i..)?;
+        let (&b'"', after) = rest.split_first()? else {
+            return None;
+        };
+        let i = words.iter().position(|w| {
+            let w = w.as_bytes();
+            after.get(..w.len()) == Some(w) && after.get(w.len()) == Some(&b'"')
+        })?;
+        self.i += words.get(i)?.len() + 2;
+        Some(i)
+    }
+
     /// Calls `item(scanner)` for every element of an array; `item` reads it.
     fn array(&mut self, item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
         self.eat(b'[')?;
@@ -226,16 +276,16 @@ impl<'a> Scanner<'a> {
         let mut stream = None;
         let mut messages = None;
         let mut seen = [false; 6];
-        self.object(|k, s| {
-            const FIELDS: [&str; 6] = [
-                "model",
-                "stream",
-                "messages",
-                "prompt",
-                "input",
-                "instructions",
-            ];
-            match field(k, FIELDS, &mut seen)? {
+        const FIELDS: [&str; 6] = [
+            "model",
+            "stream",
+            "messages",
+            "prompt",
+            "input",
+            "instructions",
+        ];
+        self.object_fields(FIELDS, &mut seen, |slot, s| {
+            match slot {
                 Some(0) => {
                     let raw = s.value(1)?;
                     model = match raw.as_bytes().first()? {
@@ -276,11 +326,13 @@ impl<'a> Scanner<'a> {
             tool_calls: None,
         };
         let mut seen = [false; 3];
-        self.object(|k, s| {
-            match field(k, ["role", "content", "tool_calls"], &mut seen)? {
+        self.object_fields(["role", "content", "tool_calls"], &mut seen, |slot, s| {
+            match slot {
                 Some(0) => {
                     s.ws();
-                    if s.peek()? == b'"' {
+                    if let Some(r) = s.quoted_literal(&ROLES) {
+                        m.role = ROLES.get(r).copied();
+                    } else if s.peek()? == b'"' {
                         // A plain string only: escapes and other types go to serde_json.
                         let (tok, escaped) = s.string()?;
                         if escaped {
@@ -335,6 +387,35 @@ fn field<const N: usize>(
         }
     }
     Some(slot)
+}
+
+/// `body` as text, if it is UTF-8. Chat bodies are nearly always ASCII: checking that sixteen
+/// bytes at a time (see [`special`]) costs a fraction of a full UTF-8 validation, which runs four
+/// bytes at a time on wasm32. Anything else is validated in full.
+fn utf8(body: &[u8]) -> Option<&str> {
+    if is_ascii(body) {
+        // SAFETY: every byte is below 0x80, and a sequence of ASCII bytes is valid UTF-8.
+        return Some(unsafe { std::str::from_utf8_unchecked(body) });
+    }
+    std::str::from_utf8(body).ok()
+}
+
+fn is_ascii(b: &[u8]) -> bool {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        use std::arch::wasm32::*;
+        let mut chunks = b.chunks_exact(16);
+        let mut any = u8x16_splat(0);
+        for chunk in &mut chunks {
+            // SAFETY: `chunk` is 16 bytes in bounds; `v128_load` has no alignment requirement.
+            any = v128_or(any, unsafe { v128_load(chunk.as_ptr().cast()) });
+        }
+        u8x16_bitmask(any) == 0 && chunks.remainder().is_ascii()
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    {
+        b.is_ascii()
+    }
 }
 
 /// Index of the first `"`, `\\` or control character (< 0x20) in `b`, eight bytes at a time
@@ -472,6 +553,19 @@ mod tests {
             proptest::prop_assert_eq!(special(&b), want);
             proptest::prop_assert_eq!(special_swar(&b), want);
         }
+
+        /// The ASCII shortcut takes exactly the bodies that are UTF-8, wherever a non-ASCII
+        /// byte sits (first, last, in a 16-byte block or in the tail).
+        #[test]
+        fn utf8_equals_std(b in proptest::collection::vec(proptest::prop_oneof![
+            20 => 0u8..0x80,
+            1 => 0x80u8..=0xff,
+            1 => proptest::strategy::Just(0xc3),
+            1 => proptest::strategy::Just(0xa9),
+        ], 0..70)) {
+            proptest::prop_assert_eq!(utf8(&b), std::str::from_utf8(&b).ok());
+            proptest::prop_assert_eq!(is_ascii(&b), b.is_ascii());
+        }
     }
 
     #[test]
@@ -488,6 +582,36 @@ mod tests {
         assert_eq!(s.messages[1].content.as_deref(), Some("line\nnext é"));
         assert_eq!(s.messages[2].tool_calls, Some(r#"[{"id": "c"}]"#));
         assert!(s.messages[2].content.is_none());
+    }
+
+    #[test]
+    fn keys_and_roles_read_as_literals_are_exact() {
+        // Near misses of the literal keys and roles take the string scan and are other fields.
+        let body = br#"{"models":"x","model":"m","messages":[
+            {"roles":"system","role":"users","contents":1,"content":"a"},
+            {"role" :"tool","content":"b","tool_call":[],"tool_calls":null},
+            {"content":"c","role":"developer"},
+            {"role":"assistant","content":"d"}]}"#;
+        let s = chat(body).unwrap();
+        assert_eq!(s.model, Some("\"m\""));
+        let roles: Vec<_> = s.messages.iter().map(|m| m.role).collect();
+        assert_eq!(
+            roles,
+            [
+                Some("users"),
+                Some("tool"),
+                Some("developer"),
+                Some("assistant")
+            ]
+        );
+        let contents: Vec<_> = s.messages.iter().map(|m| m.content.as_deref()).collect();
+        assert_eq!(contents, [Some("a"), Some("b"), Some("c"), Some("d")]);
+        assert!(s.messages[1].tool_calls.is_none());
+        // A key or a role with escapes (it could spell anything) is left to serde_json.
+        assert!(
+            chat(br#"{"model":"m","messages":[{"role":"user","r\u006fle":"user"}]}"#).is_none()
+        );
+        assert!(chat(br#"{"model":"m","messages":[{"role":"us\u0065r"}]}"#).is_none());
     }
 
     #[test]
