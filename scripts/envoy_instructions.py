@@ -40,8 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from envoy_overhead import CONFIG, Upstream, chat_body, compare_builds, native_buffer  # noqa: E402
-from harness import BUILDS, FLOOR_WASM, Envoy, snapshot  # noqa: E402
+from envoy_overhead import (CONFIG, REFERENCES, Upstream, chat_body, compare_builds,  # noqa: E402
+                             gateway_specs, pod_snapshot)
+from harness import BUILDS, Envoy, snapshot  # noqa: E402
 
 WARMUP = 300
 # Per-time work left out (see the docstring); everything else is the shipped default.
@@ -96,31 +97,20 @@ def main():
     extra = compare_builds(args.compare_wasm)
     body = chat_body()
     up = Upstream()
-    pools = [{"name": "llama", "endpoints": up.addresses()}]
-    snap = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
-    gateways = {
-        "plain": dict(mode="round_robin", filter_config=CONFIG),
-        "native_buffer": dict(mode="round_robin", filter_config=CONFIG, patch=native_buffer),
-        "wasm_floor": dict(mode="filter", filter_config=dict(CONFIG, floor_endpoints=up.addresses()),
-                           runtime="wasm", wasm=FLOOR_WASM),
-        "filter": dict(mode="filter", filter_config=MEASURE_CONFIG, runtime="wasm", wasm=BUILDS["filter"][2]),
-        "module": dict(mode="filter", filter_config=MEASURE_CONFIG, runtime="dynamic"),
-        **{name: dict(mode="filter", filter_config=MEASURE_CONFIG, runtime="wasm", wasm=path)
-           for name, path in extra.items()},
-    }
-    pushed = {"filter", "module", *extra}
+    gateways = gateway_specs(up, MEASURE_CONFIG, extra)
     out_dir = Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
     result = {}
     try:
-        for name, kw in gateways.items():
+        for name, spec in gateways.items():
             if args.only and name not in args.only:
                 continue
-            gw = Envoy(kw.pop("mode"), pools, wrap=callgrind(out_dir), ready_timeout=600, **kw)
+            gw = Envoy(**spec, wrap=callgrind(out_dir), ready_timeout=600)
+            pushed = name not in REFERENCES
             try:
-                if name in pushed and gw.push(snapshot(snap))[0] != 204:
+                if pushed and gw.push(snapshot(pod_snapshot(up)))[0] != 204:
                     raise RuntimeError(f"{name}: snapshot push refused")
                 result[name] = count(gw, body, args.requests, out_dir)
-                if name in pushed:
+                if pushed:
                     prefix = BUILDS["module" if name == "module" else "filter"][1]
                     # (Picks are counted on the tick, which is off here; a fail-open is counted at
                     # once.)

@@ -145,7 +145,31 @@ def load(addr, body_file, connections, seconds, pid=None):
     return res
 
 
-GATEWAYS = ("plain", "native_buffer", "wasm_floor", "filter", "module")
+# Gateways that route without the filter: they take no snapshot.
+REFERENCES = ("plain", "native_buffer", "wasm_floor")
+GATEWAYS = (*REFERENCES, "filter", "module")
+
+
+def gateway_specs(up, config, extra):
+    """Each gateway of the comparison as `Envoy(**spec)` arguments, in report order: plain,
+    native_buffer, wasm_floor, filter, module, then the `--compare-wasm` builds (`extra`).
+    `config` is the configuration of the filter builds; the references get `CONFIG`."""
+    pools = [{"name": "llama", "endpoints": up.addresses()}]
+    ours = dict(mode="filter", pools=pools, filter_config=config)
+    return {
+        "plain": dict(mode="round_robin", pools=pools, filter_config=CONFIG),
+        "native_buffer": dict(mode="round_robin", pools=pools, filter_config=CONFIG, patch=native_buffer),
+        "wasm_floor": dict(mode="filter", pools=pools, filter_config=dict(CONFIG, floor_endpoints=up.addresses()),
+                           runtime="wasm", wasm=FLOOR_WASM),
+        "filter": dict(ours, runtime="wasm"),
+        "module": dict(ours, runtime="dynamic"),
+        **{name: dict(ours, runtime="wasm", wasm=path) for name, path in extra.items()},
+    }
+
+
+def pod_snapshot(up):
+    """The snapshot the filter builds get: the 8 upstream ports as equally loaded pods."""
+    return {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
 
 
 def compare_builds(specs):
@@ -187,17 +211,8 @@ def main():
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
-    pools = [{"name": "llama", "endpoints": up.addresses()}]
-    plain = Envoy("round_robin", pools, CONFIG)
-    native = Envoy("round_robin", pools, CONFIG, patch=native_buffer)
-    filt = Envoy("filter", pools, CONFIG, runtime="wasm")
-    module = Envoy("filter", pools, CONFIG, runtime="dynamic")
-    floor = Envoy("filter", pools, dict(CONFIG, floor_endpoints=up.addresses()), runtime="wasm", wasm=FLOOR_WASM)
-    others = {name: Envoy("filter", pools, CONFIG, runtime="wasm", wasm=path) for name, path in extra.items()}
-    snap = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
-    pusher = Pusher([filt, module, *others.values()], snap)
-    gateways = (("plain", plain), ("native_buffer", native), ("wasm_floor", floor), ("filter", filt), ("module", module),
-                *others.items())
+    gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra).items())
+    pusher = Pusher([gw for name, gw in gateways if name not in REFERENCES], pod_snapshot(up))
     ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
     ours.update({name: (ours["filter"][0], path) for name, path in extra.items()})
     rows = {name: {"lat": [], "rps": []} for name, _ in gateways}

@@ -218,12 +218,7 @@ impl<'a> Scanner<'a> {
         self.members(b'}', |s| {
             s.ws();
             let slot = match s.quoted_literal(&names) {
-                Some(i) => {
-                    if std::mem::replace(seen.get_mut(i)?, true) {
-                        return None;
-                    }
-                    Some(i)
-                }
+                Some(i) => Some(first_time(seen, i)?),
                 None => {
                     let (tok, escaped) = s.string()?;
                     field(tok.get(1..tok.len() - 1).filter(|_| !escaped), names, seen)?
@@ -380,13 +375,15 @@ fn field<const N: usize>(
     seen: &mut [bool; N],
 ) -> Option<Option<usize>> {
     let key = key?;
-    let slot = names.iter().position(|n| *n == key);
-    if let Some(i) = slot {
-        if std::mem::replace(seen.get_mut(i)?, true) {
-            return None;
-        }
+    match names.iter().position(|n| *n == key) {
+        Some(i) => first_time(seen, i).map(Some),
+        None => Some(None),
     }
-    Some(slot)
+}
+
+/// Marks name `i` as seen: `Some(i)` the first time, `None` (decline) for a repeat.
+fn first_time(seen: &mut [bool], i: usize) -> Option<usize> {
+    (!std::mem::replace(seen.get_mut(i)?, true)).then_some(i)
 }
 
 /// `body` as text, if it is UTF-8. Chat bodies are nearly always ASCII: checking that sixteen
