@@ -192,6 +192,22 @@ def round_ratios(rows, a, b):
     return [x["rps"] / y["rps"] for x, y in zip(rows[a]["rps"], rows[b]["rps"])]
 
 
+def cpu_model():
+    """The host CPU (/proc/cpuinfo "model name"): the ratios move with the host, not only the
+    times (2026-11-30: plain Envoy 53-55 us of CPU per request, the floor at 74-80% of its
+    requests/s; 2026-12-01 on an "AMD EPYC": 33-34 us and 85-87%), so every report names it. A
+    virtual machine's model name is coarse, and a shared host runs the same model at different
+    speeds (a third run that day on a machine reporting the same name: 75 us and 81%): plain
+    Envoy's CPU per request, reported beside it, says how fast the run was."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def cpu_seconds(pid):
     """user + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -246,7 +262,8 @@ def main():
     res = {
         "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
                   "seconds_per_run": args.seconds, "latency_connections": 1, "throughput_connections": 16,
-                  "machine": "2 cores shared by client, gateway Envoy and upstream Envoy"},
+                  "machine": "2 cores shared by client, gateway Envoy and upstream Envoy",
+                  "cpu_model": cpu_model(), "cores": os.cpu_count()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
         "outcomes": outcomes, "upstream_connections_per_request": conns, "raw": rows,
@@ -264,7 +281,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
     p = res["plain"]
-    print(f"\n4 KB chat body, {args.rounds} rounds x {args.seconds:g} s, medians "
+    print(f"\n4 KB chat body, {args.rounds} rounds x {args.seconds:g} s, {os.cpu_count()} cores ({cpu_model()}), medians "
           f"(plain Envoy: median latency {p['p50_us']} us, p99 {p['p99_us']} us, {p['rps']:.0f} req/s, "
           f"CPU {p['cpu_us_per_request']:.1f} us per request):")
     labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
