@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "scripts"))
-from envoy_overhead import (CONFIG, REFERENCES, Upstream, chat_body, compare_builds, cpu_model,  # noqa: E402
+from envoy_overhead import (CONFIG, REFERENCES, Upstream, chat_body, compare_builds, host_info,  # noqa: E402
                              gateway_specs, pod_snapshot)
 from harness import BUILDS, Envoy, snapshot  # noqa: E402
 
@@ -138,7 +138,7 @@ def main():
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "instructions_per_request": result,
                                "compare_wasm": {k: str(v) for k, v in extra.items()},
                                # V8 compiles for the CPU it finds: name it beside the counts.
-                               "cpu_model": cpu_model()}, indent=1))
+                               **host_info()}, indent=1))
     print(f"wrote {out}")
 
 

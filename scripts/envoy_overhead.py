@@ -192,20 +192,20 @@ def round_ratios(rows, a, b):
     return [x["rps"] / y["rps"] for x, y in zip(rows[a]["rps"], rows[b]["rps"])]
 
 
-def cpu_model():
-    """The host CPU (/proc/cpuinfo "model name"): the ratios move with the host, not only the
-    times (2026-11-30: plain Envoy 53-55 us of CPU per request, the floor at 74-80% of its
-    requests/s; 2026-12-01 on an "AMD EPYC": 33-34 us and 85-87%), so every report names it. A
+def host_info():
+    """The host's CPU (/proc/cpuinfo "model name") and core count: the ratios move with the host,
+    not only the times (2026-11-30: plain Envoy 53-55 us of CPU per request, the floor at 74-80% of
+    its requests/s; 2026-12-01 on an "AMD EPYC": 33-34 us and 85-87%), so every report names it. A
     virtual machine's model name is coarse, and a shared host runs the same model at different
     speeds (a third run that day on a machine reporting the same name: 75 us and 81%): plain
     Envoy's CPU per request, reported beside it, says how fast the run was."""
+    model = "unknown"
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), model)
     except OSError:
         pass
-    return "unknown"
+    return {"cpu_model": model, "cores": os.cpu_count()}
 
 
 def cpu_seconds(pid):
@@ -262,8 +262,7 @@ def main():
     res = {
         "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
                   "seconds_per_run": args.seconds, "latency_connections": 1, "throughput_connections": 16,
-                  "machine": "2 cores shared by client, gateway Envoy and upstream Envoy",
-                  "cpu_model": cpu_model(), "cores": os.cpu_count()},
+                  "machine": "the cores shared by client, gateway Envoy and upstream Envoy", **host_info()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
         "outcomes": outcomes, "upstream_connections_per_request": conns, "raw": rows,
@@ -280,8 +279,8 @@ def main():
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
-    p = res["plain"]
-    print(f"\n4 KB chat body, {args.rounds} rounds x {args.seconds:g} s, {os.cpu_count()} cores ({cpu_model()}), medians "
+    p, setup = res["plain"], res["setup"]
+    print(f"\n4 KB chat body, {args.rounds} rounds x {args.seconds:g} s, {setup['cores']} cores ({setup['cpu_model']}), medians "
           f"(plain Envoy: median latency {p['p50_us']} us, p99 {p['p99_us']} us, {p['rps']:.0f} req/s, "
           f"CPU {p['cpu_us_per_request']:.1f} us per request):")
     labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
