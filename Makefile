@@ -87,6 +87,12 @@ bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: pl
 bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above
 	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
 
+profile-wasm: setup wasm ## the filter's own code per request by wasm function: the .wasm under Node's V8 with a minimal host, CPU profile summed (~1 min)
+	@mkdir -p target/bench/wasm-profile && rm -f target/bench/wasm-profile/*.cpuprofile
+	$(PY) -c "import sys; sys.path.insert(0, 'scripts'); import envoy_overhead as eo; open('target/bench/wasm-profile/chat.json', 'wb').write(eo.chat_body())"
+	node --no-warnings --cpu-prof --cpu-prof-interval 50 --cpu-prof-dir=target/bench/wasm-profile scripts/wasm_profile.mjs $(WASM) target/bench/wasm-profile/chat.json
+	$(PY) scripts/wasm_profile_report.py target/bench/wasm-profile/*.cpuprofile
+
 bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle: plain, wasm filter, dynamic module (~4 min)
 	$(PY) scripts/envoy_streaming.py
 

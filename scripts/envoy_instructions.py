@@ -24,6 +24,7 @@ mispredictions and the host's clock are not in them); they say which build does 
 reproducibly: the same build gives the same count to within ~0.1%.
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
+                                     [--keep DIR]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -91,6 +92,8 @@ def main():
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--compare-wasm", action="append", default=[], metavar="NAME=PATH")
     ap.add_argument("--only", action="append", default=[], metavar="NAME", help="measure only these gateways")
+    ap.add_argument("--keep", type=Path, metavar="DIR",
+                    help="keep callgrind's output files in DIR (callgrind_annotate reads them)")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
@@ -98,7 +101,8 @@ def main():
     body = chat_body()
     up = Upstream()
     gateways = gateway_specs(up, MEASURE_CONFIG, extra)
-    out_dir = Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
+    out_dir = args.keep or Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
+    out_dir.mkdir(parents=True, exist_ok=True)
     result = {}
     try:
         for name, spec in gateways.items():
@@ -122,7 +126,8 @@ def main():
             print(f"{name}: {result[name]:,.0f} instructions per request", flush=True)
     finally:
         up.stop()
-        shutil.rmtree(out_dir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(out_dir, ignore_errors=True)
     plain = result.get("plain")
     print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up, "
           "instructions of the gateway Envoy per request (callgrind):")

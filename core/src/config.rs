@@ -55,6 +55,11 @@ pub struct FilterConfig {
     /// module hands its batched metrics to Envoy at this period.
     #[serde(default = "default_tick_ms")]
     pub tick_ms: u64,
+    /// How often, at most, a proxy-wasm worker exchanges state with the others on the request
+    /// path (ms): it re-reads the snapshot version and the other workers' in-flight tables, and
+    /// publishes its own. The tick does the same for an idle worker.
+    #[serde(default = "default_shared_refresh_ms")]
+    pub shared_refresh_ms: u64,
 }
 
 /// One model deployment.
@@ -281,6 +286,12 @@ fn default_tick_ms() -> u64 {
     // Prefix-index sync between workers: well under a chat turn's think time, cheap to run.
     20
 }
+fn default_shared_refresh_ms() -> u64 {
+    // Another worker's requests reach this one's view within ~2 ms under load: a small part of
+    // a scrape interval (100 ms), while the exchange's host calls run once per millisecond
+    // instead of once per request.
+    1
+}
 fn default_ingest_path() -> String {
     "/gpuroute/v1/snapshot".to_string()
 }
@@ -451,6 +462,9 @@ impl FilterConfig {
         }
         if self.tick_ms == 0 {
             return Err(cfg_err("tick_ms", "must be > 0"));
+        }
+        if self.shared_refresh_ms == 0 {
+            return Err(cfg_err("shared_refresh_ms", "must be > 0"));
         }
         Ok(())
     }

@@ -5,11 +5,15 @@
 //! see the same "best" pod; with this table a pick immediately counts against its pod, so a burst
 //! arriving inside one scrape interval spreads by free capacity.
 //!
-//! The table lives in Envoy shared data (one key per pool) and is updated with compare-and-swap.
-//! Per pod it keeps `inflight` (sent minus finished) and `base`, the value of `inflight` when the
-//! current snapshot took effect. `inflight - base` is then the change since the snapshot: positive
-//! for requests the pods have not reported yet, negative for requests that finished since.
-//! Pods are keyed by [`crate::prefix::pod_key`], so a new snapshot that adds, drops or reorders
+//! In the proxy-wasm filter each worker keeps its own table per pool (a stream lives and ends in
+//! one worker, so its requests are its own), exact and local, and publishes it in Envoy shared
+//! data under its own key; the other workers' published tables are summed into its view of the
+//! pool ([`LoadTable::add_table`], by pod key). The dynamic module keeps one table per pool for
+//! all workers, behind its lock. Per pod a table keeps `inflight` (sent minus finished) and `base`,
+//! the value of `inflight` when the current snapshot took effect. `inflight - base` is then the
+//! change since the snapshot: positive for requests the pods have not reported yet, negative for
+//! requests that finished since. Both are per worker, so the deltas of all workers add up to the
+//! gateway's. Pods are keyed by [`crate::prefix::pod_key`], so a new snapshot that adds, drops or reorders
 //! pods carries the counts over by identity.
 //!
 //! It also keeps each pod's **prefill backlog** from this gateway: requests sent whose first
@@ -138,6 +142,41 @@ impl LoadTable {
             .collect();
         self.version = version;
         self.pods = pods;
+        true
+    }
+
+    /// A table aligned with snapshot `version` whose pods have these keys, all counts zero.
+    pub fn zeroed(version: u64, keys: &[u64]) -> LoadTable {
+        LoadTable {
+            version,
+            pods: keys
+                .iter()
+                .map(|&key| PodLoad {
+                    key,
+                    ..PodLoad::default()
+                })
+                .collect(),
+        }
+    }
+
+    /// Adds another worker's table to this one, pod by pod (by key). Only a table of the same
+    /// snapshot version counts: its `base` values belong to that snapshot, and one of another
+    /// version is a worker that has not installed this snapshot yet (it will within its refresh
+    /// interval) or one that is gone. Returns whether it was added.
+    pub fn add_table(&mut self, other: &LoadTable) -> bool {
+        if other.version != self.version {
+            return false;
+        }
+        for o in &other.pods {
+            if let Some(p) = self.pods.iter_mut().find(|p| p.key == o.key) {
+                p.inflight = p.inflight.saturating_add(o.inflight);
+                p.base = p.base.saturating_add(o.base);
+                p.tokens = p.tokens.saturating_add(o.tokens);
+                p.base_tokens = p.base_tokens.saturating_add(o.base_tokens);
+                p.prefill = p.prefill.saturating_add(o.prefill);
+                p.prefill_tokens = p.prefill_tokens.saturating_add(o.prefill_tokens);
+            }
+        }
         true
     }
 
@@ -306,6 +345,38 @@ mod tests {
         assert!(t.finish(3, 30, Some(30)));
         assert_eq!((t.pods[0].prefill, t.pods[0].inflight), (0, 0));
         assert!(!t.finish(99, 1, Some(1)));
+    }
+
+    #[test]
+    fn tables_of_the_same_snapshot_add_up_by_pod() {
+        // Two workers, each with its own requests; the second lists the pods in another order.
+        let mut a = LoadTable::default();
+        a.rebase(4, &[1, 2]);
+        a.add(0, 100, Some(60));
+        let mut b = LoadTable::default();
+        b.rebase(4, &[2, 1]);
+        b.add(1, 10, None);
+        b.add(0, 5, Some(5));
+        let mut sum = LoadTable::zeroed(4, &[1, 2]);
+        assert!(sum.add_table(&a) && sum.add_table(&b));
+        assert_eq!((sum.pods[0].delta(), sum.pods[0].delta_tokens()), (2, 110));
+        assert_eq!((sum.pods[0].prefill, sum.pods[0].prefill_tokens), (1, 60));
+        assert_eq!((sum.pods[1].delta(), sum.pods[1].prefill_tokens), (1, 5));
+        // A worker still on (or gone with) another snapshot does not count.
+        let mut old = LoadTable::default();
+        old.rebase(3, &[1, 2]);
+        old.add(0, 1_000, Some(1_000));
+        assert!(!sum.add_table(&old));
+        assert_eq!(sum.pods[0].delta(), 2);
+        // Deltas of different workers add up like one table's: a request the snapshot counted
+        // finishing in one worker offsets one sent by another.
+        let mut c = LoadTable::default();
+        c.rebase(3, &[1, 2]);
+        c.add(1, 7, None);
+        c.rebase(4, &[1, 2]);
+        assert!(c.finish(2, 7, None));
+        assert!(sum.add_table(&c));
+        assert_eq!(sum.pods[1].delta(), 0);
     }
 
     #[test]

@@ -7,8 +7,9 @@
 //! OpenAI-style error, or fail-open (destination left unset, Envoy's load balancer picks).
 //!
 //! Per worker (see `Worker`): the decoded snapshot (re-decoded only when the shared version
-//! changes), the prefix index, and a tick that exchanges prefix decisions with the other
-//! workers through shared data.
+//! changes), the prefix index, its own in-flight tables, and an exchange with the other workers
+//! through shared data: in-flight tables and the snapshot version at most every
+//! `shared_refresh_ms` on the request path, prefix decisions on the tick.
 //!
 //! The host calls in through [`abi`] (the ABI 0.2.1 exports, only those the filter uses) and is
 //! called through [`host`]; neither can panic.
@@ -40,18 +41,13 @@ const WORKERS_KEY: &str = "gpuroute.workers";
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
 /// next request or snapshot corrects it).
 const CAS_ATTEMPTS: usize = 16;
-/// The request path re-reads the shared snapshot version at most this often (the tick re-reads
-/// it too): a host call that copies into the VM costs as much as a small decision.
-const VERSION_CHECK_NS: u64 = 1_000_000;
+/// A worker's decision-time histogram takes its first request and then one in this many: the
+/// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
+const DECISION_SAMPLE: u64 = 8;
 
-/// Built per request: plain concatenation, so the request path runs none of `core::fmt` (a
-/// large body of code that would otherwise be fetched cold for one short string).
-fn load_key(pool: &str) -> String {
-    const PREFIX: &str = "gpuroute.load.";
-    let mut k = String::with_capacity(PREFIX.len() + pool.len());
-    k.push_str(PREFIX);
-    k.push_str(pool);
-    k
+/// Shared-data key of one worker's in-flight table of `pool` (built once per pool and worker).
+fn load_key(pool: &str, worker: u32) -> String {
+    format!("gpuroute.load.{pool}.{worker}")
 }
 fn sync_key(id: u32) -> String {
     format!("gpuroute.sync.{id}")
@@ -73,12 +69,32 @@ struct Worker {
     /// Newest sync sequence applied per other worker.
     applied: HashMap<u32, u64>,
     published_seq: u64,
-    /// Completions (first byte, end of request) not yet written to the shared load tables, per
-    /// pool. They ride on the next send's compare-and-swap of the same table, or the tick's,
-    /// whichever comes first: one shared-data write per request instead of three.
-    pending: HashMap<String, Vec<Completion>>,
-    /// When the request path last read the shared snapshot version.
-    version_checked_ns: u64,
+    /// Worker ids registered so far (this one's included), re-read on the tick.
+    workers: u32,
+    /// This worker's in-flight view of each pool it has routed to.
+    loads: HashMap<String, PoolLoad>,
+    /// When the request path last exchanged with the other workers, and the interval.
+    refreshed_ns: u64,
+    published_ns: u64,
+    refresh_ns: u64,
+    /// Requests routed, for the decision-time sample.
+    routed: u64,
+}
+
+/// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
+/// are exact and counted at once; the other workers' are read from their published tables at
+/// most every `shared_refresh_ms` (and on the tick): with several workers under load, another
+/// worker's request reaches this view ~1-2 ms after it was sent, a small part of a scrape
+/// interval. No compare-and-swap: every table has one writer.
+struct PoolLoad {
+    /// Shared-data key `own` is published under.
+    key: String,
+    /// This worker's requests, aligned with its snapshot.
+    own: LoadTable,
+    /// `own` changed since it was last published.
+    dirty: bool,
+    /// The other workers' tables of the same snapshot, summed (see `LoadTable::add_table`).
+    others: LoadTable,
 }
 
 impl Worker {
@@ -102,38 +118,75 @@ impl Worker {
         }
     }
 
-    /// Makes `snap` this worker's snapshot. Completions still pending are written first: they
-    /// would otherwise land after the load tables are re-based on the new snapshot and count
-    /// twice.
+    /// Makes `snap` this worker's snapshot, and re-bases its own in-flight tables on it (the
+    /// snapshot reflects what was in flight when it was taken); the other workers' sums wait for
+    /// their tables of the same version.
     fn install_fleet(&mut self, snap: Snapshot, received_at_ms: u64) {
-        self.flush_completions();
-        self.fleet = Some(FleetState::new(snap, received_at_ms));
+        let fleet = FleetState::new(snap, received_at_ms);
+        for (pool, pl) in self.loads.iter_mut() {
+            if let Some(p) = fleet.pool(pool) {
+                pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
+                pl.others = LoadTable::zeroed(fleet.version, &p.keys);
+            }
+        }
+        self.fleet = Some(fleet);
     }
 
-    /// Re-reads the snapshot version on the request path, at most every `VERSION_CHECK_NS`.
-    fn refresh_fleet_throttled(&mut self, now_ns: u64) {
-        if now_ns.wrapping_sub(self.version_checked_ns) >= VERSION_CHECK_NS || self.fleet.is_none()
-        {
-            self.version_checked_ns = now_ns;
-            self.refresh_fleet();
+    /// The exchange with the other workers: the snapshot version (decoding a new snapshot),
+    /// this worker's changed tables out, the others' in.
+    fn refresh_shared(&mut self) {
+        self.refresh_fleet();
+        self.publish_loads();
+        self.read_others();
+    }
+
+    /// [`Worker::refresh_shared`] on the request path, at most every `shared_refresh_ms`.
+    fn refresh_shared_throttled(&mut self, now_ns: u64) {
+        if now_ns.wrapping_sub(self.refreshed_ns) >= self.refresh_ns || self.fleet.is_none() {
+            self.refreshed_ns = now_ns;
+            self.refresh_shared();
         }
     }
 
-    /// Writes every pending completion to its pool's shared table (on the tick).
-    fn flush_completions(&mut self) {
-        for (pool, ops) in self.pending.iter_mut() {
-            if ops.is_empty() {
-                continue;
-            }
-            let written = update_table(pool, |t| {
-                // A pod that left the table has nothing to undo; the write is still needed for
-                // the others.
-                ops.iter().fold(false, |any, op| op.apply(t) | any)
-            });
-            if written {
-                ops.clear();
+    /// Publishes the tables that changed (no compare-and-swap: this worker is their only writer).
+    fn publish_loads(&mut self) {
+        for pl in self.loads.values_mut() {
+            if pl.dirty && host::set_shared(&pl.key, &pl.own.encode(), None).is_ok() {
+                pl.dirty = false;
             }
         }
+    }
+
+    fn read_others(&mut self) {
+        let Some(fleet) = &self.fleet else {
+            return;
+        };
+        for (pool, pl) in self.loads.iter_mut() {
+            if let Some(sum) = others_of(pool, fleet, self.id, self.workers) {
+                pl.others = sum;
+            }
+        }
+    }
+
+    /// This worker's view of `pool`'s in-flight requests (created on its first request, with
+    /// the other workers' tables read at once), aligned with the snapshot. `None` without a
+    /// snapshot of the pool.
+    fn pool_load(&mut self, pool: &str) -> Option<&mut PoolLoad> {
+        let fleet = self.fleet.as_ref()?;
+        let p = fleet.pool(pool)?;
+        if !self.loads.contains_key(pool) {
+            let pl = PoolLoad {
+                key: load_key(pool, self.id),
+                own: LoadTable::zeroed(fleet.version, &p.keys),
+                dirty: false,
+                others: others_of(pool, fleet, self.id, self.workers)
+                    .unwrap_or_else(|| LoadTable::zeroed(fleet.version, &p.keys)),
+            };
+            self.loads.insert(pool.to_string(), pl);
+        }
+        let pl = self.loads.get_mut(pool)?;
+        pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
+        Some(pl)
     }
 
     /// Exchanges prefix decisions with the other workers of this Envoy.
@@ -152,6 +205,7 @@ impl Worker {
             (Some(b), _) => read_u64(&b) as u32,
             _ => 0,
         };
+        self.workers = workers;
         let mut records = Vec::new();
         for other in (0..workers).filter(|w| *w != self.id) {
             let (Some(seq_bytes), _) = host::get_shared(&sync_seq_key(other)) else {
@@ -176,6 +230,19 @@ impl Worker {
             self.stats.gauge("gpuroute.snapshot.age_ms", age);
         }
     }
+}
+
+/// The other workers' published tables of `pool` for the snapshot `fleet`, summed; `None` if the
+/// snapshot has no such pool.
+fn others_of(pool: &str, fleet: &FleetState, me: u32, workers: u32) -> Option<LoadTable> {
+    let p = fleet.pool(pool)?;
+    let mut sum = LoadTable::zeroed(fleet.version, &p.keys);
+    for other in (0..workers).filter(|w| *w != me) {
+        if let (Some(bytes), _) = host::get_shared(&load_key(pool, other)) {
+            sum.add_table(&LoadTable::decode(&bytes));
+        }
+    }
+    Some(sum)
 }
 
 fn read_u64(b: &[u8]) -> u64 {
@@ -221,6 +288,7 @@ impl Root {
             }
         };
         let tick = config.tick_ms.min(u64::from(u32::MAX)) as u32;
+        let refresh_ns = config.shared_refresh_ms.saturating_mul(1_000_000);
         let routes = !config.pools.is_empty();
         let id = if routes { register_worker() } else { u32::MAX };
         let seed = host::now_nanos() ^ (u64::from(self.id) << 32) ^ u64::from(id);
@@ -233,8 +301,12 @@ impl Root {
             id,
             applied: HashMap::new(),
             published_seq: 0,
-            pending: HashMap::new(),
-            version_checked_ns: 0,
+            workers: 0,
+            loads: HashMap::new(),
+            refreshed_ns: 0,
+            published_ns: 0,
+            refresh_ns,
+            routed: 0,
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -247,10 +319,10 @@ impl Root {
     fn on_tick(&mut self) {
         if let Some(w) = &self.worker {
             let mut w = w.borrow_mut();
-            // Decoding here keeps the cost off the request path in the common case.
-            w.refresh_fleet();
-            w.flush_completions();
+            // Decoding here keeps the cost off the request path in the common case. The sync
+            // first: it re-reads the number of workers.
             w.sync();
+            w.refresh_shared();
             w.snapshot_age_gauge();
             w.stats.flush();
         }
@@ -286,16 +358,17 @@ struct Http {
 }
 
 impl Http {
-    /// Queues a completion for the shared load table (see `Worker::pending`).
-    fn complete(&self, pool: String, op: Completion) {
-        if let Some(w) = &self.worker {
-            if let Ok(mut w) = w.try_borrow_mut() {
-                w.pending.entry(pool).or_default().push(op);
-                return;
-            }
+    /// Applies a completion to this worker's table of the pool; it reaches the other workers
+    /// with the next publication (see `PoolLoad`).
+    fn complete(&self, pool: &str, op: Completion) {
+        // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
+        let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) else {
+            return;
+        };
+        if let Some(pl) = w.loads.get_mut(pool) {
+            // A pod that left the table has nothing to undo.
+            pl.dirty |= op.apply(&mut pl.own);
         }
-        // Never expected (the worker is not borrowed between callbacks); write it directly.
-        update_table(&pool, |t| op.apply(t));
     }
 
     fn reply(&mut self, status: u32, body: &str, content_type: &str) -> Action {
@@ -392,7 +465,7 @@ impl Http {
     fn route(&mut self, w: &mut Worker, size: usize) -> Action {
         let t0 = host::now_nanos();
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
-        w.refresh_fleet_throttled(t0);
+        w.refresh_shared_throttled(t0);
         let prep = match w.engine.prepare(&self.path, &body) {
             Ok(p) => p,
             Err(e) => {
@@ -407,22 +480,12 @@ impl Http {
         let debug = w.engine.config.debug_header;
         let now = t0 / 1_000_000;
 
-        // The shared in-flight table of the pool, aligned with the current snapshot.
-        let pool_state = w.fleet.as_ref().and_then(|f| f.pool(&prep.pool));
-        let key = load_key(&prep.pool);
-        let mut table = LoadTable::default();
-        let mut cas = None;
-        let mut aligned: Option<(u64, &[u64])> = None;
-        if let (Some(f), Some(p)) = (w.fleet.as_ref(), pool_state) {
-            let (bytes, c) = host::get_shared(&key);
-            table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
-            table.rebase(f.version, &p.keys);
-            // This worker's completions not written yet are part of the pool's current load.
-            for op in w.pending.get(&prep.pool).into_iter().flatten() {
-                op.apply(&mut table);
-            }
-            cas = c;
-            aligned = Some((f.version, &p.keys));
+        // The pool's in-flight requests: this worker's and the others', aligned with the
+        // snapshot.
+        let mut view = LoadTable::default();
+        if let Some(pl) = w.pool_load(&prep.pool) {
+            view = pl.own.clone();
+            view.add_table(&pl.others);
         }
         let opts = DecideOptions {
             now_ms: now,
@@ -431,7 +494,7 @@ impl Http {
         };
         let mut choice = w
             .engine
-            .decide(&prep, w.fleet.as_ref(), &table.pods, opts, &mut w.rng);
+            .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         self.debug = choice.debug.take();
 
         let pool = prep.pool.clone();
@@ -444,17 +507,16 @@ impl Http {
                 };
                 let dest = w.engine.config.data_plane.destination(dest);
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
-                if let Some((version, keys)) = &aligned {
-                    let ops = w.pending.remove(&pool).unwrap_or_default();
-                    let sent = (
-                        idx,
-                        prep.prompt_tokens,
-                        prep.stream.then_some(choice.prefill_tokens),
-                    );
-                    if !count_sent(&key, table, cas, sent, &ops, *version, keys) {
-                        // Not written: keep the completions for the tick.
-                        w.pending.entry(pool.clone()).or_default().extend(ops);
-                    }
+                if let Some(pl) = w.loads.get_mut(&pool) {
+                    let prefill = prep.stream.then_some(choice.prefill_tokens);
+                    pl.own.add(idx, prep.prompt_tokens, prefill);
+                    pl.dirty = true;
+                }
+                // Published at once unless this worker published within the interval (then
+                // with the next request after it, or the tick).
+                if t0.wrapping_sub(w.published_ns) >= w.refresh_ns {
+                    w.published_ns = t0;
+                    w.publish_loads();
                 }
                 w.engine.commit(&prep, pod_key);
                 if let Some(addr) = dest.split(',').next() {
@@ -471,6 +533,7 @@ impl Http {
                     .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
                 if w.engine.config.data_plane == DataPlane::OriginalDst {
                     // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
+                    let pool_state = w.fleet.as_ref().and_then(|f| f.pool(&pool));
                     let any = pool_state.and_then(|p| Engine::any_pod(p, &mut w.rng));
                     match any {
                         Some(addr) => {
@@ -493,9 +556,12 @@ impl Http {
             }
         }
         self.set_routing_headers(&prep, &body);
-        let t1 = host::now_nanos();
-        w.stats
-            .histogram("gpuroute.decision_us", t1.saturating_sub(t0) / 1_000);
+        if w.routed.is_multiple_of(DECISION_SAMPLE) {
+            let t1 = host::now_nanos();
+            w.stats
+                .histogram("gpuroute.decision_us", t1.saturating_sub(t0) / 1_000);
+        }
+        w.routed = w.routed.wrapping_add(1);
         Action::Continue
     }
 
@@ -511,54 +577,6 @@ impl Http {
             }
         }
     }
-}
-
-/// Counts the request against its pod in the shared table, which already carries this worker's
-/// pending `completions` of the pool (compare-and-swap; on a lost race the table is re-read,
-/// re-aligned with the snapshot, and the completions and the count applied to the fresh copy).
-/// Returns whether it was written.
-fn count_sent(
-    key: &str,
-    mut table: LoadTable,
-    mut cas: Option<u32>,
-    at: (usize, u32, Option<u32>),
-    completions: &[Completion],
-    version: u64,
-    keys: &[u64],
-) -> bool {
-    let (idx, tokens, prefill_tokens) = at;
-    for _ in 0..CAS_ATTEMPTS {
-        table.add(idx, tokens, prefill_tokens);
-        if host::set_shared(key, &table.encode(), cas).is_ok() {
-            return true;
-        }
-        let (bytes, c) = host::get_shared(key);
-        table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
-        table.rebase(version, keys);
-        for op in completions {
-            op.apply(&mut table);
-        }
-        cas = c;
-    }
-    false
-}
-
-/// Applies `f` to the pool's shared load table (compare-and-swap, retried on a lost race).
-/// `f` returns false when there is nothing to write (the pods left the table). Returns false
-/// only when every attempt lost its race.
-fn update_table(pool: &str, mut f: impl FnMut(&mut LoadTable) -> bool) -> bool {
-    let key = load_key(pool);
-    for _ in 0..CAS_ATTEMPTS {
-        let (bytes, cas) = host::get_shared(&key);
-        let mut table = LoadTable::decode(bytes.as_deref().unwrap_or_default());
-        if !f(&mut table) {
-            return true;
-        }
-        if host::set_shared(&key, &table.encode(), cas).is_ok() {
-            return true;
-        }
-    }
-    false
 }
 
 fn peer_is_loopback() -> bool {
@@ -680,7 +698,7 @@ impl Http {
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 let pool = p.pool.clone();
-                self.complete(pool, op);
+                self.complete(&pool, op);
             }
         }
         Action::Continue
@@ -690,7 +708,7 @@ impl Http {
     fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
             let op = p.finished();
-            self.complete(p.pool, op);
+            self.complete(&p.pool, op);
         }
     }
 }

@@ -8,7 +8,8 @@
 //!   missing_required_parameter, request_too_large)
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods` (gauges)
-//! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds)
+//! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
+//!   worker's first routed request and one in `DECISION_SAMPLE` after it)
 //! - `gpuroute.models_list` (counter: `/v1/models` answered)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed

@@ -417,6 +417,53 @@ def test_burst_within_one_snapshot_spreads(pods):
             p.close()
 
 
+def test_in_flight_requests_count_across_worker_threads():
+    """Each worker counts its own requests at once and sees the other workers' through shared
+    data. Six slow requests are held in flight on six connections, which the kernel spreads over
+    Envoy's two workers: whatever the split, one worker holds fewer than five of them itself.
+    The snapshot says the pod's queue is empty, so only the gateway's own count can saturate it
+    (queue_threshold 5). Sheddable probes on fresh connections must then get 429 on both workers;
+    a worker blind to the other's requests would see fewer than five and route its probes."""
+    import concurrent.futures
+
+    slow = StubPod("slow-0", delay_s=3.0)
+    # No re-push during the test (a new snapshot takes the held requests as reported).
+    config = dict(CONFIG, scoring={"stale_after_ms": 20_000})
+    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=2)
+    ex = concurrent.futures.ThreadPoolExecutor(6)
+    try:
+        assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
+
+        listener = "listener." + e.listen.replace(":", "_") + ".worker_"
+
+        def per_worker():
+            s = e.stats(r"downstream_cx_total")
+            return {k[len(listener):].split(".")[0]: v for k, v in s.items() if k.startswith(listener)}
+
+        held = [ex.submit(e.chat, "llama-3-8b", f"held {i}") for i in range(6)]
+        deadline = time.time() + 2
+        while len(slow.requests) < 6 and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(slow.requests) == 6, "the held requests did not all reach the pod"
+        assert not any(f.done() for f in held)
+        before = per_worker()
+        statuses, hit = [], []
+        # Probes until both workers have answered some (the kernel picks the worker of each
+        # connection); a probe routed to the pod instead of refused ends the loop (and the test).
+        while len(statuses) < 40 and time.time() < deadline + 1:
+            statuses.append(e.chat("llama-3-8b", "probe", headers={"x-gateway-priority": "-1"})[0])
+            hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
+            if statuses[-1] != 429 or (len(hit) >= 2 and len(statuses) >= 8):
+                break
+        assert statuses == [429] * len(statuses), f"a worker did not count the other's requests: {statuses}"
+        assert len(hit) >= 2, f"the probes did not reach both workers: {per_worker()} vs {before}"
+        assert all(f.result()[0] == 200 for f in held)
+    finally:
+        ex.shutdown(wait=True)
+        e.stop()
+        slow.close()
+
+
 def test_non_inference_paths_pass_through_untouched(envoy, pods):
     s, _, body, _ = envoy.request("GET", "/health")
     # No pool header was set, so the route table's catch-all answers.
