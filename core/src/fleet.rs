@@ -1,10 +1,10 @@
 //! A snapshot decoded for picking: per pool, per pod, the values the scorers read, with names
 //! pre-hashed. Built once per snapshot version in each worker, never per request.
 
+use crate::idmap::NameMap;
 use crate::picker::speed_class;
 use crate::prefix::pod_key;
 use crate::snapshot::{PodSnapshot, Snapshot};
-use std::collections::HashMap;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// Hash of a LoRA adapter name, as the picker compares them.
@@ -91,7 +91,7 @@ pub struct FleetState {
     pub received_at_ms: u64,
     pub source: String,
     pub pools: Vec<PoolState>,
-    by_name: HashMap<String, usize>,
+    by_name: NameMap<String, usize>,
 }
 
 impl FleetState {

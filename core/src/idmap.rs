@@ -30,3 +30,60 @@ impl Hasher for IdHasher {
 
 /// A `HashMap` with [`IdHasher`].
 pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
+
+/// FxHash-style hashing of names (pool, model and metric names), eight bytes per multiply.
+/// Only for maps whose keys come from the configuration: a lookup with a client-chosen name
+/// (the `model` of a body) cannot add entries, so no one can make a bucket grow.
+#[derive(Default)]
+pub struct NameHasher(u64);
+
+impl NameHasher {
+    #[inline]
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+}
+
+impl Hasher for NameHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(c);
+            self.add(u64::from_le_bytes(w));
+        }
+        let mut w = [0u8; 8];
+        let tail = chunks.remainder();
+        w[..tail.len()].copy_from_slice(tail);
+        self.add(u64::from_le_bytes(w) ^ ((tail.len() as u64) << 56));
+    }
+}
+
+/// A `HashMap` with [`NameHasher`], for names from the configuration.
+pub type NameMap<K, V> = HashMap<K, V, BuildHasherDefault<NameHasher>>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn name_maps_find_what_they_hold_and_nothing_else() {
+        let names: Vec<String> = (0..500)
+            .map(|i| format!("pool-{i}.model/{}", "x".repeat(i % 19)))
+            .collect();
+        let mut m = NameMap::default();
+        for (i, n) in names.iter().enumerate() {
+            m.insert(n.clone(), i);
+        }
+        for (i, n) in names.iter().enumerate() {
+            assert_eq!(m.get(n.as_str()), Some(&i));
+        }
+        // Names that differ only in length or in a trailing byte stay apart.
+        assert_eq!(m.get("pool-0.model/"), Some(&0));
+        assert_eq!(m.get("pool-0.model/\0"), None);
+        assert_eq!(m.get(""), None);
+    }
+}

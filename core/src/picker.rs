@@ -289,6 +289,16 @@ impl Picker {
                         .max_by_key(|c| hrw_weight(a, pool.pods[c.0].key))
                 })
                 .map(|c| c.0),
+            // Equal capacities (the usual case): `w / -ln(u)` orders the pods as `u` does, and
+            // `u` as the hash's top 53 bits; no logarithm.
+            (true, None, Some(k))
+                if cands.windows(2).all(|p| p[0].1.capacity == p[1].1.capacity) =>
+            {
+                cands
+                    .iter()
+                    .max_by_key(|c| hrw_weight(k, pool.pods[c.0].key) >> 11)
+                    .map(|c| c.0)
+            }
             // One weight per candidate (a logarithm each), not two per comparison.
             (true, None, Some(k)) => cands
                 .iter()
@@ -358,7 +368,7 @@ impl Picker {
         // compressed to fit, so the least-loaded pod still stands out.
         let span = sc.queue_horizon.max(w_max - w_min);
 
-        let mut scored: Vec<(usize, f64, f64)> = Vec::with_capacity(cands.len());
+        let mut scored: Vec<(usize, f64, f64, f64)> = Vec::with_capacity(cands.len());
         for (i, l, saturated) in &cands {
             let pod = &pool.pods[*i];
             let queue = 1.0 - (wait(&(*i, *l, *saturated)) - w_min) / span;
@@ -396,11 +406,10 @@ impl Picker {
                 total += w.prefix * s;
             }
             total /= wsum;
-            // Random tie-break key, weighted by capacity (Efraimidis-Spirakis: u^(1/w), compared
-            // as its logarithm ln(u)/w, which orders the same and costs one `ln`, not a `powf`).
+            // Random tie-break key, weighted by capacity (Efraimidis-Spirakis: u^(1/w)); see
+            // `tie_break`. Drawn for every candidate, so the pick depends only on the seed.
             let u = rng.next_f64().max(f64::MIN_POSITIVE);
-            let tie = u.ln() / l.capacity;
-            scored.push((*i, total, tie));
+            scored.push((*i, total, u, l.capacity));
             if let Some(b) = breakdown.as_deref_mut() {
                 b.push(Breakdown {
                     pod: *i,
@@ -415,11 +424,11 @@ impl Picker {
             }
         }
         // Best first; equal totals (within float noise) by the weighted random key.
-        let better = |a: &(usize, f64, f64), b: &(usize, f64, f64)| {
+        let better = |a: &(usize, f64, f64, f64), b: &(usize, f64, f64, f64)| {
             if (a.1 - b.1).abs() > 1e-9 {
                 a.1 > b.1
             } else {
-                a.2 > b.2
+                tie_break((a.2, a.3), (b.2, b.3))
             }
         };
         let k = (1 + self.fallbacks).min(scored.len());
@@ -434,6 +443,17 @@ impl Picker {
             scored.swap(slot, best);
         }
         Decision::Picked(scored[..k].iter().map(|s| s.0).collect())
+    }
+}
+
+/// Whether the candidate with random draw `u` and capacity `w` wins a tie against the other:
+/// the larger Efraimidis-Spirakis key u^(1/w), compared as ln(u)/w (one `ln` each, not a
+/// `powf`), and only when the two capacities differ: at equal capacity the key orders as `u`.
+fn tie_break((ua, wa): (f64, f64), (ub, wb): (f64, f64)) -> bool {
+    if wa == wb {
+        ua > ub
+    } else {
+        ua.ln() / wa > ub.ln() / wb
     }
 }
 

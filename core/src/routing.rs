@@ -4,8 +4,8 @@
 
 use crate::config::FilterConfig;
 use crate::error::ApiError;
+use crate::idmap::NameMap;
 use serde::Serialize;
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Where a model name leads.
@@ -27,7 +27,7 @@ pub struct Target {
 #[derive(Debug, Clone)]
 pub struct RoutingTable {
     /// Shared, so a request takes its target without copying its strings.
-    by_name: HashMap<String, Arc<Target>>,
+    by_name: NameMap<String, Arc<Target>>,
     pool_names: Vec<String>,
     default_target: Option<Arc<Target>>,
     models_json: String,
@@ -53,7 +53,7 @@ struct ModelCard<'a> {
 impl RoutingTable {
     /// Builds the table from a validated configuration.
     pub fn new(cfg: &FilterConfig) -> RoutingTable {
-        let mut by_name = HashMap::new();
+        let mut by_name = NameMap::default();
         let mut cards = Vec::new();
         for (pi, pool) in cfg.pools.iter().enumerate() {
             let base = pool.models.first().cloned().unwrap_or_default();

@@ -24,6 +24,7 @@ use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
 use gpuroute_core::error::ApiError;
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::headers::{self, RequestHead};
+use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::{Decision, FailOpen};
@@ -72,7 +73,7 @@ struct Worker {
     /// Worker ids registered so far (this one's included), re-read on the tick.
     workers: u32,
     /// This worker's in-flight view of each pool it has routed to.
-    loads: HashMap<String, PoolLoad>,
+    loads: NameMap<String, PoolLoad>,
     /// When the request path last exchanged with the other workers, and the interval.
     refreshed_ns: u64,
     published_ns: u64,
@@ -302,7 +303,7 @@ impl Root {
             applied: HashMap::new(),
             published_seq: 0,
             workers: 0,
-            loads: HashMap::new(),
+            loads: NameMap::default(),
             refreshed_ns: 0,
             published_ns: 0,
             refresh_ns,

@@ -20,16 +20,15 @@
 use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::fleet::stat_segment as sanitize;
-use gpuroute_core::idmap::IdMap;
-use std::collections::HashMap;
+use gpuroute_core::idmap::{IdMap, NameMap};
 
 /// Metric ids, defined lazily and cached per worker.
 #[derive(Default)]
 pub struct Stats {
-    ids: HashMap<String, Option<u32>>,
+    ids: NameMap<String, Option<u32>>,
     /// Per pool: the id of its `picked` counter and of each pod's `picks` counter, so the hot
     /// path neither formats names nor hashes long strings.
-    hot: HashMap<String, PoolIds>,
+    hot: NameMap<String, PoolIds>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
 }
