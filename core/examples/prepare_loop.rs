@@ -13,7 +13,9 @@ use gpuroute_core::engine::Engine;
 fn main() {
     let mut args = std::env::args().skip(1);
     let path = args.next().expect("usage: prepare_loop BODY.json [N]");
-    let n: usize = args.next().map_or(10_000, |s| s.parse().expect("N is a count"));
+    let n: usize = args
+        .next()
+        .map_or(10_000, |s| s.parse().expect("N is a count"));
     let body = std::fs::read(&path).expect("readable body file");
     let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"]}]}"#;
     let mut engine = Engine::new(FilterConfig::from_json(cfg).expect("valid configuration"));

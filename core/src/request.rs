@@ -667,11 +667,42 @@ mod tests {
             prop_assert_eq!(&body[r.model_span.clone().unwrap()], serde_json::to_string(&model).unwrap());
         }
 
+        /// The scanner's plain-message path (`scan`: messages matched byte for byte in the two
+        /// usual serialisations) reads what the general path reads, for messages in those forms
+        /// and for ones a byte or a field away from them. Every such body is read by the scanner.
+        #[test]
+        fn plain_messages_read_as_the_general_path_reads_them(
+            messages in proptest::collection::vec((0u8..8, "[a-z \n\"é\\\\\u{1}]{0,24}", 0usize..2, 0u8..6), 1..6),
+            limit in prop_oneof![Just(1usize << 16), 0usize..40],
+        ) {
+            let q = |t: &str| serde_json::to_string(t).unwrap();
+            let msgs: Vec<String> = messages.iter().map(|(role, text, form, twist)| {
+                let role = ["user", "system", "assistant", "tool", "developer", "users", "", "use"][usize::from(*role)];
+                let (colon, comma) = [(":", ","), (": ", ", ")][*form];
+                let m = format!(r#"{{"role"{colon}{}{comma}"content"{colon}{}}}"#, q(role), q(text));
+                match twist {
+                    0 => m.replace('}', " }"),
+                    1 => m.replace(r#""content""#, r#""content ""#),
+                    2 => m.replace(r#""}"#, &format!(r#""{comma}"name"{colon}"x"}}"#)),
+                    _ => m,
+                }
+            }).collect();
+            let body = format!(r#"{{"model":"m","messages":[{}]}}"#, msgs.join(","));
+            let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
+                .map(|r| (r.model.map(|m| m.into_owned()), r.prompt, r.prompt_len, r.conversation_len))
+                .map_err(|e| (e.status, e.code, e.param));
+            let b = body.as_bytes();
+            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16, b.len())));
+            let scanned = parse_chat_scan(b, PromptText::new(limit, 16, b.len()));
+            prop_assert!(scanned.is_some(), "the scanner declined: {}", body);
+            prop_assert_eq!(summary(scanned.unwrap()), general, "body: {}", body);
+        }
+
         /// The chat fast path and the general path agree on every body, in the documented shape
         /// or not: same fields, same canonical prompt, same errors.
         #[test]
         fn chat_fast_path_equals_general_path(
-            messages in proptest::collection::vec((0u8..10, 0u8..11, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..9), 0..5),
+            messages in proptest::collection::vec((0u8..10, 0u8..11, "[a-z \n\"é\\\\\u{1}]{0,24}", any::<bool>(), 0u8..9, 0u8..3), 0..5),
             shape in 0u8..6,
             model in 0u8..4,
             extra in 0u8..8,
@@ -679,7 +710,7 @@ mod tests {
             limit in prop_oneof![Just(1usize << 16), 0usize..40],
         ) {
             let q = |t: &str| serde_json::to_string(t).unwrap();
-            let msgs: Vec<String> = messages.iter().map(|(role, content, text, content_first, more)| {
+            let msgs: Vec<String> = messages.iter().map(|(role, content, text, content_first, more, spacing)| {
                 // Roles the scanner reads as literals, near misses of them, and an escaped one.
                 let role = match role {
                     0 => q("user"), 1 => q("system"), 2 => q("assistant"), 3 => "null".into(),
@@ -699,7 +730,10 @@ mod tests {
                     9 => format!(r#""\u0041{}""#, &q(text)[1..]),
                     _ => "true".into(),
                 };
-                let mut fields = vec![format!(r#""role":{role}"#), format!(r#""content" : {content}"#)];
+                // Spacing: unusual, compact (JSON.stringify, serde_json) or Python's json.dumps
+                // (the last two are what the scanner's plain-message path matches).
+                let (colon, comma) = [(" : ", ","), (":", ","), (": ", ", ")][usize::from(*spacing)];
+                let mut fields = vec![format!(r#""role"{colon}{role}"#), format!(r#""content"{colon}{content}"#)];
                 if *content_first { fields.reverse(); }
                 match more {
                     1 => fields.push(r#""tool_calls":[{"id":"c1","function":{"name":"f","arguments":"{}"}}]"#.into()),
@@ -713,7 +747,7 @@ mod tests {
                     8 => fields.push(r#""content":"again""#.into()),
                     _ => {}
                 }
-                format!("{{{}}}", fields.join(","))
+                format!("{{{}}}", fields.join(comma))
             }).collect();
             let messages = match shape {
                 0..=2 => format!(r#","messages":[{}]"#, msgs.join(", ")),

@@ -315,6 +315,9 @@ impl<'a> Scanner<'a> {
     }
 
     fn message(&mut self) -> Option<ChatMessage<'a>> {
+        if let Some(m) = self.plain_message() {
+            return Some(m);
+        }
         let mut m = ChatMessage {
             role: None,
             content: None,
@@ -363,6 +366,57 @@ impl<'a> Scanner<'a> {
             Some(())
         })?;
         Some(m)
+    }
+}
+
+impl<'a> Scanner<'a> {
+    /// A message in one of the two forms nearly every client sends, matched byte for byte:
+    /// `{"role": "R", "content": "..."}` (Python's `json.dumps`, the OpenAI Python SDK) and
+    /// `{"role":"R","content":"..."}` (`JSON.stringify`, `serde_json`, Go), with `R` one of
+    /// [`ROLES`]. The general path spends most of a short message in its whitespace, key and
+    /// separator steps; here they are three prefix compares. Anything else (other keys or key
+    /// order, other spacing, another role, a content that is not a string) leaves the position
+    /// where it was and returns `None`: the general path then reads the message, and decides.
+    fn plain_message(&mut self) -> Option<ChatMessage<'a>> {
+        let start = self.i;
+        let m = self.plain_message_at();
+        if m.is_none() {
+            self.i = start;
+        }
+        m
+    }
+
+    fn plain_message_at(&mut self) -> Option<ChatMessage<'a>> {
+        const OPEN: [&[u8]; 2] = [b"{\"role\": \"", b"{\"role\":\""];
+        const NEXT: [&[u8]; 2] = [b"\", \"content\": \"", b"\",\"content\":\""];
+        self.ws();
+        let rest = self.b.get(self.i..)?;
+        let form = OPEN.iter().position(|o| rest.starts_with(o))?;
+        self.i += OPEN.get(form)?.len();
+        let next = NEXT.get(form)?;
+        let rest = self.b.get(self.i..)?;
+        let role = ROLES.iter().find(|w| {
+            let w = w.as_bytes();
+            rest.starts_with(w) && rest.get(w.len()..).is_some_and(|t| t.starts_with(next))
+        })?;
+        // The content's opening quote is the last byte of `next`: the string scan starts there.
+        self.i += role.len() + next.len() - 1;
+        let (tok, escaped) = self.string()?;
+        if self.peek()? != b'}' {
+            return None;
+        }
+        self.i += 1;
+        let inner = tok.get(1..tok.len() - 1)?;
+        let content = if escaped {
+            Cow::Owned(serde_json::from_str::<String>(tok).ok()?)
+        } else {
+            Cow::Borrowed(inner)
+        };
+        Some(ChatMessage {
+            role: Some(role),
+            content: Some(content),
+            tool_calls: None,
+        })
     }
 }
 
@@ -579,6 +633,48 @@ mod tests {
         assert_eq!(s.messages[1].content.as_deref(), Some("line\nnext é"));
         assert_eq!(s.messages[2].tool_calls, Some(r#"[{"id": "c"}]"#));
         assert!(s.messages[2].content.is_none());
+    }
+
+    #[test]
+    fn plain_messages_in_both_forms_and_everything_else_by_the_general_path() {
+        let body = br#"{"model":"m","messages":[{"role": "system", "content": "be brief"}, {"role":"user","content":"a\"b\u00e9"},{"role":"tool","content":""},{"role": "assistant", "content": "x", "name": "n"},{"role":"users","content":"y"}, {"role": "user" , "content": "z"},{"role":"user","content":null}]}"#;
+        let s = chat(body).unwrap();
+        let got: Vec<_> = s
+            .messages
+            .iter()
+            .map(|m| (m.role, m.content.as_deref()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (Some("system"), Some("be brief")),
+                (Some("user"), Some("a\"bé")),
+                (Some("tool"), Some("")),
+                // A third key, another role, other spacing, a null content: the general path.
+                (Some("assistant"), Some("x")),
+                (Some("users"), Some("y")),
+                (Some("user"), Some("z")),
+                (Some("user"), None),
+            ]
+        );
+        // What the plain path matched it consumed exactly: the position is at the closing brace's
+        // successor, and a mismatch leaves the position alone.
+        for (form, matched) in [
+            (&br#"{"role": "user", "content": "q"}"#[..], true),
+            (br#"{"role":"user","content":"q"}"#, true),
+            (br#"{"role":"user","content":"q" }"#, false),
+            (br#"{"role":"user","content":"q","x":1}"#, false),
+            (br#"{"content":"q","role":"user"}"#, false),
+        ] {
+            let mut sc = Scanner {
+                text: std::str::from_utf8(form).unwrap(),
+                b: form,
+                i: 0,
+            };
+            let m = sc.plain_message();
+            assert_eq!(m.is_some(), matched, "{}", sc.text);
+            assert_eq!(sc.i, if matched { form.len() } else { 0 });
+        }
     }
 
     #[test]
