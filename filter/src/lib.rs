@@ -42,6 +42,10 @@ const WORKERS_KEY: &str = "gpuroute.workers";
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
 /// next request or snapshot corrects it).
 const CAS_ATTEMPTS: usize = 16;
+/// Worker ids read from shared data are trusted only up to this many (each one is a shared-data
+/// read per exchange): far beyond any Envoy's worker threads times plugin configurations, even
+/// counting the ids of VMs gone with earlier configurations.
+const MAX_WORKERS: u32 = 4096;
 /// A worker's decision-time histogram takes its first request and then one in this many: the
 /// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
 const DECISION_SAMPLE: u64 = 8;
@@ -203,7 +207,7 @@ impl Worker {
             self.published_seq = seq;
         }
         let workers = match host::get_shared(WORKERS_KEY) {
-            (Some(b), _) => read_u64(&b) as u32,
+            (Some(b), _) => read_u64(&b).min(u64::from(MAX_WORKERS)) as u32,
             _ => 0,
         };
         self.workers = workers;
@@ -302,7 +306,8 @@ impl Root {
             id,
             applied: HashMap::new(),
             published_seq: 0,
-            workers: 0,
+            // Every id below this one is taken; later ones are read on the tick.
+            workers: if id < MAX_WORKERS { id + 1 } else { 0 },
             loads: NameMap::default(),
             refreshed_ns: 0,
             published_ns: 0,
