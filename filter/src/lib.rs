@@ -78,6 +78,8 @@ struct Worker {
     workers: u32,
     /// This worker's in-flight view of each pool it has routed to.
     loads: NameMap<String, PoolLoad>,
+    /// The snapshot version before the current one (other workers may still be on it).
+    previous_version: Option<u64>,
     /// When the request path last exchanged with the other workers, and the interval.
     refreshed_ns: u64,
     published_ns: u64,
@@ -98,7 +100,8 @@ struct PoolLoad {
     own: LoadTable,
     /// `own` changed since it was last published.
     dirty: bool,
-    /// The other workers' tables of the same snapshot, summed (see `LoadTable::add_table`).
+    /// The other workers' tables of this snapshot (or the one before), summed (see
+    /// `LoadTable::add_table`).
     others: LoadTable,
 }
 
@@ -128,6 +131,7 @@ impl Worker {
     /// their tables of the same version.
     fn install_fleet(&mut self, snap: Snapshot, received_at_ms: u64) {
         let fleet = FleetState::new(snap, received_at_ms);
+        self.previous_version = self.fleet.as_ref().map(|f| f.version);
         for (pool, pl) in self.loads.iter_mut() {
             if let Some(p) = fleet.pool(pool) {
                 pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
@@ -167,7 +171,8 @@ impl Worker {
             return;
         };
         for (pool, pl) in self.loads.iter_mut() {
-            if let Some(sum) = others_of(pool, fleet, self.id, self.workers) {
+            let previous = self.previous_version;
+            if let Some(sum) = others_of(pool, fleet, previous, self.id, self.workers) {
                 pl.others = sum;
             }
         }
@@ -184,7 +189,7 @@ impl Worker {
                 key: load_key(pool, self.id),
                 own: LoadTable::zeroed(fleet.version, &p.keys),
                 dirty: false,
-                others: others_of(pool, fleet, self.id, self.workers)
+                others: others_of(pool, fleet, self.previous_version, self.id, self.workers)
                     .unwrap_or_else(|| LoadTable::zeroed(fleet.version, &p.keys)),
             };
             self.loads.insert(pool.to_string(), pl);
@@ -237,14 +242,20 @@ impl Worker {
     }
 }
 
-/// The other workers' published tables of `pool` for the snapshot `fleet`, summed; `None` if the
-/// snapshot has no such pool.
-fn others_of(pool: &str, fleet: &FleetState, me: u32, workers: u32) -> Option<LoadTable> {
+/// The other workers' published tables of `pool` for the snapshot `fleet` (or the one before it,
+/// `previous`: see `LoadTable::add_table`), summed; `None` if the snapshot has no such pool.
+fn others_of(
+    pool: &str,
+    fleet: &FleetState,
+    previous: Option<u64>,
+    me: u32,
+    workers: u32,
+) -> Option<LoadTable> {
     let p = fleet.pool(pool)?;
     let mut sum = LoadTable::zeroed(fleet.version, &p.keys);
     for other in (0..workers).filter(|w| *w != me) {
         if let (Some(bytes), _) = host::get_shared(&load_key(pool, other)) {
-            sum.add_table(&LoadTable::decode(&bytes));
+            sum.add_table(&LoadTable::decode(&bytes), previous);
         }
     }
     Some(sum)
@@ -309,6 +320,7 @@ impl Root {
             // Every id below this one is taken; later ones are read on the tick.
             workers: if id < MAX_WORKERS { id + 1 } else { 0 },
             loads: NameMap::default(),
+            previous_version: None,
             refreshed_ns: 0,
             published_ns: 0,
             refresh_ns,
@@ -491,7 +503,7 @@ impl Http {
         let mut view = LoadTable::default();
         if let Some(pl) = w.pool_load(&prep.pool) {
             view = pl.own.clone();
-            view.add_table(&pl.others);
+            view.add_table(&pl.others, None);
         }
         let opts = DecideOptions {
             now_ms: now,
