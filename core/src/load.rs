@@ -171,8 +171,15 @@ impl LoadTable {
         if other.version != self.version && Some(other.version) != previous {
             return false;
         }
-        for o in &other.pods {
-            if let Some(p) = self.pods.iter_mut().find(|p| p.key == o.key) {
+        for (i, o) in other.pods.iter().enumerate() {
+            // Tables of one snapshot list the pods in the same order: the same index, unless a
+            // table of the snapshot before lists them otherwise (then by key). Per request this
+            // runs over the whole pool, so no search per pod in the common case.
+            let at = match self.pods.get(i) {
+                Some(p) if p.key == o.key => Some(i),
+                _ => self.pods.iter().position(|p| p.key == o.key),
+            };
+            if let Some(p) = at.and_then(|j| self.pods.get_mut(j)) {
                 p.inflight = p.inflight.saturating_add(o.inflight);
                 p.base = p.base.saturating_add(o.base);
                 p.tokens = p.tokens.saturating_add(o.tokens);

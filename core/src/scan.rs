@@ -345,12 +345,7 @@ impl<'a> Scanner<'a> {
                     s.ws();
                     if s.peek()? == b'"' {
                         let (tok, escaped) = s.string()?;
-                        let inner = tok.get(1..tok.len() - 1)?;
-                        m.content = Some(if escaped {
-                            Cow::Owned(serde_json::from_str::<String>(tok).ok()?)
-                        } else {
-                            Cow::Borrowed(inner)
-                        });
+                        m.content = Some(unescaped(tok, escaped)?);
                     } else if s.value(2)? != "null" {
                         return None;
                     }
@@ -406,17 +401,20 @@ impl<'a> Scanner<'a> {
             return None;
         }
         self.i += 1;
-        let inner = tok.get(1..tok.len() - 1)?;
-        let content = if escaped {
-            Cow::Owned(serde_json::from_str::<String>(tok).ok()?)
-        } else {
-            Cow::Borrowed(inner)
-        };
         Some(ChatMessage {
             role: Some(role),
-            content: Some(content),
+            content: Some(unescaped(tok, escaped)?),
             tool_calls: None,
         })
+    }
+}
+
+/// The text of a string token read by [`Scanner::string`]: borrowed when it holds no escapes.
+fn unescaped(tok: &str, escaped: bool) -> Option<Cow<'_, str>> {
+    if escaped {
+        serde_json::from_str::<String>(tok).ok().map(Cow::Owned)
+    } else {
+        tok.get(1..tok.len() - 1).map(Cow::Borrowed)
     }
 }
 

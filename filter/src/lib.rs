@@ -127,15 +127,15 @@ impl Worker {
     }
 
     /// Makes `snap` this worker's snapshot, and re-bases its own in-flight tables on it (the
-    /// snapshot reflects what was in flight when it was taken); the other workers' sums wait for
-    /// their tables of the same version.
+    /// snapshot reflects what was in flight when it was taken). The other workers' sums are
+    /// read again with it (`refresh_shared`); until then the old sum, of another version, is
+    /// left out of the view (`LoadTable::add_table`).
     fn install_fleet(&mut self, snap: Snapshot, received_at_ms: u64) {
         let fleet = FleetState::new(snap, received_at_ms);
         self.previous_version = self.fleet.as_ref().map(|f| f.version);
         for (pool, pl) in self.loads.iter_mut() {
             if let Some(p) = fleet.pool(pool) {
                 pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
-                pl.others = LoadTable::zeroed(fleet.version, &p.keys);
             }
         }
         self.fleet = Some(fleet);
@@ -376,19 +376,6 @@ struct Http {
 }
 
 impl Http {
-    /// Applies a completion to this worker's table of the pool; it reaches the other workers
-    /// with the next publication (see `PoolLoad`).
-    fn complete(&self, pool: &str, op: Completion) {
-        // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
-        let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) else {
-            return;
-        };
-        if let Some(pl) = w.loads.get_mut(pool) {
-            // A pod that left the table has nothing to undo.
-            pl.dirty |= op.apply(&mut pl.own);
-        }
-    }
-
     fn reply(&mut self, status: u32, body: &str, content_type: &str) -> Action {
         self.mode = Mode::Answered;
         let _ = host::send_response(status, &[("content-type", content_type)], body.as_bytes());
@@ -597,6 +584,19 @@ impl Http {
     }
 }
 
+/// Applies a completion to the worker's table of the pool; it reaches the other workers with
+/// the next publication (see `PoolLoad`).
+fn complete(worker: &Option<Rc<RefCell<Worker>>>, pool: &str, op: Completion) {
+    // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
+    let Some(mut w) = worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) else {
+        return;
+    };
+    if let Some(pl) = w.loads.get_mut(pool) {
+        // A pod that left the table has nothing to undo.
+        pl.dirty |= op.apply(&mut pl.own);
+    }
+}
+
 fn peer_is_loopback() -> bool {
     let Some(raw) = host::get_property(&["source", "address"]) else {
         return false;
@@ -715,8 +715,7 @@ impl Http {
         // first output): the pod's prefill of this request is over.
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
-                let pool = p.pool.clone();
-                self.complete(&pool, op);
+                complete(&self.worker, &p.pool, op);
             }
         }
         Action::Continue
@@ -725,8 +724,7 @@ impl Http {
     /// The request is over (the host deletes its context): it leaves the in-flight table.
     fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
-            let op = p.finished();
-            self.complete(&p.pool, op);
+            complete(&self.worker, &p.pool, p.finished());
         }
     }
 }
