@@ -84,8 +84,8 @@ bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM p
 bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering (~9 min); COMPARE_WASM=name=path adds another filter build
 	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
 
-bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above
-	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
+bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above; SIM=1 adds simulated cache misses and mispredicted branches
+	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(SIM),--sim)
 
 profile-wasm: setup wasm ## the filter's own code per request by wasm function: the .wasm under Node's V8 with a minimal host, CPU profile summed (~1 min)
 	@mkdir -p target/bench/wasm-profile && rm -f target/bench/wasm-profile/*.cpuprofile

@@ -28,7 +28,7 @@ mispredictions and the host's clock are not in them); they say which build does 
 reproducibly: the same build gives the same count to within ~0.1%.
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
-                                     [--keep DIR]
+                                     [--keep DIR] [--sim]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -54,13 +54,16 @@ WARMUP = 300
 MEASURE_CONFIG = dict(CONFIG, tick_ms=600_000, scoring={"stale_after_ms": 3_600_000})
 
 
-def callgrind(out_dir):
+def callgrind(out_dir, sim=False):
+    extra = ["--cache-sim=yes", "--branch-sim=yes"] if sim else []
     return ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--instr-atstart=no",
-            f"--callgrind-out-file={out_dir}/cg.%p.out"]
+            *extra, f"--callgrind-out-file={out_dir}/cg.%p.out"]
 
 
 def count(gw, body, n, out_dir):
-    """Instructions of the gateway process per request over `n` requests, after a warm-up."""
+    """The gateway process's events per request over `n` requests, after a warm-up: a dict of
+    callgrind's event names (`Ir`, instructions, always; with `--sim` also cache misses and
+    branch mispredictions) to their counts divided by `n`."""
     pid = str(gw.proc.pid)
     subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
     host, port = gw.listen.rsplit(":", 1)
@@ -81,14 +84,20 @@ def count(gw, body, n, out_dir):
         Path(f).unlink()
     subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
     conn.close()
-    total = 0
+    totals = {}
     for f in glob.glob(f"{out_dir}/cg.{pid}.out.*"):
+        events = []
         for line in Path(f).read_text(errors="replace").splitlines():
-            if line.startswith(("summary:", "totals:")):
-                total = max(total, int(line.split()[1]))
-    if not total:
+            if line.startswith("events:"):
+                events = line.split()[1:]
+            elif line.startswith(("summary:", "totals:")):
+                values = [int(v) for v in line.split()[1:]]
+                # One dump's summary and totals agree; keep the largest of each event.
+                for e, v in zip(events, values):
+                    totals[e] = max(totals.get(e, 0), v)
+    if not totals.get("Ir"):
         raise RuntimeError("callgrind wrote no counts")
-    return total / n
+    return {e: v / n for e, v in totals.items()}
 
 
 def main():
@@ -98,6 +107,9 @@ def main():
     ap.add_argument("--only", action="append", default=[], metavar="NAME", help="measure only these gateways")
     ap.add_argument("--keep", type=Path, metavar="DIR",
                     help="keep callgrind's output files in DIR (callgrind_annotate reads them)")
+    ap.add_argument("--sim", action="store_true",
+                    help="also simulate the caches and branch predictor (callgrind's --cache-sim and "
+                         "--branch-sim; ~2x slower): L1 and last-level misses, mispredicted branches")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
@@ -108,16 +120,18 @@ def main():
     out_dir = args.keep or Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {}
+    events = {}
     try:
         for name, spec in gateways.items():
             if args.only and name not in args.only:
                 continue
-            gw = Envoy(**spec, wrap=callgrind(out_dir), ready_timeout=600)
+            gw = Envoy(**spec, wrap=callgrind(out_dir, args.sim), ready_timeout=600)
             pushed = name not in REFERENCES
             try:
                 if pushed and gw.push(snapshot(pod_snapshot(up)))[0] != 204:
                     raise RuntimeError(f"{name}: snapshot push refused")
-                result[name] = count(gw, body, args.requests, out_dir)
+                events[name] = count(gw, body, args.requests, out_dir)
+                result[name] = events[name]["Ir"]
                 if pushed:
                     prefix = BUILDS["module" if name == "module" else "filter"][1]
                     # (Picks are counted on the tick, which is off here; a fail-open is counted at
@@ -142,9 +156,17 @@ def main():
         for name in extra:
             if name in result:
                 print(f"  filter vs '{name}': {result['filter'] - result[name]:+,.0f} instructions per request")
+    if args.sim:
+        # Callgrind's simulated machine: L1 (I1, D1) and last-level (LL) caches, and a branch
+        # predictor (conditional Bc, indirect Bi); "m" is a miss or a misprediction.
+        shown = ["I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw", "Bcm", "Bim"]
+        print("\nsimulated per request: " + ", ".join(shown))
+        for name, ev in events.items():
+            print(f"  {name:14} " + " ".join(f"{ev.get(e, 0):9,.0f}" for e in shown))
     out = ROOT / "target" / "bench" / "envoy-instructions.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "instructions_per_request": result,
+                               **({"simulated_events_per_request": events} if args.sim else {}),
                                "compare_wasm": {k: str(v) for k, v in extra.items()},
                                # V8 compiles for the CPU it finds: name it beside the counts.
                                **host_info()}, indent=1))

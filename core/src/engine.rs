@@ -366,6 +366,13 @@ impl Engine {
         }
     }
 
+    /// Numbers the outgoing sync records after `base` (see `SyncLog::start_after`).
+    pub fn sync_start_after(&mut self, base: u64) {
+        if let Some(sync) = &mut self.sync {
+            sync.start_after(base);
+        }
+    }
+
     /// For an engine shared by every worker (behind a lock): no outgoing sync log is kept.
     pub fn without_sync_log(mut self) -> Engine {
         self.sync = None;

@@ -31,3 +31,4 @@ pub mod rng;
 pub mod routing;
 mod scan;
 pub mod snapshot;
+pub mod workers;

@@ -292,6 +292,12 @@ impl SyncLog {
         self.next_seq += 1;
     }
 
+    /// Numbers the records from `base + 1` on (never backwards): a worker that took an id
+    /// another worker held before sequences after it (`workers::seq_base`).
+    pub fn start_after(&mut self, base: u64) {
+        self.next_seq = self.next_seq.max(base.saturating_add(1));
+    }
+
     /// Sequence number of the newest record (0 if none).
     pub fn last_seq(&self) -> u64 {
         self.next_seq - 1
@@ -502,6 +508,23 @@ mod tests {
         SyncLog::decode_after(&bytes, 3, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(log.last_seq(), 4);
+    }
+
+    #[test]
+    fn a_new_holder_of_an_id_sequences_past_the_old_one() {
+        // A reader applied the old holder's records up to 1,000; the new holder's start after
+        // its base, so the reader takes them.
+        let mut log = SyncLog::new(4);
+        log.start_after(crate::workers::seq_base(2));
+        log.push(7, &[70]);
+        let mut out = Vec::new();
+        SyncLog::decode_after(&log.encode(), 1_000, &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].seq, crate::workers::seq_base(2) + 1);
+        // Never backwards.
+        log.start_after(5);
+        log.push(8, &[80]);
+        assert_eq!(log.last_seq(), crate::workers::seq_base(2) + 2);
     }
 
     proptest! {

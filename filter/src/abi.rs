@@ -12,7 +12,7 @@
 //!
 //! | export | why |
 //! |---|---|
-//! | `proxy_on_context_create`, `proxy_on_delete` | per-request state (its end is also where the request leaves the in-flight table) |
+//! | `proxy_on_context_create`, `proxy_on_delete` | per-request state (its end is also where the request leaves the in-flight table); a plugin instance's end gives its worker id back |
 //! | `proxy_on_vm_start`, `proxy_on_configure`, `proxy_on_tick` | root context: configuration, snapshot refresh, worker sync |
 //! | `proxy_on_request_headers`, `proxy_on_request_body` | the routing decision |
 //! | `proxy_on_response_headers` | the debug header (`debug_header`) |
@@ -233,15 +233,20 @@ pub extern "C" fn proxy_on_response_body(
 /// The host's last call for a context. For a stream, after its access log: the request is over.
 #[no_mangle]
 pub extern "C" fn proxy_on_delete(context_id: u32) {
-    let stream = CONTEXTS.with(|c| {
-        let mut c = c.try_borrow_mut().ok()?;
-        if c.roots.remove(&context_id).is_some() {
-            return None;
+    let (root, stream) = CONTEXTS.with(|c| {
+        let Ok(mut c) = c.try_borrow_mut() else {
+            return (None, None);
+        };
+        match c.roots.remove(&context_id) {
+            Some(r) => (Some(r), None),
+            None => (None, c.streams.remove(&context_id)),
         }
-        c.streams.remove(&context_id)
     });
-    // Outside the borrow: ending a request may write shared data.
+    // Outside the borrow: ending a request, or a plugin instance, writes shared data.
     if let Some(mut s) = stream {
         s.on_end();
+    }
+    if let Some(mut r) = root {
+        r.on_delete();
     }
 }

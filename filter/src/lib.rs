@@ -9,7 +9,11 @@
 //! Per worker (see `Worker`): the decoded snapshot (re-decoded only when the shared version
 //! changes), the prefix index, its own in-flight tables, and an exchange with the other workers
 //! through shared data: in-flight tables and the snapshot version at most every
-//! `shared_refresh_ms` on the request path, prefix decisions on the tick.
+//! `shared_refresh_ms` on the request path, prefix decisions on the tick. Workers know each other
+//! from a registry of live worker ids in shared data (`gpuroute_core::workers`): a worker takes
+//! the lowest free id with its first routed request and gives it back when Envoy deletes its
+//! plugin instance, so the exchange reads live workers only, through any number of
+//! configuration changes.
 //!
 //! The host calls in through [`abi`] (the ABI 0.2.1 exports, only those the filter uses) and is
 //! called through [`host`]; neither can panic.
@@ -31,21 +35,21 @@ use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::prefix::SyncLog;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::Snapshot;
+use gpuroute_core::workers::{self, WorkerSet};
 use stats::Stats;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
 
-/// Shared-data key holding the number of registered plugin instances (worker ids).
-const WORKERS_KEY: &str = "gpuroute.workers";
+/// Shared-data key of the registry of live workers (`gpuroute_core::workers`).
+const WORKERS_KEY: &str = "gpuroute.workers.live";
+/// The id of a worker that has not taken one (it has not routed yet, or the registry could not
+/// be updated): its keys are ones nobody reads.
+const UNREGISTERED: u32 = u32::MAX;
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
 /// next request or snapshot corrects it).
 const CAS_ATTEMPTS: usize = 16;
-/// Worker ids read from shared data are trusted only up to this many (each one is a shared-data
-/// read per exchange): far beyond any Envoy's worker threads times plugin configurations, even
-/// counting the ids of VMs gone with earlier configurations.
-const MAX_WORKERS: u32 = 4096;
 /// A worker's decision-time histogram takes its first request and then one in this many: the
 /// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
 const DECISION_SAMPLE: u64 = 8;
@@ -70,12 +74,17 @@ struct Worker {
     seen_header: Option<StoredHeader>,
     rng: SplitMix64,
     stats: Stats,
+    /// This worker's id in the registry, taken with its first routed request; `UNREGISTERED`
+    /// before (the main thread's instance never routes, so never takes one).
     id: u32,
+    /// A take was tried (and, if `id` is still `UNREGISTERED`, failed: retried on the tick).
+    register_tried: bool,
+    /// The other live workers' ids, from the registry: read when this worker takes its id and
+    /// on the tick.
+    peers: Vec<u32>,
     /// Newest sync sequence applied per other worker.
     applied: HashMap<u32, u64>,
     published_seq: u64,
-    /// Worker ids registered so far (this one's included), re-read on the tick.
-    workers: u32,
     /// This worker's in-flight view of each pool it has routed to.
     loads: NameMap<String, PoolLoad>,
     /// The snapshot version before the current one (other workers may still be on it).
@@ -172,7 +181,7 @@ impl Worker {
         };
         for (pool, pl) in self.loads.iter_mut() {
             let previous = self.previous_version;
-            if let Some(sum) = others_of(pool, fleet, previous, self.id, self.workers) {
+            if let Some(sum) = others_of(pool, fleet, previous, &self.peers) {
                 pl.others = sum;
             }
         }
@@ -189,7 +198,7 @@ impl Worker {
                 key: load_key(pool, self.id),
                 own: LoadTable::zeroed(fleet.version, &p.keys),
                 dirty: false,
-                others: others_of(pool, fleet, self.previous_version, self.id, self.workers)
+                others: others_of(pool, fleet, self.previous_version, &self.peers)
                     .unwrap_or_else(|| LoadTable::zeroed(fleet.version, &p.keys)),
             };
             self.loads.insert(pool.to_string(), pl);
@@ -199,11 +208,82 @@ impl Worker {
         Some(pl)
     }
 
-    /// Exchanges prefix decisions with the other workers of this Envoy.
-    fn sync(&mut self) {
-        if self.engine.config.pools.is_empty() {
+    /// Takes the lowest free worker id in the registry (a compare-and-swap), numbers this
+    /// worker's prefix records after every earlier holder's, and learns the other live workers.
+    /// Called on the first routed request, and on the tick while it has not succeeded.
+    fn register(&mut self) {
+        self.register_tried = true;
+        if self.id != UNREGISTERED {
             return;
         }
+        for _ in 0..CAS_ATTEMPTS {
+            let (bytes, cas) = host::get_shared(WORKERS_KEY);
+            let mut set = WorkerSet::decode(bytes.as_deref().unwrap_or_default());
+            let Some(id) = set.take() else {
+                host::log(LogLevel::Warn, "gpuroute: worker registry full");
+                return;
+            };
+            if host::set_shared(WORKERS_KEY, &set.encode(), cas).is_ok() {
+                self.id = id;
+                self.engine
+                    .sync_start_after(workers::seq_base(set.generation));
+                self.peers = set.ids().filter(|w| *w != id).collect();
+                // Tables made before (a failed take) move to this id's keys.
+                for (pool, pl) in self.loads.iter_mut() {
+                    pl.key = load_key(pool, id);
+                    pl.dirty = true;
+                }
+                return;
+            }
+        }
+    }
+
+    /// Gives this worker's id back when Envoy deletes its plugin instance (its configuration was
+    /// removed): its published tables and prefix records are emptied first, so nothing reads a
+    /// dead worker's counts, and a later worker reuses the id.
+    fn release(&mut self) {
+        if self.id == UNREGISTERED {
+            return;
+        }
+        for pl in self.loads.values() {
+            let _ = host::set_shared(&pl.key, &[], None);
+        }
+        let _ = host::set_shared(&sync_key(self.id), &[], None);
+        let _ = host::set_shared(&sync_seq_key(self.id), &[], None);
+        for _ in 0..CAS_ATTEMPTS {
+            let (bytes, cas) = host::get_shared(WORKERS_KEY);
+            let mut set = WorkerSet::decode(bytes.as_deref().unwrap_or_default());
+            set.release(self.id);
+            if host::set_shared(WORKERS_KEY, &set.encode(), cas).is_ok() {
+                break;
+            }
+        }
+        self.id = UNREGISTERED;
+    }
+
+    /// Re-reads the registry: the other live workers, and the `gpuroute.workers` gauge.
+    fn read_registry(&mut self) {
+        let set = match host::get_shared(WORKERS_KEY) {
+            (Some(b), _) => WorkerSet::decode(&b),
+            _ => WorkerSet::default(),
+        };
+        let me = self.id;
+        self.peers.clear();
+        self.peers.extend(set.ids().filter(|w| *w != me));
+        self.stats.gauge("gpuroute.workers", set.len() as u64);
+    }
+
+    /// Exchanges prefix decisions with the other workers of this Envoy.
+    fn sync(&mut self) {
+        if self.engine.config.pools.is_empty() || !self.register_tried {
+            // Nothing routed here yet: nothing to send, and what the others send is read when
+            // this worker starts routing (their rings hold their recent records).
+            return;
+        }
+        if self.id == UNREGISTERED {
+            self.register();
+        }
+        self.read_registry();
         let (seq, payload) = self.engine.sync_payload();
         if seq != self.published_seq
             && host::set_shared(&sync_key(self.id), &payload, None).is_ok()
@@ -211,13 +291,8 @@ impl Worker {
         {
             self.published_seq = seq;
         }
-        let workers = match host::get_shared(WORKERS_KEY) {
-            (Some(b), _) => read_u64(&b).min(u64::from(MAX_WORKERS)) as u32,
-            _ => 0,
-        };
-        self.workers = workers;
         let mut records = Vec::new();
-        for other in (0..workers).filter(|w| *w != self.id) {
+        for &other in &self.peers {
             let (Some(seq_bytes), _) = host::get_shared(&sync_seq_key(other)) else {
                 continue;
             };
@@ -243,17 +318,17 @@ impl Worker {
 }
 
 /// The other workers' published tables of `pool` for the snapshot `fleet` (or the one before it,
-/// `previous`: see `LoadTable::add_table`), summed; `None` if the snapshot has no such pool.
+/// `previous`: see `LoadTable::add_table`), summed over the live workers `peers`; `None` if the
+/// snapshot has no such pool.
 fn others_of(
     pool: &str,
     fleet: &FleetState,
     previous: Option<u64>,
-    me: u32,
-    workers: u32,
+    peers: &[u32],
 ) -> Option<LoadTable> {
     let p = fleet.pool(pool)?;
     let mut sum = LoadTable::zeroed(fleet.version, &p.keys);
-    for other in (0..workers).filter(|w| *w != me) {
+    for &other in peers {
         if let (Some(bytes), _) = host::get_shared(&load_key(pool, other)) {
             sum.add_table(&LoadTable::decode(&bytes), previous);
         }
@@ -266,19 +341,6 @@ fn read_u64(b: &[u8]) -> u64 {
     let n = b.len().min(8);
     a[..n].copy_from_slice(&b[..n]);
     u64::from_le_bytes(a)
-}
-
-/// Takes the next worker id: a compare-and-swap increment of a shared counter.
-fn register_worker() -> u32 {
-    for _ in 0..CAS_ATTEMPTS {
-        let (bytes, cas) = host::get_shared(WORKERS_KEY);
-        let n = bytes.as_deref().map_or(0, read_u64);
-        if host::set_shared(WORKERS_KEY, &(n + 1).to_le_bytes(), cas).is_ok() {
-            return n as u32;
-        }
-    }
-    // Could not register: use an id nobody else reads; only cross-worker prefix sync is lost.
-    u32::MAX
 }
 
 struct Root {
@@ -303,22 +365,23 @@ impl Root {
                 return false;
             }
         };
+        // A configuration again on a live instance: the old worker's id goes back first.
+        self.on_delete();
         let tick = config.tick_ms.min(u64::from(u32::MAX)) as u32;
         let refresh_ns = config.shared_refresh_ms.saturating_mul(1_000_000);
         let routes = !config.pools.is_empty();
-        let id = if routes { register_worker() } else { u32::MAX };
-        let seed = host::now_nanos() ^ (u64::from(self.id) << 32) ^ u64::from(id);
+        let seed = host::now_nanos() ^ (u64::from(self.id) << 32);
         let mut worker = Worker {
             engine: Engine::new(config),
             fleet: None,
             seen_header: None,
             rng: SplitMix64::new(seed),
             stats: Stats::default(),
-            id,
+            id: UNREGISTERED,
+            register_tried: false,
+            peers: Vec::new(),
             applied: HashMap::new(),
             published_seq: 0,
-            // Every id below this one is taken; later ones are read on the tick.
-            workers: if id < MAX_WORKERS { id + 1 } else { 0 },
             loads: NameMap::default(),
             previous_version: None,
             refreshed_ns: 0,
@@ -335,14 +398,23 @@ impl Root {
     }
 
     fn on_tick(&mut self) {
-        if let Some(w) = &self.worker {
-            let mut w = w.borrow_mut();
+        // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
+        if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
             // Decoding here keeps the cost off the request path in the common case. The sync
-            // first: it re-reads the number of workers.
+            // first: it re-reads the registry of live workers.
             w.sync();
             w.refresh_shared();
             w.snapshot_age_gauge();
             w.stats.flush();
+        }
+    }
+
+    /// Envoy deletes this plugin instance (its configuration was removed, or Envoy stops).
+    fn on_delete(&mut self) {
+        if let Some(w) = self.worker.take() {
+            if let Ok(mut w) = w.try_borrow_mut() {
+                w.release();
+            }
         }
     }
 
@@ -470,6 +542,9 @@ impl Http {
     fn route(&mut self, w: &mut Worker, size: usize) -> Action {
         let t0 = host::now_nanos();
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        if !w.register_tried {
+            w.register();
+        }
         w.refresh_shared_throttled(t0);
         let prep = match w.engine.prepare(&self.path, &body) {
             Ok(p) => p,
@@ -622,7 +697,11 @@ impl Http {
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
-        let mut w = worker.borrow_mut();
+        // Never borrowed between callbacks (one VM thread, callbacks never nest); were it ever,
+        // Envoy's own routing takes the request rather than a panic taking the VM down.
+        let Ok(mut w) = worker.try_borrow_mut() else {
+            return Action::Continue;
+        };
         self.path = std::mem::take(&mut self.head.path);
         let method = std::mem::take(&mut self.head.method);
 
@@ -669,7 +748,11 @@ impl Http {
         let Some(worker) = self.worker.clone() else {
             return Action::Continue;
         };
-        let mut w = worker.borrow_mut();
+        // Never borrowed between callbacks (one VM thread, callbacks never nest); were it ever,
+        // Envoy's own routing takes the request rather than a panic taking the VM down.
+        let Ok(mut w) = worker.try_borrow_mut() else {
+            return Action::Continue;
+        };
         match self.mode {
             Mode::Inference => {
                 let max = w.engine.config.max_body_bytes;

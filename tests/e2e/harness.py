@@ -81,14 +81,16 @@ class Envoy:
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
                  listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None, wasm=None,
-                 wrap=None, ready_timeout=30):
+                 wrap=None, ready_timeout=30, envoy_args=()):
         """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
         (benchmarks use it for reference gateways the shipped renderer does not describe).
         `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway; `wasm`, the
         .wasm it loads (benchmarks load reference builds). `wrap`, a command line Envoy runs
         under (a profiler; it then needs the real binary, `envoy_binary()`, not pip's launcher),
-        and `ready_timeout`, how long Envoy may take to become ready (seconds)."""
+        and `ready_timeout`, how long Envoy may take to become ready (seconds). `envoy_args`: more
+        command-line options for Envoy."""
         self.wrap = list(wrap or [])
+        self.envoy_args = list(envoy_args)
         self.runtime = runtime or RUNTIME
         self.wasm = Path(wasm) if wasm else WASM
         self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
@@ -138,6 +140,7 @@ class Envoy:
                 "--disable-hot-restart",
                 "-l", "warning",
                 "--log-path", str(self.log_path),
+                *self.envoy_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

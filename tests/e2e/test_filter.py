@@ -497,3 +497,77 @@ def test_dynamic_module_abi_is_this_envoys(pods):
         e.stop()
     log = e.log()
     assert "ABI version" not in log, log[-2000:]
+
+
+@pytest.mark.skipif(RUNTIME != "wasm", reason="the proxy-wasm build only (the module has one engine, no worker ids)")
+def test_worker_ids_come_back_when_envoy_drops_a_configuration(pods, tmp_path):
+    """Every change of the filter's configuration makes Envoy create a new plugin instance per
+    worker and delete the old ones once drained. Each instance that routes takes a worker id; a
+    deleted one must give it back (and empty its published tables), or every exchange keeps
+    reading the dead workers' keys and the registry grows with each change. The gateway's
+    listener comes from a file (LDS), rewritten four times with a different `tick_ms`; after each
+    change requests on fresh connections reach both workers. The `gpuroute.workers` gauge (live
+    ids in the registry) must stay at Envoy's two workers, and routing must keep working."""
+    lds = tmp_path / "lds.json"
+
+    def to_lds(config):
+        listener = next(lst for lst in config["static_resources"]["listeners"] if lst["name"] == "openai")
+        config["static_resources"]["listeners"].remove(listener)
+        write_lds(listener)
+        config["node"] = {"id": "e2e", "cluster": "e2e"}  # required with dynamic resources
+        config["dynamic_resources"] = {
+            "lds_config": {"path_config_source": {"path": str(lds)}, "resource_api_version": "V3"}
+        }
+        state["listener"] = listener
+
+    def write_lds(listener):
+        tmp = tmp_path / "lds.tmp"
+        tmp.write_text(json.dumps({"resources": [
+            dict(listener, **{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener"})]}))
+        tmp.rename(lds)  # Envoy watches for the file being moved into place
+
+    state = {}
+    e = Envoy("filter", pools_of(pods), CONFIG, concurrency=2, patch=to_lds, workdir=tmp_path / "envoy",
+              envoy_args=["--drain-time-s", "1", "--drain-strategy", "immediate"])
+    try:
+        def route_on_fresh_connections():
+            # The kernel spreads fresh connections over both workers.
+            for i in range(16):
+                s, h, _, _ = e.chat("llama-3-8b", f"reload {i}")
+                assert s == 200 and h["x-served-by"].startswith("llama-"), (s, h)
+
+        def live_workers():
+            time.sleep(0.1)  # the gauge is set on the tick (20 ms)
+            return e.stats(r"gpuroute\.workers$").get(STAT_PREFIX + "gpuroute.workers")
+
+        def routed_by_two_live_workers():
+            # The old instances go once their filter chain has drained (1 s here); routing on
+            # fresh connections until both new workers have taken an id.
+            deadline = time.time() + 10
+            route_on_fresh_connections()
+            while time.time() < deadline and live_workers() != 2:
+                route_on_fresh_connections()
+            return live_workers()
+
+        assert e.push(fresh(pods))[0] == 204
+        assert routed_by_two_live_workers() == 2
+        for k in range(1, 5):
+            updates = e.stats(r"listener_manager\.lds\.update_success").get("listener_manager.lds.update_success", 0)
+            listener = json.loads(json.dumps(state["listener"]))
+            wasm = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]["typed_config"]
+            plugin = wasm["config"]["configuration"]
+            plugin["value"] = json.dumps(dict(json.loads(plugin["value"]), tick_ms=20 + k))
+            write_lds(listener)
+            deadline = time.time() + 10
+            while time.time() < deadline and e.stats(r"listener_manager\.lds\.update_success").get(
+                    "listener_manager.lds.update_success", 0) <= updates:
+                time.sleep(0.05)
+            assert time.time() < deadline, "Envoy did not take the new listener"
+            live = routed_by_two_live_workers()
+            assert live == 2, f"worker ids not given back after change {k}: {live} live"
+        time.sleep(1.5)  # every old instance has drained and gone
+        assert routed_by_two_live_workers() == 2
+        assert e.alive()
+        assert "gpuroute" not in e.log(), e.log()[-2000:]
+    finally:
+        e.stop()

@@ -1,0 +1,215 @@
+//! The registry of live proxy-wasm workers in Envoy shared data: which worker ids are taken, so
+//! that a worker reads the in-flight tables and prefix records of live workers only, and ids are
+//! reused instead of growing with every plugin configuration.
+//!
+//! Envoy creates a plugin instance per worker thread (and one on the main thread) for each plugin
+//! configuration, and a new set whenever the configuration changes (an xDS update of the
+//! filter). Each instance that routes takes the lowest free id when it routes its first request;
+//! the main thread's instance never routes, so it never takes one. When Envoy removes a
+//! configuration it deletes its instances, which release their ids. The readers therefore touch
+//! the live workers' keys only, however many configurations came and went (with ids that only
+//! grew, every exchange read every dead worker's table too).
+//!
+//! The value is `GPW1`, a generation (incremented by every take) and a bitmap of taken ids. A
+//! worker bases its sequence numbers on the generation of its take, so a reader that still
+//! remembers the sequence of an id's previous holder does not skip the new holder's records.
+
+const MAGIC: &[u8; 4] = b"GPW1";
+const HEADER: usize = 4 + 8;
+
+/// Ids are below this: far beyond any Envoy's worker threads times live plugin configurations.
+/// It bounds the registry's size (512 bytes of bitmap) and what a reader trusts from it.
+pub const MAX_WORKERS: u32 = 4096;
+
+/// Bits of a sequence number left to one holder of an id: its sequences run from
+/// `generation << SEQ_BITS`, and 2^40 records (over three years at 10,000 requests/s) never
+/// reach the next generation's.
+pub const SEQ_BITS: u32 = 40;
+
+/// The decoded registry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerSet {
+    /// Incremented by every take.
+    pub generation: u64,
+    bits: Vec<u8>,
+}
+
+impl WorkerSet {
+    /// Decodes the shared-data value; anything malformed is an empty registry (ids are then
+    /// handed out again from 0: a reader sees at worst a stale table, which its version check
+    /// leaves out).
+    pub fn decode(bytes: &[u8]) -> WorkerSet {
+        let Some(rest) = bytes.strip_prefix(MAGIC.as_slice()) else {
+            return WorkerSet::default();
+        };
+        let Some((gen, bits)) = rest.split_first_chunk::<8>() else {
+            return WorkerSet::default();
+        };
+        let n = bits.len().min(MAX_WORKERS as usize / 8);
+        WorkerSet {
+            generation: u64::from_le_bytes(*gen),
+            bits: bits[..n].to_vec(),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let used = self.bits.iter().rposition(|b| *b != 0).map_or(0, |i| i + 1);
+        let mut out = Vec::with_capacity(HEADER + used);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&self.generation.to_le_bytes());
+        out.extend_from_slice(&self.bits[..used]);
+        out
+    }
+
+    pub fn contains(&self, id: u32) -> bool {
+        let (byte, bit) = (id as usize / 8, id % 8);
+        self.bits.get(byte).is_some_and(|b| b & (1 << bit) != 0)
+    }
+
+    /// Takes the lowest free id and counts a generation; `None` when all `MAX_WORKERS` are taken.
+    pub fn take(&mut self) -> Option<u32> {
+        let id = (0..MAX_WORKERS).find(|id| !self.contains(*id))?;
+        let byte = id as usize / 8;
+        if self.bits.len() <= byte {
+            self.bits.resize(byte + 1, 0);
+        }
+        self.bits[byte] |= 1 << (id % 8);
+        self.generation = self.generation.wrapping_add(1);
+        Some(id)
+    }
+
+    /// Frees `id` (a no-op if it is not taken).
+    pub fn release(&mut self, id: u32) {
+        if let Some(b) = self.bits.get_mut(id as usize / 8) {
+            *b &= !(1 << (id % 8));
+        }
+    }
+
+    /// The taken ids, ascending.
+    pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.bits.iter().enumerate().flat_map(|(i, b)| {
+            (0..8u32)
+                .filter(move |bit| b & (1 << bit) != 0)
+                .map(move |bit| i as u32 * 8 + bit)
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.bits.iter().map(|b| b.count_ones() as usize).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The first sequence number of the holder that took its id at `generation`.
+pub fn seq_base(generation: u64) -> u64 {
+    (generation % (1 << (64 - SEQ_BITS))) << SEQ_BITS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn takes_the_lowest_free_id_and_reuses_released_ones() {
+        let mut s = WorkerSet::default();
+        assert_eq!(s.take(), Some(0));
+        assert_eq!(s.take(), Some(1));
+        assert_eq!(s.take(), Some(2));
+        s.release(1);
+        assert_eq!(s.ids().collect::<Vec<_>>(), vec![0, 2]);
+        assert_eq!(s.take(), Some(1));
+        assert_eq!(s.take(), Some(3));
+        assert_eq!(s.generation, 5);
+        assert_eq!(s.len(), 4);
+    }
+
+    #[test]
+    fn round_trips_and_trims_free_tail() {
+        let mut s = WorkerSet::default();
+        for _ in 0..20 {
+            s.take();
+        }
+        for id in 9..20 {
+            s.release(id);
+        }
+        let bytes = s.encode();
+        // Ids 0..9 fit in two bytes; the released tail is not stored.
+        assert_eq!(bytes.len(), HEADER + 2);
+        assert_eq!(WorkerSet::decode(&bytes), {
+            let mut t = s.clone();
+            t.bits.truncate(2);
+            t
+        });
+        assert_eq!(WorkerSet::decode(&bytes).ids().count(), 9);
+    }
+
+    #[test]
+    fn garbage_is_an_empty_registry() {
+        for bad in [
+            &b""[..],
+            b"GPW1",
+            b"GPW1\x01\x02",
+            b"XXXX\x01\0\0\0\0\0\0\0\xff",
+        ] {
+            let s = WorkerSet::decode(bad);
+            assert!(s.is_empty(), "{bad:?}");
+            assert_eq!(s.generation, 0);
+        }
+    }
+
+    #[test]
+    fn full_registry_takes_nothing() {
+        let mut bytes = MAGIC.to_vec();
+        bytes.extend_from_slice(&7u64.to_le_bytes());
+        // More bitmap than MAX_WORKERS allows: the excess is ignored.
+        bytes.extend(std::iter::repeat_n(0xff, MAX_WORKERS as usize / 8 + 10));
+        let mut s = WorkerSet::decode(&bytes);
+        assert_eq!(s.len(), MAX_WORKERS as usize);
+        assert_eq!(s.take(), None);
+        assert_eq!(s.generation, 7);
+        s.release(4095);
+        assert_eq!(s.take(), Some(4095));
+    }
+
+    #[test]
+    fn a_later_generation_sequences_after_an_earlier_one() {
+        // The previous holder's sequences stay below the next holder's first one.
+        let old_last = seq_base(41) + (1 << SEQ_BITS) - 1;
+        assert!(seq_base(42) > old_last);
+        assert_eq!(seq_base(0), 0);
+    }
+
+    proptest! {
+        #[test]
+        fn ids_are_unique_and_dense(ops in proptest::collection::vec(any::<Option<u8>>(), 0..200)) {
+            // Some(i): release the i-th taken id (mod count); None: take.
+            let mut s = WorkerSet::default();
+            let mut model: Vec<u32> = Vec::new();
+            for op in ops {
+                match op {
+                    None => {
+                        let id = s.take().unwrap();
+                        prop_assert!(!model.contains(&id));
+                        // The lowest free one.
+                        prop_assert!((0..id).all(|i| model.contains(&i)));
+                        model.push(id);
+                    }
+                    Some(i) if !model.is_empty() => {
+                        let id = model.remove(i as usize % model.len());
+                        s.release(id);
+                    }
+                    Some(_) => {}
+                }
+                let s2 = WorkerSet::decode(&s.encode());
+                let mut sorted = model.clone();
+                sorted.sort_unstable();
+                prop_assert_eq!(s2.ids().collect::<Vec<_>>(), sorted);
+                prop_assert_eq!(s2.generation, s.generation);
+            }
+        }
+    }
+}
