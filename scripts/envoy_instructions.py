@@ -27,8 +27,13 @@ unknown option) can be compared. Instructions are not time (cache misses, branch
 mispredictions and the host's clock are not in them); they say which build does less work,
 reproducibly: the same build gives the same count to within ~0.1%.
 
+With `--config-changes N` the proxy-wasm builds get their listener from a file (LDS) and, before
+the count, the filter's configuration is changed N times while Envoy runs (as an xDS update
+changes it; each change routes a few requests and waits for the old plugin instances to drain
+and go): what a long-running gateway carries from the configurations it had before.
+
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
-                                     [--keep DIR] [--sim]
+                                     [--keep DIR] [--sim] [--config-changes N]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -40,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +53,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from envoy_overhead import (CONFIG, REFERENCES, Upstream, chat_body, compare_builds, host_info,  # noqa: E402
                              gateway_specs, pod_snapshot)
-from harness import BUILDS, Envoy, snapshot  # noqa: E402
+from harness import BUILDS, Envoy, LdsListener, snapshot  # noqa: E402
 
 WARMUP = 300
 # Per-time work left out (see the docstring); everything else is the shipped default.
@@ -100,6 +106,24 @@ def count(gw, body, n, out_dir):
     return {e: v / n for e, v in totals.items()}
 
 
+def change_config(gw, lds, n, body):
+    """Changes the filter's configuration `n` times (a different `tick_ms`, still far above the
+    count's duration); after each, requests on a fresh connection (the new plugin instance
+    routes), then time for the old one to drain (1 s) and be deleted."""
+    for k in range(1, n + 1):
+        lds.change(gw, timeout_s=300, tick_ms=MEASURE_CONFIG["tick_ms"] + k)
+        host, port = gw.listen.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        for _ in range(3):
+            conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            if r.status != 200:
+                raise RuntimeError(f"gateway answered {r.status} after configuration change {k}")
+        conn.close()
+        time.sleep(3)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)
@@ -110,6 +134,8 @@ def main():
     ap.add_argument("--sim", action="store_true",
                     help="also simulate the caches and branch predictor (callgrind's --cache-sim and "
                          "--branch-sim; ~2x slower): L1 and last-level misses, mispredicted branches")
+    ap.add_argument("--config-changes", type=int, default=0, metavar="N",
+                    help="change the proxy-wasm filter's configuration N times (through LDS) before counting")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
@@ -125,11 +151,17 @@ def main():
         for name, spec in gateways.items():
             if args.only and name not in args.only:
                 continue
+            lds = None
+            if args.config_changes and spec.get("runtime") == "wasm" and name not in REFERENCES:
+                lds = LdsListener(out_dir / f"lds-{name}")
+                spec = dict(spec, patch=lds.patch, envoy_args=lds.envoy_args)
             gw = Envoy(**spec, wrap=callgrind(out_dir, args.sim), ready_timeout=600)
             pushed = name not in REFERENCES
             try:
                 if pushed and gw.push(snapshot(pod_snapshot(up)))[0] != 204:
                     raise RuntimeError(f"{name}: snapshot push refused")
+                if lds:
+                    change_config(gw, lds, args.config_changes, body)
                 events[name] = count(gw, body, args.requests, out_dir)
                 result[name] = events[name]["Ir"]
                 if pushed:
@@ -147,7 +179,8 @@ def main():
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
     plain = result.get("plain")
-    print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up, "
+    changes = f", after {args.config_changes} changes of the filter's configuration" if args.config_changes else ""
+    print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():
         added = f", {v - plain:+,.0f} over plain" if plain and name != "plain" else ""
@@ -165,7 +198,8 @@ def main():
             print(f"  {name:14} " + " ".join(f"{ev.get(e, 0):9,.0f}" for e in shown))
     out = ROOT / "target" / "bench" / "envoy-instructions.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "instructions_per_request": result,
+    out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "config_changes": args.config_changes,
+                               "instructions_per_request": result,
                                **({"simulated_events_per_request": events} if args.sim else {}),
                                "compare_wasm": {k: str(v) for k, v in extra.items()},
                                # V8 compiles for the CPU it finds: name it beside the counts.

@@ -222,6 +222,58 @@ class Envoy:
         return self.stats().get(name, 0)
 
 
+class LdsListener:
+    """Serves an Envoy's gateway listener ("openai") from a file (LDS), so that the filter's
+    configuration can change while Envoy runs, as an xDS update changes it. Start the Envoy with
+    `patch=lds.patch, envoy_args=lds.envoy_args`; `change(envoy, **options)` then rewrites the
+    filter's configuration with `options` and returns once Envoy has taken the new listener. The
+    old filter chain drains for one second, then Envoy deletes its plugin instances."""
+
+    envoy_args = ["--drain-time-s", "1", "--drain-strategy", "immediate"]
+
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "lds.json"
+        self.listener = None
+
+    def patch(self, config):
+        listeners = config["static_resources"]["listeners"]
+        self.listener = next(lst for lst in listeners if lst["name"] == "openai")
+        listeners.remove(self.listener)
+        self._write(self.listener)
+        config["node"] = {"id": "gpuroute", "cluster": "gpuroute"}  # required with dynamic resources
+        config["dynamic_resources"] = {
+            "lds_config": {"path_config_source": {"path": str(self.path)}, "resource_api_version": "V3"}
+        }
+
+    def _write(self, listener):
+        tmp = self.dir / "lds.tmp"
+        resource = dict(listener, **{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener"})
+        tmp.write_text(json.dumps({"resources": [resource]}))
+        tmp.rename(self.path)  # Envoy watches for the file being moved into place
+
+    def change(self, envoy, timeout_s=60, **options):
+        stat = "listener_manager.lds.update_success"
+
+        def updates():
+            return envoy.stats(stat.replace(".", r"\.")).get(stat, 0)
+
+        before = updates()
+        listener = json.loads(json.dumps(self.listener))
+        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+        wasm = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
+        plugin = wasm["typed_config"]["config"]["configuration"]
+        plugin["value"] = json.dumps(dict(json.loads(plugin["value"]), **options), separators=(",", ":"))
+        self.listener = listener
+        self._write(listener)
+        deadline = time.time() + timeout_s
+        while updates() <= before:
+            if time.time() > deadline:
+                raise RuntimeError("Envoy did not take the new listener")
+            time.sleep(0.05)
+
+
 _version = [now_ms() * 1000]
 
 

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from harness import RUNTIME, STAT_PREFIX, TOKEN, Envoy, now_ms, pod_picks_stat, snapshot
+from harness import RUNTIME, STAT_PREFIX, TOKEN, Envoy, LdsListener, now_ms, pod_picks_stat, snapshot
 from stubpod import StubPod
 
 CONFIG = {
@@ -508,27 +508,9 @@ def test_worker_ids_come_back_when_envoy_drops_a_configuration(pods, tmp_path):
     listener comes from a file (LDS), rewritten four times with a different `tick_ms`; after each
     change requests on fresh connections reach both workers. The `gpuroute.workers` gauge (live
     ids in the registry) must stay at Envoy's two workers, and routing must keep working."""
-    lds = tmp_path / "lds.json"
-
-    def to_lds(config):
-        listener = next(lst for lst in config["static_resources"]["listeners"] if lst["name"] == "openai")
-        config["static_resources"]["listeners"].remove(listener)
-        write_lds(listener)
-        config["node"] = {"id": "e2e", "cluster": "e2e"}  # required with dynamic resources
-        config["dynamic_resources"] = {
-            "lds_config": {"path_config_source": {"path": str(lds)}, "resource_api_version": "V3"}
-        }
-        state["listener"] = listener
-
-    def write_lds(listener):
-        tmp = tmp_path / "lds.tmp"
-        tmp.write_text(json.dumps({"resources": [
-            dict(listener, **{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener"})]}))
-        tmp.rename(lds)  # Envoy watches for the file being moved into place
-
-    state = {}
-    e = Envoy("filter", pools_of(pods), CONFIG, concurrency=2, patch=to_lds, workdir=tmp_path / "envoy",
-              envoy_args=["--drain-time-s", "1", "--drain-strategy", "immediate"])
+    lds = LdsListener(tmp_path / "lds")
+    e = Envoy("filter", pools_of(pods), CONFIG, concurrency=2, workdir=tmp_path / "envoy", patch=lds.patch,
+              envoy_args=lds.envoy_args)
     try:
         def route_on_fresh_connections():
             # The kernel spreads fresh connections over both workers.
@@ -552,17 +534,7 @@ def test_worker_ids_come_back_when_envoy_drops_a_configuration(pods, tmp_path):
         assert e.push(fresh(pods))[0] == 204
         assert routed_by_two_live_workers() == 2
         for k in range(1, 5):
-            updates = e.stats(r"listener_manager\.lds\.update_success").get("listener_manager.lds.update_success", 0)
-            listener = json.loads(json.dumps(state["listener"]))
-            wasm = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"][0]["typed_config"]
-            plugin = wasm["config"]["configuration"]
-            plugin["value"] = json.dumps(dict(json.loads(plugin["value"]), tick_ms=20 + k))
-            write_lds(listener)
-            deadline = time.time() + 10
-            while time.time() < deadline and e.stats(r"listener_manager\.lds\.update_success").get(
-                    "listener_manager.lds.update_success", 0) <= updates:
-                time.sleep(0.05)
-            assert time.time() < deadline, "Envoy did not take the new listener"
+            lds.change(e, timeout_s=10, tick_ms=20 + k)
             live = routed_by_two_live_workers()
             assert live == 2, f"worker ids not given back after change {k}: {live} live"
         time.sleep(1.5)  # every old instance has drained and gone
