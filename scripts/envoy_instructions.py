@@ -66,6 +66,23 @@ def callgrind(out_dir, sim=False):
             *extra, f"--callgrind-out-file={out_dir}/cg.%p.out"]
 
 
+def send(gw, body, k, conn=None):
+    """`k` chat requests to the gateway, on `conn` if given (else on a new connection, closed
+    after); anything but 200 stops the measurement."""
+    own = conn is None
+    if own:
+        host, port = gw.listen.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    for _ in range(k):
+        conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            raise RuntimeError(f"gateway answered {r.status}")
+    if own:
+        conn.close()
+
+
 def count(gw, body, n, out_dir):
     """The gateway process's events per request over `n` requests, after a warm-up: a dict of
     callgrind's event names (`Ir`, instructions, always; with `--sim` also cache misses and
@@ -74,18 +91,9 @@ def count(gw, body, n, out_dir):
     subprocess.run(["callgrind_control", "-i", "on", pid], check=True, capture_output=True)
     host, port = gw.listen.rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
-
-    def send(k):
-        for _ in range(k):
-            conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            r.read()
-            if r.status != 200:
-                raise RuntimeError(f"gateway answered {r.status}")
-
-    send(WARMUP)
+    send(gw, body, WARMUP, conn)
     subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
-    send(n)
+    send(gw, body, n, conn)
     for f in glob.glob(f"{out_dir}/cg.{pid}.out*"):
         Path(f).unlink()
     subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
@@ -112,15 +120,7 @@ def change_config(gw, lds, n, body):
     routes), then time for the old one to drain (1 s) and be deleted."""
     for k in range(1, n + 1):
         lds.change(gw, timeout_s=300, tick_ms=MEASURE_CONFIG["tick_ms"] + k)
-        host, port = gw.listen.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        for _ in range(3):
-            conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            r.read()
-            if r.status != 200:
-                raise RuntimeError(f"gateway answered {r.status} after configuration change {k}")
-        conn.close()
+        send(gw, body, 3)
         time.sleep(3)
 
 
