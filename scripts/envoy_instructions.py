@@ -145,7 +145,6 @@ def main():
     gateways = gateway_specs(up, MEASURE_CONFIG, extra)
     out_dir = args.keep or Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = {}
     events = {}
     try:
         for name, spec in gateways.items():
@@ -163,7 +162,6 @@ def main():
                 if lds:
                     change_config(gw, lds, args.config_changes, body)
                 events[name] = count(gw, body, args.requests, out_dir)
-                result[name] = events[name]["Ir"]
                 if pushed:
                     prefix = BUILDS["module" if name == "module" else "filter"][1]
                     # (Picks are counted on the tick, which is off here; a fail-open is counted at
@@ -173,11 +171,12 @@ def main():
                         raise RuntimeError(f"{name}: {fail_open} requests failed open; the figure would not be the decision's")
             finally:
                 gw.stop()
-            print(f"{name}: {result[name]:,.0f} instructions per request", flush=True)
+            print(f"{name}: {events[name]['Ir']:,.0f} instructions per request", flush=True)
     finally:
         up.stop()
         if not args.keep:
             shutil.rmtree(out_dir, ignore_errors=True)
+    result = {name: ev["Ir"] for name, ev in events.items()}
     plain = result.get("plain")
     changes = f", after {args.config_changes} changes of the filter's configuration" if args.config_changes else ""
     print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "

@@ -216,25 +216,24 @@ impl Worker {
         if self.id != UNREGISTERED {
             return;
         }
-        for _ in 0..CAS_ATTEMPTS {
-            let (bytes, cas) = host::get_shared(WORKERS_KEY);
-            let mut set = WorkerSet::decode(bytes.as_deref().unwrap_or_default());
-            let Some(id) = set.take() else {
+        let taken = update_registry(|set| {
+            let id = set.take();
+            if id.is_none() {
                 host::log(LogLevel::Warn, "gpuroute: worker registry full");
-                return;
-            };
-            if host::set_shared(WORKERS_KEY, &set.encode(), cas).is_ok() {
-                self.id = id;
-                self.engine
-                    .sync_start_after(workers::seq_base(set.generation));
-                self.peers = set.ids().filter(|w| *w != id).collect();
-                // Tables made before (a failed take) move to this id's keys.
-                for (pool, pl) in self.loads.iter_mut() {
-                    pl.key = load_key(pool, id);
-                    pl.dirty = true;
-                }
-                return;
             }
+            id
+        });
+        let Some((id, set)) = taken else {
+            return;
+        };
+        self.id = id;
+        self.engine
+            .sync_start_after(workers::seq_base(set.generation));
+        self.peers = set.ids().filter(|w| *w != id).collect();
+        // Tables made before (a failed take) move to this id's keys.
+        for (pool, pl) in self.loads.iter_mut() {
+            pl.key = load_key(pool, id);
+            pl.dirty = true;
         }
     }
 
@@ -250,14 +249,11 @@ impl Worker {
         }
         let _ = host::set_shared(&sync_key(self.id), &[], None);
         let _ = host::set_shared(&sync_seq_key(self.id), &[], None);
-        for _ in 0..CAS_ATTEMPTS {
-            let (bytes, cas) = host::get_shared(WORKERS_KEY);
-            let mut set = WorkerSet::decode(bytes.as_deref().unwrap_or_default());
-            set.release(self.id);
-            if host::set_shared(WORKERS_KEY, &set.encode(), cas).is_ok() {
-                break;
-            }
-        }
+        let id = self.id;
+        update_registry(|set| {
+            set.release(id);
+            Some(())
+        });
         self.id = UNREGISTERED;
     }
 
@@ -334,6 +330,24 @@ fn others_of(
         }
     }
     Some(sum)
+}
+
+/// Applies `change` to the registry of live workers with a compare-and-swap, from a fresh read
+/// on each of up to `CAS_ATTEMPTS` attempts (another worker may write between the read and the
+/// write). Returns what `change` returned and the registry as written; `None` if `change`
+/// declined or every attempt lost the race.
+fn update_registry<R>(
+    mut change: impl FnMut(&mut WorkerSet) -> Option<R>,
+) -> Option<(R, WorkerSet)> {
+    for _ in 0..CAS_ATTEMPTS {
+        let (bytes, cas) = host::get_shared(WORKERS_KEY);
+        let mut set = WorkerSet::decode(bytes.as_deref().unwrap_or_default());
+        let r = change(&mut set)?;
+        if host::set_shared(WORKERS_KEY, &set.encode(), cas).is_ok() {
+            return Some((r, set));
+        }
+    }
+    None
 }
 
 fn read_u64(b: &[u8]) -> u64 {
