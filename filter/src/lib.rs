@@ -80,8 +80,11 @@ struct Worker {
     /// A take was tried (and, if `id` is still `UNREGISTERED`, failed: retried on the tick).
     register_tried: bool,
     /// The other live workers' ids, from the registry: read when this worker takes its id and
-    /// on the tick.
+    /// at each exchange (`refresh_shared`).
     peers: Vec<u32>,
+    /// Live workers in the registry at the last read, this one included (the `gpuroute.workers`
+    /// gauge).
+    live: usize,
     /// Newest sync sequence applied per other worker.
     applied: HashMap<u32, u64>,
     published_seq: u64,
@@ -150,9 +153,13 @@ impl Worker {
         self.fleet = Some(fleet);
     }
 
-    /// The exchange with the other workers: the snapshot version (decoding a new snapshot),
-    /// this worker's changed tables out, the others' in.
+    /// The exchange with the other workers: who they are (the registry, once this worker
+    /// routes), the snapshot version (decoding a new snapshot), this worker's changed tables
+    /// out, the others' in.
     fn refresh_shared(&mut self) {
+        if self.register_tried {
+            self.read_registry();
+        }
         self.refresh_fleet();
         self.publish_loads();
         self.read_others();
@@ -230,6 +237,7 @@ impl Worker {
         self.engine
             .sync_start_after(workers::seq_base(set.generation));
         self.peers = set.ids().filter(|w| *w != id).collect();
+        self.live = set.len();
         // Tables made before (a failed take) move to this id's keys.
         for (pool, pl) in self.loads.iter_mut() {
             pl.key = load_key(pool, id);
@@ -257,7 +265,9 @@ impl Worker {
         self.id = UNREGISTERED;
     }
 
-    /// Re-reads the registry: the other live workers, and the `gpuroute.workers` gauge.
+    /// Re-reads the registry: the other live workers (`peers`) and how many are live. Part of
+    /// every exchange, so a worker that starts routing is among the others' peers from their
+    /// next exchange (within `shared_refresh_ms` under load, at the latest their next tick).
     fn read_registry(&mut self) {
         let set = match host::get_shared(WORKERS_KEY) {
             (Some(b), _) => WorkerSet::decode(&b),
@@ -266,20 +276,34 @@ impl Worker {
         let me = self.id;
         self.peers.clear();
         self.peers.extend(set.ids().filter(|w| *w != me));
-        self.stats.gauge("gpuroute.workers", set.len() as u64);
+        self.live = set.len();
     }
 
-    /// Exchanges prefix decisions with the other workers of this Envoy.
+    /// The root context's tick: a failed registration again, the exchange, the prefix
+    /// decisions, and the gauges and batched counters out to Envoy.
+    fn tick(&mut self) {
+        if self.register_tried && self.id == UNREGISTERED {
+            self.register();
+        }
+        // Decoding here keeps the cost off the request path in the common case. The exchange
+        // first: it re-reads the registry the prefix exchange uses.
+        self.refresh_shared();
+        self.sync();
+        if self.register_tried {
+            self.stats.gauge("gpuroute.workers", self.live as u64);
+        }
+        self.snapshot_age_gauge();
+        self.stats.flush();
+    }
+
+    /// Exchanges prefix decisions with the other workers of this Envoy (`peers`, read by the
+    /// exchange just before).
     fn sync(&mut self) {
         if self.engine.config.pools.is_empty() || !self.register_tried {
             // Nothing routed here yet: nothing to send, and what the others send is read when
             // this worker starts routing (their rings hold their recent records).
             return;
         }
-        if self.id == UNREGISTERED {
-            self.register();
-        }
-        self.read_registry();
         let (seq, payload) = self.engine.sync_payload();
         if seq != self.published_seq
             && host::set_shared(&sync_key(self.id), &payload, None).is_ok()
@@ -394,6 +418,7 @@ impl Root {
             id: UNREGISTERED,
             register_tried: false,
             peers: Vec::new(),
+            live: 0,
             applied: HashMap::new(),
             published_seq: 0,
             loads: NameMap::default(),
@@ -414,12 +439,7 @@ impl Root {
     fn on_tick(&mut self) {
         // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
         if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
-            // Decoding here keeps the cost off the request path in the common case. The sync
-            // first: it re-reads the registry of live workers.
-            w.sync();
-            w.refresh_shared();
-            w.snapshot_age_gauge();
-            w.stats.flush();
+            w.tick();
         }
     }
 

@@ -417,18 +417,29 @@ def test_burst_within_one_snapshot_spreads(pods):
             p.close()
 
 
-def test_in_flight_requests_count_across_worker_threads():
+@pytest.mark.parametrize("tick_ms", [None, 600_000], ids=["default_tick", "no_tick"])
+def test_in_flight_requests_count_across_worker_threads(tick_ms):
     """Each worker counts its own requests at once and sees the other workers' through shared
     data. Six slow requests are held in flight on six connections, which the kernel spreads over
     Envoy's two workers: whatever the split, one worker holds fewer than five of them itself.
     The snapshot says the pod's queue is empty, so only the gateway's own count can saturate it
     (queue_threshold 5). Sheddable probes on fresh connections must then get 429 on both workers;
-    a worker blind to the other's requests would see fewer than five and route its probes."""
+    a worker blind to the other's requests would see fewer than five and route its probes.
+
+    `no_tick`: the tick never runs during the test, so the workers learn of each other through
+    the exchange on the request path alone. The worker that routed first took its id before the
+    other had one; unless it re-reads the registry when it exchanges, it never reads the other's
+    table. With the registry read on the tick only this fails unless the kernel puts five or
+    six of the six connections on the worker that routed first (6 in 32). The held requests are sent 10 ms apart: a worker
+    publishes its table at most once per `shared_refresh_ms`, and what it defers goes out with
+    its next request or its tick, which never comes here."""
     import concurrent.futures
 
     slow = StubPod("slow-0", delay_s=3.0)
     # No re-push during the test (a new snapshot takes the held requests as reported).
     config = dict(CONFIG, scoring={"stale_after_ms": 20_000})
+    if tick_ms is not None:
+        config["tick_ms"] = tick_ms
     e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=2)
     ex = concurrent.futures.ThreadPoolExecutor(6)
     try:
@@ -440,7 +451,11 @@ def test_in_flight_requests_count_across_worker_threads():
             s = e.stats(r"downstream_cx_total")
             return {k[len(listener):].split(".")[0]: v for k, v in s.items() if k.startswith(listener)}
 
-        held = [ex.submit(e.chat, "llama-3-8b", f"held {i}") for i in range(6)]
+        held = []
+        for i in range(6):
+            held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}"))
+            if tick_ms is not None:
+                time.sleep(0.01)
         deadline = time.time() + 2
         while len(slow.requests) < 6 and time.time() < deadline:
             time.sleep(0.02)
