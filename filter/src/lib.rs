@@ -8,11 +8,11 @@
 //!
 //! Per worker (see `Worker`): the decoded snapshot (re-decoded only when the shared version
 //! changes), the prefix index, its own in-flight tables, and an exchange with the other workers
-//! through shared data: in-flight tables and the snapshot version at most every
-//! `shared_refresh_ms` on the request path, prefix decisions on the tick. Workers know each other
-//! from a registry of live worker ids in shared data (`gpuroute_core::workers`): a worker takes
-//! the lowest free id with its first routed request and gives it back when Envoy deletes its
-//! plugin instance, so the exchange reads live workers only, through any number of
+//! through shared data: the registry of live workers, in-flight tables and the snapshot version
+//! at most every `shared_refresh_ms` on the request path, prefix decisions on the tick. Workers
+//! know each other from that registry of live worker ids (`gpuroute_core::workers`): a worker
+//! takes the lowest free id with its first routed request and gives it back when Envoy deletes
+//! its plugin instance, so the exchange reads live workers only, through any number of
 //! configuration changes.
 //!
 //! The host calls in through [`abi`] (the ABI 0.2.1 exports, only those the filter uses) and is
