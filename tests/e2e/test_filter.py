@@ -311,6 +311,23 @@ def test_openai_style_errors(envoy):
     assert body["error"]["code"] == "request_too_large"
 
 
+def test_missing_model_goes_to_the_default_pool_when_one_is_configured(pods):
+    """`default_pool` set: a request without `model` is routed to that pool (and named as its
+    first model for the route), instead of the 400 the shared fixture's configuration gives;
+    a model that exists is routed as before and an unknown one is still 404."""
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, default_pool="qwen"))
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        s, _, body, _ = e.request("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert s == 200 and body["pod"] == "qwen-0", body
+        assert body["headers"]["x-gateway-pool"] == "qwen"
+        assert body["headers"]["x-gateway-model-name"] == "qwen-7b"
+        assert served_by(e.chat("llama-3-8b")).startswith("llama-")
+        assert error_of(e.chat("gpt-4o"))[0] == 404
+    finally:
+        e.stop()
+
+
 def test_oversize_body_without_content_length_is_413(envoy):
     """Chunked upload: the limit is enforced while buffering, not only from content-length."""
     host, port = envoy.listen.rsplit(":", 1)
