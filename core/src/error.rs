@@ -103,6 +103,22 @@ impl ApiError {
         .code("request_too_large")
     }
 
+    /// 415: a compressed request body (`content-encoding`), which the filter cannot read to
+    /// route. Answered from the headers, before any of the body is buffered.
+    pub fn unsupported_encoding(encoding: &str) -> ApiError {
+        // Bound what is echoed back: the value comes from the client.
+        let shown: String = encoding.chars().take(64).collect();
+        ApiError::new(
+            415,
+            "invalid_request_error",
+            format!(
+                "request bodies with content-encoding `{shown}` are not supported by the \
+                 gateway: send the JSON uncompressed"
+            ),
+        )
+        .code("unsupported_content_encoding")
+    }
+
     /// 429: a sheddable request while every pod of its pool is saturated.
     pub fn shed(pool: &str) -> ApiError {
         ApiError::new(
@@ -186,6 +202,16 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_str(&ApiError::invalid_json("x").to_json()).unwrap();
         assert!(v["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn unsupported_encoding_is_415_and_bounded() {
+        let e = ApiError::unsupported_encoding(&"gzip".repeat(1_000));
+        assert_eq!(e.status, 415);
+        let v: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
+        assert_eq!(v["error"]["code"], "unsupported_content_encoding");
+        assert!(v["error"]["param"].is_null());
+        assert!(v["error"]["message"].as_str().unwrap().len() < 200);
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub struct RequestHead {
     /// `x-gateway-priority` (below 0: sheddable).
     pub priority: Option<i64>,
     pub authorization: Option<String>,
+    /// `content-encoding` other than `identity` (its value; `?` if not UTF-8): the body is
+    /// compressed, and the filter cannot read it.
+    pub content_encoding: Option<String>,
     /// Internal headers the client sent (to strip before anything else).
     pub forged: Vec<&'static str>,
 }
@@ -56,6 +59,12 @@ impl RequestHead {
                 b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),
+                b"content-encoding" => {
+                    let enc = text().map_or("?", str::trim);
+                    if !enc.is_empty() && !enc.eq_ignore_ascii_case("identity") {
+                        h.content_encoding = Some(enc.to_string());
+                    }
+                }
                 // Every internal header starts with "x-": most headers are skipped on one compare.
                 _ if k.starts_with(b"x-") => {
                     h.forged.extend(INTERNAL.iter().find(|n| n.as_bytes() == k));
@@ -96,6 +105,24 @@ mod tests {
         assert_eq!(h.priority, Some(-1));
         assert_eq!(h.authorization.as_deref(), Some("Bearer t"));
         assert_eq!(h.forged, vec![DESTINATION, POOL]);
+    }
+
+    #[test]
+    fn an_encoded_body_is_flagged_and_identity_is_not() {
+        let enc = |v: &[u8]| {
+            let pairs: Vec<(&[u8], &[u8])> = vec![(b"content-encoding", v)];
+            RequestHead::read(pairs).content_encoding
+        };
+        assert_eq!(enc(b"gzip").as_deref(), Some("gzip"));
+        assert_eq!(enc(b" br ").as_deref(), Some("br"));
+        assert_eq!(enc(&[0xff]).as_deref(), Some("?"));
+        assert_eq!(enc(b"identity"), None);
+        assert_eq!(enc(b"Identity"), None);
+        assert_eq!(enc(b""), None);
+        assert_eq!(
+            RequestHead::read(Vec::<(&[u8], &[u8])>::new()).content_encoding,
+            None
+        );
     }
 
     #[test]

@@ -51,6 +51,7 @@ const REJECTED: &[&str] = &[
     "model_not_found",
     "missing_required_parameter",
     "request_too_large",
+    "unsupported_content_encoding",
     "other",
 ];
 const SNAPSHOT_REJECTED: &[&str] = &[
@@ -390,6 +391,16 @@ impl Filter {
             if content_length.is_some_and(|n| n > cfg.max_body_bytes) {
                 config.count(config.metrics.rejected_id(Some("request_too_large")));
                 self.reply_error(s, &ApiError::body_too_large(cfg.max_body_bytes));
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            if let Some(enc) = &self.head.content_encoding {
+                config.count(
+                    config
+                        .metrics
+                        .rejected_id(Some("unsupported_content_encoding")),
+                );
+                let e = ApiError::unsupported_encoding(enc);
+                self.reply_error(s, &e);
                 return abi::HEADERS_STOP_ITERATION;
             }
             self.mode = Mode::Inference;

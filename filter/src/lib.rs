@@ -769,6 +769,12 @@ impl Http {
                 w.stats.inc("gpuroute.rejected.request_too_large");
                 return self.reply_error(&ApiError::body_too_large(max));
             }
+            if let Some(enc) = &self.head.content_encoding {
+                w.stats
+                    .inc("gpuroute.rejected.unsupported_content_encoding");
+                let e = ApiError::unsupported_encoding(enc);
+                return self.reply_error(&e);
+            }
             self.mode = Mode::Inference;
             if end_of_stream {
                 return self.route(&mut w, 0);

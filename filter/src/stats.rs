@@ -5,7 +5,7 @@
 //! - `gpuroute.pool.<pool>.pod.<ip_port>.picks` (counters, created on first pick)
 //! - `gpuroute.fail_open.<no_snapshot|unknown_pool|no_fresh_pod>` (counters)
 //! - `gpuroute.rejected.<code>` (counters: invalid_json, invalid_type, model_not_found,
-//!   missing_required_parameter, request_too_large)
+//!   missing_required_parameter, request_too_large, unsupported_content_encoding)
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the

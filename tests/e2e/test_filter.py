@@ -300,6 +300,14 @@ def test_openai_style_errors(envoy):
     assert (s, err["code"], err["param"]) == (404, "model_not_found", "model")
     s, err = error_of(envoy.request("POST", "/v1/chat/completions", {"messages": []}))
     assert (s, err["code"]) == (400, "missing_required_parameter")
+    # A compressed body cannot be read: said so, instead of "invalid JSON".
+    import gzip
+    packed = gzip.compress(json.dumps({"model": "llama-3-8b", "messages": []}).encode())
+    s, err = error_of(envoy.request("POST", "/v1/chat/completions", packed, {"content-encoding": "gzip"}))
+    assert (s, err["code"]) == (415, "unsupported_content_encoding") and "gzip" in err["message"]
+    s, _, _, _ = envoy.request("POST", "/v1/chat/completions", {"model": "qwen-7b", "messages": []},
+                               {"content-encoding": "identity"})
+    assert s == 200
     # Declared too large: answered from the headers alone, before any body byte is read.
     host, port = envoy.listen.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
