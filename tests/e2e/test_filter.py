@@ -407,6 +407,14 @@ def test_envoy_keeps_serving_after_1000_malformed_requests(envoy, pods):
     assert envoy.alive()
     assert set(statuses) <= {200, 400, 404}, statuses
     assert statuses[400] >= 700
+    # 100,000 levels of nesting: a recursive parser without a depth limit would exhaust the VM's
+    # stack (a trap takes the VM down like a panic). Closed, it is valid JSON the gateway does not
+    # read a prompt from (routed; the pod judges the messages); unclosed, invalid.
+    deep = b'{"model":"llama-3-8b","messages":' + b"[" * 100_000
+    for _ in range(3):
+        assert envoy.request("POST", "/v1/chat/completions", deep + b"]" * 100_000 + b"}")[0] == 200
+        s, err = error_of(envoy.request("POST", "/v1/chat/completions", deep))
+        assert (s, err["code"]) == (400, "invalid_json")
     # Hostile header bytes do not take the VM down either.
     with socket.create_connection((host, int(port)), timeout=5) as s:
         body = b'{"model":"llama-3-8b","messages":[]}'
