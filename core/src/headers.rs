@@ -1,6 +1,8 @@
 //! The headers the filter (either build) uses to steer Envoy, in one place: a header added here
 //! is stripped from client requests by both the proxy-wasm and the dynamic-module shells.
 
+use crate::error::ApiError;
+
 /// Headers the filter sets to steer Envoy. A client must never be able to set them: with an
 /// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere. Every
 /// one starts with `x-` (the shells skip other headers on one compare).
@@ -74,6 +76,19 @@ impl RequestHead {
         }
         h
     }
+
+    /// What the headers alone decide for an inference request, before any of its body is
+    /// buffered: a declared length over `max_body_bytes` (413), then a compressed body the
+    /// filter cannot read (415). Both shells answer the error and count it under its code.
+    pub fn admit(&self, max_body_bytes: usize) -> Result<(), ApiError> {
+        if self.content_length.is_some_and(|n| n > max_body_bytes) {
+            return Err(ApiError::body_too_large(max_body_bytes));
+        }
+        match &self.content_encoding {
+            Some(enc) => Err(ApiError::unsupported_encoding(enc)),
+            None => Ok(()),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -122,6 +137,30 @@ mod tests {
         assert_eq!(
             RequestHead::read(Vec::<(&[u8], &[u8])>::new()).content_encoding,
             None
+        );
+    }
+
+    #[test]
+    fn admit_refuses_too_large_then_encoded_bodies() {
+        let head = |len: Option<usize>, enc: Option<&str>| RequestHead {
+            content_length: len,
+            content_encoding: enc.map(str::to_string),
+            ..RequestHead::default()
+        };
+        let code = |h: RequestHead| h.admit(100).err().map(|e| (e.status, e.code));
+        assert_eq!(code(head(Some(100), None)), None);
+        assert_eq!(code(head(None, None)), None);
+        assert_eq!(
+            code(head(Some(101), None)),
+            Some((413, Some("request_too_large".into())))
+        );
+        assert_eq!(
+            code(head(None, Some("gzip"))),
+            Some((415, Some("unsupported_content_encoding".into())))
+        );
+        assert_eq!(
+            code(head(Some(101), Some("gzip"))),
+            Some((413, Some("request_too_large".into())))
         );
     }
 

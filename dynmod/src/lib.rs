@@ -388,18 +388,8 @@ impl Filter {
             return abi::HEADERS_STOP_ITERATION;
         }
         if method == "POST" && cfg.is_inference_path(&self.head.path) {
-            if content_length.is_some_and(|n| n > cfg.max_body_bytes) {
-                config.count(config.metrics.rejected_id(Some("request_too_large")));
-                self.reply_error(s, &ApiError::body_too_large(cfg.max_body_bytes));
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            if let Some(enc) = &self.head.content_encoding {
-                config.count(
-                    config
-                        .metrics
-                        .rejected_id(Some("unsupported_content_encoding")),
-                );
-                let e = ApiError::unsupported_encoding(enc);
+            if let Err(e) = self.head.admit(cfg.max_body_bytes) {
+                config.count(config.metrics.rejected_id(e.code.as_deref()));
                 self.reply_error(s, &e);
                 return abi::HEADERS_STOP_ITERATION;
             }

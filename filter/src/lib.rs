@@ -764,15 +764,11 @@ impl Http {
             return self.reply(200, &body, "application/json");
         }
         if method == "POST" && w.engine.config.is_inference_path(&self.path) {
-            let max = w.engine.config.max_body_bytes;
-            if self.head.content_length.is_some_and(|n| n > max) {
-                w.stats.inc("gpuroute.rejected.request_too_large");
-                return self.reply_error(&ApiError::body_too_large(max));
-            }
-            if let Some(enc) = &self.head.content_encoding {
-                w.stats
-                    .inc("gpuroute.rejected.unsupported_content_encoding");
-                let e = ApiError::unsupported_encoding(enc);
+            if let Err(e) = self.head.admit(w.engine.config.max_body_bytes) {
+                w.stats.inc(&format!(
+                    "gpuroute.rejected.{}",
+                    e.code.as_deref().unwrap_or("other")
+                ));
                 return self.reply_error(&e);
             }
             self.mode = Mode::Inference;
