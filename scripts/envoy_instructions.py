@@ -27,13 +27,19 @@ unknown option) can be compared. Instructions are not time (cache misses, branch
 mispredictions and the host's clock are not in them); they say which build does less work,
 reproducibly: the same build gives the same count to within ~0.1%.
 
+With `--workers N` every gateway runs N worker threads, and before the warm-up requests go out
+on fresh connections until each worker has served one (the kernel picks each connection's
+worker): each worker of a filter build then has its id in the registry and has published its
+in-flight table, which the counted worker's exchange reads (under valgrind, on every request).
+This is what the exchange costs as Envoy's worker count grows.
+
 With `--config-changes N` the proxy-wasm builds get their listener from a file (LDS) and, before
 the count, the filter's configuration is changed N times while Envoy runs (as an xDS update
 changes it; each change routes a few requests and waits for the old plugin instances to drain
 and go): what a long-running gateway carries from the configurations it had before.
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
-                                     [--keep DIR] [--sim] [--config-changes N]
+                                     [--keep DIR] [--sim] [--config-changes N] [--workers N]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -76,11 +82,23 @@ def send(gw, body, k, conn=None):
     for _ in range(k):
         conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
         r = conn.getresponse()
-        r.read()
+        answer = r.read()
         if r.status != 200:
-            raise RuntimeError(f"gateway answered {r.status}")
+            raise RuntimeError(f"gateway answered {r.status}: {answer[:300]!r}")
     if own:
         conn.close()
+
+
+def reach_every_worker(gw, body, workers, attempts=500):
+    """Requests on fresh connections until each of the gateway's `workers` worker threads has
+    served one (Envoy's per-worker listener counters say which have)."""
+    listener = "listener." + gw.listen.replace(":", "_") + ".worker_"
+    for _ in range(attempts):
+        served = {k for k, v in gw.stats(r"downstream_cx_total").items() if k.startswith(listener) and v > 0}
+        if len(served) >= workers:
+            return
+        send(gw, body, 1)
+    raise RuntimeError(f"{attempts} connections did not reach all {workers} workers")
 
 
 def count(gw, body, n, out_dir):
@@ -136,6 +154,8 @@ def main():
                          "--branch-sim; ~2x slower): L1 and last-level misses, mispredicted branches")
     ap.add_argument("--config-changes", type=int, default=0, metavar="N",
                     help="change the proxy-wasm filter's configuration N times (through LDS) before counting")
+    ap.add_argument("--workers", type=int, default=1, metavar="N",
+                    help="Envoy worker threads of each gateway; every one serves a request before the count")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
@@ -154,13 +174,17 @@ def main():
             if args.config_changes and spec.get("runtime") == "wasm" and name not in REFERENCES:
                 lds = LdsListener(out_dir / f"lds-{name}")
                 spec = dict(spec, patch=lds.patch, envoy_args=lds.envoy_args)
-            gw = Envoy(**spec, wrap=callgrind(out_dir, args.sim), ready_timeout=600)
+            gw = Envoy(**spec, concurrency=args.workers, wrap=callgrind(out_dir, args.sim), ready_timeout=600)
             pushed = name not in REFERENCES
             try:
-                if pushed and gw.push(snapshot(pod_snapshot(up)))[0] != 204:
-                    raise RuntimeError(f"{name}: snapshot push refused")
+                if pushed:
+                    answer = gw.push(snapshot(pod_snapshot(up)))
+                    if answer[0] != 204:
+                        raise RuntimeError(f"{name}: snapshot push refused: {answer[:3]}")
                 if lds:
                     change_config(gw, lds, args.config_changes, body)
+                if args.workers > 1:
+                    reach_every_worker(gw, body, args.workers)
                 events[name] = count(gw, body, args.requests, out_dir)
                 if pushed:
                     prefix = BUILDS["module" if name == "module" else "filter"][1]
@@ -179,6 +203,7 @@ def main():
     result = {name: ev["Ir"] for name, ev in events.items()}
     plain = result.get("plain")
     changes = f", after {args.config_changes} changes of the filter's configuration" if args.config_changes else ""
+    changes += f", {args.workers} Envoy workers (each served a request first)" if args.workers > 1 else ""
     print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():
@@ -198,6 +223,7 @@ def main():
     out = ROOT / "target" / "bench" / "envoy-instructions.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "config_changes": args.config_changes,
+                               "workers": args.workers,
                                "instructions_per_request": result,
                                **({"simulated_events_per_request": events} if args.sim else {}),
                                "compare_wasm": {k: str(v) for k, v in extra.items()},

@@ -235,6 +235,55 @@ impl LoadTable {
     }
 }
 
+/// The other workers' published tables of one pool as this worker last read them, by worker id.
+///
+/// An exchange reads a bounded number of them, in turn (`workers::in_turn`), and sums all it
+/// holds: with many workers each table is at most a few exchanges old, and an exchange costs the
+/// same host calls however many workers Envoy runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PeerTables {
+    tables: Vec<(u32, LoadTable)>,
+}
+
+impl PeerTables {
+    /// Records what was read of worker `peer`'s table; `None` (nothing published) forgets it.
+    pub fn store(&mut self, peer: u32, table: Option<LoadTable>) {
+        let at = self.tables.iter().position(|(id, _)| *id == peer);
+        match (at, table) {
+            (Some(i), Some(t)) => self.tables[i].1 = t,
+            (None, Some(t)) => self.tables.push((peer, t)),
+            (Some(i), None) => {
+                self.tables.swap_remove(i);
+            }
+            (None, None) => {}
+        }
+    }
+
+    /// Forgets the tables of workers no longer in `live` (they gave their id back).
+    pub fn retain_live(&mut self, live: &[u32]) {
+        self.tables.retain(|(id, _)| live.contains(id));
+    }
+
+    /// The tables held, summed into one aligned with snapshot `version` whose pods have these
+    /// `keys` (`previous` as in [`LoadTable::add_table`]).
+    pub fn sum(&self, version: u64, keys: &[u64], previous: Option<u64>) -> LoadTable {
+        let mut sum = LoadTable::zeroed(version, keys);
+        for (_, t) in &self.tables {
+            sum.add_table(t, previous);
+        }
+        sum
+    }
+
+    /// Workers whose table is held.
+    pub fn len(&self) -> usize {
+        self.tables.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tables.is_empty()
+    }
+}
+
 fn arr8(b: &[u8], at: usize) -> [u8; 8] {
     let mut a = [0u8; 8];
     if let Some(s) = b.get(at..at + 8) {
@@ -333,6 +382,63 @@ mod tests {
         assert_eq!(back, t);
         assert_eq!(back.pods[1].delta(), 1);
         assert_eq!(back.pods[1].delta_tokens(), 500);
+    }
+
+    fn table(version: u64, keys: &[u64], inflight: &[u32]) -> LoadTable {
+        let mut t = LoadTable::zeroed(version, keys);
+        for (p, n) in t.pods.iter_mut().zip(inflight) {
+            p.inflight = *n;
+        }
+        t
+    }
+
+    #[test]
+    fn peer_tables_sum_what_was_read_in_earlier_exchanges_too() {
+        let keys = [1, 2];
+        let mut peers = PeerTables::default();
+        // Exchange 1 reads worker 3, exchange 2 worker 5: the sum holds both.
+        peers.store(3, Some(table(7, &keys, &[2, 0])));
+        peers.store(5, Some(table(7, &keys, &[1, 4])));
+        let sum = peers.sum(7, &keys, None);
+        assert_eq!(
+            sum.pods.iter().map(|p| p.inflight).collect::<Vec<_>>(),
+            vec![3, 4]
+        );
+        // A newer read of worker 3 replaces its older one instead of adding to it.
+        peers.store(3, Some(table(7, &keys, &[0, 1])));
+        let sum = peers.sum(7, &keys, None);
+        assert_eq!(
+            sum.pods.iter().map(|p| p.inflight).collect::<Vec<_>>(),
+            vec![1, 5]
+        );
+        assert_eq!(peers.len(), 2);
+    }
+
+    #[test]
+    fn peer_tables_forget_workers_that_left_or_published_nothing() {
+        let keys = [1];
+        let mut peers = PeerTables::default();
+        for id in [0, 1, 2] {
+            peers.store(id, Some(table(7, &keys, &[10])));
+        }
+        peers.store(1, None);
+        assert_eq!(peers.sum(7, &keys, None).pods[0].inflight, 20);
+        peers.retain_live(&[2, 9]);
+        assert_eq!(peers.sum(7, &keys, None).pods[0].inflight, 10);
+        peers.retain_live(&[]);
+        assert!(peers.is_empty());
+        assert_eq!(peers.sum(7, &keys, None), LoadTable::zeroed(7, &keys));
+    }
+
+    #[test]
+    fn peer_tables_of_an_older_snapshot_count_only_as_the_previous_one() {
+        let keys = [1];
+        let mut peers = PeerTables::default();
+        peers.store(0, Some(table(6, &keys, &[1])));
+        peers.store(1, Some(table(5, &keys, &[100])));
+        peers.store(2, Some(table(7, &keys, &[10])));
+        // Version 7 now, 6 the one before: version 5's table is a worker long gone.
+        assert_eq!(peers.sum(7, &keys, Some(6)).pods[0].inflight, 11);
     }
 
     #[test]

@@ -103,6 +103,20 @@ impl WorkerSet {
     }
 }
 
+/// Which of `n` peers one exchange reads when it may read at most `limit` of them: all when
+/// they fit, else `limit` in turn from `cursor` (which it advances), so that each is read every
+/// `ceil(n / limit)` exchanges. Indices into the peer list.
+pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> impl Iterator<Item = usize> {
+    let (start, count) = if limit >= n {
+        (0, n)
+    } else {
+        let start = *cursor % n;
+        *cursor = (start + limit) % n;
+        (start, limit)
+    };
+    (0..count).map(move |i| (start + i) % n)
+}
+
 /// The first sequence number of the holder that took its id at `generation`.
 pub fn seq_base(generation: u64) -> u64 {
     (generation % (1 << (64 - SEQ_BITS))) << SEQ_BITS
@@ -176,6 +190,23 @@ mod tests {
     }
 
     #[test]
+    fn peers_are_read_in_turn_when_they_do_not_all_fit() {
+        let mut cursor = 0;
+        let mut turn = |n, limit| in_turn(n, limit, &mut cursor).collect::<Vec<_>>();
+        // All fit: all, and the turn does not move.
+        assert_eq!(turn(3, 4), vec![0, 1, 2]);
+        assert_eq!(turn(0, 4), Vec::<usize>::new());
+        // Seven peers, three a time: every one within three exchanges, wrapping around.
+        assert_eq!(turn(7, 3), vec![0, 1, 2]);
+        assert_eq!(turn(7, 3), vec![3, 4, 5]);
+        assert_eq!(turn(7, 3), vec![6, 0, 1]);
+        // The list shrank under the cursor: it still stays inside the list.
+        assert_eq!(turn(2, 1), vec![0]);
+        assert_eq!(turn(2, 1), vec![1]);
+        assert_eq!(turn(2, 1), vec![0]);
+    }
+
+    #[test]
     fn a_later_generation_sequences_after_an_earlier_one() {
         // The previous holder's sequences stay below the next holder's first one.
         let old_last = seq_base(41) + (1 << SEQ_BITS) - 1;
@@ -184,6 +215,23 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn every_peer_is_read_within_its_turns(n in 0usize..40, limit in 1usize..10, start in any::<usize>()) {
+            let mut cursor = start;
+            let rounds = n.div_ceil(limit);
+            let mut seen = vec![0u32; n];
+            for _ in 0..rounds {
+                let turn: Vec<usize> = in_turn(n, limit, &mut cursor).collect();
+                prop_assert_eq!(turn.len(), n.min(limit));
+                for i in turn {
+                    prop_assert!(i < n);
+                    seen[i] += 1;
+                }
+            }
+            // Each peer read at least once in ceil(n / limit) exchanges, and none more than twice.
+            prop_assert!(seen.iter().all(|&c| (1..=2).contains(&c)), "{:?}", seen);
+        }
+
         #[test]
         fn ids_are_unique_and_dense(ops in proptest::collection::vec(any::<Option<u8>>(), 0..200)) {
             // Some(i): release the i-th taken id (mod count); None: take.

@@ -30,7 +30,7 @@ use gpuroute_core::fleet::FleetState;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
-use gpuroute_core::load::{Completion, InFlight, LoadTable};
+use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::prefix::SyncLog;
 use gpuroute_core::rng::SplitMix64;
@@ -82,6 +82,9 @@ struct Worker {
     /// The other live workers' ids, from the registry: read when this worker takes its id and
     /// at each exchange (`refresh_shared`).
     peers: Vec<u32>,
+    /// Where the next exchange on the request path starts reading `peers`' tables, when it may
+    /// not read them all (`shared_peer_reads`; `workers::in_turn`).
+    peer_cursor: usize,
     /// Live workers in the registry at the last read, this one included (the `gpuroute.workers`
     /// gauge).
     live: usize,
@@ -104,7 +107,9 @@ struct Worker {
 /// are exact and counted at once; the other workers' are read from their published tables at
 /// most every `shared_refresh_ms` (and on the tick): with several workers under load, another
 /// worker's request reaches this view ~1-2 ms after it was sent, a small part of a scrape
-/// interval. No compare-and-swap: every table has one writer.
+/// interval. With more than `shared_peer_reads` other workers, an exchange on the request path
+/// reads that many of their tables in turn, so each is at most a few exchanges old. No
+/// compare-and-swap: every table has one writer.
 struct PoolLoad {
     /// Shared-data key `own` is published under.
     key: String,
@@ -112,9 +117,35 @@ struct PoolLoad {
     own: LoadTable,
     /// `own` changed since it was last published.
     dirty: bool,
-    /// The other workers' tables of this snapshot (or the one before), summed (see
-    /// `LoadTable::add_table`).
+    /// The other workers' tables as last read.
+    peer_tables: PeerTables,
+    /// `peer_tables` of this snapshot (or the one before), summed (see `LoadTable::add_table`).
     others: LoadTable,
+}
+
+impl PoolLoad {
+    /// Reads the tables of `pool` that the workers `turn` published, then sums all the live
+    /// workers' (`live`) tables held, for the snapshot `fleet` (or the one before it,
+    /// `previous`). Nothing changes if the snapshot has no such pool.
+    fn read_peers(
+        &mut self,
+        pool: &str,
+        fleet: &FleetState,
+        previous: Option<u64>,
+        live: &[u32],
+        turn: impl Iterator<Item = u32>,
+    ) {
+        let Some(p) = fleet.pool(pool) else {
+            return;
+        };
+        self.peer_tables.retain_live(live);
+        for other in turn {
+            let table = host::get_shared(&load_key(pool, other)).0;
+            self.peer_tables
+                .store(other, table.map(|b| LoadTable::decode(&b)));
+        }
+        self.others = self.peer_tables.sum(fleet.version, &p.keys, previous);
+    }
 }
 
 impl Worker {
@@ -155,21 +186,21 @@ impl Worker {
 
     /// The exchange with the other workers: who they are (the registry, once this worker
     /// routes), the snapshot version (decoding a new snapshot), this worker's changed tables
-    /// out, the others' in.
-    fn refresh_shared(&mut self) {
+    /// out, the others' in (`all`, or `shared_peer_reads` of them in turn).
+    fn refresh_shared(&mut self, all: bool) {
         if self.register_tried {
             self.read_registry();
         }
         self.refresh_fleet();
         self.publish_loads();
-        self.read_others();
+        self.read_others(all);
     }
 
     /// [`Worker::refresh_shared`] on the request path, at most every `shared_refresh_ms`.
     fn refresh_shared_throttled(&mut self, now_ns: u64) {
         if now_ns.wrapping_sub(self.refreshed_ns) >= self.refresh_ns || self.fleet.is_none() {
             self.refreshed_ns = now_ns;
-            self.refresh_shared();
+            self.refresh_shared(false);
         }
     }
 
@@ -182,15 +213,23 @@ impl Worker {
         }
     }
 
-    fn read_others(&mut self) {
+    /// Reads the other workers' tables of every pool this worker routes to: all of them, or
+    /// `shared_peer_reads` in turn.
+    fn read_others(&mut self, all: bool) {
         let Some(fleet) = &self.fleet else {
             return;
         };
+        let limit = if all {
+            usize::MAX
+        } else {
+            self.engine.config.shared_peer_reads
+        };
+        let turn: Vec<u32> = workers::in_turn(self.peers.len(), limit, &mut self.peer_cursor)
+            .filter_map(|i| self.peers.get(i).copied())
+            .collect();
         for (pool, pl) in self.loads.iter_mut() {
             let previous = self.previous_version;
-            if let Some(sum) = others_of(pool, fleet, previous, &self.peers) {
-                pl.others = sum;
-            }
+            pl.read_peers(pool, fleet, previous, &self.peers, turn.iter().copied());
         }
     }
 
@@ -201,13 +240,22 @@ impl Worker {
         let fleet = self.fleet.as_ref()?;
         let p = fleet.pool(pool)?;
         if !self.loads.contains_key(pool) {
-            let pl = PoolLoad {
+            let mut pl = PoolLoad {
                 key: load_key(pool, self.id),
                 own: LoadTable::zeroed(fleet.version, &p.keys),
                 dirty: false,
-                others: others_of(pool, fleet, self.previous_version, &self.peers)
-                    .unwrap_or_else(|| LoadTable::zeroed(fleet.version, &p.keys)),
+                peer_tables: PeerTables::default(),
+                others: LoadTable::zeroed(fleet.version, &p.keys),
             };
+            // Every other worker's table at once: this worker knows nothing of the pool yet.
+            let peers = &self.peers;
+            pl.read_peers(
+                pool,
+                fleet,
+                self.previous_version,
+                peers,
+                peers.iter().copied(),
+            );
             self.loads.insert(pool.to_string(), pl);
         }
         let pl = self.loads.get_mut(pool)?;
@@ -286,8 +334,9 @@ impl Worker {
             self.register();
         }
         // Decoding here keeps the cost off the request path in the common case. The exchange
-        // first: it re-reads the registry the prefix exchange uses.
-        self.refresh_shared();
+        // first: it re-reads the registry the prefix exchange uses. Every table: off the
+        // request path, so a table read in turn is never older than a tick.
+        self.refresh_shared(true);
         self.sync();
         if self.register_tried {
             self.stats.gauge("gpuroute.workers", self.live as u64);
@@ -335,25 +384,6 @@ impl Worker {
             self.stats.gauge("gpuroute.snapshot.age_ms", age);
         }
     }
-}
-
-/// The other workers' published tables of `pool` for the snapshot `fleet` (or the one before it,
-/// `previous`: see `LoadTable::add_table`), summed over the live workers `peers`; `None` if the
-/// snapshot has no such pool.
-fn others_of(
-    pool: &str,
-    fleet: &FleetState,
-    previous: Option<u64>,
-    peers: &[u32],
-) -> Option<LoadTable> {
-    let p = fleet.pool(pool)?;
-    let mut sum = LoadTable::zeroed(fleet.version, &p.keys);
-    for &other in peers {
-        if let (Some(bytes), _) = host::get_shared(&load_key(pool, other)) {
-            sum.add_table(&LoadTable::decode(&bytes), previous);
-        }
-    }
-    Some(sum)
 }
 
 /// Applies `change` to the registry of live workers with a compare-and-swap, from a fresh read
@@ -418,6 +448,7 @@ impl Root {
             id: UNREGISTERED,
             register_tried: false,
             peers: Vec::new(),
+            peer_cursor: 0,
             live: 0,
             applied: HashMap::new(),
             published_seq: 0,

@@ -455,11 +455,12 @@ def test_burst_within_one_snapshot_spreads(pods):
             p.close()
 
 
-@pytest.mark.parametrize("tick_ms", [None, 600_000], ids=["default_tick", "no_tick"])
-def test_in_flight_requests_count_across_worker_threads(tick_ms):
+@pytest.mark.parametrize("tick_ms,workers,peer_reads", [(None, 2, None), (600_000, 2, None), (None, 4, 1)],
+                         ids=["default_tick", "no_tick", "four_workers_one_read"])
+def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_reads):
     """Each worker counts its own requests at once and sees the other workers' through shared
     data. Six slow requests are held in flight on six connections, which the kernel spreads over
-    Envoy's two workers: whatever the split, one worker holds fewer than five of them itself.
+    Envoy's workers: whatever the split, one worker holds fewer than five of them itself.
     The snapshot says the pod's queue is empty, so only the gateway's own count can saturate it
     (queue_threshold 5). Sheddable probes on fresh connections must then get 429 on both workers;
     a worker blind to the other's requests would see fewer than five and route its probes.
@@ -470,7 +471,12 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms):
     table. With the registry read on the tick only this fails unless the kernel puts five or
     six of the six connections on the worker that routed first (6 in 32). The held requests are sent 10 ms apart: a worker
     publishes its table at most once per `shared_refresh_ms`, and what it defers goes out with
-    its next request or its tick, which never comes here."""
+    its next request or its tick, which never comes here.
+
+    `four_workers_one_read`: four workers, and an exchange on the request path reads one other
+    worker's table (`shared_peer_reads` 1), in turn. A probe's exchange then reads one of three;
+    the worker must still count the held requests of the other two, from what it read before
+    (its tick reads every table)."""
     import concurrent.futures
 
     slow = StubPod("slow-0", delay_s=3.0)
@@ -478,7 +484,9 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms):
     config = dict(CONFIG, scoring={"stale_after_ms": 20_000})
     if tick_ms is not None:
         config["tick_ms"] = tick_ms
-    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=2)
+    if peer_reads is not None:
+        config["shared_peer_reads"] = peer_reads
+    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=workers)
     ex = concurrent.futures.ThreadPoolExecutor(6)
     try:
         assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
@@ -501,15 +509,16 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms):
         assert not any(f.done() for f in held)
         before = per_worker()
         statuses, hit = [], []
-        # Probes until both workers have answered some (the kernel picks the worker of each
+        probed = min(workers, 3)
+        # Probes until `probed` workers have answered some (the kernel picks the worker of each
         # connection); a probe routed to the pod instead of refused ends the loop (and the test).
-        while len(statuses) < 40 and time.time() < deadline + 1:
+        while len(statuses) < 80 and time.time() < deadline + 2:
             statuses.append(e.chat("llama-3-8b", "probe", headers={"x-gateway-priority": "-1"})[0])
             hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
-            if statuses[-1] != 429 or (len(hit) >= 2 and len(statuses) >= 8):
+            if statuses[-1] != 429 or (len(hit) >= probed and len(statuses) >= 8):
                 break
-        assert statuses == [429] * len(statuses), f"a worker did not count the other's requests: {statuses}"
-        assert len(hit) >= 2, f"the probes did not reach both workers: {per_worker()} vs {before}"
+        assert statuses == [429] * len(statuses), f"a worker did not count the others' requests: {statuses}"
+        assert len(hit) >= probed, f"the probes did not reach {probed} workers: {per_worker()} vs {before}"
         assert all(f.result()[0] == 200 for f in held)
     finally:
         ex.shutdown(wait=True)
