@@ -12,7 +12,8 @@ Checks, one line each (exit status 1 if any fails):
                the filter also judges each plugin configuration.
   manifests    every YAML document under envoy-gateway/ and istio/ parses and has apiVersion,
                kind and metadata.name; the references between them resolve and agree (names,
-               ports, tokens, pools, buffer limit).
+               ports, tokens, pools, buffer limit), and the Wasm filter replaces a failed VM
+               (failure_policy FAIL_RELOAD, as the local files).
   fragments    the Envoy-level parts of the Kubernetes manifests, placed where the control
                plane puts them: the Wasm filter Envoy Gateway generates from the
                EnvoyExtensionPolicy with the EnvoyPatchPolicy's JSON patches applied, and
@@ -91,6 +92,14 @@ class Skipped(Exception):
 
 # --------------------------------------------------------------------------------------------
 # Local bootstraps: rendering and drift
+
+
+def reload_on_failure(cfg):
+    """The Wasm PluginConfig `cfg` replaces a failed VM (FAIL_RELOAD, as envoy/render.py's): with
+    fail_open, a worker whose VM failed would serve without the filter for good."""
+    if cfg.get("failure_policy") != "FAIL_RELOAD" or cfg.get("fail_open"):
+        raise CheckError(f"the Wasm filter's failure_policy is {cfg.get('failure_policy')!r} "
+                         f"(fail_open {cfg.get('fail_open')!r}); want FAIL_RELOAD")
 
 
 def fail(message):
@@ -793,6 +802,7 @@ def eg_fragment(manifests, wasm):
     cfg = next(f for f in hcm["typed_config"]["http_filters"] if f["name"] == filter_name)["typed_config"]["config"]
     if cfg.get("allow_on_headers_stop_iteration") is not True:
         raise CheckError("after the patches the filter still lacks allow_on_headers_stop_iteration: true")
+    reload_on_failure(cfg)
 
     check_common(
         plugin,
@@ -914,6 +924,7 @@ def istio_fragment(manifests, wasm):
             cfg = value["typed_config"]["config"]
             if cfg.get("allow_on_headers_stop_iteration") is not True:
                 raise CheckError("the Wasm filter lacks allow_on_headers_stop_iteration: true")
+            reload_on_failure(cfg)
             set_wasm_path(value, wasm)
             plugin = json.loads(cfg["configuration"]["value"])
             filters.insert(idx, value)

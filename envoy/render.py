@@ -57,8 +57,11 @@ def wasm_filter(wasm_path, config):
                 # Without this, pausing in on_http_request_headers becomes StopAll and the
                 # request hangs (verified on Envoy 1.40).
                 "allow_on_headers_stop_iteration": True,
-                # If the VM ever fails, keep serving with Envoy's own routing.
-                "failure_policy": "FAIL_OPEN",
+                # If the VM fails (a trap), Envoy answers the worker's requests with 503 while it
+                # backs off (1 s at first), then starts a new VM: the filter comes back. With
+                # FAIL_OPEN the worker would serve without the filter for good, and every
+                # inference request there would get the route table's 404 (no x-gateway-pool).
+                "failure_policy": "FAIL_RELOAD",
             },
         },
     }

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from harness import RUNTIME, STAT_PREFIX, TOKEN, Envoy, LdsListener, now_ms, pod_picks_stat, snapshot
+from harness import RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, now_ms, pod_picks_stat, snapshot
 from stubpod import StubPod
 
 CONFIG = {
@@ -423,13 +423,40 @@ def test_envoy_keeps_serving_after_1000_malformed_requests(envoy, pods):
             b"authorization: Bearer \x80\x81\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
         )
         assert s.recv(100).startswith(b"HTTP/1.1 200")
-    # The filter still decides (a failed VM would leave Envoy serving without it: FAIL_OPEN, no
-    # routing headers) and still answers bad bodies itself.
+    # The filter still decides and still answers bad bodies itself, and its VM never failed (a
+    # failed VM is replaced: see test_a_failed_vm_is_reloaded).
     s, _, body, _ = envoy.chat("llama-3-8b")
     assert s == 200 and body["headers"].get("x-gateway-pool") == "llama", body
     assert envoy.request("POST", "/v1/chat/completions", b"{")[0] == 400
     if RUNTIME == "wasm":
-        assert envoy.stat("wasm.gpuroute.vm_reload") == 0
+        for stat in ("vm_reload", "vm_reload_backoff", "vm_reload_success", "vm_reload_failure"):
+            assert envoy.stat(f"wasm.gpuroute.{stat}") == 0, stat
+
+
+@pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module runs natively, with no VM to fail")
+def test_a_failed_vm_is_reloaded(pods):
+    """A worker whose VM fails is not left without the filter. The filter has no panic path, so a
+    test module stands in for it (tests/wasm-trap: sets `x-gateway-pool: llama`, traps when the
+    body holds "TRAP") under the shipped configuration (render.py's `failure_policy`). While
+    Envoy backs off, the worker answers 503, which OpenAI's SDKs retry; then a new VM routes
+    again. Never the route table's 404: with FAIL_OPEN the worker served without the filter for
+    good, so no request there carried a pool header again."""
+    e = Envoy("filter", pools_of(pods), CONFIG, wasm=TRAP_WASM)
+    try:
+        assert served_by(e.chat("llama-3-8b")).startswith("llama-")
+        assert e.chat("llama-3-8b", "TRAP")[0] == 503
+        statuses = []
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            statuses.append(e.chat("llama-3-8b")[0])
+            if statuses[-1] == 200:
+                break
+            time.sleep(0.1)
+        assert statuses[0] == 503 and statuses[-1] == 200 and set(statuses) <= {200, 503}, statuses
+        assert e.stat("wasm.gpuroute.vm_reload_success") >= 1
+        assert served_by(e.chat("llama-3-8b")).startswith("llama-")
+    finally:
+        e.stop()
 
 
 def test_burst_within_one_snapshot_spreads(pods):
