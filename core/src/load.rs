@@ -248,13 +248,11 @@ pub struct PeerTables {
 impl PeerTables {
     /// Records what was read of worker `peer`'s table; `None` (nothing published) forgets it.
     pub fn store(&mut self, peer: u32, table: Option<LoadTable>) {
-        let at = self.tables.iter().position(|(id, _)| *id == peer);
-        match (at, table) {
-            (Some(i), Some(t)) => self.tables[i].1 = t,
+        let held = self.tables.iter_mut().find(|(id, _)| *id == peer);
+        match (held, table) {
+            (Some(held), Some(t)) => held.1 = t,
             (None, Some(t)) => self.tables.push((peer, t)),
-            (Some(i), None) => {
-                self.tables.swap_remove(i);
-            }
+            (Some(_), None) => self.tables.retain(|(id, _)| *id != peer),
             (None, None) => {}
         }
     }
