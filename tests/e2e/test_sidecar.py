@@ -88,15 +88,23 @@ def test_a_dead_pod_stops_being_picked_within_a_second_and_ramps_up_when_back(st
     wait_until_picked(gw, pods[0].address)
     pods[0].close()
     t0 = time.time()
-    while picked(chat(gw)) == pods[0].address:
+    # Each request's time since the close, status and debug header: what a failure shows.
+    seen = []
+
+    def observe():
+        s, h, _, _ = chat(gw)
+        seen.append((round((time.time() - t0) * 1000), s, h.get("x-gateway-debug", "")))
+        return s, h
+
+    while picked(observe()) == pods[0].address:
         assert time.time() - t0 < 3, "dead pod still picked after 3 s"
         time.sleep(0.005)
     gone = time.time() - t0
     # Requests kept succeeding meanwhile: Envoy retried on the next endpoint of the header.
     for _ in range(20):
-        s, h, _, _ = chat(gw)
-        assert s == 200 and h["x-served-by"] != "pod-0"
-        assert picked((s, h)) != pods[0].address
+        s, h = observe()
+        assert s == 200 and h["x-served-by"] != "pod-0", seen[-3:]
+        assert picked((s, h)) != pods[0].address, f"picked again after it was out: {seen[-23:]}"
     print(f"\ndead pod out of the candidates after {gone * 1000:.0f} ms")
     assert gone <= 1.2
 
