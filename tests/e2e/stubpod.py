@@ -31,6 +31,9 @@ class StubPod:
         self.requests = []
         self.load = {"waiting": 0, "running": 0, "kv": 0.05}
         self.conns = set()
+        # Set by close(): a connection accepted just before it, whose handler thread had not
+        # registered in `conns` yet, must not serve either.
+        self.dead = False
         self.handler = self._handler_class()
         self._serve(port)
 
@@ -46,6 +49,12 @@ class StubPod:
             def setup(self):
                 super().setup()
                 pod.conns.add(self.connection)
+
+            def handle(self):
+                # After setup(): either close() saw this connection in `conns`, or it had
+                # already set `dead` when the connection was added.
+                if not pod.dead:
+                    super().handle()
 
             def finish(self):
                 pod.conns.discard(self.connection)
@@ -95,6 +104,7 @@ class StubPod:
 
     def close(self):
         """Dies like a crashed pod: the listener and every open keep-alive connection close."""
+        self.dead = True
         self.server.shutdown()
         self.server.server_close()
         for c in list(self.conns):
@@ -106,4 +116,5 @@ class StubPod:
 
     def restart(self):
         """Comes back on the same address after close()."""
+        self.dead = False
         self._serve(int(self.address.rsplit(":", 1)[1]))
