@@ -92,9 +92,8 @@ def send(gw, body, k, conn=None):
 def reach_every_worker(gw, body, workers, attempts=500):
     """Requests on fresh connections until each of the gateway's `workers` worker threads has
     served one (Envoy's per-worker listener counters say which have)."""
-    listener = "listener." + gw.listen.replace(":", "_") + ".worker_"
     for _ in range(attempts):
-        served = {k for k, v in gw.stats(r"downstream_cx_total").items() if k.startswith(listener) and v > 0}
+        served = [w for w, n in gw.worker_connections().items() if n > 0]
         if len(served) >= workers:
             return
         send(gw, body, 1)

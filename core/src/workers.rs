@@ -105,8 +105,9 @@ impl WorkerSet {
 
 /// Which of `n` peers one exchange reads when it may read at most `limit` of them: all when
 /// they fit, else `limit` in turn from `cursor` (which it advances), so that each is read every
-/// `ceil(n / limit)` exchanges. Indices into the peer list.
-pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> impl Iterator<Item = usize> {
+/// `ceil(n / limit)` exchanges. Indices into the peer list; the cursor moves at the call, so the
+/// turn can be cloned for each pool.
+pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> impl Iterator<Item = usize> + Clone {
     let (start, count) = if limit >= n {
         (0, n)
     } else {

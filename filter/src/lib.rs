@@ -224,12 +224,11 @@ impl Worker {
         } else {
             self.engine.config.shared_peer_reads
         };
-        let turn: Vec<u32> = workers::in_turn(self.peers.len(), limit, &mut self.peer_cursor)
-            .filter_map(|i| self.peers.get(i).copied())
-            .collect();
+        let turn = workers::in_turn(self.peers.len(), limit, &mut self.peer_cursor);
+        let peers = &self.peers;
         for (pool, pl) in self.loads.iter_mut() {
-            let previous = self.previous_version;
-            pl.read_peers(pool, fleet, previous, &self.peers, turn.iter().copied());
+            let ids = turn.clone().filter_map(|i| peers.get(i).copied());
+            pl.read_peers(pool, fleet, self.previous_version, peers, ids);
         }
     }
 
@@ -523,6 +522,14 @@ impl Http {
         self.reply(u32::from(err.status), &err.to_json(), "application/json")
     }
 
+    /// Answers a refused inference request with `err` and counts it as
+    /// `gpuroute.rejected.<code>`.
+    fn reject(&mut self, w: &mut Worker, err: &ApiError) -> Action {
+        let code = err.code.as_deref().unwrap_or("other");
+        w.stats.inc(&format!("gpuroute.rejected.{code}"));
+        self.reply_error(err)
+    }
+
     fn ingest_headers(&mut self, w: &mut Worker, method: &str) -> Action {
         let Some(ing) = w.engine.config.ingest.clone() else {
             return Action::Continue;
@@ -613,13 +620,7 @@ impl Http {
         w.refresh_shared_throttled(t0);
         let prep = match w.engine.prepare(&self.path, &body) {
             Ok(p) => p,
-            Err(e) => {
-                w.stats.inc(&format!(
-                    "gpuroute.rejected.{}",
-                    e.code.as_deref().unwrap_or("other")
-                ));
-                return self.reply_error(&e);
-            }
+            Err(e) => return self.reject(w, &e),
         };
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
@@ -796,11 +797,7 @@ impl Http {
         }
         if method == "POST" && w.engine.config.is_inference_path(&self.path) {
             if let Err(e) = self.head.admit(w.engine.config.max_body_bytes) {
-                w.stats.inc(&format!(
-                    "gpuroute.rejected.{}",
-                    e.code.as_deref().unwrap_or("other")
-                ));
-                return self.reply_error(&e);
+                return self.reject(&mut w, &e);
             }
             self.mode = Mode::Inference;
             if end_of_stream {
@@ -824,8 +821,7 @@ impl Http {
             Mode::Inference => {
                 let max = w.engine.config.max_body_bytes;
                 if body_size > max {
-                    w.stats.inc("gpuroute.rejected.request_too_large");
-                    return self.reply_error(&ApiError::body_too_large(max));
+                    return self.reject(&mut w, &ApiError::body_too_large(max));
                 }
                 if !end_of_stream {
                     return Action::Pause;

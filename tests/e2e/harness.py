@@ -205,6 +205,13 @@ class Envoy:
             addr=self.ingest,
         )
 
+    def worker_connections(self):
+        """Connections each Envoy worker thread accepted on the traffic listener, by worker index
+        (Envoy's per-worker listener counters; the kernel picks each connection's worker)."""
+        prefix = "listener." + self.listen.replace(":", "_") + ".worker_"
+        return {k[len(prefix):].split(".")[0]: v for k, v in self.stats(r"downstream_cx_total").items()
+                if k.startswith(prefix)}
+
     def stats(self, filter="gpuroute"):
         """Envoy's stats whose names match the regular expression `filter`."""
         with urllib.request.urlopen(f"http://{self.admin}/stats?filter={filter}", timeout=5) as r:

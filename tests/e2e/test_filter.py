@@ -518,12 +518,7 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
     try:
         assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
 
-        listener = "listener." + e.listen.replace(":", "_") + ".worker_"
-
-        def per_worker():
-            s = e.stats(r"downstream_cx_total")
-            return {k[len(listener):].split(".")[0]: v for k, v in s.items() if k.startswith(listener)}
-
+        per_worker = e.worker_connections
         held = []
         for i in range(6):
             held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}"))
