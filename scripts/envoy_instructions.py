@@ -33,6 +33,13 @@ worker): each worker of a filter build then has its id in the registry and has p
 in-flight table, which the counted worker's exchange reads (under valgrind, on every request).
 This is what the exchange costs as Envoy's worker count grows.
 
+With `--tick-ms MS` the filter's tick runs every MS instead of every 10 minutes, so the count
+includes what the tick does (the exchange's tick part, the prefix exchange, gauges), at
+valgrind's pace: ticks per request are far more than at full speed, so compare builds, not
+rates. With `--serving-thread` callgrind counts each thread apart (`--separate-threads`) and the
+figure is the busiest thread's, the worker that served the requests: with `--workers N` the
+other workers' ticks, which run whether they serve or not, are then left out.
+
 With `--config-changes N` the proxy-wasm builds get their listener from a file (LDS) and, before
 the count, the filter's configuration is changed N times while Envoy runs (as an xDS update
 changes it; each change routes a few requests and waits for the old plugin instances to drain
@@ -40,6 +47,7 @@ and go): what a long-running gateway carries from the configurations it had befo
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
+                                     [--tick-ms MS] [--serving-thread]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -66,8 +74,10 @@ WARMUP = 300
 MEASURE_CONFIG = dict(CONFIG, tick_ms=600_000, scoring={"stale_after_ms": 3_600_000})
 
 
-def callgrind(out_dir, sim=False):
+def callgrind(out_dir, sim=False, threads=False):
     extra = ["--cache-sim=yes", "--branch-sim=yes"] if sim else []
+    if threads:
+        extra.append("--separate-threads=yes")
     return ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--instr-atstart=no",
             *extra, f"--callgrind-out-file={out_dir}/cg.%p.out"]
 
@@ -110,14 +120,19 @@ def count(gw, body, n, out_dir):
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     send(gw, body, WARMUP, conn)
     subprocess.run(["callgrind_control", "-z", pid], check=True, capture_output=True)
+    t0 = time.monotonic()
     send(gw, body, n, conn)
+    seconds = time.monotonic() - t0
     for f in glob.glob(f"{out_dir}/cg.{pid}.out*"):
         Path(f).unlink()
     subprocess.run(["callgrind_control", "-d", pid], check=True, capture_output=True)
     conn.close()
     totals = {}
+    every_thread = 0
+    # One file per dump, or with --serving-thread one per thread: the largest is the serving one.
     for f in glob.glob(f"{out_dir}/cg.{pid}.out.*"):
         events = []
+        file_ir = 0
         for line in Path(f).read_text(errors="replace").splitlines():
             if line.startswith("events:"):
                 events = line.split()[1:]
@@ -126,17 +141,19 @@ def count(gw, body, n, out_dir):
                 # One dump's summary and totals agree; keep the largest of each event.
                 for e, v in zip(events, values):
                     totals[e] = max(totals.get(e, 0), v)
+                file_ir = max([file_ir] + [v for e, v in zip(events, values) if e == "Ir"])
+        every_thread += file_ir
     if not totals.get("Ir"):
         raise RuntimeError("callgrind wrote no counts")
-    return {e: v / n for e, v in totals.items()}
+    return {**{e: v / n for e, v in totals.items()}, "seconds": seconds, "every_thread": every_thread / n}
 
 
-def change_config(gw, lds, n, body):
-    """Changes the filter's configuration `n` times (a different `tick_ms`, still far above the
-    count's duration); after each, requests on a fresh connection (the new plugin instance
+def change_config(gw, lds, n, body, tick_ms):
+    """Changes the filter's configuration `n` times (a different `tick_ms`, one more than the
+    measured one each time); after each, requests on a fresh connection (the new plugin instance
     routes), then time for the old one to drain (1 s) and be deleted."""
     for k in range(1, n + 1):
-        lds.change(gw, timeout_s=300, tick_ms=MEASURE_CONFIG["tick_ms"] + k)
+        lds.change(gw, timeout_s=300, tick_ms=tick_ms + k)
         send(gw, body, 3)
         time.sleep(3)
 
@@ -155,13 +172,18 @@ def main():
                     help="change the proxy-wasm filter's configuration N times (through LDS) before counting")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
                     help="Envoy worker threads of each gateway; every one serves a request before the count")
+    ap.add_argument("--tick-ms", type=int, metavar="MS",
+                    help="the filter's tick_ms (default: 10 minutes, the tick left out of the count)")
+    ap.add_argument("--serving-thread", action="store_true",
+                    help="count only the busiest thread (the serving worker), not the whole process")
     args = ap.parse_args()
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
     extra = compare_builds(args.compare_wasm)
     body = chat_body()
     up = Upstream()
-    gateways = gateway_specs(up, MEASURE_CONFIG, extra)
+    config = dict(MEASURE_CONFIG, **({"tick_ms": args.tick_ms} if args.tick_ms else {}))
+    gateways = gateway_specs(up, config, extra)
     out_dir = args.keep or Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     events = {}
@@ -173,7 +195,7 @@ def main():
             if args.config_changes and spec.get("runtime") == "wasm" and name not in REFERENCES:
                 lds = LdsListener(out_dir / f"lds-{name}")
                 spec = dict(spec, patch=lds.patch, envoy_args=lds.envoy_args)
-            gw = Envoy(**spec, concurrency=args.workers, wrap=callgrind(out_dir, args.sim), ready_timeout=600)
+            gw = Envoy(**spec, concurrency=args.workers, wrap=callgrind(out_dir, args.sim, args.serving_thread), ready_timeout=600)
             pushed = name not in REFERENCES
             try:
                 if pushed:
@@ -181,7 +203,7 @@ def main():
                     if answer[0] != 204:
                         raise RuntimeError(f"{name}: snapshot push refused: {answer[:3]}")
                 if lds:
-                    change_config(gw, lds, args.config_changes, body)
+                    change_config(gw, lds, args.config_changes, body, config["tick_ms"])
                 if args.workers > 1:
                     reach_every_worker(gw, body, args.workers)
                 events[name] = count(gw, body, args.requests, out_dir)
@@ -194,7 +216,9 @@ def main():
                         raise RuntimeError(f"{name}: {fail_open} requests failed open; the figure would not be the decision's")
             finally:
                 gw.stop()
-            print(f"{name}: {events[name]['Ir']:,.0f} instructions per request", flush=True)
+            every = f", every thread {events[name]['every_thread']:,.0f}" if args.serving_thread else ""
+            print(f"{name}: {events[name]['Ir']:,.0f} instructions per request "
+                  f"({args.requests} in {events[name]['seconds']:.1f} s{every})", flush=True)
     finally:
         up.stop()
         if not args.keep:
@@ -203,6 +227,8 @@ def main():
     plain = result.get("plain")
     changes = f", after {args.config_changes} changes of the filter's configuration" if args.config_changes else ""
     changes += f", {args.workers} Envoy workers (each served a request first)" if args.workers > 1 else ""
+    changes += f", tick every {args.tick_ms} ms" if args.tick_ms else ""
+    changes += ", the serving thread only" if args.serving_thread else ""
     print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():
@@ -223,7 +249,11 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "config_changes": args.config_changes,
                                "workers": args.workers,
+                               "tick_ms": config["tick_ms"], "serving_thread": args.serving_thread,
                                "instructions_per_request": result,
+                               "seconds": {name: ev["seconds"] for name, ev in events.items()},
+                               **({"every_thread_per_request": {name: ev["every_thread"] for name, ev in events.items()}}
+                                  if args.serving_thread else {}),
                                **({"simulated_events_per_request": events} if args.sim else {}),
                                "compare_wasm": {k: str(v) for k, v in extra.items()},
                                # V8 compiles for the CPU it finds: name it beside the counts.

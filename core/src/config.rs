@@ -63,7 +63,8 @@ pub struct FilterConfig {
     /// The most other workers' in-flight tables a proxy-wasm worker reads in one exchange on the
     /// request path. With more other workers it reads this many in turn (each one every
     /// `ceil(others / shared_peer_reads)` exchanges) and sums the latest it read of each; its
-    /// tick reads them all. Bounds the exchange's host calls however many workers Envoy runs.
+    /// tick reads those the exchanges did not reach since the tick before (`workers::Turn`).
+    /// Bounds the exchange's host calls however many workers Envoy runs.
     #[serde(default = "default_shared_peer_reads")]
     pub shared_peer_reads: usize,
 }

@@ -358,12 +358,19 @@ impl Engine {
         self.recorded = hashes;
     }
 
-    /// This worker's outgoing sync ring, encoded for shared data, and its newest sequence.
-    pub fn sync_payload(&self) -> (u64, Vec<u8>) {
-        match &self.sync {
-            Some(sync) => (sync.last_seq(), sync.encode()),
-            None => (0, Vec::new()),
-        }
+    /// The newest sequence of this worker's outgoing sync ring (0 without one): what a reader
+    /// compares to decide whether to read the ring.
+    pub fn sync_seq(&self) -> u64 {
+        self.sync.as_ref().map_or(0, SyncLog::last_seq)
+    }
+
+    /// This worker's outgoing sync records newer than `after`, encoded for shared data (empty
+    /// without a sync log). Encode them when [`Engine::sync_seq`] moved: a full ring is ~50 KB.
+    pub fn sync_payload(&self, after: u64) -> Vec<u8> {
+        self.sync
+            .as_ref()
+            .map(|s| s.encode_after(after))
+            .unwrap_or_default()
     }
 
     /// Numbers the outgoing sync records after `base` (see `SyncLog::start_after`).
@@ -621,7 +628,7 @@ mod tests {
         let pool = f.pool("llama").unwrap();
         let forced = pool.pods[7].key;
         a.commit(&pa, forced);
-        let (_, payload) = a.sync_payload();
+        let payload = a.sync_payload(0);
         let mut recs = Vec::new();
         SyncLog::decode_after(&payload, 0, &mut recs);
         b.apply_sync(&recs);

@@ -237,7 +237,7 @@ impl LoadTable {
 
 /// The other workers' published tables of one pool as this worker last read them, by worker id.
 ///
-/// An exchange reads a bounded number of them, in turn (`workers::in_turn`), and sums all it
+/// An exchange reads a bounded number of them, in turn (`workers::Turn`), and sums all it
 /// holds: with many workers each table is at most a few exchanges old, and an exchange costs the
 /// same host calls however many workers Envoy runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -304,9 +304,16 @@ impl SyncLog {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + self.records.len() * 96);
+        self.encode_after(0)
+    }
+
+    /// The ring's records newer than `after`, encoded as [`SyncLog::encode`] does: what a
+    /// writer publishes when its readers have seen everything up to `after`.
+    pub fn encode_after(&self, after: u64) -> Vec<u8> {
+        let newer = self.records.iter().filter(|r| r.seq > after);
+        let mut out = Vec::with_capacity(8 + newer.clone().count() * 96);
         out.extend_from_slice(SYNC_MAGIC);
-        for r in &self.records {
+        for r in newer {
             out.extend_from_slice(&r.seq.to_le_bytes());
             out.extend_from_slice(&r.pod.to_le_bytes());
             let n = r.anchors.len().min(255);
@@ -508,6 +515,12 @@ mod tests {
         SyncLog::decode_after(&bytes, 3, &mut out);
         assert_eq!(out.len(), 1);
         assert_eq!(log.last_seq(), 4);
+        // Only the records newer than what readers have seen, in the same format.
+        SyncLog::decode_after(&log.encode_after(2), 0, &mut out);
+        assert_eq!(out.iter().map(|r| r.seq).collect::<Vec<_>>(), [3, 4]);
+        assert_eq!(out[1].anchors, [40, 41, 42]);
+        assert_eq!(log.encode_after(4), SYNC_MAGIC.to_vec());
+        assert_eq!(log.encode_after(0), log.encode());
     }
 
     #[test]

@@ -107,7 +107,7 @@ impl WorkerSet {
 /// they fit, else `limit` in turn from `cursor` (which it advances), so that each is read every
 /// `ceil(n / limit)` exchanges. Indices into the peer list; the cursor moves at the call, so the
 /// turn can be cloned for each pool.
-pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> impl Iterator<Item = usize> + Clone {
+pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> Positions {
     let (start, count) = if limit >= n {
         (0, n)
     } else {
@@ -115,7 +115,71 @@ pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> impl Iterator<Item
         *cursor = (start + limit) % n;
         (start, limit)
     };
-    (0..count).map(move |i| (start + i) % n)
+    Positions {
+        n,
+        next: start,
+        left: count,
+    }
+}
+
+/// Positions in a peer list of `n`, `left` of them from `next`, wrapping around ([`in_turn`]).
+#[derive(Debug, Clone)]
+pub struct Positions {
+    n: usize,
+    next: usize,
+    left: usize,
+}
+
+impl Iterator for Positions {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        if self.left == 0 {
+            return None;
+        }
+        let i = self.next;
+        self.left -= 1;
+        self.next = if i + 1 == self.n { 0 } else { i + 1 };
+        Some(i)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+/// The order in which a worker reads its peers' tables: a bounded number in turn on each
+/// exchange of the request path ([`in_turn`]), and on the tick the ones those exchanges did not
+/// reach since the tick before. Between two ticks every peer is read at least once (at the
+/// latest by the second), so no table a worker holds is older than two ticks, and a worker
+/// under load, whose exchanges went round all its peers within the tick, reads none on the tick.
+#[derive(Debug, Default, Clone)]
+pub struct Turn {
+    cursor: usize,
+    /// Peers read since the last tick, in consecutive turns (saturating).
+    since_tick: usize,
+}
+
+impl Turn {
+    /// An exchange on the request path: at most `limit` of `n` peers, in turn.
+    pub fn exchange(&mut self, n: usize, limit: usize) -> Positions {
+        let turn = in_turn(n, limit, &mut self.cursor);
+        self.since_tick = self.since_tick.saturating_add(n.min(limit));
+        turn
+    }
+
+    /// The tick: the peers the exchanges since the last tick did not read, which continue their
+    /// turn; all of them if the peer list `changed` since the last tick (the turn's positions
+    /// then no longer name the same peers).
+    pub fn tick(&mut self, n: usize, changed: bool) -> Positions {
+        let left = if changed {
+            n
+        } else {
+            n.saturating_sub(self.since_tick)
+        };
+        self.since_tick = 0;
+        in_turn(n, left, &mut self.cursor)
+    }
 }
 
 /// The first sequence number of the holder that took its id at `generation`.
@@ -208,6 +272,29 @@ mod tests {
     }
 
     #[test]
+    fn the_tick_reads_what_the_exchanges_did_not_reach() {
+        let mut t = Turn::default();
+        let read = |it: &mut dyn Iterator<Item = usize>| it.collect::<Vec<_>>();
+        // Seven peers, three an exchange: two exchanges leave one for the tick.
+        assert_eq!(read(&mut t.exchange(7, 3)), vec![0, 1, 2]);
+        assert_eq!(read(&mut t.exchange(7, 3)), vec![3, 4, 5]);
+        assert_eq!(read(&mut t.tick(7, false)), vec![6]);
+        // Three exchanges went round them all: the tick reads none, and the turn goes on.
+        assert_eq!(read(&mut t.exchange(7, 3)), vec![0, 1, 2]);
+        assert_eq!(read(&mut t.exchange(7, 3)), vec![3, 4, 5]);
+        assert_eq!(read(&mut t.exchange(7, 3)), vec![6, 0, 1]);
+        assert_eq!(read(&mut t.tick(7, false)), Vec::<usize>::new());
+        assert_eq!(read(&mut t.exchange(7, 3)), vec![2, 3, 4]);
+        // The peer list changed since the last tick: all of them.
+        assert_eq!(read(&mut t.tick(7, true)).len(), 7);
+        // No exchange between two ticks (an idle worker): all of them.
+        assert_eq!(read(&mut t.tick(7, false)).len(), 7);
+        // All fit in an exchange: the tick after one reads none.
+        assert_eq!(read(&mut t.exchange(3, 4)), vec![0, 1, 2]);
+        assert_eq!(read(&mut t.tick(3, false)), Vec::<usize>::new());
+    }
+
+    #[test]
     fn a_later_generation_sequences_after_an_earlier_one() {
         // The previous holder's sequences stay below the next holder's first one.
         let old_last = seq_base(41) + (1 << SEQ_BITS) - 1;
@@ -231,6 +318,40 @@ mod tests {
             }
             // Each peer read at least once in ceil(n / limit) exchanges, and none more than twice.
             prop_assert!(seen.iter().all(|&c| (1..=2).contains(&c)), "{:?}", seen);
+        }
+
+        #[test]
+        fn between_two_ticks_every_peer_is_read(
+            n in 0usize..40,
+            limit in 1usize..10,
+            start in 0usize..40,
+            ops in proptest::collection::vec(0usize..12, 1..30),
+        ) {
+            // Each op: that many exchanges, then a tick.
+            let mut t = Turn::default();
+            for _ in 0..start {
+                let _ = t.exchange(n, limit);
+            }
+            let _ = t.tick(n, false);
+            for exchanges in ops {
+                let mut seen = vec![false; n];
+                let mut reads = 0;
+                for _ in 0..exchanges {
+                    for i in t.exchange(n, limit) {
+                        prop_assert!(i < n);
+                        seen[i] = true;
+                        reads += 1;
+                    }
+                }
+                let on_tick: Vec<usize> = t.tick(n, false).collect();
+                // The tick reads only what is left, nothing once the exchanges went round.
+                prop_assert_eq!(on_tick.len(), n.saturating_sub(reads));
+                for i in on_tick {
+                    prop_assert!(i < n);
+                    seen[i] = true;
+                }
+                prop_assert!(seen.iter().all(|&s| s), "{:?}", seen);
+            }
         }
 
         #[test]

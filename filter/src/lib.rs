@@ -35,7 +35,7 @@ use gpuroute_core::picker::{Decision, FailOpen};
 use gpuroute_core::prefix::SyncLog;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::Snapshot;
-use gpuroute_core::workers::{self, WorkerSet};
+use gpuroute_core::workers::{self, Turn, WorkerSet};
 use stats::Stats;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -50,6 +50,11 @@ const UNREGISTERED: u32 = u32::MAX;
 /// Attempts at a compare-and-swap update before giving up (the update is then skipped; the
 /// next request or snapshot corrects it).
 const CAS_ATTEMPTS: usize = 16;
+/// A worker publishes the prefix records of its last this many publishes (each a tick in which
+/// it routed), not its whole ring: the others read every tick, so three ticks leave two of
+/// slack for a late reader, and a worker under moderate load no longer publishes, and every
+/// other worker copies and decodes, its last 512 records (~50 KB) every tick.
+const SYNC_PUBLISHES: usize = 3;
 /// A worker's decision-time histogram takes its first request and then one in this many: the
 /// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
 const DECISION_SAMPLE: u64 = 8;
@@ -82,15 +87,21 @@ struct Worker {
     /// The other live workers' ids, from the registry: read when this worker takes its id and
     /// at each exchange (`refresh_shared`).
     peers: Vec<u32>,
-    /// Where the next exchange on the request path starts reading `peers`' tables, when it may
-    /// not read them all (`shared_peer_reads`; `workers::in_turn`).
-    peer_cursor: usize,
+    /// Which of `peers`' tables the next exchange reads: `shared_peer_reads` in turn on the
+    /// request path, the rest of the round on the tick (`workers::Turn`).
+    turn: Turn,
+    /// `peers` changed since the last tick (the tick then reads every table).
+    peers_changed: bool,
     /// Live workers in the registry at the last read, this one included (the `gpuroute.workers`
     /// gauge).
     live: usize,
     /// Newest sync sequence applied per other worker.
     applied: HashMap<u32, u64>,
     published_seq: u64,
+    /// The newest sequence of each of the last `SYNC_PUBLISHES` publishes of the prefix records
+    /// (a ring, oldest at `publish_slot`): a publish carries the records after the oldest.
+    publishes: [u64; SYNC_PUBLISHES],
+    publish_slot: usize,
     /// This worker's in-flight view of each pool it has routed to.
     loads: NameMap<String, PoolLoad>,
     /// The snapshot version before the current one (other workers may still be on it).
@@ -186,14 +197,15 @@ impl Worker {
 
     /// The exchange with the other workers: who they are (the registry, once this worker
     /// routes), the snapshot version (decoding a new snapshot), this worker's changed tables
-    /// out, the others' in (`all`, or `shared_peer_reads` of them in turn).
-    fn refresh_shared(&mut self, all: bool) {
+    /// out, the others' in (on the request path `shared_peer_reads` of them in turn; on the
+    /// `tick` those the request path did not read since the tick before).
+    fn refresh_shared(&mut self, tick: bool) {
         if self.register_tried {
             self.read_registry();
         }
         self.refresh_fleet();
         self.publish_loads();
-        self.read_others(all);
+        self.read_others(tick);
     }
 
     /// [`Worker::refresh_shared`] on the request path, at most every `shared_refresh_ms`.
@@ -213,18 +225,19 @@ impl Worker {
         }
     }
 
-    /// Reads the other workers' tables of every pool this worker routes to: all of them, or
-    /// `shared_peer_reads` in turn.
-    fn read_others(&mut self, all: bool) {
+    /// Reads the other workers' tables of every pool this worker routes to: on the request path
+    /// `shared_peer_reads` of them in turn; on the `tick` the rest of the round (none when the
+    /// request path went round them all since the last tick; all when the peers changed).
+    fn read_others(&mut self, tick: bool) {
         let Some(fleet) = &self.fleet else {
             return;
         };
-        let limit = if all {
-            usize::MAX
+        let n = self.peers.len();
+        let turn = if tick {
+            self.turn.tick(n, std::mem::take(&mut self.peers_changed))
         } else {
-            self.engine.config.shared_peer_reads
+            self.turn.exchange(n, self.engine.config.shared_peer_reads)
         };
-        let turn = workers::in_turn(self.peers.len(), limit, &mut self.peer_cursor);
         let peers = &self.peers;
         for (pool, pl) in self.loads.iter_mut() {
             let ids = turn.clone().filter_map(|i| peers.get(i).copied());
@@ -284,6 +297,7 @@ impl Worker {
         self.engine
             .sync_start_after(workers::seq_base(set.generation));
         self.peers = set.ids().filter(|w| *w != id).collect();
+        self.peers_changed = true;
         self.live = set.len();
         // Tables made before (a failed take) move to this id's keys.
         for (pool, pl) in self.loads.iter_mut() {
@@ -321,8 +335,12 @@ impl Worker {
             _ => WorkerSet::default(),
         };
         let me = self.id;
-        self.peers.clear();
-        self.peers.extend(set.ids().filter(|w| *w != me));
+        let others = || set.ids().filter(|w| *w != me);
+        if !others().eq(self.peers.iter().copied()) {
+            self.peers.clear();
+            self.peers.extend(others());
+            self.peers_changed = true;
+        }
         self.live = set.len();
     }
 
@@ -333,8 +351,9 @@ impl Worker {
             self.register();
         }
         // Decoding here keeps the cost off the request path in the common case. The exchange
-        // first: it re-reads the registry the prefix exchange uses. Every table: off the
-        // request path, so a table read in turn is never older than a tick.
+        // first: it re-reads the registry the prefix exchange uses. The tables the request path
+        // did not read since the last tick, so none is older than two ticks (none at all read
+        // here by a worker whose exchanges went round its peers).
         self.refresh_shared(true);
         self.sync();
         if self.register_tried {
@@ -349,15 +368,22 @@ impl Worker {
     fn sync(&mut self) {
         if self.engine.config.pools.is_empty() || !self.register_tried {
             // Nothing routed here yet: nothing to send, and what the others send is read when
-            // this worker starts routing (their rings hold their recent records).
+            // this worker starts routing (what they published last).
             return;
         }
-        let (seq, payload) = self.engine.sync_payload();
+        // Only when there are new records, and only those of the last `SYNC_PUBLISHES`
+        // publishes.
+        let seq = self.engine.sync_seq();
+        let after = self.publishes.get(self.publish_slot).copied().unwrap_or(0);
         if seq != self.published_seq
-            && host::set_shared(&sync_key(self.id), &payload, None).is_ok()
+            && host::set_shared(&sync_key(self.id), &self.engine.sync_payload(after), None).is_ok()
             && host::set_shared(&sync_seq_key(self.id), &seq.to_le_bytes(), None).is_ok()
         {
             self.published_seq = seq;
+            if let Some(slot) = self.publishes.get_mut(self.publish_slot) {
+                *slot = seq;
+            }
+            self.publish_slot = (self.publish_slot + 1) % SYNC_PUBLISHES;
         }
         let mut records = Vec::new();
         for &other in &self.peers {
@@ -447,10 +473,13 @@ impl Root {
             id: UNREGISTERED,
             register_tried: false,
             peers: Vec::new(),
-            peer_cursor: 0,
+            turn: Turn::default(),
+            peers_changed: false,
             live: 0,
             applied: HashMap::new(),
             published_seq: 0,
+            publishes: [0; SYNC_PUBLISHES],
+            publish_slot: 0,
             loads: NameMap::default(),
             previous_version: None,
             refreshed_ns: 0,

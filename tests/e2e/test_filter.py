@@ -501,9 +501,12 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
     its next request or its tick, which never comes here.
 
     `four_workers_one_read`: four workers, and an exchange on the request path reads one other
-    worker's table (`shared_peer_reads` 1), in turn. A probe's exchange then reads one of three;
-    the worker must still count the held requests of the other two, from what it read before
-    (its tick reads every table)."""
+    worker's table (`shared_peer_reads` 1), in turn. Every worker routes a quick request first,
+    so each has read the others' (then empty) tables before the held requests start, and a
+    worker's view of them comes from its exchanges and its ticks. A probe's exchange then reads
+    one of three; the worker must still count the held requests of the other two, from what it
+    read before: its ticks read the tables its exchanges did not reach since the tick before (a
+    build whose tick read none of them routed probes here)."""
     import concurrent.futures
 
     slow = StubPod("slow-0", delay_s=3.0)
@@ -519,6 +522,18 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
         assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
 
         per_worker = e.worker_connections
+        if peer_reads is not None:
+            # Every worker routes once (a quick answer: nothing stays in flight), then the ticks
+            # that follow leave each worker's view of the others up to date and empty.
+            slow.delay_s = 0.0
+            for _ in range(200):
+                if sum(1 for n in per_worker().values() if n > 0) >= workers:
+                    break
+                assert e.chat("llama-3-8b", "warm")[0] == 200
+            assert sum(1 for n in per_worker().values() if n > 0) >= workers, per_worker()
+            slow.delay_s = 3.0
+            time.sleep(0.2)
+            slow.requests.clear()
         held = []
         for i in range(6):
             held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}"))
