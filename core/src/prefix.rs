@@ -351,6 +351,90 @@ impl SyncLog {
     }
 }
 
+const BOARD_MAGIC: &[u8; 4] = b"GPQ1";
+const BOARD_ENTRY: usize = 4 + 8;
+
+/// The newest published sequence of each worker's prefix records ([`SyncLog`]), all in one
+/// shared-data value: a reader learns which workers have new records from one read, instead of
+/// one read per worker. Each worker changes its own entry with a compare-and-swap when it
+/// publishes, and removes it when it gives its id back.
+///
+/// The value is `GPQ1` and (worker id u32, sequence u64) pairs, little-endian, ascending by id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SyncBoard {
+    entries: Vec<(u32, u64)>,
+}
+
+impl SyncBoard {
+    /// Decodes the shared-data value. Anything malformed yields the entries before the fault (it
+    /// only says which rings to read), at most [`crate::workers::MAX_WORKERS`] of them.
+    pub fn decode(bytes: &[u8]) -> SyncBoard {
+        let mut entries = Vec::new();
+        let Some(rest) = bytes.strip_prefix(BOARD_MAGIC.as_slice()) else {
+            return SyncBoard { entries };
+        };
+        for e in rest
+            .chunks_exact(BOARD_ENTRY)
+            .take(crate::workers::MAX_WORKERS as usize)
+        {
+            let mut id = [0u8; 4];
+            id.copy_from_slice(&e[..4]);
+            let id = u32::from_le_bytes(id);
+            if entries.last().is_some_and(|(last, _)| *last >= id) {
+                break;
+            }
+            entries.push((id, u64::from_le_bytes(take8(e, 4))));
+        }
+        SyncBoard { entries }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 + self.entries.len() * BOARD_ENTRY);
+        out.extend_from_slice(BOARD_MAGIC);
+        for (id, seq) in &self.entries {
+            out.extend_from_slice(&id.to_le_bytes());
+            out.extend_from_slice(&seq.to_le_bytes());
+        }
+        out
+    }
+
+    /// Worker `id`'s newest published sequence, if it published.
+    pub fn get(&self, id: u32) -> Option<u64> {
+        let i = self.entries.binary_search_by_key(&id, |e| e.0).ok()?;
+        self.entries.get(i).map(|e| e.1)
+    }
+
+    pub fn set(&mut self, id: u32, seq: u64) {
+        match self.entries.binary_search_by_key(&id, |e| e.0) {
+            Ok(i) => {
+                if let Some(e) = self.entries.get_mut(i) {
+                    e.1 = seq;
+                }
+            }
+            Err(i) => self.entries.insert(i, (id, seq)),
+        }
+    }
+
+    /// Drops worker `id`'s entry; `false` if it had none.
+    pub fn remove(&mut self, id: u32) -> bool {
+        match self.entries.binary_search_by_key(&id, |e| e.0) {
+            Ok(i) => {
+                self.entries.remove(i);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
 fn take8(b: &[u8], at: usize) -> [u8; 8] {
     let mut a = [0u8; 8];
     if let Some(s) = b.get(at..at + 8) {
@@ -524,6 +608,30 @@ mod tests {
     }
 
     #[test]
+    fn sync_board_keeps_one_entry_per_worker() {
+        let mut b = SyncBoard::default();
+        assert_eq!(b.get(3), None);
+        b.set(7, 70);
+        b.set(3, 30);
+        b.set(7, 71);
+        assert_eq!((b.get(3), b.get(7), b.len()), (Some(30), Some(71), 2));
+        let round = SyncBoard::decode(&b.encode());
+        assert_eq!(round, b);
+        assert!(b.remove(3));
+        assert!(!b.remove(3));
+        assert_eq!((b.get(3), b.get(7)), (None, Some(71)));
+        // Malformed: nothing, or the entries before the fault.
+        assert!(SyncBoard::decode(b"nope").is_empty());
+        let mut bytes = round.encode();
+        bytes.extend_from_slice(&1u32.to_le_bytes()); // out of order, and cut short
+        assert_eq!(SyncBoard::decode(&bytes), round);
+        let mut out_of_order = round.encode();
+        out_of_order.extend_from_slice(&2u32.to_le_bytes());
+        out_of_order.extend_from_slice(&9u64.to_le_bytes());
+        assert_eq!(SyncBoard::decode(&out_of_order), round);
+    }
+
+    #[test]
     fn a_new_holder_of_an_id_sequences_past_the_old_one() {
         // A reader applied the old holder's records up to 1,000; the new holder's start after
         // its base, so the reader takes them.
@@ -541,6 +649,36 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn sync_board_agrees_with_a_map(ops in proptest::collection::vec((0u32..20, proptest::option::of(any::<u64>())), 0..60)) {
+            // Each op sets a worker's sequence (Some) or removes its entry (None); the board,
+            // through an encode and decode after each, holds what a map holds.
+            let mut board = SyncBoard::default();
+            let mut map = std::collections::BTreeMap::new();
+            for (id, seq) in ops {
+                match seq {
+                    Some(seq) => {
+                        board.set(id, seq);
+                        map.insert(id, seq);
+                    }
+                    None => prop_assert_eq!(board.remove(id), map.remove(&id).is_some()),
+                }
+                board = SyncBoard::decode(&board.encode());
+                for id in 0..20 {
+                    prop_assert_eq!(board.get(id), map.get(&id).copied());
+                }
+            }
+        }
+
+        #[test]
+        fn sync_board_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let mut with_magic = BOARD_MAGIC.to_vec();
+            with_magic.extend_from_slice(&bytes);
+            let b = SyncBoard::decode(&with_magic);
+            prop_assert!(b.len() <= bytes.len() / BOARD_ENTRY);
+            let _ = SyncBoard::decode(&bytes);
+        }
+
         #[test]
         fn sync_decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
             let mut out = Vec::new();

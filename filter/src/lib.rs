@@ -32,7 +32,7 @@ use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::{Decision, FailOpen};
-use gpuroute_core::prefix::SyncLog;
+use gpuroute_core::prefix::{SyncBoard, SyncLog};
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::Snapshot;
 use gpuroute_core::workers::{self, Turn, WorkerSet};
@@ -66,9 +66,9 @@ fn load_key(pool: &str, worker: u32) -> String {
 fn sync_key(id: u32) -> String {
     format!("gpuroute.sync.{id}")
 }
-fn sync_seq_key(id: u32) -> String {
-    format!("gpuroute.sync.{id}.seq")
-}
+/// Shared-data key of the newest published sequence of every worker's prefix records
+/// (`SyncBoard`).
+const SYNC_BOARD_KEY: &str = "gpuroute.sync.board";
 
 /// Per-plugin-instance state in one worker VM.
 struct Worker {
@@ -317,8 +317,8 @@ impl Worker {
             let _ = host::set_shared(&pl.key, &[], None);
         }
         let _ = host::set_shared(&sync_key(self.id), &[], None);
-        let _ = host::set_shared(&sync_seq_key(self.id), &[], None);
         let id = self.id;
+        update_shared(|board: &mut SyncBoard| board.remove(id).then_some(()));
         update_registry(|set| {
             set.release(id);
             Some(())
@@ -375,22 +375,33 @@ impl Worker {
         // publishes.
         let seq = self.engine.sync_seq();
         let after = self.publishes.get(self.publish_slot).copied().unwrap_or(0);
+        let id = self.id;
+        let mut board = None;
         if seq != self.published_seq
-            && host::set_shared(&sync_key(self.id), &self.engine.sync_payload(after), None).is_ok()
-            && host::set_shared(&sync_seq_key(self.id), &seq.to_le_bytes(), None).is_ok()
+            && host::set_shared(&sync_key(id), &self.engine.sync_payload(after), None).is_ok()
         {
-            self.published_seq = seq;
-            if let Some(slot) = self.publishes.get_mut(self.publish_slot) {
-                *slot = seq;
+            // The board as written is also the one read below: one read either way.
+            if let Some(((), written)) = update_shared(|b: &mut SyncBoard| {
+                b.set(id, seq);
+                Some(())
+            }) {
+                board = Some(written);
+                self.published_seq = seq;
+                if let Some(slot) = self.publishes.get_mut(self.publish_slot) {
+                    *slot = seq;
+                }
+                self.publish_slot = (self.publish_slot + 1) % SYNC_PUBLISHES;
             }
-            self.publish_slot = (self.publish_slot + 1) % SYNC_PUBLISHES;
         }
+        let board = board.unwrap_or_else(|| match host::get_shared(SYNC_BOARD_KEY) {
+            (Some(b), _) => SyncBoard::decode(&b),
+            _ => SyncBoard::default(),
+        });
         let mut records = Vec::new();
         for &other in &self.peers {
-            let (Some(seq_bytes), _) = host::get_shared(&sync_seq_key(other)) else {
+            let Some(their) = board.get(other) else {
                 continue;
             };
-            let their = read_u64(&seq_bytes);
             let applied = self.applied.get(&other).copied().unwrap_or(0);
             if their <= applied {
                 continue;
@@ -411,29 +422,54 @@ impl Worker {
     }
 }
 
-/// Applies `change` to the registry of live workers with a compare-and-swap, from a fresh read
-/// on each of up to `CAS_ATTEMPTS` attempts (another worker may write between the read and the
-/// write). Returns what `change` returned and the registry as written; `None` if `change`
-/// declined or every attempt lost the race.
-fn update_registry<R>(
-    mut change: impl FnMut(&mut WorkerSet) -> Option<R>,
-) -> Option<(R, WorkerSet)> {
+/// A value in shared data that several workers change (with [`update_shared`]).
+trait SharedValue: Sized {
+    /// Its shared-data key.
+    const KEY: &'static str;
+    /// Decodes the stored bytes (none: an empty value).
+    fn decode(bytes: &[u8]) -> Self;
+    fn encode(&self) -> Vec<u8>;
+}
+
+impl SharedValue for WorkerSet {
+    const KEY: &'static str = WORKERS_KEY;
+    fn decode(bytes: &[u8]) -> Self {
+        WorkerSet::decode(bytes)
+    }
+    fn encode(&self) -> Vec<u8> {
+        WorkerSet::encode(self)
+    }
+}
+
+impl SharedValue for SyncBoard {
+    const KEY: &'static str = SYNC_BOARD_KEY;
+    fn decode(bytes: &[u8]) -> Self {
+        SyncBoard::decode(bytes)
+    }
+    fn encode(&self) -> Vec<u8> {
+        SyncBoard::encode(self)
+    }
+}
+
+/// Applies `change` to a shared value with a compare-and-swap, from a fresh read on each of up
+/// to `CAS_ATTEMPTS` attempts (another worker may write between the read and the write).
+/// Returns what `change` returned and the value as written; `None` if `change` declined or
+/// every attempt lost the race.
+fn update_shared<T: SharedValue, R>(mut change: impl FnMut(&mut T) -> Option<R>) -> Option<(R, T)> {
     for _ in 0..CAS_ATTEMPTS {
-        let (bytes, cas) = host::get_shared(WORKERS_KEY);
-        let mut set = WorkerSet::decode(bytes.as_deref().unwrap_or_default());
-        let r = change(&mut set)?;
-        if host::set_shared(WORKERS_KEY, &set.encode(), cas).is_ok() {
-            return Some((r, set));
+        let (bytes, cas) = host::get_shared(T::KEY);
+        let mut value = T::decode(bytes.as_deref().unwrap_or_default());
+        let r = change(&mut value)?;
+        if host::set_shared(T::KEY, &value.encode(), cas).is_ok() {
+            return Some((r, value));
         }
     }
     None
 }
 
-fn read_u64(b: &[u8]) -> u64 {
-    let mut a = [0u8; 8];
-    let n = b.len().min(8);
-    a[..n].copy_from_slice(&b[..n]);
-    u64::from_le_bytes(a)
+/// [`update_shared`] of the registry of live workers.
+fn update_registry<R>(change: impl FnMut(&mut WorkerSet) -> Option<R>) -> Option<(R, WorkerSet)> {
+    update_shared(change)
 }
 
 struct Root {
