@@ -843,8 +843,16 @@ def istio_fragment(manifests, wasm):
                 hdrs.append({"name": name, "string_match": {"exact": sm["exact"]}})
                 if name == "x-gateway-pool":
                     route_pools.append(sm["exact"])
-            if set(m) - {"headers"}:
-                raise CheckError(f"unsupported match fields {sorted(set(m) - {'headers'})}")
+            uri = m.get("uri")
+            if uri is not None:
+                if set(uri) == {"exact"}:
+                    match = {"path": uri["exact"]}
+                elif set(uri) == {"prefix"}:
+                    match = {"prefix": uri["prefix"]}
+                else:
+                    raise CheckError(f"unsupported uri match {uri}")
+            if set(m) - {"headers", "uri"}:
+                raise CheckError(f"unsupported match fields {sorted(set(m) - {'headers', 'uri'})}")
             if hdrs:
                 match["headers"] = hdrs
             r = {"match": match, "name": h.get("name", "")}
@@ -955,6 +963,13 @@ def istio_fragment(manifests, wasm):
         listener.get("per_connection_buffer_limit_bytes"),
         route_pools,
     )
+    # An inference path that reaches the routes without a pool header (the filter is not running
+    # on that worker) gets a 503, not the catch-all 404: the 503 routes list the filter's paths.
+    unavailable = sorted(r["match"]["path"] for r in routes
+                         if r.get("direct_response", {}).get("status") == 503 and "path" in r["match"])
+    paths = sorted(plugin.get("inference_paths", render.INFERENCE_PATHS))
+    if unavailable != paths:
+        raise CheckError(f"503 routes for {unavailable}, the filter's inference paths are {paths}")
     deploy = o.one("Deployment")
     containers = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
     mounts = [m["mountPath"] for m in containers.get("istio-proxy", {}).get("volumeMounts", [])]

@@ -60,10 +60,35 @@ def wasm_filter(wasm_path, config):
                 # If the VM fails (a trap), Envoy answers the worker's requests with 503 while it
                 # backs off (1 s at first), then starts a new VM: the filter comes back. With
                 # FAIL_OPEN the worker would serve without the filter for good, and every
-                # inference request there would get the route table's 404 (no x-gateway-pool).
+                # inference request there would get the route table's 503 (no x-gateway-pool).
+                # A VM that fails to start is not reloaded: the same 503 (no_filter_503).
                 "failure_policy": "FAIL_RELOAD",
             },
         },
+    }
+
+
+# The filter's default inference paths (core/src/config.rs, `inference_paths`).
+INFERENCE_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+
+
+def no_filter_503():
+    """What an inference request gets from the route table when the filter did not set a pool:
+    only when the filter is not running on the worker (its VM failed to start, or is being
+    reloaded), since on an inference path it sets the pool or answers itself. A 503, which
+    OpenAI's SDKs retry, instead of the catch-all's 404 that would tell the client to use an
+    inference path."""
+    body = {
+        "error": {
+            "message": "the routing filter is not running on this gateway worker; retry the request",
+            "type": "service_unavailable_error",
+            "param": None,
+            "code": "routing_unavailable",
+        }
+    }
+    return {
+        "status": 503,
+        "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
     }
 
 
@@ -206,6 +231,16 @@ def render(desc):
                         "headers": [{"name": "x-gateway-pool", "string_match": {"exact": p["name"]}}],
                     },
                     "route": {"cluster": "pool_" + p["name"], "timeout": timeout, "retry_policy": retry},
+                }
+            )
+        for path in fcfg.get("inference_paths", INFERENCE_PATHS):
+            routes.append(
+                {
+                    "match": {"path": path},
+                    "direct_response": no_filter_503(),
+                    "response_headers_to_add": [
+                        {"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
+                    ],
                 }
             )
         routes.append({"match": {"prefix": "/"}, "direct_response": openai_404()})

@@ -459,6 +459,41 @@ def test_a_failed_vm_is_reloaded(pods):
         e.stop()
 
 
+@pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module runs natively, with no VM to fail")
+def test_a_worker_without_the_filter_answers_inference_requests_with_a_retryable_503(pods):
+    """When the filter is not running on a worker and Envoy does not stand in (a VM that failed
+    to start: V8 did so under valgrind at 12-14 workers, and FAIL_RELOAD did not reload it),
+    inference requests reach the route table without a pool header. The
+    shipped route table answers them with an OpenAI-style 503, which the SDKs retry, instead of
+    the catch-all 404 that tells the client to use an inference path. A failed start cannot be
+    made on demand at full speed, so the test module's trap stands in, under FAIL_OPEN (the
+    worker then serves without the filter, as one whose VM never started)."""
+
+    def fail_open(config):
+        for listener in config["static_resources"]["listeners"]:
+            for chain in listener["filter_chains"]:
+                for f in chain["filters"]:
+                    for hf in f["typed_config"]["http_filters"]:
+                        if hf["name"] == "envoy.filters.http.wasm":
+                            hf["typed_config"]["config"]["failure_policy"] = "FAIL_OPEN"
+
+    e = Envoy("filter", pools_of(pods), CONFIG, wasm=TRAP_WASM, patch=fail_open)
+    try:
+        assert served_by(e.chat("llama-3-8b")).startswith("llama-")
+        assert e.chat("llama-3-8b", "TRAP")[0] in (500, 503)
+        for path in ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]:
+            s, h, body, _ = e.request("POST", path, {"model": "llama-3-8b", "prompt": "hi", "input": "hi"})
+            assert s == 503, (path, s, body)
+            assert h.get("content-type") == "application/json", h
+            assert body["error"]["code"] == "routing_unavailable", body
+            assert body["error"]["type"] == "service_unavailable_error", body
+        # Everything else still gets the catch-all.
+        s, _, body, _ = e.request("GET", "/health")
+        assert s == 404 and body["error"]["code"] == "not_found"
+    finally:
+        e.stop()
+
+
 def test_burst_within_one_snapshot_spreads(pods):
     """No thundering herd: a burst inside one scrape interval does not pile onto the pod that
     looked best at the last scrape, because requests in flight count against their pod."""
