@@ -72,39 +72,30 @@ def wasm_filter(wasm_path, config):
 INFERENCE_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
 
 
-def no_filter_503():
-    """What an inference request gets from the route table when the filter did not set a pool:
-    only when the filter is not running on the worker (its VM failed to start, or is being
-    reloaded), since on an inference path it sets the pool or answers itself. A 503, which
-    OpenAI's SDKs retry, instead of the catch-all's 404 that would tell the client to use an
-    inference path."""
-    body = {
-        "error": {
-            "message": "the routing filter is not running on this gateway worker; retry the request",
-            "type": "service_unavailable_error",
-            "param": None,
-            "code": "routing_unavailable",
-        }
-    }
+def openai_error(status, message, error_type, code):
+    """A direct response in OpenAI's error shape."""
+    body = {"error": {"message": message, "type": error_type, "param": None, "code": code}}
     return {
-        "status": 503,
+        "status": status,
         "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
     }
+
+
+def no_filter_503():
+    """What an inference request gets from the route table when the filter did not set a pool:
+    only when the filter is not running on the worker (its VM failed to start), since on an
+    inference path it sets the pool or answers itself. A 503, which OpenAI's SDKs retry, instead
+    of the catch-all's 404 that would tell the client to use an inference path."""
+    return openai_error(
+        503,
+        "the routing filter is not running on this gateway worker; retry the request",
+        "service_unavailable_error",
+        "routing_unavailable",
+    )
 
 
 def openai_404():
-    body = {
-        "error": {
-            "message": "no route: use an OpenAI inference path or /v1/models",
-            "type": "invalid_request_error",
-            "param": None,
-            "code": "not_found",
-        }
-    }
-    return {
-        "status": 404,
-        "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
-    }
+    return openai_error(404, "no route: use an OpenAI inference path or /v1/models", "invalid_request_error", "not_found")
 
 
 def cluster(pool, mode, connect_timeout="1s"):

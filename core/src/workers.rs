@@ -117,16 +117,16 @@ pub fn in_turn(n: usize, limit: usize, cursor: &mut usize) -> Positions {
     };
     Positions {
         n,
-        next: start,
+        at: start,
         left: count,
     }
 }
 
-/// Positions in a peer list of `n`, `left` of them from `next`, wrapping around ([`in_turn`]).
+/// Positions in a peer list of `n`, `left` of them from `at`, wrapping around ([`in_turn`]).
 #[derive(Debug, Clone)]
 pub struct Positions {
     n: usize,
-    next: usize,
+    at: usize,
     left: usize,
 }
 
@@ -137,9 +137,9 @@ impl Iterator for Positions {
         if self.left == 0 {
             return None;
         }
-        let i = self.next;
+        let i = self.at;
         self.left -= 1;
-        self.next = if i + 1 == self.n { 0 } else { i + 1 };
+        self.at = if i + 1 == self.n { 0 } else { i + 1 };
         Some(i)
     }
 

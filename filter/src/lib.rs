@@ -51,9 +51,9 @@ const UNREGISTERED: u32 = u32::MAX;
 /// next request or snapshot corrects it).
 const CAS_ATTEMPTS: usize = 16;
 /// A worker publishes the prefix records of its last this many publishes (each a tick in which
-/// it routed), not its whole ring: the others read every tick, so three ticks leave two of
-/// slack for a late reader, and a worker under moderate load no longer publishes, and every
-/// other worker copies and decodes, its last 512 records (~50 KB) every tick.
+/// it routed), not its whole ring of 512 (~50 KB, which every other worker would copy and
+/// decode each time): the others read every tick, so three leave two ticks of slack for a late
+/// reader.
 const SYNC_PUBLISHES: usize = 3;
 /// A worker's decision-time histogram takes its first request and then one in this many: the
 /// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
@@ -318,7 +318,7 @@ impl Worker {
         }
         let _ = host::set_shared(&sync_key(self.id), &[], None);
         let id = self.id;
-        update_shared(|board: &mut SyncBoard| board.remove(id).then_some(()));
+        update_board(|board| board.remove(id).then_some(()));
         update_registry(|set| {
             set.release(id);
             Some(())
@@ -381,7 +381,7 @@ impl Worker {
             && host::set_shared(&sync_key(id), &self.engine.sync_payload(after), None).is_ok()
         {
             // The board as written is also the one read below: one read either way.
-            if let Some(((), written)) = update_shared(|b: &mut SyncBoard| {
+            if let Some(((), written)) = update_board(|b| {
                 b.set(id, seq);
                 Some(())
             }) {
@@ -422,45 +422,21 @@ impl Worker {
     }
 }
 
-/// A value in shared data that several workers change (with [`update_shared`]).
-trait SharedValue: Sized {
-    /// Its shared-data key.
-    const KEY: &'static str;
-    /// Decodes the stored bytes (none: an empty value).
-    fn decode(bytes: &[u8]) -> Self;
-    fn encode(&self) -> Vec<u8>;
-}
-
-impl SharedValue for WorkerSet {
-    const KEY: &'static str = WORKERS_KEY;
-    fn decode(bytes: &[u8]) -> Self {
-        WorkerSet::decode(bytes)
-    }
-    fn encode(&self) -> Vec<u8> {
-        WorkerSet::encode(self)
-    }
-}
-
-impl SharedValue for SyncBoard {
-    const KEY: &'static str = SYNC_BOARD_KEY;
-    fn decode(bytes: &[u8]) -> Self {
-        SyncBoard::decode(bytes)
-    }
-    fn encode(&self) -> Vec<u8> {
-        SyncBoard::encode(self)
-    }
-}
-
-/// Applies `change` to a shared value with a compare-and-swap, from a fresh read on each of up
-/// to `CAS_ATTEMPTS` attempts (another worker may write between the read and the write).
-/// Returns what `change` returned and the value as written; `None` if `change` declined or
-/// every attempt lost the race.
-fn update_shared<T: SharedValue, R>(mut change: impl FnMut(&mut T) -> Option<R>) -> Option<(R, T)> {
+/// Applies `change` to the value under shared-data `key` (read with `decode`, written with
+/// `encode`) with a compare-and-swap, from a fresh read on each of up to `CAS_ATTEMPTS` attempts
+/// (another worker may write between the read and the write). Returns what `change` returned
+/// and the value as written; `None` if `change` declined or every attempt lost the race.
+fn update_shared<T, R>(
+    key: &str,
+    decode: fn(&[u8]) -> T,
+    encode: fn(&T) -> Vec<u8>,
+    mut change: impl FnMut(&mut T) -> Option<R>,
+) -> Option<(R, T)> {
     for _ in 0..CAS_ATTEMPTS {
-        let (bytes, cas) = host::get_shared(T::KEY);
-        let mut value = T::decode(bytes.as_deref().unwrap_or_default());
+        let (bytes, cas) = host::get_shared(key);
+        let mut value = decode(bytes.as_deref().unwrap_or_default());
         let r = change(&mut value)?;
-        if host::set_shared(T::KEY, &value.encode(), cas).is_ok() {
+        if host::set_shared(key, &encode(&value), cas).is_ok() {
             return Some((r, value));
         }
     }
@@ -469,7 +445,12 @@ fn update_shared<T: SharedValue, R>(mut change: impl FnMut(&mut T) -> Option<R>)
 
 /// [`update_shared`] of the registry of live workers.
 fn update_registry<R>(change: impl FnMut(&mut WorkerSet) -> Option<R>) -> Option<(R, WorkerSet)> {
-    update_shared(change)
+    update_shared(WORKERS_KEY, WorkerSet::decode, WorkerSet::encode, change)
+}
+
+/// [`update_shared`] of the board of prefix sequence numbers.
+fn update_board<R>(change: impl FnMut(&mut SyncBoard) -> Option<R>) -> Option<(R, SyncBoard)> {
+    update_shared(SYNC_BOARD_KEY, SyncBoard::decode, SyncBoard::encode, change)
 }
 
 struct Root {
