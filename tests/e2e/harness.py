@@ -20,9 +20,10 @@ ENVOY = Path(os.environ.get("ENVOY_BIN", ROOT / ".venv" / "bin" / "envoy"))
 WASM = Path(os.environ.get("GPUROUTE_WASM", ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_filter.wasm"))
 # The proxy-wasm floor (bench/wasm-floor): the reference `make bench-envoy` measures beside the filter.
 FLOOR_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
-# A test module that routes to the pool `llama` and traps on demand (tests/wasm-trap): what the
-# shipped configuration does with a failed VM.
-TRAP_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_trap.wasm"
+# The floor built with its `trap` feature: routes like the floor and traps on a body holding
+# "TRAP" (what the shipped configuration does with a failed VM). Its configuration needs
+# `floor_endpoints`.
+TRAP_WASM = ROOT / "target" / "wasm-trap" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
 sys.path.insert(0, str(ROOT / "envoy"))
 import render  # noqa: E402
 

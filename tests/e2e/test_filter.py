@@ -40,6 +40,12 @@ def pools_of(pods):
     ]
 
 
+def trap_config(pods):
+    """The filter's configuration plus the endpoints the trap build (the floor's) routes to: the
+    first pool's, llama."""
+    return dict(CONFIG, floor_endpoints=pools_of(pods)[0]["endpoints"])
+
+
 @pytest.fixture(scope="module")
 def envoy(pods):
     e = Envoy("filter", pools_of(pods), CONFIG)
@@ -436,12 +442,12 @@ def test_envoy_keeps_serving_after_1000_malformed_requests(envoy, pods):
 @pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module runs natively, with no VM to fail")
 def test_a_failed_vm_is_reloaded(pods):
     """A worker whose VM fails is not left without the filter. The filter has no panic path, so a
-    test module stands in for it (tests/wasm-trap: sets `x-gateway-pool: llama`, traps when the
-    body holds "TRAP") under the shipped configuration (render.py's `failure_policy`). While
+    test module stands in for it (the floor's `trap` build: sets `x-gateway-pool: llama` and a
+    llama pod, traps when the body holds "TRAP") under the shipped configuration (render.py's `failure_policy`). While
     Envoy backs off, the worker answers 503, which OpenAI's SDKs retry; then a new VM routes
     again. Never the route table's 404: with FAIL_OPEN the worker served without the filter for
     good, so no request there carried a pool header again."""
-    e = Envoy("filter", pools_of(pods), CONFIG, wasm=TRAP_WASM)
+    e = Envoy("filter", pools_of(pods), trap_config(pods), wasm=TRAP_WASM)
     try:
         assert served_by(e.chat("llama-3-8b")).startswith("llama-")
         assert e.chat("llama-3-8b", "TRAP")[0] == 503
@@ -477,7 +483,7 @@ def test_a_worker_without_the_filter_answers_inference_requests_with_a_retryable
                         if hf["name"] == "envoy.filters.http.wasm":
                             hf["typed_config"]["config"]["failure_policy"] = "FAIL_OPEN"
 
-    e = Envoy("filter", pools_of(pods), CONFIG, wasm=TRAP_WASM, patch=fail_open)
+    e = Envoy("filter", pools_of(pods), trap_config(pods), wasm=TRAP_WASM, patch=fail_open)
     try:
         assert served_by(e.chat("llama-3-8b")).startswith("llama-")
         assert e.chat("llama-3-8b", "TRAP")[0] in (500, 503)

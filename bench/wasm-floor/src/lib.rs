@@ -14,6 +14,12 @@
 //! `{"pools": [{"name": "llama", ...}], "floor_endpoints": ["127.0.0.1:9001", ...]}`.
 //! Only the first pool's name and the endpoint strings are read, by a plain text search (this
 //! is a benchmark reference, not a configuration parser).
+//!
+//! With the `trap` feature (a test build, `make wasm` puts it in `target/wasm-trap/`) the module
+//! also executes `unreachable` when a request body contains `TRAP`: the VM fails, as it would on
+//! a trap in any module. The filter has no panic path, so nothing in it can fail on purpose;
+//! `tests/e2e/test_filter.py` uses this build to check what the shipped `failure_policy` and
+//! route tables make of a worker whose VM failed, under a real Envoy.
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -202,6 +208,13 @@ pub extern "C" fn proxy_on_request_body(_context_id: u32, size: usize, end: u32)
         return PAUSE;
     }
     let body = buffer(REQUEST_BODY, size);
+    #[cfg(feature = "trap")]
+    if body.windows(4).any(|w| w == b"TRAP") {
+        #[cfg(target_arch = "wasm32")]
+        core::arch::wasm32::unreachable();
+        #[cfg(not(target_arch = "wasm32"))]
+        std::process::abort();
+    }
     let model = string_after(&body, b"\"model\"").unwrap_or_default();
     FLOOR.with(|f| {
         let Ok(mut f) = f.try_borrow_mut() else {
