@@ -970,6 +970,14 @@ def istio_fragment(manifests, wasm):
     paths = sorted(plugin.get("inference_paths", render.INFERENCE_PATHS))
     if unavailable != paths:
         raise CheckError(f"503 routes for {unavailable}, the filter's inference paths are {paths}")
+    # Each in its API's error shape, as the filter answers on that path.
+    for r in routes:
+        if r.get("direct_response", {}).get("status") == 503 and "path" in r["match"]:
+            path = r["match"]["path"]
+            want = render.no_filter_503(path)["body"]["inline_string"]
+            got = r["direct_response"].get("body", {}).get("inline_string")
+            if got is None or json.loads(got) != json.loads(want):
+                raise CheckError(f"the 503 route for {path} answers {got}, expected {want}")
     deploy = o.one("Deployment")
     containers = {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
     mounts = [m["mountPath"] for m in containers.get("istio-proxy", {}).get("volumeMounts", [])]

@@ -69,7 +69,7 @@ def wasm_filter(wasm_path, config):
 
 
 # The filter's default inference paths (core/src/config.rs, `inference_paths`).
-INFERENCE_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
+INFERENCE_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"]
 
 
 def openai_error(status, message, error_type, code):
@@ -81,17 +81,31 @@ def openai_error(status, message, error_type, code):
     }
 
 
-def no_filter_503():
+def anthropic_error(status, message, error_type):
+    """A direct response in Anthropic's error shape (the Messages API's paths)."""
+    body = {"type": "error", "error": {"type": error_type, "message": message}}
+    return {
+        "status": status,
+        "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
+    }
+
+
+def is_messages_path(path):
+    """The Messages API's paths, whose errors take Anthropic's shape (the filter's rule:
+    `Endpoint::from_path` in core/src/request.rs)."""
+    return path.endswith("/messages") or path.endswith("/messages/count_tokens")
+
+
+def no_filter_503(path):
     """What an inference request gets from the route table when the filter did not set a pool:
     only when the filter is not running on the worker (its VM failed to start), since on an
-    inference path it sets the pool or answers itself. A 503, which OpenAI's SDKs retry, instead
-    of the catch-all's 404 that would tell the client to use an inference path."""
-    return openai_error(
-        503,
-        "the routing filter is not running on this gateway worker; retry the request",
-        "service_unavailable_error",
-        "routing_unavailable",
-    )
+    inference path it sets the pool or answers itself. A 503, which OpenAI's and Anthropic's
+    SDKs retry, instead of the catch-all's 404 that would tell the client to use an inference
+    path; in the shape of the path's API."""
+    message = "the routing filter is not running on this gateway worker; retry the request"
+    if is_messages_path(path):
+        return anthropic_error(503, message, "overloaded_error")
+    return openai_error(503, message, "service_unavailable_error", "routing_unavailable")
 
 
 def openai_404():
@@ -228,7 +242,7 @@ def render(desc):
             routes.append(
                 {
                     "match": {"path": path},
-                    "direct_response": no_filter_503(),
+                    "direct_response": no_filter_503(path),
                     "response_headers_to_add": [
                         {"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
                     ],

@@ -144,6 +144,24 @@ fn bench(c: &mut Criterion) {
             )
         })
     });
+    // The same conversation as an Anthropic Messages API body (`system` at the top level).
+    let mut as_messages: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let system = as_messages["messages"].as_array_mut().unwrap().remove(0);
+    as_messages["system"] = system["content"].clone();
+    let messages_body = serde_json::to_vec(&as_messages).unwrap();
+    parts.bench_function("parse_4kb_messages_api", |b| {
+        b.iter(|| {
+            black_box(
+                gpuroute_core::request::parse(
+                    &messages_body,
+                    gpuroute_core::request::Endpoint::Messages,
+                    16_384,
+                    1_024,
+                )
+                .map(|r| r.prompt.len()),
+            )
+        })
+    });
     let text =
         gpuroute_core::request::parse(&body, gpuroute_core::request::Endpoint::Chat, 16_384, 1_024)
             .map(|r| r.prompt)

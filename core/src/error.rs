@@ -1,8 +1,29 @@
 //! Errors the gateway answers itself, in OpenAI's shape
 //! (`{"error":{"message","type","param","code"}}`), so OpenAI SDKs raise the matching exception
-//! (`BadRequestError` for 400, `NotFoundError` for 404, `RateLimitError` for 429, ...).
+//! (`BadRequestError` for 400, `NotFoundError` for 404, `RateLimitError` for 429, ...); on the
+//! Messages API's paths in Anthropic's (`{"type":"error","error":{"type","message"}}`), which
+//! Anthropic's SDKs read the same way.
 
+use crate::request::Endpoint;
 use serde::Serialize;
+
+/// The shape of an error body: the one the API of the request's path uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorStyle {
+    #[default]
+    OpenAi,
+    Anthropic,
+}
+
+impl ErrorStyle {
+    /// Anthropic's on the Messages API's paths ([`Endpoint::Messages`]), OpenAI's elsewhere.
+    pub fn for_path(path: &str) -> ErrorStyle {
+        match Endpoint::from_path(path) {
+            Endpoint::Messages => ErrorStyle::Anthropic,
+            _ => ErrorStyle::OpenAi,
+        }
+    }
+}
 
 /// An error response the filter sends instead of forwarding the request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +42,20 @@ pub struct ApiError {
 #[derive(Serialize)]
 struct Envelope<'a> {
     error: Inner<'a>,
+}
+
+#[derive(Serialize)]
+struct AnthropicEnvelope<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    error: AnthropicInner<'a>,
+}
+
+#[derive(Serialize)]
+struct AnthropicInner<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    message: &'a str,
 }
 
 #[derive(Serialize)]
@@ -169,7 +204,41 @@ impl ApiError {
         .code("method_not_allowed")
     }
 
-    /// The JSON body.
+    /// The JSON body in `style`.
+    pub fn body(&self, style: ErrorStyle) -> String {
+        match style {
+            ErrorStyle::OpenAi => self.to_json(),
+            ErrorStyle::Anthropic => {
+                let env = AnthropicEnvelope {
+                    kind: "error",
+                    error: AnthropicInner {
+                        kind: self.anthropic_type(),
+                        message: &self.message,
+                    },
+                };
+                serde_json::to_string(&env).unwrap_or_else(|_| {
+                    r#"{"type":"error","error":{"type":"api_error","message":"internal error"}}"#
+                        .to_string()
+                })
+            }
+        }
+    }
+
+    /// Anthropic's error type for this status (its API documents one per status).
+    fn anthropic_type(&self) -> &'static str {
+        match self.status {
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            500..=599 => "api_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// The JSON body in OpenAI's shape.
     pub fn to_json(&self) -> String {
         let env = Envelope {
             error: Inner {
@@ -202,6 +271,42 @@ mod tests {
         let v: serde_json::Value =
             serde_json::from_str(&ApiError::invalid_json("x").to_json()).unwrap();
         assert!(v["error"]["param"].is_null());
+    }
+
+    #[test]
+    fn messages_paths_answer_in_anthropics_shape() {
+        assert_eq!(ErrorStyle::for_path("/v1/messages"), ErrorStyle::Anthropic);
+        assert_eq!(
+            ErrorStyle::for_path("/v1/messages/count_tokens"),
+            ErrorStyle::Anthropic
+        );
+        assert_eq!(
+            ErrorStyle::for_path("/v1/chat/completions"),
+            ErrorStyle::OpenAi
+        );
+        let cases = [
+            (ApiError::invalid_json("x"), 400, "invalid_request_error"),
+            (ApiError::model_not_found("m"), 404, "not_found_error"),
+            (ApiError::body_too_large(1), 413, "request_too_large"),
+            (
+                ApiError::unsupported_encoding("gzip"),
+                415,
+                "invalid_request_error",
+            ),
+            (ApiError::shed("p"), 429, "rate_limit_error"),
+            (ApiError::no_endpoints("p"), 503, "overloaded_error"),
+        ];
+        for (e, status, kind) in cases {
+            assert_eq!(e.status, status);
+            let v: serde_json::Value =
+                serde_json::from_str(&e.body(ErrorStyle::Anthropic)).unwrap();
+            assert_eq!(v["type"], "error", "{v}");
+            assert_eq!(v["error"]["type"], kind, "{v}");
+            assert_eq!(v["error"]["message"], e.message.as_str());
+            assert_eq!(v["error"].as_object().unwrap().len(), 2, "{v}");
+            // OpenAI's shape is unchanged elsewhere.
+            assert_eq!(e.body(ErrorStyle::OpenAi), e.to_json());
+        }
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! Parsing of OpenAI-compatible request bodies: the `model` (with its byte span, so an alias can
-//! be rewritten without re-serialising the body), `stream`, and the prompt text used for prefix
-//! affinity.
+//! Parsing of OpenAI-compatible request bodies (and Anthropic-style Messages API bodies): the
+//! `model` (with its byte span, so an alias can be rewritten without re-serialising the body),
+//! `stream`, and the prompt text used for prefix affinity.
 //!
 //! Chat bodies (the hot path) are read by a single-pass scanner when they have the common shape
 //! (string contents; see `scan`), else in one typed pass of `serde_json` that borrows every
@@ -19,7 +19,7 @@ use serde_json::value::RawValue;
 use std::borrow::Cow;
 use std::ops::Range;
 
-/// Which OpenAI endpoint a body belongs to; decides where the prompt lives.
+/// Which API endpoint a body belongs to; decides where the prompt lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
     /// `/v1/chat/completions`: `messages`.
@@ -30,6 +30,10 @@ pub enum Endpoint {
     Embeddings,
     /// `/v1/responses`: `instructions` and `input`.
     Responses,
+    /// `/v1/messages` (Anthropic's Messages API, served by vLLM, SGLang and llama.cpp) and its
+    /// `/v1/messages/count_tokens`: `system`, then `messages` as in chat. Errors on these paths
+    /// take Anthropic's shape ([`crate::error::ErrorStyle`]).
+    Messages,
     /// Any other configured inference path: the first of the fields above that is present.
     Other,
 }
@@ -37,7 +41,9 @@ pub enum Endpoint {
 impl Endpoint {
     /// Classifies a request path (query string already removed).
     pub fn from_path(path: &str) -> Endpoint {
-        if path.ends_with("/chat/completions") {
+        if path.ends_with("/messages") || path.ends_with("/messages/count_tokens") {
+            Endpoint::Messages
+        } else if path.ends_with("/chat/completions") {
             Endpoint::Chat
         } else if path.ends_with("/completions") {
             Endpoint::Completions
@@ -115,6 +121,20 @@ struct ChatBody<'a> {
     _instructions: Option<IgnoredAny>,
 }
 
+/// A Messages API body: the system prompt is a top-level field, not a message. The OpenAI
+/// prompt fields are not declared: on this path they are unknown fields, skipped.
+#[derive(Deserialize)]
+struct MessagesBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    system: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+}
+
 #[derive(Deserialize)]
 struct Message<'a> {
     #[serde(borrow, default)]
@@ -165,7 +185,26 @@ pub fn parse(
             return r;
         }
     }
+    if endpoint == Endpoint::Messages {
+        return parse_messages(body, prompt());
+    }
     parse_general(body, endpoint, prompt())
+}
+
+/// A Messages API body. The prompt text is the one the same conversation gives as a chat body
+/// (`system` read as a leading system message): engines apply one chat template to both APIs,
+/// so the pods' cached prefixes are the same, and a conversation keeps its pod when a client
+/// switches API.
+fn parse_messages(body: &[u8], mut prompt: PromptText) -> Result<InferenceRequest<'_>, ApiError> {
+    let raw: MessagesBody<'_> = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
+    let model = model_field(body, raw.model.map(RawValue::get))?;
+    if let Some(system) = raw.system.filter(|s| s.get() != "null") {
+        prompt.message(Some("system"), |p| p.content(system));
+        prompt.sep(ITEM_SEP);
+    }
+    prompt.messages(raw.messages);
+    Ok(prompt.finish(model, is_true(raw.stream.map(RawValue::get))))
 }
 
 /// Chat, first tier: the single-pass scanner (string contents only).
@@ -218,6 +257,8 @@ fn parse_general(
             prompt.value(raw.instructions);
             prompt.value(raw.input);
         }
+        // Read by `parse_messages`; were it ever here, its messages are chat's.
+        Endpoint::Messages => prompt.messages(raw.messages),
         Endpoint::Other => {
             if raw.messages.is_some() {
                 prompt.messages(raw.messages);
@@ -452,6 +493,91 @@ mod tests {
         parse(body.as_bytes(), Endpoint::Chat, 1 << 20, 1024).unwrap()
     }
 
+    fn messages(body: &str) -> InferenceRequest<'_> {
+        parse(body.as_bytes(), Endpoint::Messages, 1 << 20, 1024).unwrap()
+    }
+
+    #[test]
+    fn a_messages_body_reads_as_the_same_conversation_in_chat() {
+        let system_then = |system: &str, rest: &str| {
+            format!(
+                r#"{{"model": "m", "messages": [{{"role": "system", "content": {system}}}, {rest}]}}"#
+            )
+        };
+        let turns = r#"{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}"#;
+        // `system` as a string, and as text blocks (with Anthropic's cache_control).
+        let cases = [
+            (
+                format!(r#"{{"model": "m", "max_tokens": 8, "stream": true, "system": "S", "messages": [{turns}]}}"#),
+                system_then(r#""S""#, turns),
+            ),
+            (
+                format!(r#"{{"model": "m", "system": [{{"type": "text", "text": "S", "cache_control": {{"type": "ephemeral"}}}}], "messages": [{turns}]}}"#),
+                system_then(r#"[{"type": "text", "text": "S"}]"#, turns),
+            ),
+            // Content blocks in the messages.
+            (
+                r#"{"model": "m", "system": "S", "messages": [{"role": "user", "content": [{"type": "text", "text": "U"}]}]}"#.to_string(),
+                system_then(r#""S""#, r#"{"role": "user", "content": [{"type": "text", "text": "U"}]}"#),
+            ),
+            // No system prompt, or a null one: the messages alone.
+            (
+                format!(r#"{{"model": "m", "messages": [{turns}]}}"#),
+                format!(r#"{{"model": "m", "messages": [{turns}]}}"#),
+            ),
+            (
+                format!(r#"{{"model": "m", "system": null, "messages": [{turns}]}}"#),
+                format!(r#"{{"model": "m", "messages": [{turns}]}}"#),
+            ),
+        ];
+        for (m, c) in &cases {
+            let (m, c) = (messages(m), chat(c));
+            assert_eq!(m.model.as_deref(), Some("m"));
+            assert_eq!(m.prompt, c.prompt);
+            assert_eq!(m.prompt_len, c.prompt_len);
+            assert_eq!(m.conversation_len, c.conversation_len);
+            assert!(m.conversation_len.is_some());
+        }
+        assert!(messages(&cases[0].0).stream);
+        assert!(!messages(&cases[1].0).stream);
+        // The system prompt is part of the conversation's key.
+        let other = cases[0].0.replace(r#""system": "S""#, r#""system": "T""#);
+        assert_ne!(messages(&other).prompt, messages(&cases[0].0).prompt);
+    }
+
+    #[test]
+    fn a_messages_body_is_validated_like_any_other() {
+        let err = |b: &str| {
+            parse(b.as_bytes(), Endpoint::Messages, 1 << 20, 1024)
+                .map(|_| ())
+                .unwrap_err()
+        };
+        assert_eq!(
+            err(r#"{"model": "m", "messages": [}"#).code.as_deref(),
+            Some("invalid_json")
+        );
+        assert_eq!(err(r#"[1]"#).code.as_deref(), Some("invalid_json"));
+        let e = err(r#"{"model": 7, "messages": []}"#);
+        assert_eq!((e.status, e.param.as_deref()), (400, Some("model")));
+        assert_eq!(
+            err(r#"{"model": "a", "model": "b", "messages": []}"#).status,
+            400
+        );
+        // OpenAI's prompt fields mean nothing on this path: skipped, not read.
+        let r = messages(
+            r#"{"model": "m", "prompt": "P", "input": "I", "messages": [{"role": "user", "content": "U"}]}"#,
+        );
+        assert!(
+            !r.prompt.contains('P') && !r.prompt.contains('I'),
+            "{:?}",
+            r.prompt
+        );
+        // A span for the alias rewrite, as on the other paths.
+        let body = r#"{"system": "S", "model": "llama"}"#;
+        let r = messages(body);
+        assert_eq!(&body[r.model_span.unwrap()], r#""llama""#);
+    }
+
     #[test]
     fn extracts_model_stream_and_span() {
         let body = r#"{ "stream": true, "model" : "llama-3", "messages": [] }"#;
@@ -649,12 +775,18 @@ mod tests {
         assert_eq!(Endpoint::from_path("/v1/embeddings"), Endpoint::Embeddings);
         assert_eq!(Endpoint::from_path("/v1/responses"), Endpoint::Responses);
         assert_eq!(Endpoint::from_path("/v1/score"), Endpoint::Other);
+        assert_eq!(Endpoint::from_path("/v1/messages"), Endpoint::Messages);
+        assert_eq!(
+            Endpoint::from_path("/v1/messages/count_tokens"),
+            Endpoint::Messages
+        );
     }
 
     proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = parse(&body, Endpoint::Chat, 64, 1024);
+            let _ = parse(&body, Endpoint::Messages, 64, 1024);
             let _ = parse(&body, Endpoint::Other, 64, 1024);
         }
 

@@ -28,7 +28,7 @@ mod host;
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
 use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine};
-use gpuroute_core::error::ApiError;
+use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::fleet::{stat_segment, FleetState};
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::IdMap;
@@ -346,8 +346,10 @@ impl Filter {
         );
     }
 
+    /// Answers with `err` in the shape of the request path's API.
     fn reply_error(&mut self, s: Stream, err: &ApiError) {
-        self.reply(s, err.status, &err.to_json(), "application/json");
+        let body = err.body(ErrorStyle::for_path(&self.head.path));
+        self.reply(s, err.status, &body, "application/json");
     }
 
     fn on_request_headers(&mut self, s: Stream, end_of_stream: bool) -> u32 {

@@ -25,7 +25,7 @@ mod stats;
 use abi::{Action, BufferType, LogLevel, MapType};
 use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
-use gpuroute_core::error::ApiError;
+use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::NameMap;
@@ -564,8 +564,10 @@ impl Http {
         Action::Pause
     }
 
+    /// Answers with `err` in the shape of the request path's API.
     fn reply_error(&mut self, err: &ApiError) -> Action {
-        self.reply(u32::from(err.status), &err.to_json(), "application/json")
+        let body = err.body(ErrorStyle::for_path(&self.path));
+        self.reply(u32::from(err.status), &body, "application/json")
     }
 
     /// Answers a refused inference request with `err` and counts it as

@@ -325,6 +325,89 @@ def test_openai_style_errors(envoy):
     assert body["error"]["code"] == "request_too_large"
 
 
+def anthropic_error_of(resp):
+    status, h, body, _ = resp
+    assert h.get("content-type") == "application/json", h
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    return status, body["error"]
+
+
+def declared_too_large(envoy, path):
+    """The first bytes of the answer to a request whose content-length is over the limit, sent
+    without its body."""
+    host, port = envoy.listen.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % (path.encode(), 4 * 1024 * 1024 + 10))
+        return sock.recv(65536)
+
+
+def test_anthropic_messages_api_is_routed_and_answered_in_its_shape(envoy, pods):
+    """`/v1/messages`, Anthropic's Messages API (vLLM, SGLang and llama.cpp serve it), is an
+    inference path by default: routed by `model` like the OpenAI paths, and the gateway's own
+    errors come in Anthropic's shape (`{"type":"error","error":{"type","message"}}`), with the
+    status Anthropic's SDKs map to their exceptions."""
+    assert envoy.push(fresh(pods))[0] == 204
+    user = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    ask = lambda model, **extra: dict({"model": model, "max_tokens": 16, "system": "be brief", "messages": user}, **extra)
+    for _ in range(3):
+        s, _, body, _ = envoy.request("POST", "/v1/messages", ask("qwen-7b"))
+        assert s == 200 and body["pod"] == "qwen-0", body
+        assert body["path"] == "/v1/messages" and body["headers"]["x-gateway-pool"] == "qwen"
+    # An adapter goes to its base model's pool; an alias is rewritten in the body.
+    s, _, body, _ = envoy.request("POST", "/v1/messages", ask("sql-lora", stream=True))
+    assert s == 200 and body["pod"].startswith("llama-"), body
+    assert body["headers"]["x-gateway-base-model-name"] == "llama-3-8b"
+    s, _, body, _ = envoy.request("POST", "/v1/messages", ask("llama"))
+    assert s == 200 and json.loads(body["body"])["model"] == "llama-3-8b"
+
+    s, err = anthropic_error_of(envoy.request("POST", "/v1/messages", b'{"model": "llama-3-8b", "messages": [}'))
+    assert (s, err["type"]) == (400, "invalid_request_error") and "JSON" in err["message"], err
+    s, err = anthropic_error_of(envoy.request("POST", "/v1/messages", ask(7)))
+    assert (s, err["type"]) == (400, "invalid_request_error") and "model" in err["message"], err
+    s, err = anthropic_error_of(envoy.request("POST", "/v1/messages", ask("claude-9")))
+    assert (s, err["type"]) == (404, "not_found_error") and "claude-9" in err["message"], err
+    import gzip
+    packed = gzip.compress(json.dumps(ask("llama-3-8b")).encode())
+    s, err = anthropic_error_of(envoy.request("POST", "/v1/messages", packed, {"content-encoding": "gzip"}))
+    assert (s, err["type"]) == (415, "invalid_request_error") and "gzip" in err["message"], err
+    data = declared_too_large(envoy, "/v1/messages")
+    assert data.startswith(b"HTTP/1.1 413"), data[:200]
+    err = json.loads(data.split(b"\r\n\r\n", 1)[1])
+    assert err["type"] == "error" and err["error"]["type"] == "request_too_large", err
+    # The OpenAI paths keep OpenAI's shape.
+    assert error_of(envoy.chat("claude-9"))[1]["code"] == "model_not_found"
+
+
+def test_a_conversation_keeps_its_pod_across_the_openai_and_anthropic_apis(envoy, pods):
+    """The engines apply one chat template to both APIs, so a conversation's cached prefix on a
+    pod serves it whichever API the client uses: a Messages request whose `system` and first
+    turn are a chat conversation's goes to that conversation's pod. (If `system` were not read,
+    the Messages prompt would share no leading block with the chat one, and most of the eight
+    conversations would land elsewhere.)"""
+    assert envoy.push(fresh(pods))[0] == 204
+    pods_used = set()
+    for i in range(8):
+        system = f"You are assistant {i} of a shipping company; answer in numbered steps. " * 3
+        first = f"Conversation {i}: where is parcel {1000 + i}? It left the hub on Tuesday."
+        s, _, chat, _ = envoy.request("POST", "/v1/chat/completions", {
+            "model": "llama-3-8b",
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": first}],
+        })
+        assert s == 200, chat
+        s, _, msg, _ = envoy.request("POST", "/v1/messages", {
+            "model": "llama-3-8b", "max_tokens": 64, "system": system,
+            "messages": [{"role": "user", "content": first},
+                         {"role": "assistant", "content": "It is at the Rotterdam depot."},
+                         {"role": "user", "content": "When will it arrive?"}],
+        })
+        assert s == 200, msg
+        assert msg["pod"] == chat["pod"], (i, chat["pod"], msg["pod"])
+        pods_used.add(chat["pod"])
+    # Conversations still spread over the pool.
+    assert len(pods_used) >= 2, pods_used
+
+
 def test_missing_model_goes_to_the_default_pool_when_one_is_configured(pods):
     """`default_pool` set: a request without `model` is routed to that pool (and named as its
     first model for the route), instead of the 400 the shared fixture's configuration gives;
@@ -493,6 +576,9 @@ def test_a_worker_without_the_filter_answers_inference_requests_with_a_retryable
             assert h.get("content-type") == "application/json", h
             assert body["error"]["code"] == "routing_unavailable", body
             assert body["error"]["type"] == "service_unavailable_error", body
+        # The Messages API's path in Anthropic's shape.
+        s, err = anthropic_error_of(e.request("POST", "/v1/messages", {"model": "llama-3-8b", "messages": []}))
+        assert (s, err["type"]) == (503, "overloaded_error") and "retry" in err["message"], err
         # Everything else still gets the catch-all.
         s, _, body, _ = e.request("GET", "/health")
         assert s == 404 and body["error"]["code"] == "not_found"
