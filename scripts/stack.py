@@ -216,6 +216,8 @@ def main():
         print("\nTry it:\n")
         print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}' -i\n")
+        print(f"  curl -s http://{stack.listen}/v1/messages -H 'content-type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{model}\", \"system\": \"Be brief.\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}' -i\n")
         print(f"  curl -s http://{stack.listen}/v1/models\n")
         print("The x-served-by response header names the pod; x-gateway-debug shows why it was picked.")
         print("Ctrl-C stops everything.", flush=True)

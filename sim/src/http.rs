@@ -1,7 +1,9 @@
 //! The HTTP surface of one pod, shaped like vLLM's OpenAI-compatible server:
 //! `POST /v1/chat/completions` and `POST /v1/completions` (SSE streaming in vLLM's chunk format
-//! ending with `data: [DONE]`, or one JSON body with `usage`), `GET /v1/models` (base model and
-//! LoRA adapters with `root`/`parent`), `GET /health`, `GET /version` and `GET /metrics`.
+//! ending with `data: [DONE]`, or one JSON body with `usage`), `POST /v1/messages` (Anthropic's
+//! Messages API, which vLLM serves beside them: its message object, its named SSE events, its
+//! error shape), `GET /v1/models` (base model and LoRA adapters with `root`/`parent`),
+//! `GET /health`, `GET /version` and `GET /metrics`.
 //! Every response carries `x-served-by` and `x-served-by-address`. The failure modes `hang` and
 //! `error` are applied here; `down` is applied by the listener ([`crate::server`]).
 
@@ -35,6 +37,7 @@ pub fn router(pod: Arc<Pod>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/version", get(version))
@@ -100,6 +103,21 @@ fn json_response(status: StatusCode, body: String) -> Response {
 
 fn bad_request(message: &str) -> Response {
     error_response(StatusCode::BAD_REQUEST, "BadRequestError", message)
+}
+
+/// An error in the request's API's shape: vLLM's own for the OpenAI paths; for the Messages API
+/// Anthropic's (`{"type":"error","error":{"type","message"}}`), as vLLM translates it there.
+fn api_error(api: Api, status: StatusCode, kind: &str, message: &str) -> Response {
+    if api != Api::Messages {
+        return error_response(status, kind, message);
+    }
+    let kind = match status.as_u16() {
+        404 => "not_found_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
+    };
+    let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": message}});
+    json_response(status, body.to_string())
 }
 
 async fn not_found() -> Response {
@@ -195,6 +213,20 @@ struct ChatRequest {
     stream_options: Option<StreamOptions>,
 }
 
+/// Anthropic's Messages API: the system prompt is a top-level string or list of text blocks, and
+/// `max_tokens` is required.
+#[derive(Debug, Deserialize)]
+struct MessagesRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    system: Option<Value>,
+    messages: Vec<ChatMessage>,
+    max_tokens: i64,
+    #[serde(default)]
+    stream: Option<bool>,
+}
+
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
     #[serde(default)]
@@ -208,18 +240,20 @@ struct CompletionRequest {
     stream_options: Option<StreamOptions>,
 }
 
-/// Chat or text completion: decides the JSON shapes.
+/// Chat, text completion or Anthropic message: decides the JSON shapes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Api {
     Chat,
     Completion,
+    Messages,
 }
 
 /// What the response writer needs to know about a request.
 #[derive(Debug)]
 struct Meta {
     api: Api,
-    /// `{"id":...,"object":...,"created":...,"model":...,` (chunk or body prefix).
+    /// `{"id":...,"object":...,"created":...,"model":...,` (chunk or body prefix); for the
+    /// Messages API the message object's `"id":...,"type":"message","role":...,"model":...`.
     head: String,
     prompt_tokens: u32,
     include_usage: bool,
@@ -256,6 +290,33 @@ async fn chat_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response 
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
     serve(pod, Api::Chat, req.model, prompt, max, stream, usage).await
+}
+
+async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: MessagesRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            let message = format!("invalid messages request: {e}");
+            return api_error(Api::Messages, StatusCode::BAD_REQUEST, "", &message);
+        }
+    };
+    // The same text as the conversation in chat, system prompt first: one chat template.
+    let mut prompt = String::new();
+    message_text(&req.system, &mut prompt);
+    for m in &req.messages {
+        message_text(&m.content, &mut prompt);
+    }
+    let stream = req.stream.unwrap_or(false);
+    serve(
+        pod,
+        Api::Messages,
+        req.model,
+        prompt,
+        Some(req.max_tokens),
+        stream,
+        false,
+    )
+    .await
 }
 
 async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
@@ -310,7 +371,8 @@ async fn serve(
         match pod.adapter_id(&model) {
             Some(id) => Some(id),
             None => {
-                return error_response(
+                return api_error(
+                    api,
                     StatusCode::NOT_FOUND,
                     "NotFoundError",
                     &format!("The model `{model}` does not exist."),
@@ -322,7 +384,8 @@ async fn serve(
     let max_len = pod.max_model_len();
     let (output_tokens, finish) = match max_tokens {
         Some(m) if m < 1 => {
-            return bad_request(&format!("max_tokens must be at least 1, got {m}."));
+            let message = format!("max_tokens must be at least 1, got {m}.");
+            return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
         }
         Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
         None => {
@@ -333,11 +396,12 @@ async fn serve(
     };
     let total = u64::from(prompt_tokens) + u64::from(output_tokens);
     if total > u64::from(max_len) {
-        return bad_request(&format!(
+        let message = format!(
             "This model's maximum context length is {max_len} tokens. However, you requested \
              {total} tokens ({prompt_tokens} in the messages, {output_tokens} in the \
              completion). Please reduce the length of the messages or completion."
-        ));
+        );
+        return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
     }
     let block_hashes = if pod.cfg.engine.enable_prefix_caching {
         text::block_hashes(&prompt, pod.cfg.engine.block_size, &model)
@@ -355,18 +419,25 @@ async fn serve(
             },
         ),
         Api::Completion => ("cmpl", "text_completion"),
+        Api::Messages => ("msg", "message"),
     };
     let id = format!(
         "{prefix}-{:016x}{n:016x}",
         xxhash_rust::xxh64::xxh64(pod.cfg.name.as_bytes(), pod.seed)
     );
     let model_json = serde_json::to_string(&model).unwrap_or_else(|_| "\"\"".to_string());
-    let meta = Meta {
-        api,
-        head: format!(
+    let head = match api {
+        Api::Messages => {
+            format!(r#""id":"{id}","type":"message","role":"assistant","model":{model_json}"#)
+        }
+        _ => format!(
             r#"{{"id":"{id}","object":"{object}","created":{},"model":{model_json},"#,
             unix_now()
         ),
+    };
+    let meta = Meta {
+        api,
+        head,
         prompt_tokens,
         include_usage,
     };
@@ -409,7 +480,8 @@ async fn full_response(
         }
     }
     let Some(finish) = finish else {
-        return error_response(
+        return api_error(
+            meta.api,
             StatusCode::INTERNAL_SERVER_ERROR,
             "InternalServerError",
             "the engine stopped before the request finished",
@@ -428,8 +500,30 @@ async fn full_response(
             r#"{}"choices":[{{"index":0,"text":{content},"logprobs":null,"finish_reason":"{reason}","stop_reason":null,"prompt_logprobs":null}}],"usage":{usage}}}"#,
             meta.head
         ),
+        Api::Messages => format!(
+            r#"{{{},"content":[{{"type":"text","text":{content}}}],"stop_reason":"{}","stop_sequence":null,"usage":{}}}"#,
+            meta.head,
+            stop_reason(finish),
+            anthropic_usage(meta.prompt_tokens, generated, cached)
+        ),
     };
     json_response(StatusCode::OK, body)
+}
+
+/// Anthropic's name for why generation stopped (an aborted request has no client to tell).
+fn stop_reason(finish: FinishReason) -> &'static str {
+    match finish {
+        FinishReason::Length => "max_tokens",
+        FinishReason::Stop | FinishReason::Abort => "end_turn",
+    }
+}
+
+/// Anthropic's usage: `input_tokens` counts the prompt tokens not read from the cache.
+fn anthropic_usage(prompt: u32, output: u32, cached: u32) -> String {
+    format!(
+        r#"{{"input_tokens":{},"cache_read_input_tokens":{cached},"output_tokens":{output}}}"#,
+        prompt.saturating_sub(cached)
+    )
 }
 
 struct SseState {
@@ -443,6 +537,9 @@ struct SseState {
 impl SseState {
     /// The SSE events for one engine emission.
     fn events(&mut self, o: &Output) -> Bytes {
+        if self.meta.api == Api::Messages {
+            return self.message_events(o);
+        }
         let mut buf = String::with_capacity(256 + 8 * o.new_tokens as usize);
         let head = &self.meta.head;
         if self.generated == 0 && self.meta.api == Api::Chat {
@@ -458,14 +555,14 @@ impl SseState {
         let finish = match o.finish {
             Some(r) => format!(r#""finish_reason":"{}","stop_reason":null"#, r.as_str()),
             None => match self.meta.api {
-                Api::Chat => r#""finish_reason":null"#.to_string(),
                 Api::Completion => r#""finish_reason":null,"stop_reason":null"#.to_string(),
+                _ => r#""finish_reason":null"#.to_string(),
             },
         };
         buf.push_str("data: ");
         buf.push_str(head);
         match self.meta.api {
-            Api::Chat => {
+            Api::Chat | Api::Messages => {
                 buf.push_str(r#""choices":[{"index":0,"delta":{"content":"#);
                 buf.push_str(&content);
                 buf.push_str(r#"},"logprobs":null,"#);
@@ -496,6 +593,64 @@ impl SseState {
                 buf.push_str("}\n\n");
             }
             buf.push_str("data: [DONE]\n\n");
+        }
+        Bytes::from(buf)
+    }
+}
+
+impl SseState {
+    /// Anthropic's named events for one engine emission: `message_start` and
+    /// `content_block_start` with the first output (as vLLM sends its role chunk), a
+    /// `content_block_delta` per emission, and at the end `content_block_stop`, `message_delta`
+    /// (stop reason, output tokens) and `message_stop`.
+    fn message_events(&mut self, o: &Output) -> Bytes {
+        let mut buf = String::with_capacity(512 + 8 * o.new_tokens as usize);
+        let mut event = |name: &str, data: &str| {
+            buf.push_str("event: ");
+            buf.push_str(name);
+            buf.push_str("\ndata: ");
+            buf.push_str(data);
+            buf.push_str("\n\n");
+        };
+        if self.generated == 0 {
+            let usage = anthropic_usage(self.meta.prompt_tokens, 0, o.cached_tokens);
+            event(
+                "message_start",
+                &format!(
+                    r#"{{"type":"message_start","message":{{{},"content":[],"stop_reason":null,"stop_sequence":null,"usage":{usage}}}}}"#,
+                    self.meta.head
+                ),
+            );
+            event(
+                "content_block_start",
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+            );
+        }
+        let content = text::filler(self.generated, self.generated + o.new_tokens);
+        let content = serde_json::to_string(&content).unwrap_or_default();
+        self.generated += o.new_tokens;
+        event(
+            "content_block_delta",
+            &format!(
+                r#"{{"type":"content_block_delta","index":0,"delta":{{"type":"text_delta","text":{content}}}}}"#
+            ),
+        );
+        if let Some(finish) = o.finish {
+            event(
+                "content_block_stop",
+                r#"{"type":"content_block_stop","index":0}"#,
+            );
+            event(
+                "message_delta",
+                &format!(
+                    r#"{{"type":"message_delta","delta":{{"stop_reason":"{}","stop_sequence":null}},"usage":{{"output_tokens":{}}}}}"#,
+                    stop_reason(finish),
+                    self.generated
+                ),
+            );
+            event("message_stop", r#"{"type":"message_stop"}"#);
+            self.guard.finish();
+            self.done = true;
         }
         Bytes::from(buf)
     }

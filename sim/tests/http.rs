@@ -539,3 +539,158 @@ async fn ports_file_is_written_whole() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The named events of an Anthropic SSE body, in order: `(event name, data)`.
+fn named_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let (name, data) = e
+                .strip_prefix("event: ")
+                .and_then(|e| e.split_once("\ndata: "))
+                .unwrap_or_else(|| panic!("not a named SSE event: {e:?}"));
+            (name.to_string(), serde_json::from_str(data).unwrap())
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn messages_api_answers_in_anthropics_shapes() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    let resp: Value = c
+        .post(format!("http://{a}/v1/messages"))
+        .json(&serde_json::json!({
+            "model": "sql-lora", "max_tokens": 7,
+            "system": [{"type": "text", "text": "abcdefgh"}],
+            "messages": [{"role": "user", "content": "ijkl"}]
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(resp["type"], "message");
+    assert_eq!(
+        (&resp["role"], &resp["model"]),
+        (&"assistant".into(), &"sql-lora".into())
+    );
+    assert_eq!(resp["stop_reason"], "max_tokens");
+    assert_eq!(resp["usage"]["input_tokens"], 3); // 12 bytes: the system prompt and the message
+    assert_eq!(resp["usage"]["output_tokens"], 7);
+    assert_eq!(resp["content"][0]["type"], "text");
+    assert_eq!(word_count(resp["content"][0]["text"].as_str().unwrap()), 7);
+
+    let body = c
+        .post(format!("http://{a}/v1/messages"))
+        .json(&serde_json::json!({
+            "model": LLAMA, "max_tokens": 5, "stream": true,
+            "messages": [{"role": "user", "content": "hello there"}]
+        }))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let events = named_events(&body);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(
+        names[..2],
+        ["message_start", "content_block_start"],
+        "{names:?}"
+    );
+    assert_eq!(
+        names[names.len() - 3..],
+        ["content_block_stop", "message_delta", "message_stop"],
+        "{names:?}"
+    );
+    let deltas = &names[2..names.len() - 3];
+    assert!(!deltas.is_empty() && deltas.iter().all(|n| *n == "content_block_delta"));
+    for (name, data) in &events {
+        assert_eq!(data["type"], name.as_str());
+    }
+    assert_eq!(events[0].1["message"]["usage"]["output_tokens"], 0);
+    let text: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, d)| d["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(word_count(&text), 5);
+    let end = &events[events.len() - 2].1;
+    assert_eq!(end["delta"]["stop_reason"], "max_tokens");
+    assert_eq!(end["usage"]["output_tokens"], 5);
+
+    // Errors in Anthropic's shape.
+    let error = |body: Value| {
+        let c = c.clone();
+        async move {
+            let r = c
+                .post(format!("http://{a}/v1/messages"))
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            let status = r.status().as_u16();
+            let v: Value = r.json().await.unwrap();
+            assert_eq!(v["type"], "error", "{v}");
+            (status, v["error"]["type"].as_str().unwrap().to_string())
+        }
+    };
+    let hi = serde_json::json!([{"role": "user", "content": "hi"}]);
+    assert_eq!(
+        error(serde_json::json!({"model": "gpt-4", "max_tokens": 4, "messages": hi})).await,
+        (404, "not_found_error".to_string())
+    );
+    // `max_tokens` is required by the Messages API.
+    assert_eq!(
+        error(serde_json::json!({"model": LLAMA, "messages": hi})).await,
+        (400, "invalid_request_error".to_string())
+    );
+}
+
+#[tokio::test]
+async fn a_conversation_shares_its_cached_prefix_across_chat_and_messages() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    let system = "You are a careful assistant for the fleet. ".repeat(24);
+    let first = "Where is parcel 1042? It left the hub on Tuesday.";
+    let r: Value = c
+        .post(format!("http://{a}/v1/chat/completions"))
+        .json(&serde_json::json!({
+            "model": LLAMA, "max_tokens": 2,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": first}]
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let r: Value = c
+        .post(format!("http://{a}/v1/messages"))
+        .json(&serde_json::json!({
+            "model": LLAMA, "max_tokens": 2, "system": system,
+            "messages": [{"role": "user", "content": first},
+                         {"role": "assistant", "content": "At the depot."},
+                         {"role": "user", "content": "When will it arrive?"}]
+        }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    // Every full 64-byte block of the shared system prompt and first turn was cached.
+    let shared = ((system.len() + first.len()) / 64 * 16) as u64;
+    assert_eq!(r["usage"]["cache_read_input_tokens"], shared);
+    let total = (system.len() + first.len() + "At the depot.When will it arrive?".len()) as u64;
+    assert_eq!(
+        r["usage"]["input_tokens"].as_u64().unwrap() + shared,
+        total.div_ceil(4)
+    );
+}
