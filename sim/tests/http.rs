@@ -540,6 +540,23 @@ async fn ports_file_is_written_whole() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// POSTs `body` as JSON to `path` on `a`: the status and the response body's text.
+async fn post(c: &reqwest::Client, a: SocketAddr, path: &str, body: Value) -> (u16, String) {
+    let r = c
+        .post(format!("http://{a}{path}"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    (r.status().as_u16(), r.text().await.unwrap())
+}
+
+/// [`post`], for a JSON answer.
+async fn post_json(c: &reqwest::Client, a: SocketAddr, path: &str, body: Value) -> (u16, Value) {
+    let (status, text) = post(c, a, path, body).await;
+    (status, serde_json::from_str(&text).unwrap())
+}
+
 /// The named events of an Anthropic SSE body, in order: `(event name, data)`.
 fn named_events(body: &str) -> Vec<(String, Value)> {
     body.split("\n\n")
@@ -559,19 +576,18 @@ async fn messages_api_answers_in_anthropics_shapes() {
     let fleet = start(10.0).await;
     let a = addr(&fleet, "fast");
     let c = client();
-    let resp: Value = c
-        .post(format!("http://{a}/v1/messages"))
-        .json(&serde_json::json!({
+    let (status, resp) = post_json(
+        &c,
+        a,
+        "/v1/messages",
+        serde_json::json!({
             "model": "sql-lora", "max_tokens": 7,
             "system": [{"type": "text", "text": "abcdefgh"}],
             "messages": [{"role": "user", "content": "ijkl"}]
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        }),
+    )
+    .await;
+    assert_eq!(status, 200, "{resp}");
     assert_eq!(resp["type"], "message");
     assert_eq!(
         (&resp["role"], &resp["model"]),
@@ -583,18 +599,17 @@ async fn messages_api_answers_in_anthropics_shapes() {
     assert_eq!(resp["content"][0]["type"], "text");
     assert_eq!(word_count(resp["content"][0]["text"].as_str().unwrap()), 7);
 
-    let body = c
-        .post(format!("http://{a}/v1/messages"))
-        .json(&serde_json::json!({
+    let (status, body) = post(
+        &c,
+        a,
+        "/v1/messages",
+        serde_json::json!({
             "model": LLAMA, "max_tokens": 5, "stream": true,
             "messages": [{"role": "user", "content": "hello there"}]
-        }))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+        }),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
     let events = named_events(&body);
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(
@@ -627,14 +642,7 @@ async fn messages_api_answers_in_anthropics_shapes() {
     let error = |body: Value| {
         let c = c.clone();
         async move {
-            let r = c
-                .post(format!("http://{a}/v1/messages"))
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            let status = r.status().as_u16();
-            let v: Value = r.json().await.unwrap();
+            let (status, v) = post_json(&c, a, "/v1/messages", body).await;
             assert_eq!(v["type"], "error", "{v}");
             (status, v["error"]["type"].as_str().unwrap().to_string())
         }
@@ -658,33 +666,31 @@ async fn a_conversation_shares_its_cached_prefix_across_chat_and_messages() {
     let c = client();
     let system = "You are a careful assistant for the fleet. ".repeat(24);
     let first = "Where is parcel 1042? It left the hub on Tuesday.";
-    let r: Value = c
-        .post(format!("http://{a}/v1/chat/completions"))
-        .json(&serde_json::json!({
+    let (status, r) = post_json(
+        &c,
+        a,
+        "/v1/chat/completions",
+        serde_json::json!({
             "model": LLAMA, "max_tokens": 2,
             "messages": [{"role": "system", "content": system}, {"role": "user", "content": first}]
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        }),
+    )
+    .await;
+    assert_eq!(status, 200, "{r}");
     assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
-    let r: Value = c
-        .post(format!("http://{a}/v1/messages"))
-        .json(&serde_json::json!({
+    let (status, r) = post_json(
+        &c,
+        a,
+        "/v1/messages",
+        serde_json::json!({
             "model": LLAMA, "max_tokens": 2, "system": system,
             "messages": [{"role": "user", "content": first},
                          {"role": "assistant", "content": "At the depot."},
                          {"role": "user", "content": "When will it arrive?"}]
-        }))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+        }),
+    )
+    .await;
+    assert_eq!(status, 200, "{r}");
     // Every full 64-byte block of the shared system prompt and first turn was cached.
     let shared = ((system.len() + first.len()) / 64 * 16) as u64;
     assert_eq!(r["usage"]["cache_read_input_tokens"], shared);
