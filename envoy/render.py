@@ -69,7 +69,14 @@ def wasm_filter(wasm_path, config):
 
 
 # The filter's default inference paths (core/src/config.rs, `inference_paths`).
-INFERENCE_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/messages"]
+INFERENCE_PATHS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+]
 
 
 def openai_error(status, message, error_type, code):

@@ -39,6 +39,9 @@ pub struct Prepared {
     pub pool: String,
     pub stream: bool,
     pub prompt_tokens: u32,
+    /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`):
+    /// [`Engine::decide`] leaves the pod to Envoy ([`FailOpen::ModelOnly`]).
+    pub model_only: bool,
     /// The body with the alias replaced by the real model name, when an alias was used.
     pub rewritten_body: Option<Vec<u8>>,
     anchors: Vec<Anchor>,
@@ -162,7 +165,8 @@ impl Engine {
         let p = &self.config.prefix;
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
-        let req = request::parse(body, Endpoint::from_path(path), limit, home_chars)?;
+        let endpoint = Endpoint::from_path(path);
+        let req = request::parse(body, endpoint, limit, home_chars)?;
         let tokens = f64::from(req.estimated_prompt_tokens());
         self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
             tokens
@@ -207,6 +211,7 @@ impl Engine {
             pool: self.routes.pool_name(target.pool).to_string(),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
+            model_only: endpoint == Endpoint::CountTokens,
             rewritten_body,
             prefix_blocks: blocks as u32,
             home_key,
@@ -245,6 +250,9 @@ impl Engine {
         };
         if !self.config.pick_endpoints {
             return none(Decision::FailOpen(FailOpen::Disabled));
+        }
+        if prep.model_only {
+            return none(Decision::FailOpen(FailOpen::ModelOnly));
         }
         let Some(fleet) = fleet else {
             return none(Decision::FailOpen(FailOpen::NoSnapshot));
@@ -500,6 +508,37 @@ mod tests {
             .unwrap()
             .rewritten_body
             .is_none());
+    }
+
+    #[test]
+    fn counting_tokens_needs_the_pool_not_a_pod() {
+        let mut e = engine();
+        let f = fleet(3);
+        let opts = DecideOptions {
+            now_ms: 1_000,
+            sheddable: false,
+            debug: false,
+        };
+        let mut rng = SplitMix64::new(1);
+        let body = chat("llama", "hi");
+        let p = e.prepare("/v1/messages/count_tokens", &body).unwrap();
+        assert!(p.model_only);
+        assert_eq!(p.pool, "llama");
+        // Routed by model (an alias rewritten as for any request), the pod left to Envoy.
+        assert!(p.rewritten_body.is_some());
+        let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
+        assert_eq!(c.decision, Decision::FailOpen(FailOpen::ModelOnly));
+        assert!(c.destination.is_none() && c.picked_key.is_none());
+        assert!(FailOpen::ModelOnly.by_design() && !FailOpen::NoFreshPod.by_design());
+        // The same body on /v1/messages is picked.
+        let p = e.prepare("/v1/messages", &body).unwrap();
+        assert!(!p.model_only);
+        let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
+        assert!(
+            matches!(c.decision, Decision::Picked(_)),
+            "{:?}",
+            c.decision
+        );
     }
 
     #[test]

@@ -16,10 +16,11 @@ pub enum ErrorStyle {
 }
 
 impl ErrorStyle {
-    /// Anthropic's on the Messages API's paths ([`Endpoint::Messages`]), OpenAI's elsewhere.
+    /// Anthropic's on the Messages API's paths ([`Endpoint::Messages`],
+    /// [`Endpoint::CountTokens`]), OpenAI's elsewhere.
     pub fn for_path(path: &str) -> ErrorStyle {
         match Endpoint::from_path(path) {
-            Endpoint::Messages => ErrorStyle::Anthropic,
+            Endpoint::Messages | Endpoint::CountTokens => ErrorStyle::Anthropic,
             _ => ErrorStyle::OpenAi,
         }
     }

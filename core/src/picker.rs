@@ -71,15 +71,25 @@ pub enum FailOpen {
     NoFreshPod,
     /// `pick_endpoints` is off.
     Disabled,
+    /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`):
+    /// routed by model, the pod left to Envoy, nothing counted in flight.
+    ModelOnly,
 }
 
 impl FailOpen {
+    /// Left to Envoy by design (`Disabled`, `ModelOnly`), not for want of data: the shells count
+    /// it as `routed`, not as a fail-open.
+    pub fn by_design(self) -> bool {
+        matches!(self, FailOpen::Disabled | FailOpen::ModelOnly)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             FailOpen::NoSnapshot => "no_snapshot",
             FailOpen::UnknownPool => "unknown_pool",
             FailOpen::NoFreshPod => "no_fresh_pod",
             FailOpen::Disabled => "disabled",
+            FailOpen::ModelOnly => "model_only",
         }
     }
 }

@@ -30,10 +30,13 @@ pub enum Endpoint {
     Embeddings,
     /// `/v1/responses`: `instructions` and `input`.
     Responses,
-    /// `/v1/messages` (Anthropic's Messages API, served by vLLM, SGLang and llama.cpp) and its
-    /// `/v1/messages/count_tokens`: `system`, then `messages` as in chat. Errors on these paths
-    /// take Anthropic's shape ([`crate::error::ErrorStyle`]).
+    /// `/v1/messages` (Anthropic's Messages API, served by vLLM, SGLang and llama.cpp):
+    /// `system`, then `messages` as in chat. Errors on this path and the next take Anthropic's
+    /// shape ([`crate::error::ErrorStyle`]).
     Messages,
+    /// `/v1/messages/count_tokens`: a Messages body whose tokens are counted, not generated. It
+    /// needs its model's pool, not a pod's capacity (see `Prepared::model_only`).
+    CountTokens,
     /// Any other configured inference path: the first of the fields above that is present.
     Other,
 }
@@ -41,8 +44,10 @@ pub enum Endpoint {
 impl Endpoint {
     /// Classifies a request path (query string already removed).
     pub fn from_path(path: &str) -> Endpoint {
-        if path.ends_with("/messages") || path.ends_with("/messages/count_tokens") {
+        if path.ends_with("/messages") {
             Endpoint::Messages
+        } else if path.ends_with("/messages/count_tokens") {
+            Endpoint::CountTokens
         } else if path.ends_with("/chat/completions") {
             Endpoint::Chat
         } else if path.ends_with("/completions") {
@@ -185,7 +190,7 @@ pub fn parse(
             return r;
         }
     }
-    if endpoint == Endpoint::Messages {
+    if matches!(endpoint, Endpoint::Messages | Endpoint::CountTokens) {
         return parse_messages(body, prompt());
     }
     parse_general(body, endpoint, prompt())
@@ -258,7 +263,7 @@ fn parse_general(
             prompt.value(raw.input);
         }
         // Read by `parse_messages`; were it ever here, its messages are chat's.
-        Endpoint::Messages => prompt.messages(raw.messages),
+        Endpoint::Messages | Endpoint::CountTokens => prompt.messages(raw.messages),
         Endpoint::Other => {
             if raw.messages.is_some() {
                 prompt.messages(raw.messages);
@@ -778,7 +783,7 @@ mod tests {
         assert_eq!(Endpoint::from_path("/v1/messages"), Endpoint::Messages);
         assert_eq!(
             Endpoint::from_path("/v1/messages/count_tokens"),
-            Endpoint::Messages
+            Endpoint::CountTokens
         );
     }
 

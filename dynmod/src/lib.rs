@@ -34,7 +34,7 @@ use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::IdMap;
 use gpuroute_core::ingest;
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
-use gpuroute_core::picker::{Decision, FailOpen};
+use gpuroute_core::picker::Decision;
 use gpuroute_core::rng::SplitMix64;
 use host::{ConfigStats, Definer, Scheduler, Stream};
 use std::collections::HashMap;
@@ -552,7 +552,7 @@ impl Filter {
                 r.engine.commit(&prep, pod_key);
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
             }
-        } else if matches!(choice.decision, Decision::FailOpen(r) if r != FailOpen::Disabled)
+        } else if matches!(choice.decision, Decision::FailOpen(_))
             && cfg.data_plane == DataPlane::OriginalDst
         {
             // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
@@ -575,10 +575,13 @@ impl Filter {
                     picked_at = choice.picked_key.zip(dest.split(',').next());
                 }
             }
-            Decision::FailOpen(FailOpen::Disabled) => outcome = Some("routed"),
             Decision::FailOpen(reason) => {
-                outcome = Some("fail_open");
-                fail_open = m.fail_open.get(reason.as_str()).copied().flatten();
+                if reason.by_design() {
+                    outcome = Some("routed");
+                } else {
+                    outcome = Some("fail_open");
+                    fail_open = m.fail_open.get(reason.as_str()).copied().flatten();
+                }
                 if cfg.data_plane == DataPlane::OriginalDst {
                     match any_pod {
                         Some(addr) => s.set_header(REQUEST_HEADERS, headers::DESTINATION, &addr),

@@ -31,7 +31,7 @@ use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
-use gpuroute_core::picker::{Decision, FailOpen};
+use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix::{SyncBoard, SyncLog};
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::Snapshot;
@@ -718,13 +718,14 @@ impl Http {
                 }
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
             }
-            Decision::FailOpen(FailOpen::Disabled) => {
-                w.stats.pool_outcome(&pool, "routed");
-            }
             Decision::FailOpen(reason) => {
-                w.stats.pool_outcome(&pool, "fail_open");
-                w.stats
-                    .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
+                if reason.by_design() {
+                    w.stats.pool_outcome(&pool, "routed");
+                } else {
+                    w.stats.pool_outcome(&pool, "fail_open");
+                    w.stats
+                        .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
+                }
                 if w.engine.config.data_plane == DataPlane::OriginalDst {
                     // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
                     let pool_state = w.fleet.as_ref().and_then(|f| f.pool(&pool));

@@ -1,7 +1,7 @@
 //! Envoy stats emitted by the filter. They appear in Envoy's `/stats` and `/stats/prometheus`
 //! under the names below (Envoy strips the `wasmcustom.` prefix it adds).
 //!
-//! - `gpuroute.pool.<pool>.requests.<picked|fail_open|shed|error>` (counters)
+//! - `gpuroute.pool.<pool>.requests.<picked|fail_open|shed|error|routed>` (counters; `routed`: the pod left to Envoy by design)
 //! - `gpuroute.pool.<pool>.pod.<ip_port>.picks` (counters, created on first pick)
 //! - `gpuroute.fail_open.<no_snapshot|unknown_pool|no_fresh_pod>` (counters)
 //! - `gpuroute.rejected.<code>` (counters: invalid_json, invalid_type, model_not_found,

@@ -2,7 +2,7 @@
 //! `POST /v1/chat/completions` and `POST /v1/completions` (SSE streaming in vLLM's chunk format
 //! ending with `data: [DONE]`, or one JSON body with `usage`), `POST /v1/messages` (Anthropic's
 //! Messages API, which vLLM serves beside them: its message object, its named SSE events, its
-//! error shape), `GET /v1/models` (base model and LoRA adapters with `root`/`parent`),
+//! error shape; and `POST /v1/messages/count_tokens`), `GET /v1/models` (base model and LoRA adapters with `root`/`parent`),
 //! `GET /health`, `GET /version` and `GET /metrics`.
 //! Every response carries `x-served-by` and `x-served-by-address`. The failure modes `hang` and
 //! `error` are applied here; `down` is applied by the listener ([`crate::server`]).
@@ -38,6 +38,7 @@ pub fn router(pod: Arc<Pod>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/version", get(version))
@@ -227,6 +228,16 @@ struct MessagesRequest {
     stream: Option<bool>,
 }
 
+/// `count_tokens`: a Messages body without generation parameters.
+#[derive(Debug, Deserialize)]
+struct CountTokensRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    system: Option<Value>,
+    messages: Vec<ChatMessage>,
+}
+
 #[derive(Debug, Deserialize)]
 struct CompletionRequest {
     #[serde(default)]
@@ -300,12 +311,7 @@ async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
             return api_error(Api::Messages, StatusCode::BAD_REQUEST, "", &message);
         }
     };
-    // The same text as the conversation in chat, system prompt first: one chat template.
-    let mut prompt = String::new();
-    message_text(&req.system, &mut prompt);
-    for m in &req.messages {
-        message_text(&m.content, &mut prompt);
-    }
+    let prompt = messages_prompt(&req.system, &req.messages);
     let stream = req.stream.unwrap_or(false);
     serve(
         pod,
@@ -317,6 +323,37 @@ async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         false,
     )
     .await
+}
+
+/// A Messages API prompt: the same text as the conversation in chat, system prompt first (one
+/// chat template serves both APIs).
+fn messages_prompt(system: &Option<Value>, messages: &[ChatMessage]) -> String {
+    let mut prompt = String::new();
+    message_text(system, &mut prompt);
+    for m in messages {
+        message_text(&m.content, &mut prompt);
+    }
+    prompt
+}
+
+/// `{"input_tokens": N}`, the prompt's tokens as a Messages request would count them; no engine
+/// work (vLLM answers it from the tokenizer).
+async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: CountTokensRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            let message = format!("invalid count_tokens request: {e}");
+            return api_error(Api::Messages, StatusCode::BAD_REQUEST, "", &message);
+        }
+    };
+    if let Some(model) = req.model.as_deref() {
+        if model != pod.cfg.model && pod.adapter_id(model).is_none() {
+            let message = format!("The model `{model}` does not exist.");
+            return api_error(Api::Messages, StatusCode::NOT_FOUND, "", &message);
+        }
+    }
+    let tokens = text::prompt_tokens(&messages_prompt(&req.system, &req.messages));
+    json_response(StatusCode::OK, format!(r#"{{"input_tokens":{tokens}}}"#))
 }
 
 async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {

@@ -638,23 +638,44 @@ async fn messages_api_answers_in_anthropics_shapes() {
     assert_eq!(end["delta"]["stop_reason"], "max_tokens");
     assert_eq!(end["usage"]["output_tokens"], 5);
 
+    // count_tokens: what the same conversation's message counted as input.
+    let (status, counted) = post_json(
+        &c,
+        a,
+        "/v1/messages/count_tokens",
+        serde_json::json!({
+            "model": "sql-lora",
+            "system": [{"type": "text", "text": "abcdefgh"}],
+            "messages": [{"role": "user", "content": "ijkl"}]
+        }),
+    )
+    .await;
+    assert_eq!(
+        (status, counted),
+        (200, serde_json::json!({"input_tokens": 3}))
+    );
+
     // Errors in Anthropic's shape.
-    let error = |body: Value| {
+    let error = |path: &'static str, body: Value| {
         let c = c.clone();
         async move {
-            let (status, v) = post_json(&c, a, "/v1/messages", body).await;
+            let (status, v) = post_json(&c, a, path, body).await;
             assert_eq!(v["type"], "error", "{v}");
             (status, v["error"]["type"].as_str().unwrap().to_string())
         }
     };
     let hi = serde_json::json!([{"role": "user", "content": "hi"}]);
-    assert_eq!(
-        error(serde_json::json!({"model": "gpt-4", "max_tokens": 4, "messages": hi})).await,
-        (404, "not_found_error".to_string())
-    );
+    let not_found = (404, "not_found_error".to_string());
+    let unknown = serde_json::json!({"model": "gpt-4", "max_tokens": 4, "messages": hi});
+    assert_eq!(error("/v1/messages", unknown.clone()).await, not_found);
+    assert_eq!(error("/v1/messages/count_tokens", unknown).await, not_found);
     // `max_tokens` is required by the Messages API.
     assert_eq!(
-        error(serde_json::json!({"model": LLAMA, "messages": hi})).await,
+        error(
+            "/v1/messages",
+            serde_json::json!({"model": LLAMA, "messages": hi})
+        )
+        .await,
         (400, "invalid_request_error".to_string())
     );
 }

@@ -287,6 +287,12 @@ def test_original_dst_fails_open_to_a_known_pod(pods):
         assert e.push(stale)[0] == 204
         s, h, _, _ = e.chat("llama-3-8b")
         assert s == 200 and h["x-served-by"].startswith("llama-")
+        # A request that needs only its model's pool (count_tokens) gets a known pod too: there
+        # is no load balancer to leave it to.
+        assert e.push(fresh(pods))[0] == 204
+        s, _, body, _ = e.request("POST", "/v1/messages/count_tokens",
+                                  {"model": "qwen-7b", "messages": [{"role": "user", "content": "hi"}]})
+        assert s == 200 and body["pod"] == "qwen-0", body
     finally:
         e.stop()
 
@@ -377,6 +383,29 @@ def test_anthropic_messages_api_is_routed_and_answered_in_its_shape(envoy, pods)
     assert err["type"] == "error" and err["error"]["type"] == "request_too_large", err
     # The OpenAI paths keep OpenAI's shape.
     assert error_of(envoy.chat("claude-9"))[1]["code"] == "model_not_found"
+
+
+def test_count_tokens_is_routed_to_its_models_pool_and_not_counted_as_load(envoy, pods):
+    """`/v1/messages/count_tokens` needs a pod that serves the model (its tokenizer), not GPU
+    capacity: routed to the model's pool with the pod left to Envoy's load balancer (no
+    destination header), counted as `routed`, never as load; errors in Anthropic's shape."""
+    assert envoy.push(fresh(pods))[0] == 204
+    routed = STAT_PREFIX + "gpuroute.pool.llama.requests.routed"
+    picked = STAT_PREFIX + "gpuroute.pool.llama.requests.picked"
+    before = (envoy.stat(routed), envoy.stat(picked))
+    ask = {"model": "llama", "system": "be brief", "messages": [{"role": "user", "content": "hello"}]}
+    served = Counter()
+    for _ in range(6):
+        s, _, body, _ = envoy.request("POST", "/v1/messages/count_tokens", ask)
+        assert s == 200 and body["path"] == "/v1/messages/count_tokens", body
+        assert body["headers"]["x-gateway-pool"] == "llama"
+        assert "x-gateway-destination-endpoint" not in body["headers"], body["headers"]
+        assert json.loads(body["body"])["model"] == "llama-3-8b"  # the alias, rewritten
+        served[body["pod"]] += 1
+    assert set(served) <= {"llama-0", "llama-1", "llama-2"}, served
+    assert (envoy.stat(routed), envoy.stat(picked)) == (before[0] + 6, before[1])
+    s, err = anthropic_error_of(envoy.request("POST", "/v1/messages/count_tokens", dict(ask, model="claude-9")))
+    assert (s, err["type"]) == (404, "not_found_error"), err
 
 
 def test_a_conversation_keeps_its_pod_across_the_openai_and_anthropic_apis(envoy, pods):
