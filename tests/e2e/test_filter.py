@@ -385,6 +385,20 @@ def test_anthropic_messages_api_is_routed_and_answered_in_its_shape(envoy, pods)
     assert error_of(envoy.chat("claude-9"))[1]["code"] == "model_not_found"
 
 
+def test_the_route_tables_inference_paths_are_the_filters(envoy):
+    """The shipped route tables list the filter's default inference paths (`render.py` keeps its
+    own copy, for the 503 routes): on each, the filter itself reads the body, so a malformed one
+    gets its 400 in the path's API's shape rather than passing through to the route table."""
+    from harness import render
+    for path in render.INFERENCE_PATHS:
+        s, h, body, _ = envoy.request("POST", path, b"{")
+        assert s == 400, (path, s, body)
+        if render.is_messages_path(path):
+            assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", (path, body)
+        else:
+            assert body["error"]["code"] == "invalid_json", (path, body)
+
+
 def test_count_tokens_is_routed_to_its_models_pool_and_not_counted_as_load(envoy, pods):
     """`/v1/messages/count_tokens` needs a pod that serves the model (its tokenizer), not GPU
     capacity: routed to the model's pool with the pod left to Envoy's load balancer (no
