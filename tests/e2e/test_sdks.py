@@ -1,0 +1,105 @@
+"""The gateway's own answers, read by the official client SDKs (pinned in the Makefile): each
+error the filter answers itself raises the SDK exception a model server's error of that kind
+would, with the fields the SDK exposes (OpenAI's `code` and `param`, Anthropic's error type).
+Clients written against those SDKs then handle a gateway error as they handle a server's."""
+
+import anthropic
+import openai
+import pytest
+
+from harness import Envoy, snapshot
+from stubpod import StubPod
+
+CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"], "aliases": {"llama": "llama-3-8b"}}]}
+HI = [{"role": "user", "content": "hi"}]
+# Over the filter's default max_body_bytes (4 MiB).
+HUGE = [{"role": "user", "content": "x" * (4 * 1024 * 1024 + 10)}]
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    pods = [StubPod(f"llama-{i}") for i in range(2)]
+    e = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG)
+    e.pods = pods
+    yield e
+    e.stop()
+    for p in pods:
+        p.close()
+
+
+def saturate(e):
+    """A fresh snapshot with every pod saturated: a sheddable request is then refused (429)."""
+    busy = {"waiting": 50, "running": 60, "kv_cache_usage": 0.99}
+    assert e.push(snapshot({"llama": [dict(busy, address=p.address) for p in e.pods]}))[0] == 204
+
+
+def base_url(e):
+    return f"http://{e.listen}"
+
+
+def raised(call):
+    """The exception `call` raised (it must raise)."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever the SDK raised
+        return exc
+    raise AssertionError("no exception")
+
+
+def test_openai_sdk_raises_the_matching_errors(gateway):
+    c = openai.OpenAI(base_url=base_url(gateway) + "/v1", api_key="x", max_retries=0)
+    chat = c.chat.completions.create
+
+    e = raised(lambda: chat(model="gpt-9", messages=HI))
+    assert isinstance(e, openai.NotFoundError), repr(e)
+    assert (e.code, e.param) == ("model_not_found", "model")
+
+    e = raised(lambda: chat(model=7, messages=HI))
+    assert isinstance(e, openai.BadRequestError), repr(e)
+    assert (e.code, e.param) == ("invalid_type", "model")
+
+    e = raised(lambda: chat(model=None, messages=HI))
+    assert isinstance(e, openai.BadRequestError), repr(e)
+    assert e.code == "missing_required_parameter"
+
+    e = raised(lambda: chat(model="llama-3-8b", messages=HUGE))
+    assert isinstance(e, openai.APIStatusError) and e.status_code == 413, repr(e)
+    assert e.code == "request_too_large"
+
+    saturate(gateway)
+    e = raised(lambda: chat(model="llama-3-8b", messages=HI, extra_headers={"x-gateway-priority": "-1"}))
+    assert isinstance(e, openai.RateLimitError), repr(e)
+    assert e.code == "pool_saturated"
+
+    e = raised(lambda: c.embeddings.create(model="gpt-9", input="hi"))
+    assert isinstance(e, openai.NotFoundError) and e.code == "model_not_found", repr(e)
+
+    # The model list the gateway answers itself parses as the SDK's models.
+    ids = {m.id for m in c.models.list()}
+    assert ids == {"llama-3-8b", "llama"}, ids
+
+
+def test_anthropic_sdk_raises_the_matching_errors(gateway):
+    c = anthropic.Anthropic(base_url=base_url(gateway), api_key="x", max_retries=0)
+    create = c.messages.create
+
+    def kind(e):
+        return e.body["error"]["type"]
+
+    e = raised(lambda: create(model="claude-9", max_tokens=8, messages=HI))
+    assert isinstance(e, anthropic.NotFoundError) and kind(e) == "not_found_error", repr(e)
+
+    e = raised(lambda: c.messages.count_tokens(model="claude-9", messages=HI))
+    assert isinstance(e, anthropic.NotFoundError) and kind(e) == "not_found_error", repr(e)
+
+    e = raised(lambda: create(model=7, max_tokens=8, messages=HI))
+    assert isinstance(e, anthropic.BadRequestError) and kind(e) == "invalid_request_error", repr(e)
+
+    e = raised(lambda: create(model="llama-3-8b", max_tokens=8, messages=HUGE))
+    assert isinstance(e, anthropic.APIStatusError) and e.status_code == 413, repr(e)
+    assert kind(e) == "request_too_large"
+
+    saturate(gateway)
+    e = raised(lambda: create(model="llama-3-8b", max_tokens=8, messages=HI,
+                              extra_headers={"x-gateway-priority": "-1"}))
+    assert isinstance(e, anthropic.RateLimitError) and kind(e) == "rate_limit_error", repr(e)
