@@ -166,6 +166,7 @@ impl Engine {
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
         let endpoint = Endpoint::from_path(path);
+        let model_only = endpoint == Endpoint::CountTokens;
         let req = request::parse(body, endpoint, limit, home_chars)?;
         let tokens = f64::from(req.estimated_prompt_tokens());
         self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
@@ -180,18 +181,24 @@ impl Engine {
         };
         // Adapters have their own KV (engines key cached blocks by adapter too).
         let seed = prefix::model_seed(&target.model);
+        // A request that no pod is picked for (`model_only`) needs no prompt hashes.
         let mut anchors = Vec::new();
-        let blocks = prefix::prompt_anchors(
-            req.prompt.as_bytes(),
-            seed,
-            p.block_chars,
-            p.max_blocks,
-            &mut anchors,
-        );
+        let blocks = if model_only {
+            0
+        } else {
+            prefix::prompt_anchors(
+                req.prompt.as_bytes(),
+                seed,
+                p.block_chars,
+                p.max_blocks,
+                &mut anchors,
+            )
+        };
         // A conversation's identity: stable across its turns, distinct between conversations
         // that only share a system prompt.
         let conversation = req
             .conversation_len
+            .filter(|_| !model_only)
             .and_then(|n| req.prompt.as_bytes().get(..n))
             .map(|k| prefix::conversation_key(k, seed));
         let home_key = conversation.or_else(|| prefix::home_key(&anchors, p.home_blocks));
@@ -211,7 +218,7 @@ impl Engine {
             pool: self.routes.pool_name(target.pool).to_string(),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
-            model_only: endpoint == Endpoint::CountTokens,
+            model_only,
             rewritten_body,
             prefix_blocks: blocks as u32,
             home_key,

@@ -97,7 +97,6 @@ struct Worker {
     live: usize,
     /// Newest sync sequence applied per other worker.
     applied: HashMap<u32, u64>,
-    published_seq: u64,
     /// The newest sequence of each of the last `SYNC_PUBLISHES` publishes of the prefix records
     /// (a ring, oldest at `publish_slot`): a publish carries the records after the oldest.
     publishes: [u64; SYNC_PUBLISHES],
@@ -363,6 +362,13 @@ impl Worker {
         self.stats.flush();
     }
 
+    /// The newest sequence this worker published (0 before its first publish): the entry of
+    /// `publishes` just before `publish_slot`.
+    fn last_published(&self) -> u64 {
+        let newest = (self.publish_slot + SYNC_PUBLISHES - 1) % SYNC_PUBLISHES;
+        self.publishes.get(newest).copied().unwrap_or(0)
+    }
+
     /// Exchanges prefix decisions with the other workers of this Envoy (`peers`, read by the
     /// exchange just before).
     fn sync(&mut self) {
@@ -377,7 +383,7 @@ impl Worker {
         let after = self.publishes.get(self.publish_slot).copied().unwrap_or(0);
         let id = self.id;
         let mut board = None;
-        if seq != self.published_seq
+        if seq != self.last_published()
             && host::set_shared(&sync_key(id), &self.engine.sync_payload(after), None).is_ok()
         {
             // The board as written is also the one read below: one read either way.
@@ -386,7 +392,6 @@ impl Worker {
                 Some(())
             }) {
                 board = Some(written);
-                self.published_seq = seq;
                 if let Some(slot) = self.publishes.get_mut(self.publish_slot) {
                     *slot = seq;
                 }
@@ -494,7 +499,6 @@ impl Root {
             peers_changed: false,
             live: 0,
             applied: HashMap::new(),
-            published_seq: 0,
             publishes: [0; SYNC_PUBLISHES],
             publish_slot: 0,
             loads: NameMap::default(),

@@ -18,11 +18,13 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::engine::{FinishReason, NewRequest, Output};
+use crate::lora::AdapterId;
 use crate::pod::{Mode, Pod, RequestGuard};
 use crate::text;
 
@@ -284,10 +286,41 @@ fn message_text(content: &Option<Value>, out: &mut String) {
     }
 }
 
+/// A request body of type `T`, or vLLM's 400 for it in `api`'s shape (boxed: a `Response` is
+/// large).
+fn parse_body<T: DeserializeOwned>(api: Api, what: &str, body: &[u8]) -> Result<T, Box<Response>> {
+    serde_json::from_slice(body).map_err(|e| {
+        let message = format!("invalid {what} request: {e}");
+        Box::new(api_error(
+            api,
+            StatusCode::BAD_REQUEST,
+            "BadRequestError",
+            &message,
+        ))
+    })
+}
+
+/// The adapter `model` names on this pod (`None` for its base model), or vLLM's 404 in `api`'s
+/// shape.
+fn resolve_model(pod: &Pod, api: Api, model: &str) -> Result<Option<AdapterId>, Box<Response>> {
+    if model == pod.cfg.model {
+        return Ok(None);
+    }
+    pod.adapter_id(model).map(Some).ok_or_else(|| {
+        let message = format!("The model `{model}` does not exist.");
+        Box::new(api_error(
+            api,
+            StatusCode::NOT_FOUND,
+            "NotFoundError",
+            &message,
+        ))
+    })
+}
+
 async fn chat_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: ChatRequest = match serde_json::from_slice(&body) {
+    let req: ChatRequest = match parse_body(Api::Chat, "chat completion", &body) {
         Ok(r) => r,
-        Err(e) => return bad_request(&format!("invalid chat completion request: {e}")),
+        Err(answer) => return *answer,
     };
     let mut prompt = String::new();
     for m in &req.messages {
@@ -304,12 +337,9 @@ async fn chat_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response 
 }
 
 async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: MessagesRequest = match serde_json::from_slice(&body) {
+    let req: MessagesRequest = match parse_body(Api::Messages, "messages", &body) {
         Ok(r) => r,
-        Err(e) => {
-            let message = format!("invalid messages request: {e}");
-            return api_error(Api::Messages, StatusCode::BAD_REQUEST, "", &message);
-        }
+        Err(answer) => return *answer,
     };
     let prompt = messages_prompt(&req.system, &req.messages);
     let stream = req.stream.unwrap_or(false);
@@ -339,27 +369,25 @@ fn messages_prompt(system: &Option<Value>, messages: &[ChatMessage]) -> String {
 /// `{"input_tokens": N}`, the prompt's tokens as a Messages request would count them; no engine
 /// work (vLLM answers it from the tokenizer).
 async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: CountTokensRequest = match serde_json::from_slice(&body) {
+    let req: CountTokensRequest = match parse_body(Api::Messages, "count_tokens", &body) {
         Ok(r) => r,
-        Err(e) => {
-            let message = format!("invalid count_tokens request: {e}");
-            return api_error(Api::Messages, StatusCode::BAD_REQUEST, "", &message);
-        }
+        Err(answer) => return *answer,
     };
-    if let Some(model) = req.model.as_deref() {
-        if model != pod.cfg.model && pod.adapter_id(model).is_none() {
-            let message = format!("The model `{model}` does not exist.");
-            return api_error(Api::Messages, StatusCode::NOT_FOUND, "", &message);
-        }
+    if let Some(Err(answer)) = req
+        .model
+        .as_deref()
+        .map(|m| resolve_model(&pod, Api::Messages, m))
+    {
+        return *answer;
     }
     let tokens = text::prompt_tokens(&messages_prompt(&req.system, &req.messages));
     json_response(StatusCode::OK, format!(r#"{{"input_tokens":{tokens}}}"#))
 }
 
 async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: CompletionRequest = match serde_json::from_slice(&body) {
+    let req: CompletionRequest = match parse_body(Api::Completion, "completion", &body) {
         Ok(r) => r,
-        Err(e) => return bad_request(&format!("invalid completion request: {e}")),
+        Err(answer) => return *answer,
     };
     let prompt = match &req.prompt {
         Value::String(s) => s.clone(),
@@ -402,20 +430,9 @@ async fn serve(
 ) -> Response {
     let n = pod.next_request_number();
     let model = model.unwrap_or_else(|| pod.cfg.model.clone());
-    let adapter = if model == pod.cfg.model {
-        None
-    } else {
-        match pod.adapter_id(&model) {
-            Some(id) => Some(id),
-            None => {
-                return api_error(
-                    api,
-                    StatusCode::NOT_FOUND,
-                    "NotFoundError",
-                    &format!("The model `{model}` does not exist."),
-                )
-            }
-        }
+    let adapter = match resolve_model(&pod, api, &model) {
+        Ok(adapter) => adapter,
+        Err(answer) => return *answer,
     };
     let prompt_tokens = text::prompt_tokens(&prompt);
     let max_len = pod.max_model_len();

@@ -37,42 +37,41 @@ def base_url(e):
     return f"http://{e.listen}"
 
 
-def raised(call):
-    """The exception `call` raised (it must raise)."""
-    try:
-        call()
-    except Exception as exc:  # noqa: BLE001 - the test inspects whatever the SDK raised
-        return exc
-    raise AssertionError("no exception")
-
-
 def test_openai_sdk_raises_the_matching_errors(gateway):
     c = openai.OpenAI(base_url=base_url(gateway) + "/v1", api_key="x", max_retries=0)
     chat = c.chat.completions.create
 
-    e = raised(lambda: chat(model="gpt-9", messages=HI))
-    assert isinstance(e, openai.NotFoundError), repr(e)
+    with pytest.raises(openai.NotFoundError) as info:
+        chat(model="gpt-9", messages=HI)
+    e = info.value
     assert (e.code, e.param) == ("model_not_found", "model")
 
-    e = raised(lambda: chat(model=7, messages=HI))
-    assert isinstance(e, openai.BadRequestError), repr(e)
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(model=7, messages=HI)
+    e = info.value
     assert (e.code, e.param) == ("invalid_type", "model")
 
-    e = raised(lambda: chat(model=None, messages=HI))
-    assert isinstance(e, openai.BadRequestError), repr(e)
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(model=None, messages=HI)
+    e = info.value
     assert e.code == "missing_required_parameter"
 
-    e = raised(lambda: chat(model="llama-3-8b", messages=HUGE))
-    assert isinstance(e, openai.APIStatusError) and e.status_code == 413, repr(e)
+    with pytest.raises(openai.APIStatusError) as info:
+        chat(model="llama-3-8b", messages=HUGE)
+    e = info.value
+    assert e.status_code == 413, repr(e)
     assert e.code == "request_too_large"
 
     saturate(gateway)
-    e = raised(lambda: chat(model="llama-3-8b", messages=HI, extra_headers={"x-gateway-priority": "-1"}))
-    assert isinstance(e, openai.RateLimitError), repr(e)
+    with pytest.raises(openai.RateLimitError) as info:
+        chat(model="llama-3-8b", messages=HI, extra_headers={"x-gateway-priority": "-1"})
+    e = info.value
     assert e.code == "pool_saturated"
 
-    e = raised(lambda: c.embeddings.create(model="gpt-9", input="hi"))
-    assert isinstance(e, openai.NotFoundError) and e.code == "model_not_found", repr(e)
+    with pytest.raises(openai.NotFoundError) as info:
+        c.embeddings.create(model="gpt-9", input="hi")
+    e = info.value
+    assert e.code == "model_not_found", repr(e)
 
     # The model list the gateway answers itself parses as the SDK's models.
     ids = {m.id for m in c.models.list()}
@@ -86,20 +85,29 @@ def test_anthropic_sdk_raises_the_matching_errors(gateway):
     def kind(e):
         return e.body["error"]["type"]
 
-    e = raised(lambda: create(model="claude-9", max_tokens=8, messages=HI))
-    assert isinstance(e, anthropic.NotFoundError) and kind(e) == "not_found_error", repr(e)
+    with pytest.raises(anthropic.NotFoundError) as info:
+        create(model="claude-9", max_tokens=8, messages=HI)
+    e = info.value
+    assert kind(e) == "not_found_error", repr(e)
 
-    e = raised(lambda: c.messages.count_tokens(model="claude-9", messages=HI))
-    assert isinstance(e, anthropic.NotFoundError) and kind(e) == "not_found_error", repr(e)
+    with pytest.raises(anthropic.NotFoundError) as info:
+        c.messages.count_tokens(model="claude-9", messages=HI)
+    e = info.value
+    assert kind(e) == "not_found_error", repr(e)
 
-    e = raised(lambda: create(model=7, max_tokens=8, messages=HI))
-    assert isinstance(e, anthropic.BadRequestError) and kind(e) == "invalid_request_error", repr(e)
+    with pytest.raises(anthropic.BadRequestError) as info:
+        create(model=7, max_tokens=8, messages=HI)
+    e = info.value
+    assert kind(e) == "invalid_request_error", repr(e)
 
-    e = raised(lambda: create(model="llama-3-8b", max_tokens=8, messages=HUGE))
-    assert isinstance(e, anthropic.APIStatusError) and e.status_code == 413, repr(e)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        create(model="llama-3-8b", max_tokens=8, messages=HUGE)
+    e = info.value
+    assert e.status_code == 413, repr(e)
     assert kind(e) == "request_too_large"
 
     saturate(gateway)
-    e = raised(lambda: create(model="llama-3-8b", max_tokens=8, messages=HI,
-                              extra_headers={"x-gateway-priority": "-1"}))
-    assert isinstance(e, anthropic.RateLimitError) and kind(e) == "rate_limit_error", repr(e)
+    with pytest.raises(anthropic.RateLimitError) as info:
+        create(model="llama-3-8b", max_tokens=8, messages=HI, extra_headers={"x-gateway-priority": "-1"})
+    e = info.value
+    assert kind(e) == "rate_limit_error", repr(e)
