@@ -176,9 +176,9 @@ class Envoy:
 
     # --- requests -------------------------------------------------------------------------
 
-    def request(self, method, path, body=None, headers=None, addr=None):
+    def request(self, method, path, body=None, headers=None, addr=None, timeout=10):
         host, port = (addr or self.listen).rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
         data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
         h = {"content-type": "application/json"}
         h.update(headers or {})
@@ -192,9 +192,9 @@ class Envoy:
             parsed = None
         return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed, raw
 
-    def chat(self, model, text="hello", headers=None, path="/v1/chat/completions"):
+    def chat(self, model, text="hello", headers=None, path="/v1/chat/completions", timeout=10):
         body = {"model": model, "messages": [{"role": "user", "content": text}]}
-        return self.request("POST", path, body, headers)
+        return self.request("POST", path, body, headers, timeout=timeout)
 
     def push(self, snapshot, token=TOKEN, raw=None):
         body = raw if raw is not None else json.dumps(snapshot).encode()

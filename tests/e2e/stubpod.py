@@ -28,6 +28,10 @@ class StubPod:
     def __init__(self, name, delay_s=0.0, port=0):
         self.name = name
         self.delay_s = delay_s
+        # A threading.Event, or None: while set to an Event that is not set, every request the
+        # pod answers waits for it (at most 60 s), so a test holds requests in flight for as
+        # long as it needs instead of for a fixed time a slow machine can outrun.
+        self.hold = None
         self.requests = []
         self.load = {"waiting": 0, "running": 0, "kv": 0.05}
         self.conns = set()
@@ -84,6 +88,9 @@ class StubPod:
                     "body": body.decode("utf-8", "replace"),
                 }
                 pod.requests.append(rec)
+                hold = pod.hold
+                if hold is not None:
+                    hold.wait(60)
                 if pod.delay_s:
                     time.sleep(pod.delay_s)
                 self._send(200, "application/json", json.dumps(rec).encode())

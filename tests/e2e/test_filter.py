@@ -678,16 +678,18 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
     read before: its ticks read the tables its exchanges did not reach since the tick before (a
     build whose tick read none of them routed probes here)."""
     import concurrent.futures
+    import threading
 
-    slow = StubPod("slow-0", delay_s=3.0)
-    # No re-push during the test (a new snapshot takes the held requests as reported).
-    config = dict(CONFIG, scoring={"stale_after_ms": 20_000})
+    slow = StubPod("slow-0")
+    # No re-push during the test (a new snapshot takes the held requests as reported), and a
+    # snapshot that stays fresh however slowly this machine runs the test.
+    config = dict(CONFIG, scoring={"stale_after_ms": 300_000})
     if tick_ms is not None:
         config["tick_ms"] = tick_ms
     if peer_reads is not None:
         config["shared_peer_reads"] = peer_reads
     e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=workers)
-    ex = concurrent.futures.ThreadPoolExecutor(6)
+    ex = concurrent.futures.ThreadPoolExecutor(8)  # six held, and the probe
     try:
         assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
 
@@ -695,39 +697,54 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
         if peer_reads is not None:
             # Every worker routes once (a quick answer: nothing stays in flight), then the ticks
             # that follow leave each worker's view of the others up to date and empty.
-            slow.delay_s = 0.0
             for _ in range(200):
                 if sum(1 for n in per_worker().values() if n > 0) >= workers:
                     break
                 assert e.chat("llama-3-8b", "warm")[0] == 200
             assert sum(1 for n in per_worker().values() if n > 0) >= workers, per_worker()
-            slow.delay_s = 3.0
             time.sleep(0.2)
             slow.requests.clear()
+        # The pod holds every request until the probes are done: they stay in flight however
+        # long this takes (no fixed delay for a loaded machine to outrun).
+        slow.hold = threading.Event()
         held = []
         for i in range(6):
-            held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}"))
+            held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}", timeout=120))
             if tick_ms is not None:
                 time.sleep(0.01)
-        deadline = time.time() + 2
+        deadline = time.time() + 30
         while len(slow.requests) < 6 and time.time() < deadline:
             time.sleep(0.02)
         assert len(slow.requests) == 6, "the held requests did not all reach the pod"
         assert not any(f.done() for f in held)
+        # The design's bound, which the probes must not race: what a worker defers goes out
+        # with its next tick, and the tables a worker's exchanges did not reach are read on its
+        # tick, so within three ticks (60 ms) every worker counts every held request. Before
+        # this wait the probes raced it, and lost now and then ([429, 200]).
+        time.sleep(0.3)
         before = per_worker()
         statuses, hit = [], []
         probed = min(workers, 3)
         # Probes until `probed` workers have answered some (the kernel picks the worker of each
         # connection); a probe routed to the pod instead of refused ends the loop (and the test).
-        while len(statuses) < 80 and time.time() < deadline + 2:
-            statuses.append(e.chat("llama-3-8b", "probe", headers={"x-gateway-priority": "-1"})[0])
+        # A routed probe is held too, so it must not wait for its answer: it only has to reach
+        # the pod, which a refused one never does.
+        deadline = time.time() + 60
+        while len(statuses) < 80 and time.time() < deadline:
+            probe = ex.submit(e.chat, "llama-3-8b", "probe", headers={"x-gateway-priority": "-1"}, timeout=120)
+            while not probe.done() and not any(r["body"].find('"probe"') >= 0 for r in slow.requests):
+                time.sleep(0.002)
+            statuses.append(probe.result()[0] if probe.done() else "routed to the pod")
             hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
             if statuses[-1] != 429 or (len(hit) >= probed and len(statuses) >= 8):
                 break
         assert statuses == [429] * len(statuses), f"a worker did not count the others' requests: {statuses}"
         assert len(hit) >= probed, f"the probes did not reach {probed} workers: {per_worker()} vs {before}"
+        slow.hold.set()
         assert all(f.result()[0] == 200 for f in held)
     finally:
+        if slow.hold is not None:
+            slow.hold.set()
         ex.shutdown(wait=True)
         e.stop()
         slow.close()

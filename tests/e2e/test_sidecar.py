@@ -86,6 +86,13 @@ def test_a_dead_pod_stops_being_picked_within_a_second_and_ramps_up_when_back(st
     pods, gw, sc = stack
     pods[0].set_load(**IDLE)
     wait_until_picked(gw, pods[0].address)
+    # How fast the aggregator's rounds actually run here (each publishes a snapshot): on a
+    # machine too loaded to keep the interval, the time allowed below scales with it.
+    nominal = 1000 / INTERVAL_MS
+    t0, before = time.time(), gw.stat(STAT_PREFIX + "gpuroute.snapshot.accepted")
+    time.sleep(1.0)
+    rounds_per_s = (gw.stat(STAT_PREFIX + "gpuroute.snapshot.accepted") - before) / (time.time() - t0)
+    slowness = 1.0 if rounds_per_s >= 0.8 * nominal else nominal / max(rounds_per_s, 0.5)
     pods[0].close()
     t0 = time.time()
     # Each request's time since the close, status and debug header: what a failure shows.
@@ -97,7 +104,7 @@ def test_a_dead_pod_stops_being_picked_within_a_second_and_ramps_up_when_back(st
         return s, h
 
     while picked(observe()) == pods[0].address:
-        assert time.time() - t0 < 3, "dead pod still picked after 3 s"
+        assert time.time() - t0 < 3 * slowness, f"dead pod still picked after {3 * slowness:.1f} s"
         time.sleep(0.005)
     gone = time.time() - t0
     # Requests kept succeeding meanwhile: Envoy retried on the next endpoint of the header.
@@ -105,8 +112,12 @@ def test_a_dead_pod_stops_being_picked_within_a_second_and_ramps_up_when_back(st
         s, h = observe()
         assert s == 200 and h["x-served-by"] != "pod-0", seen[-3:]
         assert picked((s, h)) != pods[0].address, f"picked again after it was out: {seen[-23:]}"
-    print(f"\ndead pod out of the candidates after {gone * 1000:.0f} ms")
-    assert gone <= 1.2
+    print(f"\ndead pod out of the candidates after {gone * 1000:.0f} ms "
+          f"(aggregator rounds {rounds_per_s:.1f}/s, {nominal:.0f}/s configured)")
+    # The figure: out within a second at the configured interval. On a machine so loaded that
+    # the aggregator's rounds ran slower than that (seen in a CI run 7x slower than usual), the
+    # time allowed scales by the same factor.
+    assert gone <= 1.2 * slowness, (gone, rounds_per_s)
 
     # It comes back idle while the others are busy: ramp-up keeps it from taking everything.
     for p in pods[1:]:
