@@ -168,12 +168,16 @@ impl Engine {
         let endpoint = Endpoint::from_path(path);
         let model_only = endpoint == Endpoint::CountTokens;
         let req = request::parse(body, endpoint, limit, home_chars)?;
-        let tokens = f64::from(req.estimated_prompt_tokens());
-        self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
-            tokens
-        } else {
-            self.avg_prompt_tokens + AVG_ALPHA * (tokens - self.avg_prompt_tokens)
-        };
+        // The typical prefill the pods see: a token count is no prefill (a client counting a
+        // long document before sending it would otherwise make every real prompt look short).
+        if !model_only {
+            let tokens = f64::from(req.estimated_prompt_tokens());
+            self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
+                tokens
+            } else {
+                self.avg_prompt_tokens + AVG_ALPHA * (tokens - self.avg_prompt_tokens)
+            };
+        }
         let target = self.routes.resolve(req.model.as_deref())?.clone();
         let rewritten_body = match (&req.model_span, target.rewrite) {
             (Some(span), true) => Some(rewrite_model(body, span.clone(), &target.model)),
@@ -528,6 +532,12 @@ mod tests {
         };
         let mut rng = SplitMix64::new(1);
         let body = chat("llama", "hi");
+        e.prepare("/v1/messages", &body).unwrap();
+        let typical = e.avg_prompt_tokens;
+        // A long document counted is no prefill: the pods' typical prompt stays as it was.
+        let long = chat("llama", &"word ".repeat(20_000));
+        assert!(e.prepare("/v1/messages/count_tokens", &long).unwrap().model_only);
+        assert_eq!(e.avg_prompt_tokens, typical);
         let p = e.prepare("/v1/messages/count_tokens", &body).unwrap();
         assert!(p.model_only);
         assert_eq!(p.pool, "llama");
@@ -537,6 +547,9 @@ mod tests {
         assert_eq!(c.decision, Decision::FailOpen(FailOpen::ModelOnly));
         assert!(c.destination.is_none() && c.picked_key.is_none());
         assert!(FailOpen::ModelOnly.by_design() && !FailOpen::NoFreshPod.by_design());
+        // Sent for real, the long document is prefill.
+        e.prepare("/v1/messages", &long).unwrap();
+        assert!(e.avg_prompt_tokens > typical);
         // The same body on /v1/messages is picked.
         let p = e.prepare("/v1/messages", &body).unwrap();
         assert!(!p.model_only);
