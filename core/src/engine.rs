@@ -536,7 +536,11 @@ mod tests {
         let typical = e.avg_prompt_tokens;
         // A long document counted is no prefill: the pods' typical prompt stays as it was.
         let long = chat("llama", &"word ".repeat(20_000));
-        assert!(e.prepare("/v1/messages/count_tokens", &long).unwrap().model_only);
+        assert!(
+            e.prepare("/v1/messages/count_tokens", &long)
+                .unwrap()
+                .model_only
+        );
         assert_eq!(e.avg_prompt_tokens, typical);
         let p = e.prepare("/v1/messages/count_tokens", &body).unwrap();
         assert!(p.model_only);

@@ -24,6 +24,16 @@ impl ErrorStyle {
             _ => ErrorStyle::OpenAi,
         }
     }
+
+    /// On a path both APIs share (`/v1/models`): the API of the client that sent it, known by
+    /// the `anthropic-version` header Anthropic's SDKs always send.
+    pub fn for_shared_path(anthropic_version: bool) -> ErrorStyle {
+        if anthropic_version {
+            ErrorStyle::Anthropic
+        } else {
+            ErrorStyle::OpenAi
+        }
+    }
 }
 
 /// An error response the filter sends instead of forwarding the request.

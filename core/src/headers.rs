@@ -39,6 +39,9 @@ pub struct RequestHead {
     pub content_encoding: Option<String>,
     /// Internal headers the client sent (to strip before anything else).
     pub forged: Vec<&'static str>,
+    /// `anthropic-version` is present: Anthropic's SDKs send it on every request, so on a path
+    /// both APIs share (`/v1/models`) an error answers in Anthropic's shape.
+    pub anthropic: bool,
 }
 
 impl RequestHead {
@@ -61,6 +64,7 @@ impl RequestHead {
                 b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),
+                b"anthropic-version" => h.anthropic = true,
                 b"content-encoding" => {
                     let enc = text().map_or("?", str::trim);
                     if !enc.is_empty() && !enc.eq_ignore_ascii_case("identity") {
@@ -120,6 +124,9 @@ mod tests {
         assert_eq!(h.priority, Some(-1));
         assert_eq!(h.authorization.as_deref(), Some("Bearer t"));
         assert_eq!(h.forged, vec![DESTINATION, POOL]);
+        assert!(!h.anthropic);
+        let pairs: Vec<(&[u8], &[u8])> = vec![(b"anthropic-version", b"2023-06-01")];
+        assert!(RequestHead::read(pairs).anthropic);
     }
 
     #[test]

@@ -36,6 +36,7 @@ use gpuroute_core::ingest;
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::rng::SplitMix64;
+use gpuroute_core::routing::{ModelsQuery, RoutingTable};
 use host::{ConfigStats, Definer, Scheduler, Stream};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -217,7 +218,8 @@ struct Router {
 /// One filter configuration (`on_http_filter_config_new`).
 struct Config {
     settings: FilterConfig,
-    models_json: String,
+    /// The models path's answers, outside the router's lock.
+    models: RoutingTable,
     router: Mutex<Router>,
     metrics: Metrics,
     pending: Mutex<Pending>,
@@ -232,13 +234,13 @@ impl Config {
         let metrics = Metrics::define(definer, &settings);
         // One engine for every worker: picks are visible to all at once, no sync log needed.
         let engine = Engine::new(settings.clone()).without_sync_log();
-        let models_json = engine.routes.models_json().to_string();
+        let models = engine.routes.clone();
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         Ok(Config {
             settings,
-            models_json,
+            models,
             router: Mutex::new(Router {
                 engine,
                 loads: HashMap::new(),
@@ -384,9 +386,13 @@ impl Filter {
             }
             return abi::HEADERS_STOP_ITERATION;
         }
-        if method == "GET" && !cfg.models_path.is_empty() && self.head.path == cfg.models_path {
+        if let Some(q) = (method == "GET")
+            .then(|| ModelsQuery::of(&self.head.path, &cfg.models_path))
+            .flatten()
+        {
             config.count(config.metrics.models_list);
-            self.reply(s, 200, &config.models_json, "application/json");
+            let (status, body) = config.models.models_answer(&q, self.head.anthropic);
+            self.reply(s, status, &body, "application/json");
             return abi::HEADERS_STOP_ITERATION;
         }
         if method == "POST" && cfg.is_inference_path(&self.head.path) {

@@ -34,6 +34,7 @@ use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix::{SyncBoard, SyncLog};
 use gpuroute_core::rng::SplitMix64;
+use gpuroute_core::routing::ModelsQuery;
 use gpuroute_core::snapshot::Snapshot;
 use gpuroute_core::workers::{self, Turn, WorkerSet};
 use stats::Stats;
@@ -840,13 +841,13 @@ impl Http {
             }
             return action;
         }
-        if method == "GET"
-            && !w.engine.config.models_path.is_empty()
-            && self.path == w.engine.config.models_path
-        {
-            w.stats.inc("gpuroute.models_list");
-            let body = w.engine.routes.models_json().to_string();
-            return self.reply(200, &body, "application/json");
+        if method == "GET" {
+            if let Some(q) = ModelsQuery::of(&self.path, &w.engine.config.models_path) {
+                w.stats.inc("gpuroute.models_list");
+                let (status, body) = w.engine.routes.models_answer(&q, self.head.anthropic);
+                let body = body.into_owned();
+                return self.reply(u32::from(status), &body, "application/json");
+            }
         }
         if method == "POST" && w.engine.config.is_inference_path(&self.path) {
             if let Err(e) = self.head.admit(w.engine.config.max_body_bytes) {

@@ -10,7 +10,7 @@
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
 //!   worker's first routed request and one in `DECISION_SAMPLE` after it)
-//! - `gpuroute.models_list` (counter: `/v1/models` answered)
+//! - `gpuroute.models_list` (counter: `GET` under `models_path` answered, the list or one model)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request; every

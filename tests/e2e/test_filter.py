@@ -492,6 +492,23 @@ def test_models_list(envoy):
     ids = {m["id"]: m for m in body["data"]}
     assert set(ids) == {"llama-3-8b", "llama", "sql-lora", "chat-lora", "qwen-7b"}
     assert ids["sql-lora"]["parent"] == "llama-3-8b"
+    # Anthropic's page and model fields, in the same body.
+    assert (body["has_more"], body["first_id"], body["last_id"]) == (False, "llama-3-8b", "qwen-7b")
+    assert {(m["type"], m["display_name"]) for m in body["data"]} == {("model", i) for i in ids}
+    # A query (Anthropic's SDK pages with one) lists the same.
+    assert envoy.request("GET", "/v1/models?limit=20")[2] == body
+    # One model: its object in the list, for each of them; an unknown one is 404 in the shape
+    # of the API that asked (Anthropic's SDKs send anthropic-version).
+    for i, m in ids.items():
+        s, _, one, _ = envoy.request("GET", f"/v1/models/{i}")
+        assert (s, one) == (200, m)
+    s, _, err, _ = envoy.request("GET", "/v1/models/gpt-9")
+    assert (s, err["error"]["code"], err["error"]["type"]) == (404, "model_not_found", "invalid_request_error")
+    s, _, err, _ = envoy.request("GET", "/v1/models/gpt-9", headers={"anthropic-version": "2023-06-01"})
+    assert (s, err["type"], err["error"]["type"]) == (404, "error", "not_found_error")
+    # Other methods under the path are not the filter's (the route table's catch-all answers).
+    assert envoy.request("POST", "/v1/models/llama", {})[0] == 404
+    assert envoy.stat(STAT_PREFIX + "gpuroute.models_list") >= 2 + len(ids) + 2
 
 
 def test_ingest_rejects_bad_token_and_bad_snapshot_and_keeps_the_old_one(envoy, pods):

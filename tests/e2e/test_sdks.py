@@ -10,7 +10,9 @@ import pytest
 from harness import Envoy, snapshot
 from stubpod import StubPod
 
-CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"], "aliases": {"llama": "llama-3-8b"}}]}
+# A model name with a slash, as Hugging Face names are: the SDKs put it in a path.
+HF = "meta-llama/Llama-3.1-8B-Instruct"
+CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b", HF], "aliases": {"llama": "llama-3-8b"}}]}
 HI = [{"role": "user", "content": "hi"}]
 # Over the filter's default max_body_bytes (4 MiB).
 HUGE = [{"role": "user", "content": "x" * (4 * 1024 * 1024 + 10)}]
@@ -73,9 +75,15 @@ def test_openai_sdk_raises_the_matching_errors(gateway):
     e = info.value
     assert e.code == "model_not_found", repr(e)
 
-    # The model list the gateway answers itself parses as the SDK's models.
+    # The model list the gateway answers itself parses as the SDK's models, and so does one.
     ids = {m.id for m in c.models.list()}
-    assert ids == {"llama-3-8b", "llama"}, ids
+    assert ids == {"llama-3-8b", HF, "llama"}, ids
+    m = c.models.retrieve(HF)
+    assert (m.id, m.object, m.owned_by) == (HF, "model", "gpuroute")
+    assert c.models.retrieve("llama").id == "llama"
+    with pytest.raises(openai.NotFoundError) as info:
+        c.models.retrieve("gpt-9")
+    assert info.value.code == "model_not_found", repr(info.value)
 
 
 def test_anthropic_sdk_raises_the_matching_errors(gateway):
@@ -111,3 +119,14 @@ def test_anthropic_sdk_raises_the_matching_errors(gateway):
         create(model="llama-3-8b", max_tokens=8, messages=HI, extra_headers={"x-gateway-priority": "-1"})
     e = info.value
     assert kind(e) == "rate_limit_error", repr(e)
+
+    # Anthropic's model list and model objects, from the same /v1/models.
+    page = c.models.list()
+    assert [m.id for m in page.data] == ["llama-3-8b", HF, "llama"]
+    assert not page.has_more
+    assert [m.id for m in page] == ["llama-3-8b", HF, "llama"]  # the SDK's pagination ends
+    m = c.models.retrieve(HF)
+    assert (m.id, m.type, m.display_name, m.created_at.year) == (HF, "model", HF, 1970)
+    with pytest.raises(anthropic.NotFoundError) as info:
+        c.models.retrieve("claude-9")
+    assert kind(info.value) == "not_found_error", repr(info.value)
