@@ -82,6 +82,28 @@ def callgrind(out_dir, sim=False, threads=False):
             *extra, f"--callgrind-out-file={out_dir}/cg.%p.out"]
 
 
+def messages_blocks_body():
+    """The same conversation as chat_body() as an Anthropic Messages API body, the way Anthropic's
+    SDKs and the agents built on them send it: `system` a text block with `cache_control`, every
+    content a list of text blocks."""
+    chat = json.loads(chat_body())
+    messages = chat["messages"]
+    system = messages.pop(0)["content"]
+    return json.dumps({
+        "model": chat["model"], "max_tokens": 64,
+        "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in messages],
+    }).encode()
+
+
+# --body: the request's path and body.
+BODIES = {
+    "chat": ("/v1/chat/completions", chat_body, "4 KB chat body"),
+    "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
+}
+PATH = BODIES["chat"][0]
+
+
 def send(gw, body, k, conn=None):
     """`k` chat requests to the gateway, on `conn` if given (else on a new connection, closed
     after); anything but 200 stops the measurement."""
@@ -90,7 +112,7 @@ def send(gw, body, k, conn=None):
         host, port = gw.listen.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=120)
     for _ in range(k):
-        conn.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+        conn.request("POST", PATH, body=body, headers={"content-type": "application/json"})
         r = conn.getresponse()
         answer = r.read()
         if r.status != 200:
@@ -176,11 +198,16 @@ def main():
                     help="the filter's tick_ms (default: 10 minutes, the tick left out of the count)")
     ap.add_argument("--serving-thread", action="store_true",
                     help="count only the busiest thread (the serving worker), not the whole process")
+    ap.add_argument("--body", choices=sorted(BODIES), default="chat",
+                    help="the request: the 4 KB chat body (default), or the same conversation as a "
+                         "Messages API body with content blocks (filter builds only: the floor reads chat)")
     args = ap.parse_args()
+    global PATH
+    PATH, make_body, body_label = BODIES[args.body]
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
     extra = compare_builds(args.compare_wasm)
-    body = chat_body()
+    body = make_body()
     up = Upstream()
     config = dict(MEASURE_CONFIG, **({"tick_ms": args.tick_ms} if args.tick_ms else {}))
     gateways = gateway_specs(up, config, extra)
@@ -229,7 +256,7 @@ def main():
     changes += f", {args.workers} Envoy workers (each served a request first)" if args.workers > 1 else ""
     changes += f", tick every {args.tick_ms} ms" if args.tick_ms else ""
     changes += ", the serving thread only" if args.serving_thread else ""
-    print(f"\n4 KB chat body, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
+    print(f"\n{body_label}, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():
         added = f", {v - plain:+,.0f} over plain" if plain and name != "plain" else ""

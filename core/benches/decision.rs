@@ -162,6 +162,48 @@ fn bench(c: &mut Criterion) {
             )
         })
     });
+    // The same again with every content as a list of text blocks, and the system prompt as a
+    // block with `cache_control`: what Anthropic's SDKs and the agents built on them send.
+    let mut as_blocks = as_messages.clone();
+    let block = |t: &serde_json::Value| serde_json::json!([{"type": "text", "text": t}]);
+    as_blocks["system"] = serde_json::json!([{"type": "text", "text": as_blocks["system"],
+        "cache_control": {"type": "ephemeral"}}]);
+    for m in as_blocks["messages"].as_array_mut().unwrap() {
+        m["content"] = block(&m["content"]);
+    }
+    let blocks_body = serde_json::to_vec(&as_blocks).unwrap();
+    parts.bench_function("parse_4kb_messages_api_blocks", |b| {
+        b.iter(|| {
+            black_box(
+                gpuroute_core::request::parse(
+                    &blocks_body,
+                    gpuroute_core::request::Endpoint::Messages,
+                    16_384,
+                    1_024,
+                )
+                .map(|r| r.prompt.len()),
+            )
+        })
+    });
+    // And the chat body with OpenAI's content parts.
+    let mut as_parts: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    for m in as_parts["messages"].as_array_mut().unwrap() {
+        m["content"] = block(&m["content"]);
+    }
+    let parts_body = serde_json::to_vec(&as_parts).unwrap();
+    parts.bench_function("parse_4kb_content_parts", |b| {
+        b.iter(|| {
+            black_box(
+                gpuroute_core::request::parse(
+                    &parts_body,
+                    gpuroute_core::request::Endpoint::Chat,
+                    16_384,
+                    1_024,
+                )
+                .map(|r| r.prompt.len()),
+            )
+        })
+    });
     let text =
         gpuroute_core::request::parse(&body, gpuroute_core::request::Endpoint::Chat, 16_384, 1_024)
             .map(|r| r.prompt)

@@ -191,6 +191,9 @@ pub fn parse(
         }
     }
     if matches!(endpoint, Endpoint::Messages | Endpoint::CountTokens) {
+        if let Some(r) = parse_messages_scan(body, prompt()) {
+            return r;
+        }
         return parse_messages(body, prompt());
     }
     parse_general(body, endpoint, prompt())
@@ -212,7 +215,24 @@ fn parse_messages(body: &[u8], mut prompt: PromptText) -> Result<InferenceReques
     Ok(prompt.finish(model, is_true(raw.stream.map(RawValue::get))))
 }
 
-/// Chat, first tier: the single-pass scanner (string contents only).
+/// A Messages API body, first tier: the single-pass scanner. It reads what [`parse_messages`]
+/// reads, or declines.
+fn parse_messages_scan(
+    body: &[u8],
+    mut prompt: PromptText,
+) -> Option<Result<InferenceRequest<'_>, ApiError>> {
+    let scan = scan::messages(body)?;
+    Some(model_field(body, scan.model).map(|model| {
+        if let Some(system) = &scan.system {
+            prompt.message(Some("system"), |p| p.scanned_content(system));
+            prompt.sep(ITEM_SEP);
+        }
+        prompt.scanned(&scan.messages);
+        prompt.finish(model, is_true(scan.stream))
+    }))
+}
+
+/// Chat, first tier: the single-pass scanner (string contents and lists of part objects).
 fn parse_chat_scan(
     body: &[u8],
     mut prompt: PromptText,
@@ -403,14 +423,32 @@ impl PromptText {
     fn scanned(&mut self, messages: &[scan::ChatMessage<'_>]) {
         for m in messages {
             self.message(m.role, |p| {
-                if let Some(content) = &m.content {
-                    p.push(content);
+                match &m.content {
+                    Some(scan::Content::Text(t)) => p.push(t),
+                    Some(parts) => p.scanned_content(parts),
+                    None => {}
                 }
                 if let Some(calls) = m.tool_calls {
                     p.push(calls);
                 }
             });
             self.sep(ITEM_SEP);
+        }
+    }
+
+    /// A content read by the scanner, as [`PromptText::content`] reads it.
+    fn scanned_content(&mut self, content: &scan::Content<'_>) {
+        match content {
+            scan::Content::Text(t) => self.push(t),
+            scan::Content::Parts(parts) => {
+                for part in parts {
+                    match part {
+                        scan::Part::Text(t) => self.push(t),
+                        scan::Part::Raw(raw) => self.push(raw),
+                    }
+                    self.sep(FIELD_SEP);
+                }
+            }
         }
     }
 
@@ -754,6 +792,27 @@ mod tests {
     }
 
     #[test]
+    fn content_parts_are_scanned_and_read_as_the_general_path_reads_them() {
+        let body = br#"{"model":"m","messages":[{"role":"system","content":[{"type":"text","text":"be \"brief\""}]},
+            {"role":"user","content":[{"type":"text","text":"look"},{"type":"image_url","image_url":{"url":"data:x"}},{"text":null}]},
+            {"role":"assistant","content":[]}]}"#;
+        let summary = |r: Result<InferenceRequest<'_>, ApiError>| {
+            r.map(|r| (r.prompt, r.prompt_len, r.conversation_len))
+                .map_err(|e| e.status)
+        };
+        let general = summary(parse_general(
+            body,
+            Endpoint::Chat,
+            PromptText::new(1 << 16, 16, body.len()),
+        ));
+        let scanned = parse_chat_scan(body, PromptText::new(1 << 16, 16, body.len()))
+            .expect("the scanner reads content parts");
+        assert_eq!(summary(scanned), general);
+        let prompt = general.unwrap().0;
+        assert!(prompt.contains("be \"brief\"") && prompt.contains(r#"{"url":"data:x"}"#));
+    }
+
+    #[test]
     fn escaped_content_is_unescaped_and_plain_content_borrowed() {
         let r = chat(
             r#"{"model":"m","messages":[{"role":"user","content":"line\nnext \"q\" \u00e9"},{"role":"user","content":"plain"}]}"#,
@@ -833,6 +892,82 @@ mod tests {
             let scanned = parse_chat_scan(b, PromptText::new(limit, 16, b.len()));
             prop_assert!(scanned.is_some(), "the scanner declined: {}", body);
             prop_assert_eq!(summary(scanned.unwrap()), general, "body: {}", body);
+        }
+
+        /// The Messages scanner reads what the typed `serde_json` path reads, on every body it
+        /// takes, in the documented shape or not (content blocks, `system` as a string or
+        /// blocks, Anthropic's other fields, near misses); and it takes every body in the
+        /// shapes Anthropic's clients send.
+        #[test]
+        fn messages_fast_path_equals_serde_path(
+            messages in proptest::collection::vec((0u8..4, 0u8..10, "[a-z \n\"é\\\\\u{1}]{0,24}", 0u8..2), 0..4),
+            system in 0u8..7,
+            model in 0u8..4,
+            extra in 0u8..6,
+            sys_text in "[a-z \"é\\\\]{0,16}",
+            limit in prop_oneof![Just(1usize << 16), 0usize..40],
+        ) {
+            let q = |t: &str| serde_json::to_string(t).unwrap();
+            // Whether every part of the body is in a shape the scanner takes.
+            let mut usual = true;
+            let msgs: Vec<String> = messages.iter().map(|(role, content, text, spacing)| {
+                let role = match role {
+                    0 => q("user"), 1 => q("assistant"), 2 => "null".into(),
+                    _ => { usual = false; r#""us\u0065r""#.into() }
+                };
+                let t = q(text);
+                let (colon, comma) = [(":", ","), (": ", ", ")][usize::from(*spacing)];
+                let content = match content {
+                    0 => t,
+                    // The two forms the scanner's plain-part path matches, and near misses.
+                    1 => format!(r#"[{{"type"{colon}"text"{comma}"text"{colon}{t}}}]"#),
+                    2 => format!(r#"[{{"type":"text","text":{t},"cache_control":{{"type":"ephemeral"}}}},{{"type":"image","source":{{"type":"base64","data":"x"}}}}]"#),
+                    3 => format!(r#"[ {{ "text" : {t} }} , {{"text":null}} ]"#),
+                    4 => format!(r#"[{{"type":"tool_result","tool_use_id":"t","content":[{{"type":"text","text":{t}}}]}}]"#),
+                    5 => { usual = false; format!(r#"[{{"text":{t},"text":"dup"}}]"#) }
+                    6 => { usual = false; format!("[{t}]") }
+                    7 => "null".into(),
+                    8 => { usual = false; format!(r#"[{{"text":5}},{{"t\u0065xt":{t}}}]"#) }
+                    _ => format!(r#"[{{"type":"text","text":{t} }},{{"type":"text","text":{t},"x":1}},{{"type":"text","text" :{t}}}]"#),
+                };
+                format!(r#"{{"role"{colon}{role}{comma}"content"{colon}{content}}}"#)
+            }).collect();
+            let st = q(&sys_text);
+            let system = match system {
+                0 => String::new(),
+                1 => format!(r#","system":{st}"#),
+                2 => format!(r#","system":[{{"type":"text","text":{st},"cache_control":{{"type":"ephemeral"}}}}]"#),
+                3 => r#","system":null"#.into(),
+                4 => { usual = false; r#","system":5"#.into() }
+                5 => r#","system":[]"#.into(),
+                _ => { usual = false; format!(r#","system":{st},"system":"again""#) }
+            };
+            let model = match model {
+                0 => r#""model":"m\u0031""#,
+                1 => r#""model":null"#,
+                2 => { usual = false; r#""model":3"# }
+                _ => r#""max_tokens":8"#,
+            };
+            let extra = match extra {
+                0 => "",
+                1 => r#","stream":true,"max_tokens":9"#,
+                2 => r#","prompt":"p","prompt":"q""#,
+                3 => { usual = false; r#","messages":[]"# }
+                4 => r#","tools":[{"name":"f","input_schema":{"type":"object","properties":{}}}]"#,
+                _ => { usual = false; r#","x":01"# }
+            };
+            let body = format!(r#"{{{model}{system},"messages":[{}]{extra}}}"#, msgs.join(","));
+            let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
+                .map(|r| (r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
+                .map_err(|e| (e.status, e.code, e.param));
+            let b = body.as_bytes();
+            let typed = summary(parse_messages(b, PromptText::new(limit, 16, b.len())));
+            let scanned = parse_messages_scan(b, PromptText::new(limit, 16, b.len()));
+            prop_assert!(scanned.is_some() || !usual, "the scanner declined: {}", body);
+            if let Some(r) = scanned {
+                prop_assert_eq!(summary(r), typed.clone(), "scanner, body: {}", body);
+            }
+            prop_assert_eq!(summary(parse(b, Endpoint::Messages, limit, 16)), typed, "body: {}", body);
         }
 
         /// The chat fast path and the general path agree on every body, in the documented shape

@@ -1,4 +1,5 @@
-//! A single-pass scanner for chat bodies in their common shape: the hot path of the filter.
+//! A single-pass scanner for chat and Messages API bodies in their common shapes: the hot path
+//! of the filter.
 //!
 //! `serde_json` reads a 4 KB chat body at about 1 byte per nanosecond natively and several times
 //! slower inside Envoy's V8, where every byte of a prompt would otherwise be visited two or three
@@ -7,9 +8,9 @@
 //!
 //! It is deliberately partial: it answers only when it is certain, and returns `None` for
 //! anything unusual (invalid JSON, a `\u` escape of a surrogate, a role with escapes, content
-//! that is not a string, duplicated fields, deep nesting, ...). The caller then takes the
-//! `serde_json` paths, which decide. A property test holds the two to the same result on every
-//! body the scanner accepts.
+//! that is neither a string nor a list of part objects, duplicated fields, deep nesting, ...).
+//! The caller then takes the `serde_json` paths, which decide. Property tests hold the two to
+//! the same result on every body the scanner accepts.
 
 use std::borrow::Cow;
 
@@ -23,12 +24,41 @@ pub struct ChatScan<'a> {
     pub messages: Vec<ChatMessage<'a>>,
 }
 
-/// One message: role, content text (unescaped), and `tool_calls` as raw JSON.
+/// What the router needs from a Messages API body: a chat body's fields, and the top-level
+/// `system` prompt (None when absent or null).
+#[derive(Debug)]
+pub struct MessagesScan<'a> {
+    pub model: Option<&'a str>,
+    pub stream: Option<&'a str>,
+    pub system: Option<Content<'a>>,
+    pub messages: Vec<ChatMessage<'a>>,
+}
+
+/// One message: role, content, and `tool_calls` as raw JSON.
 #[derive(Debug)]
 pub struct ChatMessage<'a> {
     pub role: Option<&'a str>,
-    pub content: Option<Cow<'a, str>>,
+    pub content: Option<Content<'a>>,
     pub tool_calls: Option<&'a str>,
+}
+
+/// A message's content (or a Messages body's `system`): a string, or a list of parts (OpenAI's
+/// content parts, Anthropic's content blocks).
+#[derive(Debug)]
+pub enum Content<'a> {
+    /// The string, unescaped.
+    Text(Cow<'a, str>),
+    /// Boxed, not a `Vec`: the enum then takes no more room than the string (it is in every
+    /// message the scanner collects).
+    Parts(Box<[Part<'a>]>),
+}
+
+/// One part of a content list: an object whose `text` is a string gives that text (unescaped);
+/// any other object (an image, a tool call or result, `text` null) its raw JSON.
+#[derive(Debug, PartialEq)]
+pub enum Part<'a> {
+    Text(Cow<'a, str>),
+    Raw(&'a str),
 }
 
 /// Chat roles read as literals (any other role, or one with escapes, takes the string scan).
@@ -46,6 +76,20 @@ pub fn chat(body: &[u8]) -> Option<ChatScan<'_>> {
         i: 0,
     };
     let out = s.top()?;
+    s.ws();
+    (s.i == s.b.len()).then_some(out)
+}
+
+/// Scans a Messages API body (Anthropic's); `None` means "not certain: use the general parser".
+/// `messages` absent or null reads as no messages, as the general parser reads it.
+pub fn messages(body: &[u8]) -> Option<MessagesScan<'_>> {
+    let text = utf8(body)?;
+    let mut s = Scanner {
+        text,
+        b: body,
+        i: 0,
+    };
+    let out = s.messages_top()?;
     s.ws();
     (s.i == s.b.len()).then_some(out)
 }
@@ -281,14 +325,7 @@ impl<'a> Scanner<'a> {
         ];
         self.object_fields(FIELDS, &mut seen, |slot, s| {
             match slot {
-                Some(0) => {
-                    let raw = s.value(1)?;
-                    model = match raw.as_bytes().first()? {
-                        b'"' => Some(raw),
-                        _ if raw == "null" => None,
-                        _ => return None,
-                    };
-                }
+                Some(0) => model = s.model()?,
                 Some(1) => stream = Some(s.value(1)?),
                 Some(2) => messages = Some(s.messages()?),
                 _ => {
@@ -301,6 +338,103 @@ impl<'a> Scanner<'a> {
             model,
             stream,
             messages: messages?,
+        })
+    }
+
+    /// The `model` value: its string token, or `Some(None)` for null. Anything else declines
+    /// (the general parser answers it with its typed error).
+    fn model(&mut self) -> Option<Option<&'a str>> {
+        let raw = self.value(1)?;
+        match raw.as_bytes().first()? {
+            b'"' => Some(Some(raw)),
+            _ if raw == "null" => Some(None),
+            _ => None,
+        }
+    }
+
+    /// A Messages body's top level. Its known fields are these four (the OpenAI prompt fields
+    /// are other fields here, as for the general parser).
+    fn messages_top(&mut self) -> Option<MessagesScan<'a>> {
+        let mut out = MessagesScan {
+            model: None,
+            stream: None,
+            system: None,
+            messages: Vec::new(),
+        };
+        let mut seen = [false; 4];
+        const FIELDS: [&str; 4] = ["model", "stream", "messages", "system"];
+        self.object_fields(FIELDS, &mut seen, |slot, s| {
+            match slot {
+                Some(0) => out.model = s.model()?,
+                Some(1) => out.stream = Some(s.value(1)?),
+                Some(2) => {
+                    s.ws();
+                    if s.peek()? == b'[' {
+                        out.messages = s.messages()?;
+                    } else if s.value(1)? != "null" {
+                        return None;
+                    }
+                }
+                Some(3) => out.system = s.content(1)?,
+                _ => {
+                    s.value(1)?;
+                }
+            }
+            Some(())
+        })?;
+        Some(out)
+    }
+
+    /// A content value: a string, a list of part objects, or null (`Some(None)`). Anything else
+    /// declines.
+    fn content(&mut self, depth: u32) -> Option<Option<Content<'a>>> {
+        self.ws();
+        match self.peek()? {
+            b'"' => {
+                let (tok, escaped) = self.string()?;
+                Some(Some(Content::Text(unescaped(tok, escaped)?)))
+            }
+            b'[' => {
+                // Most lists hold one part: no reallocation when it is boxed.
+                let mut parts = Vec::with_capacity(1);
+                self.array(|s| {
+                    parts.push(s.part(depth + 1)?);
+                    Some(())
+                })?;
+                Some(Some(Content::Parts(parts.into_boxed_slice())))
+            }
+            _ => (self.value(depth)? == "null").then_some(None),
+        }
+    }
+
+    /// One part of a content list; a part that is not an object declines.
+    fn part(&mut self, depth: u32) -> Option<Part<'a>> {
+        if depth > MAX_DEPTH {
+            return None;
+        }
+        if let Some(p) = self.plain_part() {
+            return Some(p);
+        }
+        self.ws();
+        if self.peek()? != b'{' {
+            return None;
+        }
+        let start = self.i;
+        let mut text = None;
+        let mut seen = [false; 1];
+        self.object_fields(["text"], &mut seen, |slot, s| {
+            s.ws();
+            if slot.is_some() && s.peek()? == b'"' {
+                let (tok, escaped) = s.string()?;
+                text = Some(unescaped(tok, escaped)?);
+            } else {
+                s.value(depth + 1)?;
+            }
+            Some(())
+        })?;
+        Some(match text {
+            Some(t) => Part::Text(t),
+            None => Part::Raw(self.text.get(start..self.i)?),
         })
     }
 
@@ -343,12 +477,13 @@ impl<'a> Scanner<'a> {
                 }
                 Some(1) => {
                     s.ws();
-                    if s.peek()? == b'"' {
+                    // A string, the usual content, without the general content step.
+                    m.content = if s.peek()? == b'"' {
                         let (tok, escaped) = s.string()?;
-                        m.content = Some(unescaped(tok, escaped)?);
-                    } else if s.value(2)? != "null" {
-                        return None;
-                    }
+                        Some(Content::Text(unescaped(tok, escaped)?))
+                    } else {
+                        s.content(2)?
+                    };
                 }
                 Some(2) => {
                     let raw = s.value(2)?;
@@ -403,9 +538,42 @@ impl<'a> Scanner<'a> {
         self.i += 1;
         Some(ChatMessage {
             role: Some(role),
-            content: Some(unescaped(tok, escaped)?),
+            content: Some(Content::Text(unescaped(tok, escaped)?)),
             tool_calls: None,
         })
+    }
+}
+
+impl<'a> Scanner<'a> {
+    /// A text part in the form nearly every client sends, matched byte for byte as
+    /// [`Scanner::plain_message`] matches a message: `{"type": "text", "text": "..."}` or
+    /// `{"type":"text","text":"..."}`. Anything else (`cache_control` after the text, other
+    /// spacing or order) leaves the position where it was and returns `None`.
+    fn plain_part(&mut self) -> Option<Part<'a>> {
+        let start = self.i;
+        let p = self.plain_part_at();
+        if p.is_none() {
+            self.i = start;
+        }
+        p
+    }
+
+    fn plain_part_at(&mut self) -> Option<Part<'a>> {
+        const FORMS: [&[u8]; 2] = [
+            b"{\"type\": \"text\", \"text\": \"",
+            b"{\"type\":\"text\",\"text\":\"",
+        ];
+        self.ws();
+        let rest = self.b.get(self.i..)?;
+        let form = FORMS.iter().find(|f| has_prefix(rest, f))?;
+        // The text's opening quote is the form's last byte: the string scan starts there.
+        self.i += form.len() - 1;
+        let (tok, escaped) = self.string()?;
+        if self.peek()? != b'}' {
+            return None;
+        }
+        self.i += 1;
+        Some(Part::Text(unescaped(tok, escaped)?))
     }
 }
 
@@ -626,6 +794,82 @@ mod tests {
         }
     }
 
+    /// The text of a string content; None for parts or none.
+    fn as_text<'c>(c: &'c Content<'_>) -> Option<&'c str> {
+        match c {
+            Content::Text(t) => Some(t),
+            Content::Parts(_) => None,
+        }
+    }
+
+    fn text<'m>(m: &'m ChatMessage<'_>) -> Option<&'m str> {
+        m.content.as_ref().and_then(as_text)
+    }
+
+    #[test]
+    fn reads_content_parts_as_text_or_raw_json() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":[
+            {"type":"text","text":"a\nb","cache_control":{"type":"ephemeral"}},
+            { "type" : "image_url" , "image_url" : {"url":"x"} },
+            {"text":null,"type":"image"},
+            {"text":5},
+            {"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"r"}]}
+        ]},{"role":"assistant","content":[]}]}"#;
+        let s = chat(body).unwrap();
+        let Some(Content::Parts(parts)) = &s.messages[0].content else {
+            panic!("{:?}", s.messages[0].content)
+        };
+        assert_eq!(
+            &parts[..],
+            &[
+                Part::Text("a\nb".into()),
+                Part::Raw(r#"{ "type" : "image_url" , "image_url" : {"url":"x"} }"#),
+                Part::Raw(r#"{"text":null,"type":"image"}"#),
+                Part::Raw(r#"{"text":5}"#),
+                Part::Raw(
+                    r#"{"type":"tool_result","tool_use_id":"t","content":[{"type":"text","text":"r"}]}"#
+                ),
+            ]
+        );
+        assert!(matches!(&s.messages[1].content, Some(Content::Parts(p)) if p.is_empty()));
+    }
+
+    #[test]
+    fn reads_a_messages_api_body() {
+        let body = br#"{"model":"m","max_tokens":64,"stream":true,
+            "system":[{"type":"text","text":"be brief","cache_control":{"type":"ephemeral"}}],
+            "messages":[{"role":"user","content":"hi"},
+                {"role":"assistant","content":[{"type":"tool_use","id":"u","name":"f","input":{}}]}],
+            "tools":[{"name":"f","input_schema":{"type":"object"}}],"prompt":"p","prompt":"q"}"#;
+        let s = messages(body).unwrap();
+        assert_eq!((s.model, s.stream), (Some("\"m\""), Some("true")));
+        assert!(
+            matches!(&s.system, Some(Content::Parts(p)) if p[..] == [Part::Text("be brief".into())])
+        );
+        assert_eq!(s.messages.len(), 2);
+        assert_eq!(text(&s.messages[0]), Some("hi"));
+        // `system` as a string, absent, or null; `messages` absent or null.
+        let s = messages(br#"{"system":"s","messages":null}"#).unwrap();
+        assert_eq!(s.system.as_ref().and_then(as_text), Some("s"));
+        assert!(s.messages.is_empty() && s.model.is_none());
+        assert!(messages(br#"{"model":"m","system":null}"#)
+            .unwrap()
+            .system
+            .is_none());
+        for declined in [
+            &br#"{"model":"m","system":5,"messages":[]}"#[..],
+            br#"{"model":"m","system":"a","system":"b"}"#,
+            br#"{"model":"m","messages":"hello"}"#,
+            br#"{"model":"m","messages":[]} x"#,
+        ] {
+            assert!(
+                messages(declined).is_none(),
+                "{}",
+                String::from_utf8_lossy(declined)
+            );
+        }
+    }
+
     #[test]
     fn reads_the_common_shape() {
         let body = br#" {"model": "m", "stream": true, "messages": [
@@ -637,7 +881,7 @@ mod tests {
         assert_eq!(s.model, Some("\"m\""));
         assert_eq!(s.stream, Some("true"));
         assert_eq!(s.messages.len(), 3);
-        assert_eq!(s.messages[1].content.as_deref(), Some("line\nnext é"));
+        assert_eq!(text(&s.messages[1]), Some("line\nnext é"));
         assert_eq!(s.messages[2].tool_calls, Some(r#"[{"id": "c"}]"#));
         assert!(s.messages[2].content.is_none());
     }
@@ -646,11 +890,7 @@ mod tests {
     fn plain_messages_in_both_forms_and_everything_else_by_the_general_path() {
         let body = br#"{"model":"m","messages":[{"role": "system", "content": "be brief"}, {"role":"user","content":"a\"b\u00e9"},{"role":"tool","content":""},{"role": "assistant", "content": "x", "name": "n"},{"role":"users","content":"y"}, {"role": "user" , "content": "z"},{"role":"user","content":null}]}"#;
         let s = chat(body).unwrap();
-        let got: Vec<_> = s
-            .messages
-            .iter()
-            .map(|m| (m.role, m.content.as_deref()))
-            .collect();
+        let got: Vec<_> = s.messages.iter().map(|m| (m.role, text(m))).collect();
         assert_eq!(
             got,
             [
@@ -704,7 +944,7 @@ mod tests {
                 Some("assistant")
             ]
         );
-        let contents: Vec<_> = s.messages.iter().map(|m| m.content.as_deref()).collect();
+        let contents: Vec<_> = s.messages.iter().map(text).collect();
         assert_eq!(contents, [Some("a"), Some("b"), Some("c"), Some("d")]);
         assert!(s.messages[1].tool_calls.is_none());
         // A key or a role with escapes (it could spell anything) is left to serde_json.
@@ -724,7 +964,11 @@ mod tests {
             br#"{"model":3,"messages":[]}"#,
             br#"{"model":"m","model":"n","messages":[]}"#,
             br#"{"m\u006fdel":"m","messages":[]}"#,
-            br#"{"model":"m","messages":[{"role":"user","content":[{"text":"a"}]}]}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":["a"]}]}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":[{"text":"a","text":"b"}]}]}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":[{"t\u0065xt":"a"}]}]}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":{"text":"a"}}]}"#,
+            br#"{"model":"m","messages":[{"role":"user","content":5}]}"#,
             br#"{"model":"m","messages":[{"role":"user","role":"user"}]}"#,
             br#"{"model":"m","messages":[{"role":"user","content":"\ud83d\ude00"}]}"#,
             br#"{"model":"m","messages":[{"role":"user","content":"tab	in"}]}"#,
