@@ -13,6 +13,7 @@ use gpuroute_core::config::FilterConfig;
 use gpuroute_core::engine::{DecideOptions, Engine};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::load::LoadTable;
+use gpuroute_core::request::Endpoint;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::{LoraState, PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
 
@@ -131,79 +132,51 @@ fn bench(c: &mut Criterion) {
     // The parts, to see where the time goes.
     let body = chat_body(1);
     let mut parts = c.benchmark_group("parts");
-    parts.bench_function("parse_4kb", |b| {
-        b.iter(|| {
-            black_box(
-                gpuroute_core::request::parse(
-                    &body,
-                    gpuroute_core::request::Endpoint::Chat,
-                    16_384,
-                    1_024,
+    // Parsing one body on one endpoint (the prompt text kept for hashing: 16 KB).
+    let mut parse = |name: &str, body: &[u8], endpoint: Endpoint| {
+        parts.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(
+                    gpuroute_core::request::parse(body, endpoint, 16_384, 1_024)
+                        .map(|r| r.prompt.len()),
                 )
-                .map(|r| r.prompt.len()),
-            )
-        })
-    });
+            })
+        });
+    };
+    parse("parse_4kb", &body, Endpoint::Chat);
     // The same conversation as an Anthropic Messages API body (`system` at the top level).
     let mut as_messages: serde_json::Value = serde_json::from_slice(&body).unwrap();
     let system = as_messages["messages"].as_array_mut().unwrap().remove(0);
     as_messages["system"] = system["content"].clone();
-    let messages_body = serde_json::to_vec(&as_messages).unwrap();
-    parts.bench_function("parse_4kb_messages_api", |b| {
-        b.iter(|| {
-            black_box(
-                gpuroute_core::request::parse(
-                    &messages_body,
-                    gpuroute_core::request::Endpoint::Messages,
-                    16_384,
-                    1_024,
-                )
-                .map(|r| r.prompt.len()),
-            )
-        })
-    });
+    parse(
+        "parse_4kb_messages_api",
+        &serde_json::to_vec(&as_messages).unwrap(),
+        Endpoint::Messages,
+    );
     // The same again with every content as a list of text blocks, and the system prompt as a
     // block with `cache_control`: what Anthropic's SDKs and the agents built on them send.
-    let mut as_blocks = as_messages.clone();
     let block = |t: &serde_json::Value| serde_json::json!([{"type": "text", "text": t}]);
+    let mut as_blocks = as_messages.clone();
     as_blocks["system"] = serde_json::json!([{"type": "text", "text": as_blocks["system"],
         "cache_control": {"type": "ephemeral"}}]);
     for m in as_blocks["messages"].as_array_mut().unwrap() {
         m["content"] = block(&m["content"]);
     }
-    let blocks_body = serde_json::to_vec(&as_blocks).unwrap();
-    parts.bench_function("parse_4kb_messages_api_blocks", |b| {
-        b.iter(|| {
-            black_box(
-                gpuroute_core::request::parse(
-                    &blocks_body,
-                    gpuroute_core::request::Endpoint::Messages,
-                    16_384,
-                    1_024,
-                )
-                .map(|r| r.prompt.len()),
-            )
-        })
-    });
+    parse(
+        "parse_4kb_messages_api_blocks",
+        &serde_json::to_vec(&as_blocks).unwrap(),
+        Endpoint::Messages,
+    );
     // And the chat body with OpenAI's content parts.
     let mut as_parts: serde_json::Value = serde_json::from_slice(&body).unwrap();
     for m in as_parts["messages"].as_array_mut().unwrap() {
         m["content"] = block(&m["content"]);
     }
-    let parts_body = serde_json::to_vec(&as_parts).unwrap();
-    parts.bench_function("parse_4kb_content_parts", |b| {
-        b.iter(|| {
-            black_box(
-                gpuroute_core::request::parse(
-                    &parts_body,
-                    gpuroute_core::request::Endpoint::Chat,
-                    16_384,
-                    1_024,
-                )
-                .map(|r| r.prompt.len()),
-            )
-        })
-    });
+    parse(
+        "parse_4kb_content_parts",
+        &serde_json::to_vec(&as_parts).unwrap(),
+        Endpoint::Chat,
+    );
     let text =
         gpuroute_core::request::parse(&body, gpuroute_core::request::Endpoint::Chat, 16_384, 1_024)
             .map(|r| r.prompt)

@@ -508,12 +508,18 @@ impl<'a> Scanner<'a> {
     /// order, other spacing, another role, a content that is not a string) leaves the position
     /// where it was and returns `None`: the general path then reads the message, and decides.
     fn plain_message(&mut self) -> Option<ChatMessage<'a>> {
+        self.or_back(Self::plain_message_at)
+    }
+
+    /// `read`'s result, or `None` with the position back where it was.
+    #[inline(always)]
+    fn or_back<T>(&mut self, read: impl FnOnce(&mut Self) -> Option<T>) -> Option<T> {
         let start = self.i;
-        let m = self.plain_message_at();
-        if m.is_none() {
+        let got = read(self);
+        if got.is_none() {
             self.i = start;
         }
-        m
+        got
     }
 
     fn plain_message_at(&mut self) -> Option<ChatMessage<'a>> {
@@ -550,12 +556,7 @@ impl<'a> Scanner<'a> {
     /// `{"type":"text","text":"..."}`. Anything else (`cache_control` after the text, other
     /// spacing or order) leaves the position where it was and returns `None`.
     fn plain_part(&mut self) -> Option<Part<'a>> {
-        let start = self.i;
-        let p = self.plain_part_at();
-        if p.is_none() {
-            self.i = start;
-        }
-        p
+        self.or_back(Self::plain_part_at)
     }
 
     fn plain_part_at(&mut self) -> Option<Part<'a>> {
