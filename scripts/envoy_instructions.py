@@ -45,9 +45,14 @@ the count, the filter's configuration is changed N times while Envoy runs (as an
 changes it; each change routes a few requests and waits for the old plugin instances to drain
 and go): what a long-running gateway carries from the configurations it had before.
 
+With `--body messages-blocks` the request is the same conversation as an Anthropic Messages API
+body on `/v1/messages`, in the shape Anthropic's SDKs send (the system prompt a text block with
+`cache_control`, every content a list of text blocks): what the scanner's Messages and
+content-part paths cost through Envoy. Filter builds only (the floor reads chat bodies).
+
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
-                                     [--tick-ms MS] [--serving-thread]
+                                     [--tick-ms MS] [--serving-thread] [--body chat|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
