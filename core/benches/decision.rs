@@ -155,13 +155,15 @@ fn bench(c: &mut Criterion) {
     );
     // The same again with every content as a list of text blocks, and the system prompt as a
     // block with `cache_control`: what Anthropic's SDKs and the agents built on them send.
-    let block = |t: &serde_json::Value| serde_json::json!([{"type": "text", "text": t}]);
+    let blocks = |body: &mut serde_json::Value| {
+        for m in body["messages"].as_array_mut().unwrap() {
+            m["content"] = serde_json::json!([{"type": "text", "text": m["content"]}]);
+        }
+    };
     let mut as_blocks = as_messages.clone();
     as_blocks["system"] = serde_json::json!([{"type": "text", "text": as_blocks["system"],
         "cache_control": {"type": "ephemeral"}}]);
-    for m in as_blocks["messages"].as_array_mut().unwrap() {
-        m["content"] = block(&m["content"]);
-    }
+    blocks(&mut as_blocks);
     parse(
         "parse_4kb_messages_api_blocks",
         &serde_json::to_vec(&as_blocks).unwrap(),
@@ -169,9 +171,7 @@ fn bench(c: &mut Criterion) {
     );
     // And the chat body with OpenAI's content parts.
     let mut as_parts: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    for m in as_parts["messages"].as_array_mut().unwrap() {
-        m["content"] = block(&m["content"]);
-    }
+    blocks(&mut as_parts);
     parse(
         "parse_4kb_content_parts",
         &serde_json::to_vec(&as_parts).unwrap(),

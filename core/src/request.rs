@@ -423,6 +423,8 @@ impl PromptText {
     fn scanned(&mut self, messages: &[scan::ChatMessage<'_>]) {
         for m in messages {
             self.message(m.role, |p| {
+                // A string, nearly every message's content, pushed here: through
+                // `scanned_content` it costs ~800 more instructions per request in the VM.
                 match &m.content {
                     Some(scan::Content::Text(t)) => p.push(t),
                     Some(parts) => p.scanned_content(parts),

@@ -69,27 +69,24 @@ const MAX_DEPTH: u32 = 64;
 
 /// Scans a chat body; `None` means "not certain: use the general parser".
 pub fn chat(body: &[u8]) -> Option<ChatScan<'_>> {
-    let text = utf8(body)?;
-    let mut s = Scanner {
-        text,
-        b: body,
-        i: 0,
-    };
-    let out = s.top()?;
-    s.ws();
-    (s.i == s.b.len()).then_some(out)
+    whole(body, Scanner::top)
 }
 
 /// Scans a Messages API body (Anthropic's); `None` means "not certain: use the general parser".
 /// `messages` absent or null reads as no messages, as the general parser reads it.
 pub fn messages(body: &[u8]) -> Option<MessagesScan<'_>> {
+    whole(body, Scanner::messages_top)
+}
+
+/// `top` over the whole body: UTF-8, and nothing but whitespace after the value it reads.
+fn whole<'a, T>(body: &'a [u8], top: impl FnOnce(&mut Scanner<'a>) -> Option<T>) -> Option<T> {
     let text = utf8(body)?;
     let mut s = Scanner {
         text,
         b: body,
         i: 0,
     };
-    let out = s.messages_top()?;
+    let out = top(&mut s)?;
     s.ws();
     (s.i == s.b.len()).then_some(out)
 }
