@@ -229,7 +229,8 @@ impl Picker {
         let loads_ok = loads.len() == pool.pods.len();
 
         // Candidates: healthy, fresh, and (for ramping pods) admitted with probability = weight.
-        let mut cands: Vec<(usize, Load, bool)> = Vec::with_capacity(pool.pods.len());
+        // (pod index, load, saturated, expected wait: filled in once the candidates are known).
+        let mut cands: Vec<(usize, Load, bool, f64)> = Vec::with_capacity(pool.pods.len());
         for (i, pod) in pool.pods.iter().enumerate() {
             let age = snapshot_age_ms.saturating_add(pod.age_at_generation_ms);
             if !pod.snap.healthy || age > sc.stale_after_ms {
@@ -242,7 +243,7 @@ impl Picker {
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
             let saturated = l.waiting / l.capacity >= sc.queue_threshold
                 || l.kv.is_some_and(|k| k >= sc.kv_threshold);
-            cands.push((i, l, saturated));
+            cands.push((i, l, saturated, 0.0));
         }
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
@@ -262,7 +263,7 @@ impl Picker {
         // escape valve. (The GIE endpoint picker has the same filter stage.)
         let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
         if let Some(a) = adapter {
-            let holds = |c: &(usize, Load, bool)| {
+            let holds = |c: &(usize, Load, bool, f64)| {
                 let p = &pool.pods[c.0];
                 let home =
                     req.adapter_home == Some(p.key) && p.free_lora_slots().is_none_or(|f| f > 0);
@@ -278,7 +279,7 @@ impl Picker {
         // Weighted by capacity, so a pod three times faster is home to three times the
         // conversations (and adapters). The speed class (not the raw estimate) keeps the
         // estimate's jitter between snapshots from moving homes around.
-        let hrw = |k: u64, c: &(usize, Load, bool)| {
+        let hrw = |k: u64, c: &(usize, Load, bool, f64)| {
             let w = c.1.capacity;
             (weighted_hrw(k, pool.pods[c.0].key, w), c.0)
         };
@@ -362,16 +363,14 @@ impl Picker {
         // A pod whose free KV cache cannot hold the prompt makes it wait until running requests
         // finish (or preempts one): count that as a full horizon of extra wait.
         let prompt_tokens = f64::from(req.prompt_tokens);
-        let wait = |c: &(usize, Load, bool)| {
+        let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
+        for c in &mut cands {
             let l = &c.1;
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
-            (l.work + own(&pool.pods[c.0])) / l.capacity
-                + if no_room { sc.queue_horizon } else { 0.0 }
-        };
-        let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
-        for c in &cands {
-            w_min = w_min.min(wait(c));
-            w_max = w_max.max(wait(c));
+            c.3 = (l.work + own(&pool.pods[c.0])) / l.capacity
+                + if no_room { sc.queue_horizon } else { 0.0 };
+            w_min = w_min.min(c.3);
+            w_max = w_max.max(c.3);
         }
         // Linear in the extra wait over the best candidate, so pods are separated in proportion
         // to the time a request would lose; if the spread exceeds the horizon (overload), it is
@@ -379,9 +378,9 @@ impl Picker {
         let span = sc.queue_horizon.max(w_max - w_min);
 
         let mut scored: Vec<(usize, f64, f64, f64)> = Vec::with_capacity(cands.len());
-        for (i, l, saturated) in &cands {
+        for (i, l, saturated, wait) in &cands {
             let pod = &pool.pods[*i];
-            let queue = 1.0 - (wait(&(*i, *l, *saturated)) - w_min) / span;
+            let queue = 1.0 - (wait - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
             let lora = adapter.map(|a| lora_score(pod, a, likely_loaded(pod, req)));

@@ -3,7 +3,10 @@
 //! A prompt is cut into blocks of `block_chars` bytes (16 tokens x ~4 characters: one vLLM KV
 //! block) and hashed as a chain seeded by the model, so the hash at a depth stands for the whole
 //! prefix up to it, like the engines' own block hashes. Only the depths of a geometric grid are
-//! hashed (the anchors, see [`prompt_anchors`]).
+//! hashed (the anchors, see [`prompt_anchors`]). The prompt's hashes are xxh64, not xxh3: in the
+//! filter's wasm32 build xxh3 runs its inputs of up to 240 bytes (the first anchors' segments)
+//! through 128-bit multiplies, a library call each there; through Envoy a request costs ~2,000
+//! fewer instructions with xxh64 (`make bench-envoy-instr`, one build against the other).
 //!
 //! Two mechanisms decide where a prefix goes:
 //! - **Rendezvous (HRW) home.** The hash of the prompt's first `home_blocks` blocks ranks the
@@ -23,11 +26,12 @@
 use crate::idmap::IdMap;
 use crate::rng::mix64;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh64::xxh64;
 
 /// Seed of the hash chain: prefixes of different models (or adapters, whose KV differs) never
 /// collide.
 pub fn model_seed(model: &str) -> u64 {
-    xxh3_64_with_seed(model.as_bytes(), 0x6770_7572_6f75_7465)
+    xxh64(model.as_bytes(), 0x6770_7572_6f75_7465)
 }
 
 /// Stable 64-bit key of a pod address; survives snapshot changes that reorder pods.
@@ -100,7 +104,7 @@ pub fn prompt_anchors(
     let mut from = 0;
     for depth in grid(n) {
         let to = depth * block_chars;
-        h = xxh3_64_with_seed(text.get(from..to).unwrap_or_default(), h);
+        h = xxh64(text.get(from..to).unwrap_or_default(), h);
         out.push(Anchor {
             depth: depth as u32,
             hash: h,
@@ -124,7 +128,7 @@ pub fn home_key(anchors: &[Anchor], home_blocks: usize) -> Option<u64> {
 
 /// The rendezvous key of a conversation (see `request::InferenceRequest::conversation_len`).
 pub fn conversation_key(text: &[u8], seed: u64) -> u64 {
-    xxh3_64_with_seed(text, seed ^ 0x636f_6e76)
+    xxh64(text, seed ^ 0x636f_6e76)
 }
 
 /// Pods known to hold one anchor; 4 is plenty (a prefix on more pods is hot everywhere).

@@ -421,6 +421,9 @@ impl PromptText {
 
     /// Messages read by the scanner: contents already unescaped, `tool_calls` raw.
     fn scanned(&mut self, messages: &[scan::ChatMessage<'_>]) {
+        if self.scanned_whole(messages) {
+            return;
+        }
         for m in messages {
             self.message(m.role, |p| {
                 // A string, nearly every message's content, pushed here: through
@@ -436,6 +439,47 @@ impl PromptText {
             });
             self.sep(ITEM_SEP);
         }
+    }
+
+    /// [`PromptText::scanned`] in the usual case, string contents that all fit under the limit:
+    /// their length is summed first, then every piece is appended with no per-piece limit check
+    /// (through Envoy ~500 fewer instructions per request for the benchmark's 28 messages). The
+    /// same text and length as the general loop; `false` (nothing appended) when a content is a
+    /// list of parts or the text would pass the limit.
+    fn scanned_whole(&mut self, messages: &[scan::ChatMessage<'_>]) -> bool {
+        let mut total = 0usize;
+        for m in messages {
+            let content = match &m.content {
+                Some(scan::Content::Text(t)) => t.len(),
+                Some(scan::Content::Parts(_)) => return false,
+                None => 0,
+            };
+            // Role, field separator, content, tool calls, item separator.
+            total += m.role.map_or(0, str::len) + content + m.tool_calls.map_or(0, str::len) + 2;
+        }
+        if self.text.len().saturating_add(total) > self.limit {
+            return false;
+        }
+        self.text.reserve(total);
+        for m in messages {
+            if let Some(r) = m.role {
+                self.text.push_str(r);
+            }
+            self.text.push(FIELD_SEP);
+            let start = self.text.len();
+            if let Some(scan::Content::Text(t)) = &m.content {
+                self.text.push_str(t);
+            }
+            if let Some(calls) = m.tool_calls {
+                self.text.push_str(calls);
+            }
+            if m.role == Some("user") && self.conversation_len.is_none() {
+                self.conversation_len = Some(self.text.len().min(start + self.home_chars));
+            }
+            self.text.push(ITEM_SEP);
+        }
+        self.len += total;
+        true
     }
 
     /// A content read by the scanner, as [`PromptText::content`] reads it.

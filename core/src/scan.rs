@@ -520,20 +520,38 @@ impl<'a> Scanner<'a> {
     }
 
     fn plain_message_at(&mut self) -> Option<ChatMessage<'a>> {
-        const OPEN: [&[u8]; 2] = [b"{\"role\": \"", b"{\"role\":\""];
-        const NEXT: [&[u8]; 2] = [b"\", \"content\": \"", b"\",\"content\":\""];
         self.ws();
         let rest = self.b.get(self.i..)?;
-        let form = OPEN.iter().position(|o| has_prefix(rest, o))?;
-        self.i += OPEN.get(form)?.len();
-        let next = NEXT.get(form)?;
-        let rest = self.b.get(self.i..)?;
-        let role = ROLES.iter().find(|w| {
-            let w = w.as_bytes();
-            has_prefix(rest, w) && rest.get(w.len()..).is_some_and(|t| has_prefix(t, next))
-        })?;
+        // `{"role":` then ` "` (spaced) or `"`; each literal below is then a word compare or two.
+        if !has_prefix(rest, b"{\"role\":") {
+            return None;
+        }
+        let spaced = match rest.get(8..10)? {
+            [b' ', b'"'] => true,
+            [b'"', _] => false,
+            _ => return None,
+        };
+        let at = if spaced { 10 } else { 9 };
+        let rest = rest.get(at..)?;
+        // The role, by its first byte: one of `ROLES`, spelled out.
+        let role: &'static str = match rest.first()? {
+            b'u' if has_prefix(rest, b"user") => "user",
+            b'a' if has_prefix(rest, b"assistant") => "assistant",
+            b's' if has_prefix(rest, b"system") => "system",
+            b't' if has_prefix(rest, b"tool") => "tool",
+            b'd' if has_prefix(rest, b"developer") => "developer",
+            _ => return None,
+        };
+        let after = rest.get(role.len()..)?;
+        const NEXT: &[u8] = b"\",\"content\":\"";
+        const NEXT_SPACED: &[u8] = b"\", \"content\": \"";
+        let next = if spaced {
+            has_prefix(after, NEXT_SPACED).then_some(NEXT_SPACED.len())
+        } else {
+            has_prefix(after, NEXT).then_some(NEXT.len())
+        };
         // The content's opening quote is the last byte of `next`: the string scan starts there.
-        self.i += role.len() + next.len() - 1;
+        self.i += at + role.len() + next? - 1;
         let (tok, escaped) = self.string()?;
         if self.peek()? != b'}' {
             return None;
@@ -588,9 +606,46 @@ fn unescaped(tok: &str, escaped: bool) -> Option<Cow<'_, str>> {
 /// call to `memcmp` that `starts_with` compiles to: on wasm32 that is wasi-libc's byte loop
 /// behind a call, several times the cost of the comparison itself (`memcmp` had 3.5% of the
 /// samples of `make profile-wasm` with the plain-message path; none after this).
+///
+/// Eight bytes at a time (four for shorter words), the last word overlapping the one before: a
+/// 15-byte separator is two word compares, not fifteen byte compares with a loop each. With `p`
+/// a literal, its words are constants.
 #[inline(always)]
 fn has_prefix(b: &[u8], p: &[u8]) -> bool {
-    b.len() >= p.len() && b.iter().zip(p).all(|(x, y)| x == y)
+    let n = p.len();
+    let Some(b) = b.get(..n) else {
+        return false;
+    };
+    if n >= 8 {
+        let mut i = 0;
+        while i + 8 < n {
+            if word::<8>(b, i) != word::<8>(p, i) {
+                return false;
+            }
+            i += 8;
+        }
+        word::<8>(b, n - 8) == word::<8>(p, n - 8)
+    } else if n >= 4 {
+        word::<4>(b, 0) == word::<4>(p, 0) && word::<4>(b, n - 4) == word::<4>(p, n - 4)
+    } else {
+        b.iter().zip(p).all(|(x, y)| x == y)
+    }
+}
+
+/// The `N` bytes of `b` at `at` as one little-endian integer, `N` 4 or 8 (0 when out of
+/// bounds, which [`has_prefix`] never asks for). One unaligned load.
+#[inline(always)]
+fn word<const N: usize>(b: &[u8], at: usize) -> u64 {
+    let Some(bytes) = b.get(at..at + N) else {
+        return 0;
+    };
+    if let Ok(w) = <[u8; 8]>::try_from(bytes) {
+        u64::from_le_bytes(w)
+    } else if let Ok(w) = <[u8; 4]>::try_from(bytes) {
+        u64::from(u32::from_le_bytes(w))
+    } else {
+        0
+    }
 }
 
 /// Which of `names` an object key is: `Some(Some(i))`, or `Some(None)` for any other key. Each
@@ -778,6 +833,23 @@ mod tests {
             proptest::prop_assert_eq!(special_swar(&b), want);
         }
 
+        /// The word compares agree with `starts_with` at every length (under 4, 4-7, 8, and
+        /// longer words whose last word overlaps), for prefixes that match, differ in one byte
+        /// anywhere, or run past the end.
+        #[test]
+        fn has_prefix_equals_starts_with(
+            b in proptest::collection::vec(0u8..4, 0..40),
+            n in 0usize..41,
+            flip in proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()),
+        ) {
+            let mut p: Vec<u8> = b.iter().copied().chain(std::iter::repeat(7)).take(n).collect();
+            if let (Some(at), false) = (flip, p.is_empty()) {
+                let at = at.index(p.len());
+                p[at] ^= 1;
+            }
+            proptest::prop_assert_eq!(has_prefix(&b, &p), b.starts_with(&p));
+        }
+
         /// The ASCII shortcut takes exactly the bodies that are UTF-8, wherever a non-ASCII
         /// byte sits (first, last, in a 16-byte block or in the tail).
         #[test]
@@ -902,6 +974,22 @@ mod tests {
                 (Some("user"), None),
             ]
         );
+        // Every literal role, in both forms, is read by the plain path.
+        for role in ROLES {
+            for form in [
+                format!(r#"{{"role": "{role}", "content": "q"}}"#),
+                format!(r#"{{"role":"{role}","content":"q"}}"#),
+            ] {
+                let mut sc = Scanner {
+                    text: &form,
+                    b: form.as_bytes(),
+                    i: 0,
+                };
+                let m = sc.plain_message().unwrap_or_else(|| panic!("{form}"));
+                assert_eq!((m.role, text(&m)), (Some(role), Some("q")));
+                assert_eq!(sc.i, form.len());
+            }
+        }
         // What the plain path matched it consumed exactly: the position is at the closing brace's
         // successor, and a mismatch leaves the position alone.
         for (form, matched) in [
@@ -910,6 +998,13 @@ mod tests {
             (br#"{"role":"user","content":"q" }"#, false),
             (br#"{"role":"user","content":"q","x":1}"#, false),
             (br#"{"content":"q","role":"user"}"#, false),
+            // Near misses of the opening, the role and the separator, in either form.
+            (br#"{"role" : "user", "content": "q"}"#, false),
+            (br#"{"role": "usr", "content": "q"}"#, false),
+            (br#"{"role": "user", "content":"q"}"#, false),
+            (br#"{"role":"user", "content": "q"}"#, false),
+            (br#"{"role": 'user', "content": "q"}"#, false),
+            (br#"{"role": "useR", "content": "q"}"#, false),
         ] {
             let mut sc = Scanner {
                 text: std::str::from_utf8(form).unwrap(),
