@@ -696,7 +696,7 @@ impl Http {
             .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         self.debug = choice.debug.take();
 
-        let pool = prep.pool.clone();
+        let pool = prep.pool.as_str();
         match &choice.decision {
             Decision::Picked(_) => {
                 let (Some(dest), Some(idx), Some(pod_key)) =
@@ -706,7 +706,7 @@ impl Http {
                 };
                 let dest = w.engine.config.data_plane.destination(dest);
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
-                if let Some(pl) = w.loads.get_mut(&pool) {
+                if let Some(pl) = w.loads.get_mut(pool) {
                     let prefill = prep.stream.then_some(choice.prefill_tokens);
                     pl.own.add(idx, prep.prompt_tokens, prefill);
                     pl.dirty = true;
@@ -719,21 +719,21 @@ impl Http {
                 }
                 w.engine.commit(&prep, pod_key);
                 if let Some(addr) = dest.split(',').next() {
-                    w.stats.picked(&pool, pod_key, addr);
+                    w.stats.picked(pool, pod_key, addr);
                 }
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
             }
             Decision::FailOpen(reason) => {
                 if reason.by_design() {
-                    w.stats.pool_outcome(&pool, "routed");
+                    w.stats.pool_outcome(pool, "routed");
                 } else {
-                    w.stats.pool_outcome(&pool, "fail_open");
+                    w.stats.pool_outcome(pool, "fail_open");
                     w.stats
                         .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
                 }
                 if w.engine.config.data_plane == DataPlane::OriginalDst {
                     // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
-                    let pool_state = w.fleet.as_ref().and_then(|f| f.pool(&pool));
+                    let pool_state = w.fleet.as_ref().and_then(|f| f.pool(pool));
                     let any = pool_state.and_then(|p| Engine::any_pod(p, &mut w.rng));
                     match any {
                         Some(addr) => {
@@ -744,15 +744,15 @@ impl Http {
                             );
                         }
                         None => {
-                            w.stats.pool_outcome(&pool, "error");
-                            return self.reply_error(&ApiError::no_endpoints(&pool));
+                            w.stats.pool_outcome(pool, "error");
+                            return self.reply_error(&ApiError::no_endpoints(pool));
                         }
                     }
                 }
             }
             Decision::Shed => {
-                w.stats.pool_outcome(&pool, "shed");
-                return self.reply_error(&ApiError::shed(&pool));
+                w.stats.pool_outcome(pool, "shed");
+                return self.reply_error(&ApiError::shed(pool));
             }
         }
         self.set_routing_headers(&prep, &body);
