@@ -55,10 +55,14 @@ impl Hasher for NameHasher {
             w.copy_from_slice(c);
             self.add(u64::from_le_bytes(w));
         }
-        let mut w = [0u8; 8];
+        // The tail byte by byte, not copied into a buffer: a copy of a variable length is a
+        // `memory.copy` on wasm32, which V8 runs as a call out of the wasm code.
         let tail = chunks.remainder();
-        w[..tail.len()].copy_from_slice(tail);
-        self.add(u64::from_le_bytes(w) ^ ((tail.len() as u64) << 56));
+        let w = tail
+            .iter()
+            .rev()
+            .fold(0u64, |w, b| (w << 8) | u64::from(*b));
+        self.add(w ^ ((tail.len() as u64) << 56));
     }
 }
 

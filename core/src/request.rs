@@ -338,6 +338,65 @@ fn span_of(outer: &[u8], inner: &str) -> Option<Range<usize>> {
     (end <= outer.len()).then_some(start..end)
 }
 
+/// `text.push_str(s)`. On wasm32 with SIMD, when the room is already reserved, the bytes are
+/// copied in the wasm code itself, sixteen at a time (a short string in two overlapping words):
+/// `push_str` compiles to `memory.copy`, which V8 runs as a call out of the wasm code into a C
+/// function, a fixed cost larger than copying a role or a message's content. The stores are
+/// volatile so that LLVM cannot turn the loop back into `memory.copy`.
+#[inline(always)]
+fn append(text: &mut String, s: &str) {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    {
+        use std::arch::wasm32::{v128, v128_load, v128_store};
+        let n = s.len();
+        if text.capacity() - text.len() < n {
+            text.push_str(s);
+            return;
+        }
+        // SAFETY: the room for `n` more bytes after `len` was checked above. Every read is
+        // inside `s` (a 16-byte block at an offset <= n - 16, an 8- or 4-byte word at 0 and at
+        // n - 8 or n - 4, or a single byte below n), every write at the same offset of the room;
+        // unaligned reads and writes are allowed. Overlapping blocks write the same bytes twice.
+        // The bytes written are `s`'s, so the buffer stays UTF-8 once its length is `len + n`.
+        unsafe {
+            let v = text.as_mut_vec();
+            let len = v.len();
+            let dst = v.as_mut_ptr().add(len);
+            let src = s.as_ptr();
+            if n >= 16 {
+                let mut i = 0;
+                while i + 16 < n {
+                    v128_store(dst.add(i).cast::<v128>(), v128_load(src.add(i).cast::<v128>()));
+                    i += 16;
+                }
+                let last = v128_load(src.add(n - 16).cast::<v128>());
+                v128_store(dst.add(n - 16).cast::<v128>(), last);
+            } else if n >= 8 {
+                let (a, b) = (
+                    src.cast::<u64>().read_unaligned(),
+                    src.add(n - 8).cast::<u64>().read_unaligned(),
+                );
+                dst.cast::<u64>().write_unaligned(a);
+                dst.add(n - 8).cast::<u64>().write_unaligned(b);
+            } else if n >= 4 {
+                let (a, b) = (
+                    src.cast::<u32>().read_unaligned(),
+                    src.add(n - 4).cast::<u32>().read_unaligned(),
+                );
+                dst.cast::<u32>().write_unaligned(a);
+                dst.add(n - 4).cast::<u32>().write_unaligned(b);
+            } else {
+                for i in 0..n {
+                    dst.add(i).write(*src.add(i));
+                }
+            }
+            v.set_len(len + n);
+        }
+    }
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    text.push_str(s);
+}
+
 /// Accumulates canonical prompt text up to a limit while measuring the full length.
 struct PromptText {
     text: String,
@@ -377,13 +436,13 @@ impl PromptText {
         self.len += s.len();
         let room = self.limit.saturating_sub(self.text.len());
         if s.len() <= room {
-            self.text.push_str(s);
+            append(&mut self.text, s);
         } else if room > 0 {
             let mut cut = room;
             while !s.is_char_boundary(cut) {
                 cut -= 1;
             }
-            self.text.push_str(&s[..cut]);
+            append(&mut self.text, &s[..cut]);
         }
     }
 
@@ -463,15 +522,15 @@ impl PromptText {
         self.text.reserve(total);
         for m in messages {
             if let Some(r) = m.role {
-                self.text.push_str(r);
+                append(&mut self.text, r);
             }
             self.text.push(FIELD_SEP);
             let start = self.text.len();
             if let Some(scan::Content::Text(t)) = &m.content {
-                self.text.push_str(t);
+                append(&mut self.text, t);
             }
             if let Some(calls) = m.tool_calls {
-                self.text.push_str(calls);
+                append(&mut self.text, calls);
             }
             if m.role == Some("user") && self.conversation_len.is_none() {
                 self.conversation_len = Some(self.text.len().min(start + self.home_chars));
@@ -584,6 +643,32 @@ mod tests {
 
     fn messages(body: &str) -> InferenceRequest<'_> {
         parse(body.as_bytes(), Endpoint::Messages, 1 << 20, 1024).unwrap()
+    }
+
+    /// `append` is `push_str` at every length (each of its copy paths: bytes, two 4- or 8-byte
+    /// words, 16-byte blocks with an overlapping last one), with and without room reserved,
+    /// after text of any length; under `make wasm-test` this runs its wasm32 SIMD copy.
+    #[test]
+    fn append_equals_push_str() {
+        let source: String = (0..200u8).map(|i| char::from(b'a' + i % 26)).collect();
+        for before in [0usize, 1, 7, 16, 33] {
+            for n in 0..70 {
+                for reserve in [false, true] {
+                    let mut got = source[..before].to_string();
+                    if reserve {
+                        got.reserve(n);
+                    }
+                    let mut want = got.clone();
+                    append(&mut got, &source[before..before + n]);
+                    want.push_str(&source[before..before + n]);
+                    assert_eq!(got, want, "before {before}, n {n}, reserve {reserve}");
+                }
+            }
+        }
+        // Multi-byte characters are copied as bytes.
+        let mut got = String::with_capacity(64);
+        append(&mut got, "é and 日本語 and 🙂, sixteen bytes and more");
+        assert_eq!(got, "é and 日本語 and 🙂, sixteen bytes and more");
     }
 
     #[test]
