@@ -78,7 +78,7 @@ impl Prepared {
     /// The in-flight record of this request once it is counted against `pod_key`.
     pub fn in_flight(&self, pod_key: u64, prefill_tokens: u32) -> InFlight {
         InFlight {
-            pool: self.pool.clone(),
+            pool: crate::request::owned(&self.pool),
             pod_key,
             tokens: self.prompt_tokens,
             prefill_tokens,
@@ -219,7 +219,7 @@ impl Engine {
             .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
         let adapter_recent = adapter_anchor.and_then(|k| self.prefix.latest_pod_of(k));
         Ok(Prepared {
-            pool: self.routes.pool_name(target.pool).to_string(),
+            pool: crate::request::owned(self.routes.pool_name(target.pool)),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
             model_only,
@@ -441,14 +441,14 @@ impl Engine {
 
 /// `ip:port[,ip:port...]` for the ranked pods.
 fn destination(pool: &PoolState, ranked: &[usize]) -> String {
-    let mut s = String::new();
-    for i in ranked {
-        if let Some(p) = pool.pods.get(*i) {
-            if !s.is_empty() {
-                s.push(',');
-            }
-            s.push_str(&p.snap.address);
+    let addresses = || ranked.iter().filter_map(|i| pool.pods.get(*i));
+    // One allocation, and the addresses copied by `append` (no `memory.copy` on wasm32).
+    let mut s = String::with_capacity(addresses().map(|p| p.snap.address.len() + 1).sum());
+    for p in addresses() {
+        if !s.is_empty() {
+            s.push(',');
         }
+        crate::request::append(&mut s, &p.snap.address);
     }
     s
 }

@@ -2,6 +2,7 @@
 //! is stripped from client requests by both the proxy-wasm and the dynamic-module shells.
 
 use crate::error::ApiError;
+use crate::request::owned;
 
 /// Headers the filter sets to steer Envoy. A client must never be able to set them: with an
 /// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere. Every
@@ -54,13 +55,9 @@ impl RequestHead {
             match k {
                 b":path" => {
                     let full = text().unwrap_or_default();
-                    h.path = full
-                        .split(['?', '#'])
-                        .next()
-                        .unwrap_or_default()
-                        .to_string();
+                    h.path = owned(full.split(['?', '#']).next().unwrap_or_default());
                 }
-                b":method" => h.method = text().unwrap_or_default().to_string(),
+                b":method" => h.method = owned(text().unwrap_or_default()),
                 b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),

@@ -344,7 +344,7 @@ fn span_of(outer: &[u8], inner: &str) -> Option<Range<usize>> {
 /// function, a fixed cost larger than copying a role or a message's content. The stores are
 /// volatile so that LLVM cannot turn the loop back into `memory.copy`.
 #[inline(always)]
-fn append(text: &mut String, s: &str) {
+pub(crate) fn append(text: &mut String, s: &str) {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     {
         use std::arch::wasm32::{v128, v128_load, v128_store};
@@ -366,7 +366,10 @@ fn append(text: &mut String, s: &str) {
             if n >= 16 {
                 let mut i = 0;
                 while i + 16 < n {
-                    v128_store(dst.add(i).cast::<v128>(), v128_load(src.add(i).cast::<v128>()));
+                    v128_store(
+                        dst.add(i).cast::<v128>(),
+                        v128_load(src.add(i).cast::<v128>()),
+                    );
                     i += 16;
                 }
                 let last = v128_load(src.add(n - 16).cast::<v128>());
@@ -395,6 +398,14 @@ fn append(text: &mut String, s: &str) {
     }
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     text.push_str(s);
+}
+
+/// `s.to_string()` through [`append`]: for the short names a request copies (its path, its
+/// pool), without a `memory.copy` on wasm32.
+pub(crate) fn owned(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    append(&mut out, s);
+    out
 }
 
 /// Accumulates canonical prompt text up to a limit while measuring the full length.
