@@ -78,7 +78,7 @@ impl Prepared {
     /// The in-flight record of this request once it is counted against `pod_key`.
     pub fn in_flight(&self, pod_key: u64, prefill_tokens: u32) -> InFlight {
         InFlight {
-            pool: crate::request::owned(&self.pool),
+            pool: crate::bytes::owned(&self.pool),
             pod_key,
             tokens: self.prompt_tokens,
             prefill_tokens,
@@ -219,7 +219,7 @@ impl Engine {
             .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
         let adapter_recent = adapter_anchor.and_then(|k| self.prefix.latest_pod_of(k));
         Ok(Prepared {
-            pool: crate::request::owned(self.routes.pool_name(target.pool)),
+            pool: crate::bytes::owned(self.routes.pool_name(target.pool)),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
             model_only,
@@ -448,7 +448,7 @@ fn destination(pool: &PoolState, ranked: &[usize]) -> String {
         if !s.is_empty() {
             s.push(',');
         }
-        crate::request::append(&mut s, &p.snap.address);
+        crate::bytes::append(&mut s, &p.snap.address);
     }
     s
 }

@@ -1,8 +1,8 @@
 //! The headers the filter (either build) uses to steer Envoy, in one place: a header added here
 //! is stripped from client requests by both the proxy-wasm and the dynamic-module shells.
 
+use crate::bytes::owned;
 use crate::error::ApiError;
-use crate::request::owned;
 
 /// Headers the filter sets to steer Envoy. A client must never be able to set them: with an
 /// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere. Every

@@ -13,9 +13,13 @@
 //! - [`prefix`]: prefix hashing, rendezvous homes and the learned prefix index;
 //! - [`picker`]: candidates, scorers and the pick;
 //! - [`engine`]: the per-request pipeline the filter runs;
-//! - [`headers`]: the headers the filter sets (and strips from clients).
+//! - [`headers`]: the headers the filter sets (and strips from clients);
+//! - [`alloc`]: the size-class allocator the filter runs on in the VM;
+//! - [`bytes`]: copies and compares that stay in the wasm code (no `memory.copy`, no byte loops).
 
 pub mod adapters;
+pub mod alloc;
+pub mod bytes;
 pub mod config;
 pub mod engine;
 pub mod error;

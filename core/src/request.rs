@@ -11,6 +11,7 @@
 //! is an error (serde's derive rejects it), so the gateway and the model server can never disagree
 //! about which model a body asks for.
 
+use crate::bytes::append;
 use crate::error::ApiError;
 use crate::scan;
 use serde::de::IgnoredAny;
@@ -338,87 +339,6 @@ fn span_of(outer: &[u8], inner: &str) -> Option<Range<usize>> {
     (end <= outer.len()).then_some(start..end)
 }
 
-/// `text.push_str(s)`. On wasm32 with SIMD, when the room is already reserved, the bytes are
-/// copied in the wasm code itself, sixteen at a time (a short string in two overlapping words):
-/// `push_str` compiles to `memory.copy`, which V8 runs as a call out of the wasm code into a C
-/// function, a fixed cost (~80 instructions) larger than copying a role or a message's content.
-/// The blocks are moved with the SIMD load and store intrinsics: a plain loop of 16-byte copies
-/// LLVM turns back into `memory.copy` (measured: 1,200 more instructions per request, not fewer).
-#[inline(always)]
-pub(crate) fn append(text: &mut String, s: &str) {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    {
-        use std::arch::wasm32::{v128, v128_load, v128_store};
-        let n = s.len();
-        if text.capacity() - text.len() < n {
-            text.push_str(s);
-            return;
-        }
-        // SAFETY: the room for `n` more bytes after `len` was checked above. Every read is
-        // inside `s` (a 16-byte block at an offset <= n - 16, an 8- or 4-byte word at 0 and at
-        // n - 8 or n - 4, or a single byte below n), every write at the same offset of the room;
-        // unaligned reads and writes are allowed. Overlapping blocks write the same bytes twice.
-        // The bytes written are `s`'s, so the buffer stays UTF-8 once its length is `len + n`.
-        unsafe {
-            let v = text.as_mut_vec();
-            let len = v.len();
-            let dst = v.as_mut_ptr().add(len);
-            let src = s.as_ptr();
-            if n >= 16 {
-                let mut i = 0;
-                while i + 16 < n {
-                    v128_store(
-                        dst.add(i).cast::<v128>(),
-                        v128_load(src.add(i).cast::<v128>()),
-                    );
-                    i += 16;
-                }
-                let last = v128_load(src.add(n - 16).cast::<v128>());
-                v128_store(dst.add(n - 16).cast::<v128>(), last);
-            } else if n >= 8 {
-                two_words::<u64>(src, dst, n);
-            } else if n >= 4 {
-                two_words::<u32>(src, dst, n);
-            } else {
-                for i in 0..n {
-                    dst.add(i).write(*src.add(i));
-                }
-            }
-            v.set_len(len + n);
-        }
-    }
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-    text.push_str(s);
-}
-
-/// Copies `n` bytes from `src` to `dst` as two words of type `W`, at 0 and at `n - size_of W`
-/// (overlapping when `n` is under two words): [`append`]'s copy of a short string.
-///
-/// # Safety
-/// `size_of::<W>() <= n`, `src` readable and `dst` writable for `n` bytes (no alignment needed).
-#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-#[inline(always)]
-unsafe fn two_words<W: Copy>(src: *const u8, dst: *mut u8, n: usize) {
-    let last = n - std::mem::size_of::<W>();
-    // SAFETY: both words lie within the `n` bytes the caller vouches for; unaligned access.
-    unsafe {
-        let (a, b) = (
-            src.cast::<W>().read_unaligned(),
-            src.add(last).cast::<W>().read_unaligned(),
-        );
-        dst.cast::<W>().write_unaligned(a);
-        dst.add(last).cast::<W>().write_unaligned(b);
-    }
-}
-
-/// `s.to_string()` through [`append`]: for the short names a request copies (its path, its
-/// pool), without a `memory.copy` on wasm32.
-pub(crate) fn owned(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    append(&mut out, s);
-    out
-}
-
 /// Accumulates canonical prompt text up to a limit while measuring the full length.
 struct PromptText {
     text: String,
@@ -448,7 +368,7 @@ impl PromptText {
         self.sep(FIELD_SEP);
         let start = self.text.len();
         content(self);
-        if role == Some("user") && self.conversation_len.is_none() {
+        if self.conversation_len.is_none() && role == Some("user") {
             self.conversation_len = Some(self.text.len().min(start + self.home_chars));
         }
     }
@@ -555,7 +475,7 @@ impl PromptText {
             if let Some(calls) = m.tool_calls {
                 append(&mut self.text, calls);
             }
-            if m.role == Some("user") && self.conversation_len.is_none() {
+            if self.conversation_len.is_none() && m.role == Some("user") {
                 self.conversation_len = Some(self.text.len().min(start + self.home_chars));
             }
             self.text.push(ITEM_SEP);
@@ -666,32 +586,6 @@ mod tests {
 
     fn messages(body: &str) -> InferenceRequest<'_> {
         parse(body.as_bytes(), Endpoint::Messages, 1 << 20, 1024).unwrap()
-    }
-
-    /// `append` is `push_str` at every length (each of its copy paths: bytes, two 4- or 8-byte
-    /// words, 16-byte blocks with an overlapping last one), with and without room reserved,
-    /// after text of any length; under `make wasm-test` this runs its wasm32 SIMD copy.
-    #[test]
-    fn append_equals_push_str() {
-        let source: String = (0..200u8).map(|i| char::from(b'a' + i % 26)).collect();
-        for before in [0usize, 1, 7, 16, 33] {
-            for n in 0..70 {
-                for reserve in [false, true] {
-                    let mut got = source[..before].to_string();
-                    if reserve {
-                        got.reserve(n);
-                    }
-                    let mut want = got.clone();
-                    append(&mut got, &source[before..before + n]);
-                    want.push_str(&source[before..before + n]);
-                    assert_eq!(got, want, "before {before}, n {n}, reserve {reserve}");
-                }
-            }
-        }
-        // Multi-byte characters are copied as bytes.
-        let mut got = String::with_capacity(64);
-        append(&mut got, "é and 日本語 and 🙂, sixteen bytes and more");
-        assert_eq!(got, "é and 日本語 and 🙂, sixteen bytes and more");
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! The caller then takes the `serde_json` paths, which decide. Property tests hold the two to
 //! the same result on every body the scanner accepts.
 
+use crate::bytes::has_prefix;
 use std::borrow::Cow;
 
 /// What the router needs from a chat body.
@@ -602,52 +603,6 @@ fn unescaped(tok: &str, escaped: bool) -> Option<Cow<'_, str>> {
     }
 }
 
-/// `b.starts_with(p)` for the short keys, roles and separators the scanner matches, without the
-/// call to `memcmp` that `starts_with` compiles to: on wasm32 that is wasi-libc's byte loop
-/// behind a call, several times the cost of the comparison itself (`memcmp` had 3.5% of the
-/// samples of `make profile-wasm` with the plain-message path; none after this).
-///
-/// Eight bytes at a time (four for shorter words), the last word overlapping the one before: a
-/// 15-byte separator is two word compares, not fifteen byte compares with a loop each. With `p`
-/// a literal, its words are constants.
-#[inline(always)]
-fn has_prefix(b: &[u8], p: &[u8]) -> bool {
-    let n = p.len();
-    let Some(b) = b.get(..n) else {
-        return false;
-    };
-    if n >= 8 {
-        let mut i = 0;
-        while i + 8 < n {
-            if word::<8>(b, i) != word::<8>(p, i) {
-                return false;
-            }
-            i += 8;
-        }
-        word::<8>(b, n - 8) == word::<8>(p, n - 8)
-    } else if n >= 4 {
-        word::<4>(b, 0) == word::<4>(p, 0) && word::<4>(b, n - 4) == word::<4>(p, n - 4)
-    } else {
-        b.iter().zip(p).all(|(x, y)| x == y)
-    }
-}
-
-/// The `N` bytes of `b` at `at` as one little-endian integer, `N` 4 or 8 (0 when out of
-/// bounds, which [`has_prefix`] never asks for). One unaligned load.
-#[inline(always)]
-fn word<const N: usize>(b: &[u8], at: usize) -> u64 {
-    let Some(bytes) = b.get(at..at + N) else {
-        return 0;
-    };
-    if let Ok(w) = <[u8; 8]>::try_from(bytes) {
-        u64::from_le_bytes(w)
-    } else if let Ok(w) = <[u8; 4]>::try_from(bytes) {
-        u64::from(u32::from_le_bytes(w))
-    } else {
-        0
-    }
-}
-
 /// Which of `names` an object key is: `Some(Some(i))`, or `Some(None)` for any other key. Each
 /// name is accepted once; a repeated one, or a key with escapes, makes the scanner decline
 /// (`serde_json` rejects duplicates of the fields it knows).
@@ -831,23 +786,6 @@ mod tests {
             let want = b.iter().position(|&c| c == b'"' || c == b'\\' || c < 0x20);
             proptest::prop_assert_eq!(special(&b), want);
             proptest::prop_assert_eq!(special_swar(&b), want);
-        }
-
-        /// The word compares agree with `starts_with` at every length (under 4, 4-7, 8, and
-        /// longer words whose last word overlaps), for prefixes that match, differ in one byte
-        /// anywhere, or run past the end.
-        #[test]
-        fn has_prefix_equals_starts_with(
-            b in proptest::collection::vec(0u8..4, 0..40),
-            n in 0usize..41,
-            flip in proptest::option::of(proptest::prelude::any::<proptest::sample::Index>()),
-        ) {
-            let mut p: Vec<u8> = b.iter().copied().chain(std::iter::repeat(7)).take(n).collect();
-            if let (Some(at), false) = (flip, p.is_empty()) {
-                let at = at.index(p.len());
-                p[at] ^= 1;
-            }
-            proptest::prop_assert_eq!(has_prefix(&b, &p), b.starts_with(&p));
         }
 
         /// The ASCII shortcut takes exactly the bodies that are UTF-8, wherever a non-ASCII
