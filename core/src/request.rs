@@ -238,11 +238,10 @@ fn parse_chat_scan(
     body: &[u8],
     mut prompt: PromptText,
 ) -> Option<Result<InferenceRequest<'_>, ApiError>> {
-    let scan = scan::chat(body)?;
-    Some(model_field(body, scan.model).map(|model| {
-        prompt.scanned(&scan.messages);
-        prompt.finish(model, is_true(scan.stream))
-    }))
+    // The messages go into the prompt text as they are read; if the scanner declines, the
+    // caller starts the next tier with a new text.
+    let head = scan::chat_each(body, |m| prompt.scanned_message(&m))?;
+    Some(model_field(body, head.model).map(|model| prompt.finish(model, is_true(head.stream))))
 }
 
 /// Chat, second tier: one typed `serde_json` pass (any content shape).
@@ -422,66 +421,55 @@ impl PromptText {
 
     /// Messages read by the scanner: contents already unescaped, `tool_calls` raw.
     fn scanned(&mut self, messages: &[scan::ChatMessage<'_>]) {
-        if self.scanned_whole(messages) {
-            return;
-        }
         for m in messages {
-            self.message(m.role, |p| {
-                // A string, nearly every message's content, pushed here: through
-                // `scanned_content` it costs ~800 more instructions per request in the VM.
-                match &m.content {
-                    Some(scan::Content::Text(t)) => p.push(t),
-                    Some(parts) => p.scanned_content(parts),
-                    None => {}
-                }
-                if let Some(calls) = m.tool_calls {
-                    p.push(calls);
-                }
-            });
-            self.sep(ITEM_SEP);
+            self.scanned_message(m);
         }
     }
 
-    /// [`PromptText::scanned`] in the usual case, string contents that all fit under the limit:
-    /// their length is summed first, then every piece is appended with no per-piece limit check
-    /// (through Envoy ~1,100 fewer instructions per request for the benchmark's 28 messages, two
-    /// runs of `make bench-envoy-instr` against a build without it). The
-    /// same text and length as the general loop; `false` (nothing appended) when a content is a
-    /// list of parts or the text would pass the limit.
-    fn scanned_whole(&mut self, messages: &[scan::ChatMessage<'_>]) -> bool {
-        let mut total = 0usize;
-        for m in messages {
-            let content = match &m.content {
-                Some(scan::Content::Text(t)) => t.len(),
-                Some(scan::Content::Parts(_)) => return false,
-                None => 0,
-            };
-            // Role, field separator, content, tool calls, item separator.
-            total += m.role.map_or(0, str::len) + content + m.tool_calls.map_or(0, str::len) + 2;
-        }
+    /// One message read by the scanner. A chat body's messages come here one by one as the
+    /// scanner reads them (`scan::chat_each`), with no list in between.
+    ///
+    /// In the usual case, a string content that fits under the limit with its role and
+    /// separators, the pieces are appended with no per-piece limit check; otherwise
+    /// [`PromptText::scanned_general`]. The same text and length either way.
+    #[inline(always)]
+    fn scanned_message(&mut self, m: &scan::ChatMessage<'_>) {
+        let content = match &m.content {
+            Some(scan::Content::Text(t)) => t.as_ref(),
+            Some(scan::Content::Parts(_)) => return self.scanned_general(m),
+            None => "",
+        };
+        let role = m.role.unwrap_or_default();
+        let calls = m.tool_calls.unwrap_or_default();
+        // Role, field separator, content, tool calls, item separator.
+        let total = role.len() + 1 + content.len() + calls.len() + 1;
         if self.text.len().saturating_add(total) > self.limit {
-            return false;
+            return self.scanned_general(m);
         }
         self.text.reserve(total);
-        for m in messages {
-            if let Some(r) = m.role {
-                append(&mut self.text, r);
-            }
-            self.text.push(FIELD_SEP);
-            let start = self.text.len();
-            if let Some(scan::Content::Text(t)) = &m.content {
-                append(&mut self.text, t);
+        append(&mut self.text, role);
+        self.text.push(FIELD_SEP);
+        let start = self.text.len();
+        append(&mut self.text, content);
+        append(&mut self.text, calls);
+        if self.conversation_len.is_none() && m.role == Some("user") {
+            self.conversation_len = Some(self.text.len().min(start + self.home_chars));
+        }
+        self.text.push(ITEM_SEP);
+        self.len += total;
+    }
+
+    /// [`PromptText::scanned_message`] piece by piece, each cut at the limit.
+    fn scanned_general(&mut self, m: &scan::ChatMessage<'_>) {
+        self.message(m.role, |p| {
+            if let Some(c) = &m.content {
+                p.scanned_content(c);
             }
             if let Some(calls) = m.tool_calls {
-                append(&mut self.text, calls);
+                p.push(calls);
             }
-            if self.conversation_len.is_none() && m.role == Some("user") {
-                self.conversation_len = Some(self.text.len().min(start + self.home_chars));
-            }
-            self.text.push(ITEM_SEP);
-        }
-        self.len += total;
-        true
+        });
+        self.sep(ITEM_SEP);
     }
 
     /// A content read by the scanner, as [`PromptText::content`] reads it.
