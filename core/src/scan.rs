@@ -354,7 +354,7 @@ impl<'a> Scanner<'a> {
                         // The plain form inline, here in the loop; the general path a call.
                         let m = match s.plain_message() {
                             Some(m) => m,
-                            None => s.message()?,
+                            None => s.general_message()?,
                         };
                         each(m);
                         Some(())
@@ -478,9 +478,14 @@ impl<'a> Scanner<'a> {
     }
 
     fn message(&mut self) -> Option<ChatMessage<'a>> {
-        if let Some(m) = self.plain_message() {
-            return Some(m);
+        match self.plain_message() {
+            Some(m) => Some(m),
+            None => self.general_message(),
         }
+    }
+
+    /// A message not in the plain form: its fields in any order and spacing.
+    fn general_message(&mut self) -> Option<ChatMessage<'a>> {
         let mut m = ChatMessage {
             role: None,
             content: None,

@@ -22,6 +22,27 @@ mod abi;
 mod host;
 mod stats;
 
+use abi::{Action, BufferType, LogLevel, MapType};
+use gpuroute_core::config::{DataPlane, FilterConfig};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
+use gpuroute_core::error::{ApiError, ErrorStyle};
+use gpuroute_core::fleet::FleetState;
+use gpuroute_core::headers::{self, RequestHead};
+use gpuroute_core::idmap::NameMap;
+use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
+use gpuroute_core::picker::Decision;
+use gpuroute_core::prefix::{SyncBoard, SyncLog};
+use gpuroute_core::rng::SplitMix64;
+use gpuroute_core::routing::ModelsQuery;
+use gpuroute_core::snapshot::Snapshot;
+use gpuroute_core::workers::{self, Turn, WorkerSet};
+use stats::Stats;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::rc::Rc;
+
 /// Size-class free lists in front of wasi-libc's dlmalloc ([`gpuroute_core::alloc`]): a request's
 /// dozen allocations and frees at a few instructions each instead of ~250. The VM has one thread.
 #[cfg(all(target_arch = "wasm32", not(target_feature = "atomics")))]
@@ -52,27 +73,6 @@ unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> i32 {
     };
     gpuroute_core::bytes::compare(a, b)
 }
-
-use abi::{Action, BufferType, LogLevel, MapType};
-use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
-use gpuroute_core::error::{ApiError, ErrorStyle};
-use gpuroute_core::fleet::FleetState;
-use gpuroute_core::headers::{self, RequestHead};
-use gpuroute_core::idmap::NameMap;
-use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
-use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
-use gpuroute_core::picker::Decision;
-use gpuroute_core::prefix::{SyncBoard, SyncLog};
-use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::ModelsQuery;
-use gpuroute_core::snapshot::Snapshot;
-use gpuroute_core::workers::{self, Turn, WorkerSet};
-use stats::Stats;
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::net::{IpAddr, SocketAddr};
-use std::rc::Rc;
 
 /// Shared-data key of the registry of live workers (`gpuroute_core::workers`).
 const WORKERS_KEY: &str = "gpuroute.workers.live";
