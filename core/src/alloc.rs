@@ -2,7 +2,7 @@
 //! in the VM (`filter/src/lib.rs`).
 //!
 //! A request in the filter allocates and frees about a dozen blocks (the header pairs and body
-//! the host hands over, the prompt text, the message list, the anchors, the load view, the
+//! the host hands over, the prompt text, the anchors, the load view, the in-flight record, the
 //! destination, ...). Behind `malloc` and `free` on wasm32-wasip1 is wasi-libc's dlmalloc, about
 //! 250 instructions per allocation and free in V8 (`make profile-wasm-instr`, 2026-12-02: dlmalloc,
 //! dlfree, malloc and free together 2,883 instructions of the filter's 50,512 per request). Here a
