@@ -64,7 +64,8 @@ impl<A: GlobalAlloc> SizeClasses<A> {
     }
 
     /// Bytes of free blocks kept in class `class` (0 for no such class).
-    pub fn kept(&self, class: usize) -> usize {
+    #[cfg(test)]
+    fn kept(&self, class: usize) -> usize {
         // SAFETY: one thread (see the type's docs); a copy out, no reference kept.
         let lists = unsafe { &*self.lists.get() };
         lists.kept.get(class).copied().unwrap_or(0)
