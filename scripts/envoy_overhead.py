@@ -25,15 +25,17 @@ Setup (all on 127.0.0.1):
             headers; destination round robin, no decision). What no work on the filter's own code
             can remove.
 Latency is measured with 1 connection (no queueing), throughput with 16. The five gateways are
-measured alternately (the order flips every round), several rounds; the report gives the median
-of the rounds, the median and range of the per-round requests/s ratio (ours / plain, measured
-seconds apart, so a slow spell of the shared machine hits both), and the gateway Envoy's CPU time
-per request (user + system of the whole process, from /proc: what the ratio would be if the
-gateway had a core to itself).
+measured interleaved: one httpload run loads them in turn, 250 ms each, the order reversing every
+cycle, until each has had its seconds (see bench/src/interleave.rs: measured 4 s apiece, the host's
+slow spells of a second or more land on one gateway and not the next; in quarter-second turns they
+land on all alike). Several rounds; the report gives the median of the rounds, the median and range
+of the per-round requests/s ratio (ours / plain), and the gateway Envoy's CPU time per request
+(all its threads, from /proc, counted over its own turns: what the ratio would be if the gateway
+had a core to itself).
 
 Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--compare-wasm NAME=PATH ...]
   --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
-  to the alternated rounds, e.g. the build before a change: builds compared within one run agree
+  to the interleaved rounds, e.g. the build before a change: builds compared within one run agree
   far better than runs of different days on this shared machine. To build an earlier revision:
     git worktree add /tmp/prev REV && (cd /tmp/prev && cargo build -p gpuroute-filter \
       --target wasm32-wasip1 --profile wasm-release --target-dir /tmp/prev-target)
@@ -127,22 +129,28 @@ def upstream_connections_per_request(gw):
 
 
 WARMUP = 200  # requests per connection before httpload starts measuring (its default)
+SLOT_MS = 250  # one gateway's turn in the interleaved runs (httpload --slot-ms)
 
 
-def load(addr, body_file, connections, seconds, pid=None):
-    """Runs httpload; with `pid`, adds that process's CPU microseconds per request (warm-up
-    requests included on both sides of the division)."""
-    c0 = cpu_seconds(pid) if pid else 0.0
-    out = subprocess.run([str(HTTPLOAD), "--addr", addr, "--body-file", str(body_file), "--connections", str(connections),
-                          "--duration-s", str(seconds), "--warmup", str(WARMUP)], capture_output=True, text=True, check=True)
-    res = json.loads(out.stdout)
-    if res["errors"] or not res["requests"]:
-        # A gateway answering errors (a 404 from a route it failed to steer, say) would be
-        # measured as fast and cheap: refuse to report it.
-        raise RuntimeError(f"gateway {addr}: {res['errors']} failed requests, {res['requests']} answered 200")
-    if pid:
-        res["cpu_us_per_request"] = (cpu_seconds(pid) - c0) * 1e6 / (res["requests"] + WARMUP * connections)
-    return res
+def load(gateways, body_file, connections, seconds, cpu=False):
+    """Runs httpload on every gateway of `gateways` ((name, Envoy) pairs) at once, interleaved
+    in SLOT_MS slots until each has been measured for `seconds`; returns {name: its result}.
+    With `cpu`, each result has the gateway process's CPU microseconds per request, counted
+    over its own slots."""
+    cmd = [str(HTTPLOAD), "--body-file", str(body_file), "--connections", str(connections),
+           "--duration-s", str(seconds), "--slot-ms", str(SLOT_MS), "--warmup", str(WARMUP)]
+    for _, gw in gateways:
+        cmd += ["--addr", gw.listen, *(["--pid", str(gw.proc.pid)] if cpu else [])]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    results = {}
+    for (name, gw), res in zip(gateways, json.loads(out.stdout)["targets"]):
+        if res["errors"] or not res["requests"]:
+            # A gateway answering errors (a 404 from a route it failed to steer, say) would be
+            # measured as fast and cheap: refuse to report it.
+            raise RuntimeError(f"gateway {name} ({gw.listen}): {res['errors']} failed requests, "
+                               f"{res['requests']} answered 200")
+        results[name] = res
+    return results
 
 
 # Gateways that route without the filter: they take no snapshot.
@@ -235,12 +243,10 @@ def main():
     try:
         for r in range(args.rounds):
             order = gateways if r % 2 == 0 else gateways[::-1]
-            for name, gw in order:
-                lat = load(gw.listen, body_file, 1, args.seconds)
-                rows[name]["lat"].append(lat)
-            for name, gw in order[::-1]:
-                thr = load(gw.listen, body_file, 16, args.seconds, pid=gw.proc.pid)
-                rows[name]["rps"].append(thr)
+            for name, res in load(order, body_file, 1, args.seconds).items():
+                rows[name]["lat"].append(res)
+            for name, res in load(order[::-1], body_file, 16, args.seconds, cpu=True).items():
+                rows[name]["rps"].append(res)
             print(f"round {r + 1}: " + ", ".join(f"{name} p50 {rows[name]['lat'][-1]['latency_us']['p50']} us, "
                                                  f"{rows[name]['rps'][-1]['rps']:.0f} req/s" for name, _ in gateways), flush=True)
         outcomes = {
@@ -261,7 +267,7 @@ def main():
 
     res = {
         "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
-                  "seconds_per_run": args.seconds, "latency_connections": 1, "throughput_connections": 16,
+                  "seconds_per_run": args.seconds, "slot_ms": SLOT_MS, "interleaved": True, "latency_connections": 1, "throughput_connections": 16,
                   "machine": "the cores shared by client, gateway Envoy and upstream Envoy", **host_info()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},

@@ -31,10 +31,10 @@ def profile(mode, seconds, work):
     pusher = Pusher([gw], pods) if mode == "filter" else None
     data = work / f"{mode}.perf"
     try:
-        eo.load(gw.listen, body_file, 16, 2)  # warm-up
+        eo.load([("gw", gw)], body_file, 16, 2)  # warm-up
         perf = subprocess.Popen(["perf", "record", "-F", "2000", "-p", str(gw.proc.pid), "-o", str(data),
                                  "--", "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        rps = eo.load(gw.listen, body_file, 16, seconds)["rps"]
+        rps = eo.load([("gw", gw)], body_file, 16, seconds)["gw"]["rps"]
         perf.wait()
     finally:
         if pusher:

@@ -14,11 +14,14 @@
 //! - [`floor`]: each request's best possible TTFT (idle pod, ideal cache), from fleet-sim's
 //!   engine, so targets read against what any router could reach;
 //! - [`scenario`]: scenario files pairing a fleet with a workload, and workload SPECs;
-//! - [`stub`]: a trivial streaming server with known timings for tests and self-measurement.
+//! - [`stub`]: a trivial streaming server with known timings for tests and self-measurement;
+//! - [`interleave`]: closed-loop load on several listeners in interleaved slots (`httpload`,
+//!   what `make bench-envoy` measures the filter's cost inside Envoy with).
 //!
-//! Binaries: `loadgen`, `bench-report`, `bench-scenario`, `sse-stub`.
+//! Binaries: `loadgen`, `bench-report`, `bench-scenario`, `sse-stub`, `httpload`.
 
 pub mod floor;
+pub mod interleave;
 pub mod metrics;
 pub mod report;
 pub mod results;

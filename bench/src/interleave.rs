@@ -1,0 +1,399 @@
+//! Closed-loop HTTP/1.1 load against several listeners in interleaved time slots: what
+//! `httpload` (and through it `scripts/envoy_overhead.py`) measures the filter's cost with.
+//!
+//! On a shared machine the speed of the host drifts over seconds (other tenants). Measuring
+//! gateway A for 4 s and then gateway B for 4 s puts that drift into the A/B ratio: per-round
+//! ratios of two identical gateways spread by ±20% on this project's benchmark hosts. Here every
+//! target gets short slots in turn (`slot`, 250 ms by default) until each has been measured for
+//! `duration`, so a slow spell falls on all of them alike. The order reverses every cycle
+//! (A B C, C B A, ...), so no target always runs right after the same neighbour.
+//!
+//! Each target keeps its own `connections` keep-alive connections for the whole run; in its
+//! slot each connection sends the same pre-built request back to back, and in the other
+//! targets' slots it is idle. Per target the run reports requests, errors, the time its slots
+//! took, requests/s over that time, latency percentiles, and, given the target's process id,
+//! that process's CPU time per request counted over its own slots only (an idle gateway's
+//! timers do not count against it).
+
+use anyhow::{bail, Context, Result};
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// One listener to load.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// `host:port`.
+    pub addr: String,
+    /// The process serving it, for its CPU time (Linux `/proc`); `None`: not counted.
+    pub pid: Option<u32>,
+}
+
+/// What to send and for how long.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub targets: Vec<Target>,
+    /// Request path, e.g. `/v1/chat/completions`.
+    pub path: String,
+    /// The request body (sent as `application/json` with a content-length).
+    pub body: Vec<u8>,
+    /// Keep-alive connections per target.
+    pub connections: usize,
+    /// Measured time per target (the sum of its slots).
+    pub duration: Duration,
+    /// One slot. With one target the whole `duration` is one slot.
+    pub slot: Duration,
+    /// Requests per connection before measuring starts (connection setup, JIT, caches).
+    pub warmup: usize,
+}
+
+/// Latency percentiles, microseconds.
+#[derive(Clone, Debug, Serialize)]
+pub struct Latency {
+    pub p50: u64,
+    pub p90: u64,
+    pub p99: u64,
+    pub mean: f64,
+}
+
+/// One target's measurements.
+#[derive(Clone, Debug, Serialize)]
+pub struct TargetReport {
+    pub addr: String,
+    /// Requests answered 200 within the measured slots.
+    pub requests: u64,
+    /// Requests answered otherwise, or lost with their connection.
+    pub errors: u64,
+    /// The slots this target had.
+    pub slots: usize,
+    /// The time its slots took, seconds (each slot ends when its last request is answered).
+    pub active_s: f64,
+    /// `requests / active_s`.
+    pub rps: f64,
+    pub latency_us: Latency,
+    /// The target process's CPU time (all threads) over its slots, per request answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_us_per_request: Option<f64>,
+}
+
+/// The whole run.
+#[derive(Clone, Debug, Serialize)]
+pub struct Report {
+    pub connections: usize,
+    pub slot_ms: f64,
+    pub duration_s: f64,
+    pub body_bytes: usize,
+    pub targets: Vec<TargetReport>,
+}
+
+/// The order of the targets in cycle `cycle`: forward in even cycles, backward in odd ones.
+pub fn slot_order(targets: usize, cycle: usize) -> Vec<usize> {
+    if cycle.is_multiple_of(2) {
+        (0..targets).collect()
+    } else {
+        (0..targets).rev().collect()
+    }
+}
+
+/// Slots per target: enough for `duration` (at least one); with one target, one.
+pub fn slots_per_target(targets: usize, duration: Duration, slot: Duration) -> usize {
+    if targets <= 1 || slot.is_zero() {
+        return 1;
+    }
+    (duration.as_secs_f64() / slot.as_secs_f64())
+        .ceil()
+        .max(1.0) as usize
+}
+
+/// The length of one slot, so that `slots` of them make `duration`.
+fn slot_length(duration: Duration, slots: usize) -> Duration {
+    duration / slots.max(1) as u32
+}
+
+/// The first field of a `/proc/<pid>/task/<tid>/schedstat` line: time on the CPU, nanoseconds.
+pub fn parse_schedstat(line: &str) -> Option<u64> {
+    line.split_whitespace().next()?.parse().ok()
+}
+
+/// CPU time of every thread of process `pid` so far, nanoseconds (threads that ended are not
+/// counted: a gateway's threads live as long as it does). Linux only.
+pub fn process_cpu_ns(pid: u32) -> Result<u64> {
+    let dir = format!("/proc/{pid}/task");
+    let mut total = 0u64;
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {dir}"))? {
+        let path = entry?.path().join("schedstat");
+        // A thread may end between the listing and the read.
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            total +=
+                parse_schedstat(&text).with_context(|| format!("parsing {}", path.display()))?;
+        }
+    }
+    Ok(total)
+}
+
+/// The pre-built request.
+pub fn request_bytes(addr: &str, path: &str, body: &[u8]) -> Vec<u8> {
+    let mut req = format!(
+        "POST {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    req
+}
+
+/// Reads one HTTP/1.1 response with a content-length body; returns its status.
+async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> Result<u16> {
+    buf.clear();
+    let mut tmp = [0u8; 16384];
+    loop {
+        let n = s.read(&mut tmp).await?;
+        if n == 0 {
+            bail!("connection closed");
+        }
+        buf.extend_from_slice(&tmp[..n]);
+        if let Some(end) = find(buf, b"\r\n\r\n") {
+            let head = std::str::from_utf8(&buf[..end]).context("non-UTF-8 head")?;
+            let status: u16 = head
+                .split(' ')
+                .nth(1)
+                .and_then(|x| x.parse().ok())
+                .context("no status")?;
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .context("no content-length")?;
+            let want = end + 4 + len;
+            while buf.len() < want {
+                let n = s.read(&mut tmp).await?;
+                if n == 0 {
+                    bail!("connection closed mid-body");
+                }
+                buf.extend_from_slice(&tmp[..n]);
+            }
+            return Ok(status);
+        }
+    }
+}
+
+fn find(h: &[u8], n: &[u8]) -> Option<usize> {
+    h.windows(n.len()).position(|w| w == n)
+}
+
+async fn connect(addr: &str) -> Result<TcpStream> {
+    let s = TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connecting to {addr}"))?;
+    s.set_nodelay(true)?;
+    Ok(s)
+}
+
+/// One keep-alive connection and what it measured.
+struct Conn {
+    addr: String,
+    stream: TcpStream,
+    buf: Vec<u8>,
+    hist: Histogram<u64>,
+    ok: u64,
+    errors: u64,
+}
+
+impl Conn {
+    async fn open(addr: &str) -> Result<Self> {
+        Ok(Self {
+            addr: addr.to_string(),
+            stream: connect(addr).await?,
+            buf: Vec::with_capacity(4096),
+            hist: Histogram::new_with_bounds(1, 60_000_000, 3)?,
+            ok: 0,
+            errors: 0,
+        })
+    }
+
+    async fn warm(mut self, req: Arc<Vec<u8>>, n: usize) -> Result<Self> {
+        for _ in 0..n {
+            self.stream.write_all(&req).await?;
+            read_response(&mut self.stream, &mut self.buf).await?;
+        }
+        Ok(self)
+    }
+
+    /// Sends back to back until `until`; a request started before it is finished and counted.
+    async fn slot(mut self, req: Arc<Vec<u8>>, until: Instant) -> Result<Self> {
+        while Instant::now() < until {
+            let t = Instant::now();
+            let sent = self.stream.write_all(&req).await;
+            let answer = match sent {
+                Ok(()) => read_response(&mut self.stream, &mut self.buf).await,
+                Err(e) => Err(e.into()),
+            };
+            match answer {
+                Ok(200) => {
+                    self.ok += 1;
+                    self.hist.saturating_record(t.elapsed().as_micros() as u64);
+                }
+                Ok(_) => self.errors += 1,
+                Err(_) => {
+                    // The connection is gone (the gateway closed it, say): count the request
+                    // and carry on with a new one.
+                    self.errors += 1;
+                    self.stream = connect(&self.addr).await?;
+                }
+            }
+        }
+        Ok(self)
+    }
+}
+
+async fn join_all(tasks: Vec<tokio::task::JoinHandle<Result<Conn>>>) -> Result<Vec<Conn>> {
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in tasks {
+        out.push(t.await.context("a connection task failed")??);
+    }
+    Ok(out)
+}
+
+/// Runs `plan`: warms every connection, then gives the targets their slots in turn.
+pub async fn run(plan: &Plan) -> Result<Report> {
+    if plan.targets.is_empty() || plan.connections == 0 {
+        bail!("nothing to load: no target or no connection");
+    }
+    let n = plan.targets.len();
+    let slots = slots_per_target(n, plan.duration, plan.slot);
+    let slot = if n == 1 {
+        plan.duration
+    } else {
+        slot_length(plan.duration, slots)
+    };
+    let reqs: Vec<Arc<Vec<u8>>> = plan
+        .targets
+        .iter()
+        .map(|t| Arc::new(request_bytes(&t.addr, &plan.path, &plan.body)))
+        .collect();
+
+    // Every connection of every target, warm before any slot starts.
+    let mut conns: Vec<Vec<Conn>> = Vec::with_capacity(n);
+    for (t, req) in plan.targets.iter().zip(&reqs) {
+        let mut tasks = Vec::with_capacity(plan.connections);
+        for _ in 0..plan.connections {
+            let (addr, req, warmup) = (t.addr.clone(), req.clone(), plan.warmup);
+            tasks.push(tokio::spawn(async move {
+                Conn::open(&addr).await?.warm(req, warmup).await
+            }));
+        }
+        conns.push(join_all(tasks).await?);
+    }
+
+    let mut active = vec![Duration::ZERO; n];
+    let mut cpu_ns = vec![0u64; n];
+    for cycle in 0..slots {
+        for i in slot_order(n, cycle) {
+            let pid = plan.targets[i].pid;
+            let cpu0 = pid.map(process_cpu_ns).transpose()?;
+            let start = Instant::now();
+            let until = start + slot;
+            let tasks = std::mem::take(&mut conns[i])
+                .into_iter()
+                .map(|c| tokio::spawn(c.slot(reqs[i].clone(), until)))
+                .collect();
+            conns[i] = join_all(tasks).await?;
+            active[i] += start.elapsed();
+            if let (Some(pid), Some(cpu0)) = (pid, cpu0) {
+                cpu_ns[i] += process_cpu_ns(pid)?.saturating_sub(cpu0);
+            }
+        }
+    }
+
+    let mut targets = Vec::with_capacity(n);
+    for (i, t) in plan.targets.iter().enumerate() {
+        let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+        let (mut ok, mut errors) = (0u64, 0u64);
+        for c in &conns[i] {
+            hist.add(&c.hist)?;
+            ok += c.ok;
+            errors += c.errors;
+        }
+        let active_s = active[i].as_secs_f64();
+        targets.push(TargetReport {
+            addr: t.addr.clone(),
+            requests: ok,
+            errors,
+            slots,
+            active_s,
+            rps: if active_s > 0.0 {
+                ok as f64 / active_s
+            } else {
+                0.0
+            },
+            latency_us: Latency {
+                p50: hist.value_at_quantile(0.50),
+                p90: hist.value_at_quantile(0.90),
+                p99: hist.value_at_quantile(0.99),
+                mean: hist.mean(),
+            },
+            cpu_us_per_request: t.pid.map(|_| cpu_ns[i] as f64 / 1e3 / ok.max(1) as f64),
+        });
+    }
+    Ok(Report {
+        connections: plan.connections,
+        slot_ms: slot.as_secs_f64() * 1e3,
+        duration_s: plan.duration.as_secs_f64(),
+        body_bytes: plan.body.len(),
+        targets,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_order_reverses_every_cycle() {
+        assert_eq!(slot_order(3, 0), vec![0, 1, 2]);
+        assert_eq!(slot_order(3, 1), vec![2, 1, 0]);
+        assert_eq!(slot_order(3, 2), vec![0, 1, 2]);
+        assert_eq!(slot_order(1, 1), vec![0]);
+    }
+
+    #[test]
+    fn slots_cover_the_duration() {
+        let ms = Duration::from_millis;
+        assert_eq!(slots_per_target(1, ms(4000), ms(250)), 1);
+        assert_eq!(slots_per_target(5, ms(4000), ms(250)), 16);
+        assert_eq!(slots_per_target(5, ms(4100), ms(250)), 17);
+        assert_eq!(slots_per_target(5, ms(100), ms(250)), 1);
+        assert_eq!(slots_per_target(5, ms(4000), Duration::ZERO), 1);
+        assert_eq!(slot_length(ms(4100), 17), Duration::from_nanos(241_176_470));
+        assert_eq!(slot_length(ms(4000), 16), ms(250));
+    }
+
+    #[test]
+    fn schedstat_gives_nanoseconds_on_the_cpu() {
+        assert_eq!(parse_schedstat("123456789 2000 17\n"), Some(123_456_789));
+        assert_eq!(parse_schedstat(""), None);
+        assert_eq!(parse_schedstat("x 1 2"), None);
+    }
+
+    #[test]
+    fn this_process_has_cpu_time() {
+        let spent = process_cpu_ns(std::process::id()).unwrap_or(0);
+        assert!(spent > 0);
+        assert!(process_cpu_ns(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn the_request_is_http_1_1_with_a_content_length() {
+        let r = request_bytes("127.0.0.1:1", "/v1/chat/completions", b"{}");
+        assert_eq!(
+            r,
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:1\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+        );
+    }
+}
