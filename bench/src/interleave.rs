@@ -267,11 +267,8 @@ pub async fn run(plan: &Plan) -> Result<Report> {
     }
     let n = plan.targets.len();
     let slots = slots_per_target(n, plan.duration, plan.slot);
-    let slot = if n == 1 {
-        plan.duration
-    } else {
-        slot_length(plan.duration, slots)
-    };
+    // one target: one slot, the whole duration
+    let slot = slot_length(plan.duration, slots);
     let reqs: Vec<Arc<Vec<u8>>> = plan
         .targets
         .iter()
