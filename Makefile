@@ -47,8 +47,9 @@ native: ## build the native binaries (aggregator, simulator, benchmark tools, th
 
 build: wasm native ## build everything
 
-unit: ## native unit and property tests of every crate
+unit: $(VENV)/.ready ## native unit and property tests of every crate, and of the benchmark scripts' statistics
 	$(CARGO) test --workspace --exclude gpuroute-filter
+	cd tests/scripts && ../../$(VENV)/bin/pytest -q
 
 wasm-test: ## the core crate's tests compiled to wasm32 and run under Node's WASI
 	rustup target add $(WASM_TARGET) >/dev/null 2>&1 || true
@@ -84,7 +85,7 @@ bench-core: ## criterion: decision cost for 64 and 1,000 pods
 bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
-bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering, interleaved in quarter-second turns (~10 min); COMPARE_WASM=name=path adds another filter build
+bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering, interleaved in quarter-second turns, with a byte-identical copy of the filter as the A/A check (~14 min); COMPARE_WASM=name=path adds another filter build
 	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
 
 bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above; SIM=1 adds simulated cache misses and mispredicted branches

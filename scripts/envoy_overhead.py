@@ -25,15 +25,23 @@ Setup (all on 127.0.0.1):
             headers; destination round robin, no decision). What no work on the filter's own code
             can remove.
 Latency is measured with 1 connection (no queueing), throughput with 16. The five gateways are
-measured interleaved: one httpload run loads them in turn, 250 ms each, the order reversing every
-cycle, until each has had its seconds (see bench/src/interleave.rs: measured 4 s apiece, the host's
+measured interleaved: one httpload run loads them in turn, 250 ms each, the order changing every
+cycle (a balanced Latin square: every gateway in every position and after every other alike, never
+two turns in a row), until each has had its seconds (see bench/src/interleave.rs: measured 4 s apiece, the host's
 slow spells of a second or more land on one gateway and not the next; in quarter-second turns they
 land on all alike). Several rounds; the report gives the median of the rounds, the median and range
 of the per-round requests/s ratio (ours / plain), and the gateway Envoy's CPU time per request
 (all its threads, from /proc, counted over its own turns: what the ratio would be if the gateway
-had a core to itself).
+had a core to itself). The verdicts come from the turns paired within each cycle (scripts/paired.py):
+per cycle, a gateway's median latency minus plain's and its requests/s over plain's, whose median
+over every cycle of every round is given with a distribution-free 95% interval; a figure is "met"
+or "missed" only when its whole interval is on one side of the target, else "undecided".
 
-Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--compare-wasm NAME=PATH ...]
+Every run also measures a byte-identical copy of the filter's .wasm ("copy") as a sixth gateway:
+the filter against its copy is the method's own A/A check (two identical builds must read ~100% of
+each other; the report warns when the paired interval leaves 100% out). --no-copy leaves it out.
+
+Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--no-copy] [--compare-wasm NAME=PATH ...]
   --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
   to the interleaved rounds, e.g. the build before a change: builds compared within one run agree
   far better than runs of different days on this shared machine. To build an earlier revision:
@@ -47,6 +55,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,6 +66,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 from harness import BUILDS, ENVOY, FLOOR_WASM, Envoy, Pusher, free_port  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts"))
+import paired  # noqa: E402
 
 HTTPLOAD = ROOT / "target" / "release" / "httpload"
 PODS = 8
@@ -216,10 +227,28 @@ def host_info():
     return {"cpu_model": model, "cores": os.cpu_count()}
 
 
-def cpu_seconds(pid):
-    """user + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+LATENCY_LIMIT_US = 100  # the issue's figures: the filter adds <= 100 us to median latency ...
+RPS_FLOOR = 0.75  # ... and Envoy keeps >= 75% of its requests/s
+
+
+def paired_figures(rows, name, base):
+    """`name` against `base`, turn by turn (scripts/paired.py): added median latency (the
+    latency runs), requests/s and CPU-per-request ratios (the throughput runs), each its median
+    over all cycles, a 95% interval and the verdict against the issue's figure."""
+    lat, thr = (rows[name]["lat"], rows[base]["lat"]), (rows[name]["rps"], rows[base]["rps"])
+    return {"added_p50_us": paired.summary(paired.latency_differences(*lat), LATENCY_LIMIT_US, False),
+            "rps_ratio": paired.summary(paired.rps_ratios(*thr), RPS_FLOOR, True),
+            "cpu_ratio": paired.summary(paired.cpu_ratios(*thr), RPS_FLOOR, True)}
+
+
+def pct(x):
+    return f"{100 * x:.1f}%"
+
+
+def ci_text(e, fmt):
+    """'median (95% CI low..high)' of a paired_figures entry; fmt: a format string or function."""
+    f = fmt if callable(fmt) else fmt.format
+    return f"{f(e['median'])} (95% interval {f(e['low'])} to {f(e['high'])})"
 
 
 def main():
@@ -228,10 +257,18 @@ def main():
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--compare-wasm", action="append", default=[], metavar="NAME=PATH",
                     help="another build of the proxy-wasm filter to measure in the same rounds (repeatable)")
+    ap.add_argument("--no-copy", action="store_true",
+                    help="leave out the byte-identical copy of the filter (the method's A/A check)")
     args = ap.parse_args()
     if not HTTPLOAD.exists() or not FLOOR_WASM.exists():
         sys.exit("build first: make build")
     extra = compare_builds(args.compare_wasm)
+    if not args.no_copy:
+        if "copy" in extra:
+            sys.exit("--compare-wasm: the name 'copy' is the A/A copy's (or pass --no-copy)")
+        copy = Path(tempfile.mkdtemp()) / "gpuroute_filter_copy.wasm"
+        shutil.copyfile(BUILDS["filter"][2], copy)
+        extra = {"copy": copy, **extra}
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
@@ -282,6 +319,11 @@ def main():
         res[name]["added_p50_us"] = res[name]["p50_us"] - res["plain"]["p50_us"]
         res[name]["rps_ratio"] = res[name]["rps"] / res["plain"]["rps"]
         res[name]["rps_ratio_per_round"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        res[name]["paired"] = paired_figures(rows, name, "plain")
+    for name in extra:
+        # two builds of one filter: the spread, not a verdict against the figures
+        res[name]["paired_with_filter"] = {k: {f: v for f, v in e.items() if f != "verdict"}
+                                           for k, e in paired_figures(rows, "filter", name).items()}
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
@@ -292,6 +334,8 @@ def main():
     labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
               "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)",
               **{name: f"proxy-wasm filter, build '{name}' ({path})" for name, path in extra.items()}}
+    if "copy" in extra and not args.no_copy:
+        labels["copy"] = "proxy-wasm filter, a byte-identical copy (the method's A/A check)"
     for name in ("filter", *extra, "module", "wasm_floor", "native_buffer"):
         g = res[name]
         pr = g["rps_ratio_per_round"]
@@ -300,6 +344,11 @@ def main():
         print(f"    requests/s {g['rps']:.0f} -> {100 * g['rps_ratio']:.1f}% of plain (target >= 75%); "
               f"per-round ratio median {100 * pr['median']:.1f}%, range {100 * pr['min']:.1f}-{100 * pr['max']:.1f}%")
         print(f"    gateway CPU per request {g['cpu_us_per_request']:.1f} us")
+        pp = g["paired"]
+        print(f"    paired per turn ({pp['added_p50_us']['pairs']} cycles): added median latency "
+              f"{ci_text(pp['added_p50_us'], '{:+.0f} us')} -> {pp['added_p50_us']['verdict']}; requests/s "
+              f"{ci_text(pp['rps_ratio'], pct)} of plain -> {pp['rps_ratio']['verdict']}; by CPU "
+              f"{ci_text(pp['cpu_ratio'], pct)} -> {pp['cpu_ratio']['verdict']}")
     for name, (_, path) in ours.items():
         o = outcomes[name]
         print(f"  {labels[name]} outcomes: picked {o['picked']}, fail-open {o['fail_open']} "
@@ -314,6 +363,16 @@ def main():
               f"{100 * statistics.median(ratios):.1f}% (range {100 * min(ratios):.1f}-{100 * max(ratios):.1f}%), "
               f"CPU per request {res['filter']['cpu_us_per_request']:.1f} vs {res[name]['cpu_us_per_request']:.1f} us, "
               f"median latency {res['filter']['p50_us']} vs {res[name]['p50_us']} us")
+        pp = res[name]["paired_with_filter"]
+        print(f"    paired per turn: the filter's median latency minus the build's {ci_text(pp['added_p50_us'], '{:+.0f} us')}, "
+              f"requests/s {ci_text(pp['rps_ratio'], pct)} of the build's, by CPU {ci_text(pp['cpu_ratio'], pct)}")
+        if name == "copy" and not args.no_copy:
+            off = [k for k in ("rps_ratio", "cpu_ratio") if not pp[k]["low"] <= 1 <= pp[k]["high"]]
+            off += ["added_p50_us"] if not pp["added_p50_us"]["low"] <= 0 <= pp["added_p50_us"]["high"] else []
+            if off:
+                print(f"  WARNING: the filter and its byte-identical copy differ in {', '.join(off)} beyond the "
+                      "95% interval: chance (with three intervals, about one fair run in seven) or a bias of this "
+                      "run's turns; read its verdicts with that margin")
     print("  upstream connections opened per request: " + ", ".join(f"{k} {v:.4f}" for k, v in conns.items()))
     if max(conns.values()) > 0.01:
         print("  WARNING: upstream connections are not being reused; the figures include a TCP connect per request")

@@ -24,6 +24,7 @@ Writes target/bench/envoy-streaming.json.
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,12 @@ from harness import BUILDS, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, 
 ROOT = eo.ROOT
 RELEASE = ROOT / "target" / "release"
 SHORT, LONG = 8, 128
+
+
+def cpu_seconds(pid):
+    """user + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_stubs(n):
@@ -55,19 +62,19 @@ def idle_cpu(gateways, seconds):
     """CPU milliseconds per second of each gateway over `seconds` of no traffic."""
     out = {}
     for name, gw in gateways:
-        c0 = eo.cpu_seconds(gw.proc.pid)
+        c0 = cpu_seconds(gw.proc.pid)
         time.sleep(seconds)
-        out[name] = (eo.cpu_seconds(gw.proc.pid) - c0) * 1000 / seconds
+        out[name] = (cpu_seconds(gw.proc.pid) - c0) * 1000 / seconds
     return out
 
 
 def stream_round(gw, rate, seconds, tokens, seed, work):
     out = work / f"{gw.listen.replace(':', '_')}-{tokens}-{seed}.json"
-    c0 = eo.cpu_seconds(gw.proc.pid)
+    c0 = cpu_seconds(gw.proc.pid)
     subprocess.run([str(RELEASE / "loadgen"), "--target", f"http://{gw.listen}", "--model", "llama-3-8b", "--out", str(out),
                     "--workload", f"poisson:rate={rate},duration={seconds},prompt=200,output={tokens},seed={seed}"],
                    check=True, capture_output=True)
-    cpu = eo.cpu_seconds(gw.proc.pid) - c0
+    cpu = cpu_seconds(gw.proc.pid) - c0
     records = json.loads(out.read_text())["records"]
     ok = [r for r in records if r["status"] == 200]
     return {"cpu_us_per_request": cpu * 1e6 / max(1, len(ok)), "requests": len(records), "ok": len(ok),

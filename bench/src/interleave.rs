@@ -5,15 +5,18 @@
 //! gateway A for 4 s and then gateway B for 4 s puts that drift into the A/B ratio: per-round
 //! ratios of two identical gateways spread by ±20% on this project's benchmark hosts. Here every
 //! target gets short slots in turn (`slot`, 250 ms by default) until each has been measured for
-//! `duration`, so a slow spell falls on all of them alike. The order reverses every cycle
-//! (A B C, C B A, ...), so no target always runs right after the same neighbour.
+//! `duration`, so a slow spell falls on all of them alike. The order changes every cycle
+//! (`slot_order`: a balanced Latin square), so no target always runs right after the same
+//! neighbour, in the same position, or twice in a row.
 //!
 //! Each target keeps its own `connections` keep-alive connections for the whole run; in its
 //! slot each connection sends the same pre-built request back to back, and in the other
 //! targets' slots it is idle. Per target the run reports requests, errors, the time its slots
 //! took, requests/s over that time, latency percentiles, and, given the target's process id,
 //! that process's CPU time per request counted over its own slots only (an idle gateway's
-//! timers do not count against it).
+//! timers do not count against it). It reports the same per turn too (`turns`, in cycle order):
+//! two targets' turns of one cycle ran within a second of each other, so comparing them turn by
+//! turn (paired) removes most of the host's drift that is left in the whole-run figures.
 
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
@@ -77,6 +80,35 @@ pub struct TargetReport {
     /// The target process's CPU time (all threads) over its slots, per request answered.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_us_per_request: Option<f64>,
+    /// Each of its turns, in cycle order (the `i`-th turn of every target is in cycle `i`).
+    pub turns: Vec<Turn>,
+}
+
+/// One target's measurements over one turn (slot).
+#[derive(Clone, Debug, Serialize)]
+pub struct Turn {
+    /// Requests answered 200 in this turn.
+    pub requests: u64,
+    /// Requests answered otherwise, or lost with their connection, in this turn.
+    pub errors: u64,
+    /// The time the turn took, seconds.
+    pub active_s: f64,
+    /// `requests / active_s`.
+    pub rps: f64,
+    /// Median latency over the turn, microseconds (0 when nothing was answered).
+    pub p50_us: u64,
+    /// The target process's CPU time over the turn, per request answered.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_us_per_request: Option<f64>,
+}
+
+/// `requests / seconds`, 0 for no time.
+fn per_second(requests: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        requests as f64 / seconds
+    } else {
+        0.0
+    }
 }
 
 /// The whole run.
@@ -89,23 +121,78 @@ pub struct Report {
     pub targets: Vec<TargetReport>,
 }
 
-/// The order of the targets in cycle `cycle`: forward in even cycles, backward in odd ones.
+/// The order of the targets in cycle `cycle`: the rows of a Williams design, a Latin square
+/// balanced for what came just before. Over one period (`n` cycles for an even number of targets,
+/// `2n` for an odd one) every target takes every position equally often, follows every other
+/// target equally often within a cycle, and no target ever has two turns in a row, not even
+/// across the end of one cycle and the start of the next.
+///
+/// Why it matters: a gateway that has just been idle for the others' turns starts its own a
+/// little slower (cold caches, sleeping threads). An order that reversed every cycle (A B C,
+/// C B A, ...) gave the two end targets a back-to-back turn at every cycle boundary, half of
+/// their turns warm: two byte-identical builds of the filter then read 93.8% of each other's
+/// requests/s (95% interval 89.8-98.3%) when one of them sat at an end (run 26, 2026-12-03), and
+/// plain Envoy, the baseline, sat at the other end.
 pub fn slot_order(targets: usize, cycle: usize) -> Vec<usize> {
-    if cycle.is_multiple_of(2) {
-        (0..targets).collect()
+    let n = targets;
+    if n <= 2 {
+        // one order; with two targets A B A B ... already alternates and balances
+        return (0..n).collect();
+    }
+    // first row 0, 1, n-1, 2, n-2, 3, ...; row r adds r to every entry (mod n); with an odd
+    // number of targets the next n rows are the first n reversed, taken with the shifts
+    // 0, n-1, ..., 1 (ascending, three targets would repeat one across a cycle boundary)
+    let reversed = n % 2 == 1 && (cycle / n) % 2 == 1;
+    let shift = if reversed {
+        (n - cycle % n) % n
     } else {
-        (0..targets).rev().collect()
+        cycle % n
+    };
+    let mut row: Vec<usize> = (0..n)
+        .map(|j| {
+            let first = if j == 0 {
+                0
+            } else if j % 2 == 1 {
+                j.div_ceil(2)
+            } else {
+                n - j / 2
+            };
+            (first + shift) % n
+        })
+        .collect();
+    if reversed {
+        row.reverse();
+    }
+    row
+}
+
+/// The number of cycles after which `slot_order` repeats: 1 for one or two targets, `n` for an
+/// even number, `2n` for an odd one.
+pub fn order_period(targets: usize) -> usize {
+    match targets {
+        0..=2 => 1,
+        n if n % 2 == 0 => n,
+        n => 2 * n,
     }
 }
 
-/// Slots per target: enough for `duration` (at least one); with one target, one.
+/// Slots per target: enough for `duration` (at least one); with one target, one. When that is
+/// at least one period of `slot_order`, it is rounded up to whole periods (the slots then get
+/// shorter, see `slot_length`), so every order of the design runs equally often: 16 quarter-second
+/// turns for 6 targets would run four of the six orders three times and two of them twice.
 pub fn slots_per_target(targets: usize, duration: Duration, slot: Duration) -> usize {
     if targets <= 1 || slot.is_zero() {
         return 1;
     }
-    (duration.as_secs_f64() / slot.as_secs_f64())
+    let slots = (duration.as_secs_f64() / slot.as_secs_f64())
         .ceil()
-        .max(1.0) as usize
+        .max(1.0) as usize;
+    let period = order_period(targets);
+    if slots >= period {
+        slots.div_ceil(period) * period
+    } else {
+        slots
+    }
 }
 
 /// The length of one slot, so that `slots` of them make `duration`.
@@ -201,6 +288,8 @@ struct Conn {
     stream: TcpStream,
     buf: Vec<u8>,
     hist: Histogram<u64>,
+    /// The current turn's latencies (emptied when the turn is summed).
+    turn: Histogram<u64>,
     ok: u64,
     errors: u64,
 }
@@ -212,6 +301,7 @@ impl Conn {
             stream: connect(addr).await?,
             buf: Vec::with_capacity(4096),
             hist: Histogram::new_with_bounds(1, 60_000_000, 3)?,
+            turn: Histogram::new_with_bounds(1, 60_000_000, 3)?,
             ok: 0,
             errors: 0,
         })
@@ -237,7 +327,9 @@ impl Conn {
             match answer {
                 Ok(200) => {
                     self.ok += 1;
-                    self.hist.saturating_record(t.elapsed().as_micros() as u64);
+                    let us = t.elapsed().as_micros() as u64;
+                    self.hist.saturating_record(us);
+                    self.turn.saturating_record(us);
                 }
                 Ok(_) => self.errors += 1,
                 Err(_) => {
@@ -290,9 +382,14 @@ pub async fn run(plan: &Plan) -> Result<Report> {
 
     let mut active = vec![Duration::ZERO; n];
     let mut cpu_ns = vec![0u64; n];
+    let mut turns: Vec<Vec<Turn>> = vec![Vec::with_capacity(slots); n];
+    let mut turn_hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
     for cycle in 0..slots {
         for i in slot_order(n, cycle) {
             let pid = plan.targets[i].pid;
+            let before: (u64, u64) = conns[i]
+                .iter()
+                .fold((0, 0), |(o, e), c| (o + c.ok, e + c.errors));
             let cpu0 = pid.map(process_cpu_ns).transpose()?;
             let start = Instant::now();
             let until = start + slot;
@@ -301,15 +398,40 @@ pub async fn run(plan: &Plan) -> Result<Report> {
                 .map(|c| tokio::spawn(c.slot(reqs[i].clone(), until)))
                 .collect();
             conns[i] = join_all(tasks).await?;
-            active[i] += start.elapsed();
-            if let (Some(pid), Some(cpu0)) = (pid, cpu0) {
-                cpu_ns[i] += process_cpu_ns(pid)?.saturating_sub(cpu0);
+            let took = start.elapsed();
+            active[i] += took;
+            let turn_cpu_ns = match (pid, cpu0) {
+                (Some(pid), Some(cpu0)) => Some(process_cpu_ns(pid)?.saturating_sub(cpu0)),
+                _ => None,
+            };
+            cpu_ns[i] += turn_cpu_ns.unwrap_or(0);
+
+            turn_hist.reset();
+            let (mut ok, mut errors) = (0u64, 0u64);
+            for c in &mut conns[i] {
+                turn_hist.add(&c.turn)?;
+                c.turn.reset();
+                ok += c.ok;
+                errors += c.errors;
             }
+            let (ok, errors) = (ok - before.0, errors - before.1);
+            turns[i].push(Turn {
+                requests: ok,
+                errors,
+                active_s: took.as_secs_f64(),
+                rps: per_second(ok, took.as_secs_f64()),
+                p50_us: if ok > 0 {
+                    turn_hist.value_at_quantile(0.50)
+                } else {
+                    0
+                },
+                cpu_us_per_request: turn_cpu_ns.map(|ns| ns as f64 / 1e3 / ok.max(1) as f64),
+            });
         }
     }
 
     let mut targets = Vec::with_capacity(n);
-    for (i, t) in plan.targets.iter().enumerate() {
+    for (i, (t, turns)) in plan.targets.iter().zip(turns).enumerate() {
         let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
         let (mut ok, mut errors) = (0u64, 0u64);
         for c in &conns[i] {
@@ -324,11 +446,7 @@ pub async fn run(plan: &Plan) -> Result<Report> {
             errors,
             slots,
             active_s,
-            rps: if active_s > 0.0 {
-                ok as f64 / active_s
-            } else {
-                0.0
-            },
+            rps: per_second(ok, active_s),
             latency_us: Latency {
                 p50: hist.value_at_quantile(0.50),
                 p90: hist.value_at_quantile(0.90),
@@ -336,6 +454,7 @@ pub async fn run(plan: &Plan) -> Result<Report> {
                 mean: hist.mean(),
             },
             cpu_us_per_request: t.pid.map(|_| cpu_ns[i] as f64 / 1e3 / ok.max(1) as f64),
+            turns,
         });
     }
     Ok(Report {
@@ -352,19 +471,73 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_order_reverses_every_cycle() {
-        assert_eq!(slot_order(3, 0), vec![0, 1, 2]);
-        assert_eq!(slot_order(3, 1), vec![2, 1, 0]);
-        assert_eq!(slot_order(3, 2), vec![0, 1, 2]);
+    fn the_order_is_a_balanced_latin_square() {
         assert_eq!(slot_order(1, 1), vec![0]);
+        assert_eq!(slot_order(2, 0), vec![0, 1]);
+        assert_eq!(slot_order(2, 1), vec![0, 1]);
+        assert_eq!(slot_order(4, 0), vec![0, 1, 3, 2]);
+        assert_eq!(slot_order(4, 1), vec![1, 2, 0, 3]);
+        assert_eq!(slot_order(3, 3), vec![2, 1, 0]);
+        for n in 2..=9usize {
+            let period = order_period(n);
+            let mut at = vec![vec![0usize; n]; n]; // at[target][position]
+            let mut after = vec![vec![0usize; n]; n]; // after[a][b]: b right after a in a cycle
+            let mut sequence = Vec::new();
+            for cycle in 0..period {
+                let row = slot_order(n, cycle);
+                let mut sorted = row.clone();
+                sorted.sort_unstable();
+                assert_eq!(
+                    sorted,
+                    (0..n).collect::<Vec<_>>(),
+                    "n {n} cycle {cycle}: {row:?}"
+                );
+                for (pos, &t) in row.iter().enumerate() {
+                    at[t][pos] += 1;
+                }
+                for w in row.windows(2) {
+                    after[w[0]][w[1]] += 1;
+                }
+                sequence.extend(row);
+            }
+            // the period repeats: its end meets its start too
+            sequence.push(sequence[0]);
+            assert!(
+                sequence.windows(2).all(|w| w[0] != w[1]),
+                "n {n}: a target has two turns in a row"
+            );
+            if n == 2 {
+                continue; // one order, A B A B
+            }
+            let per_position = period / n;
+            assert!(
+                at.iter().flatten().all(|&c| c == per_position),
+                "n {n}: {at:?}"
+            );
+            let per_pair = (period * (n - 1)) / (n * (n - 1));
+            for (a, row) in after.iter().enumerate() {
+                for (b, &c) in row.iter().enumerate() {
+                    assert_eq!(c, if a == b { 0 } else { per_pair }, "n {n}: {a} then {b}");
+                }
+            }
+        }
     }
 
     #[test]
     fn slots_cover_the_duration() {
         let ms = Duration::from_millis;
         assert_eq!(slots_per_target(1, ms(4000), ms(250)), 1);
-        assert_eq!(slots_per_target(5, ms(4000), ms(250)), 16);
-        assert_eq!(slots_per_target(5, ms(4100), ms(250)), 17);
+        // two targets: one order, so exactly the slots asked
+        assert_eq!(slots_per_target(2, ms(4000), ms(250)), 16);
+        assert_eq!(slots_per_target(2, ms(4100), ms(250)), 17);
+        // 16 slots rounded up to whole periods of the order: 6 targets 18, 5 targets 20
+        assert_eq!(order_period(6), 6);
+        assert_eq!(order_period(5), 10);
+        assert_eq!(slots_per_target(6, ms(4000), ms(250)), 18);
+        assert_eq!(slots_per_target(5, ms(4000), ms(250)), 20);
+        assert_eq!(slots_per_target(4, ms(4000), ms(250)), 16);
+        // fewer slots than one period: as asked
+        assert_eq!(slots_per_target(5, ms(1000), ms(250)), 4);
         assert_eq!(slots_per_target(5, ms(100), ms(250)), 1);
         assert_eq!(slots_per_target(5, ms(4000), Duration::ZERO), 1);
         assert_eq!(slot_length(ms(4100), 17), Duration::from_nanos(241_176_470));

@@ -104,6 +104,31 @@ async fn targets_take_turns_and_are_measured_apart() {
         assert!((t.rps - t.requests as f64 / t.active_s).abs() < 1e-6);
         // the servers run in this process, so its CPU time is the target's
         assert!(t.cpu_us_per_request.unwrap() > 0.0);
+
+        // turn by turn: one record per slot, adding up to the whole-run figures
+        assert_eq!(t.turns.len(), 6);
+        let sum: u64 = t.turns.iter().map(|x| x.requests).sum();
+        assert_eq!(sum, t.requests);
+        let secs: f64 = t.turns.iter().map(|x| x.active_s).sum();
+        assert!((secs - t.active_s).abs() < 1e-6, "{secs} vs {}", t.active_s);
+        for x in &t.turns {
+            assert!(x.requests > 0 && x.errors == 0);
+            assert!((x.rps - x.requests as f64 / x.active_s).abs() < 1e-6);
+        }
+        // the turns' CPU time adds up to the run's (one turn may read 0: the other tests in
+        // this process end threads, and their time leaves the total)
+        let cpu_us: f64 = t
+            .turns
+            .iter()
+            .map(|x| x.cpu_us_per_request.unwrap() * x.requests as f64)
+            .sum();
+        let whole = t.cpu_us_per_request.unwrap() * t.requests as f64;
+        assert!((cpu_us - whole).abs() < 1e-3 * whole, "{cpu_us} vs {whole}");
+    }
+    // every turn of the slow server has its 3 ms in its median; no turn of the fast one does
+    for (x, y) in f.turns.iter().zip(&s.turns) {
+        assert!(y.p50_us >= 3000, "slow turn p50 {}", y.p50_us);
+        assert!(x.p50_us < y.p50_us, "fast {} slow {}", x.p50_us, y.p50_us);
     }
     assert!(took >= Duration::from_millis(1200), "took {took:?}");
     // two connections, each waiting 3 ms per request at the slow server
@@ -116,13 +141,13 @@ async fn targets_take_turns_and_are_measured_apart() {
         s.latency_us.p50
     );
 
-    // one target at a time: the warm-ups (0, then 1), then the slots 0 1 | 1 0 | 0 1 | 1 0 |
-    // 0 1 | 1 0 make the runs 0 | 1 | 0 | 1 1 | 0 0 | 1 1 | 0 0 | 1 1 | 0 of one server each,
-    // 8 switches; two targets loaded at once would make many more
+    // one target at a time: the warm-ups (0, then 1), then the slots 0 1 | 0 1 | 0 1 | 0 1 |
+    // 0 1 | 0 1 (never one target twice in a row) make 14 runs of one server each, 13
+    // switches; two targets loaded at once would make many more
     let mut arrivals = log.lock().unwrap().clone();
     arrivals.sort_by_key(|a| a.0);
     let switches = arrivals.windows(2).filter(|w| w[0].1 != w[1].1).count();
-    assert_eq!(switches, 8);
+    assert_eq!(switches, 13);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -135,6 +160,14 @@ async fn error_answers_are_counted_apart_from_answers() {
     assert!(o.requests > 0 && o.errors == 0);
     assert!(b.requests == 0 && b.errors > 0);
     assert_eq!(b.rps, 0.0);
+    // per turn too: the errors are in the turns that had them, and a turn with no answer has
+    // no median
+    assert_eq!(b.turns.iter().map(|x| x.errors).sum::<u64>(), b.errors);
+    assert!(b
+        .turns
+        .iter()
+        .all(|x| x.requests == 0 && x.p50_us == 0 && x.rps == 0.0));
+    assert!(o.turns.iter().all(|x| x.errors == 0 && x.p50_us > 0));
     assert!(o.cpu_us_per_request.is_none());
 }
 
