@@ -24,8 +24,9 @@ Setup (all on 127.0.0.1):
             copy the body into the VM, find the model, add the pool, model and destination
             headers; destination round robin, no decision). What no work on the filter's own code
             can remove.
-Latency is measured with 1 connection (no queueing), throughput with 16. The five gateways are
-measured interleaved: one httpload run loads them in turn, 250 ms each, the order changing every
+Latency is measured with 1 connection (no queueing), throughput with 16. The gateways are
+measured interleaved: one httpload run loads them in turn, ~250 ms each (shortened so that every
+gateway's turns make whole periods of the order: 18 of 222 ms for six), the order changing every
 cycle (a balanced Latin square: every gateway in every position and after every other alike, never
 two turns in a row), until each has had its seconds (see bench/src/interleave.rs: measured 4 s apiece, the host's
 slow spells of a second or more land on one gateway and not the next; in quarter-second turns they
@@ -154,13 +155,14 @@ def load(gateways, body_file, connections, seconds, cpu=False):
         cmd += ["--addr", gw.listen, *(["--pid", str(gw.proc.pid)] if cpu else [])]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     results = {}
-    for (name, gw), res in zip(gateways, json.loads(out.stdout)["targets"]):
+    report = json.loads(out.stdout)
+    for (name, gw), res in zip(gateways, report["targets"]):
         if res["errors"] or not res["requests"]:
             # A gateway answering errors (a 404 from a route it failed to steer, say) would be
             # measured as fast and cheap: refuse to report it.
             raise RuntimeError(f"gateway {name} ({gw.listen}): {res['errors']} failed requests, "
                                f"{res['requests']} answered 200")
-        results[name] = res
+        results[name] = dict(res, slot_ms=report["slot_ms"])
     return results
 
 
@@ -304,7 +306,8 @@ def main():
 
     res = {
         "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
-                  "seconds_per_run": args.seconds, "slot_ms": SLOT_MS, "interleaved": True, "latency_connections": 1, "throughput_connections": 16,
+                  "seconds_per_run": args.seconds, "slot_ms": rows["plain"]["lat"][0]["slot_ms"], "interleaved": True,
+                  "turn_order": "rows of a Williams design (balanced Latin square), whole periods", "aa_copy": not args.no_copy, "latency_connections": 1, "throughput_connections": 16,
                   "machine": "the cores shared by client, gateway Envoy and upstream Envoy", **host_info()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
