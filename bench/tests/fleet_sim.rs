@@ -19,6 +19,10 @@ use gpuroute_bench::runner::{build_client, run, RunConfig};
 use gpuroute_bench::scenario::Scenario;
 use gpuroute_bench::workload::{Overrides, Workload, WorkloadConfig};
 
+/// The tests here run simulated pods at real speed and measure time; run at once on a 2-core
+/// machine they would delay each other by tens of milliseconds, so each takes this in turn.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn scenario_path(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("scenarios")
@@ -120,6 +124,7 @@ async fn replay_on_first_pod(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lora_requests_stream_from_the_sim_and_adapter_loads_are_counted() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let (s, m, pod, wl) = replay_on_first_pod(
         "multi-lora",
         100.0,
@@ -148,6 +153,7 @@ async fn lora_requests_stream_from_the_sim_and_adapter_loads_are_counted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mooncake_blocks_hit_the_sim_prefix_cache_as_the_trace_says() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     let (s, m, _, wl) = replay_on_first_pod(
         "shared-prefix",
         100.0,
@@ -251,6 +257,7 @@ fn prefixed(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn floor_matches_an_idle_simulated_pod() {
     use gpuroute_bench::floor::ttft_floor_ms;
+    let _turn = ONE_AT_A_TIME.lock().await;
     for gpu in ["a100", "l40s"] {
         let cfg = one_pod(gpu);
         // a long new prompt, the same prefix again, a new prefix, a short prompt; one second
@@ -261,20 +268,34 @@ async fn floor_matches_an_idle_simulated_pod() {
             prefixed(2.0, 2, 3, 6_000, 200),
             prefixed(3.0, 3, 4, 0, 300),
         ];
-        let floors = ttft_floor_ms(&requests, &cfg);
-        let measured = ttft_at_one_pod(cfg, requests).await;
-        eprintln!("{gpu}: measured TTFT {measured:?} ms, floors {floors:?} ms");
-        for (i, (m, f)) in measured.iter().zip(&floors).enumerate() {
-            let f = f.unwrap();
-            // the pod cannot beat its own engine; HTTP, the SSE encoding and timer wake-ups
-            // add a few ms on this shared machine
+        let floors: Vec<f64> = ttft_floor_ms(&requests, &cfg)
+            .into_iter()
+            .map(|f| f.unwrap())
+            .collect();
+        // the pod cannot beat its own engine; HTTP, the SSE encoding and timer wake-ups add a
+        // few ms on this shared machine, and a busy host now and then tens of ms to one request.
+        // Such noise only adds, so each request keeps its best of up to three runs (a fresh pod
+        // each); a floor that drifted from the engine misses in every run.
+        let within = |m: f64, f: f64| m >= f - 1.0 && m <= f * 1.03 + 10.0;
+        let mut best = vec![f64::INFINITY; floors.len()];
+        for attempt in 1..=3 {
+            let measured = ttft_at_one_pod(cfg.clone(), requests.clone()).await;
+            eprintln!("{gpu} run {attempt}: measured TTFT {measured:?} ms, floors {floors:?} ms");
+            for (b, m) in best.iter_mut().zip(&measured) {
+                *b = b.min(*m);
+            }
+            if best.iter().zip(&floors).all(|(m, f)| within(*m, *f)) {
+                break;
+            }
+        }
+        for (i, (m, f)) in best.iter().zip(&floors).enumerate() {
             assert!(
-                *m >= f - 1.0 && *m <= f * 1.03 + 10.0,
-                "{gpu} request {i}: measured {m:.1} ms, floor {f:.1} ms (all: {measured:?} vs {floors:?})"
+                within(*m, *f),
+                "{gpu} request {i}: best measured {m:.1} ms, floor {f:.1} ms (all: {best:?} vs {floors:?})"
             );
         }
         // and the floors are not trivially equal: the cached prefix and the prompt lengths show
-        let f: Vec<f64> = floors.iter().map(|f| f.unwrap()).collect();
+        let f = &floors;
         assert!(f[1] < f[0] / 3.0 && f[3] < f[2], "{f:?}");
     }
 }
@@ -285,6 +306,7 @@ async fn floor_matches_an_idle_simulated_pod() {
 /// included. (Step boundaries shift by the send jitter, so the match is within a step.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oracle_playback_matches_a_busy_simulated_pod() {
+    let _turn = ONE_AT_A_TIME.lock().await;
     use gpuroute_bench::floor::{oracle_ttft_ms, ttft_floor_ms};
     let cfg = one_pod("a100");
     // six prompts 40 ms apart, each longer to prefill than the gap: they queue
