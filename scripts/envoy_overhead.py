@@ -233,14 +233,15 @@ LATENCY_LIMIT_US = 100  # the issue's figures: the filter adds <= 100 us to medi
 RPS_FLOOR = 0.75  # ... and Envoy keeps >= 75% of its requests/s
 
 
-def paired_figures(rows, name, base):
+def paired_figures(rows, name, base, judge=True):
     """`name` against `base`, turn by turn (scripts/paired.py): added median latency (the
     latency runs), requests/s and CPU-per-request ratios (the throughput runs), each its median
-    over all cycles, a 95% interval and the verdict against the issue's figure."""
+    over all cycles, a 95% interval and, with `judge`, the verdict against the issue's figure."""
     lat, thr = (rows[name]["lat"], rows[base]["lat"]), (rows[name]["rps"], rows[base]["rps"])
-    return {"added_p50_us": paired.summary(paired.latency_differences(*lat), LATENCY_LIMIT_US, False),
-            "rps_ratio": paired.summary(paired.rps_ratios(*thr), RPS_FLOOR, True),
-            "cpu_ratio": paired.summary(paired.cpu_ratios(*thr), RPS_FLOOR, True)}
+    latency, rps = (LATENCY_LIMIT_US, RPS_FLOOR) if judge else (None, None)
+    return {"added_p50_us": paired.summary(paired.latency_differences(*lat), latency, False),
+            "rps_ratio": paired.summary(paired.rps_ratios(*thr), rps),
+            "cpu_ratio": paired.summary(paired.cpu_ratios(*thr), rps)}
 
 
 def pct(x):
@@ -265,12 +266,13 @@ def main():
     if not HTTPLOAD.exists() or not FLOOR_WASM.exists():
         sys.exit("build first: make build")
     extra = compare_builds(args.compare_wasm)
-    if not args.no_copy:
-        if "copy" in extra:
-            sys.exit("--compare-wasm: the name 'copy' is the A/A copy's (or pass --no-copy)")
+    aa = None if args.no_copy else "copy"  # the A/A copy's name among the extra builds
+    if aa:
+        if aa in extra:
+            sys.exit(f"--compare-wasm: the name {aa!r} is the A/A copy's (or pass --no-copy)")
         copy = Path(tempfile.mkdtemp()) / "gpuroute_filter_copy.wasm"
         shutil.copyfile(BUILDS["filter"][2], copy)
-        extra = {"copy": copy, **extra}
+        extra = {aa: copy, **extra}
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
@@ -307,7 +309,7 @@ def main():
     res = {
         "setup": {"body_bytes": len(body_file.read_bytes()), "pods": PODS, "gateway_workers": 1, "rounds": args.rounds,
                   "seconds_per_run": args.seconds, "slot_ms": rows["plain"]["lat"][0]["slot_ms"], "interleaved": True,
-                  "turn_order": "rows of a Williams design (balanced Latin square), whole periods", "aa_copy": not args.no_copy, "latency_connections": 1, "throughput_connections": 16,
+                  "turn_order": "rows of a Williams design (balanced Latin square), whole periods", "aa_copy": aa is not None, "latency_connections": 1, "throughput_connections": 16,
                   "machine": "the cores shared by client, gateway Envoy and upstream Envoy", **host_info()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
@@ -325,8 +327,7 @@ def main():
         res[name]["paired"] = paired_figures(rows, name, "plain")
     for name in extra:
         # two builds of one filter: the spread, not a verdict against the figures
-        res[name]["paired_with_filter"] = {k: {f: v for f, v in e.items() if f != "verdict"}
-                                           for k, e in paired_figures(rows, "filter", name).items()}
+        res[name]["paired_with_filter"] = paired_figures(rows, "filter", name, judge=False)
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
@@ -337,8 +338,8 @@ def main():
     labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
               "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)",
               **{name: f"proxy-wasm filter, build '{name}' ({path})" for name, path in extra.items()}}
-    if "copy" in extra and not args.no_copy:
-        labels["copy"] = "proxy-wasm filter, a byte-identical copy (the method's A/A check)"
+    if aa:
+        labels[aa] = "proxy-wasm filter, a byte-identical copy (the method's A/A check)"
     for name in ("filter", *extra, "module", "wasm_floor", "native_buffer"):
         g = res[name]
         pr = g["rps_ratio_per_round"]
@@ -369,7 +370,7 @@ def main():
         pp = res[name]["paired_with_filter"]
         print(f"    paired per turn: the filter's median latency minus the build's {ci_text(pp['added_p50_us'], '{:+.0f} us')}, "
               f"requests/s {ci_text(pp['rps_ratio'], pct)} of the build's, by CPU {ci_text(pp['cpu_ratio'], pct)}")
-        if name == "copy" and not args.no_copy:
+        if name == aa:
             off = [k for k in ("rps_ratio", "cpu_ratio") if not pp[k]["low"] <= 1 <= pp[k]["high"]]
             off += ["added_p50_us"] if not pp["added_p50_us"]["low"] <= 0 <= pp["added_p50_us"]["high"] else []
             if off:

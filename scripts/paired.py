@@ -71,11 +71,14 @@ def cpu_ratios(rounds_a, rounds_b):
     return pairs(rounds_a, rounds_b, lambda x, y: y["cpu_us_per_request"] / x["cpu_us_per_request"])
 
 
-def summary(values, limit, higher_is_better, level=0.95):
-    """median_ci of `values` as a dict, with the number of pairs and the verdict against `limit`."""
+def summary(values, limit=None, higher_is_better=True, level=0.95):
+    """median_ci of `values` as a dict, with the number of pairs and, given a `limit`, the verdict
+    against it."""
     med, lo, hi, cov = ci = median_ci(values, level)
-    return {"median": med, "low": lo, "high": hi, "coverage": cov, "pairs": len(values),
-            "verdict": verdict(ci, limit, higher_is_better)}
+    out = {"median": med, "low": lo, "high": hi, "coverage": cov, "pairs": len(values)}
+    if limit is not None:
+        out["verdict"] = verdict(ci, limit, higher_is_better)
+    return out
 
 
 def verdict(ci, limit, higher_is_better):

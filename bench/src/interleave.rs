@@ -102,6 +102,11 @@ pub struct Turn {
     pub cpu_us_per_request: Option<f64>,
 }
 
+/// A histogram of latencies in microseconds, up to a minute at 3 significant digits.
+fn latency_histogram() -> Result<Histogram<u64>> {
+    Ok(Histogram::new_with_bounds(1, 60_000_000, 3)?)
+}
+
 /// `requests / seconds`, 0 for no time.
 fn per_second(requests: u64, seconds: f64) -> f64 {
     if seconds > 0.0 {
@@ -142,11 +147,12 @@ pub fn slot_order(targets: usize, cycle: usize) -> Vec<usize> {
     // first row 0, 1, n-1, 2, n-2, 3, ...; row r adds r to every entry (mod n); with an odd
     // number of targets the next n rows are the first n reversed, taken with the shifts
     // 0, n-1, ..., 1 (ascending, three targets would repeat one across a cycle boundary)
-    let reversed = n % 2 == 1 && (cycle / n) % 2 == 1;
+    let row_index = cycle % order_period(n);
+    let reversed = row_index >= n;
     let shift = if reversed {
-        (n - cycle % n) % n
+        (2 * n - row_index) % n
     } else {
-        cycle % n
+        row_index
     };
     let mut row: Vec<usize> = (0..n)
         .map(|j| {
@@ -287,11 +293,10 @@ struct Conn {
     addr: String,
     stream: TcpStream,
     buf: Vec<u8>,
-    hist: Histogram<u64>,
-    /// The current turn's latencies (emptied when the turn is summed).
+    /// The current turn's latencies of 200 answers (emptied when the turn is summed).
     turn: Histogram<u64>,
-    ok: u64,
-    errors: u64,
+    /// The current turn's other answers and lost requests.
+    turn_errors: u64,
 }
 
 impl Conn {
@@ -300,10 +305,8 @@ impl Conn {
             addr: addr.to_string(),
             stream: connect(addr).await?,
             buf: Vec::with_capacity(4096),
-            hist: Histogram::new_with_bounds(1, 60_000_000, 3)?,
-            turn: Histogram::new_with_bounds(1, 60_000_000, 3)?,
-            ok: 0,
-            errors: 0,
+            turn: latency_histogram()?,
+            turn_errors: 0,
         })
     }
 
@@ -325,17 +328,12 @@ impl Conn {
                 Err(e) => Err(e.into()),
             };
             match answer {
-                Ok(200) => {
-                    self.ok += 1;
-                    let us = t.elapsed().as_micros() as u64;
-                    self.hist.saturating_record(us);
-                    self.turn.saturating_record(us);
-                }
-                Ok(_) => self.errors += 1,
+                Ok(200) => self.turn.saturating_record(t.elapsed().as_micros() as u64),
+                Ok(_) => self.turn_errors += 1,
                 Err(_) => {
                     // The connection is gone (the gateway closed it, say): count the request
                     // and carry on with a new one.
-                    self.errors += 1;
+                    self.turn_errors += 1;
                     self.stream = connect(&self.addr).await?;
                 }
             }
@@ -380,16 +378,18 @@ pub async fn run(plan: &Plan) -> Result<Report> {
         conns.push(join_all(tasks).await?);
     }
 
+    // per target: its turns, and its latencies, errors, time and CPU over all of them
+    let mut turns: Vec<Vec<Turn>> = vec![Vec::with_capacity(slots); n];
+    let mut hists = (0..n)
+        .map(|_| latency_histogram())
+        .collect::<Result<Vec<_>>>()?;
+    let mut errors = vec![0u64; n];
     let mut active = vec![Duration::ZERO; n];
     let mut cpu_ns = vec![0u64; n];
-    let mut turns: Vec<Vec<Turn>> = vec![Vec::with_capacity(slots); n];
-    let mut turn_hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    let mut turn_hist = latency_histogram()?;
     for cycle in 0..slots {
         for i in slot_order(n, cycle) {
             let pid = plan.targets[i].pid;
-            let before: (u64, u64) = conns[i]
-                .iter()
-                .fold((0, 0), |(o, e), c| (o + c.ok, e + c.errors));
             let cpu0 = pid.map(process_cpu_ns).transpose()?;
             let start = Instant::now();
             let until = start + slot;
@@ -407,17 +407,18 @@ pub async fn run(plan: &Plan) -> Result<Report> {
             cpu_ns[i] += turn_cpu_ns.unwrap_or(0);
 
             turn_hist.reset();
-            let (mut ok, mut errors) = (0u64, 0u64);
+            let mut turn_errors = 0;
             for c in &mut conns[i] {
                 turn_hist.add(&c.turn)?;
                 c.turn.reset();
-                ok += c.ok;
-                errors += c.errors;
+                turn_errors += std::mem::take(&mut c.turn_errors);
             }
-            let (ok, errors) = (ok - before.0, errors - before.1);
+            hists[i].add(&turn_hist)?;
+            errors[i] += turn_errors;
+            let ok = turn_hist.len();
             turns[i].push(Turn {
                 requests: ok,
-                errors,
+                errors: turn_errors,
                 active_s: took.as_secs_f64(),
                 rps: per_second(ok, took.as_secs_f64()),
                 p50_us: if ok > 0 {
@@ -431,19 +432,13 @@ pub async fn run(plan: &Plan) -> Result<Report> {
     }
 
     let mut targets = Vec::with_capacity(n);
-    for (i, (t, turns)) in plan.targets.iter().zip(turns).enumerate() {
-        let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
-        let (mut ok, mut errors) = (0u64, 0u64);
-        for c in &conns[i] {
-            hist.add(&c.hist)?;
-            ok += c.ok;
-            errors += c.errors;
-        }
+    for (i, ((t, turns), hist)) in plan.targets.iter().zip(turns).zip(hists).enumerate() {
+        let ok = hist.len();
         let active_s = active[i].as_secs_f64();
         targets.push(TargetReport {
             addr: t.addr.clone(),
             requests: ok,
-            errors,
+            errors: errors[i],
             slots,
             active_s,
             rps: per_second(ok, active_s),
