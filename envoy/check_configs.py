@@ -424,7 +424,7 @@ def port_of(url):
     return int(m.group(1)), m.group(2) or "/"
 
 
-def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_pools):
+def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_pools, local_replies):
     """What must agree between the filter configuration, the aggregator and the routing."""
     pools = [p["name"] for p in plugin.get("pools", [])]
     side = sidecar_config(sidecar_cm)
@@ -447,9 +447,15 @@ def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_
             raise CheckError(f"push URL port {port} is not the Envoy listener's port {listener_port}")
         if path != ingest.get("path", INGEST_PATH):
             raise CheckError(f"push URL path {path} is not the ingest path")
-    want = plugin.get("max_body_bytes", render.DEFAULT_MAX_BODY) + render.BODY_HEADROOM
+    max_body = plugin.get("max_body_bytes", render.DEFAULT_MAX_BODY)
+    want = max_body + render.BODY_HEADROOM
     if buffer_limit != want:
         raise CheckError(f"listener buffer limit {buffer_limit} != max_body_bytes + 1 MiB = {want}")
+    # Envoy's own 413, 503 and 504 in the API's shape, exactly as the local configuration has
+    # them (render.py), the 413 naming this max_body_bytes.
+    if local_replies != render.local_reply_config(max_body):
+        raise CheckError("the HTTP connection manager's local_reply_config differs from render.py's local_reply_config "
+                         f"for max_body_bytes {max_body}: regenerate it from there")
 
 
 # ---- JSON patch with Envoy Gateway's jsonPath extension ------------------------------------
@@ -811,6 +817,7 @@ def eg_fragment(manifests, wasm):
         gl["port"],
         listener.get("per_connection_buffer_limit_bytes"),
         route_pools,
+        hcm["typed_config"].get("local_reply_config"),
     )
     return bootstrap([listener], clusters), {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters}
 
@@ -936,6 +943,15 @@ def istio_fragment(manifests, wasm):
             set_wasm_path(value, wasm)
             plugin = json.loads(cfg["configuration"]["value"])
             filters.insert(idx, value)
+        elif where == "NETWORK_FILTER" and op == "MERGE":
+            lm = match["listener"]
+            if lm.get("portNumber") != port:
+                raise CheckError(f"NETWORK_FILTER patch matches port {lm.get('portNumber')}, the listener is {port}")
+            name = lm["filterChain"]["filter"]["name"]
+            target = next((f for f in listener["filter_chains"][0]["filters"] if f["name"] == name), None)
+            if target is None:
+                raise CheckError(f"no network filter {name!r} to merge into")
+            proto_merge(target, patch["value"])
         elif where == "LISTENER" and op == "MERGE":
             if match["listener"].get("portNumber") != port:
                 raise CheckError(f"LISTENER patch matches port {match['listener'].get('portNumber')}")
@@ -962,6 +978,7 @@ def istio_fragment(manifests, wasm):
         port,
         listener.get("per_connection_buffer_limit_bytes"),
         route_pools,
+        listener["filter_chains"][0]["filters"][0]["typed_config"].get("local_reply_config"),
     )
     # An inference path that reaches the routes without a pool header (the filter is not running
     # on that worker) gets a 503, not the catch-all 404: the 503 routes list the filter's paths.
@@ -1038,12 +1055,17 @@ def smoke_fragment(envoy, name, frag):
                 f"chat completion for {model}: {status} {body} after {tried} connection attempts to "
                 f"{cluster}; want 503 from the pool's dead endpoint"
             )
+        # Envoy's own 503, in OpenAI's shape (local_reply_config).
+        code = ((body or {}).get("error") or {}).get("code")
+        if code != "upstream_unavailable":
+            raise CheckError(f"Envoy's 503 for the dead pool answers {body}, want OpenAI's shape with code upstream_unavailable")
         status, _ = http(addr, "POST", plugin.get("ingest", {}).get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
         if status not in (401, 403):
             raise CheckError(f"snapshot push with a wrong token: {status}, want 401/403 from the filter")
         if e.proc.poll() is not None:
             raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
-    return f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms; the filter answers ingest"
+    return (f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms "
+            "(Envoy's 503 in OpenAI's shape); the filter answers ingest")
 
 
 def sidecar_config_accepted(binary, workdir, label, configmap):
@@ -1184,7 +1206,7 @@ def main():
         if err:
             checks.append((f"consistency {label}", fail(err)))
             continue
-        checks.append((f"consistency {label}", lambda: "names, ports, pools, token and buffer limit agree"))
+        checks.append((f"consistency {label}", lambda: "names, ports, pools, token, buffer limit and Envoy's error answers agree"))
         frag = fragments[label]
         checks.append((f"fragment  {label} validate", lambda lb=label, f=frag: validate_fragment(envoy, "frag-" + lb, f)))
         checks.append((f"fragment  {label} requests", lambda lb=label, f=frag: smoke_fragment(envoy, "smoke-" + lb, f)))

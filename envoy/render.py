@@ -115,6 +115,74 @@ def no_filter_503(path):
     return openai_error(503, message, "service_unavailable_error", "routing_unavailable")
 
 
+# The Messages API's paths as a regex over `:path`, query included (the filter's rule, which
+# reads the path without its query: `is_messages_path`).
+MESSAGES_PATH_REGEX = r"^[^?#]*/messages(/count_tokens)?([?#].*)?$"
+
+# Envoy's own failures before any response byte, by response flag: no healthy upstream, a
+# failed connect, a tripped circuit breaker, retries exhausted, a connection or stream reset
+# before the response, a route whose cluster is gone; and the upstream timeout (504).
+UNAVAILABLE_FLAGS = ["UH", "UF", "UO", "URX", "UC", "UR", "NC", "LR"]
+TIMEOUT_FLAGS = ["UT"]
+
+
+def body_too_large_message(max_body):
+    """The filter's 413 message (`ApiError::body_too_large` in core/src/error.rs)."""
+    return f"request body exceeds the gateway limit of {max_body} bytes"
+
+
+def local_reply_config(max_body):
+    """Envoy's own error answers in the API's shape, so an SDK reads them like the filter's.
+
+    - 413: Envoy answers an oversize body itself when one read from the socket takes its buffer
+      past `per_connection_buffer_limit_bytes` before the filter has seen the body pass
+      `max_body_bytes` (the filter is handed the body buffered so far, not the read that
+      overflows it). The body is the filter's own 413, so it does not matter which answered.
+    - 503 and 504 that Envoy generates (response flags above): no pod of the pool could take
+      the request (all dead, connects refused, retries exhausted) or the pod timed out. The
+      message keeps Envoy's reason.
+
+    A mapper's filter reads the request's `:path` for the API (Anthropic's shape on the
+    Messages API's paths). The filter's own answers carry no response flag and, for 413, the
+    same body: no mapper changes them.
+    """
+    messages = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": MESSAGES_PATH_REGEX}}}}}
+    not_messages = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": MESSAGES_PATH_REGEX}}, "invert_match": True}}}
+
+    def status(code):
+        return {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": "gpuroute.local_reply.status"}}}}
+
+    def flags(names):
+        return {"response_flag_filter": {"flags": names}}
+
+    def both(a, b):
+        return {"and_filter": {"filters": [a, b]}}
+
+    def fixed(body):
+        return {
+            "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
+            "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},
+        }
+
+    def formatted(body):
+        return {"body_format_override": {"json_format": body, "content_type": "application/json"}}
+
+    too_large = body_too_large_message(max_body)
+    reason = "%LOCAL_REPLY_BODY%"
+    unavailable = f"no pod of the pool could take the request: {reason}"
+    timeout = f"the pod did not answer in time: {reason}"
+    return {
+        "mappers": [
+            dict({"filter": both(status(413), messages)}, **fixed({"type": "error", "error": {"type": "request_too_large", "message": too_large}})),
+            dict({"filter": status(413)}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
+            dict({"filter": both(flags(TIMEOUT_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "api_error", "message": timeout}})),
+            dict({"filter": flags(TIMEOUT_FLAGS)}, **formatted({"error": {"message": timeout, "type": "timeout_error", "param": None, "code": "upstream_timeout"}})),
+            dict({"filter": both(flags(UNAVAILABLE_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "overloaded_error", "message": unavailable}})),
+            dict({"filter": flags(UNAVAILABLE_FLAGS)}, **formatted({"error": {"message": unavailable, "type": "service_unavailable_error", "param": None, "code": "upstream_unavailable"}})),
+        ]
+    }
+
+
 def openai_404():
     return openai_error(404, "no route: use an OpenAI inference path or /v1/models", "invalid_request_error", "not_found")
 
@@ -271,8 +339,8 @@ def render(desc):
         }
     )
 
-    def hcm(stat_prefix, route_list, filters):
-        return {
+    def hcm(stat_prefix, route_list, filters, local_replies=None):
+        c = {
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
@@ -282,6 +350,9 @@ def render(desc):
                 "http_filters": filters,
             },
         }
+        if local_replies:
+            c["typed_config"]["local_reply_config"] = local_replies
+        return c
 
     listeners = [
         {
@@ -290,7 +361,7 @@ def render(desc):
             # The filter buffers bodies up to max_body_bytes; Envoy's own limit sits above it so
             # the filter, not Envoy, answers an oversize body (with an OpenAI-style 413).
             "per_connection_buffer_limit_bytes": max_body + BODY_HEADROOM,
-            "filter_chains": [{"filters": [hcm("openai", routes, http_filters)]}],
+            "filter_chains": [{"filters": [hcm("openai", routes, http_filters, local_reply_config(max_body) if filter_on else None)]}],
         }
     ]
     if mode.startswith("filter") and desc.get("ingest"):
