@@ -36,11 +36,15 @@ of the per-round requests/s ratio (ours / plain), and the gateway Envoy's CPU ti
 had a core to itself). The verdicts come from the turns paired within each cycle (scripts/paired.py):
 per cycle, a gateway's median latency minus plain's and its requests/s over plain's, whose median
 over every cycle of every round is given with a distribution-free 95% interval; a figure is "met"
-or "missed" only when its whole interval is on one side of the target, else "undecided".
+or "missed" only when its whole interval is on one side of the target, else "undecided". A second
+interval takes whole rounds as the independent units (a block bootstrap over rounds), which what
+the cycles of one round share widens; its verdict is shown where it differs.
 
 Every run also measures a byte-identical copy of the filter's .wasm ("copy") as a sixth gateway:
 the filter against its copy is the method's own A/A check (two identical builds must read ~100% of
-each other; the report warns when the paired interval leaves 100% out). --no-copy leaves it out.
+each other; the report warns when the paired interval leaves 100% out), and the two pooled per
+cycle give the build's figures with half the turn-to-turn noise ("filter_pooled" in the JSON).
+--no-copy leaves the copy out.
 
 Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--no-copy] [--compare-wasm NAME=PATH ...]
   --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
@@ -236,8 +240,12 @@ RPS_FLOOR = 0.75  # ... and Envoy keeps >= 75% of its requests/s
 def paired_figures(rows, name, base, judge=True):
     """`name` against `base`, turn by turn (scripts/paired.py): added median latency (the
     latency runs), requests/s and CPU-per-request ratios (the throughput runs), each its median
-    over all cycles, a 95% interval and, with `judge`, the verdict against the issue's figure."""
-    lat, thr = (rows[name]["lat"], rows[base]["lat"]), (rows[name]["rps"], rows[base]["rps"])
+    over all cycles, a 95% interval and, with `judge`, the verdict against the issue's figure.
+    `name` may be a tuple of gateways that run one build (the filter and its A/A copy): their
+    turns are pooled cycle by cycle."""
+    names = name if isinstance(name, tuple) else (name,)
+    mine = {k: paired.pooled(*(rows[n][k] for n in names)) for k in ("lat", "rps")}
+    lat, thr = (mine["lat"], rows[base]["lat"]), (mine["rps"], rows[base]["rps"])
     latency, rps = (LATENCY_LIMIT_US, RPS_FLOOR) if judge else (None, None)
     return {"added_p50_us": paired.summary(paired.latency_differences(*lat), latency, False),
             "rps_ratio": paired.summary(paired.rps_ratios(*thr), rps),
@@ -249,9 +257,24 @@ def pct(x):
 
 
 def ci_text(e, fmt):
-    """'median (95% CI low..high)' of a paired_figures entry; fmt: a format string or function."""
+    """'median (95% interval low to high; over rounds low to high)' of a paired_figures entry;
+    fmt: a format string or function."""
     f = fmt if callable(fmt) else fmt.format
-    return f"{f(e['median'])} (95% interval {f(e['low'])} to {f(e['high'])})"
+    return (f"{f(e['median'])} (95% interval {f(e['low'])} to {f(e['high'])}; "
+            f"over rounds {f(e['rounds_low'])} to {f(e['rounds_high'])})")
+
+
+def verdicts(e):
+    """The verdict by the pairs' interval, and by the rounds' when it differs."""
+    v, rv = e["verdict"], e["rounds_verdict"]
+    return v if v == rv else f"{v} (over rounds: {rv})"
+
+
+def print_paired(pp):
+    print(f"    paired per turn ({pp['added_p50_us']['pairs']} cycles, {pp['added_p50_us']['rounds']} rounds): "
+          f"added median latency {ci_text(pp['added_p50_us'], '{:+.0f} us')} -> {verdicts(pp['added_p50_us'])}; "
+          f"requests/s {ci_text(pp['rps_ratio'], pct)} of plain -> {verdicts(pp['rps_ratio'])}; "
+          f"by CPU {ci_text(pp['cpu_ratio'], pct)} -> {verdicts(pp['cpu_ratio'])}")
 
 
 def main():
@@ -328,6 +351,8 @@ def main():
     for name in extra:
         # two builds of one filter: the spread, not a verdict against the figures
         res[name]["paired_with_filter"] = paired_figures(rows, "filter", name, judge=False)
+    if aa:
+        res["filter_pooled"] = {"gateways": ["filter", aa], "paired": paired_figures(rows, ("filter", aa), "plain")}
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-overhead.json").write_text(json.dumps(res, indent=1))
@@ -349,10 +374,10 @@ def main():
               f"per-round ratio median {100 * pr['median']:.1f}%, range {100 * pr['min']:.1f}-{100 * pr['max']:.1f}%")
         print(f"    gateway CPU per request {g['cpu_us_per_request']:.1f} us")
         pp = g["paired"]
-        print(f"    paired per turn ({pp['added_p50_us']['pairs']} cycles): added median latency "
-              f"{ci_text(pp['added_p50_us'], '{:+.0f} us')} -> {pp['added_p50_us']['verdict']}; requests/s "
-              f"{ci_text(pp['rps_ratio'], pct)} of plain -> {pp['rps_ratio']['verdict']}; by CPU "
-              f"{ci_text(pp['cpu_ratio'], pct)} -> {pp['cpu_ratio']['verdict']}")
+        print_paired(pp)
+    if aa:
+        print("  proxy-wasm filter and its A/A copy pooled (one build, two gateways; per cycle their turns averaged):")
+        print_paired(res["filter_pooled"]["paired"])
     for name, (_, path) in ours.items():
         o = outcomes[name]
         print(f"  {labels[name]} outcomes: picked {o['picked']}, fail-open {o['fail_open']} "

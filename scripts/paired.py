@@ -7,12 +7,20 @@ of their requests/s, in one cycle is a paired observation with most of the host'
 Over all cycles of all rounds the comparison is the median of those pairs, with a
 distribution-free confidence interval for that median (order statistics of the pairs; no
 assumption about their distribution). The pairs are not fully independent (a slow spell can
-outlast a cycle and treat two gateways slightly differently), so the interval is a guide to the
-noise, not an exact 95%.
+outlast a cycle and treat two gateways slightly differently), so that interval is a guide to the
+noise, not an exact 95%. A second interval takes the rounds as the independent units (a block
+bootstrap over rounds: whole rounds drawn with replacement), so whatever the cycles of one
+round share widens it instead of hiding.
+
+Two builds that are the same (the filter and its byte-identical A/A copy) can be pooled: per
+cycle, their two turns averaged into one, then paired with the baseline's turn of that cycle.
+That halves the turn-to-turn noise of the build's side without treating the two as independent
+(they share the baseline's turn).
 """
 
 from fractions import Fraction
 from math import comb
+import random
 import statistics
 
 
@@ -41,8 +49,8 @@ def median_ci(values, level=0.95):
     return statistics.median(xs), xs[k - 1], xs[n - k], coverage
 
 
-def pairs(rounds_a, rounds_b, of):
-    """`of(turn_a, turn_b)` for the two gateways' turns of every cycle of every round.
+def pairs_by_round(rounds_a, rounds_b, of):
+    """`of(turn_a, turn_b)` for the two gateways' turns of every cycle, one list per round.
     `rounds_a` and `rounds_b` are lists of httpload target results (one per round, same rounds),
     each with its `turns`. Turns where either gateway answered nothing are skipped."""
     if len(rounds_a) != len(rounds_b):
@@ -51,33 +59,93 @@ def pairs(rounds_a, rounds_b, of):
     for a, b in zip(rounds_a, rounds_b):
         if len(a["turns"]) != len(b["turns"]):
             raise ValueError(f"a round with {len(a['turns'])} turns against {len(b['turns'])}")
-        out += [of(x, y) for x, y in zip(a["turns"], b["turns"]) if x["requests"] and y["requests"]]
+        out.append([of(x, y) for x, y in zip(a["turns"], b["turns"]) if x["requests"] and y["requests"]])
+    return out
+
+
+def pairs(rounds_a, rounds_b, of):
+    """pairs_by_round, every round's pairs in one list."""
+    return [v for r in pairs_by_round(rounds_a, rounds_b, of) for v in r]
+
+
+def pooled(*builds):
+    """Rounds of one build measured as several gateways (the same rounds), as one: per cycle the
+    builds' turns averaged (requests/s, median latency; CPU per request as their CPU time over
+    their requests), a turn where any of them answered nothing left empty (then skipped by
+    `pairs`)."""
+    if len({len(b) for b in builds}) != 1:
+        raise ValueError("the builds ran different numbers of rounds")
+    out = []
+    for rounds in zip(*builds):
+        if len({len(r["turns"]) for r in rounds}) != 1:
+            raise ValueError("a round where the builds had different numbers of turns")
+        turns = []
+        for ts in zip(*(r["turns"] for r in rounds)):
+            # the figures every turn has (a run without CPU counting has no cpu_us_per_request)
+            keys = [k for k in ("rps", "p50_us", "cpu_us_per_request") if all(k in t for t in ts)]
+            if all(t["requests"] for t in ts):
+                both = {k: statistics.fmean(t[k] for t in ts) for k in ["requests", *keys]}
+                if "cpu_us_per_request" in keys:
+                    # CPU time over requests of the turns together: a slow turn's few requests
+                    # do not weigh like a fast turn's many
+                    both["cpu_us_per_request"] = (sum(t["cpu_us_per_request"] * t["requests"] for t in ts)
+                                                  / sum(t["requests"] for t in ts))
+                turns.append(both)
+            else:
+                turns.append({"requests": 0, **{k: 0 for k in keys}})
+        out.append({"turns": turns})
     return out
 
 
 def latency_differences(rounds_a, rounds_b):
-    """Median latency of gateway a minus gateway b's, microseconds, per cycle."""
-    return pairs(rounds_a, rounds_b, lambda x, y: x["p50_us"] - y["p50_us"])
+    """Median latency of gateway a minus gateway b's, microseconds, per cycle, per round."""
+    return pairs_by_round(rounds_a, rounds_b, lambda x, y: x["p50_us"] - y["p50_us"])
 
 
 def rps_ratios(rounds_a, rounds_b):
-    """Requests/s of gateway a over gateway b's, per cycle."""
-    return pairs(rounds_a, rounds_b, lambda x, y: x["rps"] / y["rps"])
+    """Requests/s of gateway a over gateway b's, per cycle, per round."""
+    return pairs_by_round(rounds_a, rounds_b, lambda x, y: x["rps"] / y["rps"])
 
 
 def cpu_ratios(rounds_a, rounds_b):
-    """Gateway b's CPU time per request over gateway a's, per cycle: what the requests/s ratio
-    would be if each had a core to itself."""
-    return pairs(rounds_a, rounds_b, lambda x, y: y["cpu_us_per_request"] / x["cpu_us_per_request"])
+    """Gateway b's CPU time per request over gateway a's, per cycle, per round: what the
+    requests/s ratio would be if each had a core to itself."""
+    return pairs_by_round(rounds_a, rounds_b, lambda x, y: y["cpu_us_per_request"] / x["cpu_us_per_request"])
 
 
-def summary(values, limit=None, higher_is_better=True, level=0.95):
-    """median_ci of `values` as a dict, with the number of pairs and, given a `limit`, the verdict
-    against it."""
+def flat(by_round):
+    return [v for r in by_round for v in r]
+
+
+def rounds_ci(by_round, level=0.95, draws=4000, seed=1):
+    """(low, high) of a block bootstrap over rounds: `draws` times, as many rounds as were run
+    drawn with replacement, their pairs pooled and their median taken; the interval is the
+    central `level` of those medians. Seeded, so a report is reproducible from its raw turns.
+    With one round there is nothing to resample: that round's range."""
+    rounds = [r for r in by_round if r]
+    if not rounds:
+        raise ValueError("no values")
+    if len(rounds) == 1:
+        return min(rounds[0]), max(rounds[0])
+    rng = random.Random(seed)
+    meds = sorted(statistics.median([v for _ in rounds for v in rng.choice(rounds)]) for _ in range(draws))
+    tail = (1 - level) / 2
+    return meds[int(tail * (draws - 1))], meds[int(round((1 - tail) * (draws - 1)))]
+
+
+def summary(by_round, limit=None, higher_is_better=True, level=0.95):
+    """median_ci of the pairs of every round (`by_round`, as latency_differences and the ratios
+    give them) as a dict, with the number of pairs, the block-bootstrap interval over rounds
+    (`rounds_low`, `rounds_high`) and, given a `limit`, the verdict against it by each interval
+    (`verdict`: the pairs'; `rounds_verdict`: the rounds')."""
+    values = flat(by_round)
     med, lo, hi, cov = ci = median_ci(values, level)
-    out = {"median": med, "low": lo, "high": hi, "coverage": cov, "pairs": len(values)}
+    rlo, rhi = rounds_ci(by_round, level)
+    out = {"median": med, "low": lo, "high": hi, "coverage": cov, "pairs": len(values),
+           "rounds": sum(1 for r in by_round if r), "rounds_low": rlo, "rounds_high": rhi}
     if limit is not None:
         out["verdict"] = verdict(ci, limit, higher_is_better)
+        out["rounds_verdict"] = verdict((med, rlo, rhi, level), limit, higher_is_better)
     return out
 
 

@@ -60,12 +60,13 @@ def test_turns_are_paired_within_each_cycle_of_each_round():
     }
     # the cycle where the filter answered nothing is left out: 5 pairs, differences 50 52 50 50 50
     diffs = paired.latency_differences(rounds["filter"], rounds["plain"])
-    assert diffs == [50, 52, 50, 50, 50]
+    assert diffs == [[50, 52, 50], [50, 50]]
     s = paired.summary(diffs, 100, higher_is_better=False)
-    assert (s["median"], s["low"], s["high"], s["pairs"], s["verdict"]) == (50, 50, 52, 5, "met")
-    assert paired.rps_ratios(rounds["filter"], rounds["plain"]) == pytest.approx(
+    assert (s["median"], s["low"], s["high"], s["pairs"], s["rounds"], s["verdict"]) == (50, 50, 52, 5, 2, "met")
+    assert s["rounds_verdict"] == "met" and 50 <= s["rounds_low"] <= s["rounds_high"] <= 52
+    assert paired.flat(paired.rps_ratios(rounds["filter"], rounds["plain"])) == pytest.approx(
         [0.75, 740 / 990, 760 / 1010, 380 / 500, 360 / 480])
-    assert paired.cpu_ratios(rounds["filter"], rounds["plain"]) == pytest.approx(
+    assert paired.flat(paired.cpu_ratios(rounds["filter"], rounds["plain"])) == pytest.approx(
         [0.8, 41 / 52, 39 / 49, 0.8, 82 / 103])
     # the whole-run medians would mix the slow round with the fast one; the pairs do not
     with pytest.raises(ValueError):
@@ -81,3 +82,59 @@ def test_a_verdict_needs_the_whole_interval_on_one_side():
     assert paired.verdict((0.8, 0.76, 0.83, 0.95), 0.75, higher_is_better=True) == "met"
     assert paired.verdict((0.75, 0.73, 0.77, 0.95), 0.75, higher_is_better=True) == "undecided"
     assert paired.verdict((0.71, 0.70, 0.72, 0.95), 0.75, higher_is_better=True) == "missed"
+
+
+def test_two_runs_of_one_build_pool_turn_by_turn():
+    a = [{"turns": [turn(10, 200, 1000, 40), turn(10, 300, 800, 50)]}]
+    b = [{"turns": [turn(20, 220, 900, 44), turn(0, 0, 0, 0)]}]
+    plain = [{"turns": [turn(10, 100, 1900, 20), turn(10, 100, 1900, 20)]}]
+    both = paired.pooled(a, b)
+    # CPU per request: (40 * 10 + 44 * 20) / 30
+    assert both[0]["turns"][0] == pytest.approx({"requests": 15, "rps": 950, "p50_us": 210,
+                                                 "cpu_us_per_request": (400 + 880) / 30})
+    # the cycle where one of them answered nothing is skipped, not half-counted
+    assert paired.rps_ratios(both, plain) == [[pytest.approx(0.5)]]
+    assert paired.latency_differences(both, plain) == [[110]]
+    # turns without CPU figures (the latency runs) pool what they have
+    lat = paired.pooled([{"turns": [{"requests": 5, "p50_us": 100, "rps": 10.0}]}],
+                        [{"turns": [{"requests": 5, "p50_us": 120, "rps": 12.0}]}])
+    assert lat[0]["turns"][0] == {"requests": 5, "p50_us": 110, "rps": 11.0}
+    with pytest.raises(ValueError):
+        paired.pooled(a, a + a)
+    with pytest.raises(ValueError):
+        paired.pooled(a, [{"turns": [turn(1)]}])
+
+
+def test_the_rounds_interval_widens_with_what_a_round_shares():
+    """Rounds that each share a shift (a slow or fast spell) make the pairs' interval far too
+    narrow; the block bootstrap over rounds covers the true median close to what it says."""
+    rng = random.Random(3)
+    pairs_hits = rounds_hits = trials = 0
+    for _ in range(200):
+        by_round = []
+        for _ in range(9):
+            shift = rng.gauss(0, 1)
+            by_round.append([shift + rng.gauss(0, 1) for _ in range(18)])
+        _, lo, hi, _ = paired.median_ci(paired.flat(by_round))
+        rlo, rhi = paired.rounds_ci(by_round, draws=500, seed=rng.random())
+        pairs_hits += lo <= 0 <= hi
+        rounds_hits += rlo <= 0 <= rhi
+        trials += 1
+    assert pairs_hits / trials < 0.75, pairs_hits / trials
+    assert rounds_hits / trials >= 0.83, rounds_hits / trials
+
+
+def test_the_rounds_interval_without_round_effects_and_at_the_edges():
+    rng = random.Random(5)
+    hits = 0
+    for _ in range(100):
+        by_round = [[rng.gauss(0, 1) for _ in range(18)] for _ in range(9)]
+        rlo, rhi = paired.rounds_ci(by_round, draws=500, seed=rng.random())
+        hits += rlo <= 0 <= rhi
+    assert hits >= 85, hits
+    # reproducible from its seed; one round: that round's range; empty rounds are not rounds
+    by_round = [[1.0, 2.0, 3.0], [2.0, 4.0], []]
+    assert paired.rounds_ci(by_round) == paired.rounds_ci(by_round)
+    assert paired.rounds_ci([[], [3.0, 1.0, 2.0]]) == (1.0, 3.0)
+    with pytest.raises(ValueError):
+        paired.rounds_ci([[], []])
