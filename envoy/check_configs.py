@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,7 @@ ROUTER = {
 }
 OVERRIDE_HOST = "envoy.load_balancing_policies.override_host"
 INGEST_PATH = "/gpuroute/v1/snapshot"
+DEFAULT_MAX_SNAPSHOT = 8 * 1024 * 1024  # core/src/config.rs, `default_max_snapshot_bytes`
 # A port nothing listens on: requests routed to a pool fail fast (connection refused).
 DEAD_ENDPOINT = "127.0.0.1:1"
 ENVOY_START_TIMEOUT_S = 30
@@ -453,7 +455,7 @@ def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_
         raise CheckError(f"listener buffer limit {buffer_limit} != max_body_bytes + 1 MiB = {want}")
     # Envoy's own 413, 503 and 504 in the API's shape, exactly as the local configuration has
     # them (render.py), the 413 naming this max_body_bytes.
-    if local_replies != render.local_reply_config(max_body):
+    if local_replies != render.local_reply_config(max_body, ingest.get("path", INGEST_PATH)):
         raise CheckError("the HTTP connection manager's local_reply_config differs from render.py's local_reply_config "
                          f"for max_body_bytes {max_body}: regenerate it from there")
 
@@ -1059,13 +1061,53 @@ def smoke_fragment(envoy, name, frag):
         code = ((body or {}).get("error") or {}).get("code")
         if code != "upstream_unavailable":
             raise CheckError(f"Envoy's 503 for the dead pool answers {body}, want OpenAI's shape with code upstream_unavailable")
-        status, _ = http(addr, "POST", plugin.get("ingest", {}).get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
+        ingest = plugin.get("ingest", {})
+        status, _ = http(addr, "POST", ingest.get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
         if status not in (401, 403):
             raise CheckError(f"snapshot push with a wrong token: {status}, want 401/403 from the filter")
+        # A snapshot declared over the ingest limit: the filter's own 413 (snapshot_too_large),
+        # which the traffic listener's 413 mappers must leave alone.
+        status, body = declared_oversize(addr, ingest.get("path", INGEST_PATH), ingest.get("token", ""),
+                                         ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT) + 1)
+        code = ((body or {}).get("error") or {}).get("code")
+        if (status, code) != (413, "snapshot_too_large"):
+            raise CheckError(f"an oversize snapshot push: {status} {body}, want the filter's 413 snapshot_too_large")
         if e.proc.poll() is not None:
             raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
     return (f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms "
             "(Envoy's 503 in OpenAI's shape); the filter answers ingest")
+
+
+def declared_oversize(addr, path, token, length):
+    """(status, parsed JSON or None) of a POST whose content-length is `length`, sent without
+    its body: the filter answers from the headers."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=REQUEST_TIMEOUT_S) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  f"authorization: Bearer {token}\r\ncontent-length: {length}\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < declared_length(data):
+            more = s.recv(65536)
+            if not more:
+                break
+            data += more
+    head, _, body = data.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        raise CheckError(f"POST {path}: no HTTP answer ({data[:80]!r})") from None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+def declared_length(data):
+    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        k, _, v = line.partition(b":")
+        if k.strip().lower() == b"content-length":
+            return int(v)
+    return 0
 
 
 def sidecar_config_accepted(binary, workdir, label, configmap):

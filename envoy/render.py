@@ -131,7 +131,10 @@ def body_too_large_message(max_body):
     return f"request body exceeds the gateway limit of {max_body} bytes"
 
 
-def local_reply_config(max_body):
+DEFAULT_INGEST_PATH = "/gpuroute/v1/snapshot"  # core/src/config.rs, `default_ingest_path`
+
+
+def local_reply_config(max_body, ingest_path=DEFAULT_INGEST_PATH):
     """Envoy's own error answers in the API's shape, so an SDK reads them like the filter's.
 
     - 413: Envoy answers an oversize body itself when one read from the socket takes its buffer
@@ -144,10 +147,11 @@ def local_reply_config(max_body):
 
     A mapper's filter reads the request's `:path` for the API (Anthropic's shape on the
     Messages API's paths). The filter's own answers carry no response flag and, for 413, the
-    same body: no mapper changes them.
+    same body: no mapper changes them. The 413 mappers leave the snapshot ingest path alone
+    (`ingest_path`, served on the traffic listener where the aggregator pushes to it there, as
+    under Istio and Envoy Gateway): the filter's 413 there is `snapshot_too_large`.
     """
     messages = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": MESSAGES_PATH_REGEX}}}}}
-    not_messages = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": MESSAGES_PATH_REGEX}}, "invert_match": True}}}
 
     def status(code):
         return {"status_code_filter": {"comparison": {"op": "EQ", "value": {"default_value": code, "runtime_key": "gpuroute.local_reply.status"}}}}
@@ -158,10 +162,12 @@ def local_reply_config(max_body):
     def both(a, b):
         return {"and_filter": {"filters": [a, b]}}
 
+    not_ingest = {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": ingest_path}, "invert_match": True}}}
+
     def fixed(body):
         return {
             "body": {"inline_string": json.dumps(body, separators=(",", ":"))},
-            "body_format_override": {"text_format": "%LOCAL_REPLY_BODY%", "content_type": "application/json"},
+            "body_format_override": {"text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"}, "content_type": "application/json"},
         }
 
     def formatted(body):
@@ -174,7 +180,7 @@ def local_reply_config(max_body):
     return {
         "mappers": [
             dict({"filter": both(status(413), messages)}, **fixed({"type": "error", "error": {"type": "request_too_large", "message": too_large}})),
-            dict({"filter": status(413)}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
+            dict({"filter": both(status(413), not_ingest)}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
             dict({"filter": both(flags(TIMEOUT_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "api_error", "message": timeout}})),
             dict({"filter": flags(TIMEOUT_FLAGS)}, **formatted({"error": {"message": timeout, "type": "timeout_error", "param": None, "code": "upstream_timeout"}})),
             dict({"filter": both(flags(UNAVAILABLE_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "overloaded_error", "message": unavailable}})),
@@ -361,7 +367,7 @@ def render(desc):
             # The filter buffers bodies up to max_body_bytes; Envoy's own limit sits above it so
             # the filter, not Envoy, answers an oversize body (with an OpenAI-style 413).
             "per_connection_buffer_limit_bytes": max_body + BODY_HEADROOM,
-            "filter_chains": [{"filters": [hcm("openai", routes, http_filters, local_reply_config(max_body) if filter_on else None)]}],
+            "filter_chains": [{"filters": [hcm("openai", routes, http_filters, local_reply_config(max_body, (ingest_part or {}).get("path", DEFAULT_INGEST_PATH)) if filter_on else None)]}],
         }
     ]
     if mode.startswith("filter") and desc.get("ingest"):

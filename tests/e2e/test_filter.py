@@ -110,6 +110,51 @@ def test_finished_requests_leave_the_in_flight_count(envoy, pods):
     assert got == {"llama-0": 12}, got
 
 
+def test_requests_whose_client_went_away_leave_the_in_flight_count(pods):
+    """A client that disconnects while its pod is still working (a timeout, a cancelled
+    stream): Envoy resets the upstream stream and deletes the request's context, and the request
+    stops counting against its pod. Eight requests are held in flight and abandoned; afterwards
+    sequential requests go to the idle pod as if they had never been sent. Had they stayed
+    counted, the pod that took most of them would look busiest and the picks would spread."""
+    import threading
+
+    # One snapshot for the whole test, fresh throughout: a new snapshot re-bases the in-flight
+    # counts (it reflects what was in flight when it was scraped) and would hide a leak.
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 30_000}))
+    hold = threading.Event()
+    try:
+        assert e.push(fresh(pods, [{"running": 0}, {"running": 3}, {"running": 3}]))[0] == 204
+        for i in range(3):
+            pods[f"llama-{i}"].hold = hold
+        before = sum(len(pods[f"llama-{i}"].requests) for i in range(3))
+        host, port = e.listen.rsplit(":", 1)
+        clients = []
+        for i in range(8):
+            body = json.dumps({"model": "llama-3-8b", "messages": [{"role": "user", "content": f"abandoned {i}"}]}).encode()
+            c = socket.create_connection((host, int(port)), timeout=10)
+            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            clients.append(c)
+        deadline = time.time() + 10
+        while sum(len(pods[f"llama-{i}"].requests) for i in range(3)) < before + 8 and time.time() < deadline:
+            time.sleep(0.02)
+        held = sum(len(pods[f"llama-{i}"].requests) for i in range(3)) - before
+        assert held == 8, held
+        for c in clients:
+            c.close()
+        time.sleep(0.3)  # Envoy sees the resets
+        for i in range(3):
+            pods[f"llama-{i}"].hold = None
+        rs = [e.chat("llama-3-8b", f"after {i}: {'y' * i}") for i in range(12)]
+        got = Counter(served_by(r) for r in rs)
+        assert got == {"llama-0": 12}, got
+    finally:
+        hold.set()
+        for i in range(3):
+            pods[f"llama-{i}"].hold = None
+        e.stop()
+
+
 def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     """The filter's Envoy stats: picks per pool and per pod (batched in the worker, handed to
     Envoy on the tick), rejections by code, and the decision-time histogram. The per-pod counts
