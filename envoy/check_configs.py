@@ -249,6 +249,10 @@ class Envoy:
         )
         if p.returncode != 0 or "OK" not in p.stdout + p.stderr:
             raise CheckError("envoy rejected it:\n" + error_lines(p.stdout + p.stderr))
+        # A deprecated field works today and is removed in a later Envoy: caught here, not then.
+        deprecated = sorted(set(re.findall(r"Using deprecated option '([^']+)'", p.stdout + p.stderr)))
+        if deprecated:
+            raise CheckError("uses deprecated Envoy fields: " + ", ".join(deprecated))
 
     def start(self, name, config):
         """Starts Envoy and waits until it is ready; returns a RunningEnvoy (a context manager)."""
