@@ -162,6 +162,10 @@ impl Engine {
 
     /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send.
     pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
+        // A UTF-8 byte-order mark before the JSON, as some Windows tools write files: vLLM and
+        // SGLang accept it (Python's json.loads on bytes does), so the gateway does too. A
+        // rewritten body leaves it out.
+        let body = body.strip_prefix(UTF8_BOM).unwrap_or(body);
         let p = &self.config.prefix;
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
@@ -454,6 +458,8 @@ fn destination(pool: &PoolState, ranked: &[usize]) -> String {
 }
 
 /// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
     let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
     let mut out = Vec::with_capacity(body.len() + quoted.len());
@@ -519,6 +525,42 @@ mod tests {
             .unwrap()
             .rewritten_body
             .is_none());
+    }
+
+    #[test]
+    fn a_byte_order_mark_before_the_json_is_read_past() {
+        let mut e = engine();
+        let plain = e
+            .prepare("/v1/chat/completions", &chat("llama-3", "hi"))
+            .unwrap();
+        let marked = [UTF8_BOM, &chat("llama-3", "hi")].concat();
+        let p = e.prepare("/v1/chat/completions", &marked).unwrap();
+        assert_eq!(
+            (p.pool.as_str(), p.anchors.len()),
+            ("llama", plain.anchors.len())
+        );
+        assert!(p.rewritten_body.is_none());
+        // An alias is rewritten as without the mark, into a body without it.
+        let body = [UTF8_BOM, &chat("llama", "hi")].concat();
+        let out = e
+            .prepare("/v1/chat/completions", &body)
+            .unwrap()
+            .rewritten_body
+            .unwrap();
+        assert_eq!(out, chat("llama-3", "hi"));
+        // Only at the start, and only the whole mark.
+        assert!(e
+            .prepare(
+                "/v1/chat/completions",
+                &[&b"\xEF\xBB"[..], &chat("llama-3", "hi")].concat()
+            )
+            .is_err());
+        assert!(e
+            .prepare(
+                "/v1/chat/completions",
+                &[UTF8_BOM, UTF8_BOM, &chat("llama-3", "hi")].concat()
+            )
+            .is_err());
     }
 
     #[test]

@@ -376,6 +376,15 @@ def test_openai_style_errors(envoy):
     assert body["error"]["code"] == "request_too_large"
 
 
+def test_a_byte_order_mark_before_the_json_is_routed(envoy, pods):
+    """Some Windows tools write JSON files with a UTF-8 byte-order mark; vLLM accepts such a
+    body (Python's json.loads on bytes), so the gateway routes it instead of answering 400."""
+    assert envoy.push(fresh(pods))[0] == 204
+    body = b"\xef\xbb\xbf" + json.dumps({"model": "qwen-7b", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    s, h, _, _ = envoy.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+    assert (s, h.get("x-served-by")) == (200, "qwen-0"), (s, h)
+
+
 def anthropic_error_of(resp):
     status, h, body, _ = resp
     assert h.get("content-type") == "application/json", h
