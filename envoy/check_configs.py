@@ -457,6 +457,11 @@ def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_
     want = max_body + render.BODY_HEADROOM
     if buffer_limit != want:
         raise CheckError(f"listener buffer limit {buffer_limit} != max_body_bytes + 1 MiB = {want}")
+    # Snapshots arrive on this listener: over its buffer limit Envoy, not the filter, would
+    # refuse one (a text/plain 413 the aggregator can only log).
+    max_snapshot = ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT)
+    if max_snapshot > buffer_limit:
+        raise CheckError(f"ingest.max_snapshot_bytes {max_snapshot} is over the listener's buffer limit {buffer_limit}")
     # Envoy's own 413, 503 and 504 in the API's shape, exactly as the local configuration has
     # them (render.py), the 413 naming this max_body_bytes.
     if local_replies != render.local_reply_config(max_body, ingest.get("path", INGEST_PATH)):
