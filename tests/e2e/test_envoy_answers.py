@@ -14,7 +14,8 @@ import anthropic
 import openai
 import pytest
 
-from harness import Envoy, free_port, snapshot
+from harness import Envoy, free_port, snapshot  # puts envoy/ on the path
+from check_configs import read_answer  # noqa: E402
 from stubpod import StubPod
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}, {"name": "gone", "models": ["gone-1"]}]}
@@ -55,24 +56,7 @@ def chunked(envoy, path, total, chunk=64 * 1024):
             s.sendall(b"0\r\n\r\n")
         except (BrokenPipeError, ConnectionResetError):
             pass
-        data = b""
-        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < content_length(data):
-            more = s.recv(65536)
-            if not more:
-                break
-            data += more
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = dict((k.lower(), v.strip()) for k, v in (line.split(":", 1) for line in lines[1:]))
-    return lines[0], headers, body
-
-
-def content_length(data):
-    for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
-        k, _, v = line.partition(b":")
-        if k.strip().lower() == b"content-length":
-            return int(v)
-    return 0
+        return read_answer(s)
 
 
 def too_large(envoy):
