@@ -97,6 +97,10 @@ def main():
     filt = Envoy("filter", pools, eo.CONFIG, runtime="wasm")
     module = Envoy("filter", pools, eo.CONFIG, runtime="dynamic")
     gateways = (("plain", plain), ("filter", filt), ("module", module))
+    # For the idle figures only: the filter with its tick at tick_ms throughout (idle_tick_ms 0),
+    # as before idle workers slowed their tick.
+    fixed = Envoy("filter", pools, dict(eo.CONFIG, idle_tick_ms=0), runtime="wasm")
+    idle_gateways = (*gateways, ("filter_fixed_tick", fixed))
     ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
     pods = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in addrs]}
     res = {"setup": {"upstream": "4 sse-stub pods, one SSE chunk per token every 5 ms", "rate_per_s": args.rate,
@@ -105,9 +109,9 @@ def main():
            "idle_cpu_ms_per_s": {}, "streaming": {name: {SHORT: [], LONG: []} for name, _ in gateways}}
     pusher = None
     try:
-        res["idle_cpu_ms_per_s"]["no_snapshot"] = idle_cpu(gateways, 10)
-        pusher = Pusher([filt, module], pods)
-        res["idle_cpu_ms_per_s"]["pushes_every_100ms"] = idle_cpu(gateways, 10)
+        res["idle_cpu_ms_per_s"]["no_snapshot"] = idle_cpu(idle_gateways, 10)
+        pusher = Pusher([filt, module, fixed], pods)
+        res["idle_cpu_ms_per_s"]["pushes_every_100ms"] = idle_cpu(idle_gateways, 10)
         for r in range(args.rounds):
             for tokens in (SHORT, LONG):
                 order = gateways if r % 2 == 0 else gateways[::-1]
@@ -118,7 +122,7 @@ def main():
                           f"({row['ok']}/{row['requests']} ok)", flush=True)
         pusher.stop()
         pusher = None
-        res["idle_cpu_ms_per_s"]["snapshot_no_pushes"] = idle_cpu(gateways, 10)
+        res["idle_cpu_ms_per_s"]["snapshot_no_pushes"] = idle_cpu(idle_gateways, 10)
         res["picked"] = {name: gw.stat(f"{ours[name][0]}gpuroute.pool.llama.requests.picked")
                          for name, gw in gateways if name in ours}
         res["builds"] = {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
@@ -126,7 +130,7 @@ def main():
     finally:
         if pusher:
             pusher.stop()
-        for _, gw in gateways:
+        for _, gw in idle_gateways:
             gw.stop()
         for s in stubs:
             s.terminate()
@@ -140,9 +144,10 @@ def main():
     out = ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-streaming.json").write_text(json.dumps(res, indent=1))
-    print("\nidle gateway CPU, ms per second (plain / proxy-wasm filter / dynamic module):")
+    print("\nidle gateway CPU, ms per second (plain / proxy-wasm filter / dynamic module / proxy-wasm filter "
+          "with its tick at tick_ms throughout):")
     for k, v in res["idle_cpu_ms_per_s"].items():
-        print(f"  {k:22s} {v['plain']:.1f} / {v['filter']:.1f} / {v['module']:.1f}")
+        print(f"  {k:22s} {v['plain']:.1f} / {v['filter']:.1f} / {v['module']:.1f} / {v['filter_fixed_tick']:.1f}")
     print(f"streamed requests at {args.rate:g}/s, median gateway CPU per request (plain / filter / module):")
     for t in (SHORT, LONG):
         print(f"  {t:4d} tokens: {med['plain'][t]:.0f} / {med['filter'][t]:.0f} / {med['module'][t]:.0f} us")

@@ -383,3 +383,47 @@ mod tests {
         }
     }
 }
+
+/// Ticks in a row with nothing to exchange after which a worker's tick period starts to grow.
+pub const IDLE_TICKS: u32 = 5;
+
+/// The tick period after a tick (ms): `base` while the worker had something to exchange in the
+/// last `IDLE_TICKS` ticks (`idle_ticks` counts the quiet ones in a row), then doubling from
+/// `current` up to `idle_max` (never under `base`: an `idle_max` at or under it turns the
+/// growth off).
+pub fn tick_period(current: u64, base: u64, idle_max: u64, idle_ticks: u32) -> u64 {
+    let top = idle_max.max(base);
+    if idle_ticks < IDLE_TICKS {
+        base
+    } else {
+        current.max(base).saturating_mul(2).min(top)
+    }
+}
+
+#[cfg(test)]
+mod tick_tests {
+    use super::*;
+
+    #[test]
+    fn an_idle_worker_ticks_less_and_less_often_up_to_the_limit() {
+        // active, or not idle long enough: the base period
+        assert_eq!(tick_period(20, 20, 320, 0), 20);
+        assert_eq!(tick_period(320, 20, 320, 0), 20);
+        assert_eq!(tick_period(20, 20, 320, IDLE_TICKS - 1), 20);
+        // then doubling, up to the limit
+        let mut p = 20;
+        let mut seen = vec![];
+        for quiet in IDLE_TICKS..IDLE_TICKS + 6 {
+            p = tick_period(p, 20, 320, quiet);
+            seen.push(p);
+        }
+        assert_eq!(seen, [40, 80, 160, 320, 320, 320]);
+        // a limit that is not a power-of-two multiple is reached exactly
+        assert_eq!(tick_period(160, 20, 250, IDLE_TICKS), 250);
+        // a limit at or under the base (0 included) turns the growth off
+        for limit in [0, 10, 20] {
+            assert_eq!(tick_period(20, 20, limit, 100), 20);
+        }
+        assert_eq!(tick_period(u64::MAX, 20, u64::MAX, 100), u64::MAX);
+    }
+}

@@ -143,6 +143,13 @@ struct Worker {
     refresh_ns: u64,
     /// Requests routed, for the decision-time sample.
     routed: u64,
+    /// The tick period: configured (`tick_ms`), current, and its idle limit (`idle_tick_ms`);
+    /// `routed` at the last tick, and the ticks in a row with nothing to exchange.
+    tick_ms: u64,
+    tick_now_ms: u64,
+    idle_tick_ms: u64,
+    routed_at_tick: u64,
+    idle_ticks: u32,
 }
 
 /// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
@@ -378,6 +385,10 @@ impl Worker {
     /// The root context's tick: a failed registration again, the exchange, the prefix
     /// decisions, and the gauges and batched counters out to Envoy.
     fn tick(&mut self) {
+        // Something to exchange: requests routed, or in-flight counts changed (requests
+        // finished), since the last tick.
+        let active = self.routed != self.routed_at_tick || self.loads.values().any(|pl| pl.dirty);
+        self.routed_at_tick = self.routed;
         if self.register_tried && self.id == UNREGISTERED {
             self.register();
         }
@@ -392,6 +403,40 @@ impl Worker {
         }
         self.snapshot_age_gauge();
         self.stats.flush();
+        self.idle_ticks = if active {
+            0
+        } else {
+            self.idle_ticks.saturating_add(1)
+        };
+        let next = workers::tick_period(
+            self.tick_now_ms,
+            self.tick_ms,
+            self.idle_tick_ms,
+            self.idle_ticks,
+        );
+        self.set_tick_period(next);
+    }
+
+    /// Sets the root context's tick period (an HTTP context's call sets its root's).
+    fn set_tick_period(&mut self, ms: u64) {
+        if ms != self.tick_now_ms
+            && host::set_tick_period_ms(ms.min(u64::from(u32::MAX)) as u32).is_ok()
+        {
+            self.tick_now_ms = ms;
+        }
+    }
+
+    /// A routed request on a worker whose tick slowed down while idle: the tick period back to
+    /// `tick_ms`, and the tick's exchange now (every other worker's in-flight table, the prefix
+    /// records they published meanwhile), so this request sees what a worker ticking all along
+    /// would.
+    fn wake(&mut self, now_ns: u64) {
+        self.stats.inc("gpuroute.idle_wakes");
+        self.set_tick_period(self.tick_ms);
+        self.idle_ticks = 0;
+        self.refreshed_ns = now_ns;
+        self.refresh_shared(true);
+        self.sync();
     }
 
     /// The newest sequence this worker published (0 before its first publish): the entry of
@@ -539,7 +584,13 @@ impl Root {
             published_ns: 0,
             refresh_ns,
             routed: 0,
+            tick_ms: u64::from(tick.max(1)),
+            tick_now_ms: u64::from(tick.max(1)),
+            idle_tick_ms: 0,
+            routed_at_tick: 0,
+            idle_ticks: 0,
         };
+        worker.idle_tick_ms = worker.engine.config.idle_tick_ms;
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
         if routes {
@@ -700,6 +751,9 @@ impl Http {
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
         if !w.register_tried {
             w.register();
+        }
+        if w.tick_now_ms != w.tick_ms {
+            w.wake(t0);
         }
         w.refresh_shared_throttled(t0);
         let prep = match w.engine.prepare(&self.path, &body) {

@@ -11,6 +11,8 @@
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
 //!   worker's first routed request and one in `DECISION_SAMPLE` after it)
 //! - `gpuroute.models_list` (counter: `GET` under `models_path` answered, the list or one model)
+//! - `gpuroute.idle_wakes` (counter: a routed request found its worker's tick slowed down by
+//!   idling, `idle_tick_ms`, and restored it)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request; every

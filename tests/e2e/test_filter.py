@@ -821,6 +821,94 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
         slow.close()
 
 
+@pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module's ticker wakes Envoy only when it has metrics")
+def test_an_idle_worker_ticks_less_often_until_its_next_request(pods):
+    """With nothing to exchange (no request routed, none finished) for five ticks, a worker's
+    tick period doubles up to `idle_tick_ms`, so Envoy stops calling into an idle VM 50 times a
+    second; its next routed request restores `tick_ms` (counted in `gpuroute.idle_wakes`). A
+    request right after another finds the tick at `tick_ms` already. One worker, so every
+    request reaches the same one."""
+    wakes = f"{STAT_PREFIX}gpuroute.idle_wakes"
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 300_000}, idle_tick_ms=160))
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        assert e.chat("llama-3-8b", "first")[0] == 200  # a new worker ticks at tick_ms
+        assert e.stats("idle_wakes").get(wakes, 0) == 0
+        time.sleep(0.8)  # 5 quiet ticks (100 ms), then 40 + 80 + 160 ms
+        assert e.chat("llama-3-8b", "after idling")[0] == 200
+        assert e.chat("llama-3-8b", "right after")[0] == 200
+        assert e.stats("idle_wakes").get(wakes, 0) == 1
+        time.sleep(0.8)
+        assert e.chat("llama-3-8b", "after idling again")[0] == 200
+        assert e.stats("idle_wakes").get(wakes, 0) == 2
+    finally:
+        e.stop()
+
+
+@pytest.mark.parametrize("workers,peer_reads,idle_ms", [(2, None, 160), (4, 1, 2560)], ids=["two_workers", "four_workers_one_read"])
+def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_reads, idle_ms):
+    """A worker whose tick slowed while it idled, and whose last look at the other workers'
+    in-flight tables is from before they took requests that stay in flight, counts those
+    requests on its next request: waking, it runs the tick's exchange first. Sheddable probes
+    are refused on every worker probed, as in the test above.
+
+    `four_workers_one_read`: the idle workers' ticks have slowed to 1.3-2.6 s when the held
+    requests arrive, the probes follow at once, and an exchange on the request path reads one of
+    three other workers' tables; without the catch-up on waking, a probe could read the wrong
+    one. (A build without it failed this in one of three runs: which worker each connection
+    lands on decides it.) The dynamic module has one engine, which counts every request."""
+    import concurrent.futures
+    import threading
+
+    slow = StubPod("slow-0")
+    config = dict(CONFIG, scoring={"stale_after_ms": 300_000}, idle_tick_ms=idle_ms)
+    if peer_reads is not None:
+        config["shared_peer_reads"] = peer_reads
+    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=workers)
+    ex = concurrent.futures.ThreadPoolExecutor(8)
+    try:
+        assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
+        # Every worker routes once, then idles long enough for its tick to reach the limit.
+        per_worker = e.worker_connections
+        for _ in range(200):
+            if sum(1 for n in per_worker().values() if n > 0) >= workers:
+                break
+            assert e.chat("llama-3-8b", "warm")[0] == 200
+        assert sum(1 for n in per_worker().values() if n > 0) >= workers, per_worker()
+        time.sleep(0.8 if idle_ms <= 160 else 3.0)
+
+        slow.requests.clear()
+        slow.hold = threading.Event()
+        held = [ex.submit(e.chat, "llama-3-8b", f"held {i}", timeout=120) for i in range(6)]
+        deadline = time.time() + 30
+        while len(slow.requests) < 6 and time.time() < deadline:
+            time.sleep(0.02)
+        assert len(slow.requests) == 6, "the held requests did not all reach the pod"
+        if workers == 2:
+            time.sleep(0.8)  # and idle again, holding them
+        before = per_worker()
+        statuses, hit = [], []
+        deadline = time.time() + 60
+        while len(statuses) < 80 and time.time() < deadline:
+            probe = ex.submit(e.chat, "llama-3-8b", "probe", headers={"x-gateway-priority": "-1"}, timeout=120)
+            while not probe.done() and not any(r["body"].find('"probe"') >= 0 for r in slow.requests):
+                time.sleep(0.002)
+            statuses.append(probe.result()[0] if probe.done() else "routed to the pod")
+            hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
+            if statuses[-1] != 429 or (len(hit) >= min(workers, 3) and len(statuses) >= 8):
+                break
+        assert statuses == [429] * len(statuses), f"a worker back from idling did not count the held requests: {statuses}"
+        assert len(hit) >= min(workers, 3), f"the probes did not reach enough workers: {per_worker()} vs {before}"
+        slow.hold.set()
+        assert all(f.result()[0] == 200 for f in held)
+    finally:
+        if slow.hold is not None:
+            slow.hold.set()
+        ex.shutdown(wait=True)
+        e.stop()
+        slow.close()
+
+
 def test_non_inference_paths_pass_through_untouched(envoy, pods):
     s, _, body, _ = envoy.request("GET", "/health")
     # No pool header was set, so the route table's catch-all answers.
