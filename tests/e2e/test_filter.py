@@ -723,6 +723,39 @@ def test_burst_within_one_snapshot_spreads(pods):
             p.close()
 
 
+def route_on_every_worker(e, workers):
+    """Quick requests on new connections until each of Envoy's `workers` has routed one (the
+    kernel picks the worker of each connection)."""
+    per_worker = e.worker_connections
+    for _ in range(200):
+        if sum(1 for n in per_worker().values() if n > 0) >= workers:
+            return
+        assert e.chat("llama-3-8b", "warm")[0] == 200
+    raise AssertionError(f"not every worker routed: {per_worker()}")
+
+
+def probe_sheddable(e, slow, ex, probed, what):
+    """Sends sheddable probes while `slow` holds requests that saturate its pool, until `probed`
+    workers have answered at least three each (the kernel picks the worker of each connection):
+    every probe must be refused (429). A probe routed to the pod instead ends the loop and fails
+    the test with `what`. A routed probe is held too, so it is not waited for: it only has to
+    reach the pod, which a refused one never does."""
+    per_worker = e.worker_connections
+    before = per_worker()
+    statuses, hit = [], []
+    deadline = time.time() + 60
+    while len(statuses) < 80 and time.time() < deadline:
+        probe = ex.submit(e.chat, "llama-3-8b", "probe", headers={"x-gateway-priority": "-1"}, timeout=120)
+        while not probe.done() and not any(r["body"].find('"probe"') >= 0 for r in slow.requests):
+            time.sleep(0.002)
+        statuses.append(probe.result()[0] if probe.done() else "routed to the pod")
+        hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
+        if statuses[-1] != 429 or (len(hit) >= probed and len(statuses) >= 8):
+            break
+    assert statuses == [429] * len(statuses), f"{what}: {statuses}"
+    assert len(hit) >= probed, f"the probes did not reach {probed} workers: {per_worker()} vs {before}"
+
+
 @pytest.mark.parametrize("tick_ms,workers,peer_reads", [(None, 2, None), (600_000, 2, None), (None, 4, 1)],
                          ids=["default_tick", "no_tick", "four_workers_one_read"])
 def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_reads):
@@ -764,15 +797,10 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
     try:
         assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
 
-        per_worker = e.worker_connections
         if peer_reads is not None:
             # Every worker routes once (a quick answer: nothing stays in flight), then the ticks
             # that follow leave each worker's view of the others up to date and empty.
-            for _ in range(200):
-                if sum(1 for n in per_worker().values() if n > 0) >= workers:
-                    break
-                assert e.chat("llama-3-8b", "warm")[0] == 200
-            assert sum(1 for n in per_worker().values() if n > 0) >= workers, per_worker()
+            route_on_every_worker(e, workers)
             time.sleep(0.2)
             slow.requests.clear()
         # The pod holds every request until the probes are done: they stay in flight however
@@ -793,24 +821,7 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
         # tick, so within three ticks (60 ms) every worker counts every held request. Before
         # this wait the probes raced it, and lost now and then ([429, 200]).
         time.sleep(0.3)
-        before = per_worker()
-        statuses, hit = [], []
-        probed = min(workers, 3)
-        # Probes until `probed` workers have answered some (the kernel picks the worker of each
-        # connection); a probe routed to the pod instead of refused ends the loop (and the test).
-        # A routed probe is held too, so it must not wait for its answer: it only has to reach
-        # the pod, which a refused one never does.
-        deadline = time.time() + 60
-        while len(statuses) < 80 and time.time() < deadline:
-            probe = ex.submit(e.chat, "llama-3-8b", "probe", headers={"x-gateway-priority": "-1"}, timeout=120)
-            while not probe.done() and not any(r["body"].find('"probe"') >= 0 for r in slow.requests):
-                time.sleep(0.002)
-            statuses.append(probe.result()[0] if probe.done() else "routed to the pod")
-            hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
-            if statuses[-1] != 429 or (len(hit) >= probed and len(statuses) >= 8):
-                break
-        assert statuses == [429] * len(statuses), f"a worker did not count the others' requests: {statuses}"
-        assert len(hit) >= probed, f"the probes did not reach {probed} workers: {per_worker()} vs {before}"
+        probe_sheddable(e, slow, ex, min(workers, 3), "a worker did not count the others' requests")
         slow.hold.set()
         assert all(f.result()[0] == 200 for f in held)
     finally:
@@ -869,12 +880,7 @@ def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_read
     try:
         assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
         # Every worker routes once, then idles long enough for its tick to reach the limit.
-        per_worker = e.worker_connections
-        for _ in range(200):
-            if sum(1 for n in per_worker().values() if n > 0) >= workers:
-                break
-            assert e.chat("llama-3-8b", "warm")[0] == 200
-        assert sum(1 for n in per_worker().values() if n > 0) >= workers, per_worker()
+        route_on_every_worker(e, workers)
         time.sleep(0.8 if idle_ms <= 160 else 3.0)
 
         slow.requests.clear()
@@ -886,19 +892,7 @@ def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_read
         assert len(slow.requests) == 6, "the held requests did not all reach the pod"
         if workers == 2:
             time.sleep(0.8)  # and idle again, holding them
-        before = per_worker()
-        statuses, hit = [], []
-        deadline = time.time() + 60
-        while len(statuses) < 80 and time.time() < deadline:
-            probe = ex.submit(e.chat, "llama-3-8b", "probe", headers={"x-gateway-priority": "-1"}, timeout=120)
-            while not probe.done() and not any(r["body"].find('"probe"') >= 0 for r in slow.requests):
-                time.sleep(0.002)
-            statuses.append(probe.result()[0] if probe.done() else "routed to the pod")
-            hit = [w for w, n in per_worker().items() if n - before.get(w, 0) >= 3]
-            if statuses[-1] != 429 or (len(hit) >= min(workers, 3) and len(statuses) >= 8):
-                break
-        assert statuses == [429] * len(statuses), f"a worker back from idling did not count the held requests: {statuses}"
-        assert len(hit) >= min(workers, 3), f"the probes did not reach enough workers: {per_worker()} vs {before}"
+        probe_sheddable(e, slow, ex, min(workers, 3), "a worker back from idling did not count the held requests")
         slow.hold.set()
         assert all(f.result()[0] == 200 for f in held)
     finally:
