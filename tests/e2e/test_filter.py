@@ -856,6 +856,30 @@ def test_an_idle_worker_ticks_less_often_until_its_next_request(pods):
         e.stop()
 
 
+@pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module's ticker wakes Envoy only when it has metrics")
+def test_a_woken_worker_ticks_at_tick_ms_again(pods):
+    """The request that wakes a worker sets the tick period from its HTTP context, which Envoy
+    applies to the worker's root context: the pick it counts (batched until the next tick)
+    reaches Envoy's stats within a few ticks of 20 ms, not after the rest of a 1.3-2 s idle
+    period. Three idle spells: a tick left slow would come within 300 ms by chance in about one
+    spell in four."""
+    picked = f"{STAT_PREFIX}gpuroute.pool.llama.requests.picked"
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 300_000}, idle_tick_ms=2000))
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        for spell in range(3):
+            time.sleep(3.0)  # five quiet ticks, then 40 + 80 + ... + 640 ms: at least 1,280 now
+            before = e.stats("requests.picked").get(picked, 0)
+            assert e.chat("llama-3-8b", f"after spell {spell}")[0] == 200
+            t0 = time.time()
+            while e.stats("requests.picked").get(picked, 0) == before and time.time() - t0 < 5:
+                time.sleep(0.005)
+            waited = time.time() - t0
+            assert waited < 0.3, f"the pick reached Envoy {waited:.3f} s after the waking request"
+    finally:
+        e.stop()
+
+
 @pytest.mark.parametrize("workers,peer_reads,idle_ms", [(2, None, 160), (4, 1, 2560)], ids=["two_workers", "four_workers_one_read"])
 def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_reads, idle_ms):
     """A worker whose tick slowed while it idled, and whose last look at the other workers'
