@@ -888,10 +888,11 @@ def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_read
     are refused on every worker probed, as in the test above.
 
     `four_workers_one_read`: the idle workers' ticks have slowed to 1.3-2.6 s when the held
-    requests arrive, the probes follow at once, and an exchange on the request path reads one of
-    three other workers' tables; without the catch-up on waking, a probe could read the wrong
-    one. (A build without it failed this in one of three runs: which worker each connection
-    lands on decides it.) The dynamic module has one engine, which counts every request."""
+    requests arrive, the probes follow once the workers holding them have published (0.3 s),
+    and an exchange on the request path reads one of three other workers' tables; without the
+    catch-up on waking, a probe could read the wrong one. (A build without it failed this in two
+    of six runs: which worker each connection lands on decides it.) The dynamic module has one
+    engine, which counts every request."""
     import concurrent.futures
     import threading
 
@@ -914,8 +915,10 @@ def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_read
         while len(slow.requests) < 6 and time.time() < deadline:
             time.sleep(0.02)
         assert len(slow.requests) == 6, "the held requests did not all reach the pod"
-        if workers == 2:
-            time.sleep(0.8)  # and idle again, holding them
+        # The workers that took the held requests publish what they deferred with their next
+        # tick (at tick_ms again: they routed), within three ticks; the probes must not race
+        # that (as in the test above). The workers that took none are still at 1.3-2.6 s.
+        time.sleep(0.8 if workers == 2 else 0.3)
         probe_sheddable(e, slow, ex, min(workers, 3), "a worker back from idling did not count the held requests")
         slow.hold.set()
         assert all(f.result()[0] == 200 for f in held)
