@@ -76,7 +76,7 @@ ROUTER = {
     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
 }
 OVERRIDE_HOST = "envoy.load_balancing_policies.override_host"
-INGEST_PATH = "/gpuroute/v1/snapshot"
+INGEST_PATH = render.DEFAULT_INGEST_PATH
 DEFAULT_MAX_SNAPSHOT = 8 * 1024 * 1024  # core/src/config.rs, `default_max_snapshot_bytes`
 # A port nothing listens on: requests routed to a pool fail fast (connection refused).
 DEAD_ENDPOINT = "127.0.0.1:1"

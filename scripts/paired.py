@@ -63,9 +63,14 @@ def pairs_by_round(rounds_a, rounds_b, of):
     return out
 
 
+def flat(by_round):
+    """Every round's values in one list."""
+    return [v for r in by_round for v in r]
+
+
 def pairs(rounds_a, rounds_b, of):
     """pairs_by_round, every round's pairs in one list."""
-    return [v for r in pairs_by_round(rounds_a, rounds_b, of) for v in r]
+    return flat(pairs_by_round(rounds_a, rounds_b, of))
 
 
 def pooled(*builds):
@@ -113,8 +118,6 @@ def cpu_ratios(rounds_a, rounds_b):
     return pairs_by_round(rounds_a, rounds_b, lambda x, y: y["cpu_us_per_request"] / x["cpu_us_per_request"])
 
 
-def flat(by_round):
-    return [v for r in by_round for v in r]
 
 
 def rounds_ci(by_round, level=0.95, draws=4000, seed=1):

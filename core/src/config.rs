@@ -489,7 +489,6 @@ impl FilterConfig {
         if self.tick_ms == 0 {
             return Err(cfg_err("tick_ms", "must be > 0"));
         }
-
         if self.shared_refresh_ms == 0 {
             return Err(cfg_err("shared_refresh_ms", "must be > 0"));
         }

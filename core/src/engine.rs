@@ -457,9 +457,9 @@ fn destination(pool: &PoolState, ranked: &[usize]) -> String {
     s
 }
 
-/// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
+/// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
     let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
     let mut out = Vec::with_capacity(body.len() + quoted.len());

@@ -143,11 +143,10 @@ struct Worker {
     refresh_ns: u64,
     /// Requests routed, for the decision-time sample.
     routed: u64,
-    /// The tick period: configured (`tick_ms`), current, and its idle limit (`idle_tick_ms`);
-    /// `routed` at the last tick, and the ticks in a row with nothing to exchange.
-    tick_ms: u64,
+    /// The tick period now (the configuration's `tick_ms`, or longer while idle:
+    /// `idle_tick_ms`), `routed` at the last tick, and the ticks in a row with nothing to
+    /// exchange.
     tick_now_ms: u64,
-    idle_tick_ms: u64,
     routed_at_tick: u64,
     idle_ticks: u32,
 }
@@ -408,10 +407,11 @@ impl Worker {
         } else {
             self.idle_ticks.saturating_add(1)
         };
+        let config = &self.engine.config;
         let next = workers::tick_period(
             self.tick_now_ms,
-            self.tick_ms,
-            self.idle_tick_ms,
+            config.tick_ms,
+            config.idle_tick_ms,
             self.idle_ticks,
         );
         self.set_tick_period(next);
@@ -432,7 +432,7 @@ impl Worker {
     /// would.
     fn wake(&mut self, now_ns: u64) {
         self.stats.inc("gpuroute.idle_wakes");
-        self.set_tick_period(self.tick_ms);
+        self.set_tick_period(self.engine.config.tick_ms);
         self.idle_ticks = 0;
         self.refreshed_ns = now_ns;
         self.refresh_shared(true);
@@ -559,7 +559,8 @@ impl Root {
         };
         // A configuration again on a live instance: the old worker's id goes back first.
         self.on_delete();
-        let tick = config.tick_ms.min(u64::from(u32::MAX)) as u32;
+        let tick_ms = config.tick_ms;
+        let tick = tick_ms.min(u64::from(u32::MAX)) as u32;
         let refresh_ns = config.shared_refresh_ms.saturating_mul(1_000_000);
         let routes = !config.pools.is_empty();
         let seed = host::now_nanos() ^ (u64::from(self.id) << 32);
@@ -584,13 +585,10 @@ impl Root {
             published_ns: 0,
             refresh_ns,
             routed: 0,
-            tick_ms: u64::from(tick.max(1)),
-            tick_now_ms: u64::from(tick.max(1)),
-            idle_tick_ms: 0,
+            tick_now_ms: tick_ms,
             routed_at_tick: 0,
             idle_ticks: 0,
         };
-        worker.idle_tick_ms = worker.engine.config.idle_tick_ms;
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
         if routes {
@@ -752,7 +750,7 @@ impl Http {
         if !w.register_tried {
             w.register();
         }
-        if w.tick_now_ms != w.tick_ms {
+        if w.tick_now_ms != w.engine.config.tick_ms {
             w.wake(t0);
         }
         w.refresh_shared_throttled(t0);

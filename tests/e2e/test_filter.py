@@ -1,8 +1,11 @@
 """End-to-end tests of the filter in a real Envoy 1.40 (pip-installed) with the built .wasm,
 against stub pods that say who served each request."""
 
+import concurrent.futures
+import contextlib
 import json
 import socket
+import threading
 import time
 from collections import Counter
 
@@ -116,8 +119,6 @@ def test_requests_whose_client_went_away_leave_the_in_flight_count(pods):
     stops counting against its pod. Eight requests are held in flight and abandoned; afterwards
     sequential requests go to the idle pod as if they had never been sent. Had they stayed
     counted, the pod that took most of them would look busiest and the picks would spread."""
-    import threading
-
     # One snapshot for the whole test, fresh throughout: a new snapshot re-bases the in-flight
     # counts (it reflects what was in flight when it was scraped) and would hide a leak.
     e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 30_000}))
@@ -703,8 +704,6 @@ def test_a_worker_without_the_filter_answers_inference_requests_with_a_retryable
 def test_burst_within_one_snapshot_spreads(pods):
     """No thundering herd: a burst inside one scrape interval does not pile onto the pod that
     looked best at the last scrape, because requests in flight count against their pod."""
-    import concurrent.futures
-
     slow = {n: StubPod(n, delay_s=1.0) for n in ["s0", "s1", "s2"]}
     e = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in slow.values()]}], CONFIG, concurrency=2)
     try:
@@ -721,6 +720,41 @@ def test_burst_within_one_snapshot_spreads(pods):
         e.stop()
         for p in slow.values():
             p.close()
+
+
+@contextlib.contextmanager
+def one_slow_pod_gateway(config, workers):
+    """A gateway of `workers` worker threads in front of one pod that can hold requests, with a
+    snapshot pushed that shows the pod idle: yields (envoy, pod, executor) and tears them down,
+    releasing whatever the pod still holds."""
+    slow = StubPod("slow-0")
+    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=workers)
+    ex = concurrent.futures.ThreadPoolExecutor(8)  # six held, and the probe
+    try:
+        assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
+        yield e, slow, ex
+    finally:
+        if slow.hold is not None:
+            slow.hold.set()
+        ex.shutdown(wait=True)
+        e.stop()
+        slow.close()
+
+
+def hold_six(e, slow, ex, gap_s=0.0):
+    """Six requests on six connections, `gap_s` apart, that `slow` holds until `slow.hold` is
+    set; returns their futures once all six have reached the pod."""
+    slow.hold = threading.Event()
+    held = []
+    for i in range(6):
+        held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}", timeout=120))
+        if gap_s:
+            time.sleep(gap_s)
+    deadline = time.time() + 30
+    while len(slow.requests) < 6 and time.time() < deadline:
+        time.sleep(0.02)
+    assert len(slow.requests) == 6, "the held requests did not all reach the pod"
+    return held
 
 
 def route_on_every_worker(e, workers):
@@ -781,10 +815,6 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
     one of three; the worker must still count the held requests of the other two, from what it
     read before: its ticks read the tables its exchanges did not reach since the tick before (a
     build whose tick read none of them routed probes here)."""
-    import concurrent.futures
-    import threading
-
-    slow = StubPod("slow-0")
     # No re-push during the test (a new snapshot takes the held requests as reported), and a
     # snapshot that stays fresh however slowly this machine runs the test.
     config = dict(CONFIG, scoring={"stale_after_ms": 300_000})
@@ -792,11 +822,7 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
         config["tick_ms"] = tick_ms
     if peer_reads is not None:
         config["shared_peer_reads"] = peer_reads
-    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=workers)
-    ex = concurrent.futures.ThreadPoolExecutor(8)  # six held, and the probe
-    try:
-        assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
-
+    with one_slow_pod_gateway(config, workers) as (e, slow, ex):
         if peer_reads is not None:
             # Every worker routes once (a quick answer: nothing stays in flight), then the ticks
             # that follow leave each worker's view of the others up to date and empty.
@@ -805,16 +831,7 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
             slow.requests.clear()
         # The pod holds every request until the probes are done: they stay in flight however
         # long this takes (no fixed delay for a loaded machine to outrun).
-        slow.hold = threading.Event()
-        held = []
-        for i in range(6):
-            held.append(ex.submit(e.chat, "llama-3-8b", f"held {i}", timeout=120))
-            if tick_ms is not None:
-                time.sleep(0.01)
-        deadline = time.time() + 30
-        while len(slow.requests) < 6 and time.time() < deadline:
-            time.sleep(0.02)
-        assert len(slow.requests) == 6, "the held requests did not all reach the pod"
+        held = hold_six(e, slow, ex, gap_s=0.01 if tick_ms is not None else 0.0)
         assert not any(f.done() for f in held)
         # The design's bound, which the probes must not race: what a worker defers goes out
         # with its next tick, and the tables a worker's exchanges did not reach are read on its
@@ -824,12 +841,6 @@ def test_in_flight_requests_count_across_worker_threads(tick_ms, workers, peer_r
         probe_sheddable(e, slow, ex, min(workers, 3), "a worker did not count the others' requests")
         slow.hold.set()
         assert all(f.result()[0] == 200 for f in held)
-    finally:
-        if slow.hold is not None:
-            slow.hold.set()
-        ex.shutdown(wait=True)
-        e.stop()
-        slow.close()
 
 
 @pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module's ticker wakes Envoy only when it has metrics")
@@ -893,28 +904,16 @@ def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_read
     catch-up on waking, a probe could read the wrong one. (A build without it failed this in two
     of six runs: which worker each connection lands on decides it.) The dynamic module has one
     engine, which counts every request."""
-    import concurrent.futures
-    import threading
-
-    slow = StubPod("slow-0")
     config = dict(CONFIG, scoring={"stale_after_ms": 300_000}, idle_tick_ms=idle_ms)
     if peer_reads is not None:
         config["shared_peer_reads"] = peer_reads
-    e = Envoy("filter", [{"name": "llama", "endpoints": [slow.address]}], config, concurrency=workers)
-    ex = concurrent.futures.ThreadPoolExecutor(8)
-    try:
-        assert e.push(snapshot({"llama": [{"address": slow.address, "waiting": 0, "running": 0}]}))[0] == 204
+    with one_slow_pod_gateway(config, workers) as (e, slow, ex):
         # Every worker routes once, then idles long enough for its tick to reach the limit.
         route_on_every_worker(e, workers)
         time.sleep(0.8 if idle_ms <= 160 else 3.0)
 
         slow.requests.clear()
-        slow.hold = threading.Event()
-        held = [ex.submit(e.chat, "llama-3-8b", f"held {i}", timeout=120) for i in range(6)]
-        deadline = time.time() + 30
-        while len(slow.requests) < 6 and time.time() < deadline:
-            time.sleep(0.02)
-        assert len(slow.requests) == 6, "the held requests did not all reach the pod"
+        held = hold_six(e, slow, ex)
         # The workers that took the held requests publish what they deferred with their next
         # tick (at tick_ms again: they routed), within three ticks; the probes must not race
         # that (as in the test above). The workers that took none are still at 1.3-2.6 s.
@@ -922,12 +921,6 @@ def test_a_worker_back_from_idling_counts_the_others_requests(workers, peer_read
         probe_sheddable(e, slow, ex, min(workers, 3), "a worker back from idling did not count the held requests")
         slow.hold.set()
         assert all(f.result()[0] == 200 for f in held)
-    finally:
-        if slow.hold is not None:
-            slow.hold.set()
-        ex.shutdown(wait=True)
-        e.stop()
-        slow.close()
 
 
 def test_non_inference_paths_pass_through_untouched(envoy, pods):
