@@ -242,6 +242,11 @@ pub struct IngestConfig {
     /// Accept snapshots only from a loopback peer address.
     #[serde(default = "yes")]
     pub loopback_only: bool,
+    /// Path of the prefix-record exchange between gateway replicas (`exchange`): `GET` gives
+    /// this Envoy's routing decisions, `POST` takes other replicas'; same token and peer rule
+    /// as snapshots. `sidecar-metrics` relays between replicas. Empty turns it off.
+    #[serde(default = "default_prefix_path")]
+    pub prefix_path: String,
 }
 
 /// How the chosen endpoint is handed to Envoy.
@@ -320,6 +325,9 @@ fn default_shared_peer_reads() -> usize {
 }
 fn default_ingest_path() -> String {
     "/gpuroute/v1/snapshot".to_string()
+}
+fn default_prefix_path() -> String {
+    "/gpuroute/v1/prefix".to_string()
 }
 fn default_max_snapshot_bytes() -> usize {
     // MAX_PODS pods at ~400 bytes of JSON each, plus adapters.
@@ -484,6 +492,19 @@ impl FilterConfig {
             }
             if ing.max_snapshot_bytes == 0 {
                 return Err(cfg_err("ingest.max_snapshot_bytes", "must be > 0"));
+            }
+            let p = &ing.prefix_path;
+            if !p.is_empty() && !p.starts_with('/') {
+                return Err(cfg_err(
+                    "ingest.prefix_path",
+                    "must start with '/' (or be empty)",
+                ));
+            }
+            if *p == ing.path || self.inference_paths.contains(p) {
+                return Err(cfg_err(
+                    "ingest.prefix_path",
+                    "collides with the ingest path or an inference path",
+                ));
             }
         }
         if self.tick_ms == 0 {

@@ -409,6 +409,19 @@ impl Engine {
         self
     }
 
+    /// Starts keeping an outgoing sync log if there is none (an engine shared by every worker
+    /// keeps one only for the exchange between gateway replicas, once it is asked for).
+    pub fn enable_sync_log(&mut self) {
+        if self.sync.is_none() {
+            self.sync = Some(SyncLog::new(SYNC_RING));
+        }
+    }
+
+    /// The outgoing sync log, if kept.
+    pub fn sync_log(&self) -> Option<&SyncLog> {
+        self.sync.as_ref()
+    }
+
     /// Applies another worker's decisions to the local prefix index.
     pub fn apply_sync(&mut self, records: &[SyncRecord]) {
         for r in records {

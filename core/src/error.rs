@@ -200,6 +200,11 @@ impl ApiError {
         ApiError::new(400, "invalid_request_error", message).code("invalid_snapshot")
     }
 
+    /// 400 for prefix records pushed by another gateway replica that do not decode.
+    pub fn bad_prefix_records(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", message).code("invalid_prefix_records")
+    }
+
     /// 413 for a snapshot over the ingest limit.
     pub fn snapshot_too_large(message: impl Into<String>) -> ApiError {
         ApiError::new(413, "invalid_request_error", message).code("snapshot_too_large")

@@ -43,6 +43,9 @@ pub struct RequestHead {
     /// `anthropic-version` is present: Anthropic's SDKs send it on every request, so on a path
     /// both APIs share (`/v1/models`) an error answers in Anthropic's shape.
     pub anthropic: bool,
+    /// `x-gpuroute-cursor`: where a relay is in this Envoy's prefix records
+    /// ([`crate::exchange`]).
+    pub cursor: Option<String>,
 }
 
 impl RequestHead {
@@ -58,6 +61,7 @@ impl RequestHead {
                     h.path = owned(full.split(['?', '#']).next().unwrap_or_default());
                 }
                 b":method" => h.method = owned(text().unwrap_or_default()),
+                b"x-gpuroute-cursor" => h.cursor = text().map(owned),
                 b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),

@@ -59,8 +59,45 @@ pub fn check_request(
     authorization: Option<&str>,
     content_length: Option<usize>,
 ) -> Result<(), Refusal> {
-    if method != "POST" {
-        return Err(("method", ApiError::method_not_allowed("POST")));
+    check(
+        cfg,
+        "POST",
+        method,
+        peer_is_loopback,
+        authorization,
+        content_length,
+    )
+}
+
+/// [`check_request`] for the prefix-record exchange (`ingest.prefix_path`, see
+/// [`crate::exchange`]): `GET` and `POST`, the same peer rule, token and size limit.
+pub fn check_exchange(
+    cfg: &IngestConfig,
+    method: &str,
+    peer_is_loopback: impl FnOnce() -> bool,
+    authorization: Option<&str>,
+    content_length: Option<usize>,
+) -> Result<(), Refusal> {
+    check(
+        cfg,
+        "GET, POST",
+        method,
+        peer_is_loopback,
+        authorization,
+        content_length,
+    )
+}
+
+fn check(
+    cfg: &IngestConfig,
+    allowed: &'static str,
+    method: &str,
+    peer_is_loopback: impl FnOnce() -> bool,
+    authorization: Option<&str>,
+    content_length: Option<usize>,
+) -> Result<(), Refusal> {
+    if !allowed.split(", ").any(|m| m == method) {
+        return Err(("method", ApiError::method_not_allowed(allowed)));
     }
     if cfg.loopback_only && !peer_is_loopback() {
         let mut e = ApiError::unauthorized();
@@ -203,6 +240,7 @@ mod tests {
             path: "/p".into(),
             max_snapshot_bytes: 100,
             loopback_only: true,
+            prefix_path: "/x".into(),
         };
         let auth = Some("Bearer secret-token");
         let reason = |r: Result<(), Refusal>| r.err().map(|(why, e)| (why, e.status));
@@ -243,6 +281,43 @@ mod tests {
         assert!(
             !asked.get(),
             "the peer is not looked up unless the config restricts it"
+        );
+    }
+
+    #[test]
+    fn the_prefix_exchange_takes_get_and_post_under_the_same_rules() {
+        let cfg = IngestConfig {
+            token: "secret-token".into(),
+            path: "/p".into(),
+            max_snapshot_bytes: 100,
+            loopback_only: true,
+            prefix_path: "/x".into(),
+        };
+        let auth = Some("Bearer secret-token");
+        let reason = |r: Result<(), Refusal>| r.err().map(|(why, e)| (why, e.status));
+        assert_eq!(
+            reason(check_exchange(&cfg, "GET", || true, auth, None)),
+            None
+        );
+        assert_eq!(
+            reason(check_exchange(&cfg, "POST", || true, auth, Some(100))),
+            None
+        );
+        assert_eq!(
+            reason(check_exchange(&cfg, "PUT", || true, auth, None)),
+            Some(("method", 405))
+        );
+        assert_eq!(
+            reason(check_exchange(&cfg, "GET", || false, auth, None)),
+            Some(("forbidden", 403))
+        );
+        assert_eq!(
+            reason(check_exchange(&cfg, "GET", || true, None, None)),
+            Some(("unauthorized", 401))
+        );
+        assert_eq!(
+            reason(check_exchange(&cfg, "POST", || true, auth, Some(101))),
+            Some(("too_large", 413))
         );
     }
 }

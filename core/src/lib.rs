@@ -11,6 +11,7 @@
 //! - [`fleet`]: a snapshot decoded for picking;
 //! - [`load`]: the in-flight table shared by Envoy workers (no thundering herd);
 //! - [`prefix`]: prefix hashing, rendezvous homes and the learned prefix index;
+//! - [`exchange`]: prefix records exchanged between gateway replicas;
 //! - [`picker`]: candidates, scorers and the pick;
 //! - [`engine`]: the per-request pipeline the filter runs;
 //! - [`headers`]: the headers the filter sets (and strips from clients);
@@ -23,6 +24,7 @@ pub mod bytes;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod exchange;
 pub mod fleet;
 pub mod headers;
 pub mod idmap;

@@ -314,19 +314,12 @@ impl SyncLog {
     /// The ring's records newer than `after`, encoded as [`SyncLog::encode`] does: what a
     /// writer publishes when its readers have seen everything up to `after`.
     pub fn encode_after(&self, after: u64) -> Vec<u8> {
-        let newer = self.records.iter().filter(|r| r.seq > after);
-        let mut out = Vec::with_capacity(8 + newer.clone().count() * 96);
-        out.extend_from_slice(SYNC_MAGIC);
-        for r in newer {
-            out.extend_from_slice(&r.seq.to_le_bytes());
-            out.extend_from_slice(&r.pod.to_le_bytes());
-            let n = r.anchors.len().min(255);
-            out.push(n as u8);
-            for a in &r.anchors[..n] {
-                out.extend_from_slice(&a.to_le_bytes());
-            }
-        }
-        out
+        encode_records(self.records.iter().filter(|r| r.seq > after))
+    }
+
+    /// The records of the ring newer than `after` (oldest first).
+    pub fn records_after(&self, after: u64) -> impl Iterator<Item = &SyncRecord> {
+        self.records.iter().filter(move |r| r.seq > after)
     }
 
     /// Decodes another worker's ring, keeping records newer than `after`. Malformed input yields
@@ -355,6 +348,61 @@ impl SyncLog {
     }
 }
 
+/// Encodes records as [`SyncLog::encode`] does: `GPX1`, then per record its sequence and pod
+/// (u64 each), the number of anchors (u8, at most 255 kept) and the anchors (u64 each), all
+/// little-endian.
+pub fn encode_records<'a>(records: impl Iterator<Item = &'a SyncRecord> + Clone) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + records.clone().count() * 96);
+    out.extend_from_slice(SYNC_MAGIC);
+    for r in records {
+        append_record(&mut out, r);
+    }
+    out
+}
+
+/// Appends one record to an encoding that starts with `GPX1`.
+pub fn append_record(out: &mut Vec<u8>, r: &SyncRecord) {
+    out.extend_from_slice(&r.seq.to_le_bytes());
+    out.extend_from_slice(&r.pod.to_le_bytes());
+    let n = r.anchors.len().min(255);
+    out.push(n as u8);
+    for a in &r.anchors[..n] {
+        out.extend_from_slice(&a.to_le_bytes());
+    }
+}
+
+/// Decodes records that came from outside this Envoy (another gateway replica, through
+/// `sidecar-metrics`): unlike [`SyncLog::decode_after`], anything malformed refuses the whole
+/// body, naming the fault, and so do more than `max_records` records.
+pub fn decode_records(bytes: &[u8], max_records: usize) -> Result<Vec<SyncRecord>, String> {
+    let Some(mut rest) = bytes.strip_prefix(SYNC_MAGIC.as_slice()) else {
+        return Err("prefix records must start with GPX1".into());
+    };
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        if out.len() == max_records {
+            return Err(format!("more than {max_records} prefix records"));
+        }
+        if rest.len() < 17 {
+            return Err(format!("prefix record {} is truncated", out.len()));
+        }
+        let n = rest[16] as usize;
+        let need = 17 + n * 8;
+        if rest.len() < need {
+            return Err(format!("prefix record {} is truncated", out.len()));
+        }
+        out.push(SyncRecord {
+            seq: u64::from_le_bytes(take8(rest, 0)),
+            pod: u64::from_le_bytes(take8(rest, 8)),
+            anchors: (0..n)
+                .map(|i| u64::from_le_bytes(take8(rest, 17 + i * 8)))
+                .collect(),
+        });
+        rest = &rest[need..];
+    }
+    Ok(out)
+}
+
 const BOARD_MAGIC: &[u8; 4] = b"GPQ1";
 const BOARD_ENTRY: usize = 4 + 8;
 
@@ -371,15 +419,17 @@ pub struct SyncBoard {
 
 impl SyncBoard {
     /// Decodes the shared-data value. Anything malformed yields the entries before the fault (it
-    /// only says which rings to read), at most [`crate::workers::MAX_WORKERS`] of them.
+    /// only says which rings to read), at most [`crate::workers::MAX_WORKERS`] + 1 of them.
     pub fn decode(bytes: &[u8]) -> SyncBoard {
         let mut entries = Vec::new();
         let Some(rest) = bytes.strip_prefix(BOARD_MAGIC.as_slice()) else {
             return SyncBoard { entries };
         };
+        // Every worker id, and the slot of the records imported from other gateway replicas
+        // (`exchange::IMPORT_ID`).
         for e in rest
             .chunks_exact(BOARD_ENTRY)
-            .take(crate::workers::MAX_WORKERS as usize)
+            .take(crate::workers::MAX_WORKERS as usize + 1)
         {
             let mut id = [0u8; 4];
             id.copy_from_slice(&e[..4]);

@@ -29,19 +29,22 @@ use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE
 use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine};
 use gpuroute_core::error::{ApiError, ErrorStyle};
+use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::IdMap;
 use gpuroute_core::ingest;
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
+use gpuroute_core::prefix;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::{ModelsQuery, RoutingTable};
 use host::{ConfigStats, Definer, Scheduler, Stream};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const OUTCOMES: &[&str] = &["picked", "fail_open", "shed", "error", "routed"];
@@ -66,6 +69,22 @@ const SNAPSHOT_REJECTED: &[&str] = &[
 /// The accepted snapshot, shared by every worker and every filter configuration.
 static FLEET: RwLock<Option<Arc<FleetState>>> = RwLock::new(None);
 
+/// Every live filter configuration, by a process-wide id: the prefix-record exchange between
+/// gateway replicas (`exchange`) arrives on the ingest listener's configuration and reads or
+/// feeds the routing configurations' engines.
+static CONFIGS: Mutex<Vec<(u32, Weak<Config>)>> = Mutex::new(Vec::new());
+static NEXT_CONFIG_ID: AtomicU32 = AtomicU32::new(0);
+
+/// The live configurations that route (have pools), dropping the dead from the list.
+fn routing_configs() -> Vec<(u32, Arc<Config>)> {
+    let mut all = lock(&CONFIGS);
+    all.retain(|(_, c)| c.strong_count() > 0);
+    all.iter()
+        .filter_map(|(id, c)| Some((*id, c.upgrade()?)))
+        .filter(|(_, c)| !c.settings.pools.is_empty())
+        .collect()
+}
+
 fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -89,6 +108,9 @@ struct Metrics {
     fail_open: HashMap<&'static str, Option<usize>>,
     rejected: HashMap<&'static str, Option<usize>>,
     snapshot_rejected: HashMap<&'static str, Option<usize>>,
+    prefix_rejected: HashMap<&'static str, Option<usize>>,
+    prefix_exported: Option<usize>,
+    prefix_imported: Option<usize>,
     snapshot_accepted: Option<usize>,
     snapshot_age: Option<usize>,
     snapshot_pods: Option<usize>,
@@ -123,6 +145,9 @@ impl Metrics {
             fail_open: named("gpuroute.fail_open", FAIL_OPEN),
             rejected: named("gpuroute.rejected", REJECTED),
             snapshot_rejected: named("gpuroute.snapshot.rejected", SNAPSHOT_REJECTED),
+            prefix_rejected: named("gpuroute.prefix.rejected", SNAPSHOT_REJECTED),
+            prefix_exported: d.counter("gpuroute.prefix.exported", &[]),
+            prefix_imported: d.counter("gpuroute.prefix.imported", &[]),
             snapshot_accepted: d.counter("gpuroute.snapshot.accepted", &[]),
             snapshot_age: d.gauge("gpuroute.snapshot.age_ms"),
             snapshot_pods: d.gauge("gpuroute.snapshot.pods"),
@@ -148,6 +173,10 @@ impl Metrics {
     fn snapshot_rejected_id(&self, reason: &'static str) -> Option<usize> {
         self.snapshot_rejected.get(reason).copied().flatten()
     }
+
+    fn prefix_rejected_id(&self, reason: &'static str) -> Option<usize> {
+        self.prefix_rejected.get(reason).copied().flatten()
+    }
 }
 
 /// Metric updates not yet handed to Envoy. The request path only adds to this (one short lock,
@@ -172,8 +201,12 @@ const MAX_PENDING_TIMES: usize = 65_536;
 
 impl Pending {
     fn count(&mut self, id: Option<usize>) {
+        self.add(id, 1);
+    }
+
+    fn add(&mut self, id: Option<usize>, n: u64) {
         if let Some(id) = id {
-            *self.counts.entry(id).or_insert(0) += 1;
+            *self.counts.entry(id).or_insert(0) += n;
         }
     }
 
@@ -326,6 +359,8 @@ enum Mode {
     Pass,
     Inference,
     Ingest,
+    /// Prefix records from other gateway replicas (`exchange`).
+    Import,
     Answered,
 }
 
@@ -367,6 +402,33 @@ impl Filter {
             s.remove_header(REQUEST_HEADERS, h);
         }
 
+        if let Some(ing) = cfg
+            .ingest
+            .as_ref()
+            .filter(|i| !i.prefix_path.is_empty() && i.prefix_path == self.head.path)
+        {
+            let checked = ingest::check_exchange(
+                ing,
+                &method,
+                || peer_is_loopback(s),
+                self.head.authorization.as_deref(),
+                content_length,
+            );
+            if let Err((reason, e)) = checked {
+                config.count(config.metrics.prefix_rejected_id(reason));
+                self.reply_error(s, &e);
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            if method == "GET" {
+                self.export(s);
+                return abi::HEADERS_STOP_ITERATION;
+            }
+            self.mode = Mode::Import;
+            if end_of_stream {
+                self.import(s);
+            }
+            return abi::HEADERS_STOP_ITERATION;
+        }
         if let Some(ing) = cfg.ingest.as_ref().filter(|i| i.path == self.head.path) {
             let checked = ingest::check_request(
                 ing,
@@ -450,9 +512,73 @@ impl Filter {
                 self.ingest(s);
                 abi::BODY_STOP_NO_BUFFER
             }
+            Mode::Import => {
+                let checked = config
+                    .settings
+                    .ingest
+                    .as_ref()
+                    .map(|i| ingest::check_size(i, s.request_body_len()));
+                if let Some(Err((reason, e))) = checked {
+                    config.count(config.metrics.prefix_rejected_id(reason));
+                    self.reply_error(s, &e);
+                    return abi::BODY_STOP_NO_BUFFER;
+                }
+                if !end_of_stream {
+                    return abi::BODY_STOP_AND_BUFFER;
+                }
+                self.import(s);
+                abi::BODY_STOP_NO_BUFFER
+            }
             Mode::Answered => abi::BODY_STOP_NO_BUFFER,
             Mode::Pass => abi::BODY_CONTINUE,
         }
+    }
+
+    /// This Envoy's own prefix records newer than the request's cursor: each routing
+    /// configuration's engine keeps an outgoing log from the first such request on.
+    fn export(&mut self, s: Stream) {
+        let mut export = Export::new(Cursor::parse(
+            self.head.cursor.as_deref().unwrap_or_default(),
+        ));
+        for (id, c) in routing_configs() {
+            let mut r = lock(&c.router);
+            r.engine.enable_sync_log();
+            if let Some(log) = r.engine.sync_log() {
+                export.add_log(id, log);
+            }
+        }
+        let m = &self.config.metrics;
+        lock(&self.config.pending).add(m.prefix_exported, export.len() as u64);
+        let (body, cursor) = export.finish();
+        self.mode = Mode::Answered;
+        s.send_response(
+            200,
+            &[
+                ("content-type", "application/octet-stream"),
+                (exchange::CURSOR_HEADER, cursor.as_str()),
+            ],
+            &body,
+        );
+    }
+
+    /// Other replicas' prefix records into every routing configuration's prefix index.
+    fn import(&mut self, s: Stream) {
+        let config = Arc::clone(&self.config);
+        let decoded =
+            s.with_request_body(|b| prefix::decode_records(b, exchange::MAX_IMPORT_RECORDS));
+        let records = match decoded {
+            Ok(r) => r,
+            Err(msg) => {
+                config.count(config.metrics.prefix_rejected_id("invalid"));
+                self.reply_error(s, &ApiError::bad_prefix_records(msg));
+                return;
+            }
+        };
+        for (_, c) in routing_configs() {
+            lock(&c.router).engine.apply_sync(&records);
+        }
+        lock(&config.pending).add(config.metrics.prefix_imported, records.len() as u64);
+        self.reply(s, 204, "", "text/plain");
     }
 
     /// Validates and installs a pushed snapshot (the whole body is in).
@@ -697,6 +823,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     match Config::new(config.as_slice(), &Definer(config_envoy)) {
         Ok(c) => {
             let c = Arc::new(c);
+            let id = NEXT_CONFIG_ID.fetch_add(1, Ordering::Relaxed);
+            lock(&CONFIGS).push((id, Arc::downgrade(&c)));
             match Scheduler::new(config_envoy) {
                 Some(s) => Config::start_ticker(&c, s),
                 None => host::log(

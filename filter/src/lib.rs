@@ -26,13 +26,14 @@ use abi::{Action, BufferType, LogLevel, MapType};
 use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
 use gpuroute_core::error::{ApiError, ErrorStyle};
+use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::Decision;
-use gpuroute_core::prefix::{SyncBoard, SyncLog};
+use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::ModelsQuery;
 use gpuroute_core::snapshot::Snapshot;
@@ -149,6 +150,10 @@ struct Worker {
     tick_now_ms: u64,
     routed_at_tick: u64,
     idle_ticks: u32,
+    /// The exchange between gateway replicas: when this worker last looked whether its records
+    /// are wanted, and the newest sequence it wrote for it.
+    export_checked_ms: u64,
+    exported_seq: u64,
 }
 
 /// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
@@ -354,6 +359,7 @@ impl Worker {
             let _ = host::set_shared(&pl.key, &[], None);
         }
         let _ = host::set_shared(&sync_key(self.id), &[], None);
+        let _ = host::set_shared(&exchange::export_key(self.id), &[], None);
         let id = self.id;
         update_board(|board| board.remove(id).then_some(()));
         update_registry(|set| {
@@ -397,6 +403,7 @@ impl Worker {
         // here by a worker whose exchanges went round its peers).
         self.refresh_shared(true);
         self.sync();
+        self.export();
         if self.register_tried {
             self.stats.gauge("gpuroute.workers", self.live as u64);
         }
@@ -480,7 +487,8 @@ impl Worker {
             _ => SyncBoard::default(),
         });
         let mut records = Vec::new();
-        for &other in &self.peers {
+        // The other workers' rings, and the records imported from other gateway replicas.
+        for other in self.peers.iter().copied().chain([exchange::IMPORT_ID]) {
             let Some(their) = board.get(other) else {
                 continue;
             };
@@ -493,6 +501,35 @@ impl Worker {
                 self.engine.apply_sync(&records);
                 self.applied.insert(other, their);
             }
+        }
+    }
+
+    /// Writes this worker's outgoing prefix records for the exchange between gateway replicas
+    /// (`exchange`): at most every `EXPORT_MS`, when it has new ones, and only while a relay
+    /// asked for them within `WANTED_FOR_MS` (on the ingest listener, whose configuration is
+    /// not this one: the routing configuration need not name the exchange's path).
+    fn export(&mut self) {
+        let now = host::now_ms();
+        if self.id == UNREGISTERED
+            || now.saturating_sub(self.export_checked_ms) < exchange::EXPORT_MS
+        {
+            return;
+        }
+        self.export_checked_ms = now;
+        let seq = self.engine.sync_seq();
+        if seq == self.exported_seq {
+            return;
+        }
+        let asked = host::get_shared(exchange::WANTED_KEY)
+            .0
+            .and_then(|b| b.get(..8).and_then(|t| t.try_into().ok()))
+            .map(u64::from_le_bytes);
+        if asked.is_none_or(|t| now.saturating_sub(t) > exchange::WANTED_FOR_MS) {
+            return;
+        }
+        let ring = self.engine.sync_payload(0);
+        if host::set_shared(&exchange::export_key(self.id), &ring, None).is_ok() {
+            self.exported_seq = seq;
         }
     }
 
@@ -588,6 +625,8 @@ impl Root {
             tick_now_ms: tick_ms,
             routed_at_tick: 0,
             idle_ticks: 0,
+            export_checked_ms: 0,
+            exported_seq: 0,
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -628,7 +667,11 @@ impl Root {
 enum Mode {
     Pass,
     Inference,
-    Ingest { current: Option<u64> },
+    Ingest {
+        current: Option<u64>,
+    },
+    /// Prefix records from other gateway replicas (`exchange`).
+    Import,
     Answered,
 }
 
@@ -684,6 +727,101 @@ impl Http {
             .map(|h| h.version);
         self.mode = Mode::Ingest { current };
         Action::Pause
+    }
+
+    /// The prefix-record exchange between gateway replicas (`ingest.prefix_path`): `GET` is
+    /// answered at once, a `POST`'s body is buffered for [`Http::import_body`].
+    fn exchange_headers(&mut self, w: &mut Worker, method: &str, end_of_stream: bool) -> Action {
+        let Some(ing) = w.engine.config.ingest.as_ref() else {
+            return Action::Continue;
+        };
+        let checked = ingest::check_exchange(
+            ing,
+            method,
+            peer_is_loopback,
+            self.head.authorization.as_deref(),
+            self.head.content_length,
+        );
+        if let Err((reason, e)) = checked {
+            w.stats.inc(&format!("gpuroute.prefix.rejected.{reason}"));
+            return self.reply_error(&e);
+        }
+        if method == "GET" {
+            return self.export_answer(w);
+        }
+        self.mode = Mode::Import;
+        if end_of_stream {
+            return self.import_body(w, 0);
+        }
+        Action::Pause
+    }
+
+    /// This Envoy's own prefix records newer than the request's cursor, from every live
+    /// worker's export ring; also tells the workers their records are wanted.
+    fn export_answer(&mut self, w: &mut Worker) -> Action {
+        let _ = host::set_shared(exchange::WANTED_KEY, &host::now_ms().to_le_bytes(), None);
+        let live = match host::get_shared(WORKERS_KEY) {
+            (Some(b), _) => WorkerSet::decode(&b),
+            _ => WorkerSet::default(),
+        };
+        let mut export = Export::new(Cursor::parse(
+            self.head.cursor.as_deref().unwrap_or_default(),
+        ));
+        for id in live.ids() {
+            let ring = host::get_shared(&exchange::export_key(id)).0;
+            export.add_encoded(id, ring.as_deref().unwrap_or_default());
+        }
+        w.stats.add("gpuroute.prefix.exported", export.len() as u64);
+        let (body, cursor) = export.finish();
+        self.mode = Mode::Answered;
+        let headers = [
+            ("content-type", "application/octet-stream"),
+            (exchange::CURSOR_HEADER, cursor.as_str()),
+        ];
+        let _ = host::send_response(200, &headers, &body);
+        Action::Pause
+    }
+
+    /// Adds other replicas' prefix records to the import ring (a compare-and-swap) and its
+    /// newest sequence to the board: every worker applies them on its next tick.
+    fn import_body(&mut self, w: &mut Worker, size: usize) -> Action {
+        let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        let records = match prefix::decode_records(&body, exchange::MAX_IMPORT_RECORDS) {
+            Ok(r) => r,
+            Err(msg) => {
+                w.stats.inc("gpuroute.prefix.rejected.invalid");
+                return self.reply_error(&ApiError::bad_prefix_records(msg));
+            }
+        };
+        if !records.is_empty() {
+            let key = sync_key(exchange::IMPORT_ID);
+            let mut newest = None;
+            for _ in 0..CAS_ATTEMPTS {
+                let (old, cas) = host::get_shared(&key);
+                let (ring, n) =
+                    exchange::merge_import(old.as_deref().unwrap_or_default(), &records);
+                if host::set_shared(&key, &ring, cas).is_ok() {
+                    newest = Some(n);
+                    break;
+                }
+            }
+            let told = newest.and_then(|n| {
+                update_board(|b| {
+                    if b.get(exchange::IMPORT_ID).is_none_or(|s| s < n) {
+                        b.set(exchange::IMPORT_ID, n);
+                    }
+                    Some(())
+                })
+            });
+            if told.is_none() {
+                let mut e = ApiError::bad_prefix_records("could not store the records; retry");
+                e.status = 503;
+                return self.reply_error(&e);
+            }
+        }
+        w.stats
+            .add("gpuroute.prefix.imported", records.len() as u64);
+        self.reply(204, "", "text/plain")
     }
 
     fn ingest_body(&mut self, w: &mut Worker, size: usize, current: Option<u64>) -> Action {
@@ -749,6 +887,9 @@ impl Http {
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
         if !w.register_tried {
             w.register();
+            // What the other workers and replicas published before this worker's first
+            // request: its ticks did not read it while it had not routed.
+            w.sync();
         }
         if w.tick_now_ms != w.engine.config.tick_ms {
             w.wake(t0);
@@ -912,6 +1053,15 @@ impl Http {
             .config
             .ingest
             .as_ref()
+            .is_some_and(|i| !i.prefix_path.is_empty() && i.prefix_path == self.path)
+        {
+            return self.exchange_headers(&mut w, &method, end_of_stream);
+        }
+
+        if w.engine
+            .config
+            .ingest
+            .as_ref()
             .is_some_and(|i| i.path == self.path)
         {
             let action = self.ingest_headers(&mut w, &method);
@@ -980,6 +1130,22 @@ impl Http {
                     return Action::Pause;
                 }
                 self.ingest_body(&mut w, body_size, current)
+            }
+            Mode::Import => {
+                let checked = w
+                    .engine
+                    .config
+                    .ingest
+                    .as_ref()
+                    .map(|i| ingest::check_size(i, body_size));
+                if let Some(Err((reason, e))) = checked {
+                    w.stats.inc(&format!("gpuroute.prefix.rejected.{reason}"));
+                    return self.reply_error(&e);
+                }
+                if !end_of_stream {
+                    return Action::Pause;
+                }
+                self.import_body(&mut w, body_size)
             }
             Mode::Answered => Action::Pause,
             Mode::Pass => Action::Continue,

@@ -53,8 +53,12 @@ impl Stats {
     }
 
     pub fn inc(&mut self, name: &str) {
+        self.add(name, 1);
+    }
+
+    pub fn add(&mut self, name: &str, n: u64) {
         if let Some(id) = self.id(MetricType::Counter, name) {
-            host::increment_metric(id, 1);
+            host::increment_metric(id, n as i64);
         }
     }
 

@@ -7,6 +7,7 @@ use crate::config::{Config, ConfigError};
 use crate::discovery::{self, kubernetes::KubeError, Deps};
 use crate::http::{self, AppState};
 use crate::push::{self, PushTarget};
+use crate::relay::Relay;
 use crate::scrape::{Fetch, HttpFetcher};
 use crate::util::WallClock;
 use std::net::SocketAddr;
@@ -52,6 +53,8 @@ pub struct Running {
     pub published: PublishRx,
     /// The push targets' state.
     pub push: Arc<Vec<Arc<PushTarget>>>,
+    /// The prefix-record relay, when it runs.
+    pub relay: Option<Arc<Relay>>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
 }
@@ -103,6 +106,7 @@ pub async fn start(
     );
     let (up_tx, up_rx) = mpsc::unbounded_channel();
     let mut tasks = JoinSet::new();
+    let peer_resolver = opts.deps.resolver.clone();
     for h in discovery::spawn_all(&cfg, opts.deps, up_tx, shutdown.clone()).await? {
         tasks.spawn(async move {
             let _ = h.await;
@@ -133,11 +137,21 @@ pub async fn start(
     } else {
         tracing::warn!("no push URL configured: snapshots are only served at /debug/snapshot");
     }
+    let relay = Relay::from_config(&cfg, push::client()?);
+    if let Some(r) = &relay {
+        tasks.spawn(r.clone().run(shutdown.clone()));
+        if cfg.prefix.peers_dns.is_some() {
+            let resolver =
+                peer_resolver.unwrap_or_else(|| Arc::new(crate::discovery::dns::SystemResolver));
+            tasks.spawn(r.clone().find_peers(resolver, shutdown.clone()));
+        }
+    }
 
     let state = AppState {
         published: published.clone(),
         push: push_targets.clone(),
         ready_policy: cfg.push.ready,
+        relay: relay.clone(),
     };
     let stop = shutdown.clone();
     tasks.spawn(async move {
@@ -153,12 +167,15 @@ pub async fn start(
         interval_ms = cfg.interval_ms,
         timeout_ms = cfg.timeout_ms,
         push = ?cfg.push.urls,
+        prefix_relay = relay.is_some(),
+        prefix_peers = ?cfg.prefix.peers,
         "sidecar-metrics listening"
     );
     Ok(Running {
         local_addr,
         published,
         push: push_targets,
+        relay,
         shutdown,
         tasks,
     })

@@ -95,6 +95,9 @@ pub struct Config {
     pub capacity: CapacityConfig,
     #[serde(default)]
     pub push: PushConfig,
+    /// The prefix-record relay between gateway replicas.
+    #[serde(default)]
+    pub prefix: PrefixRelayConfig,
     /// The pools and how to find their pods.
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
@@ -166,6 +169,58 @@ pub struct PushConfig {
     pub timeout_ms: u64,
     #[serde(default)]
     pub ready: ReadyPolicy,
+}
+
+/// The prefix-record relay (`relay`): every `interval_ms` each Envoy pushed to is asked for its
+/// new routing decisions (`GET {path}`), which go to the other Envoys pushed to and to every
+/// peer (another gateway replica's sidecar-metrics, `POST /v1/prefix`), which hands them to its
+/// own Envoys. So gateway replicas keep a conversation on the pod that holds its prefix even
+/// when its turns alternate between replicas. It runs when there is someone to relay to: two
+/// or more push URLs, or a peer.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrefixRelayConfig {
+    /// Off = neither ask the Envoys nor accept peers' records.
+    #[serde(default = "yes")]
+    pub enabled: bool,
+    /// How often each Envoy is asked, ms: a follow-up turn that arrives at another replica
+    /// sooner than this after the turn before may miss where that one went.
+    #[serde(default = "d_prefix_interval")]
+    pub interval_ms: u64,
+    /// The filter's `ingest.prefix_path`, on each push URL's host and port.
+    #[serde(default = "d_prefix_path")]
+    pub path: String,
+    /// Other replicas' sidecar-metrics, `http://host:port` (their `listen`). They must share
+    /// the push token: it authenticates the records between sidecars too.
+    #[serde(default)]
+    pub peers: Vec<String>,
+    /// Peers found by DNS: a headless Service of the gateway pods, re-resolved every
+    /// `refresh_ms`, `port` being the sidecars' `listen` port. This pod's own address is left
+    /// out when the `POD_IP` environment variable names it (Kubernetes' downward API).
+    #[serde(default)]
+    pub peers_dns: Option<DnsConfig>,
+}
+
+impl Default for PrefixRelayConfig {
+    fn default() -> Self {
+        PrefixRelayConfig {
+            enabled: true,
+            interval_ms: d_prefix_interval(),
+            path: d_prefix_path(),
+            peers: Vec::new(),
+            peers_dns: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+fn d_prefix_interval() -> u64 {
+    50
+}
+fn d_prefix_path() -> String {
+    "/gpuroute/v1/prefix".to_string()
 }
 
 /// One pool (one model deployment) and the single source of its pods.
@@ -343,6 +398,7 @@ impl Default for Config {
             ramp: RampConfig::default(),
             capacity: CapacityConfig::default(),
             push: PushConfig::default(),
+            prefix: PrefixRelayConfig::default(),
             pools: Vec::new(),
         }
     }
@@ -380,6 +436,8 @@ pub struct Overrides {
     pub token: Option<String>,
     /// `NAME=ADDR,ADDR...`: a static pool, replacing a file pool of the same name.
     pub pools: Vec<String>,
+    /// Replaces `prefix.peers` when non-empty.
+    pub prefix_peers: Vec<String>,
 }
 
 impl Config {
@@ -436,6 +494,9 @@ impl Config {
         }
         if let Some(t) = o.token {
             self.push.token = Some(t);
+        }
+        if !o.prefix_peers.is_empty() {
+            self.prefix.peers = o.prefix_peers;
         }
         for spec in o.pools {
             let (name, addrs) = spec
@@ -545,6 +606,30 @@ impl Config {
         }
         if self.push.timeout_ms == 0 {
             return Err(field("push.timeout_ms", "must be positive"));
+        }
+        if !(10..=60_000).contains(&self.prefix.interval_ms) {
+            return Err(field("prefix.interval_ms", "must be between 10 and 60000"));
+        }
+        if !self.prefix.path.starts_with('/') {
+            return Err(field("prefix.path", "must start with '/'"));
+        }
+        for (i, u) in self.prefix.peers.iter().enumerate() {
+            check_http_url(&format!("prefix.peers[{i}]"), u)?;
+        }
+        if let Some(d) = &self.prefix.peers_dns {
+            if d.name.is_empty() || d.port == 0 || d.refresh_ms == 0 {
+                return Err(field(
+                    "prefix.peers_dns",
+                    "needs a name, a port and a positive refresh_ms",
+                ));
+            }
+        }
+        let any_peer = !self.prefix.peers.is_empty() || self.prefix.peers_dns.is_some();
+        if any_peer && self.push.token.as_deref().is_none_or(str::is_empty) {
+            return Err(field(
+                "push.token",
+                "required to exchange prefix records with peers",
+            ));
         }
         if self.pools.is_empty() {
             return Err(field(

@@ -6,13 +6,21 @@ use crate::aggregator::{PublishRx, Published};
 use crate::config::ReadyPolicy;
 use crate::metrics;
 use crate::push::PushTarget;
-use axum::extract::State;
-use axum::http::{header, StatusCode};
+use crate::relay::{Relay, PEER_PATH};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::Router;
+use gpuroute_core::exchange::MAX_IMPORT_RECORDS;
 use std::fmt::Write;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+
+/// The largest batch of prefix records a peer may send (the filter's default
+/// `ingest.max_snapshot_bytes`).
+const MAX_PEER_BODY: usize = 8 * 1024 * 1024;
 
 /// What the handlers read.
 #[derive(Clone)]
@@ -20,6 +28,8 @@ pub struct AppState {
     pub published: PublishRx,
     pub push: Arc<Vec<Arc<PushTarget>>>,
     pub ready_policy: ReadyPolicy,
+    /// The prefix-record relay, when it runs: `POST /v1/prefix` takes peers' records.
+    pub relay: Option<Arc<Relay>>,
 }
 
 impl AppState {
@@ -48,6 +58,10 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_handler))
         .route("/debug/snapshot", get(debug_snapshot))
+        .route(
+            PEER_PATH,
+            post(prefix_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
+        )
         .with_state(state)
 }
 
@@ -70,8 +84,49 @@ async fn readyz(State(s): State<AppState>) -> Response {
     }
 }
 
+/// A peer's prefix records: checked (token, encoding), then handed to this replica's Envoys.
+/// 204 when at least one took them, 502 when none did.
+async fn prefix_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(relay) = s.relay else {
+        return (StatusCode::NOT_FOUND, "the prefix relay is off here\n").into_response();
+    };
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if !gpuroute_core::ingest::authorized(auth, &relay.token) {
+        return (StatusCode::UNAUTHORIZED, "bad or missing bearer token\n").into_response();
+    }
+    let n = match gpuroute_core::prefix::decode_records(&body, MAX_IMPORT_RECORDS) {
+        Ok(r) => r.len(),
+        Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
+    };
+    if relay.deliver_local(body, n).await > 0 || relay.envoys.is_empty() {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        (StatusCode::BAD_GATEWAY, "no Envoy took the records\n").into_response()
+    }
+}
+
 async fn metrics_handler(State(s): State<AppState>) -> Response {
-    let body = metrics::render(s.current().as_deref(), &s.push);
+    let mut body = metrics::render(s.current().as_deref(), &s.push);
+    if let Some(r) = &s.relay {
+        let st = &r.stats;
+        let _ = write!(
+            body,
+            "# HELP sidecar_prefix_records_total Prefix records relayed between gateway replicas: out = read from this replica's Envoys, in = received from peers.\n\
+             # TYPE sidecar_prefix_records_total counter\n\
+             sidecar_prefix_records_total{{direction=\"out\"}} {}\n\
+             sidecar_prefix_records_total{{direction=\"in\"}} {}\n\
+             # HELP sidecar_prefix_relay_failures_total Failed asks and deliveries of the prefix relay, by target.\n\
+             # TYPE sidecar_prefix_relay_failures_total counter\n\
+             sidecar_prefix_relay_failures_total{{target=\"envoy\"}} {}\n\
+             sidecar_prefix_relay_failures_total{{target=\"peer\"}} {}\n",
+            st.records_out.load(Ordering::Relaxed),
+            st.records_in.load(Ordering::Relaxed),
+            st.envoy_failures.load(Ordering::Relaxed),
+            st.peer_failures.load(Ordering::Relaxed),
+        );
+    }
     (
         [(
             header::CONTENT_TYPE,

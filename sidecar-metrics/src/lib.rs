@@ -14,5 +14,6 @@ pub mod metrics;
 pub mod pod;
 pub mod prom;
 pub mod push;
+pub mod relay;
 pub mod scrape;
 pub mod util;

@@ -76,6 +76,14 @@ struct RunArgs {
     /// The variable takes a ';'-separated list.
     #[arg(long = "pool", env = "GPUROUTE_POOLS", value_delimiter = ';')]
     pools: Vec<String>,
+    /// Another gateway replica's sidecar-metrics (http://host:port) to exchange prefix records
+    /// with; repeatable (replaces prefix.peers). The variable takes a comma-separated list.
+    #[arg(
+        long = "prefix-peer",
+        env = "GPUROUTE_PREFIX_PEERS",
+        value_delimiter = ','
+    )]
+    prefix_peers: Vec<String>,
 }
 
 #[derive(Args)]
@@ -170,6 +178,7 @@ fn load_config(args: RunArgs) -> Result<Config> {
         ingest_urls: args.ingest_urls,
         token: args.token,
         pools: args.pools,
+        prefix_peers: args.prefix_peers,
     })?;
     cfg.resolve_token()?;
     cfg.validate()?;

@@ -355,6 +355,7 @@ class Sidecar:
             "pools": [{"name": n, "pods": [{"address": a} for a in addrs]} for n, addrs in pools.items()],
         }
         cfg.update(extra or {})
+        self.listen = cfg["listen"]
         self.config_path = self.dir / "sidecar.json"
         self.config_path.write_text(json.dumps(cfg))
         self.log_path = self.dir / "sidecar.log"
@@ -387,6 +388,14 @@ class Sidecar:
     def snapshot(self):
         with urllib.request.urlopen(f"http://{self.listen}/debug/snapshot", timeout=2) as r:
             return json.loads(r.read())
+
+    def metric(self, line_start):
+        """The value of the first line of its /metrics that starts with `line_start`."""
+        with urllib.request.urlopen(f"http://{self.listen}/metrics", timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith(line_start):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
 
     def stop(self):
         stop_process(self.proc)

@@ -5,14 +5,17 @@ replayed through Envoy, one connection per request so Envoy spreads them over it
 Affinity = the share of follow-up turns that reach the pod that served the conversation's
 previous turn. It is measured with `--concurrency 1`, `--concurrency 2`, and two separate Envoy
 processes taking alternate requests (two gateway replicas), against a fleet whose snapshot shows
-uneven load (so load, not only the prefix, shapes the first placement).
+uneven load (so load, not only the prefix, shapes the first placement). The replicas are
+measured twice more as deployed, each with its own sidecar-metrics scraping the pods: without
+and with the sidecars relaying prefix records between the replicas (`prefix.peers`).
 """
 
 import random
+import time
 
 import pytest
 
-from harness import Envoy, Pusher
+from harness import Envoy, Pusher, Sidecar, free_port
 from stubpod import StubPod
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
@@ -64,9 +67,9 @@ def conversation_turns():
     return out
 
 
-def run(gateways, pods):
+def run(gateways, pods, push=True, gap_s=0.0):
     # Same content for every replica, as each replica's own aggregator would report it.
-    pusher = Pusher(gateways, loaded_pools(pods))
+    pusher = Pusher(gateways, loaded_pools(pods)) if push else None
     last = {}
     same = total = 0
     for i, (g, t, messages) in enumerate(conversation_turns()):
@@ -79,8 +82,32 @@ def run(gateways, pods):
             total += 1
             same += pod == last[g]
         last[g] = pod
-    pusher.stop()
+        time.sleep(gap_s)
+    if pusher:
+        pusher.stop()
     return same / total, len(set(last.values()))
+
+
+def sidecar_replicas(pods, relay):
+    """Two replicas as deployed: each Envoy with its own sidecar-metrics scraping the pods (the
+    same uneven load as `loaded_pools`, from their /metrics); `relay` makes the sidecars each
+    other's `prefix.peers`."""
+    for p, d in zip(pods, loaded_pools(pods)["llama"]):
+        p.set_load(waiting=d["waiting"], running=d["running"], kv=d["kv_cache_usage"])
+    pools = [{"name": "llama", "endpoints": [p.address for p in pods]}]
+    gws = [Envoy("filter", pools, CONFIG) for _ in range(2)]
+    ports = [free_port(), free_port()]
+    scs = []
+    for i, gw in enumerate(gws):
+        extra = {"listen": f"127.0.0.1:{ports[i]}",
+                 "prefix": {"enabled": relay, "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}}
+        scs.append(Sidecar({"llama": [p.address for p in pods]},
+                           [f"http://{gw.ingest}/gpuroute/v1/snapshot"], interval_ms=100, extra=extra))
+    deadline = time.time() + 10
+    while not all(sc.ready() for sc in scs) and time.time() < deadline:
+        time.sleep(0.05)
+    assert all(sc.ready() for sc in scs)
+    return gws, scs
 
 
 def test_prefix_affinity_holds_across_workers_and_replicas(pods):
@@ -93,9 +120,25 @@ def test_prefix_affinity_holds_across_workers_and_replicas(pods):
         finally:
             for gw in gws:
                 gw.stop()
+    # Turns 10 ms apart (real follow-ups are seconds apart): the relay's path is a worker's
+    # export (<= 50 ms), the sidecar's ask (every 50 ms) and the other replica's next tick.
+    for label, relay in [("2 replicas, sidecars", False), ("2 replicas, relayed", True)]:
+        gws, scs = sidecar_replicas(pods, relay)
+        try:
+            results[label] = run(gws, pods, push=False, gap_s=0.01)
+            relayed = [sc.metric('sidecar_prefix_records_total{direction="in"}') for sc in scs]
+            if relay:
+                assert all(n and n > 0 for n in relayed), relayed
+            else:
+                assert relayed == [None, None], relayed
+        finally:
+            for sc in scs:
+                sc.stop()
+            for gw in gws:
+                gw.stop()
     print("\nprefix affinity (share of follow-up turns on the previous turn's pod), pods used:")
     for label, (aff, used) in results.items():
-        print(f"  {label:14s} affinity={aff:.3f} pods_used={used}")
+        print(f"  {label:22s} affinity={aff:.3f} pods_used={used}")
     base = results["concurrency=1"][0]
     assert base >= 0.95, results
     assert results["concurrency=2"][0] >= 0.95 * base, results
@@ -105,5 +148,7 @@ def test_prefix_affinity_holds_across_workers_and_replicas(pods):
     # on the other). Turns alternate between the replicas, so replicas that ignored each other
     # entirely would score about 0.5.
     assert results["2 replicas"][0] >= 0.80 * base, results
+    # Relayed, each replica also knows where the other sent every turn: as good as one Envoy.
+    assert results["2 replicas, relayed"][0] >= 0.95 * base, results
     # Affinity is not "everything on one pod": conversations spread over the pool.
     assert all(used >= 4 for _, used in results.values()), results

@@ -1,0 +1,556 @@
+//! The prefix-record relay between gateway replicas.
+//!
+//! Each gateway replica's filter knows where its own workers sent which prompt prefixes; the
+//! filter's side of the exchange is `gpuroute_core::exchange`. Every `prefix.interval_ms` this
+//! task asks each Envoy it pushes snapshots to for its decisions since the last ask
+//! (`GET {prefix path}` with the cursor it was given last), and hands what it got to:
+//! - the other Envoys it pushes to (`POST {prefix path}`), and
+//! - every peer, another replica's sidecar-metrics (`POST {peer}/v1/prefix`), which hands them
+//!   to its own Envoys ([`Relay::deliver_local`], behind the HTTP surface).
+//!
+//! The records are hints, so nothing is retried or queued: a batch an Envoy or a peer does not
+//! take is counted and dropped, and the next interval carries only newer records. An Envoy that
+//! restarted answers with a cursor of its new workers, so asking resumes by itself. The bearer
+//! token is the push token, on both hops.
+
+use crate::config::{Config, DnsConfig};
+use crate::discovery::dns::Resolver;
+use crate::util::LogGate;
+use bytes::Bytes;
+use gpuroute_core::exchange::{CURSOR_HEADER, MAX_IMPORT_RECORDS};
+use gpuroute_core::prefix::decode_records;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio::time::{Instant, MissedTickBehavior};
+use tokio_util::sync::CancellationToken;
+
+/// The path of the sidecar's own surface that takes peers' records.
+pub const PEER_PATH: &str = "/v1/prefix";
+
+/// Counters, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    /// Records received from this replica's Envoys.
+    pub records_out: AtomicU64,
+    /// Records received from peers.
+    pub records_in: AtomicU64,
+    /// Asks and deliveries that failed, to an Envoy and to a peer.
+    pub envoy_failures: AtomicU64,
+    pub peer_failures: AtomicU64,
+}
+
+/// The relay's targets and state.
+#[derive(Debug)]
+pub struct Relay {
+    /// The prefix URL of each Envoy pushed to.
+    pub envoys: Vec<String>,
+    /// Each configured peer's `PEER_PATH` URL.
+    pub peers: Vec<String>,
+    /// Peers found by DNS (`prefix.peers_dns`), as last resolved.
+    found: Mutex<Vec<String>>,
+    dns: Option<DnsConfig>,
+    /// This pod's address (`POD_IP`), left out of the peers found.
+    own_ip: Option<IpAddr>,
+    pub token: String,
+    interval: Duration,
+    timeout: Duration,
+    client: reqwest::Client,
+    pub stats: RelayStats,
+    gate: Mutex<LogGate>,
+}
+
+/// `url` with its path replaced by `path` and no query: the prefix URL beside an ingest URL.
+pub fn beside(url: &str, path: &str) -> Option<String> {
+    let mut u = reqwest::Url::parse(url).ok()?;
+    u.set_path(path);
+    u.set_query(None);
+    Some(u.to_string())
+}
+
+impl Relay {
+    /// The relay `cfg` asks for; `None` when it is off or has no one to relay to (one Envoy and
+    /// no peer).
+    pub fn from_config(cfg: &Config, client: reqwest::Client) -> Option<Arc<Relay>> {
+        let p = &cfg.prefix;
+        if !p.enabled || cfg.push.urls.is_empty() {
+            return None;
+        }
+        if cfg.push.urls.len() < 2 && p.peers.is_empty() && p.peers_dns.is_none() {
+            return None;
+        }
+        let envoys = cfg
+            .push
+            .urls
+            .iter()
+            .filter_map(|u| beside(u, &p.path))
+            .collect();
+        let peers = p
+            .peers
+            .iter()
+            .filter_map(|u| beside(u, PEER_PATH))
+            .collect();
+        Some(Arc::new(Relay {
+            envoys,
+            peers,
+            found: Mutex::new(Vec::new()),
+            dns: p.peers_dns.clone(),
+            own_ip: std::env::var("POD_IP").ok().and_then(|v| v.parse().ok()),
+            token: cfg.push.token.clone().unwrap_or_default(),
+            interval: Duration::from_millis(p.interval_ms),
+            timeout: Duration::from_millis(cfg.push.timeout_ms),
+            client,
+            stats: RelayStats::default(),
+            gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
+        }))
+    }
+
+    fn failed(&self, counter: &AtomicU64, what: &str, url: &str, why: String) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = gate.allow(Instant::now()) {
+            tracing::warn!(%url, error = %why, suppressed = held, "prefix relay: {what} failed");
+        }
+    }
+
+    /// Asks Envoy `i` for its records after `cursor`; on an answer, moves the cursor on and
+    /// returns the body.
+    async fn ask(&self, i: usize, cursor: &mut String) -> Option<Bytes> {
+        let url = self.envoys.get(i)?;
+        let sent = self
+            .client
+            .get(url)
+            .header(CURSOR_HEADER, cursor.as_str())
+            .bearer_auth(&self.token)
+            .timeout(self.timeout)
+            .send()
+            .await;
+        let resp = match sent {
+            Ok(r) if r.status().as_u16() == 200 => r,
+            Ok(r) => {
+                let why = format!("status {}", r.status());
+                self.failed(&self.stats.envoy_failures, "asking an Envoy", url, why);
+                return None;
+            }
+            Err(e) => {
+                self.failed(
+                    &self.stats.envoy_failures,
+                    "asking an Envoy",
+                    url,
+                    e.to_string(),
+                );
+                return None;
+            }
+        };
+        let next = resp
+            .headers()
+            .get(CURSOR_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        match resp.bytes().await {
+            Ok(body) => {
+                if let Some(next) = next {
+                    *cursor = next;
+                }
+                Some(body)
+            }
+            Err(e) => {
+                self.failed(
+                    &self.stats.envoy_failures,
+                    "asking an Envoy",
+                    url,
+                    e.to_string(),
+                );
+                None
+            }
+        }
+    }
+
+    /// POSTs `body` to `url`; whether it was taken (2xx).
+    async fn post(&self, url: &str, body: Bytes) -> Result<(), String> {
+        let sent = self
+            .client
+            .post(url)
+            .bearer_auth(&self.token)
+            .header("content-type", "application/octet-stream")
+            .body(body)
+            .timeout(self.timeout)
+            .send()
+            .await;
+        match sent {
+            Ok(r) if r.status().is_success() => Ok(()),
+            Ok(r) => Err(format!("status {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Hands `body` to every Envoy pushed to except `skip`, and to every peer when `to_peers`;
+    /// all at once. Returns how many Envoys took it.
+    async fn deliver(self: &Arc<Self>, body: Bytes, skip: Option<usize>, to_peers: bool) -> usize {
+        let mut set = JoinSet::new();
+        for (j, url) in self.envoys.iter().enumerate() {
+            if Some(j) != skip {
+                let (me, url, body) = (self.clone(), url.clone(), body.clone());
+                set.spawn(async move {
+                    let r = me.post(&url, body).await;
+                    if let Err(why) = &r {
+                        me.failed(
+                            &me.stats.envoy_failures,
+                            "delivering to an Envoy",
+                            &url,
+                            why.clone(),
+                        );
+                    }
+                    r.is_ok()
+                });
+            }
+        }
+        if to_peers {
+            for url in &self.all_peers() {
+                let (me, url, body) = (self.clone(), url.clone(), body.clone());
+                set.spawn(async move {
+                    if let Err(why) = me.post(&url, body).await {
+                        me.failed(&me.stats.peer_failures, "delivering to a peer", &url, why);
+                    }
+                    false
+                });
+            }
+        }
+        let mut taken = 0;
+        while let Some(r) = set.join_next().await {
+            taken += usize::from(r.unwrap_or(false));
+        }
+        taken
+    }
+
+    /// The configured peers and those found by DNS.
+    pub fn all_peers(&self) -> Vec<String> {
+        let mut all = self.peers.clone();
+        let found = self.found.lock().unwrap_or_else(|e| e.into_inner());
+        all.extend(found.iter().filter(|u| !self.peers.contains(u)).cloned());
+        all
+    }
+
+    /// Resolves `prefix.peers_dns` every `refresh_ms` until `shutdown` (a failed resolution
+    /// keeps the peers found before).
+    pub async fn find_peers(
+        self: Arc<Self>,
+        resolver: Arc<dyn Resolver>,
+        shutdown: CancellationToken,
+    ) {
+        let Some(dns) = self.dns.clone() else {
+            return;
+        };
+        let mut tick = tokio::time::interval(Duration::from_millis(dns.refresh_ms));
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            match resolver.resolve(&dns.name, dns.port).await {
+                Ok(addrs) => {
+                    let mut urls: Vec<String> = addrs
+                        .iter()
+                        .filter(|a| Some(a.ip()) != self.own_ip)
+                        .map(|a| format!("http://{a}{PEER_PATH}"))
+                        .collect();
+                    urls.sort();
+                    urls.dedup();
+                    *self.found.lock().unwrap_or_else(|e| e.into_inner()) = urls;
+                }
+                Err(e) => self.failed(
+                    &self.stats.peer_failures,
+                    "resolving the peers",
+                    &dns.name,
+                    e.to_string(),
+                ),
+            }
+        }
+    }
+
+    /// A peer's records (checked by the caller) to every Envoy of this replica; how many took
+    /// them.
+    pub async fn deliver_local(self: &Arc<Self>, body: Bytes, records: usize) -> usize {
+        self.stats
+            .records_in
+            .fetch_add(records as u64, Ordering::Relaxed);
+        self.deliver(body, None, false).await
+    }
+
+    /// One round: ask every Envoy, relay what each had.
+    pub async fn round(self: &Arc<Self>, cursors: &mut [String]) {
+        for (i, cursor) in cursors.iter_mut().enumerate() {
+            let Some(body) = self.ask(i, cursor).await else {
+                continue;
+            };
+            let n = match decode_records(&body, MAX_IMPORT_RECORDS) {
+                Ok(r) => r.len(),
+                Err(why) => {
+                    let url = self.envoys.get(i).cloned().unwrap_or_default();
+                    self.failed(
+                        &self.stats.envoy_failures,
+                        "reading an Envoy's records",
+                        &url,
+                        why,
+                    );
+                    continue;
+                }
+            };
+            if n == 0 {
+                continue;
+            }
+            self.stats
+                .records_out
+                .fetch_add(n as u64, Ordering::Relaxed);
+            self.deliver(body, Some(i), true).await;
+        }
+    }
+
+    /// Relays every `interval` until `shutdown`.
+    pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut cursors = vec![String::new(); self.envoys.len()];
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = self.round(&mut cursors) => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use axum::extract::State;
+    use axum::http::HeaderMap;
+    use axum::routing::post;
+    use axum::Router;
+    use gpuroute_core::exchange::{Cursor, Export};
+    use gpuroute_core::prefix::SyncLog;
+
+    /// A stand-in for one Envoy's side of the exchange (the filter's is tested through real
+    /// Envoys in tests/e2e/test_replicas.py): its own records behind the cursor protocol, and
+    /// the bodies POSTed to it. Also a peer's `/v1/prefix`.
+    /// (authorization header, body) of each POST received.
+    type Received = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
+    #[derive(Clone, Default)]
+    struct Fake {
+        log: Arc<Mutex<Option<SyncLog>>>,
+        got: Received,
+        asked: Arc<Mutex<Vec<String>>>,
+    }
+
+    async fn fake_get(State(f): State<Fake>, h: HeaderMap) -> axum::response::Response {
+        let after = h
+            .get(CURSOR_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        f.asked.lock().unwrap().push(after.clone());
+        let mut e = Export::new(Cursor::parse(&after));
+        if let Some(log) = f.log.lock().unwrap().as_ref() {
+            e.add_log(3, log);
+        }
+        let (body, cursor) = e.finish();
+        use axum::response::IntoResponse;
+        ([(CURSOR_HEADER, cursor)], body).into_response()
+    }
+
+    async fn fake_post(State(f): State<Fake>, h: HeaderMap, body: Bytes) -> axum::http::StatusCode {
+        let auth = h
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        f.got.lock().unwrap().push((auth, body.to_vec()));
+        axum::http::StatusCode::NO_CONTENT
+    }
+
+    async fn serve(f: Fake) -> String {
+        let app = Router::new()
+            .route("/gpuroute/v1/prefix", get(fake_get).post(fake_post))
+            .route(PEER_PATH, post(fake_post))
+            .with_state(f);
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        format!("http://{addr}")
+    }
+
+    use axum::routing::get;
+
+    #[tokio::test]
+    async fn a_round_relays_each_envoys_new_records_to_the_others_and_the_peers_once() {
+        let (a, b, peer) = (Fake::default(), Fake::default(), Fake::default());
+        let mut log = SyncLog::new(16);
+        log.push(7, &[1, 2]);
+        log.push(8, &[3]);
+        *a.log.lock().unwrap() = Some(log);
+        let (ua, ub, up) = (
+            serve(a.clone()).await,
+            serve(b.clone()).await,
+            serve(peer.clone()).await,
+        );
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.push.urls = vec![
+            format!("{ua}/gpuroute/v1/snapshot"),
+            format!("{ub}/gpuroute/v1/snapshot"),
+        ];
+        cfg.prefix.peers = vec![up];
+        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let mut cursors = vec![String::new(); 2];
+
+        relay.round(&mut cursors).await;
+        let got_b = b.got.lock().unwrap().clone();
+        assert_eq!(got_b.len(), 1, "B gets A's batch");
+        assert_eq!(got_b[0].0, "Bearer secret-token");
+        let pods: Vec<u64> = decode_records(&got_b[0].1, 10)
+            .unwrap()
+            .iter()
+            .map(|r| r.pod)
+            .collect();
+        assert_eq!(pods, vec![7, 8]);
+        assert_eq!(peer.got.lock().unwrap().len(), 1, "the peer gets it too");
+        assert!(a.got.lock().unwrap().is_empty(), "nothing goes back to A");
+        assert_eq!(cursors[0], "3:2");
+        assert_eq!(relay.stats.records_out.load(Ordering::Relaxed), 2);
+
+        // Nothing new: nothing delivered. One more record: only it, after the cursor.
+        relay.round(&mut cursors).await;
+        assert_eq!(b.got.lock().unwrap().len(), 1);
+        a.log.lock().unwrap().as_mut().unwrap().push(9, &[4]);
+        relay.round(&mut cursors).await;
+        let got_b = b.got.lock().unwrap().clone();
+        assert_eq!(got_b.len(), 2);
+        assert_eq!(decode_records(&got_b[1].1, 10).unwrap()[0].pod, 9);
+        assert_eq!(a.asked.lock().unwrap().as_slice(), ["", "3:2", "3:2"]);
+    }
+
+    struct FakeDns(Mutex<Option<Vec<std::net::SocketAddr>>>);
+
+    impl Resolver for FakeDns {
+        fn resolve(
+            &self,
+            _name: &str,
+            port: u16,
+        ) -> futures::future::BoxFuture<'static, std::io::Result<Vec<std::net::SocketAddr>>>
+        {
+            let r = self.0.lock().unwrap().clone().map(|ips| {
+                ips.into_iter()
+                    .map(|a| std::net::SocketAddr::new(a.ip(), port))
+                    .collect()
+            });
+            Box::pin(async move { r.ok_or_else(|| std::io::Error::other("no such name")) })
+        }
+    }
+
+    #[tokio::test]
+    async fn peers_are_found_by_dns_without_this_pod_and_kept_when_resolution_fails() {
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.prefix.peers = vec!["http://10.0.0.9:9100".into()];
+        cfg.prefix.peers_dns = Some(DnsConfig {
+            name: "gateway-headless".into(),
+            port: 9100,
+            refresh_ms: 20,
+        });
+        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        // Stand-in for POD_IP (the test does not set process-wide environment variables).
+        let relay = Arc::new(Relay {
+            own_ip: Some("10.0.0.1".parse().unwrap()),
+            ..Arc::try_unwrap(relay).unwrap()
+        });
+        let addrs = ["10.0.0.2:1", "10.0.0.1:1", "10.0.0.3:1", "10.0.0.9:1"]
+            .map(|a| a.parse().unwrap())
+            .to_vec();
+        let dns = Arc::new(FakeDns(Mutex::new(Some(addrs))));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(relay.clone().find_peers(dns.clone(), stop.clone()));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        let want = vec![
+            "http://10.0.0.9:9100/v1/prefix".to_string(),
+            "http://10.0.0.2:9100/v1/prefix".to_string(),
+            "http://10.0.0.3:9100/v1/prefix".to_string(),
+        ];
+        assert_eq!(relay.all_peers(), want);
+        *dns.0.lock().unwrap() = None;
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(
+            relay.all_peers(),
+            want,
+            "a failed resolution keeps the peers"
+        );
+        assert!(relay.stats.peer_failures.load(Ordering::Relaxed) > 0);
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_dead_envoy_or_peer_is_counted_and_the_rest_still_served() {
+        let (a, b) = (Fake::default(), Fake::default());
+        let mut log = SyncLog::new(16);
+        log.push(7, &[1]);
+        *a.log.lock().unwrap() = Some(log);
+        let (ua, ub) = (serve(a.clone()).await, serve(b.clone()).await);
+        let dead = "http://127.0.0.1:9".to_string();
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.push.timeout_ms = 500;
+        cfg.push.urls = vec![format!("{ua}/s"), format!("{dead}/s"), format!("{ub}/s")];
+        cfg.prefix.peers = vec![dead];
+        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let mut cursors = vec![String::new(); 3];
+        relay.round(&mut cursors).await;
+        assert_eq!(b.got.lock().unwrap().len(), 1);
+        // Asking the dead Envoy, delivering to it, and delivering to the dead peer.
+        assert_eq!(relay.stats.envoy_failures.load(Ordering::Relaxed), 2);
+        assert_eq!(relay.stats.peer_failures.load(Ordering::Relaxed), 1);
+        assert_eq!(cursors[1], "", "a failed ask leaves the cursor");
+    }
+
+    #[test]
+    fn the_prefix_url_sits_beside_each_ingest_url() {
+        assert_eq!(
+            beside(
+                "http://127.0.0.1:9902/gpuroute/v1/snapshot?x=1",
+                "/gpuroute/v1/prefix"
+            )
+            .as_deref(),
+            Some("http://127.0.0.1:9902/gpuroute/v1/prefix")
+        );
+        assert_eq!(beside("not a url", "/p"), None);
+    }
+
+    #[test]
+    fn the_relay_runs_only_with_someone_to_relay_to() {
+        let client = reqwest::Client::new();
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.push.urls = vec!["http://127.0.0.1:1/s".into()];
+        assert!(Relay::from_config(&cfg, client.clone()).is_none());
+        cfg.push.urls.push("http://127.0.0.1:2/s".into());
+        let r = Relay::from_config(&cfg, client.clone());
+        assert_eq!(r.map(|r| r.envoys.len()), Some(2));
+        cfg.push.urls.truncate(1);
+        cfg.prefix.peers = vec!["http://10.0.0.2:9100".into()];
+        let r = Relay::from_config(&cfg, client.clone());
+        assert_eq!(
+            r.map(|r| r.peers.clone()),
+            Some(vec!["http://10.0.0.2:9100/v1/prefix".to_string()])
+        );
+        cfg.prefix.enabled = false;
+        assert!(Relay::from_config(&cfg, client).is_none());
+    }
+}

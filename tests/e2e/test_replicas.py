@@ -1,0 +1,171 @@
+"""The prefix-record exchange between gateway replicas (`ingest.prefix_path`), through real
+Envoys with the built filter: what an Envoy gives (`GET`), what it takes (`POST`), and what it
+refuses. The relay itself (sidecar-metrics between two replicas) is measured in
+test_affinity.py.
+"""
+
+import socket
+import struct
+import time
+
+import pytest
+
+from harness import STAT_PREFIX, TOKEN, Envoy, Pusher
+from stubpod import StubPod
+
+PREFIX = "/gpuroute/v1/prefix"
+CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
+SYSTEM = "You are the support assistant of a bicycle shop; answer in two sentences at most. " * 3
+
+
+def records(raw):
+    """(seq, pod, anchors) of each record of a GPX1 body."""
+    assert raw[:4] == b"GPX1", raw[:16]
+    out, i = [], 4
+    while i < len(raw):
+        seq, pod, n = struct.unpack_from("<QQB", raw, i)
+        i += 17 + 8 * n
+        out.append((seq, pod, n))
+    assert i == len(raw)
+    return out
+
+
+def ask(gw, cursor="", token=TOKEN):
+    return gw.request("GET", PREFIX, None,
+                      {"authorization": f"Bearer {token}", "x-gpuroute-cursor": cursor}, addr=gw.ingest)
+
+
+def give(gw, body, token=TOKEN):
+    return gw.request("POST", PREFIX, body,
+                      {"authorization": f"Bearer {token}", "content-type": "application/octet-stream"},
+                      addr=gw.ingest)
+
+
+def turn(gw, user, answer=None, follow=None):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+    if follow:
+        messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": follow}]
+    s, h, _, _ = gw.request("POST", "/v1/chat/completions", {"model": "llama-3-8b", "messages": messages})
+    assert s == 200
+    return h
+
+
+def prefix_scores(h):
+    """Each candidate's prefix score from the debug header (0 where it has none)."""
+    out = {}
+    for part in h.get("x-gateway-debug", "").split("; ")[2:]:
+        addr, _, rest = part.partition(" ")
+        score = [kv.split("=")[1] for kv in rest.split() if kv.startswith("prefix=")]
+        out[addr] = float(score[0]) if score else 0.0
+    return out
+
+
+@pytest.fixture(scope="module")
+def pods():
+    ps = [StubPod(f"pod-{i}") for i in range(4)]
+    yield ps
+    for p in ps:
+        p.close()
+
+
+def gateway(pods, loads=None):
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG, concurrency=2)
+    loads = loads or [{}] * len(pods)
+    pusher = Pusher([gw], {"llama": [{"address": p.address, **l} for p, l in zip(pods, loads)]})
+    return gw, pusher
+
+
+def test_an_envoy_gives_each_routing_decision_once(pods):
+    gw, pusher = gateway(pods)
+    try:
+        s, h, _, raw = ask(gw)
+        assert s == 200 and h["content-type"] == "application/octet-stream"
+        assert records(raw) == []
+        cursor = h["x-gpuroute-cursor"]
+        for i in range(6):
+            turn(gw, f"Customer {i} asks: is the blue touring bike in stock in size 56?")
+        got, deadline = [], time.time() + 3
+        while len(got) < 6 and time.time() < deadline:
+            time.sleep(0.06)
+            s, h, _, raw = ask(gw, cursor)
+            assert s == 200
+            got += records(raw)
+            cursor = h["x-gpuroute-cursor"]
+        assert len(got) == 6, got
+        assert all(n > 0 for _, _, n in got)
+        # Asked again with the cursor: nothing new. Without one: everything held, again.
+        time.sleep(0.15)
+        assert records(ask(gw, cursor)[3]) == []
+        assert len(records(ask(gw)[3])) == 6
+        assert gw.stat(STAT_PREFIX + "gpuroute.prefix.exported") >= 12
+    finally:
+        pusher.stop()
+        gw.stop()
+
+
+def test_a_replica_learns_where_another_sent_a_conversation(pods):
+    """Replica A routes a conversation's first turn while pod-0 is the only idle pod, so it goes
+    there whatever its home. B (every pod equally loaded) is given A's records; C, the same as B,
+    is not. On the follow-up turn B scores pod-0 as holding the conversation's prefix; C does
+    not (at most the rendezvous home's 0.3)."""
+    busy = {"waiting": 6, "running": 30, "kv_cache_usage": 0.8}
+    a, pa = gateway(pods, [{}] + [busy] * 3)
+    b, pb = gateway(pods)
+    c, pc = gateway(pods)
+    try:
+        cursor = ask(a)[1]["x-gpuroute-cursor"]
+        first = "I bought a frame last week and the bottom bracket creaks on every climb."
+        h = turn(a, first)
+        assert "picked=" + pods[0].address in h["x-gateway-debug"], h["x-gateway-debug"]
+        got, deadline = b"", time.time() + 3
+        while time.time() < deadline:
+            time.sleep(0.06)
+            s, h, _, raw = ask(a, cursor)
+            if records(raw):
+                got = raw
+                break
+        assert len(records(got)) == 1
+        assert give(b, got)[0] == 204
+        assert b.stat(STAT_PREFIX + "gpuroute.prefix.imported") == 1
+        follow = ("Please re-grease it.", "Done; it still creaks. What next?")
+        sb = prefix_scores(turn(b, first, *follow))
+        sc = prefix_scores(turn(c, first, *follow))
+        print(f"\nprefix scores of the follow-up: with A's records {sb}, without {sc}")
+        assert sb[pods[0].address] > 0.3, sb
+        assert sc.get(pods[0].address, 0.0) <= 0.3, sc
+    finally:
+        for p in (pa, pb, pc):
+            p.stop()
+        for g in (a, b, c):
+            g.stop()
+
+
+def test_the_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
+    gw, pusher = gateway(pods)
+    try:
+        assert ask(gw, token="wrong-token-123")[0] == 401
+        assert give(gw, b"GPX1", token="wrong-token-123")[0] == 401
+        s, _, err, _ = gw.request("PUT", PREFIX, b"", {"authorization": f"Bearer {TOKEN}"}, addr=gw.ingest)
+        assert s == 405 and err["error"]["code"] == "method_not_allowed"
+        for bad in (b"", b'{"records": []}', b"GPX1" + b"\x01" * 20, b"GPX1" + bytes(17) + b"\x00"):
+            s, _, err, _ = give(gw, bad)
+            assert s == 400 and err["error"]["code"] == "invalid_prefix_records", (bad, s, err)
+        # Over the size limit (8 MiB by default), declared: refused before the body is read.
+        host, port = gw.ingest.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nauthorization: Bearer %s\r\n"
+                         b"content-length: %d\r\n\r\n" % (PREFIX.encode(), TOKEN.encode(), 9 * 1024 * 1024))
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413") and b"snapshot_too_large" in answer, answer[:300]
+        # An empty batch is fine; a cursor that is garbage asks for everything.
+        assert give(gw, b"GPX1")[0] == 204
+        assert ask(gw, "x:y,,1")[0] == 200
+        assert gw.stat(STAT_PREFIX + "gpuroute.prefix.rejected.invalid") == 4
+        assert gw.stat(STAT_PREFIX + "gpuroute.prefix.rejected.unauthorized") == 2
+        assert gw.stat(STAT_PREFIX + "gpuroute.prefix.rejected.too_large") == 1
+        # Not on the traffic listener's clients' terms: the exchange answers only loopback
+        # peers with the token, and routing goes on.
+        assert turn(gw, "Still serving?")
+    finally:
+        pusher.stop()
+        gw.stop()
