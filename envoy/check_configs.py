@@ -430,6 +430,31 @@ def port_of(url):
     return int(m.group(1)), m.group(2) or "/"
 
 
+def check_peers(plugin, sidecar_cm, service, gateway_labels):
+    """The prefix relay between gateway replicas: the sidecars' peers' Service selects the
+    gateway pods, by DNS name and port as the sidecar configuration names them."""
+    side = sidecar_config(sidecar_cm).get("prefix") or {}
+    dns, listen = side.get("peers_dns"), side.get("listen")
+    if not dns or not listen:
+        raise CheckError("the sidecar configuration has no prefix.peers_dns and prefix.listen")
+    meta = service["metadata"]
+    if not dns["name"].startswith(f"{meta['name']}.{meta['namespace']}."):
+        raise CheckError(f"prefix.peers_dns names {dns['name']}, not Service {meta['namespace']}/{meta['name']}")
+    spec = service["spec"]
+    if spec.get("clusterIP") != "None":
+        raise CheckError(f"Service {meta['name']} must be headless: DNS must answer every gateway pod")
+    wrong = {k: v for k, v in spec.get("selector", {}).items() if gateway_labels.get(k) != v}
+    if wrong or not spec.get("selector"):
+        raise CheckError(f"Service {meta['name']} selects {spec.get('selector')}, not the gateway pods {gateway_labels}")
+    port = int(listen.rsplit(":", 1)[1])
+    ports = [(p["port"], p.get("targetPort", p["port"])) for p in spec.get("ports", [])]
+    if (dns["port"], port) not in ports or dns["port"] != port:
+        raise CheckError(f"prefix.listen port {port}, peers_dns port {dns['port']} and the Service's {ports} disagree")
+    path = (plugin.get("ingest") or {}).get("prefix_path", "/gpuroute/v1/prefix")
+    if side.get("path", "/gpuroute/v1/prefix") != path:
+        raise CheckError(f"prefix.path {side.get('path')} is not the filter's ingest.prefix_path {path}")
+
+
 def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_pools, local_replies):
     """What must agree between the filter configuration, the aggregator and the routing."""
     pools = [p["name"] for p in plugin.get("pools", [])]
@@ -821,6 +846,9 @@ def eg_fragment(manifests, wasm):
         raise CheckError("after the patches the filter still lacks allow_on_headers_stop_iteration: true")
     reload_on_failure(cfg)
 
+    check_peers(plugin, o.one("ConfigMap", "gpuroute-sidecar"), o.one("Service", "gpuroute-gateway-peers"),
+                {"gateway.envoyproxy.io/owning-gateway-namespace": gw["metadata"]["namespace"],
+                 "gateway.envoyproxy.io/owning-gateway-name": gw["metadata"]["name"]})
     check_common(
         plugin,
         o.one("ConfigMap", "gpuroute-sidecar"),
@@ -982,6 +1010,8 @@ def istio_fragment(manifests, wasm):
         if [pol["typed_extension_config"]["name"] for pol in policies] != [OVERRIDE_HOST]:
             raise CheckError(f"cluster {cname} does not get exactly the override_host policy")
 
+    check_peers(plugin, o.one("ConfigMap", "gpuroute-sidecar"), o.one("Service", "gpuroute-gateway-peers"),
+                gw["spec"]["selector"])
     check_common(
         plugin,
         o.one("ConfigMap", "gpuroute-sidecar"),

@@ -55,6 +55,8 @@ pub struct Running {
     pub push: Arc<Vec<Arc<PushTarget>>>,
     /// The prefix-record relay, when it runs.
     pub relay: Option<Arc<Relay>>,
+    /// The bound address of the peers' listener (`prefix.listen`).
+    pub peer_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
 }
@@ -153,6 +155,24 @@ pub async fn start(
         ready_policy: cfg.push.ready,
         relay: relay.clone(),
     };
+    let mut peer_addr = None;
+    if let (Some(addr), Some(_)) = (&cfg.prefix.listen, &relay) {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: addr.clone(),
+                source,
+            })?;
+        peer_addr = l.local_addr().ok();
+        let (stop, app) = (shutdown.clone(), http::peer_router(state.clone()));
+        tasks.spawn(async move {
+            let serve =
+                axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "peers' HTTP server failed");
+            }
+        });
+    }
     let stop = shutdown.clone();
     tasks.spawn(async move {
         let serve = axum::serve(listener, http::router(state))
@@ -169,6 +189,7 @@ pub async fn start(
         push = ?cfg.push.urls,
         prefix_relay = relay.is_some(),
         prefix_peers = ?cfg.prefix.peers,
+        prefix_listen = ?peer_addr,
         "sidecar-metrics listening"
     );
     Ok(Running {
@@ -176,6 +197,7 @@ pub async fn start(
         published,
         push: push_targets,
         relay,
+        peer_addr,
         shutdown,
         tasks,
     })

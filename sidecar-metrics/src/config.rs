@@ -199,6 +199,11 @@ pub struct PrefixRelayConfig {
     /// out when the `POD_IP` environment variable names it (Kubernetes' downward API).
     #[serde(default)]
     pub peers_dns: Option<DnsConfig>,
+    /// A second listener, `ip:port`, serving only the peers' `POST /v1/prefix`: the peers can
+    /// reach it while `listen` (with `/debug/snapshot`, the whole fleet's view) stays on
+    /// loopback. Unset: peers use `listen`.
+    #[serde(default)]
+    pub listen: Option<String>,
 }
 
 impl Default for PrefixRelayConfig {
@@ -209,6 +214,7 @@ impl Default for PrefixRelayConfig {
             path: d_prefix_path(),
             peers: Vec::new(),
             peers_dns: None,
+            listen: None,
         }
     }
 }
@@ -615,6 +621,11 @@ impl Config {
         }
         for (i, u) in self.prefix.peers.iter().enumerate() {
             check_http_url(&format!("prefix.peers[{i}]"), u)?;
+        }
+        if let Some(l) = &self.prefix.listen {
+            if l.parse::<SocketAddr>().is_err() {
+                return Err(field("prefix.listen", format!("{l:?} is not ip:port")));
+            }
         }
         if let Some(d) = &self.prefix.peers_dns {
             if d.name.is_empty() || d.port == 0 || d.refresh_ms == 0 {

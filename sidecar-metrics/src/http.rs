@@ -65,6 +65,16 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The peers' listener (`prefix.listen`): `POST /v1/prefix` and nothing else.
+pub fn peer_router(state: AppState) -> Router {
+    Router::new()
+        .route(
+            PEER_PATH,
+            post(prefix_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
+        )
+        .with_state(state)
+}
+
 async fn readyz(State(s): State<AppState>) -> Response {
     if s.ready() {
         (StatusCode::OK, "ready\n").into_response()

@@ -9,7 +9,9 @@
 //!   to its own Envoys ([`Relay::deliver_local`], behind the HTTP surface).
 //!
 //! The records are hints, so nothing is retried or queued: a batch an Envoy or a peer does not
-//! take is counted and dropped, and the next interval carries only newer records. An Envoy that
+//! take is counted and dropped, and the next interval carries only newer records. Deliveries
+//! run on their own, so a slow target holds up neither the asks nor the other targets; one
+//! still busy with the batch before is skipped. An Envoy that
 //! restarted answers with a cursor of its new workers, so asking resumes by itself. The bearer
 //! token is the push token, on both hops.
 
@@ -19,6 +21,7 @@ use crate::util::LogGate;
 use bytes::Bytes;
 use gpuroute_core::exchange::{CURSOR_HEADER, MAX_IMPORT_RECORDS};
 use gpuroute_core::prefix::decode_records;
+use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,6 +43,8 @@ pub struct RelayStats {
     /// Asks and deliveries that failed, to an Envoy and to a peer.
     pub envoy_failures: AtomicU64,
     pub peer_failures: AtomicU64,
+    /// Batches not sent to a target still busy with the one before.
+    pub busy_skips: AtomicU64,
 }
 
 /// The relay's targets and state.
@@ -60,6 +65,8 @@ pub struct Relay {
     client: reqwest::Client,
     pub stats: RelayStats,
     gate: Mutex<LogGate>,
+    /// Targets with a delivery under way.
+    busy: Mutex<HashSet<String>>,
 }
 
 /// `url` with its path replaced by `path` and no query: the prefix URL beside an ingest URL.
@@ -104,6 +111,7 @@ impl Relay {
             client,
             stats: RelayStats::default(),
             gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
+            busy: Mutex::new(HashSet::new()),
         }))
     }
 
@@ -186,43 +194,59 @@ impl Relay {
         }
     }
 
-    /// Hands `body` to every Envoy pushed to except `skip`, and to every peer when `to_peers`;
-    /// all at once. Returns how many Envoys took it.
-    async fn deliver(self: &Arc<Self>, body: Bytes, skip: Option<usize>, to_peers: bool) -> usize {
-        let mut set = JoinSet::new();
-        for (j, url) in self.envoys.iter().enumerate() {
-            if Some(j) != skip {
-                let (me, url, body) = (self.clone(), url.clone(), body.clone());
-                set.spawn(async move {
-                    let r = me.post(&url, body).await;
-                    if let Err(why) = &r {
-                        me.failed(
-                            &me.stats.envoy_failures,
-                            "delivering to an Envoy",
-                            &url,
-                            why.clone(),
-                        );
-                    }
-                    r.is_ok()
-                });
+    /// POSTs `body` to `url`, counting a failure against an Envoy or a peer; whether it was
+    /// taken.
+    async fn post_counted(self: Arc<Self>, url: String, body: Bytes, peer: bool) -> bool {
+        match self.post(&url, body).await {
+            Ok(()) => true,
+            Err(why) if peer => {
+                self.failed(&self.stats.peer_failures, "delivering to a peer", &url, why);
+                false
+            }
+            Err(why) => {
+                self.failed(
+                    &self.stats.envoy_failures,
+                    "delivering to an Envoy",
+                    &url,
+                    why,
+                );
+                false
             }
         }
-        if to_peers {
-            for url in &self.all_peers() {
-                let (me, url, body) = (self.clone(), url.clone(), body.clone());
-                set.spawn(async move {
-                    if let Err(why) = me.post(&url, body).await {
-                        me.failed(&me.stats.peer_failures, "delivering to a peer", &url, why);
-                    }
-                    false
-                });
+    }
+
+    /// Hands a batch read from Envoy `from` to the other Envoys and to the peers, without
+    /// waiting: a slow or blackholed target must not hold up the asks. A target still busy with
+    /// an earlier batch is skipped for this one (`busy_skips`): the records are hints, and a
+    /// backlog would only deliver stale ones late.
+    fn fan_out(self: &Arc<Self>, body: Bytes, from: usize) {
+        let envoys = self
+            .envoys
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != from)
+            .map(|(_, u)| (u.clone(), false));
+        let peers = self.all_peers().into_iter().map(|u| (u, true));
+        for (url, peer) in envoys.chain(peers).collect::<Vec<_>>() {
+            if !self
+                .busy
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(url.clone())
+            {
+                self.stats.busy_skips.fetch_add(1, Ordering::Relaxed);
+                continue;
             }
+            let me = self.clone();
+            let body = body.clone();
+            tokio::spawn(async move {
+                me.clone().post_counted(url.clone(), body, peer).await;
+                me.busy
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .remove(&url);
+            });
         }
-        let mut taken = 0;
-        while let Some(r) = set.join_next().await {
-            taken += usize::from(r.unwrap_or(false));
-        }
-        taken
     }
 
     /// The configured peers and those found by DNS.
@@ -277,11 +301,24 @@ impl Relay {
         self.stats
             .records_in
             .fetch_add(records as u64, Ordering::Relaxed);
-        self.deliver(body, None, false).await
+        let mut set = JoinSet::new();
+        for url in &self.envoys {
+            set.spawn(self.clone().post_counted(url.clone(), body.clone(), false));
+        }
+        let mut taken = 0;
+        while let Some(r) = set.join_next().await {
+            taken += usize::from(r.unwrap_or(false));
+        }
+        taken
     }
 
     /// One round: ask every Envoy, relay what each had.
     pub async fn round(self: &Arc<Self>, cursors: &mut [String]) {
+        if self.envoys.len() < 2 && self.all_peers().is_empty() {
+            // One replica (the peers found by DNS are only this pod): no one to relay to, and
+            // not asking leaves the filter's workers without the export's work.
+            return;
+        }
         for (i, cursor) in cursors.iter_mut().enumerate() {
             let Some(body) = self.ask(i, cursor).await else {
                 continue;
@@ -305,7 +342,7 @@ impl Relay {
             self.stats
                 .records_out
                 .fetch_add(n as u64, Ordering::Relaxed);
-            self.deliver(body, Some(i), true).await;
+            self.fan_out(body, i);
         }
     }
 
@@ -390,6 +427,60 @@ mod tests {
 
     use axum::routing::get;
 
+    /// Waits until no delivery is under way (at most 5 s).
+    async fn settle(relay: &Relay) {
+        for _ in 0..500 {
+            if relay.busy.lock().unwrap().is_empty() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_blackholed_peer_holds_up_neither_the_asks_nor_the_other_envoy() {
+        let (a, b) = (Fake::default(), Fake::default());
+        *a.log.lock().unwrap() = Some(SyncLog::new(16));
+        let (ua, ub) = (serve(a.clone()).await, serve(b.clone()).await);
+        // Accepts connections and never answers.
+        let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hole_addr = hole.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((c, _)) = hole.accept().await {
+                held.push(c);
+            }
+        });
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.push.timeout_ms = 2_000;
+        cfg.push.urls = vec![format!("{ua}/s"), format!("{ub}/s")];
+        cfg.prefix.peers = vec![format!("http://{hole_addr}")];
+        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let mut cursors = vec![String::new(); 2];
+        let t0 = Instant::now();
+        for pod in 1..=3 {
+            a.log.lock().unwrap().as_mut().unwrap().push(pod, &[pod]);
+            relay.round(&mut cursors).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_millis(1_000),
+            "{:?}",
+            t0.elapsed()
+        );
+        assert_eq!(
+            b.got.lock().unwrap().len(),
+            3,
+            "every batch reached B meanwhile"
+        );
+        assert_eq!(
+            relay.stats.busy_skips.load(Ordering::Relaxed),
+            2,
+            "the peer got the first only"
+        );
+    }
+
     #[tokio::test]
     async fn a_round_relays_each_envoys_new_records_to_the_others_and_the_peers_once() {
         let (a, b, peer) = (Fake::default(), Fake::default(), Fake::default());
@@ -413,6 +504,7 @@ mod tests {
         let mut cursors = vec![String::new(); 2];
 
         relay.round(&mut cursors).await;
+        settle(&relay).await;
         let got_b = b.got.lock().unwrap().clone();
         assert_eq!(got_b.len(), 1, "B gets A's batch");
         assert_eq!(got_b[0].0, "Bearer secret-token");
@@ -429,9 +521,11 @@ mod tests {
 
         // Nothing new: nothing delivered. One more record: only it, after the cursor.
         relay.round(&mut cursors).await;
+        settle(&relay).await;
         assert_eq!(b.got.lock().unwrap().len(), 1);
         a.log.lock().unwrap().as_mut().unwrap().push(9, &[4]);
         relay.round(&mut cursors).await;
+        settle(&relay).await;
         let got_b = b.got.lock().unwrap().clone();
         assert_eq!(got_b.len(), 2);
         assert_eq!(decode_records(&got_b[1].1, 10).unwrap()[0].pod, 9);
@@ -513,6 +607,7 @@ mod tests {
         let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
         let mut cursors = vec![String::new(); 3];
         relay.round(&mut cursors).await;
+        settle(&relay).await;
         assert_eq!(b.got.lock().unwrap().len(), 1);
         // Asking the dead Envoy, delivering to it, and delivering to the dead peer.
         assert_eq!(relay.stats.envoy_failures.load(Ordering::Relaxed), 2);

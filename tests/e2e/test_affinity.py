@@ -99,8 +99,9 @@ def sidecar_replicas(pods, relay):
     ports = [free_port(), free_port()]
     scs = []
     for i, gw in enumerate(gws):
-        extra = {"listen": f"127.0.0.1:{ports[i]}",
-                 "prefix": {"enabled": relay, "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}}
+        # The peers reach each other on `prefix.listen`; the sidecars' own surface stays apart.
+        extra = {"prefix": {"enabled": relay, "listen": f"127.0.0.1:{ports[i]}",
+                            "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}}
         scs.append(Sidecar({"llama": [p.address for p in pods]},
                            [f"http://{gw.ingest}/gpuroute/v1/snapshot"], interval_ms=100, extra=extra))
     deadline = time.time() + 10
