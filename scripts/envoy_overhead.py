@@ -47,12 +47,17 @@ cycle give the build's figures with half the turn-to-turn noise ("filter_pooled"
 --no-copy leaves the copy out.
 
 Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--no-copy] [--compare-wasm NAME=PATH ...]
+                                 [--ask NAME ...]
   --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
   to the interleaved rounds, e.g. the build before a change: builds compared within one run agree
   far better than runs of different days on this shared machine. To build an earlier revision:
     git worktree add /tmp/prev REV && (cd /tmp/prev && cargo build -p gpuroute-filter \
       --target wasm32-wasip1 --profile wasm-release --target-dir /tmp/prev-target)
     scripts/envoy_overhead.py --compare-wasm prev=/tmp/prev-target/wasm32-wasip1/wasm-release/gpuroute_filter.wasm
+  --ask NAME asks that gateway for its prefix records every 50 ms, as sidecar-metrics' relay
+  between gateway replicas does (`GET ingest.prefix_path`, the cursor carried on): with
+  `--compare-wasm relayed=<the filter's .wasm> --ask relayed`, the relay's cost on the gateway
+  is `relayed` against the filter (and its copy), same build.
 Writes target/bench/envoy-overhead.json.
 """
 
@@ -70,7 +75,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import BUILDS, ENVOY, FLOOR_WASM, Envoy, Pusher, free_port  # noqa: E402
+from harness import BUILDS, ENVOY, FLOOR_WASM, TOKEN, Envoy, Pusher, free_port  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts"))
 import paired  # noqa: E402
 
@@ -277,12 +282,59 @@ def print_paired(pp):
           f"by CPU {ci_text(pp['cpu_ratio'], pct)} -> {verdicts(pp['cpu_ratio'])}")
 
 
+class Asker:
+    """Asks a gateway for its prefix records every `interval_s` on one keep-alive connection,
+    carrying the cursor on, as sidecar-metrics' relay does; counts the records."""
+
+    def __init__(self, gw, interval_s=0.05):
+        import threading
+
+        self.gw, self.interval_s, self.records, self.asks = gw, interval_s, 0, 0
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self):
+        import http.client
+
+        host, port = self.gw.ingest.rsplit(":", 1)
+        conn, cursor = None, ""
+        while not self.stop_event.wait(self.interval_s):
+            try:
+                conn = conn or http.client.HTTPConnection(host, int(port), timeout=5)
+                conn.request("GET", "/gpuroute/v1/prefix",
+                             headers={"authorization": f"Bearer {TOKEN}", "x-gpuroute-cursor": cursor})
+                r = conn.getresponse()
+                body = r.read()
+                if r.status == 200:
+                    cursor = r.getheader("x-gpuroute-cursor", cursor)
+                    self.records += count_records(body)
+                    self.asks += 1
+            except OSError:
+                conn = None
+
+    def stop(self):
+        self.stop_event.set()
+        self.thread.join(5)
+
+
+def count_records(body):
+    """Records in a GPX1 body (each: seq u64, pod u64, n u8, n anchors u64)."""
+    i, n = 4, 0
+    while i + 17 <= len(body):
+        i += 17 + 8 * body[i + 16]
+        n += 1
+    return n
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--compare-wasm", action="append", default=[], metavar="NAME=PATH",
                     help="another build of the proxy-wasm filter to measure in the same rounds (repeatable)")
+    ap.add_argument("--ask", action="append", default=[], metavar="NAME",
+                    help="ask this gateway for its prefix records every 50 ms, as the relay between replicas does")
     ap.add_argument("--no-copy", action="store_true",
                     help="leave out the byte-identical copy of the filter (the method's A/A check)")
     args = ap.parse_args()
@@ -301,6 +353,10 @@ def main():
     up = Upstream()
     gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra).items())
     pusher = Pusher([gw for name, gw in gateways if name not in REFERENCES], pod_snapshot(up))
+    unknown = set(args.ask) - set(extra)
+    if unknown:
+        sys.exit(f"--ask {', '.join(sorted(unknown))}: not among the --compare-wasm builds")
+    askers = {name: Asker(gw) for name, gw in gateways if name in args.ask}
     ours = {name: (prefix, path) for name, (_, prefix, path) in BUILDS.items()}
     ours.update({name: (ours["filter"][0], path) for name, path in extra.items()})
     rows = {name: {"lat": [], "rps": []} for name, _ in gateways}
@@ -322,9 +378,14 @@ def main():
         conns = {name: upstream_connections_per_request(gw) for name, gw in gateways}
     finally:
         pusher.stop()
+        for a in askers.values():
+            a.stop()
         for _, gw in gateways:
             gw.stop()
         up.stop()
+    asked = {name: {"asks": a.asks, "records": a.records} for name, a in askers.items()}
+    for name, a in asked.items():
+        print(f"{name}: asked {a['asks']} times for its prefix records, {a['records']} records received")
 
     def med(name, key, q):
         return statistics.median(x["latency_us"][q] if key == "lat" else x["rps"] for x in rows[name][key])
@@ -336,7 +397,7 @@ def main():
                   "machine": "the cores shared by client, gateway Envoy and upstream Envoy", **host_info()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
-        "outcomes": outcomes, "upstream_connections_per_request": conns, "raw": rows,
+        "outcomes": outcomes, "upstream_connections_per_request": conns, "asked": asked, "raw": rows,
     }
     for name, _ in gateways:
         res[name] = {"p50_us": med(name, "lat", "p50"), "p99_us": med(name, "lat", "p99"), "rps": med(name, "rps", None),

@@ -22,7 +22,7 @@
 //! lost or applied twice costs at most one pick that ignores, or repeats, where a prefix went,
 //! so the exchange has no acknowledgements or retries.
 
-use crate::prefix::{append_record, SyncLog, SyncRecord};
+use crate::prefix::{append_record, SyncBoard, SyncLog, SyncRecord};
 use crate::workers::MAX_WORKERS;
 
 /// Request header of a `GET`'s cursor, and response header of the cursor to send next.
@@ -47,11 +47,11 @@ pub fn export_key(id: u32) -> String {
     format!("gpuroute.prefix.export.{id}")
 }
 
-/// Where a relay is in each exporter's records: (exporter id, newest sequence received), by id.
-/// Written `id:seq,id:seq`.
+/// Where a relay is in each exporter's records: the newest sequence received per exporter id
+/// (kept as the workers' board keeps theirs). Written `id:seq,id:seq`, ascending by id.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cursor {
-    entries: Vec<(u32, u64)>,
+    seqs: SyncBoard,
 }
 
 impl Cursor {
@@ -71,29 +71,19 @@ impl Cursor {
         c
     }
 
+    /// The newest sequence received from exporter `id` (0: none yet).
     pub fn get(&self, id: u32) -> u64 {
-        self.entries
-            .binary_search_by_key(&id, |e| e.0)
-            .ok()
-            .and_then(|i| self.entries.get(i))
-            .map_or(0, |e| e.1)
+        self.seqs.get(id).unwrap_or(0)
     }
 
     pub fn set(&mut self, id: u32, seq: u64) {
-        match self.entries.binary_search_by_key(&id, |e| e.0) {
-            Ok(i) => {
-                if let Some(e) = self.entries.get_mut(i) {
-                    e.1 = seq;
-                }
-            }
-            Err(i) => self.entries.insert(i, (id, seq)),
-        }
+        self.seqs.set(id, seq);
     }
 
     pub fn encode(&self) -> String {
         let parts: Vec<String> = self
-            .entries
-            .iter()
+            .seqs
+            .entries()
             .map(|(id, seq)| format!("{id}:{seq}"))
             .collect();
         parts.join(",")
@@ -205,7 +195,7 @@ mod tests {
         assert_eq!(Cursor::parse("-1:5"), Cursor::default());
         let long: Vec<String> = (0..5000).map(|i| format!("{i}:1")).collect();
         assert_eq!(
-            Cursor::parse(&long.join(",")).entries.len(),
+            Cursor::parse(&long.join(",")).seqs.len(),
             MAX_WORKERS as usize
         );
     }

@@ -233,17 +233,24 @@ mod tests {
         assert!(decode_stored(b"short").is_none());
     }
 
-    #[test]
-    fn ingest_requests_are_checked_in_order() {
-        let cfg = IngestConfig {
+    fn config() -> IngestConfig {
+        IngestConfig {
             token: "secret-token".into(),
             path: "/p".into(),
             max_snapshot_bytes: 100,
             loopback_only: true,
             prefix_path: "/x".into(),
-        };
-        let auth = Some("Bearer secret-token");
-        let reason = |r: Result<(), Refusal>| r.err().map(|(why, e)| (why, e.status));
+        }
+    }
+
+    /// A check's refusal, as (reason, status).
+    fn reason(r: Result<(), Refusal>) -> Option<(&'static str, u16)> {
+        r.err().map(|(why, e)| (why, e.status))
+    }
+
+    #[test]
+    fn ingest_requests_are_checked_in_order() {
+        let (cfg, auth) = (config(), Some("Bearer secret-token"));
         assert_eq!(
             reason(check_request(&cfg, "GET", || true, auth, None)),
             Some(("method", 405))
@@ -286,15 +293,7 @@ mod tests {
 
     #[test]
     fn the_prefix_exchange_takes_get_and_post_under_the_same_rules() {
-        let cfg = IngestConfig {
-            token: "secret-token".into(),
-            path: "/p".into(),
-            max_snapshot_bytes: 100,
-            loopback_only: true,
-            prefix_path: "/x".into(),
-        };
-        let auth = Some("Bearer secret-token");
-        let reason = |r: Result<(), Refusal>| r.err().map(|(why, e)| (why, e.status));
+        let (cfg, auth) = (config(), Some("Bearer secret-token"));
         assert_eq!(
             reason(check_exchange(&cfg, "GET", || true, auth, None)),
             None

@@ -452,6 +452,11 @@ impl SyncBoard {
         out
     }
 
+    /// (id, sequence) of every entry, ascending by id.
+    pub fn entries(&self) -> impl Iterator<Item = (u32, u64)> + '_ {
+        self.entries.iter().copied()
+    }
+
     /// Worker `id`'s newest published sequence, if it published.
     pub fn get(&self, id: u32) -> Option<u64> {
         let i = self.entries.binary_search_by_key(&id, |e| e.0).ok()?;

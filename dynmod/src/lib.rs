@@ -495,38 +495,32 @@ impl Filter {
                     _ => abi::BODY_CONTINUE,
                 }
             }
-            Mode::Ingest => {
+            Mode::Ingest | Mode::Import => {
+                // Snapshots and prefix records: the same size limit, counted apart.
+                let import = matches!(self.mode, Mode::Import);
                 let checked = config
                     .settings
                     .ingest
                     .as_ref()
                     .map(|i| ingest::check_size(i, s.request_body_len()));
                 if let Some(Err((reason, e))) = checked {
-                    config.count(config.metrics.snapshot_rejected_id(reason));
+                    let m = &config.metrics;
+                    config.count(if import {
+                        m.prefix_rejected_id(reason)
+                    } else {
+                        m.snapshot_rejected_id(reason)
+                    });
                     self.reply_error(s, &e);
                     return abi::BODY_STOP_NO_BUFFER;
                 }
                 if !end_of_stream {
                     return abi::BODY_STOP_AND_BUFFER;
                 }
-                self.ingest(s);
-                abi::BODY_STOP_NO_BUFFER
-            }
-            Mode::Import => {
-                let checked = config
-                    .settings
-                    .ingest
-                    .as_ref()
-                    .map(|i| ingest::check_size(i, s.request_body_len()));
-                if let Some(Err((reason, e))) = checked {
-                    config.count(config.metrics.prefix_rejected_id(reason));
-                    self.reply_error(s, &e);
-                    return abi::BODY_STOP_NO_BUFFER;
+                if import {
+                    self.import(s);
+                } else {
+                    self.ingest(s);
                 }
-                if !end_of_stream {
-                    return abi::BODY_STOP_AND_BUFFER;
-                }
-                self.import(s);
                 abi::BODY_STOP_NO_BUFFER
             }
             Mode::Answered => abi::BODY_STOP_NO_BUFFER,

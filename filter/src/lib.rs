@@ -1115,7 +1115,9 @@ impl Http {
                 }
                 self.route(&mut w, body_size)
             }
-            Mode::Ingest { current } => {
+            Mode::Ingest { .. } | Mode::Import => {
+                // Snapshots and prefix records: the same size limit, counted apart.
+                let import = matches!(self.mode, Mode::Import);
                 let checked = w
                     .engine
                     .config
@@ -1123,29 +1125,17 @@ impl Http {
                     .as_ref()
                     .map(|i| ingest::check_size(i, body_size));
                 if let Some(Err((reason, e))) = checked {
-                    w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
+                    let what = if import { "prefix" } else { "snapshot" };
+                    w.stats.inc(&format!("gpuroute.{what}.rejected.{reason}"));
                     return self.reply_error(&e);
                 }
                 if !end_of_stream {
                     return Action::Pause;
                 }
-                self.ingest_body(&mut w, body_size, current)
-            }
-            Mode::Import => {
-                let checked = w
-                    .engine
-                    .config
-                    .ingest
-                    .as_ref()
-                    .map(|i| ingest::check_size(i, body_size));
-                if let Some(Err((reason, e))) = checked {
-                    w.stats.inc(&format!("gpuroute.prefix.rejected.{reason}"));
-                    return self.reply_error(&e);
+                match self.mode {
+                    Mode::Ingest { current } => self.ingest_body(&mut w, body_size, current),
+                    _ => self.import_body(&mut w, body_size),
                 }
-                if !end_of_stream {
-                    return Action::Pause;
-                }
-                self.import_body(&mut w, body_size)
             }
             Mode::Answered => Action::Pause,
             Mode::Pass => Action::Continue,

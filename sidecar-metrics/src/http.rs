@@ -130,11 +130,15 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
              # HELP sidecar_prefix_relay_failures_total Failed asks and deliveries of the prefix relay, by target.\n\
              # TYPE sidecar_prefix_relay_failures_total counter\n\
              sidecar_prefix_relay_failures_total{{target=\"envoy\"}} {}\n\
-             sidecar_prefix_relay_failures_total{{target=\"peer\"}} {}\n",
+             sidecar_prefix_relay_failures_total{{target=\"peer\"}} {}\n\
+             # HELP sidecar_prefix_relay_busy_skips_total Batches not sent to a target still busy with the batch before.\n\
+             # TYPE sidecar_prefix_relay_busy_skips_total counter\n\
+             sidecar_prefix_relay_busy_skips_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),
             st.peer_failures.load(Ordering::Relaxed),
+            st.busy_skips.load(Ordering::Relaxed),
         );
     }
     (

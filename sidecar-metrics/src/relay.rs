@@ -127,50 +127,36 @@ impl Relay {
     /// returns the body.
     async fn ask(&self, i: usize, cursor: &mut String) -> Option<Bytes> {
         let url = self.envoys.get(i)?;
-        let sent = self
-            .client
-            .get(url)
-            .header(CURSOR_HEADER, cursor.as_str())
-            .bearer_auth(&self.token)
-            .timeout(self.timeout)
-            .send()
-            .await;
-        let resp = match sent {
-            Ok(r) if r.status().as_u16() == 200 => r,
-            Ok(r) => {
-                let why = format!("status {}", r.status());
-                self.failed(&self.stats.envoy_failures, "asking an Envoy", url, why);
-                return None;
+        let asked = async {
+            let resp = self
+                .client
+                .get(url)
+                .header(CURSOR_HEADER, cursor.as_str())
+                .bearer_auth(&self.token)
+                .timeout(self.timeout)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            if resp.status().as_u16() != 200 {
+                return Err(format!("status {}", resp.status()));
             }
-            Err(e) => {
-                self.failed(
-                    &self.stats.envoy_failures,
-                    "asking an Envoy",
-                    url,
-                    e.to_string(),
-                );
-                return None;
-            }
+            let next = resp
+                .headers()
+                .get(CURSOR_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let body = resp.bytes().await.map_err(|e| e.to_string())?;
+            Ok((body, next))
         };
-        let next = resp
-            .headers()
-            .get(CURSOR_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
-        match resp.bytes().await {
-            Ok(body) => {
+        match asked.await {
+            Ok((body, next)) => {
                 if let Some(next) = next {
                     *cursor = next;
                 }
                 Some(body)
             }
-            Err(e) => {
-                self.failed(
-                    &self.stats.envoy_failures,
-                    "asking an Envoy",
-                    url,
-                    e.to_string(),
-                );
+            Err(why) => {
+                self.failed(&self.stats.envoy_failures, "asking an Envoy", url, why);
                 None
             }
         }
