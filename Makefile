@@ -85,8 +85,8 @@ bench-core: ## criterion: decision cost for 64 and 1,000 pods
 bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
-bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering, interleaved in quarter-second turns, with a byte-identical copy of the filter as the A/A check (~14 min); COMPARE_WASM=name=path adds another filter build
-	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM))
+bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering, interleaved in quarter-second turns, with a byte-identical copy of the filter as the A/A check (~14 min); COMPARE_WASM=name=path adds another filter build; ASK=name asks that build for its prefix records every 50 ms, as the relay between replicas does
+	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(ASK),--ask $(ASK))
 
 bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above; SIM=1 adds simulated cache misses and mispredicted branches
 	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(SIM),--sim)
