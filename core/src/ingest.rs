@@ -46,56 +46,60 @@ impl StoredHeader {
     }
 }
 
-/// Why an ingest request was refused (the `gpuroute.snapshot.rejected.<reason>` stat) and the
-/// answer to send.
+/// Why an ingest request was refused (the `gpuroute.<endpoint>.rejected.<reason>` stat, see
+/// [`Endpoint::stat`]) and the answer to send.
 pub type Refusal = (&'static str, ApiError);
 
-/// Checks an ingest request before its body, in this order: method, peer, token, declared size.
-/// `peer_is_loopback` is asked only when the configuration restricts the peer.
+/// The two endpoints of the ingest configuration, under one token, peer rule and size limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `ingest.path`: `POST` of a snapshot.
+    Snapshot,
+    /// `ingest.prefix_path`: the prefix-record exchange between gateway replicas
+    /// ([`crate::exchange`]), `GET` and `POST`.
+    Prefix,
+}
+
+impl Endpoint {
+    /// Which endpoint `path` (without its query) is, if either.
+    pub fn of(cfg: &IngestConfig, path: &str) -> Option<Endpoint> {
+        if cfg.path == path {
+            Some(Endpoint::Snapshot)
+        } else if !cfg.prefix_path.is_empty() && cfg.prefix_path == path {
+            Some(Endpoint::Prefix)
+        } else {
+            None
+        }
+    }
+
+    /// The methods it takes, as the 405 names them.
+    fn allowed(self) -> &'static str {
+        match self {
+            Endpoint::Snapshot => "POST",
+            Endpoint::Prefix => "GET, POST",
+        }
+    }
+
+    /// Its segment in the refusal stat: `gpuroute.<stat>.rejected.<reason>`.
+    pub fn stat(self) -> &'static str {
+        match self {
+            Endpoint::Snapshot => "snapshot",
+            Endpoint::Prefix => "prefix",
+        }
+    }
+}
+
+/// Checks a request to an ingest endpoint before its body, in this order: method, peer, token,
+/// declared size. `peer_is_loopback` is asked only when the configuration restricts the peer.
 pub fn check_request(
     cfg: &IngestConfig,
+    endpoint: Endpoint,
     method: &str,
     peer_is_loopback: impl FnOnce() -> bool,
     authorization: Option<&str>,
     content_length: Option<usize>,
 ) -> Result<(), Refusal> {
-    check(
-        cfg,
-        "POST",
-        method,
-        peer_is_loopback,
-        authorization,
-        content_length,
-    )
-}
-
-/// [`check_request`] for the prefix-record exchange (`ingest.prefix_path`, see
-/// [`crate::exchange`]): `GET` and `POST`, the same peer rule, token and size limit.
-pub fn check_exchange(
-    cfg: &IngestConfig,
-    method: &str,
-    peer_is_loopback: impl FnOnce() -> bool,
-    authorization: Option<&str>,
-    content_length: Option<usize>,
-) -> Result<(), Refusal> {
-    check(
-        cfg,
-        "GET, POST",
-        method,
-        peer_is_loopback,
-        authorization,
-        content_length,
-    )
-}
-
-fn check(
-    cfg: &IngestConfig,
-    allowed: &'static str,
-    method: &str,
-    peer_is_loopback: impl FnOnce() -> bool,
-    authorization: Option<&str>,
-    content_length: Option<usize>,
-) -> Result<(), Refusal> {
+    let allowed = endpoint.allowed();
     if !allowed.split(", ").any(|m| m == method) {
         return Err(("method", ApiError::method_not_allowed(allowed)));
     }
@@ -252,27 +256,69 @@ mod tests {
     fn ingest_requests_are_checked_in_order() {
         let (cfg, auth) = (config(), Some("Bearer secret-token"));
         assert_eq!(
-            reason(check_request(&cfg, "GET", || true, auth, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Snapshot,
+                "GET",
+                || true,
+                auth,
+                None
+            )),
             Some(("method", 405))
         );
         assert_eq!(
-            reason(check_request(&cfg, "POST", || false, auth, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Snapshot,
+                "POST",
+                || false,
+                auth,
+                None
+            )),
             Some(("forbidden", 403))
         );
         assert_eq!(
-            reason(check_request(&cfg, "POST", || true, Some("Bearer x"), None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Snapshot,
+                "POST",
+                || true,
+                Some("Bearer x"),
+                None
+            )),
             Some(("unauthorized", 401))
         );
         assert_eq!(
-            reason(check_request(&cfg, "POST", || true, auth, Some(101))),
+            reason(check_request(
+                &cfg,
+                Endpoint::Snapshot,
+                "POST",
+                || true,
+                auth,
+                Some(101)
+            )),
             Some(("too_large", 413))
         );
         assert_eq!(
-            reason(check_request(&cfg, "POST", || true, auth, Some(100))),
+            reason(check_request(
+                &cfg,
+                Endpoint::Snapshot,
+                "POST",
+                || true,
+                auth,
+                Some(100)
+            )),
             None
         );
         assert_eq!(
-            reason(check_request(&cfg, "POST", || true, auth, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Snapshot,
+                "POST",
+                || true,
+                auth,
+                None
+            )),
             None
         );
         let open = IngestConfig {
@@ -284,7 +330,17 @@ mod tests {
             asked.set(true);
             false
         };
-        assert_eq!(reason(check_request(&open, "POST", peer, auth, None)), None);
+        assert_eq!(
+            reason(check_request(
+                &open,
+                Endpoint::Snapshot,
+                "POST",
+                peer,
+                auth,
+                None
+            )),
+            None
+        );
         assert!(
             !asked.get(),
             "the peer is not looked up unless the config restricts it"
@@ -292,30 +348,83 @@ mod tests {
     }
 
     #[test]
+    fn a_path_names_at_most_one_endpoint() {
+        let mut cfg = config();
+        assert_eq!(Endpoint::of(&cfg, "/p"), Some(Endpoint::Snapshot));
+        assert_eq!(Endpoint::of(&cfg, "/x"), Some(Endpoint::Prefix));
+        assert_eq!(Endpoint::of(&cfg, "/v1/chat/completions"), None);
+        cfg.prefix_path.clear();
+        assert_eq!(Endpoint::of(&cfg, ""), None, "an empty prefix_path is off");
+        assert_eq!(Endpoint::Prefix.stat(), "prefix");
+    }
+
+    #[test]
     fn the_prefix_exchange_takes_get_and_post_under_the_same_rules() {
         let (cfg, auth) = (config(), Some("Bearer secret-token"));
         assert_eq!(
-            reason(check_exchange(&cfg, "GET", || true, auth, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Prefix,
+                "GET",
+                || true,
+                auth,
+                None
+            )),
             None
         );
         assert_eq!(
-            reason(check_exchange(&cfg, "POST", || true, auth, Some(100))),
+            reason(check_request(
+                &cfg,
+                Endpoint::Prefix,
+                "POST",
+                || true,
+                auth,
+                Some(100)
+            )),
             None
         );
         assert_eq!(
-            reason(check_exchange(&cfg, "PUT", || true, auth, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Prefix,
+                "PUT",
+                || true,
+                auth,
+                None
+            )),
             Some(("method", 405))
         );
         assert_eq!(
-            reason(check_exchange(&cfg, "GET", || false, auth, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Prefix,
+                "GET",
+                || false,
+                auth,
+                None
+            )),
             Some(("forbidden", 403))
         );
         assert_eq!(
-            reason(check_exchange(&cfg, "GET", || true, None, None)),
+            reason(check_request(
+                &cfg,
+                Endpoint::Prefix,
+                "GET",
+                || true,
+                None,
+                None
+            )),
             Some(("unauthorized", 401))
         );
         assert_eq!(
-            reason(check_exchange(&cfg, "POST", || true, auth, Some(101))),
+            reason(check_request(
+                &cfg,
+                Endpoint::Prefix,
+                "POST",
+                || true,
+                auth,
+                Some(101)
+            )),
             Some(("too_large", 413))
         );
     }

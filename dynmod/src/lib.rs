@@ -33,7 +33,7 @@ use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::IdMap;
-use gpuroute_core::ingest;
+use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix;
@@ -170,12 +170,13 @@ impl Metrics {
         self.rejected.get(key).copied().flatten()
     }
 
-    fn snapshot_rejected_id(&self, reason: &'static str) -> Option<usize> {
-        self.snapshot_rejected.get(reason).copied().flatten()
-    }
-
-    fn prefix_rejected_id(&self, reason: &'static str) -> Option<usize> {
-        self.prefix_rejected.get(reason).copied().flatten()
+    /// `gpuroute.<endpoint>.rejected.<reason>`.
+    fn ingest_rejected_id(&self, ep: Endpoint, reason: &'static str) -> Option<usize> {
+        let by_reason = match ep {
+            Endpoint::Snapshot => &self.snapshot_rejected,
+            Endpoint::Prefix => &self.prefix_rejected,
+        };
+        by_reason.get(reason).copied().flatten()
     }
 }
 
@@ -358,9 +359,8 @@ impl Config {
 enum Mode {
     Pass,
     Inference,
-    Ingest,
-    /// Prefix records from other gateway replicas (`exchange`).
-    Import,
+    /// A snapshot, or prefix records from other gateway replicas (`exchange`), being buffered.
+    Ingest(Endpoint),
     Answered,
 }
 
@@ -402,49 +402,26 @@ impl Filter {
             s.remove_header(REQUEST_HEADERS, h);
         }
 
-        if let Some(ing) = cfg
-            .ingest
-            .as_ref()
-            .filter(|i| !i.prefix_path.is_empty() && i.prefix_path == self.head.path)
-        {
-            let checked = ingest::check_exchange(
-                ing,
-                &method,
-                || peer_is_loopback(s),
-                self.head.authorization.as_deref(),
-                content_length,
-            );
-            if let Err((reason, e)) = checked {
-                config.count(config.metrics.prefix_rejected_id(reason));
-                self.reply_error(s, &e);
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            if method == "GET" {
-                self.export(s);
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            self.mode = Mode::Import;
-            if end_of_stream {
-                self.import(s);
-            }
-            return abi::HEADERS_STOP_ITERATION;
-        }
-        if let Some(ing) = cfg.ingest.as_ref().filter(|i| i.path == self.head.path) {
+        let endpoint = |i| Some((i, Endpoint::of(i, &self.head.path)?));
+        if let Some((ing, ep)) = cfg.ingest.as_ref().and_then(endpoint) {
             let checked = ingest::check_request(
                 ing,
+                ep,
                 &method,
                 || peer_is_loopback(s),
                 self.head.authorization.as_deref(),
                 content_length,
             );
             if let Err((reason, e)) = checked {
-                config.count(config.metrics.snapshot_rejected_id(reason));
+                config.count(config.metrics.ingest_rejected_id(ep, reason));
                 self.reply_error(s, &e);
-                return abi::HEADERS_STOP_ITERATION;
-            }
-            self.mode = Mode::Ingest;
-            if end_of_stream {
-                self.ingest(s);
+            } else if ep == Endpoint::Prefix && method == "GET" {
+                self.export(s);
+            } else {
+                self.mode = Mode::Ingest(ep);
+                if end_of_stream {
+                    self.ingest_end(s, ep);
+                }
             }
             return abi::HEADERS_STOP_ITERATION;
         }
@@ -495,36 +472,33 @@ impl Filter {
                     _ => abi::BODY_CONTINUE,
                 }
             }
-            Mode::Ingest | Mode::Import => {
-                // Snapshots and prefix records: the same size limit, counted apart.
-                let import = matches!(self.mode, Mode::Import);
+            Mode::Ingest(ep) => {
                 let checked = config
                     .settings
                     .ingest
                     .as_ref()
                     .map(|i| ingest::check_size(i, s.request_body_len()));
                 if let Some(Err((reason, e))) = checked {
-                    let m = &config.metrics;
-                    config.count(if import {
-                        m.prefix_rejected_id(reason)
-                    } else {
-                        m.snapshot_rejected_id(reason)
-                    });
+                    config.count(config.metrics.ingest_rejected_id(ep, reason));
                     self.reply_error(s, &e);
                     return abi::BODY_STOP_NO_BUFFER;
                 }
                 if !end_of_stream {
                     return abi::BODY_STOP_AND_BUFFER;
                 }
-                if import {
-                    self.import(s);
-                } else {
-                    self.ingest(s);
-                }
+                self.ingest_end(s, ep);
                 abi::BODY_STOP_NO_BUFFER
             }
             Mode::Answered => abi::BODY_STOP_NO_BUFFER,
             Mode::Pass => abi::BODY_CONTINUE,
+        }
+    }
+
+    /// The whole body of a request to an ingest endpoint is in.
+    fn ingest_end(&mut self, s: Stream, ep: Endpoint) {
+        match ep {
+            Endpoint::Snapshot => self.ingest(s),
+            Endpoint::Prefix => self.import(s),
         }
     }
 
@@ -563,7 +537,11 @@ impl Filter {
         let records = match decoded {
             Ok(r) => r,
             Err(msg) => {
-                config.count(config.metrics.prefix_rejected_id("invalid"));
+                config.count(
+                    config
+                        .metrics
+                        .ingest_rejected_id(Endpoint::Prefix, "invalid"),
+                );
                 self.reply_error(s, &ApiError::bad_prefix_records(msg));
                 return;
             }
@@ -587,11 +565,14 @@ impl Filter {
         let snap = match accepted {
             Ok(snap) => snap,
             Err(e) => {
-                config.count(m.snapshot_rejected_id(if e.status == 413 {
-                    "too_large"
-                } else {
-                    "invalid"
-                }));
+                config.count(m.ingest_rejected_id(
+                    Endpoint::Snapshot,
+                    if e.status == 413 {
+                        "too_large"
+                    } else {
+                        "invalid"
+                    },
+                ));
                 host::log(
                     abi::LOG_WARN,
                     &format!("gpuroute: snapshot rejected: {}", e.message),
@@ -611,7 +592,7 @@ impl Filter {
                     fleet.version, old.version
                 ));
                 drop(slot);
-                config.count(m.snapshot_rejected_id("invalid"));
+                config.count(m.ingest_rejected_id(Endpoint::Snapshot, "invalid"));
                 self.reply_error(s, &e);
                 return;
             }

@@ -30,7 +30,7 @@ use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::NameMap;
-use gpuroute_core::ingest::{self, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
@@ -373,10 +373,7 @@ impl Worker {
     /// every exchange, so a worker that starts routing is among the others' peers from their
     /// next exchange (within `shared_refresh_ms` under load, at the latest their next tick).
     fn read_registry(&mut self) {
-        let set = match host::get_shared(WORKERS_KEY) {
-            (Some(b), _) => WorkerSet::decode(&b),
-            _ => WorkerSet::default(),
-        };
+        let set = read_shared(WORKERS_KEY, WorkerSet::decode);
         let me = self.id;
         let others = || set.ids().filter(|w| *w != me);
         if !others().eq(self.peers.iter().copied()) {
@@ -482,10 +479,7 @@ impl Worker {
                 self.publish_slot = (self.publish_slot + 1) % SYNC_PUBLISHES;
             }
         }
-        let board = board.unwrap_or_else(|| match host::get_shared(SYNC_BOARD_KEY) {
-            (Some(b), _) => SyncBoard::decode(&b),
-            _ => SyncBoard::default(),
-        });
+        let board = board.unwrap_or_else(|| read_shared(SYNC_BOARD_KEY, SyncBoard::decode));
         let mut records = Vec::new();
         // The other workers' rings, and the records imported from other gateway replicas.
         for other in self.peers.iter().copied().chain([exchange::IMPORT_ID]) {
@@ -539,6 +533,11 @@ impl Worker {
             self.stats.gauge("gpuroute.snapshot.age_ms", age);
         }
     }
+}
+
+/// The value under shared-data `key`, decoded (`decode` of no bytes when there is none).
+fn read_shared<T>(key: &str, decode: fn(&[u8]) -> T) -> T {
+    decode(host::get_shared(key).0.as_deref().unwrap_or_default())
 }
 
 /// Applies `change` to the value under shared-data `key` (read with `decode`, written with
@@ -667,11 +666,12 @@ impl Root {
 enum Mode {
     Pass,
     Inference,
+    /// A snapshot, or prefix records from other gateway replicas (`exchange`), being buffered;
+    /// `current`: the snapshot version when its headers came.
     Ingest {
+        endpoint: Endpoint,
         current: Option<u64>,
     },
-    /// Prefix records from other gateway replicas (`exchange`).
-    Import,
     Answered,
 }
 
@@ -706,64 +706,66 @@ impl Http {
         self.reply_error(err)
     }
 
-    fn ingest_headers(&mut self, w: &mut Worker, method: &str) -> Action {
-        let Some(ing) = w.engine.config.ingest.clone() else {
-            return Action::Continue;
-        };
-        let checked = ingest::check_request(
-            &ing,
-            method,
-            peer_is_loopback,
-            self.head.authorization.as_deref(),
-            self.head.content_length,
-        );
-        if let Err((reason, e)) = checked {
-            w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
-            return self.reply_error(&e);
-        }
-        let current = host::get_shared(SNAPSHOT_VERSION_KEY)
-            .0
-            .and_then(|b| StoredHeader::decode(&b))
-            .map(|h| h.version);
-        self.mode = Mode::Ingest { current };
-        Action::Pause
-    }
-
-    /// The prefix-record exchange between gateway replicas (`ingest.prefix_path`): `GET` is
-    /// answered at once, a `POST`'s body is buffered for [`Http::import_body`].
-    fn exchange_headers(&mut self, w: &mut Worker, method: &str, end_of_stream: bool) -> Action {
+    /// A request to an ingest endpoint (`ingest::Endpoint`): checked, then a snapshot's or
+    /// prefix records' body buffered for [`Http::ingest_end`]; the prefix records' `GET` is
+    /// answered at once.
+    fn ingest_headers(
+        &mut self,
+        w: &mut Worker,
+        endpoint: Endpoint,
+        method: &str,
+        end_of_stream: bool,
+    ) -> Action {
         let Some(ing) = w.engine.config.ingest.as_ref() else {
             return Action::Continue;
         };
-        let checked = ingest::check_exchange(
+        let checked = ingest::check_request(
             ing,
+            endpoint,
             method,
             peer_is_loopback,
             self.head.authorization.as_deref(),
             self.head.content_length,
         );
         if let Err((reason, e)) = checked {
-            w.stats.inc(&format!("gpuroute.prefix.rejected.{reason}"));
+            w.stats
+                .inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));
             return self.reply_error(&e);
         }
-        if method == "GET" {
-            return self.export_answer(w);
-        }
-        self.mode = Mode::Import;
+        let current = match endpoint {
+            Endpoint::Prefix if method == "GET" => return self.export_answer(w),
+            Endpoint::Prefix => None,
+            Endpoint::Snapshot => host::get_shared(SNAPSHOT_VERSION_KEY)
+                .0
+                .and_then(|b| StoredHeader::decode(&b))
+                .map(|h| h.version),
+        };
+        self.mode = Mode::Ingest { endpoint, current };
         if end_of_stream {
-            return self.import_body(w, 0);
+            return self.ingest_end(w, endpoint, 0, current);
         }
         Action::Pause
+    }
+
+    /// The whole body of a request to an ingest endpoint is in.
+    fn ingest_end(
+        &mut self,
+        w: &mut Worker,
+        endpoint: Endpoint,
+        size: usize,
+        current: Option<u64>,
+    ) -> Action {
+        match endpoint {
+            Endpoint::Snapshot => self.ingest_body(w, size, current),
+            Endpoint::Prefix => self.import_body(w, size),
+        }
     }
 
     /// This Envoy's own prefix records newer than the request's cursor, from every live
     /// worker's export ring; also tells the workers their records are wanted.
     fn export_answer(&mut self, w: &mut Worker) -> Action {
         let _ = host::set_shared(exchange::WANTED_KEY, &host::now_ms().to_le_bytes(), None);
-        let live = match host::get_shared(WORKERS_KEY) {
-            (Some(b), _) => WorkerSet::decode(&b),
-            _ => WorkerSet::default(),
-        };
+        let live = read_shared(WORKERS_KEY, WorkerSet::decode);
         let mut export = Export::new(Cursor::parse(
             self.head.cursor.as_deref().unwrap_or_default(),
         ));
@@ -794,18 +796,17 @@ impl Http {
             }
         };
         if !records.is_empty() {
-            let key = sync_key(exchange::IMPORT_ID);
-            let mut newest = None;
-            for _ in 0..CAS_ATTEMPTS {
-                let (old, cas) = host::get_shared(&key);
-                let (ring, n) =
-                    exchange::merge_import(old.as_deref().unwrap_or_default(), &records);
-                if host::set_shared(&key, &ring, cas).is_ok() {
-                    newest = Some(n);
-                    break;
-                }
-            }
-            let told = newest.and_then(|n| {
+            let newest = update_shared(
+                &sync_key(exchange::IMPORT_ID),
+                <[u8]>::to_vec,
+                Vec::clone,
+                |ring| {
+                    let (merged, n) = exchange::merge_import(ring, &records);
+                    *ring = merged;
+                    Some(n)
+                },
+            );
+            let told = newest.and_then(|(n, _)| {
                 update_board(|b| {
                     if b.get(exchange::IMPORT_ID).is_none_or(|s| s < n) {
                         b.set(exchange::IMPORT_ID, n);
@@ -1049,30 +1050,9 @@ impl Http {
         self.path = std::mem::take(&mut self.head.path);
         let method = std::mem::take(&mut self.head.method);
 
-        if w.engine
-            .config
-            .ingest
-            .as_ref()
-            .is_some_and(|i| !i.prefix_path.is_empty() && i.prefix_path == self.path)
-        {
-            return self.exchange_headers(&mut w, &method, end_of_stream);
-        }
-
-        if w.engine
-            .config
-            .ingest
-            .as_ref()
-            .is_some_and(|i| i.path == self.path)
-        {
-            let action = self.ingest_headers(&mut w, &method);
-            if matches!(self.mode, Mode::Ingest { .. }) && end_of_stream {
-                let current = match self.mode {
-                    Mode::Ingest { current } => current,
-                    _ => None,
-                };
-                return self.ingest_body(&mut w, 0, current);
-            }
-            return action;
+        let ingest = w.engine.config.ingest.as_ref();
+        if let Some(ep) = ingest.and_then(|i| Endpoint::of(i, &self.path)) {
+            return self.ingest_headers(&mut w, ep, &method, end_of_stream);
         }
         if method == "GET" {
             if let Some(q) = ModelsQuery::of(&self.path, &w.engine.config.models_path) {
@@ -1115,9 +1095,7 @@ impl Http {
                 }
                 self.route(&mut w, body_size)
             }
-            Mode::Ingest { .. } | Mode::Import => {
-                // Snapshots and prefix records: the same size limit, counted apart.
-                let import = matches!(self.mode, Mode::Import);
+            Mode::Ingest { endpoint, current } => {
                 let checked = w
                     .engine
                     .config
@@ -1125,17 +1103,14 @@ impl Http {
                     .as_ref()
                     .map(|i| ingest::check_size(i, body_size));
                 if let Some(Err((reason, e))) = checked {
-                    let what = if import { "prefix" } else { "snapshot" };
-                    w.stats.inc(&format!("gpuroute.{what}.rejected.{reason}"));
+                    w.stats
+                        .inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));
                     return self.reply_error(&e);
                 }
                 if !end_of_stream {
                     return Action::Pause;
                 }
-                match self.mode {
-                    Mode::Ingest { current } => self.ingest_body(&mut w, body_size, current),
-                    _ => self.import_body(&mut w, body_size),
-                }
+                self.ingest_end(&mut w, endpoint, body_size, current)
             }
             Mode::Answered => Action::Pause,
             Mode::Pass => Action::Continue,
