@@ -1079,7 +1079,8 @@ def smoke_fragment(envoy, name, frag):
         addr = e.listener(facts["listener"])
         status, body = http(addr, "GET", "/v1/models")
         ids = sorted(m.get("id") for m in (body or {}).get("data", []))
-        want = sorted(m for p in plugin["pools"] for m in p["models"] + p.get("adapters", []) + list(p.get("aliases", {})))
+        want = sorted([m for p in plugin["pools"] for m in p["models"] + p.get("adapters", []) + list(p.get("aliases", {}))]
+                      + list(plugin.get("splits", {})))
         if status != 200 or not set(want) <= set(ids):
             raise CheckError(f"GET /v1/models: {status} {ids}, want 200 with {want}")
         t0 = time.time()

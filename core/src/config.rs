@@ -73,7 +73,29 @@ pub struct FilterConfig {
     /// Bounds the exchange's host calls however many workers Envoy runs.
     #[serde(default = "default_shared_peer_reads")]
     pub shared_peer_reads: usize,
+    /// Weighted traffic splits: a public model name whose requests go to several served names
+    /// (models, aliases or adapters, in any pools) in proportion to their weights, the body's
+    /// `model` rewritten to the one chosen. A conversation (or a prompt) always gets the same
+    /// target, on every worker and gateway replica, so its turns stay on one version and its
+    /// KV cache; the weights divide conversations, not requests. For canary rollouts of a new
+    /// model or adapter version, and A/B tests.
+    #[serde(default)]
+    pub splits: BTreeMap<String, Vec<SplitTarget>>,
 }
+
+/// One target of a traffic split.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SplitTarget {
+    /// A served name: a model, alias or adapter of some pool (not another split).
+    pub model: String,
+    /// Relative share of conversations; 0 drains the target (it gets nothing new).
+    pub weight: u32,
+}
+
+/// The largest weight of a split target (weights are shares; this leaves sums far from
+/// overflow).
+pub const MAX_SPLIT_WEIGHT: u32 = 1_000_000;
 
 /// One model deployment.
 #[derive(Debug, Clone, Deserialize)]
@@ -409,6 +431,7 @@ impl FilterConfig {
                 }
             }
         }
+        self.validate_splits(&names)?;
         for (i, p) in self.inference_paths.iter().enumerate() {
             if !p.starts_with('/') {
                 return Err(cfg_err(
@@ -519,6 +542,58 @@ impl FilterConfig {
         Ok(())
     }
 
+    /// Splits name new public models whose targets are served names (`served`: every model,
+    /// alias and adapter of the pools).
+    fn validate_splits(&self, served: &HashSet<&str>) -> Result<(), ConfigError> {
+        for (name, targets) in &self.splits {
+            let f = format!("splits.{name}");
+            if name.is_empty() {
+                return Err(cfg_err("splits", "empty split name"));
+            }
+            if served.contains(name.as_str()) {
+                return Err(cfg_err(
+                    f,
+                    format!(
+                        "{name:?} is already served by a pool (a split needs a name of its own)"
+                    ),
+                ));
+            }
+            if targets.is_empty() {
+                return Err(cfg_err(f, "needs at least one target"));
+            }
+            let mut seen = HashSet::new();
+            let mut total = 0u64;
+            for (i, t) in targets.iter().enumerate() {
+                let tf = format!("{f}[{i}]");
+                if !served.contains(t.model.as_str()) {
+                    let why = if self.splits.contains_key(&t.model) {
+                        format!("target {:?} is a split (splits do not nest)", t.model)
+                    } else {
+                        format!("target {:?} is not served by any pool", t.model)
+                    };
+                    return Err(cfg_err(format!("{tf}.model"), why));
+                }
+                if !seen.insert(t.model.as_str()) {
+                    return Err(cfg_err(
+                        format!("{tf}.model"),
+                        format!("target {:?} is listed twice", t.model),
+                    ));
+                }
+                if t.weight > MAX_SPLIT_WEIGHT {
+                    return Err(cfg_err(
+                        format!("{tf}.weight"),
+                        format!("at most {MAX_SPLIT_WEIGHT}"),
+                    ));
+                }
+                total += u64::from(t.weight);
+            }
+            if total == 0 {
+                return Err(cfg_err(f, "at least one weight must be positive"));
+            }
+        }
+        Ok(())
+    }
+
     /// Whether `path` (without query) is an inference path.
     pub fn is_inference_path(&self, path: &str) -> bool {
         self.inference_paths.iter().any(|p| p == path)
@@ -588,6 +663,42 @@ mod tests {
                 "prefix.block_chars",
             ),
             (r#"{"pools":[],"surprise":1}"#, "unknown field `surprise`"),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"m":[{"model":"m","weight":1}]}}"#,
+                "splits.m",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[]}}"#,
+                "splits.s",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"x","weight":1}]}}"#,
+                "splits.s[0].model",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m","weight":1}],"t":[{"model":"s","weight":1}]}}"#,
+                "splits do not nest",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m","weight":1},{"model":"m","weight":2}]}}"#,
+                "splits.s[1].model",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m","weight":0}]}}"#,
+                "at least one weight must be positive",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m","weight":1000001}]}}"#,
+                "splits.s[0].weight",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m","weight":-1}]}}"#,
+                "splits.s[0].weight",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m"}]}}"#,
+                "missing field `weight`",
+            ),
         ];
         for (json, needle) in cases {
             let err = FilterConfig::from_json(json.as_bytes())

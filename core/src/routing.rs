@@ -14,6 +14,7 @@ use crate::idmap::NameMap;
 use serde::Serialize;
 use std::borrow::Cow;
 use std::sync::Arc;
+use xxhash_rust::xxh64::xxh64;
 
 /// Where a model name leads.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -26,15 +27,82 @@ pub struct Target {
     pub base_model: String,
     /// Set for LoRA adapters.
     pub adapter: Option<String>,
-    /// The client used an alias: the body's `model` must be rewritten to `model`.
+    /// The client used an alias or a split: the body's `model` must be rewritten to `model`.
     pub rewrite: bool,
+    /// The name this target is served under (what a split's target names: a model, an alias or
+    /// an adapter).
+    pub requested: String,
 }
+
+/// A weighted traffic split (`splits` in the configuration): one public name, several targets.
+#[derive(Debug, Clone)]
+pub struct Split {
+    pub name: String,
+    /// Seeds the key hash, so two splits divide the same conversations independently.
+    seed: u64,
+    /// The targets (each rewrites the body's `model`), with the running sum of the weights up
+    /// to and including each.
+    targets: Vec<(Arc<Target>, u64)>,
+    total: u64,
+}
+
+impl Split {
+    /// The target for a request whose split key ([`Split::key`]) is `key`: target `i` takes the
+    /// keys in its weight's share of the 64-bit range, so the shares follow the weights and a
+    /// key always gets the same target while the weights stay the same.
+    pub fn pick(&self, key: u64) -> (usize, &Arc<Target>) {
+        // key * total / 2^64, in 0..total: no bias from a modulo.
+        let point = ((u128::from(key) * u128::from(self.total)) >> 64) as u64;
+        let i = self
+            .targets
+            .iter()
+            .position(|(_, upto)| point < *upto)
+            .unwrap_or(self.targets.len().saturating_sub(1));
+        (i, &self.targets[i].0)
+    }
+
+    /// The split key of a request whose identifying text is `text` (a conversation's leading
+    /// part, or the prompt): the same on every worker and gateway replica.
+    pub fn key(&self, text: &[u8]) -> u64 {
+        xxh64(text, self.seed)
+    }
+
+    /// The served name of target `i`, as configured.
+    pub fn target_name(&self, i: usize) -> &str {
+        self.targets
+            .get(i)
+            .map_or("", |(t, _)| t.requested.as_str())
+    }
+}
+
+/// What a model name resolves to.
+#[derive(Debug, Clone, Copy)]
+pub enum Resolved<'a> {
+    Target(&'a Arc<Target>),
+    /// A split: the request's key picks the target ([`Split::pick`]).
+    Split(&'a Arc<Split>),
+}
+
+/// The counter of requests for `split` that took `target`: `gpuroute.split.<split>.<target>`
+/// (both shells).
+pub fn split_stat(split: &str, target: &str) -> String {
+    format!(
+        "gpuroute.split.{}.{}",
+        crate::fleet::stat_segment(split),
+        crate::fleet::stat_segment(target)
+    )
+}
+
+/// Seed domain of split keys.
+const SPLIT_SEED: u64 = 0x7370_6c69_7473_6565;
 
 /// Every name the gateway serves.
 #[derive(Debug, Clone)]
 pub struct RoutingTable {
     /// Shared, so a request takes its target without copying its strings.
     by_name: NameMap<String, Arc<Target>>,
+    /// Split names, apart from `by_name`: a request for one needs its prompt to pick a target.
+    splits: NameMap<String, Arc<Split>>,
     pool_names: Vec<String>,
     default_target: Option<Arc<Target>>,
     models_json: String,
@@ -136,6 +204,7 @@ impl RoutingTable {
                         base_model: m.clone(),
                         adapter: None,
                         rewrite: false,
+                        requested: m.clone(),
                     }),
                 );
             }
@@ -148,6 +217,7 @@ impl RoutingTable {
                         base_model: target.clone(),
                         adapter: None,
                         rewrite: true,
+                        requested: alias.clone(),
                     }),
                 );
             }
@@ -160,6 +230,7 @@ impl RoutingTable {
                         base_model: base.clone(),
                         adapter: Some(a.clone()),
                         rewrite: false,
+                        requested: a.clone(),
                     }),
                 );
             }
@@ -176,6 +247,34 @@ impl RoutingTable {
             for a in &pool.adapters {
                 cards.push(card(a, base, Some(base)));
             }
+        }
+        let mut splits = NameMap::default();
+        for (name, targets) in &cfg.splits {
+            // A split is listed as a model of its first target's base (what vLLM's `root`
+            // means: the weights it runs on).
+            if let Some(first) = targets.first().and_then(|t| by_name.get(&t.model)) {
+                cards.push(card(name, first.base_model.as_str(), None));
+            }
+            let mut upto = 0u64;
+            let targets: Vec<(Arc<Target>, u64)> = targets
+                .iter()
+                .filter_map(|t| {
+                    let served = by_name.get(&t.model)?;
+                    upto += u64::from(t.weight);
+                    let rewritten = Target {
+                        rewrite: true,
+                        ..Target::clone(served)
+                    };
+                    Some((Arc::new(rewritten), upto))
+                })
+                .collect();
+            let split = Split {
+                name: name.clone(),
+                seed: xxh64(name.as_bytes(), SPLIT_SEED),
+                total: upto,
+                targets,
+            };
+            splits.insert(name.clone(), Arc::new(split));
         }
         let models_json = serde_json::to_string(&ModelList {
             object: "list",
@@ -197,13 +296,15 @@ impl RoutingTable {
             Some(Arc::new(Target {
                 pool: pi,
                 model: m.clone(),
-                base_model: m,
+                base_model: m.clone(),
                 adapter: None,
                 rewrite: false,
+                requested: m,
             }))
         });
         RoutingTable {
             by_name,
+            splits,
             pool_names: cfg.pools.iter().map(|p| p.name.clone()).collect(),
             default_target,
             models_json,
@@ -211,16 +312,21 @@ impl RoutingTable {
         }
     }
 
-    /// Resolves the body's `model` (None when absent) to its pool.
-    pub fn resolve(&self, model: Option<&str>) -> Result<&Arc<Target>, ApiError> {
+    /// Resolves the body's `model` (None when absent) to its pool, or to a split.
+    pub fn resolve(&self, model: Option<&str>) -> Result<Resolved<'_>, ApiError> {
         match model {
-            Some(m) => self
-                .by_name
-                .get(m)
-                .ok_or_else(|| ApiError::model_not_found(m)),
+            Some(m) => match self.by_name.get(m) {
+                Some(t) => Ok(Resolved::Target(t)),
+                None => self
+                    .splits
+                    .get(m)
+                    .map(Resolved::Split)
+                    .ok_or_else(|| ApiError::model_not_found(m)),
+            },
             None => self
                 .default_target
                 .as_ref()
+                .map(Resolved::Target)
                 .ok_or_else(ApiError::missing_model),
         }
     }
@@ -288,6 +394,116 @@ mod tests {
         RoutingTable::new(&FilterConfig::from_json(json.as_bytes()).unwrap())
     }
 
+    fn target<'a>(t: &'a RoutingTable, model: Option<&str>) -> &'a Arc<Target> {
+        match t.resolve(model).unwrap() {
+            Resolved::Target(t) => t,
+            Resolved::Split(s) => panic!("{model:?} is the split {:?}", s.name),
+        }
+    }
+
+    const SPLIT_CFG: &str = r#"{"pools":[
+        {"name":"llama","models":["llama-3-8b"],"adapters":["sql-v1","sql-v2"]},
+        {"name":"llama-next","models":["llama-3.1-8b"]}],
+        "splits":{"sql":[{"model":"sql-v1","weight":90},{"model":"sql-v2","weight":10}],
+                  "chat":[{"model":"llama-3-8b","weight":1},{"model":"llama-3.1-8b","weight":3},
+                          {"model":"sql-v2","weight":0}]}}"#;
+
+    fn split<'a>(t: &'a RoutingTable, name: &str) -> &'a Arc<Split> {
+        match t.resolve(Some(name)).unwrap() {
+            Resolved::Split(s) => s,
+            Resolved::Target(_) => panic!("{name} is not a split"),
+        }
+    }
+
+    #[test]
+    fn a_split_divides_keys_by_weight_and_rewrites_to_its_targets() {
+        let t = table(SPLIT_CFG);
+        let chat = split(&t, "chat");
+        let mut counts = [0usize; 3];
+        let n = 40_000;
+        for i in 0..n {
+            let key = chat.key(format!("conversation {i}").as_bytes());
+            let (ti, target) = chat.pick(key);
+            counts[ti] += 1;
+            assert!(target.rewrite);
+            // The same key always gets the same target.
+            assert_eq!(chat.pick(key).0, ti);
+        }
+        // Weights 1 : 3 : 0; a binomial share of 1/4 over 40,000 has a standard deviation of
+        // ~0.0022, so 0.24-0.26 is ~4.6 of them.
+        let share = counts[0] as f64 / n as f64;
+        assert!((0.24..0.26).contains(&share), "{counts:?}");
+        assert_eq!(counts[2], 0, "a weight of 0 drains its target");
+        let (_, first) = chat.pick(0);
+        assert_eq!((first.pool, first.model.as_str()), (0, "llama-3-8b"));
+        let (_, last) = chat.pick(u64::MAX);
+        assert_eq!((last.pool, last.model.as_str()), (1, "llama-3.1-8b"));
+        // Adapters keep their base model and pool.
+        let sql = split(&t, "sql");
+        let (i, v2) = sql.pick(u64::MAX);
+        assert_eq!(sql.target_name(i), "sql-v2");
+        assert_eq!(
+            (v2.adapter.as_deref(), v2.base_model.as_str(), v2.rewrite),
+            (Some("sql-v2"), "llama-3-8b", true)
+        );
+        // The served names themselves are not rewritten.
+        assert!(!target(&t, Some("sql-v2")).rewrite);
+        // Two splits divide the same texts independently (their own seeds).
+        assert_ne!(sql.key(b"same text"), chat.key(b"same text"));
+    }
+
+    #[test]
+    fn changing_two_weights_moves_only_the_share_that_changed_hands() {
+        let split_of = |a: u32, b: u32| {
+            let cfg = format!(
+                r#"{{"pools":[{{"name":"p","models":["v1","v2"]}}],
+                   "splits":{{"s":[{{"model":"v1","weight":{a}}},{{"model":"v2","weight":{b}}}]}}}}"#
+            );
+            let t = table(&cfg);
+            split(&t, "s").clone()
+        };
+        let (before, after) = (split_of(95, 5), split_of(90, 10));
+        let mut moved = 0;
+        for i in 0..20_000 {
+            let key = before.key(format!("c{i}").as_bytes());
+            let (was, now) = (before.pick(key).0, after.pick(key).0);
+            if was != now {
+                assert_eq!((was, now), (0, 1), "only v1 -> v2 moves");
+                moved += 1;
+            }
+        }
+        // A twentieth (1,000 expected; a standard deviation of ~31).
+        assert!((850..1150).contains(&moved), "{moved}");
+    }
+
+    #[test]
+    fn splits_are_listed_as_models_of_their_first_targets_base() {
+        let t = table(SPLIT_CFG);
+        let one: serde_json::Value = serde_json::from_str(t.model_json("sql").unwrap()).unwrap();
+        assert_eq!(
+            (&one["id"], &one["root"]),
+            (&serde_json::json!("sql"), &serde_json::json!("llama-3-8b"))
+        );
+        let v: serde_json::Value = serde_json::from_str(t.models_json()).unwrap();
+        let ids: Vec<_> = v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(
+            ids,
+            [
+                "llama-3-8b",
+                "sql-v1",
+                "sql-v2",
+                "llama-3.1-8b",
+                "chat",
+                "sql"
+            ]
+        );
+    }
+
     const CFG: &str = r#"{"pools":[
         {"name":"llama","models":["llama-3-8b"],"aliases":{"llama":"llama-3-8b"},"adapters":["sql-lora"]},
         {"name":"qwen","models":["qwen-7b","qwen-7b-instruct"]}],
@@ -296,18 +512,18 @@ mod tests {
     #[test]
     fn resolves_models_aliases_and_adapters() {
         let t = table(CFG);
-        let m = t.resolve(Some("llama-3-8b")).unwrap();
+        let m = target(&t, Some("llama-3-8b"));
         assert_eq!((m.pool, m.rewrite, m.adapter.as_deref()), (0, false, None));
-        let a = t.resolve(Some("llama")).unwrap();
+        let a = target(&t, Some("llama"));
         assert_eq!(
             (a.pool, a.model.as_str(), a.rewrite),
             (0, "llama-3-8b", true)
         );
-        let l = t.resolve(Some("sql-lora")).unwrap();
+        let l = target(&t, Some("sql-lora"));
         assert_eq!(l.pool, 0);
         assert_eq!(l.base_model, "llama-3-8b");
         assert_eq!(l.adapter.as_deref(), Some("sql-lora"));
-        assert_eq!(t.resolve(Some("qwen-7b-instruct")).unwrap().pool, 1);
+        assert_eq!(target(&t, Some("qwen-7b-instruct")).pool, 1);
         assert_eq!(t.pool_name(1), "qwen");
     }
 
@@ -315,7 +531,7 @@ mod tests {
     fn unknown_model_is_404_and_missing_model_uses_default_pool() {
         let t = table(CFG);
         assert_eq!(t.resolve(Some("gpt-4")).unwrap_err().status, 404);
-        assert_eq!(t.resolve(None).unwrap().pool, 1);
+        assert_eq!(target(&t, None).pool, 1);
         let no_default = table(r#"{"pools":[{"name":"p","models":["m"]}]}"#);
         let err = no_default.resolve(None).unwrap_err();
         assert_eq!((err.status, err.param.as_deref()), (400, Some("model")));

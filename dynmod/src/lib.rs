@@ -27,7 +27,7 @@ mod host;
 
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
 use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
@@ -38,7 +38,7 @@ use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix;
 use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::{ModelsQuery, RoutingTable};
+use gpuroute_core::routing::{split_stat, ModelsQuery, RoutingTable};
 use host::{ConfigStats, Definer, Scheduler, Stream};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -106,6 +106,8 @@ struct Metrics {
     /// Per pool, one id per entry of `OUTCOMES` (looked up by `&str`: no allocation per request).
     outcome: HashMap<String, Vec<Option<usize>>>,
     fail_open: HashMap<&'static str, Option<usize>>,
+    /// Per split, one id per target, in configuration order.
+    split: HashMap<String, Vec<Option<usize>>>,
     rejected: HashMap<&'static str, Option<usize>>,
     snapshot_rejected: HashMap<&'static str, Option<usize>>,
     prefix_rejected: HashMap<&'static str, Option<usize>>,
@@ -140,8 +142,20 @@ impl Metrics {
                 .map(|r| (*r, d.counter(&format!("{prefix}.{r}"), &[])))
                 .collect::<HashMap<_, _>>()
         };
+        let split = config
+            .splits
+            .iter()
+            .map(|(name, targets)| {
+                let ids = targets
+                    .iter()
+                    .map(|t| d.counter(&split_stat(name, &t.model), &[]))
+                    .collect();
+                (name.clone(), ids)
+            })
+            .collect();
         Metrics {
             outcome,
+            split,
             fail_open: named("gpuroute.fail_open", FAIL_OPEN),
             rejected: named("gpuroute.rejected", REJECTED),
             snapshot_rejected: named("gpuroute.snapshot.rejected", SNAPSHOT_REJECTED),
@@ -160,6 +174,12 @@ impl Metrics {
     fn outcome_id(&self, pool: &str, outcome: &'static str) -> Option<usize> {
         let i = OUTCOMES.iter().position(|o| *o == outcome)?;
         self.outcome.get(pool)?.get(i).copied().flatten()
+    }
+
+    /// The counter of the target a split request took.
+    fn split_id(&self, prep: &Prepared) -> Option<usize> {
+        let (split, i) = prep.split.as_ref()?;
+        self.split.get(&split.name)?.get(*i).copied().flatten()
     }
 
     fn rejected_id(&self, code: Option<&str>) -> Option<usize> {
@@ -717,6 +737,7 @@ impl Filter {
             let mut p = lock(&config.pending);
             p.count(outcome.and_then(|o| m.outcome_id(pool, o)));
             p.count(fail_open);
+            p.count(m.split_id(&prep));
             if let Some((key, addr)) = picked_at {
                 p.pick(pool, key, addr);
             }

@@ -900,6 +900,9 @@ impl Http {
             Ok(p) => p,
             Err(e) => return self.reject(w, &e),
         };
+        if let Some((split, target)) = prep.split_names() {
+            w.stats.split(split, target);
+        }
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
         let now = t0 / 1_000_000;

@@ -1,0 +1,132 @@
+"""Weighted traffic splits (`splits`), end to end in a real Envoy with the built filter: a public
+model name divided between versions in different pools, the body rewritten to the version each
+conversation took, every turn of a conversation on the same version, and a counter per target."""
+
+import json
+
+import pytest
+
+from harness import STAT_PREFIX, Envoy, snapshot
+from stubpod import StubPod
+
+CONFIG = {
+    "pools": [
+        {"name": "stable", "models": ["chat-v1"], "adapters": ["sql-v1", "sql-v2"]},
+        {"name": "canary", "models": ["chat-v2"]},
+    ],
+    "splits": {
+        "chat": [{"model": "chat-v1", "weight": 3}, {"model": "chat-v2", "weight": 1}],
+        # A drained version (weight 0) gets nothing new.
+        "sql": [{"model": "sql-v1", "weight": 1}, {"model": "sql-v2", "weight": 0}],
+    },
+}
+POD_POOL = {"stable-0": "stable", "stable-1": "stable", "canary-0": "canary"}
+POOL_MODEL = {"stable": "chat-v1", "canary": "chat-v2"}
+
+
+@pytest.fixture(scope="module")
+def pods():
+    ps = {name: StubPod(name) for name in POD_POOL}
+    yield ps
+    for p in ps.values():
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def envoy(pods):
+    pools = [
+        {"name": pool, "endpoints": [p.address for n, p in pods.items() if POD_POOL[n] == pool]}
+        for pool in ["stable", "canary"]
+    ]
+    e = Envoy("filter", pools, CONFIG)
+    snap = snapshot({pool["name"]: [{"address": a} for a in pool["endpoints"]] for pool in pools})
+    assert e.push(snap)[0] == 204
+    yield e
+    e.stop()
+
+
+def conversation(i, turns):
+    """Turn `turns` of conversation `i`: its messages so far."""
+    messages = [
+        {"role": "system", "content": "You answer in one sentence."},
+        {"role": "user", "content": f"Question number {i}: what is {i} squared?"},
+    ]
+    for t in range(1, turns):
+        messages += [
+            {"role": "assistant", "content": f"It is {i * i}. (turn {t})"},
+            {"role": "user", "content": f"And plus {t}?"},
+        ]
+    return messages
+
+
+def send(envoy, model, messages, path="/v1/chat/completions", extra=None):
+    """(pod name, what the pod received) for one request; asserts it was served."""
+    body = {"model": model, "messages": messages, **(extra or {})}
+    s, h, echo, raw = envoy.request("POST", path, body)
+    assert s == 200, (s, raw[:300])
+    return h["x-served-by"], echo
+
+
+def counter(envoy, split, target):
+    return envoy.stat(f"{STAT_PREFIX}gpuroute.split.{split}.{target}")
+
+
+def test_a_split_divides_conversations_by_weight_and_rewrites_the_model(envoy, pods):
+    before = {t: counter(envoy, "chat", t) for t in ("chat-v1", "chat-v2")}
+    took = {}
+    n = 160
+    for i in range(n):
+        pod, echo = send(envoy, "chat", conversation(i, 1))
+        sent = json.loads(echo["body"])
+        pool = POD_POOL[pod]
+        # The pod got the version of its own pool, in a body whose length matches its header;
+        # Envoy's route followed the version (model header), and nothing else changed.
+        assert sent["model"] == POOL_MODEL[pool]
+        assert echo["headers"]["x-gateway-model-name"] == sent["model"]
+        assert int(echo["headers"]["content-length"]) == len(echo["body"].encode())
+        assert sent["messages"] == conversation(i, 1)
+        took[i] = sent["model"]
+    v2 = sum(1 for m in took.values() if m == "chat-v2")
+    # Weights 3 : 1 over 160 conversations: 40 expected on chat-v2, a standard deviation of
+    # ~5.5; both a split sending everything one way and one ignoring the weights fail this.
+    assert 20 <= v2 <= 60, took
+    # One counter per target, counting exactly what the pods saw.
+    after = {t: counter(envoy, "chat", t) for t in ("chat-v1", "chat-v2")}
+    assert (after["chat-v1"] - before["chat-v1"], after["chat-v2"] - before["chat-v2"]) == (n - v2, v2)
+
+    # Every later turn of a conversation stays on its version (and so on its KV cache), on
+    # the Messages API too.
+    for i in range(0, n, 4):
+        for turns in (2, 4):
+            pod, _ = send(envoy, "chat", conversation(i, turns))
+            assert POOL_MODEL[POD_POOL[pod]] == took[i], (i, turns)
+        system, *rest = conversation(i, 3)
+        pod, echo = send(envoy, "chat", rest, path="/v1/messages",
+                         extra={"system": system["content"], "max_tokens": 16})
+        assert json.loads(echo["body"])["model"] == took[i]
+
+
+def test_a_drained_target_gets_nothing_and_adapters_keep_their_base(envoy, pods):
+    for i in range(20):
+        pod, echo = send(envoy, "sql", conversation(i, 1))
+        assert POD_POOL[pod] == "stable"
+        assert json.loads(echo["body"])["model"] == "sql-v1"
+        assert echo["headers"]["x-gateway-model-name"] == "sql-v1"
+        assert echo["headers"]["x-gateway-base-model-name"] == "chat-v1"
+    assert counter(envoy, "sql", "sql-v2") == 0
+    assert counter(envoy, "sql", "sql-v1") >= 20
+
+
+def test_served_names_bypass_the_split_and_the_list_names_it(envoy, pods):
+    # A client may still ask for a version by its own name: no rewrite, no split counter.
+    before = counter(envoy, "chat", "chat-v2")
+    pod, echo = send(envoy, "chat-v2", conversation(1, 1))
+    assert POD_POOL[pod] == "canary" and json.loads(echo["body"])["model"] == "chat-v2"
+    assert counter(envoy, "chat", "chat-v2") == before
+    s, _, models, _ = envoy.request("GET", "/v1/models")
+    assert s == 200
+    ids = {m["id"]: m for m in models["data"]}
+    assert {"chat", "sql", "chat-v1", "chat-v2", "sql-v1", "sql-v2"} == set(ids)
+    assert ids["chat"]["root"] == "chat-v1"
+    s, _, one, _ = envoy.request("GET", "/v1/models/sql")
+    assert (s, one["id"], one["root"]) == (200, "sql", "chat-v1")
