@@ -489,7 +489,7 @@ def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_
         raise CheckError(f"ingest.max_snapshot_bytes {max_snapshot} is over the listener's buffer limit {buffer_limit}")
     # Envoy's own 413, 503 and 504 in the API's shape, exactly as the local configuration has
     # them (render.py), the 413 naming this max_body_bytes.
-    if local_replies != render.local_reply_config(max_body, ingest.get("path", INGEST_PATH)):
+    if local_replies != render.local_reply_config(max_body, ingest):
         raise CheckError("the HTTP connection manager's local_reply_config differs from render.py's local_reply_config "
                          f"for max_body_bytes {max_body}: regenerate it from there")
 
@@ -1105,13 +1105,16 @@ def smoke_fragment(envoy, name, frag):
         status, _ = http(addr, "POST", ingest.get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
         if status not in (401, 403):
             raise CheckError(f"snapshot push with a wrong token: {status}, want 401/403 from the filter")
-        # A snapshot declared over the ingest limit: the filter's own 413 (snapshot_too_large),
-        # which the traffic listener's 413 mappers must leave alone.
-        status, body = declared_oversize(addr, ingest.get("path", INGEST_PATH), ingest.get("token", ""),
-                                         ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT) + 1)
-        code = ((body or {}).get("error") or {}).get("code")
-        if (status, code) != (413, "snapshot_too_large"):
-            raise CheckError(f"an oversize snapshot push: {status} {body}, want the filter's 413 snapshot_too_large")
+        # A snapshot, and prefix records, declared over the ingest limit: the filter's own 413s
+        # (snapshot_too_large, prefix_records_too_large), which the traffic listener's 413
+        # mappers must leave alone.
+        paths = render.ingest_paths(ingest)
+        for path, want in zip(paths, ["snapshot_too_large", "prefix_records_too_large"]):
+            status, body = declared_oversize(addr, path, ingest.get("token", ""),
+                                             ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT) + 1)
+            code = ((body or {}).get("error") or {}).get("code")
+            if (status, code) != (413, want):
+                raise CheckError(f"an oversize POST to {path}: {status} {body}, want the filter's 413 {want}")
         if e.proc.poll() is not None:
             raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
     return (f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms "

@@ -132,9 +132,18 @@ def body_too_large_message(max_body):
 
 
 DEFAULT_INGEST_PATH = "/gpuroute/v1/snapshot"  # core/src/config.rs, `default_ingest_path`
+DEFAULT_PREFIX_PATH = "/gpuroute/v1/prefix"  # core/src/config.rs, `default_prefix_path`
 
 
-def local_reply_config(max_body, ingest_path=DEFAULT_INGEST_PATH):
+def ingest_paths(ingest):
+    """The paths of the filter's ingest endpoints for its `ingest` configuration (a dict, or
+    None): the snapshot path and, unless turned off (""), the prefix-record exchange's."""
+    ingest = ingest or {}
+    paths = [ingest.get("path", DEFAULT_INGEST_PATH), ingest.get("prefix_path", DEFAULT_PREFIX_PATH)]
+    return [p for p in paths if p]
+
+
+def local_reply_config(max_body, ingest=None):
     """Envoy's own error answers in the API's shape, so an SDK reads them like the filter's.
 
     - 413: Envoy answers an oversize body itself when one read from the socket takes its buffer
@@ -147,9 +156,10 @@ def local_reply_config(max_body, ingest_path=DEFAULT_INGEST_PATH):
 
     A mapper's filter reads the request's `:path` for the API (Anthropic's shape on the
     Messages API's paths). The filter's own answers carry no response flag and, for 413, the
-    same body: no mapper changes them. The 413 mappers leave the snapshot ingest path alone
-    (`ingest_path`, served on the traffic listener where the aggregator pushes to it there, as
-    under Istio and Envoy Gateway): the filter's 413 there is `snapshot_too_large`.
+    same body: no mapper changes them. The 413 mappers leave the ingest endpoints alone (the
+    snapshot path and the prefix-record exchange's, `ingest_paths(ingest)`, served on the
+    traffic listener where the aggregator talks to them there, as under Istio and Envoy
+    Gateway): the filter's 413 there is `snapshot_too_large` or `prefix_records_too_large`.
     """
     messages = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": MESSAGES_PATH_REGEX}}}}}
 
@@ -162,7 +172,8 @@ def local_reply_config(max_body, ingest_path=DEFAULT_INGEST_PATH):
     def both(a, b):
         return {"and_filter": {"filters": [a, b]}}
 
-    not_ingest = {"header_filter": {"header": {"name": ":path", "string_match": {"prefix": ingest_path}, "invert_match": True}}}
+    not_ingest = [{"header_filter": {"header": {"name": ":path", "string_match": {"prefix": p}, "invert_match": True}}}
+                  for p in ingest_paths(ingest)]
 
     def fixed(body):
         return {
@@ -180,7 +191,7 @@ def local_reply_config(max_body, ingest_path=DEFAULT_INGEST_PATH):
     return {
         "mappers": [
             dict({"filter": both(status(413), messages)}, **fixed({"type": "error", "error": {"type": "request_too_large", "message": too_large}})),
-            dict({"filter": both(status(413), not_ingest)}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
+            dict({"filter": {"and_filter": {"filters": [status(413), *not_ingest]}}}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
             dict({"filter": both(flags(TIMEOUT_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "api_error", "message": timeout}})),
             dict({"filter": flags(TIMEOUT_FLAGS)}, **formatted({"error": {"message": timeout, "type": "timeout_error", "param": None, "code": "upstream_timeout"}})),
             dict({"filter": both(flags(UNAVAILABLE_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "overloaded_error", "message": unavailable}})),
@@ -367,7 +378,7 @@ def render(desc):
             # The filter buffers bodies up to max_body_bytes; Envoy's own limit sits above it so
             # the filter, not Envoy, answers an oversize body (with an OpenAI-style 413).
             "per_connection_buffer_limit_bytes": max_body + BODY_HEADROOM,
-            "filter_chains": [{"filters": [hcm("openai", routes, http_filters, local_reply_config(max_body, (ingest_part or {}).get("path", DEFAULT_INGEST_PATH)) if filter_on else None)]}],
+            "filter_chains": [{"filters": [hcm("openai", routes, http_filters, local_reply_config(max_body, ingest_part) if filter_on else None)]}],
         }
     ]
     if mode.startswith("filter") and desc.get("ingest"):

@@ -207,7 +207,12 @@ impl ApiError {
 
     /// 413 for a snapshot over the ingest limit.
     pub fn snapshot_too_large(message: impl Into<String>) -> ApiError {
-        ApiError::new(413, "invalid_request_error", message).code("snapshot_too_large")
+        ApiError::ingest_too_large("snapshot_too_large", message)
+    }
+
+    /// 413 for a body over an ingest endpoint's limit, with the endpoint's code.
+    pub fn ingest_too_large(code: &str, message: impl Into<String>) -> ApiError {
+        ApiError::new(413, "invalid_request_error", message).code(code)
     }
 
     /// 405 on the ingest path for anything but POST.

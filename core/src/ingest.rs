@@ -80,6 +80,22 @@ impl Endpoint {
         }
     }
 
+    /// What it takes, as its refusals name it.
+    fn what(self) -> &'static str {
+        match self {
+            Endpoint::Snapshot => "snapshots",
+            Endpoint::Prefix => "prefix records",
+        }
+    }
+
+    /// The error code of a body over the size limit.
+    fn too_large_code(self) -> &'static str {
+        match self {
+            Endpoint::Snapshot => "snapshot_too_large",
+            Endpoint::Prefix => "prefix_records_too_large",
+        }
+    }
+
     /// Its segment in the refusal stat: `gpuroute.<stat>.rejected.<reason>`.
     pub fn stat(self) -> &'static str {
         match self {
@@ -106,25 +122,26 @@ pub fn check_request(
     if cfg.loopback_only && !peer_is_loopback() {
         let mut e = ApiError::unauthorized();
         e.status = 403;
-        e.message = "snapshots are accepted from loopback peers only".into();
+        e.message = format!("{} are accepted from loopback peers only", endpoint.what());
         return Err(("forbidden", e));
     }
     if !authorized(authorization, &cfg.token) {
         return Err(("unauthorized", ApiError::unauthorized()));
     }
-    check_size(cfg, content_length.unwrap_or(0))
+    check_size(cfg, endpoint, content_length.unwrap_or(0))
 }
 
-/// Checks the bytes of a snapshot received (or declared) so far against the limit.
-pub fn check_size(cfg: &IngestConfig, bytes: usize) -> Result<(), Refusal> {
+/// Checks the bytes of a body received (or declared) so far against the limit
+/// (`max_snapshot_bytes`, for both endpoints).
+pub fn check_size(cfg: &IngestConfig, endpoint: Endpoint, bytes: usize) -> Result<(), Refusal> {
     if bytes > cfg.max_snapshot_bytes {
-        return Err((
-            "too_large",
-            ApiError::snapshot_too_large(format!(
-                "snapshot exceeds the limit of {} bytes",
-                cfg.max_snapshot_bytes
-            )),
-        ));
+        let message = format!(
+            "{} exceed the limit of {} bytes",
+            endpoint.what(),
+            cfg.max_snapshot_bytes
+        );
+        let e = ApiError::ingest_too_large(endpoint.too_large_code(), message);
+        return Err(("too_large", e));
     }
     Ok(())
 }
@@ -427,5 +444,24 @@ mod tests {
             )),
             Some(("too_large", 413))
         );
+        // Each endpoint's refusals name what it takes.
+        for (ep, what, code) in [
+            (Endpoint::Snapshot, "snapshots", "snapshot_too_large"),
+            (
+                Endpoint::Prefix,
+                "prefix records",
+                "prefix_records_too_large",
+            ),
+        ] {
+            let Err((_, e)) = check_request(&cfg, ep, "POST", || false, auth, None) else {
+                panic!("{ep:?}: a non-loopback peer is refused");
+            };
+            assert!(e.message.starts_with(what), "{ep:?}: {}", e.message);
+            let Err((_, e)) = check_size(&cfg, ep, 101) else {
+                panic!("{ep:?}: 101 bytes is over 100");
+            };
+            assert_eq!(e.code.as_deref(), Some(code));
+            assert!(e.message.starts_with(what), "{ep:?}: {}", e.message);
+        }
     }
 }

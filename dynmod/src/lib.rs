@@ -497,7 +497,7 @@ impl Filter {
                     .settings
                     .ingest
                     .as_ref()
-                    .map(|i| ingest::check_size(i, s.request_body_len()));
+                    .map(|i| ingest::check_size(i, ep, s.request_body_len()));
                 if let Some(Err((reason, e))) = checked {
                     config.count(config.metrics.ingest_rejected_id(ep, reason));
                     self.reply_error(s, &e);

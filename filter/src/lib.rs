@@ -1104,7 +1104,7 @@ impl Http {
                     .config
                     .ingest
                     .as_ref()
-                    .map(|i| ingest::check_size(i, body_size));
+                    .map(|i| ingest::check_size(i, endpoint, body_size));
                 if let Some(Err((reason, e))) = checked {
                     w.stats
                         .inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));

@@ -156,7 +156,7 @@ def test_the_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
             sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nauthorization: Bearer %s\r\n"
                          b"content-length: %d\r\n\r\n" % (PREFIX.encode(), TOKEN.encode(), 9 * 1024 * 1024))
             answer = sock.recv(65536)
-        assert answer.startswith(b"HTTP/1.1 413") and b"snapshot_too_large" in answer, answer[:300]
+        assert answer.startswith(b"HTTP/1.1 413") and b"prefix_records_too_large" in answer, answer[:300]
         # An empty batch is fine; a cursor that is garbage asks for everything.
         assert give(gw, b"GPX1")[0] == 204
         assert ask(gw, "x:y,,1")[0] == 200
