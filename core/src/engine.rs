@@ -31,6 +31,26 @@ pub const SYNC_RING: usize = 512;
 /// Seed domain of adapter keys in the index.
 const ADAPTER_DOMAIN: u64 = 0x6c6f_7261_6164_6170;
 
+/// The target a request to a split took.
+#[derive(Debug, Clone)]
+pub struct SplitTaken {
+    pub split: Arc<Split>,
+    /// Index of the target in the split.
+    pub target: usize,
+    /// Moved off the target its key names, whose pool could not serve.
+    pub rerouted: bool,
+}
+
+impl SplitTaken {
+    /// The split's name and the served name of the target taken.
+    pub fn names(&self) -> (&str, &str) {
+        (
+            self.split.name.as_str(),
+            self.split.target_name(self.target),
+        )
+    }
+}
+
 /// A request after step 1.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -44,8 +64,8 @@ pub struct Prepared {
     pub model_only: bool,
     /// The body with the alias replaced by the real model name, when an alias was used.
     pub rewritten_body: Option<Vec<u8>>,
-    /// For a request to a split: the split and the index of the target it took.
-    pub split: Option<(Arc<Split>, usize)>,
+    /// For a request to a split: which target it took.
+    pub split: Option<SplitTaken>,
     anchors: Vec<Anchor>,
     prefix_blocks: u32,
     home_key: Option<u64>,
@@ -61,13 +81,6 @@ pub struct Prepared {
 }
 
 impl Prepared {
-    /// For a request to a split, the stat segments naming it: the split and the target taken.
-    pub fn split_names(&self) -> Option<(&str, &str)> {
-        self.split
-            .as_ref()
-            .map(|(s, i)| (s.name.as_str(), s.target_name(*i)))
-    }
-
     /// The headers that steer Envoy's route to the pool (name, value), in the order the shells
     /// add them: pool and model, and for an adapter its base model and the adapter.
     pub fn routing_headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
@@ -169,8 +182,22 @@ impl Engine {
         }
     }
 
-    /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send.
+    /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send. Without the
+    /// fleet, a split's targets all count as serving ([`Engine::prepare_in`]).
     pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
+        self.prepare_in(path, body, None, 0)
+    }
+
+    /// [`Engine::prepare`] with the worker's snapshot (`fleet`, None before the first one) and
+    /// Envoy's clock (`now_ms`), so a split passes over a target whose pool has no healthy pod
+    /// with fresh metrics.
+    pub fn prepare_in(
+        &mut self,
+        path: &str,
+        body: &[u8],
+        fleet: Option<&FleetState>,
+        now_ms: u64,
+    ) -> Result<Prepared, ApiError> {
         // A UTF-8 byte-order mark before the JSON, as some Windows tools write files: vLLM and
         // SGLang accept it (Python's json.loads on bytes does), so the gateway does too. A
         // rewritten body leaves it out.
@@ -201,8 +228,22 @@ impl Engine {
                     .conversation_len
                     .and_then(|n| text.get(..n))
                     .unwrap_or(text);
-                let (i, t) = s.pick(s.key(text));
-                (t.clone(), Some((s.clone(), i)))
+                // A target whose pool the snapshot shows unable to serve is passed over; with
+                // no snapshot, or a pool it does not list, nothing is known against it.
+                let stale_after_ms = self.config.scoring.stale_after_ms;
+                let routes = &self.routes;
+                let serving = |t: &Target| {
+                    fleet
+                        .and_then(|f| Some((f.pool(routes.pool_name(t.pool))?, f.age_ms(now_ms))))
+                        .is_none_or(|(p, age)| p.serving(age, stale_after_ms))
+                };
+                let (target, t, rerouted) = s.pick_serving(s.key(text), serving);
+                let taken = SplitTaken {
+                    split: s.clone(),
+                    target,
+                    rerouted,
+                };
+                (t.clone(), Some(taken))
             }
         };
         let rewritten_body = match (&req.model_span, target.rewrite) {
@@ -589,7 +630,10 @@ mod tests {
             let first = e.prepare("/v1/chat/completions", &turns(i, 1)).unwrap();
             let (pool, model) = (first.pool.clone(), first.target.model.clone());
             by_target[usize::from(pool == "new")] += 1;
-            assert_eq!(Some(("m", model.as_str())), first.split_names());
+            assert_eq!(
+                Some(("m", model.as_str())),
+                first.split.as_ref().map(SplitTaken::names)
+            );
             let sent: serde_json::Value =
                 serde_json::from_slice(first.rewritten_body.as_ref().unwrap()).unwrap();
             assert_eq!(sent["model"], model.as_str());
@@ -626,6 +670,71 @@ mod tests {
             .prepare("/v1/completions", &completion("the same prompt"))
             .unwrap();
         assert_eq!(a.target.model, b.target.model);
+    }
+
+    #[test]
+    fn a_split_passes_over_a_pool_the_snapshot_shows_unable_to_serve() {
+        let cfg = r#"{"pools":[{"name":"old","models":["m-v1"]},{"name":"new","models":["m-v2"]}],
+            "splits":{"m":[{"model":"m-v1","weight":1},{"model":"m-v2","weight":1}]}}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        let fleet_with = |new_healthy: bool, scraped_at: u64| {
+            let pod = |addr: &str, healthy: bool| {
+                let mut p = PodSnapshot::new(addr, scraped_at);
+                p.healthy = healthy;
+                p
+            };
+            let pool = |name: &str, pods| PoolSnapshot {
+                name: name.into(),
+                pods,
+            };
+            let snap = Snapshot {
+                schema: SNAPSHOT_SCHEMA,
+                version: 1,
+                source: "test".into(),
+                generated_at_ms: scraped_at,
+                pools: vec![
+                    pool("old", vec![pod("10.0.0.1:8000", true)]),
+                    pool(
+                        "new",
+                        vec![
+                            pod("10.0.1.1:8000", new_healthy),
+                            pod("10.0.1.2:8000", false),
+                        ],
+                    ),
+                ],
+            };
+            FleetState::new(snap, scraped_at)
+        };
+        let (down, up) = (fleet_with(false, 1_000), fleet_with(true, 1_000));
+        let mut on_new = 0;
+        for i in 0..100 {
+            let body = chat("m", &format!("conversation {i}"));
+            let own = e.prepare("/v1/chat/completions", &body).unwrap();
+            let healthy = e
+                .prepare_in("/v1/chat/completions", &body, Some(&up), 1_100)
+                .unwrap();
+            assert_eq!(healthy.pool, own.pool);
+            let p = e
+                .prepare_in("/v1/chat/completions", &body, Some(&down), 1_100)
+                .unwrap();
+            let taken = p.split.as_ref().unwrap();
+            assert_eq!(p.pool, "old");
+            assert_eq!(taken.rerouted, own.pool == "new");
+            let sent: serde_json::Value =
+                serde_json::from_slice(p.rewritten_body.as_ref().unwrap()).unwrap();
+            assert_eq!(sent["model"], "m-v1");
+            // Metrics past stale_after_ms say nothing either way: every pool is equally unknown,
+            // and the key keeps its own target.
+            let stale = e
+                .prepare_in("/v1/chat/completions", &body, Some(&down), 1_000 + 5_000)
+                .unwrap();
+            assert_eq!(stale.pool, own.pool);
+            on_new += usize::from(own.pool == "new");
+        }
+        assert!(
+            on_new > 20,
+            "{on_new} of 100 conversations hash to the new pool"
+        );
     }
 
     #[test]

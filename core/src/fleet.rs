@@ -83,6 +83,18 @@ pub struct PoolState {
     pub keys: Vec<u64>,
 }
 
+impl PoolState {
+    /// Whether any pod could take a request: healthy, with metrics no older than
+    /// `stale_after_ms` (`snapshot_age_ms` after the snapshot was accepted). The picker's
+    /// candidate rule, before ramp-up and saturation.
+    pub fn serving(&self, snapshot_age_ms: u64, stale_after_ms: u64) -> bool {
+        self.pods.iter().any(|p| {
+            p.snap.healthy
+                && snapshot_age_ms.saturating_add(p.age_at_generation_ms) <= stale_after_ms
+        })
+    }
+}
+
 /// A whole decoded snapshot.
 #[derive(Debug, Clone)]
 pub struct FleetState {

@@ -11,6 +11,7 @@
 use crate::config::FilterConfig;
 use crate::error::{ApiError, ErrorStyle};
 use crate::idmap::NameMap;
+use crate::rng::mix64;
 use serde::Serialize;
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -61,6 +62,43 @@ impl Split {
         (i, &self.targets[i].0)
     }
 
+    /// [`Split::pick`], unless its target cannot serve (`serving` says no: its pool has no
+    /// healthy pod with fresh metrics) while another target with a weight can: then the key
+    /// goes to one of those, in proportion to their weights. A key whose own target serves
+    /// keeps it, so only the conversations of the target that is down move, and they come
+    /// back when it serves again. The flag says the key was moved.
+    pub fn pick_serving(
+        &self,
+        key: u64,
+        serving: impl Fn(&Target) -> bool,
+    ) -> (usize, &Arc<Target>, bool) {
+        let (i, first) = self.pick(key);
+        if serving(first) {
+            return (i, first, false);
+        }
+        let mut up = Vec::with_capacity(self.targets.len());
+        let mut total = 0u64;
+        let mut below = 0u64;
+        for (j, (t, upto)) in self.targets.iter().enumerate() {
+            let weight = upto - below;
+            below = *upto;
+            if j != i && weight > 0 && serving(t) {
+                total += weight;
+                up.push((j, total));
+            }
+        }
+        if total == 0 {
+            return (i, first, false);
+        }
+        // A second, independent point for the key, over the serving targets' weights only.
+        let point = ((u128::from(mix64(key)) * u128::from(total)) >> 64) as u64;
+        let j = up
+            .iter()
+            .find(|(_, upto)| point < *upto)
+            .map_or(i, |(j, _)| *j);
+        (j, &self.targets[j].0, j != i)
+    }
+
     /// The split key of a request whose identifying text is `text` (a conversation's leading
     /// part, or the prompt): the same on every worker and gateway replica.
     pub fn key(&self, text: &[u8]) -> u64 {
@@ -83,13 +121,22 @@ pub enum Resolved<'a> {
     Split(&'a Arc<Split>),
 }
 
-/// The counter of requests for `split` that took `target`: `gpuroute.split.<split>.<target>`
-/// (both shells).
+/// The counter of requests for `split` that took `target`:
+/// `gpuroute.split.<split>.to.<target>` (both shells).
 pub fn split_stat(split: &str, target: &str) -> String {
     format!(
-        "gpuroute.split.{}.{}",
+        "gpuroute.split.{}.to.{}",
         crate::fleet::stat_segment(split),
         crate::fleet::stat_segment(target)
+    )
+}
+
+/// The counter of requests for `split` moved off a target that could not serve them:
+/// `gpuroute.split.<split>.rerouted` (both shells).
+pub fn split_rerouted_stat(split: &str) -> String {
+    format!(
+        "gpuroute.split.{}.rerouted",
+        crate::fleet::stat_segment(split)
     )
 }
 
@@ -474,6 +521,41 @@ mod tests {
         }
         // A twentieth (1,000 expected; a standard deviation of ~31).
         assert!((850..1150).contains(&moved), "{moved}");
+    }
+
+    #[test]
+    fn a_target_that_cannot_serve_passes_its_keys_to_the_others_by_weight() {
+        let t = table(
+            r#"{"pools":[{"name":"p","models":["a","b","c","d"]}],
+                "splits":{"s":[{"model":"a","weight":1},{"model":"b","weight":2},
+                               {"model":"c","weight":1},{"model":"d","weight":0}]}}"#,
+        );
+        let s = split(&t, "s");
+        let n = 20_000;
+        let mut moved_to = [0usize; 4];
+        for i in 0..n {
+            let key = s.key(format!("c{i}").as_bytes());
+            let (own, _) = s.pick(key);
+            // Everything serving: the plain pick, nothing moved.
+            let (j, _, rerouted) = s.pick_serving(key, |_| true);
+            assert_eq!((j, rerouted), (own, false));
+            // b is down: its keys move to a or c (never to d, weight 0); the others stay.
+            let (j, target, rerouted) = s.pick_serving(key, |t| t.model != "b");
+            if own == 1 {
+                assert!(rerouted && target.model != "b" && j != 3, "{j}");
+                moved_to[j] += 1;
+            } else {
+                assert_eq!((j, rerouted), (own, false));
+            }
+            // Nothing else serves either: the key keeps its own target (fail open there).
+            let (j, _, rerouted) = s.pick_serving(key, |_| false);
+            assert_eq!((j, rerouted), (own, false));
+        }
+        // b held half the keys; a and c (weights 1 : 1) take about half of them each.
+        let moved = moved_to[0] + moved_to[2];
+        assert!((9_500..10_500).contains(&moved), "{moved_to:?}");
+        let share = moved_to[0] as f64 / moved as f64;
+        assert!((0.46..0.54).contains(&share), "{moved_to:?}");
     }
 
     #[test]

@@ -38,7 +38,7 @@ use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix;
 use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::{split_stat, ModelsQuery, RoutingTable};
+use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery, RoutingTable};
 use host::{ConfigStats, Definer, Scheduler, Stream};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -106,8 +106,8 @@ struct Metrics {
     /// Per pool, one id per entry of `OUTCOMES` (looked up by `&str`: no allocation per request).
     outcome: HashMap<String, Vec<Option<usize>>>,
     fail_open: HashMap<&'static str, Option<usize>>,
-    /// Per split, one id per target, in configuration order.
-    split: HashMap<String, Vec<Option<usize>>>,
+    /// Per split, one id per target, in configuration order, and the `rerouted` counter's.
+    split: HashMap<String, (Vec<Option<usize>>, Option<usize>)>,
     rejected: HashMap<&'static str, Option<usize>>,
     snapshot_rejected: HashMap<&'static str, Option<usize>>,
     prefix_rejected: HashMap<&'static str, Option<usize>>,
@@ -150,7 +150,8 @@ impl Metrics {
                     .iter()
                     .map(|t| d.counter(&split_stat(name, &t.model), &[]))
                     .collect();
-                (name.clone(), ids)
+                let rerouted = d.counter(&split_rerouted_stat(name), &[]);
+                (name.clone(), (ids, rerouted))
             })
             .collect();
         Metrics {
@@ -176,10 +177,16 @@ impl Metrics {
         self.outcome.get(pool)?.get(i).copied().flatten()
     }
 
-    /// The counter of the target a split request took.
-    fn split_id(&self, prep: &Prepared) -> Option<usize> {
-        let (split, i) = prep.split.as_ref()?;
-        self.split.get(&split.name)?.get(*i).copied().flatten()
+    /// The counters of a split request: of the target it took, and `rerouted` if it was.
+    fn split_ids(&self, prep: &Prepared) -> [Option<usize>; 2] {
+        let Some(taken) = prep.split.as_ref() else {
+            return [None, None];
+        };
+        let Some((targets, rerouted)) = self.split.get(&taken.split.name) else {
+            return [None, None];
+        };
+        let target = targets.get(taken.target).copied().flatten();
+        [target, rerouted.filter(|_| taken.rerouted)]
     }
 
     fn rejected_id(&self, code: Option<&str>) -> Option<usize> {
@@ -637,7 +644,10 @@ impl Filter {
 
         let mut guard = lock(&config.router);
         let r = &mut *guard;
-        let prepared = s.with_request_body(|body| r.engine.prepare(&self.head.path, body));
+        let prepared = s.with_request_body(|body| {
+            r.engine
+                .prepare_in(&self.head.path, body, fleet.as_deref(), now)
+        });
         let prep = match prepared {
             Ok(p) => p,
             Err(e) => {
@@ -737,7 +747,9 @@ impl Filter {
             let mut p = lock(&config.pending);
             p.count(outcome.and_then(|o| m.outcome_id(pool, o)));
             p.count(fail_open);
-            p.count(m.split_id(&prep));
+            for id in m.split_ids(&prep) {
+                p.count(id);
+            }
             if let Some((key, addr)) = picked_at {
                 p.pick(pool, key, addr);
             }

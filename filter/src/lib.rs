@@ -896,16 +896,20 @@ impl Http {
             w.wake(t0);
         }
         w.refresh_shared_throttled(t0);
-        let prep = match w.engine.prepare(&self.path, &body) {
+        let now = t0 / 1_000_000;
+        let prep = match w
+            .engine
+            .prepare_in(&self.path, &body, w.fleet.as_ref(), now)
+        {
             Ok(p) => p,
             Err(e) => return self.reject(w, &e),
         };
-        if let Some((split, target)) = prep.split_names() {
-            w.stats.split(split, target);
+        if let Some(taken) = &prep.split {
+            let (split, target) = taken.names();
+            w.stats.split(split, target, taken.rerouted);
         }
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
-        let now = t0 / 1_000_000;
 
         // The pool's in-flight requests: this worker's and the others', aligned with the
         // snapshot.

@@ -6,7 +6,8 @@
 //! - `gpuroute.fail_open.<no_snapshot|unknown_pool|no_fresh_pod>` (counters)
 //! - `gpuroute.rejected.<code>` (counters: invalid_json, invalid_type, model_not_found,
 //!   missing_required_parameter, request_too_large, unsupported_content_encoding)
-//! - `gpuroute.split.<split>.<target>` (counters: requests for a split, by the target they took)
+//! - `gpuroute.split.<split>.to.<target>` (counters: requests for a split, by the target they
+//!   took), `gpuroute.split.<split>.rerouted` (counter: moved off a target that could not serve)
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
@@ -24,7 +25,7 @@ use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::fleet::stat_segment as sanitize;
 use gpuroute_core::idmap::{IdMap, NameMap};
-use gpuroute_core::routing::split_stat;
+use gpuroute_core::routing::{split_rerouted_stat, split_stat};
 
 /// Metric ids, defined lazily and cached per worker.
 #[derive(Default)]
@@ -76,9 +77,13 @@ impl Stats {
         }
     }
 
-    /// A request for a split took `target` (the served name).
-    pub fn split(&mut self, split: &str, target: &str) {
+    /// A request for a split took `target` (the served name); `rerouted`: off a target that
+    /// could not serve.
+    pub fn split(&mut self, split: &str, target: &str, rerouted: bool) {
         self.inc(&split_stat(split, target));
+        if rerouted {
+            self.inc(&split_rerouted_stat(split));
+        }
     }
 
     pub fn pool_outcome(&mut self, pool: &str, outcome: &str) {

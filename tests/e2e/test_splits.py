@@ -39,8 +39,7 @@ def envoy(pods):
         for pool in ["stable", "canary"]
     ]
     e = Envoy("filter", pools, CONFIG)
-    snap = snapshot({pool["name"]: [{"address": a} for a in pool["endpoints"]] for pool in pools})
-    assert e.push(snap)[0] == 204
+    push(e, pods)
     yield e
     e.stop()
 
@@ -68,7 +67,19 @@ def send(envoy, model, messages, path="/v1/chat/completions", extra=None):
 
 
 def counter(envoy, split, target):
-    return envoy.stat(f"{STAT_PREFIX}gpuroute.split.{split}.{target}")
+    return envoy.stat(f"{STAT_PREFIX}gpuroute.split.{split}.to.{target}")
+
+
+def rerouted(envoy, split):
+    return envoy.stat(f"{STAT_PREFIX}gpuroute.split.{split}.rerouted")
+
+
+def push(envoy, pods, canary_healthy=True):
+    snap = snapshot({
+        "stable": [{"address": p.address} for n, p in pods.items() if POD_POOL[n] == "stable"],
+        "canary": [{"address": pods["canary-0"].address, "healthy": canary_healthy}],
+    })
+    assert envoy.push(snap)[0] == 204
 
 
 def test_a_split_divides_conversations_by_weight_and_rewrites_the_model(envoy, pods):
@@ -104,6 +115,28 @@ def test_a_split_divides_conversations_by_weight_and_rewrites_the_model(envoy, p
         pod, echo = send(envoy, "chat", rest, path="/v1/messages",
                          extra={"system": system["content"], "max_tokens": 16})
         assert json.loads(echo["body"])["model"] == took[i]
+
+
+def test_a_version_whose_pool_cannot_serve_passes_its_conversations_to_the_others(envoy, pods):
+    """A canary whose pods are all unhealthy (or their metrics stale) would only fail: its
+    conversations go to the versions that can serve, by weight, and come back once it can."""
+    push(envoy, pods)
+    own = {i: json.loads(send(envoy, "chat", conversation(i, 1))[1]["body"])["model"] for i in range(60)}
+    on_canary = [i for i, m in own.items() if m == "chat-v2"]
+    assert on_canary, own
+    before = rerouted(envoy, "chat")
+    for i in own:
+        # Pushed before each request, as sidecar-metrics would every 100 ms: metrics older
+        # than stale_after_ms (1 s) say nothing against any pool, and nothing is moved then.
+        push(envoy, pods, canary_healthy=False)
+        pod, echo = send(envoy, "chat", conversation(i, 2))
+        assert POD_POOL[pod] == "stable" and json.loads(echo["body"])["model"] == "chat-v1", i
+    assert rerouted(envoy, "chat") - before == len(on_canary)
+    for i in on_canary:
+        push(envoy, pods)
+        pod, _ = send(envoy, "chat", conversation(i, 3))
+        assert POD_POOL[pod] == "canary", i
+    assert rerouted(envoy, "chat") - before == len(on_canary)
 
 
 def test_a_drained_target_gets_nothing_and_adapters_keep_their_base(envoy, pods):
