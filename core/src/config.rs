@@ -113,6 +113,25 @@ pub struct PoolConfig {
     /// LoRA adapters served on top of the pool's base model.
     #[serde(default)]
     pub adapters: Vec<String>,
+    /// This pool's changes to the top-level `scoring` (a batch pool that wants `throughput`
+    /// beside chat pools on `latency`, a pool whose metrics come slower).
+    #[serde(default)]
+    pub scoring: ScoringOverrides,
+}
+
+/// Per-pool changes to [`ScoringConfig`]: each field given replaces the top-level one; `weights`
+/// merge weight by weight over the top-level overrides.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScoringOverrides {
+    pub preset: Option<Preset>,
+    pub weights: WeightOverrides,
+    pub stale_after_ms: Option<u64>,
+    pub queue_threshold: Option<f64>,
+    pub kv_threshold: Option<f64>,
+    pub queue_horizon: Option<f64>,
+    pub running_scale: Option<f64>,
+    pub prefix_home_score: Option<f64>,
 }
 
 /// Which of the published weight sets to start from.
@@ -209,6 +228,70 @@ impl Default for ScoringConfig {
 }
 
 impl ScoringConfig {
+    /// This configuration with a pool's changes applied ([`ScoringOverrides`]).
+    pub fn with(&self, o: &ScoringOverrides) -> ScoringConfig {
+        let w = self.weights;
+        let ow = o.weights;
+        ScoringConfig {
+            preset: o.preset.unwrap_or(self.preset),
+            weights: WeightOverrides {
+                queue: ow.queue.or(w.queue),
+                kv_cache: ow.kv_cache.or(w.kv_cache),
+                running: ow.running.or(w.running),
+                lora: ow.lora.or(w.lora),
+                prefix: ow.prefix.or(w.prefix),
+            },
+            stale_after_ms: o.stale_after_ms.unwrap_or(self.stale_after_ms),
+            queue_threshold: o.queue_threshold.unwrap_or(self.queue_threshold),
+            kv_threshold: o.kv_threshold.unwrap_or(self.kv_threshold),
+            queue_horizon: o.queue_horizon.unwrap_or(self.queue_horizon),
+            running_scale: o.running_scale.unwrap_or(self.running_scale),
+            prefix_home_score: o.prefix_home_score.unwrap_or(self.prefix_home_score),
+        }
+    }
+
+    /// Checks the values; errors name the field under `at` (`scoring`, `pools[i].scoring`).
+    fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        let w = self.effective_weights();
+        let ws = [w.queue, w.kv_cache, w.running, w.lora, w.prefix];
+        if ws.iter().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err(cfg_err(
+                format!("{at}.weights"),
+                "weights must be finite and >= 0",
+            ));
+        }
+        if ws.iter().sum::<f64>() <= 0.0 {
+            return Err(cfg_err(
+                format!("{at}.weights"),
+                "at least one weight must be positive",
+            ));
+        }
+        for (name, v) in [
+            ("queue_threshold", self.queue_threshold),
+            ("queue_horizon", self.queue_horizon),
+            ("running_scale", self.running_scale),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(cfg_err(format!("{at}.{name}"), "must be > 0"));
+            }
+        }
+        let kv = self.kv_threshold;
+        if !(kv.is_finite() && kv > 0.0 && kv <= 1.0) {
+            return Err(cfg_err(format!("{at}.kv_threshold"), "must be in (0, 1]"));
+        }
+        let home = self.prefix_home_score;
+        if !(home.is_finite() && (0.0..=1.0).contains(&home)) {
+            return Err(cfg_err(
+                format!("{at}.prefix_home_score"),
+                "must be in [0, 1]",
+            ));
+        }
+        if self.stale_after_ms == 0 {
+            return Err(cfg_err(format!("{at}.stale_after_ms"), "must be > 0"));
+        }
+        Ok(())
+    }
+
     /// The preset's weights with the overrides applied.
     pub fn effective_weights(&self) -> Weights {
         let mut w = self.preset.weights();
@@ -451,38 +534,10 @@ impl FilterConfig {
         if self.fallback_endpoints > 16 {
             return Err(cfg_err("fallback_endpoints", "at most 16"));
         }
-        let s = &self.scoring;
-        let w = s.effective_weights();
-        let ws = [w.queue, w.kv_cache, w.running, w.lora, w.prefix];
-        if ws.iter().any(|x| !x.is_finite() || *x < 0.0) {
-            return Err(cfg_err(
-                "scoring.weights",
-                "weights must be finite and >= 0",
-            ));
-        }
-        if ws.iter().sum::<f64>() <= 0.0 {
-            return Err(cfg_err(
-                "scoring.weights",
-                "at least one weight must be positive",
-            ));
-        }
-        for (name, v) in [
-            ("queue_threshold", s.queue_threshold),
-            ("queue_horizon", s.queue_horizon),
-            ("running_scale", s.running_scale),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(cfg_err(format!("scoring.{name}"), "must be > 0"));
-            }
-        }
-        if !(s.kv_threshold.is_finite() && s.kv_threshold > 0.0 && s.kv_threshold <= 1.0) {
-            return Err(cfg_err("scoring.kv_threshold", "must be in (0, 1]"));
-        }
-        if !(s.prefix_home_score.is_finite() && (0.0..=1.0).contains(&s.prefix_home_score)) {
-            return Err(cfg_err("scoring.prefix_home_score", "must be in [0, 1]"));
-        }
-        if s.stale_after_ms == 0 {
-            return Err(cfg_err("scoring.stale_after_ms", "must be > 0"));
+        self.scoring.validate("scoring")?;
+        for i in 0..self.pools.len() {
+            self.pool_scoring(i)
+                .validate(&format!("pools[{i}].scoring"))?;
         }
         let p = &self.prefix;
         if !(8..=4096).contains(&p.block_chars) {
@@ -594,6 +649,14 @@ impl FilterConfig {
         Ok(())
     }
 
+    /// The scoring of pool `i`: the top-level `scoring` with the pool's changes.
+    pub fn pool_scoring(&self, i: usize) -> ScoringConfig {
+        match self.pools.get(i) {
+            Some(p) => self.scoring.with(&p.scoring),
+            None => self.scoring.clone(),
+        }
+    }
+
     /// Whether `path` (without query) is an inference path.
     pub fn is_inference_path(&self, path: &str) -> bool {
         self.inference_paths.iter().any(|p| p == path)
@@ -634,6 +697,30 @@ mod tests {
     }
 
     #[test]
+    fn a_pools_scoring_changes_only_what_it_names() {
+        let c = FilterConfig::from_json(
+            br#"{"pools":[{"name":"chat","models":["a"]},
+                          {"name":"batch","models":["b"],
+                           "scoring":{"preset":"throughput","weights":{"lora":1},"stale_after_ms":5000}}],
+                 "scoring":{"weights":{"prefix":7},"kv_threshold":0.9}}"#,
+        )
+        .unwrap();
+        let chat = c.pool_scoring(0);
+        assert_eq!(chat.preset, Preset::Latency);
+        assert_eq!(chat.effective_weights().prefix, 7.0);
+        assert_eq!((chat.stale_after_ms, chat.kv_threshold), (1_000, 0.9));
+        let batch = c.pool_scoring(1);
+        let w = batch.effective_weights();
+        // The pool's preset, the top-level prefix override, the pool's own lora override.
+        assert_eq!(batch.preset, Preset::Throughput);
+        assert_eq!(
+            (w.queue, w.prefix, w.lora),
+            (Preset::Throughput.weights().queue, 7.0, 1.0)
+        );
+        assert_eq!((batch.stale_after_ms, batch.kv_threshold), (5_000, 0.9));
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let cases = [
             (r#"{"pools":[{"name":"","models":["m"]}]}"#, "pools[0].name"),
@@ -663,6 +750,18 @@ mod tests {
                 "prefix.block_chars",
             ),
             (r#"{"pools":[],"surprise":1}"#, "unknown field `surprise`"),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"scoring":{"kv_threshold":2}}]}"#,
+                "pools[0].scoring.kv_threshold",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"scoring":{"weights":{"queue":0,"kv_cache":0,"running":0,"lora":0,"prefix":0}}}]}"#,
+                "pools[0].scoring.weights",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"scoring":{"nope":1}}]}"#,
+                "unknown field `nope`",
+            ),
             (
                 r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"m":[{"model":"m","weight":1}]}}"#,
                 "splits.m",

@@ -149,7 +149,8 @@ pub struct DecideOptions {
 pub struct Engine {
     pub config: FilterConfig,
     pub routes: RoutingTable,
-    pub picker: Picker,
+    /// One per pool (its scoring: the top-level one with the pool's changes).
+    pickers: Vec<Picker>,
     prefix: PrefixIndex,
     /// `None` when one engine serves every worker (the dynamic module): nobody reads it.
     sync: Option<SyncLog>,
@@ -168,11 +169,13 @@ const AVG_ALPHA: f64 = 1.0 / 64.0;
 impl Engine {
     pub fn new(config: FilterConfig) -> Engine {
         let routes = RoutingTable::new(&config);
-        let picker = Picker::new(config.scoring.clone(), config.fallback_endpoints);
+        let pickers = (0..config.pools.len())
+            .map(|i| Picker::new(config.pool_scoring(i), config.fallback_endpoints))
+            .collect();
         let prefix = PrefixIndex::new(config.prefix.index_entries);
         Engine {
             routes,
-            picker,
+            pickers,
             prefix,
             sync: Some(SyncLog::new(SYNC_RING)),
             avg_prompt_tokens: 0.0,
@@ -230,13 +233,13 @@ impl Engine {
                     .unwrap_or(text);
                 // A target whose pool the snapshot shows unable to serve is passed over; with
                 // no snapshot, or a pool it does not list, nothing is known against it.
-                let stale_after_ms = self.config.scoring.stale_after_ms;
-                let routes = &self.routes;
+                let (routes, pickers) = (&self.routes, &self.pickers);
                 let serving = |t: &Target| {
-                    fleet
-                        .and_then(|f| Some((f.pool(routes.pool_name(t.pool))?, f.age_ms(now_ms))))
-                        .is_none_or(|(p, age)| p.serving(age, stale_after_ms))
+                    let stale_after_ms = pickers.get(t.pool)?.scoring.stale_after_ms;
+                    let pool = fleet?.pool(routes.pool_name(t.pool))?;
+                    Some(pool.serving(fleet?.age_ms(now_ms), stale_after_ms))
                 };
+                let serving = |t: &Target| serving(t).unwrap_or(true);
                 let (target, t, rerouted) = s.pick_serving(s.key(text), serving);
                 let taken = SplitTaken {
                     split: s.clone(),
@@ -357,7 +360,10 @@ impl Engine {
             sheddable,
         };
         let mut breakdown: Vec<Breakdown> = Vec::new();
-        let decision = self.picker.pick(
+        let Some(picker) = self.pickers.get(prep.target.pool) else {
+            return none(Decision::FailOpen(FailOpen::UnknownPool));
+        };
+        let decision = picker.pick(
             pool,
             loads,
             &features,
@@ -809,6 +815,53 @@ mod tests {
         // The same body on /v1/messages is picked.
         let p = e.prepare("/v1/messages", &body).unwrap();
         assert!(!p.model_only);
+        let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
+        assert!(
+            matches!(c.decision, Decision::Picked(_)),
+            "{:?}",
+            c.decision
+        );
+    }
+
+    #[test]
+    fn each_pool_picks_with_its_own_scoring() {
+        // Two pools of the same pods; the second takes metrics up to 10 s old.
+        let cfg = r#"{"pools":[{"name":"llama","models":["llama-3"]},
+            {"name":"slow-metrics","models":["m"],"scoring":{"stale_after_ms":10000}}]}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        let mut f = fleet(2);
+        let mut other = f.pools[0].clone();
+        other.name = "slow-metrics".into();
+        f.pools.push(other);
+        let f = FleetState::new(
+            Snapshot {
+                schema: SNAPSHOT_SCHEMA,
+                version: 1,
+                source: String::new(),
+                generated_at_ms: 1_000,
+                pools: f
+                    .pools
+                    .iter()
+                    .map(|p| PoolSnapshot {
+                        name: p.name.clone(),
+                        pods: p.pods.iter().map(|d| d.snap.clone()).collect(),
+                    })
+                    .collect(),
+            },
+            1_000,
+        );
+        let mut rng = SplitMix64::new(1);
+        // 5 s after the scrape: stale for the first pool (1 s), fresh for the second.
+        let opts = DecideOptions {
+            now_ms: 6_000,
+            ..DecideOptions::default()
+        };
+        let p = e
+            .prepare("/v1/chat/completions", &chat("llama-3", "hi"))
+            .unwrap();
+        let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
+        assert_eq!(c.decision, Decision::FailOpen(FailOpen::NoFreshPod));
+        let p = e.prepare("/v1/chat/completions", &chat("m", "hi")).unwrap();
         let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
         assert!(
             matches!(c.decision, Decision::Picked(_)),
