@@ -197,6 +197,29 @@ fn bench(c: &mut Criterion) {
             )
         })
     });
+    // The same body for a split (95 / 5 between two names the pool serves): the key hash, the
+    // serving check against the snapshot and the body rewrite on top of the plain prepare.
+    let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b","llama-3-8b-canary"]}],
+        "splits":{"llama":[{"model":"llama-3-8b","weight":95},{"model":"llama-3-8b-canary","weight":5}]}}"#;
+    let mut e = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
+    let split_body = String::from_utf8(body.clone())
+        .unwrap()
+        .replacen(r#""model":"llama-3-8b""#, r#""model":"llama""#, 1)
+        .into_bytes();
+    let split_fleet = fleet(64);
+    assert!(e
+        .prepare_in("/v1/chat/completions", &split_body, Some(&split_fleet), NOW)
+        .unwrap()
+        .split
+        .is_some());
+    parts.bench_function("prepare_4kb_split", |b| {
+        b.iter(|| {
+            black_box(
+                e.prepare_in("/v1/chat/completions", &split_body, Some(&split_fleet), NOW)
+                    .map(|p| p.prompt_tokens),
+            )
+        })
+    });
     parts.finish();
 }
 
