@@ -393,7 +393,13 @@ impl Engine {
             }
         }
         if debug {
-            choice.debug = Some(format_breakdown(pool, choice.picked_index, &breakdown));
+            let mut d = format_breakdown(pool, choice.picked_index, &breakdown);
+            if let Some(taken) = &prep.split {
+                let (split, target) = taken.names();
+                let rerouted = if taken.rerouted { " (rerouted)" } else { "" };
+                d = format!("split={split}->{target}{rerouted}; {d}");
+            }
+            choice.debug = Some(d);
         }
         choice
     }
@@ -741,6 +747,28 @@ mod tests {
             on_new > 20,
             "{on_new} of 100 conversations hash to the new pool"
         );
+        // The debug header says which version a request took, and whether it was moved.
+        let body = (0..100)
+            .map(|i| chat("m", &format!("conversation {i}")))
+            .find(|b| e.prepare("/v1/chat/completions", b).unwrap().pool == "new")
+            .unwrap();
+        let opts = DecideOptions {
+            now_ms: 1_100,
+            debug: true,
+            ..DecideOptions::default()
+        };
+        let mut rng = SplitMix64::new(1);
+        for (fleet, want) in [
+            (&up, "split=m->m-v2; pool=new"),
+            (&down, "split=m->m-v1 (rerouted); pool=old"),
+        ] {
+            let p = e
+                .prepare_in("/v1/chat/completions", &body, Some(fleet), 1_100)
+                .unwrap();
+            let c = e.decide(&p, Some(fleet), &[], opts, &mut rng);
+            let d = c.debug.unwrap();
+            assert!(d.starts_with(want), "{d}");
+        }
     }
 
     #[test]

@@ -19,6 +19,7 @@ CONFIG = {
         # A drained version (weight 0) gets nothing new.
         "sql": [{"model": "sql-v1", "weight": 1}, {"model": "sql-v2", "weight": 0}],
     },
+    "debug_header": True,
 }
 POD_POOL = {"stable-0": "stable", "stable-1": "stable", "canary-0": "canary"}
 POOL_MODEL = {"stable": "chat-v1", "canary": "chat-v2"}
@@ -132,11 +133,17 @@ def test_a_version_whose_pool_cannot_serve_passes_its_conversations_to_the_other
         pod, echo = send(envoy, "chat", conversation(i, 2))
         assert POD_POOL[pod] == "stable" and json.loads(echo["body"])["model"] == "chat-v1", i
     assert rerouted(envoy, "chat") - before == len(on_canary)
+    # The debug header names the version taken, and that it was moved.
+    push(envoy, pods, canary_healthy=False)
+    s, h, _, _ = envoy.request("POST", "/v1/chat/completions", {"model": "chat", "messages": conversation(on_canary[0], 2)})
+    assert s == 200 and h["x-gateway-debug"].startswith("split=chat->chat-v1 (rerouted); pool=stable"), h
     for i in on_canary:
         push(envoy, pods)
         pod, _ = send(envoy, "chat", conversation(i, 3))
         assert POD_POOL[pod] == "canary", i
-    assert rerouted(envoy, "chat") - before == len(on_canary)
+    assert rerouted(envoy, "chat") - before == len(on_canary) + 1
+    s, h, _, _ = envoy.request("POST", "/v1/chat/completions", {"model": "chat", "messages": conversation(on_canary[0], 4)})
+    assert s == 200 and h["x-gateway-debug"].startswith("split=chat->chat-v2; pool=canary"), h
 
 
 def test_a_drained_target_gets_nothing_and_adapters_keep_their_base(envoy, pods):
