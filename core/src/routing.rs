@@ -52,13 +52,13 @@ impl Split {
     /// keys in its weight's share of the 64-bit range, so the shares follow the weights and a
     /// key always gets the same target while the weights stay the same.
     pub fn pick(&self, key: u64) -> (usize, &Arc<Target>) {
-        // key * total / 2^64, in 0..total: no bias from a modulo.
-        let point = ((u128::from(key) * u128::from(self.total)) >> 64) as u64;
+        let point = scaled(key, self.total);
         let i = self
             .targets
             .iter()
             .position(|(_, upto)| point < *upto)
-            .unwrap_or(self.targets.len().saturating_sub(1));
+            .unwrap_or(self.targets.len() - 1);
+        // In bounds: a split has at least one target (`RoutingTable::new`).
         (i, &self.targets[i].0)
     }
 
@@ -91,7 +91,7 @@ impl Split {
             return (i, first, false);
         }
         // A second, independent point for the key, over the serving targets' weights only.
-        let point = ((u128::from(mix64(key)) * u128::from(total)) >> 64) as u64;
+        let point = scaled(mix64(key), total);
         let j = up
             .iter()
             .find(|(_, upto)| point < *upto)
@@ -111,6 +111,11 @@ impl Split {
             .get(i)
             .map_or("", |(t, _)| t.requested.as_str())
     }
+}
+
+/// `key * total / 2^64`: a point in `0..total`, uniform for uniform keys (no modulo bias).
+fn scaled(key: u64, total: u64) -> u64 {
+    ((u128::from(key) * u128::from(total)) >> 64) as u64
 }
 
 /// What a model name resolves to.
@@ -315,6 +320,11 @@ impl RoutingTable {
                     Some((Arc::new(rewritten), upto))
                 })
                 .collect();
+            // Validation guarantees targets and a positive total; a split without them is left
+            // out (its name then answers 404), so `pick` always has a target to return.
+            if targets.is_empty() || upto == 0 {
+                continue;
+            }
             let split = Split {
                 name: name.clone(),
                 seed: xxh64(name.as_bytes(), SPLIT_SEED),
@@ -439,6 +449,17 @@ mod tests {
 
     fn table(json: &str) -> RoutingTable {
         RoutingTable::new(&FilterConfig::from_json(json.as_bytes()).unwrap())
+    }
+
+    /// The ids `/v1/models` lists, in order.
+    fn listed_ids(t: &RoutingTable) -> Vec<String> {
+        let v: serde_json::Value = serde_json::from_str(t.models_json()).unwrap();
+        v["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["id"].as_str().unwrap().to_string())
+            .collect()
     }
 
     fn target<'a>(t: &'a RoutingTable, model: Option<&str>) -> &'a Arc<Target> {
@@ -566,13 +587,7 @@ mod tests {
             (&one["id"], &one["root"]),
             (&serde_json::json!("sql"), &serde_json::json!("llama-3-8b"))
         );
-        let v: serde_json::Value = serde_json::from_str(t.models_json()).unwrap();
-        let ids: Vec<_> = v["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["id"].as_str().unwrap())
-            .collect();
+        let ids = listed_ids(&t);
         assert_eq!(
             ids,
             [
@@ -624,12 +639,7 @@ mod tests {
         let t = table(CFG);
         let v: serde_json::Value = serde_json::from_str(t.models_json()).unwrap();
         assert_eq!(v["object"], "list");
-        let ids: Vec<_> = v["data"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["id"].as_str().unwrap())
-            .collect();
+        let ids = listed_ids(&t);
         assert_eq!(
             ids,
             [
