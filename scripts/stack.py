@@ -207,9 +207,13 @@ def main():
     args = ap.parse_args()
 
     if args.cmd == "run":
+        # A weighted split over the demo fleet's two models (fleet-sim's `demo` preset), as a
+        # canary rollout of a new model would be: the public name `assistant`, 80 / 20.
+        split = {"assistant": [{"model": "meta-llama/Llama-3.1-8B-Instruct", "weight": 80},
+                               {"model": "Qwen/Qwen2.5-7B-Instruct", "weight": 20}]}
         stack = Stack(preset="demo", router="filter", listen="127.0.0.1:8080", admin="127.0.0.1:9901",
                       ingest="127.0.0.1:9002", sidecar_listen="127.0.0.1:9100", concurrency=2,
-                      filter_overrides={"debug_header": True}, workdir=ROOT / "target" / "run").start()
+                      filter_overrides={"debug_header": True, "splits": split}, workdir=ROOT / "target" / "run").start()
         model = stack.pools[0]["models"][0]
         print("\ngpuroute is up: Envoy + filter + sidecar-metrics + a simulated fleet\n")
         print(stack.describe())
@@ -219,6 +223,10 @@ def main():
         print(f"  curl -s http://{stack.listen}/v1/messages -H 'content-type: application/json' \\\n"
               f"    -d '{{\"model\": \"{model}\", \"system\": \"Be brief.\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}' -i\n")
         print(f"  curl -s http://{stack.listen}/v1/models\n")
+        print("A weighted split: `assistant` is Llama for 80% of conversations and Qwen for 20%, each\n"
+              "conversation kept on one (x-gateway-debug starts with split=assistant->...):\n")
+        print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
+              f"    -d '{{\"model\": \"assistant\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi, I am Ada.\"}}], \"max_tokens\": 32}}' -i\n")
         print("The x-served-by response header names the pod; x-gateway-debug shows why it was picked.")
         print("Ctrl-C stops everything.", flush=True)
         wait_forever(stack)
