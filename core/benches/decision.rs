@@ -10,7 +10,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuroute_core::config::FilterConfig;
-use gpuroute_core::engine::{DecideOptions, Engine};
+use gpuroute_core::engine::{DecideOptions, Engine, RequestContext};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::load::LoadTable;
 use gpuroute_core::request::Endpoint;
@@ -207,15 +207,20 @@ fn bench(c: &mut Criterion) {
         .replacen(r#""model":"llama-3-8b""#, r#""model":"llama""#, 1)
         .into_bytes();
     let split_fleet = fleet(64);
+    let split_ctx = RequestContext {
+        fleet: Some(&split_fleet),
+        now_ms: NOW,
+        split_key: None,
+    };
     assert!(e
-        .prepare_in("/v1/chat/completions", &split_body, Some(&split_fleet), NOW)
+        .prepare_in("/v1/chat/completions", &split_body, split_ctx)
         .unwrap()
         .split
         .is_some());
     parts.bench_function("prepare_4kb_split", |b| {
         b.iter(|| {
             black_box(
-                e.prepare_in("/v1/chat/completions", &split_body, Some(&split_fleet), NOW)
+                e.prepare_in("/v1/chat/completions", &split_body, split_ctx)
                     .map(|p| p.prompt_tokens),
             )
         })

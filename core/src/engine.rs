@@ -31,6 +31,18 @@ pub const SYNC_RING: usize = 512;
 /// Seed domain of adapter keys in the index.
 const ADAPTER_DOMAIN: u64 = 0x6c6f_7261_6164_6170;
 
+/// What a shell knows of a request besides its path and body.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RequestContext<'a> {
+    /// The worker's snapshot (None before the first one): a split passes over a target whose
+    /// pool it shows without a healthy pod with fresh metrics.
+    pub fleet: Option<&'a FleetState>,
+    /// Envoy's clock, unix ms.
+    pub now_ms: u64,
+    /// `x-gateway-split-key`: keys a split instead of the conversation.
+    pub split_key: Option<&'a str>,
+}
+
 /// The target a request to a split took.
 #[derive(Debug, Clone)]
 pub struct SplitTaken {
@@ -186,21 +198,24 @@ impl Engine {
     }
 
     /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send. Without the
-    /// fleet, a split's targets all count as serving ([`Engine::prepare_in`]).
+    /// context, a split's targets all count as serving and no split key was sent
+    /// ([`Engine::prepare_in`]).
     pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
-        self.prepare_in(path, body, None, 0)
+        self.prepare_in(path, body, RequestContext::default())
     }
 
-    /// [`Engine::prepare`] with the worker's snapshot (`fleet`, None before the first one) and
-    /// Envoy's clock (`now_ms`), so a split passes over a target whose pool has no healthy pod
-    /// with fresh metrics.
+    /// [`Engine::prepare`] with what the shell knows besides the body ([`RequestContext`]).
     pub fn prepare_in(
         &mut self,
         path: &str,
         body: &[u8],
-        fleet: Option<&FleetState>,
-        now_ms: u64,
+        ctx: RequestContext<'_>,
     ) -> Result<Prepared, ApiError> {
+        let RequestContext {
+            fleet,
+            now_ms,
+            split_key,
+        } = ctx;
         // A UTF-8 byte-order mark before the JSON, as some Windows tools write files: vLLM and
         // SGLang accept it (Python's json.loads on bytes does), so the gateway does too. A
         // rewritten body leaves it out.
@@ -224,13 +239,17 @@ impl Engine {
         let (target, split) = match self.routes.resolve(req.model.as_deref())? {
             Resolved::Target(t) => (t.clone(), None),
             Resolved::Split(s) => {
-                // The conversation's identity when there is one (every turn repeats it), else
-                // the prompt text the filter read: the same target on every worker and replica.
+                // The client's split key when it sent one; else the conversation's identity
+                // when there is one (every turn repeats it), else the prompt text the filter
+                // read: the same target on every worker and replica.
                 let text = req.prompt.as_bytes();
-                let text = req
-                    .conversation_len
-                    .and_then(|n| text.get(..n))
-                    .unwrap_or(text);
+                let text = match split_key {
+                    Some(k) => k.as_bytes(),
+                    None => req
+                        .conversation_len
+                        .and_then(|n| text.get(..n))
+                        .unwrap_or(text),
+                };
                 // A target whose pool the snapshot shows unable to serve is passed over; with
                 // no snapshot, or a pool it does not list, nothing is known against it.
                 let (routes, pickers) = (&self.routes, &self.pickers);
@@ -593,6 +612,14 @@ mod tests {
         )
     }
 
+    fn ctx(fleet: &FleetState, now_ms: u64) -> RequestContext<'_> {
+        RequestContext {
+            fleet: Some(fleet),
+            now_ms,
+            split_key: None,
+        }
+    }
+
     fn chat(model: &str, text: &str) -> Vec<u8> {
         serde_json::json!({"model": model, "messages": [{"role": "user", "content": text}]})
             .to_string()
@@ -682,6 +709,29 @@ mod tests {
             .prepare("/v1/completions", &completion("the same prompt"))
             .unwrap();
         assert_eq!(a.target.model, b.target.model);
+        // A split key keys the split instead: one key, one target, whatever the conversation;
+        // different keys spread over the targets.
+        let mut by_key = std::collections::HashMap::new();
+        for user in 0..100 {
+            let key = format!("user-{user}");
+            let keyed = RequestContext {
+                split_key: Some(&key),
+                ..RequestContext::default()
+            };
+            for i in 0..3 {
+                let p = e
+                    .prepare_in(
+                        "/v1/chat/completions",
+                        &turns(1000 + user * 3 + i, 1),
+                        keyed,
+                    )
+                    .unwrap();
+                let seen = by_key.entry(user).or_insert_with(|| p.target.model.clone());
+                assert_eq!(*seen, p.target.model, "user {user}");
+            }
+        }
+        let on_v2 = by_key.values().filter(|m| *m == "m-v2").count();
+        assert!((30..=70).contains(&on_v2), "{on_v2} of 100 keys on m-v2");
     }
 
     #[test]
@@ -723,11 +773,11 @@ mod tests {
             let body = chat("m", &format!("conversation {i}"));
             let own = e.prepare("/v1/chat/completions", &body).unwrap();
             let healthy = e
-                .prepare_in("/v1/chat/completions", &body, Some(&up), 1_100)
+                .prepare_in("/v1/chat/completions", &body, ctx(&up, 1_100))
                 .unwrap();
             assert_eq!(healthy.pool, own.pool);
             let p = e
-                .prepare_in("/v1/chat/completions", &body, Some(&down), 1_100)
+                .prepare_in("/v1/chat/completions", &body, ctx(&down, 1_100))
                 .unwrap();
             let taken = p.split.as_ref().unwrap();
             assert_eq!(p.pool, "old");
@@ -738,7 +788,7 @@ mod tests {
             // Metrics past stale_after_ms say nothing either way: every pool is equally unknown,
             // and the key keeps its own target.
             let stale = e
-                .prepare_in("/v1/chat/completions", &body, Some(&down), 1_000 + 5_000)
+                .prepare_in("/v1/chat/completions", &body, ctx(&down, 1_000 + 5_000))
                 .unwrap();
             assert_eq!(stale.pool, own.pool);
             on_new += usize::from(own.pool == "new");
@@ -763,7 +813,7 @@ mod tests {
             (&down, "split=m->m-v1 (rerouted); pool=old"),
         ] {
             let p = e
-                .prepare_in("/v1/chat/completions", &body, Some(fleet), 1_100)
+                .prepare_in("/v1/chat/completions", &body, ctx(fleet, 1_100))
                 .unwrap();
             let c = e.decide(&p, Some(fleet), &[], opts, &mut rng);
             let d = c.debug.unwrap();

@@ -22,6 +22,9 @@ pub const BASE_MODEL: &str = "x-gateway-base-model-name";
 /// The pool; the shipped Envoy routes match on it.
 pub const POOL: &str = "x-gateway-pool";
 pub const ADAPTER: &str = "x-gateway-lora-adapter";
+/// Request header whose value, when present, keys a weighted split instead of the conversation
+/// (`splits`): every request with the same value gets the same target (a user, a tenant).
+pub const SPLIT_KEY: &str = "x-gateway-split-key";
 /// Response header with the decision's score breakdown (`debug_header`).
 pub const DEBUG: &str = "x-gateway-debug";
 
@@ -46,6 +49,8 @@ pub struct RequestHead {
     /// `x-gpuroute-cursor`: where a relay is in this Envoy's prefix records
     /// ([`crate::exchange`]).
     pub cursor: Option<String>,
+    /// `x-gateway-split-key` ([`SPLIT_KEY`]), when not empty.
+    pub split_key: Option<String>,
 }
 
 impl RequestHead {
@@ -62,6 +67,9 @@ impl RequestHead {
                 }
                 b":method" => h.method = owned(text().unwrap_or_default()),
                 b"x-gpuroute-cursor" => h.cursor = text().map(owned),
+                b"x-gateway-split-key" => {
+                    h.split_key = text().map(str::trim).filter(|t| !t.is_empty()).map(owned);
+                }
                 b"content-length" => h.content_length = text().and_then(|t| t.trim().parse().ok()),
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),
@@ -116,9 +124,11 @@ mod tests {
             (b"x-gateway-destination-endpoint", b"10.0.0.1:80"),
             (b"x-gateway-pool", b"p"),
             (b"x-other", b"v"),
+            (b"x-gateway-split-key", b" user-42 "),
             (b"user-agent", b"curl"),
         ];
         let h = RequestHead::read(pairs);
+        assert_eq!(h.split_key.as_deref(), Some("user-42"));
         assert_eq!(h.path, "/v1/chat/completions");
         assert_eq!(h.method, "POST");
         assert_eq!(h.content_length, Some(42));

@@ -27,7 +27,7 @@ mod host;
 
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
 use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
@@ -645,8 +645,15 @@ impl Filter {
         let mut guard = lock(&config.router);
         let r = &mut *guard;
         let prepared = s.with_request_body(|body| {
-            r.engine
-                .prepare_in(&self.head.path, body, fleet.as_deref(), now)
+            r.engine.prepare_in(
+                &self.head.path,
+                body,
+                RequestContext {
+                    fleet: fleet.as_deref(),
+                    now_ms: now,
+                    split_key: self.head.split_key.as_deref(),
+                },
+            )
         });
         let prep = match prepared {
             Ok(p) => p,

@@ -24,7 +24,7 @@ mod stats;
 
 use abi::{Action, BufferType, LogLevel, MapType};
 use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine, Prepared};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
@@ -897,10 +897,15 @@ impl Http {
         }
         w.refresh_shared_throttled(t0);
         let now = t0 / 1_000_000;
-        let prep = match w
-            .engine
-            .prepare_in(&self.path, &body, w.fleet.as_ref(), now)
-        {
+        let prep = match w.engine.prepare_in(
+            &self.path,
+            &body,
+            RequestContext {
+                fleet: w.fleet.as_ref(),
+                now_ms: now,
+                split_key: self.head.split_key.as_deref(),
+            },
+        ) {
             Ok(p) => p,
             Err(e) => return self.reject(w, &e),
         };
