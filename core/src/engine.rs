@@ -259,7 +259,9 @@ impl Engine {
                     Some(pool.serving(fleet?.age_ms(now_ms), stale_after_ms))
                 };
                 let serving = |t: &Target| serving(t).unwrap_or(true);
-                let (target, t, rerouted) = s.pick_serving(s.key(text), serving);
+                let Some((target, t, rerouted)) = s.pick_serving(s.key(text), serving) else {
+                    return Err(ApiError::model_not_found(&s.name));
+                };
                 let taken = SplitTaken {
                     split: s.clone(),
                     target,

@@ -51,15 +51,17 @@ impl Split {
     /// The target for a request whose split key ([`Split::key`]) is `key`: target `i` takes the
     /// keys in its weight's share of the 64-bit range, so the shares follow the weights and a
     /// key always gets the same target while the weights stay the same.
-    pub fn pick(&self, key: u64) -> (usize, &Arc<Target>) {
+    /// None only for a split without targets, which `RoutingTable::new` never builds.
+    pub fn pick(&self, key: u64) -> Option<(usize, &Arc<Target>)> {
         let point = scaled(key, self.total);
-        let i = self
-            .targets
-            .iter()
-            .position(|(_, upto)| point < *upto)
-            .unwrap_or(self.targets.len() - 1);
-        // In bounds: a split has at least one target (`RoutingTable::new`).
-        (i, &self.targets[i].0)
+        let mut last = None;
+        for (i, (t, upto)) in self.targets.iter().enumerate() {
+            if point < *upto {
+                return Some((i, t));
+            }
+            last = Some((i, t));
+        }
+        last
     }
 
     /// [`Split::pick`], unless its target cannot serve (`serving` says no: its pool has no
@@ -71,10 +73,10 @@ impl Split {
         &self,
         key: u64,
         serving: impl Fn(&Target) -> bool,
-    ) -> (usize, &Arc<Target>, bool) {
-        let (i, first) = self.pick(key);
+    ) -> Option<(usize, &Arc<Target>, bool)> {
+        let (i, first) = self.pick(key)?;
         if serving(first) {
-            return (i, first, false);
+            return Some((i, first, false));
         }
         let mut up = Vec::with_capacity(self.targets.len());
         let mut total = 0u64;
@@ -87,16 +89,14 @@ impl Split {
                 up.push((j, total));
             }
         }
-        if total == 0 {
-            return (i, first, false);
-        }
         // A second, independent point for the key, over the serving targets' weights only.
         let point = scaled(mix64(key), total);
-        let j = up
+        let moved = up
             .iter()
             .find(|(_, upto)| point < *upto)
-            .map_or(i, |(j, _)| *j);
-        (j, &self.targets[j].0, j != i)
+            .and_then(|(j, _)| Some((*j, &self.targets.get(*j)?.0, true)));
+        // No other target serves: the key keeps its own (Envoy's balancing takes it there).
+        Some(moved.unwrap_or((i, first, false)))
     }
 
     /// The split key of a request whose identifying text is `text` (a conversation's leading
@@ -491,24 +491,24 @@ mod tests {
         let n = 40_000;
         for i in 0..n {
             let key = chat.key(format!("conversation {i}").as_bytes());
-            let (ti, target) = chat.pick(key);
+            let (ti, target) = chat.pick(key).unwrap();
             counts[ti] += 1;
             assert!(target.rewrite);
             // The same key always gets the same target.
-            assert_eq!(chat.pick(key).0, ti);
+            assert_eq!(chat.pick(key).unwrap().0, ti);
         }
         // Weights 1 : 3 : 0; a binomial share of 1/4 over 40,000 has a standard deviation of
         // ~0.0022, so 0.24-0.26 is ~4.6 of them.
         let share = counts[0] as f64 / n as f64;
         assert!((0.24..0.26).contains(&share), "{counts:?}");
         assert_eq!(counts[2], 0, "a weight of 0 drains its target");
-        let (_, first) = chat.pick(0);
+        let (_, first) = chat.pick(0).unwrap();
         assert_eq!((first.pool, first.model.as_str()), (0, "llama-3-8b"));
-        let (_, last) = chat.pick(u64::MAX);
+        let (_, last) = chat.pick(u64::MAX).unwrap();
         assert_eq!((last.pool, last.model.as_str()), (1, "llama-3.1-8b"));
         // Adapters keep their base model and pool.
         let sql = split(&t, "sql");
-        let (i, v2) = sql.pick(u64::MAX);
+        let (i, v2) = sql.pick(u64::MAX).unwrap();
         assert_eq!(sql.target_name(i), "sql-v2");
         assert_eq!(
             (v2.adapter.as_deref(), v2.base_model.as_str(), v2.rewrite),
@@ -534,7 +534,7 @@ mod tests {
         let mut moved = 0;
         for i in 0..20_000 {
             let key = before.key(format!("c{i}").as_bytes());
-            let (was, now) = (before.pick(key).0, after.pick(key).0);
+            let (was, now) = (before.pick(key).unwrap().0, after.pick(key).unwrap().0);
             if was != now {
                 assert_eq!((was, now), (0, 1), "only v1 -> v2 moves");
                 moved += 1;
@@ -556,12 +556,12 @@ mod tests {
         let mut moved_to = [0usize; 4];
         for i in 0..n {
             let key = s.key(format!("c{i}").as_bytes());
-            let (own, _) = s.pick(key);
+            let (own, _) = s.pick(key).unwrap();
             // Everything serving: the plain pick, nothing moved.
-            let (j, _, rerouted) = s.pick_serving(key, |_| true);
+            let (j, _, rerouted) = s.pick_serving(key, |_| true).unwrap();
             assert_eq!((j, rerouted), (own, false));
             // b is down: its keys move to a or c (never to d, weight 0); the others stay.
-            let (j, target, rerouted) = s.pick_serving(key, |t| t.model != "b");
+            let (j, target, rerouted) = s.pick_serving(key, |t| t.model != "b").unwrap();
             if own == 1 {
                 assert!(rerouted && target.model != "b" && j != 3, "{j}");
                 moved_to[j] += 1;
@@ -569,7 +569,7 @@ mod tests {
                 assert_eq!((j, rerouted), (own, false));
             }
             // Nothing else serves either: the key keeps its own target (fail open there).
-            let (j, _, rerouted) = s.pick_serving(key, |_| false);
+            let (j, _, rerouted) = s.pick_serving(key, |_| false).unwrap();
             assert_eq!((j, rerouted), (own, false));
         }
         // b held half the keys; a and c (weights 1 : 1) take about half of them each.
