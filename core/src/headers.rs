@@ -109,6 +109,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_blank_or_non_utf8_split_key_is_no_key() {
+        for v in [&b""[..], b"   ", b"\xff\xfe"] {
+            let pairs: Vec<(&[u8], &[u8])> = vec![(b"x-gateway-split-key", v)];
+            assert_eq!(RequestHead::read(pairs).split_key, None, "{v:?}");
+        }
+    }
+
+    #[test]
     fn every_internal_header_starts_with_x_dash() {
         assert!(INTERNAL.iter().all(|h| h.starts_with("x-")));
     }
