@@ -80,10 +80,7 @@ impl Split {
         }
         let mut up = Vec::with_capacity(self.targets.len());
         let mut total = 0u64;
-        let mut below = 0u64;
-        for (j, (t, upto)) in self.targets.iter().enumerate() {
-            let weight = upto - below;
-            below = *upto;
+        for (j, (t, weight)) in self.targets().enumerate() {
             if j != i && weight > 0 && serving(t) {
                 total += weight;
                 up.push((j, total));
@@ -103,6 +100,16 @@ impl Split {
     /// part, or the prompt): the same on every worker and gateway replica.
     pub fn key(&self, text: &[u8]) -> u64 {
         xxh64(text, self.seed)
+    }
+
+    /// Each target and its weight, in configuration order.
+    pub fn targets(&self) -> impl Iterator<Item = (&Target, u64)> + '_ {
+        let mut below = 0;
+        self.targets.iter().map(move |(t, upto)| {
+            let weight = upto - below;
+            below = *upto;
+            (t.as_ref(), weight)
+        })
     }
 
     /// The served name of target `i`, as configured.
