@@ -118,6 +118,30 @@ def test_a_split_divides_conversations_by_weight_and_rewrites_the_model(envoy, p
         assert json.loads(echo["body"])["model"] == took[i]
 
 
+def test_every_worker_and_replica_gives_a_conversation_the_same_version(envoy, pods):
+    """No shared state: a second gateway replica with two workers takes each conversation to
+    the version the first one did."""
+    pools = [
+        {"name": pool, "endpoints": [p.address for n, p in pods.items() if POD_POOL[n] == pool]}
+        for pool in ["stable", "canary"]
+    ]
+    other = Envoy("filter", pools, CONFIG, concurrency=2)
+    try:
+        push(envoy, pods)
+        push(other, pods)
+        for i in range(40):
+            versions = set()
+            for gw in (envoy, other, other):
+                _, echo = send(gw, "chat", conversation(500 + i, 2))
+                versions.add(json.loads(echo["body"])["model"])
+            assert len(versions) == 1, (i, versions)
+        # Both workers of the second replica served (each connection lands on one of them).
+        served = [v for v in other.worker_connections().values() if v]
+        assert len(served) == 2, other.worker_connections()
+    finally:
+        other.stop()
+
+
 def test_a_version_whose_pool_cannot_serve_passes_its_conversations_to_the_others(envoy, pods):
     """A canary whose pods are all unhealthy (or their metrics stale) would only fail: its
     conversations go to the versions that can serve, by weight, and come back once it can."""
