@@ -40,6 +40,7 @@ wasm: ## build the filter (.wasm)
 	rustup target add $(WASM_TARGET) >/dev/null 2>&1 || true
 	$(CARGO) build -p gpuroute-filter -p gpuroute-wasm-floor --target $(WASM_TARGET) --profile wasm-release
 	$(CARGO) build -p gpuroute-wasm-floor --features trap --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-trap
+	$(CARGO) build -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-callbacks
 	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
 
 native: ## build the native binaries (aggregator, simulator, benchmark tools, the dynamic-module filter)
@@ -60,6 +61,7 @@ lint: ## rustfmt, clippy -D warnings (native and wasm32)
 	$(CARGO) clippy --workspace --exclude gpuroute-filter --all-targets -- -D warnings
 	$(CARGO) clippy -p gpuroute-filter -p gpuroute-core -p gpuroute-wasm-floor --target $(WASM_TARGET) -- -D warnings
 	$(CARGO) clippy -p gpuroute-wasm-floor --features trap --target $(WASM_TARGET) --target-dir target/wasm-trap -- -D warnings
+	$(CARGO) clippy -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --target-dir target/wasm-floor-callbacks -- -D warnings
 
 validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)
@@ -85,8 +87,8 @@ bench-core: ## criterion: decision cost for 64 and 1,000 pods
 bench-sidecar: ## sidecar-metrics: CPU and round time scraping 1,000 fake vLLM pods
 	$(CARGO) run --release -p sidecar-metrics --example scrape_load -- --pods 1000 --seconds 30
 
-bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering, interleaved in quarter-second turns, with a byte-identical copy of the filter as the A/A check (~14 min); COMPARE_WASM=name=path adds another filter build; ASK=name asks that build for its prefix records every 50 ms, as the relay between replicas does
-	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(ASK),--ask $(ASK))
+bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: plain, wasm filter, dynamic module, wasm floor, native buffering, interleaved in quarter-second turns, with a byte-identical copy of the filter as the A/A check (~14 min); COMPARE_WASM=name=path adds another filter build; ASK=name asks that build for its prefix records every 50 ms, as the relay between replicas does; FLOOR_CALLBACKS=1 adds the floor with the filter's three other callbacks
+	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(ASK),--ask $(ASK)) $(if $(FLOOR_CALLBACKS),--floor-callbacks)
 
 bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above; SIM=1 adds simulated cache misses and mispredicted branches
 	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(SIM),--sim)

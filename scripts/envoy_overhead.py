@@ -176,21 +176,26 @@ def load(gateways, body_file, connections, seconds, cpu=False):
 
 
 # Gateways that route without the filter: they take no snapshot.
-REFERENCES = ("plain", "native_buffer", "wasm_floor")
+# The floor built with its `callbacks` feature (`make wasm`): also the three callbacks the filter
+# needs beyond the floor, exported empty (`--floor-callbacks`).
+FLOOR_CALLBACKS_WASM = FLOOR_WASM.parents[2] / "wasm-floor-callbacks" / "wasm32-wasip1" / "wasm-release" / FLOOR_WASM.name
+REFERENCES = ("plain", "native_buffer", "wasm_floor", "floor_callbacks")
 GATEWAYS = (*REFERENCES, "filter", "module")
 
 
-def gateway_specs(up, config, extra):
+def gateway_specs(up, config, extra, floor_callbacks=False):
     """Each gateway of the comparison as `Envoy(**spec)` arguments, in report order: plain,
-    native_buffer, wasm_floor, filter, module, then the `--compare-wasm` builds (`extra`).
-    `config` is the configuration of the filter builds; the references get `CONFIG`."""
+    native_buffer, wasm_floor (and floor_callbacks), filter, module, then the `--compare-wasm`
+    builds (`extra`). `config` is the configuration of the filter builds; the references get
+    `CONFIG`."""
     pools = [{"name": "llama", "endpoints": up.addresses()}]
     ours = dict(mode="filter", pools=pools, filter_config=config)
+    floor = dict(mode="filter", pools=pools, filter_config=dict(CONFIG, floor_endpoints=up.addresses()), runtime="wasm")
     return {
         "plain": dict(mode="round_robin", pools=pools, filter_config=CONFIG),
         "native_buffer": dict(mode="round_robin", pools=pools, filter_config=CONFIG, patch=native_buffer),
-        "wasm_floor": dict(mode="filter", pools=pools, filter_config=dict(CONFIG, floor_endpoints=up.addresses()),
-                           runtime="wasm", wasm=FLOOR_WASM),
+        "wasm_floor": dict(floor, wasm=FLOOR_WASM),
+        **({"floor_callbacks": dict(floor, wasm=FLOOR_CALLBACKS_WASM)} if floor_callbacks else {}),
         "filter": dict(ours, runtime="wasm"),
         "module": dict(ours, runtime="dynamic"),
         **{name: dict(ours, runtime="wasm", wasm=path) for name, path in extra.items()},
@@ -335,10 +340,12 @@ def main():
                     help="another build of the proxy-wasm filter to measure in the same rounds (repeatable)")
     ap.add_argument("--ask", action="append", default=[], metavar="NAME",
                     help="ask this gateway for its prefix records every 50 ms, as the relay between replicas does")
+    ap.add_argument("--floor-callbacks", action="store_true",
+                    help="also measure the floor with the three callbacks the filter needs beyond it, exported empty")
     ap.add_argument("--no-copy", action="store_true",
                     help="leave out the byte-identical copy of the filter (the method's A/A check)")
     args = ap.parse_args()
-    if not HTTPLOAD.exists() or not FLOOR_WASM.exists():
+    if not HTTPLOAD.exists() or not FLOOR_WASM.exists() or (args.floor_callbacks and not FLOOR_CALLBACKS_WASM.exists()):
         sys.exit("build first: make build")
     extra = compare_builds(args.compare_wasm)
     aa = None if args.no_copy else "copy"  # the A/A copy's name among the extra builds
@@ -351,7 +358,7 @@ def main():
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
-    gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra).items())
+    gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra, args.floor_callbacks).items())
     pusher = Pusher([gw for name, gw in gateways if name not in REFERENCES], pod_snapshot(up))
     unknown = set(args.ask) - set(extra)
     if unknown:
@@ -396,7 +403,8 @@ def main():
                   "turn_order": "rows of a Williams design (balanced Latin square), whole periods", "aa_copy": aa is not None, "latency_connections": 1, "throughput_connections": 16,
                   "machine": "the cores shared by client, gateway Envoy and upstream Envoy", **host_info()},
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-                   for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM)]},
+                   for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM),
+                                      *([("floor_callbacks", FLOOR_CALLBACKS_WASM)] if args.floor_callbacks else [])]},
         "outcomes": outcomes, "upstream_connections_per_request": conns, "asked": asked, "raw": rows,
     }
     for name, _ in gateways:
@@ -423,10 +431,13 @@ def main():
           f"CPU {p['cpu_us_per_request']:.1f} us per request):")
     labels = {"filter": "proxy-wasm filter", "module": "dynamic module", "native_buffer": "reference: Envoy's native buffer filter",
               "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)",
+              "floor_callbacks": "reference: the floor with the filter's three other callbacks exported empty "
+                                 "(response headers, response body, context deleted)",
               **{name: f"proxy-wasm filter, build '{name}' ({path})" for name, path in extra.items()}}
     if aa:
         labels[aa] = "proxy-wasm filter, a byte-identical copy (the method's A/A check)"
-    for name in ("filter", *extra, "module", "wasm_floor", "native_buffer"):
+    floors = ("wasm_floor", "floor_callbacks") if args.floor_callbacks else ("wasm_floor",)
+    for name in ("filter", *extra, "module", *floors, "native_buffer"):
         g = res[name]
         pr = g["rps_ratio_per_round"]
         print(f"  {labels[name]}:")

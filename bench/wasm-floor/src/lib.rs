@@ -20,6 +20,13 @@
 //! a trap in any module. The filter has no panic path, so nothing in it can fail on purpose;
 //! `tests/e2e/test_filter.py` uses this build to check what the shipped `failure_policy` and
 //! route tables make of a worker whose VM failed, under a real Envoy.
+//!
+//! With the `callbacks` feature (`make wasm` puts it in `target/wasm-floor-callbacks/`) the
+//! module also exports, empty, the three callbacks the filter needs beyond the floor: the
+//! response headers (the debug header), the response body (a stream's first chunk ends its
+//! prefill) and the context's deletion (the request leaves the in-flight table). Envoy calls
+//! each one it finds exported, so this build is the floor of a filter that does the filter's
+//! job with those three: `scripts/envoy_overhead.py --compare-floor` measures it.
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -232,6 +239,25 @@ pub extern "C" fn proxy_on_request_body(_context_id: u32, size: usize, end: u32)
     });
     CONTINUE
 }
+
+/// The response headers: Envoy calls it for every response once it is exported.
+#[cfg(feature = "callbacks")]
+#[no_mangle]
+pub extern "C" fn proxy_on_response_headers(_context_id: u32, _n: usize, _end: u32) -> u32 {
+    CONTINUE
+}
+
+/// Each chunk of the response body.
+#[cfg(feature = "callbacks")]
+#[no_mangle]
+pub extern "C" fn proxy_on_response_body(_context_id: u32, _size: usize, _end: u32) -> u32 {
+    CONTINUE
+}
+
+/// The end of a context (for a stream: after its access log).
+#[cfg(feature = "callbacks")]
+#[no_mangle]
+pub extern "C" fn proxy_on_delete(_context_id: u32) {}
 
 #[cfg(test)]
 mod tests {
