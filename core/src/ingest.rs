@@ -269,74 +269,50 @@ mod tests {
         r.err().map(|(why, e)| (why, e.status))
     }
 
+    /// `check_request` on `cfg` for each case: (endpoint, method, peer is loopback,
+    /// authorization, content length) and the refusal expected, as (reason, status).
+    fn check_cases(cfg: &IngestConfig, cases: &[Case]) {
+        for &(ep, method, loopback, auth, len, want) in cases {
+            let got = reason(check_request(cfg, ep, method, || loopback, auth, len));
+            assert_eq!(
+                got, want,
+                "{ep:?} {method} loopback={loopback} {auth:?} {len:?}"
+            );
+        }
+    }
+
+    type Case = (
+        Endpoint,
+        &'static str,
+        bool,
+        Option<&'static str>,
+        Option<usize>,
+        Option<(&'static str, u16)>,
+    );
+
+    const AUTH: Option<&str> = Some("Bearer secret-token");
+
     #[test]
     fn ingest_requests_are_checked_in_order() {
-        let (cfg, auth) = (config(), Some("Bearer secret-token"));
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Snapshot,
-                "GET",
-                || true,
-                auth,
-                None
-            )),
-            Some(("method", 405))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Snapshot,
-                "POST",
-                || false,
-                auth,
-                None
-            )),
-            Some(("forbidden", 403))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Snapshot,
-                "POST",
-                || true,
-                Some("Bearer x"),
-                None
-            )),
-            Some(("unauthorized", 401))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Snapshot,
-                "POST",
-                || true,
-                auth,
-                Some(101)
-            )),
-            Some(("too_large", 413))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Snapshot,
-                "POST",
-                || true,
-                auth,
-                Some(100)
-            )),
-            None
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Snapshot,
-                "POST",
-                || true,
-                auth,
-                None
-            )),
-            None
+        let (cfg, auth) = (config(), AUTH);
+        use Endpoint::Snapshot as S;
+        check_cases(
+            &cfg,
+            &[
+                (S, "GET", true, AUTH, None, Some(("method", 405))),
+                (S, "POST", false, AUTH, None, Some(("forbidden", 403))),
+                (
+                    S,
+                    "POST",
+                    true,
+                    Some("Bearer x"),
+                    None,
+                    Some(("unauthorized", 401)),
+                ),
+                (S, "POST", true, AUTH, Some(101), Some(("too_large", 413))),
+                (S, "POST", true, AUTH, Some(100), None),
+                (S, "POST", true, AUTH, None, None),
+            ],
         );
         let open = IngestConfig {
             loopback_only: false,
@@ -377,72 +353,18 @@ mod tests {
 
     #[test]
     fn the_prefix_exchange_takes_get_and_post_under_the_same_rules() {
-        let (cfg, auth) = (config(), Some("Bearer secret-token"));
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Prefix,
-                "GET",
-                || true,
-                auth,
-                None
-            )),
-            None
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Prefix,
-                "POST",
-                || true,
-                auth,
-                Some(100)
-            )),
-            None
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Prefix,
-                "PUT",
-                || true,
-                auth,
-                None
-            )),
-            Some(("method", 405))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Prefix,
-                "GET",
-                || false,
-                auth,
-                None
-            )),
-            Some(("forbidden", 403))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Prefix,
-                "GET",
-                || true,
-                None,
-                None
-            )),
-            Some(("unauthorized", 401))
-        );
-        assert_eq!(
-            reason(check_request(
-                &cfg,
-                Endpoint::Prefix,
-                "POST",
-                || true,
-                auth,
-                Some(101)
-            )),
-            Some(("too_large", 413))
+        let (cfg, auth) = (config(), AUTH);
+        use Endpoint::Prefix as P;
+        check_cases(
+            &cfg,
+            &[
+                (P, "GET", true, AUTH, None, None),
+                (P, "POST", true, AUTH, Some(100), None),
+                (P, "PUT", true, AUTH, None, Some(("method", 405))),
+                (P, "GET", false, AUTH, None, Some(("forbidden", 403))),
+                (P, "GET", true, None, None, Some(("unauthorized", 401))),
+                (P, "POST", true, AUTH, Some(101), Some(("too_large", 413))),
+            ],
         );
         // Each endpoint's refusals name what it takes.
         for (ep, what, code) in [

@@ -3,6 +3,7 @@ echo of what it received (method, path, headers, body) and says who served it in
 `x-served-by`. `GET /metrics` answers vLLM v1 exposition text whose load values the test sets
 (`set_load`). They bind 127.0.0.1 (an OS-chosen port, or a given one to come back on)."""
 
+import contextlib
 import json
 import socket
 import threading
@@ -125,3 +126,15 @@ class StubPod:
         """Comes back on the same address after close()."""
         self.dead = False
         self._serve(int(self.address.rsplit(":", 1)[1]))
+
+
+@contextlib.contextmanager
+def serving(names):
+    """Stub pods by name (a dict), all closed on leaving the block: a pytest fixture's body is
+    `with serving([...]) as pods: yield pods`."""
+    pods = {name: StubPod(name) for name in names}
+    try:
+        yield pods
+    finally:
+        for p in pods.values():
+            p.close()

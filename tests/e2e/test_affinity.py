@@ -16,7 +16,7 @@ import time
 import pytest
 
 from harness import Envoy, Pusher, Sidecar, free_port
-from stubpod import StubPod
+from stubpod import serving
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
 GROUPS = 40
@@ -25,10 +25,8 @@ TURNS = 5
 
 @pytest.fixture(scope="module")
 def pods():
-    ps = [StubPod(f"pod-{i}") for i in range(8)]
-    yield ps
-    for p in ps:
-        p.close()
+    with serving([f"pod-{i}" for i in range(8)]) as pods:
+        yield list(pods.values())
 
 
 def loaded_pools(pods):

@@ -11,8 +11,8 @@ from collections import Counter
 
 import pytest
 
-from harness import RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, now_ms, pod_picks_stat, snapshot
-from stubpod import StubPod
+from harness import RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, pod_picks_stat, snapshot
+from stubpod import StubPod, serving
 
 CONFIG = {
     "pools": [
@@ -30,10 +30,8 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def pods():
-    ps = {name: StubPod(name) for name in ["llama-0", "llama-1", "llama-2", "qwen-0"]}
-    yield ps
-    for p in ps.values():
-        p.close()
+    with serving(["llama-0", "llama-1", "llama-2", "qwen-0"]) as pods:
+        yield pods
 
 
 def pools_of(pods):

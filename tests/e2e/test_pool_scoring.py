@@ -4,7 +4,7 @@ pools on the same snapshot, one that takes older metrics than the other."""
 import pytest
 
 from harness import STAT_PREFIX, Envoy, now_ms, snapshot
-from stubpod import StubPod
+from stubpod import serving
 
 CONFIG = {
     "pools": [
@@ -17,10 +17,8 @@ CONFIG = {
 
 @pytest.fixture(scope="module")
 def pods():
-    ps = {name: StubPod(name) for name in ["chat-0", "chat-1", "batch-0", "batch-1"]}
-    yield ps
-    for p in ps.values():
-        p.close()
+    with serving(["chat-0", "chat-1", "batch-0", "batch-1"]) as pods:
+        yield pods
 
 
 @pytest.fixture(scope="module")

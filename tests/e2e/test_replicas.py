@@ -11,7 +11,7 @@ import time
 import pytest
 
 from harness import STAT_PREFIX, TOKEN, Envoy, Pusher
-from stubpod import StubPod
+from stubpod import serving
 
 PREFIX = "/gpuroute/v1/prefix"
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
@@ -62,10 +62,8 @@ def prefix_scores(h):
 
 @pytest.fixture(scope="module")
 def pods():
-    ps = [StubPod(f"pod-{i}") for i in range(4)]
-    yield ps
-    for p in ps:
-        p.close()
+    with serving([f"pod-{i}" for i in range(4)]) as pods:
+        yield list(pods.values())
 
 
 def gateway(pods, loads=None):

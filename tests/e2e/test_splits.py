@@ -7,7 +7,7 @@ import json
 import pytest
 
 from harness import STAT_PREFIX, Envoy, snapshot
-from stubpod import StubPod
+from stubpod import serving
 
 CONFIG = {
     "pools": [
@@ -27,10 +27,8 @@ POOL_MODEL = {"stable": "chat-v1", "canary": "chat-v2"}
 
 @pytest.fixture(scope="module")
 def pods():
-    ps = {name: StubPod(name) for name in POD_POOL}
-    yield ps
-    for p in ps.values():
-        p.close()
+    with serving(POD_POOL) as pods:
+        yield pods
 
 
 @pytest.fixture(scope="module")
