@@ -112,11 +112,16 @@ impl Export {
     /// Adds exporter `id`'s records newer than the cursor, from their encoding (a worker's
     /// shared-data value). The next cursor holds only the exporters added: a worker gone since
     /// drops out of it.
+    /// The records are copied as they are encoded, not decoded.
     pub fn add_encoded(&mut self, id: u32, encoded: &[u8]) {
         let after = self.after.get(id);
-        let mut records = Vec::new();
-        SyncLog::decode_after(encoded, after, &mut records);
-        self.add(id, after, records.iter());
+        let mut newest = after;
+        for (seq, bytes) in crate::prefix::encoded_after(encoded, after) {
+            self.body.extend_from_slice(bytes);
+            self.records += 1;
+            newest = newest.max(seq);
+        }
+        self.next.set(id, newest);
     }
 
     /// Adds exporter `id`'s records newer than the cursor, from its log.

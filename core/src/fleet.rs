@@ -42,6 +42,14 @@ pub struct PodState {
 }
 
 impl PodState {
+    /// Healthy, with metrics no older than `stale_after_ms` (`snapshot_age_ms` after the
+    /// snapshot was accepted): the picker's candidate rule, before ramp-up and saturation.
+    #[inline]
+    pub fn fresh(&self, snapshot_age_ms: u64, stale_after_ms: u64) -> bool {
+        self.snap.healthy
+            && snapshot_age_ms.saturating_add(self.age_at_generation_ms) <= stale_after_ms
+    }
+
     fn new(snap: PodSnapshot, generated_at_ms: u64) -> PodState {
         let (lora_running, lora_waiting) = match &snap.lora {
             Some(l) => (
@@ -84,14 +92,11 @@ pub struct PoolState {
 }
 
 impl PoolState {
-    /// Whether any pod could take a request: healthy, with metrics no older than
-    /// `stale_after_ms` (`snapshot_age_ms` after the snapshot was accepted). The picker's
-    /// candidate rule, before ramp-up and saturation.
+    /// Whether any pod could take a request ([`PodState::fresh`]).
     pub fn serving(&self, snapshot_age_ms: u64, stale_after_ms: u64) -> bool {
-        self.pods.iter().any(|p| {
-            p.snap.healthy
-                && snapshot_age_ms.saturating_add(p.age_at_generation_ms) <= stale_after_ms
-        })
+        self.pods
+            .iter()
+            .any(|p| p.fresh(snapshot_age_ms, stale_after_ms))
     }
 }
 

@@ -51,7 +51,7 @@ impl StoredHeader {
 pub type Refusal = (&'static str, ApiError);
 
 /// The two endpoints of the ingest configuration, under one token, peer rule and size limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Endpoint {
     /// `ingest.path`: `POST` of a snapshot.
     Snapshot,
@@ -61,6 +61,8 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
+    pub const ALL: [Endpoint; 2] = [Endpoint::Snapshot, Endpoint::Prefix];
+
     /// Which endpoint `path` (without its query) is, if either.
     pub fn of(cfg: &IngestConfig, path: &str) -> Option<Endpoint> {
         if cfg.path == path {

@@ -232,8 +232,7 @@ impl Picker {
         // (pod index, load, saturated, expected wait: filled in once the candidates are known).
         let mut cands: Vec<(usize, Load, bool, f64)> = Vec::with_capacity(pool.pods.len());
         for (i, pod) in pool.pods.iter().enumerate() {
-            let age = snapshot_age_ms.saturating_add(pod.age_at_generation_ms);
-            if !pod.snap.healthy || age > sc.stale_after_ms {
+            if !pod.fresh(snapshot_age_ms, sc.stale_after_ms) {
                 continue;
             }
             let w = pod.snap.ramp_weight;

@@ -326,24 +326,14 @@ impl SyncLog {
     /// the records decoded before the fault: it is only a hint.
     pub fn decode_after(bytes: &[u8], after: u64, out: &mut Vec<SyncRecord>) {
         out.clear();
-        let Some(mut rest) = bytes.strip_prefix(SYNC_MAGIC.as_slice()) else {
+        let Some(records) = raw_records(bytes) else {
             return;
         };
-        while rest.len() >= 17 {
-            let seq = u64::from_le_bytes(take8(rest, 0));
-            let pod = u64::from_le_bytes(take8(rest, 8));
-            let n = rest[16] as usize;
-            let need = 17 + n * 8;
-            if rest.len() < need {
-                return;
+        // Up to the first record cut short; older records' anchors are never decoded.
+        for r in records.map_while(Result::ok) {
+            if r.seq > after {
+                out.push(r.record());
             }
-            if seq > after {
-                let anchors = (0..n)
-                    .map(|i| u64::from_le_bytes(take8(rest, 17 + i * 8)))
-                    .collect();
-                out.push(SyncRecord { seq, pod, anchors });
-            }
-            rest = &rest[need..];
         }
     }
 }
@@ -375,32 +365,78 @@ pub fn append_record(out: &mut Vec<u8>, r: &SyncRecord) {
 /// `sidecar-metrics`): unlike [`SyncLog::decode_after`], anything malformed refuses the whole
 /// body, naming the fault, and so do more than `max_records` records.
 pub fn decode_records(bytes: &[u8], max_records: usize) -> Result<Vec<SyncRecord>, String> {
-    let Some(mut rest) = bytes.strip_prefix(SYNC_MAGIC.as_slice()) else {
+    let Some(records) = raw_records(bytes) else {
         return Err("prefix records must start with GPX1".into());
     };
     let mut out = Vec::new();
-    while !rest.is_empty() {
+    for r in records {
         if out.len() == max_records {
             return Err(format!("more than {max_records} prefix records"));
         }
-        if rest.len() < 17 {
+        let Ok(r) = r else {
             return Err(format!("prefix record {} is truncated", out.len()));
-        }
-        let n = rest[16] as usize;
-        let need = 17 + n * 8;
-        if rest.len() < need {
-            return Err(format!("prefix record {} is truncated", out.len()));
-        }
-        out.push(SyncRecord {
-            seq: u64::from_le_bytes(take8(rest, 0)),
-            pod: u64::from_le_bytes(take8(rest, 8)),
-            anchors: (0..n)
-                .map(|i| u64::from_le_bytes(take8(rest, 17 + i * 8)))
-                .collect(),
-        });
-        rest = &rest[need..];
+        };
+        out.push(r.record());
     }
     Ok(out)
+}
+
+/// The records of an encoding newer than `after`, each as (sequence, its bytes as encoded), up
+/// to the first record cut short: what [`SyncLog::decode_after`] decodes, left encoded.
+pub(crate) fn encoded_after(bytes: &[u8], after: u64) -> impl Iterator<Item = (u64, &[u8])> {
+    raw_records(bytes)
+        .into_iter()
+        .flatten()
+        .map_while(Result::ok)
+        .filter(move |r| r.seq > after)
+        .map(|r| (r.seq, r.bytes))
+}
+
+/// One record of an encoding, its anchors not decoded yet.
+struct RawRecord<'a> {
+    /// The whole record as encoded.
+    bytes: &'a [u8],
+    seq: u64,
+    pod: u64,
+    /// `8 * n` bytes: the anchors, little-endian.
+    anchors: &'a [u8],
+}
+
+impl RawRecord<'_> {
+    fn record(&self) -> SyncRecord {
+        SyncRecord {
+            seq: self.seq,
+            pod: self.pod,
+            anchors: self
+                .anchors
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(take8(c, 0)))
+                .collect(),
+        }
+    }
+}
+
+/// The records of an encoding ([`encode_records`]) in order, `None` without the `GPX1` magic;
+/// a record cut short comes as `Err(())`, and nothing after it.
+fn raw_records(bytes: &[u8]) -> Option<impl Iterator<Item = Result<RawRecord<'_>, ()>>> {
+    let mut rest = bytes.strip_prefix(SYNC_MAGIC.as_slice())?;
+    Some(std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let n = rest.get(16).map_or(0, |n| usize::from(*n));
+        let Some((head, tail)) = rest.split_at_checked(17 + n * 8) else {
+            rest = &[];
+            return Some(Err(()));
+        };
+        rest = tail;
+        Some(Ok(RawRecord {
+            bytes: head,
+            seq: u64::from_le_bytes(take8(head, 0)),
+            pod: u64::from_le_bytes(take8(head, 8)),
+            anchors: head.get(17..).unwrap_or_default(),
+        }))
+    }))
 }
 
 const BOARD_MAGIC: &[u8; 4] = b"GPQ1";

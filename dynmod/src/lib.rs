@@ -58,7 +58,7 @@ const REJECTED: &[&str] = &[
     "unsupported_content_encoding",
     "other",
 ];
-const SNAPSHOT_REJECTED: &[&str] = &[
+const INGEST_REJECTED: &[&str] = &[
     "method",
     "forbidden",
     "unauthorized",
@@ -109,8 +109,8 @@ struct Metrics {
     /// Per split, one id per target, in configuration order, and the `rerouted` counter's.
     split: HashMap<String, (Vec<Option<usize>>, Option<usize>)>,
     rejected: HashMap<&'static str, Option<usize>>,
-    snapshot_rejected: HashMap<&'static str, Option<usize>>,
-    prefix_rejected: HashMap<&'static str, Option<usize>>,
+    /// `gpuroute.<endpoint>.rejected.<reason>`, by endpoint and reason.
+    ingest_rejected: HashMap<(Endpoint, &'static str), Option<usize>>,
     prefix_exported: Option<usize>,
     prefix_imported: Option<usize>,
     snapshot_accepted: Option<usize>,
@@ -159,8 +159,15 @@ impl Metrics {
             split,
             fail_open: named("gpuroute.fail_open", FAIL_OPEN),
             rejected: named("gpuroute.rejected", REJECTED),
-            snapshot_rejected: named("gpuroute.snapshot.rejected", SNAPSHOT_REJECTED),
-            prefix_rejected: named("gpuroute.prefix.rejected", SNAPSHOT_REJECTED),
+            ingest_rejected: Endpoint::ALL
+                .iter()
+                .flat_map(|ep| {
+                    let prefix = format!("gpuroute.{}.rejected", ep.stat());
+                    named(&prefix, INGEST_REJECTED)
+                        .into_iter()
+                        .map(move |(r, id)| ((*ep, r), id))
+                })
+                .collect(),
             prefix_exported: d.counter("gpuroute.prefix.exported", &[]),
             prefix_imported: d.counter("gpuroute.prefix.imported", &[]),
             snapshot_accepted: d.counter("gpuroute.snapshot.accepted", &[]),
@@ -199,11 +206,7 @@ impl Metrics {
 
     /// `gpuroute.<endpoint>.rejected.<reason>`.
     fn ingest_rejected_id(&self, ep: Endpoint, reason: &'static str) -> Option<usize> {
-        let by_reason = match ep {
-            Endpoint::Snapshot => &self.snapshot_rejected,
-            Endpoint::Prefix => &self.prefix_rejected,
-        };
-        by_reason.get(reason).copied().flatten()
+        self.ingest_rejected.get(&(ep, reason)).copied().flatten()
     }
 }
 

@@ -728,8 +728,7 @@ impl Http {
             self.head.content_length,
         );
         if let Err((reason, e)) = checked {
-            w.stats
-                .inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));
+            w.stats.ingest_rejected(endpoint, reason);
             return self.reply_error(&e);
         }
         let current = match endpoint {
@@ -791,7 +790,7 @@ impl Http {
         let records = match prefix::decode_records(&body, exchange::MAX_IMPORT_RECORDS) {
             Ok(r) => r,
             Err(msg) => {
-                w.stats.inc("gpuroute.prefix.rejected.invalid");
+                w.stats.ingest_rejected(Endpoint::Prefix, "invalid");
                 return self.reply_error(&ApiError::bad_prefix_records(msg));
             }
         };
@@ -838,7 +837,7 @@ impl Http {
                 } else {
                     "invalid"
                 };
-                w.stats.inc(&format!("gpuroute.snapshot.rejected.{reason}"));
+                w.stats.ingest_rejected(Endpoint::Snapshot, reason);
                 host::log(
                     LogLevel::Warn,
                     &format!("gpuroute: snapshot rejected: {}", e.message),
@@ -858,7 +857,7 @@ impl Http {
             let (old, cas) = host::get_shared(SNAPSHOT_KEY);
             if let Some(h) = old.as_deref().and_then(StoredHeader::decode) {
                 if h.version >= snap.version {
-                    w.stats.inc("gpuroute.snapshot.rejected.invalid");
+                    w.stats.ingest_rejected(Endpoint::Snapshot, "invalid");
                     return self.reply_error(&ApiError::bad_snapshot(format!(
                         "snapshot version {} is not newer than the current version {}",
                         snap.version, h.version
@@ -1115,8 +1114,7 @@ impl Http {
                     .as_ref()
                     .map(|i| ingest::check_size(i, endpoint, body_size));
                 if let Some(Err((reason, e))) = checked {
-                    w.stats
-                        .inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));
+                    w.stats.ingest_rejected(endpoint, reason);
                     return self.reply_error(&e);
                 }
                 if !end_of_stream {

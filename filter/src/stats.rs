@@ -25,6 +25,7 @@ use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::fleet::stat_segment as sanitize;
 use gpuroute_core::idmap::{IdMap, NameMap};
+use gpuroute_core::ingest::Endpoint;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
 
 /// Metric ids, defined lazily and cached per worker.
@@ -84,6 +85,11 @@ impl Stats {
         if rerouted {
             self.inc(&split_rerouted_stat(split));
         }
+    }
+
+    /// A refused request to an ingest endpoint: `gpuroute.<endpoint>.rejected.<reason>`.
+    pub fn ingest_rejected(&mut self, endpoint: Endpoint, reason: &str) {
+        self.inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));
     }
 
     pub fn pool_outcome(&mut self, pool: &str, outcome: &str) {
