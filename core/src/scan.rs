@@ -744,8 +744,8 @@ fn special(b: &[u8]) -> Option<usize> {
 /// `.cargo/config.toml`; V8 compiles it to SSE/AVX or NEON), thirty-two bytes per iteration. The
 /// control-character test is a signed less-than (one SSE instruction; the unsigned one is a
 /// sequence), which also flags every byte >= 0x80: those are dropped from the mask when it is
-/// not empty (a byte's top bit is the mask of `u8x16_bitmask(x)`), so non-ASCII text costs one
-/// more instruction per block that holds some, and ASCII text nothing.
+/// not empty (a byte's top bit is the mask of `u8x16_bitmask(x)`), so a block holding non-ASCII
+/// text costs a few more instructions, and ASCII text none.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 fn special_simd128(b: &[u8]) -> Option<usize> {
     use std::arch::wasm32::*;
