@@ -205,6 +205,18 @@ impl ApiError {
         ApiError::new(400, "invalid_request_error", message).code("invalid_prefix_records")
     }
 
+    /// 503: an ingest endpoint accepted a body but could not store it (Envoy's shared data
+    /// kept changing under the compare-and-swap, or refused the write); the pusher may send it
+    /// again.
+    pub fn not_stored(what: &str) -> ApiError {
+        ApiError::new(
+            503,
+            "service_unavailable_error",
+            format!("could not store the {what}; retry"),
+        )
+        .code("not_stored")
+    }
+
     /// 413 for a snapshot over the ingest limit.
     pub fn snapshot_too_large(message: impl Into<String>) -> ApiError {
         ApiError::ingest_too_large("snapshot_too_large", message)
@@ -282,6 +294,21 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_store_failure_is_a_503_naming_what_was_not_stored() {
+        for what in ["snapshot", "prefix records"] {
+            let e = ApiError::not_stored(what);
+            assert_eq!(e.status, 503);
+            let v: serde_json::Value = serde_json::from_str(&e.to_json()).unwrap();
+            assert_eq!(v["error"]["type"], "service_unavailable_error");
+            assert_eq!(v["error"]["code"], "not_stored");
+            assert_eq!(
+                v["error"]["message"],
+                format!("could not store the {what}; retry")
+            );
+        }
+    }
+
+    #[test]
     fn shape_matches_openai() {
         let v: serde_json::Value =
             serde_json::from_str(&ApiError::model_not_found("gpt-9").to_json()).unwrap();
@@ -316,6 +343,7 @@ mod tests {
             ),
             (ApiError::shed("p"), 429, "rate_limit_error"),
             (ApiError::no_endpoints("p"), 503, "overloaded_error"),
+            (ApiError::not_stored("snapshot"), 503, "overloaded_error"),
         ];
         for (e, status, kind) in cases {
             assert_eq!(e.status, status);

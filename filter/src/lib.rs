@@ -814,9 +814,8 @@ impl Http {
                 })
             });
             if told.is_none() {
-                let mut e = ApiError::bad_prefix_records("could not store the records; retry");
-                e.status = 503;
-                return self.reply_error(&e);
+                w.stats.ingest_rejected(Endpoint::Prefix, "not_stored");
+                return self.reply_error(&ApiError::not_stored("prefix records"));
             }
         }
         w.stats
@@ -870,9 +869,8 @@ impl Http {
             }
         }
         if !stored_ok || host::set_shared(SNAPSHOT_VERSION_KEY, &header.encode(), None).is_err() {
-            let mut e = ApiError::bad_snapshot("could not store the snapshot; retry");
-            e.status = 503;
-            return self.reply_error(&e);
+            w.stats.ingest_rejected(Endpoint::Snapshot, "not_stored");
+            return self.reply_error(&ApiError::not_stored("snapshot"));
         }
         let pods: usize = snap.pools.iter().map(|p| p.pods.len()).sum();
         w.stats.inc("gpuroute.snapshot.accepted");
