@@ -11,7 +11,7 @@
 use crate::config::FilterConfig;
 use crate::error::{ApiError, ErrorStyle};
 use crate::idmap::NameMap;
-use crate::rng::mix64;
+use crate::prefix;
 use serde::Serialize;
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -41,34 +41,39 @@ pub struct Split {
     pub name: String,
     /// Seeds the key hash, so two splits divide the same conversations independently.
     seed: u64,
-    /// The targets (each rewrites the body's `model`), with the running sum of the weights up
-    /// to and including each.
-    targets: Vec<(Arc<Target>, u64)>,
-    total: u64,
+    /// The targets (each rewrites the body's `model`), each with its weight and its rendezvous
+    /// identity (a hash of its served name).
+    targets: Vec<SplitTarget>,
+}
+
+#[derive(Debug, Clone)]
+struct SplitTarget {
+    target: Arc<Target>,
+    weight: u32,
+    /// Hashed from the served name, not the position: reordering the configuration moves no
+    /// conversation.
+    id: u64,
 }
 
 impl Split {
-    /// The target for a request whose split key ([`Split::key`]) is `key`: target `i` takes the
-    /// keys in its weight's share of the 64-bit range, so the shares follow the weights and a
-    /// key always gets the same target while the weights stay the same.
-    /// None only for a split without targets, which `RoutingTable::new` never builds.
+    /// The target for a request whose split key ([`Split::key`]) is `key`: weighted rendezvous
+    /// over the targets with a weight (each scores `weight / -ln(u)`, `u` the key's uniform hash
+    /// with the target's identity; the highest wins, [`prefix::weighted_hrw`]). So each target
+    /// takes a share of the keys proportional to its weight, a key always gets the same target
+    /// while the weights stay the same, and, for any number of targets, changing one target's
+    /// weight moves keys only to or from that target (adding a target only takes keys to it,
+    /// removing one moves only its own). None only for a split without a weighted target,
+    /// which `RoutingTable::new` never builds.
     pub fn pick(&self, key: u64) -> Option<(usize, &Arc<Target>)> {
-        let point = scaled(key, self.total);
-        let mut last = None;
-        for (i, (t, upto)) in self.targets.iter().enumerate() {
-            if point < *upto {
-                return Some((i, t));
-            }
-            last = Some((i, t));
-        }
-        last
+        self.best(key, |_, _| true)
     }
 
     /// [`Split::pick`], unless its target cannot serve (`serving` says no: its pool has no
     /// healthy pod with fresh metrics) while another target with a weight can: then the key
-    /// goes to one of those, in proportion to their weights. A key whose own target serves
-    /// keeps it, so only the conversations of the target that is down move, and they come
-    /// back when it serves again. The flag says the key was moved.
+    /// goes to its best-scoring target among those, which spreads the moved keys over them in
+    /// proportion to their weights. A key whose own target serves keeps it, so only the
+    /// conversations of the target that is down move, and they come back when it serves again.
+    /// The flag says the key was moved.
     pub fn pick_serving(
         &self,
         key: u64,
@@ -78,22 +83,31 @@ impl Split {
         if serving(first) {
             return Some((i, first, false));
         }
-        let mut up = Vec::with_capacity(self.targets.len());
-        let mut total = 0u64;
-        for (j, (t, weight)) in self.targets().enumerate() {
-            if j != i && weight > 0 && serving(t) {
-                total += weight;
-                up.push((j, total));
+        let moved = self.best(key, |j, t| j != i && serving(t));
+        // No other target serves: the key keeps its own (Envoy's balancing takes it there).
+        Some(match moved {
+            Some((j, t)) => (j, t, true),
+            None => (i, first, false),
+        })
+    }
+
+    /// The highest-scoring target with a weight among those `admit` takes (the first on a tie).
+    fn best(
+        &self,
+        key: u64,
+        admit: impl Fn(usize, &Target) -> bool,
+    ) -> Option<(usize, &Arc<Target>)> {
+        let mut best: Option<(f64, usize, &Arc<Target>)> = None;
+        for (j, t) in self.targets.iter().enumerate() {
+            if t.weight == 0 || !admit(j, &t.target) {
+                continue;
+            }
+            let score = prefix::weighted_hrw(key, t.id, f64::from(t.weight));
+            if best.is_none_or(|(b, _, _)| score > b) {
+                best = Some((score, j, &t.target));
             }
         }
-        // A second, independent point for the key, over the serving targets' weights only.
-        let point = scaled(mix64(key), total);
-        let moved = up
-            .iter()
-            .find(|(_, upto)| point < *upto)
-            .and_then(|(j, _)| Some((*j, &self.targets.get(*j)?.0, true)));
-        // No other target serves: the key keeps its own (Envoy's balancing takes it there).
-        Some(moved.unwrap_or((i, first, false)))
+        best.map(|(_, j, t)| (j, t))
     }
 
     /// The split key of a request whose identifying text is `text` (a conversation's leading
@@ -104,25 +118,17 @@ impl Split {
 
     /// Each target and its weight, in configuration order.
     pub fn targets(&self) -> impl Iterator<Item = (&Target, u64)> + '_ {
-        let mut below = 0;
-        self.targets.iter().map(move |(t, upto)| {
-            let weight = upto - below;
-            below = *upto;
-            (t.as_ref(), weight)
-        })
+        self.targets
+            .iter()
+            .map(|t| (t.target.as_ref(), u64::from(t.weight)))
     }
 
     /// The served name of target `i`, as configured.
     pub fn target_name(&self, i: usize) -> &str {
         self.targets
             .get(i)
-            .map_or("", |(t, _)| t.requested.as_str())
+            .map_or("", |t| t.target.requested.as_str())
     }
-}
-
-/// `key * total / 2^64`: a point in `0..total`, uniform for uniform keys (no modulo bias).
-fn scaled(key: u64, total: u64) -> u64 {
-    ((u128::from(key) * u128::from(total)) >> 64) as u64
 }
 
 /// What a model name resolves to.
@@ -154,6 +160,8 @@ pub fn split_rerouted_stat(split: &str) -> String {
 
 /// Seed domain of split keys.
 const SPLIT_SEED: u64 = 0x7370_6c69_7473_6565;
+/// Seeds a split target's rendezvous identity ([`SplitTarget::id`]).
+const SPLIT_TARGET_SEED: u64 = 0x7370_6c69_745f_7467;
 
 /// Every name the gateway serves.
 #[derive(Debug, Clone)]
@@ -314,28 +322,29 @@ impl RoutingTable {
             if let Some(first) = targets.first().and_then(|t| by_name.get(&t.model)) {
                 cards.push(card(name, first.base_model.as_str(), None));
             }
-            let mut upto = 0u64;
-            let targets: Vec<(Arc<Target>, u64)> = targets
+            let targets: Vec<SplitTarget> = targets
                 .iter()
                 .filter_map(|t| {
                     let served = by_name.get(&t.model)?;
-                    upto += u64::from(t.weight);
                     let rewritten = Target {
                         rewrite: true,
                         ..Target::clone(served)
                     };
-                    Some((Arc::new(rewritten), upto))
+                    Some(SplitTarget {
+                        target: Arc::new(rewritten),
+                        weight: t.weight,
+                        id: xxh64(t.model.as_bytes(), SPLIT_TARGET_SEED),
+                    })
                 })
                 .collect();
-            // Validation guarantees targets and a positive total; a split without them is left
-            // out (its name then answers 404), so `pick` always has a target to return.
-            if targets.is_empty() || upto == 0 {
+            // Validation guarantees a target with a positive weight; a split without one is
+            // left out (its name then answers 404), so `pick` always has a target to return.
+            if targets.iter().all(|t| t.weight == 0) {
                 continue;
             }
             let split = Split {
                 name: name.clone(),
                 seed: xxh64(name.as_bytes(), SPLIT_SEED),
-                total: upto,
                 targets,
             };
             splits.insert(name.clone(), Arc::new(split));
@@ -476,6 +485,9 @@ mod tests {
         }
     }
 
+    /// [`every_build_picks_the_same_targets`]: the chat split's picks of 10,000 keys, folded.
+    const DIGEST: u64 = 0xf1b0_52f8_23d7_35ee;
+
     const SPLIT_CFG: &str = r#"{"pools":[
         {"name":"llama","models":["llama-3-8b"],"adapters":["sql-v1","sql-v2"]},
         {"name":"llama-next","models":["llama-3.1-8b"]}],
@@ -509,14 +521,22 @@ mod tests {
         let share = counts[0] as f64 / n as f64;
         assert!((0.24..0.26).contains(&share), "{counts:?}");
         assert_eq!(counts[2], 0, "a weight of 0 drains its target");
-        let (_, first) = chat.pick(0).unwrap();
+        // The first key that takes target `i`.
+        let taking = |s: &Split, i: usize| {
+            (0..1_000u64)
+                .map(|k| s.pick(k).unwrap())
+                .find(|(j, _)| *j == i)
+                .map(|(_, t)| Arc::clone(t))
+                .unwrap()
+        };
+        let first = taking(chat, 0);
         assert_eq!((first.pool, first.model.as_str()), (0, "llama-3-8b"));
-        let (_, last) = chat.pick(u64::MAX).unwrap();
-        assert_eq!((last.pool, last.model.as_str()), (1, "llama-3.1-8b"));
+        let second = taking(chat, 1);
+        assert_eq!((second.pool, second.model.as_str()), (1, "llama-3.1-8b"));
         // Adapters keep their base model and pool.
         let sql = split(&t, "sql");
-        let (i, v2) = sql.pick(u64::MAX).unwrap();
-        assert_eq!(sql.target_name(i), "sql-v2");
+        let v2 = taking(sql, 1);
+        assert_eq!(sql.target_name(1), "sql-v2");
         assert_eq!(
             (v2.adapter.as_deref(), v2.base_model.as_str(), v2.rewrite),
             (Some("sql-v2"), "llama-3-8b", true)
@@ -549,6 +569,83 @@ mod tests {
         }
         // A twentieth (1,000 expected; a standard deviation of ~31).
         assert!((850..1150).contains(&moved), "{moved}");
+    }
+
+    /// With three targets and more: a weight change moves keys only to or from the target whose
+    /// weight changed; a new target only takes keys; the order of the targets does not matter.
+    #[test]
+    fn with_any_number_of_targets_only_the_changed_target_gains_or_loses_keys() {
+        let split_of = |targets: &[(&str, u32)]| {
+            let list: Vec<String> = targets
+                .iter()
+                .map(|(m, w)| format!(r#"{{"model":"{m}","weight":{w}}}"#))
+                .collect();
+            let cfg = format!(
+                r#"{{"pools":[{{"name":"p","models":["a","b","c","d"]}}],
+                   "splits":{{"s":[{}]}}}}"#,
+                list.join(",")
+            );
+            let t = table(&cfg);
+            split(&t, "s").clone()
+        };
+        let name = |s: &Split, key: u64| s.target_name(s.pick(key).unwrap().0).to_string();
+        let base = split_of(&[("a", 50), ("b", 30), ("c", 20)]);
+        let cases: [(&[(&str, u32)], &str); 4] = [
+            // c from 20 to 40: keys only move a -> c and b -> c.
+            (&[("a", 50), ("b", 30), ("c", 40)], "c"),
+            // a from 50 to 10: keys only leave a.
+            (&[("a", 10), ("b", 30), ("c", 20)], "a"),
+            // d added: keys only go to d.
+            (&[("a", 50), ("b", 30), ("c", 20), ("d", 25)], "d"),
+            // The same weights in another order: nothing moves (no target changed).
+            (&[("c", 20), ("a", 50), ("b", 30)], ""),
+        ];
+        let n = 20_000;
+        for (targets, changed) in cases {
+            let after = split_of(targets);
+            let mut moved = 0usize;
+            for i in 0..n {
+                let key = base.key(format!("c{i}").as_bytes());
+                let (was, now) = (name(&base, key), name(&after, key));
+                if was != now {
+                    assert!(
+                        was == changed || now == changed,
+                        "{targets:?}: {was} -> {now} does not involve {changed:?}"
+                    );
+                    moved += 1;
+                }
+            }
+            // The shares that changed hands: c 20/100 -> 40/120 (a third of the keys minus a
+            // fifth: 2,667 expected), a 50/100 -> 10/60 (6,667), d 0 -> 25/125 (4,000).
+            let expected: usize = match changed {
+                "c" => 2_667,
+                "a" => 6_667,
+                "d" => 4_000,
+                _ => 0,
+            };
+            let tolerance = if expected == 0 { 0 } else { 400 };
+            assert!(
+                moved.abs_diff(expected) <= tolerance,
+                "{targets:?}: {moved} moved, {expected} expected"
+            );
+        }
+    }
+
+    /// The picks depend only on the key and the configuration, in every build: the filter
+    /// (wasm32, its `ln` from wasi-libc) and the dynamic module (native, the system's) must send
+    /// a conversation to the same version. The digest was taken natively; `make wasm-test` runs
+    /// this compiled to wasm32.
+    #[test]
+    fn every_build_picks_the_same_targets() {
+        let t = table(SPLIT_CFG);
+        let chat = split(&t, "chat");
+        let mut digest = 0u64;
+        for i in 0..10_000u64 {
+            let key = chat.key(format!("conversation {i}").as_bytes());
+            let (j, _) = chat.pick(key).unwrap();
+            digest = xxh64(&[j as u8], digest);
+        }
+        assert_eq!(digest, DIGEST, "{digest:#x}");
     }
 
     #[test]
