@@ -51,9 +51,17 @@ pub fn hrw_weight(key: u64, pod: u64) -> u64 {
 /// for a share of keys proportional to its weight, and removing a pod moves only its own keys.
 #[inline]
 pub fn weighted_hrw(key: u64, pod: u64, weight: f64) -> f64 {
-    // u in (0, 1]: never 0, so -ln(u) is finite; ln(1) = 0 gives +inf, the top score.
+    // u in (0, 1]: never 0, so -ln(u) is finite.
     let u = ((hrw_weight(key, pod) >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
-    weight / -u.ln()
+    weighted_score(u, weight)
+}
+
+/// `weight / -ln(u)` for `u` in (0, 1]. Written `0.0 - ln(u)`: at `u = 1`, `ln(u)` is `+0.0`,
+/// and `-(+0.0)` is `-0.0`, which would make the top draw the bottom score (`-inf`); `0.0 -
+/// 0.0` is `+0.0`, so it scores `+inf`, the top. Elsewhere the two are the same number.
+#[inline]
+fn weighted_score(u: f64, weight: f64) -> f64 {
+    weight / (0.0 - u.ln())
 }
 
 /// A recorded depth and the chain hash at that depth.
@@ -741,6 +749,15 @@ mod tests {
         log.start_after(5);
         log.push(8, &[80]);
         assert_eq!(log.last_seq(), crate::workers::seq_base(2) + 2);
+    }
+
+    #[test]
+    fn the_top_draw_scores_highest() {
+        // u = 1 (the hash's largest value) wins against every other draw, as ln's ordering says.
+        assert_eq!(weighted_score(1.0, 2.0), f64::INFINITY);
+        assert!(weighted_score(1.0 - f64::EPSILON, 2.0) > weighted_score(0.5, 2.0));
+        assert!(weighted_score(0.5, 2.0) > weighted_score(0.5, 1.0));
+        assert_eq!(weighted_score(0.5, 1.0), 1.0 / 2f64.ln());
     }
 
     proptest! {
