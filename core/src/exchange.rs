@@ -111,8 +111,7 @@ impl Export {
 
     /// Adds exporter `id`'s records newer than the cursor, from their encoding (a worker's
     /// shared-data value). The next cursor holds only the exporters added: a worker gone since
-    /// drops out of it.
-    /// The records are copied as they are encoded, not decoded.
+    /// drops out of it. The records are copied as they are encoded, not decoded.
     pub fn add_encoded(&mut self, id: u32, encoded: &[u8]) {
         let after = self.after.get(id);
         let mut newest = after;

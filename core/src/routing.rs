@@ -547,17 +547,28 @@ mod tests {
         assert_ne!(sql.key(b"same text"), chat.key(b"same text"));
     }
 
+    /// Split `s` over `targets` (served name, weight), each a model of one pool.
+    fn split_of(targets: &[(&str, u32)]) -> Split {
+        let models: Vec<String> = targets.iter().map(|(m, _)| format!("{m:?}")).collect();
+        let list: Vec<String> = targets
+            .iter()
+            .map(|(m, w)| format!(r#"{{"model":"{m}","weight":{w}}}"#))
+            .collect();
+        let cfg = format!(
+            r#"{{"pools":[{{"name":"p","models":[{}]}}],"splits":{{"s":[{}]}}}}"#,
+            models.join(","),
+            list.join(",")
+        );
+        let t = table(&cfg);
+        Split::clone(split(&t, "s"))
+    }
+
     #[test]
     fn changing_two_weights_moves_only_the_share_that_changed_hands() {
-        let split_of = |a: u32, b: u32| {
-            let cfg = format!(
-                r#"{{"pools":[{{"name":"p","models":["v1","v2"]}}],
-                   "splits":{{"s":[{{"model":"v1","weight":{a}}},{{"model":"v2","weight":{b}}}]}}}}"#
-            );
-            let t = table(&cfg);
-            split(&t, "s").clone()
-        };
-        let (before, after) = (split_of(95, 5), split_of(90, 10));
+        let (before, after) = (
+            split_of(&[("v1", 95), ("v2", 5)]),
+            split_of(&[("v1", 90), ("v2", 10)]),
+        );
         let mut moved = 0;
         for i in 0..20_000 {
             let key = before.key(format!("c{i}").as_bytes());
@@ -575,19 +586,6 @@ mod tests {
     /// weight changed; a new target only takes keys; the order of the targets does not matter.
     #[test]
     fn with_any_number_of_targets_only_the_changed_target_gains_or_loses_keys() {
-        let split_of = |targets: &[(&str, u32)]| {
-            let list: Vec<String> = targets
-                .iter()
-                .map(|(m, w)| format!(r#"{{"model":"{m}","weight":{w}}}"#))
-                .collect();
-            let cfg = format!(
-                r#"{{"pools":[{{"name":"p","models":["a","b","c","d"]}}],
-                   "splits":{{"s":[{}]}}}}"#,
-                list.join(",")
-            );
-            let t = table(&cfg);
-            split(&t, "s").clone()
-        };
         let name = |s: &Split, key: u64| s.target_name(s.pick(key).unwrap().0).to_string();
         let base = split_of(&[("a", 50), ("b", 30), ("c", 20)]);
         let cases: [(&[(&str, u32)], &str); 4] = [
