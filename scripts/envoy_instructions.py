@@ -50,10 +50,13 @@ With `--body messages-blocks` the request is the same conversation as an Anthrop
 body on `/v1/messages`, in the shape Anthropic's SDKs send (the system prompt a text block with
 `cache_control`, every content a list of text blocks): what the scanner's Messages and
 content-part paths cost through Envoy. Filter builds only (the floor reads chat bodies).
+With `--body chat-lines` it is the chat body with every sentence and clause of its contents on a
+line of its own: the contents hold newline escapes, as multi-line prompts do, which the default
+body does not.
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
-                                     [--tick-ms MS] [--serving-thread] [--body chat|messages-blocks]
+                                     [--tick-ms MS] [--serving-thread] [--body chat|chat-lines|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -102,9 +105,21 @@ def messages_blocks_body():
     }).encode()
 
 
+def chat_lines_body():
+    """chat_body() with every sentence and clause of its contents on a line of its own, as
+    multi-line prompts are written: its contents hold newline escapes (the benchmark's body has
+    none), which the filter's scanner decodes into the prompt text."""
+    chat = json.loads(chat_body())
+    for m in chat["messages"]:
+        for sep in (". ", "; ", ", "):
+            m["content"] = m["content"].replace(sep, sep[0] + "\n")
+    return json.dumps(chat).encode()
+
+
 # --body: the request's path and body.
 BODIES = {
     "chat": ("/v1/chat/completions", chat_body, "4 KB chat body"),
+    "chat-lines": ("/v1/chat/completions", chat_lines_body, "4 KB chat body, contents on several lines"),
     "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
 }
 PATH = BODIES["chat"][0]
@@ -209,8 +224,9 @@ def main():
     ap.add_argument("--serving-thread", action="store_true",
                     help="count only the busiest thread (the serving worker), not the whole process")
     ap.add_argument("--body", choices=sorted(BODIES), default="chat",
-                    help="the request: the 4 KB chat body (default), or the same conversation as a "
-                         "Messages API body with content blocks (filter builds only: the floor reads chat)")
+                    help="the request: the 4 KB chat body (default); the same with its contents on "
+                         "several lines (newline escapes); or the same conversation as a Messages API body "
+                         "with content blocks (filter builds only: the floor reads chat)")
     args = ap.parse_args()
     global PATH
     PATH, make_body, body_label = BODIES[args.body]

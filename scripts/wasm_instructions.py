@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--wasm", type=Path, default=DEFAULT_WASM)
     ap.add_argument("--requests", type=int, default=2000, help="N: the runs route N and 2N requests")
     ap.add_argument("--top", type=int, default=30, help="functions listed")
+    ap.add_argument("--body", type=Path, help="the chat request's body, from this file (default: the "
+                    "4 KB chat body of the Envoy benchmarks)")
     args = ap.parse_args()
     for tool in ("valgrind", "node"):
         if not shutil.which(tool):
@@ -148,7 +150,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="gpuroute-wasm-instr-") as tmp:
         work = Path(tmp)
         body = work / "chat.json"
-        body.write_bytes(envoy_overhead.chat_body())
+        body.write_bytes(args.body.read_bytes() if args.body else envoy_overhead.chat_body())
         n = args.requests
         own1, copies1 = run(args.wasm, body, n, work)
         own2, copies2 = run(args.wasm, body, 2 * n, work)
@@ -159,7 +161,8 @@ def main():
                 if ":" not in k.split(" ")[0] and " file:" not in k and not k.startswith(("wasm-to-js", "js-to-wasm"))}
     total = sum(v for v in wasm_fns.values() if v > 0)
     copy_calls = {k: (copies2.get(k, 0) - copies1.get(k, 0)) / n for k in set(copies1) | set(copies2)}
-    print(f"{args.wasm.name}: {n} and {2 * n} requests of the 4 KB chat body (scripts/wasm_profile.mjs), "
+    what = args.body.name if args.body else "the 4 KB chat body"
+    print(f"{args.wasm.name}: {n} and {2 * n} requests of {what} (scripts/wasm_profile.mjs), "
           "V8 TurboFan under Node, instructions per request")
     print(f"  the filter's wasm code: {total:,.0f}")
     for k, v in sorted(wasm_fns.items(), key=lambda x: -x[1])[:args.top]:

@@ -430,33 +430,47 @@ impl PromptText {
     /// scanner reads them (`scan::chat_each`), with no list in between.
     ///
     /// In the usual case, a string content that fits under the limit with its role and
-    /// separators, the pieces are appended with no per-piece limit check; otherwise
-    /// [`PromptText::scanned_general`]. The same text and length either way.
+    /// separators (counted at its token's length, which an escaped content's text is under), the
+    /// pieces are appended with no per-piece limit check, the content decoded straight into the
+    /// text; otherwise [`PromptText::scanned_general`]. The same text and length either way.
     #[inline(always)]
     fn scanned_message(&mut self, m: &scan::ChatMessage<'_>) {
         let content = match &m.content {
-            Some(scan::Content::Text(t)) => t.as_ref(),
+            Some(scan::Content::Text(t)) => *t,
             Some(scan::Content::Parts(_)) => return self.scanned_general(m),
-            None => "",
+            None => scan::Text::EMPTY,
         };
         let role = m.role.unwrap_or_default();
         let calls = m.tool_calls.unwrap_or_default();
         // Role, field separator, content, tool calls, item separator.
-        let total = role.len() + 1 + content.len() + calls.len() + 1;
-        if self.text.len().saturating_add(total) > self.limit {
+        let most = role.len() + 1 + content.max_len() + calls.len() + 1;
+        if self.text.len().saturating_add(most) > self.limit {
             return self.scanned_general(m);
         }
-        self.text.reserve(total);
+        self.text.reserve(most);
+        let before = self.text.len();
         append(&mut self.text, role);
         self.text.push(FIELD_SEP);
         let start = self.text.len();
-        append(&mut self.text, content);
+        content.append_to(&mut self.text);
         append(&mut self.text, calls);
         if self.conversation_len.is_none() && m.role == Some("user") {
             self.conversation_len = Some(self.text.len().min(start + self.home_chars));
         }
         self.text.push(ITEM_SEP);
-        self.len += total;
+        self.len += self.text.len() - before;
+    }
+
+    /// A text read by the scanner: decoded straight into the prompt text when it fits at its
+    /// token's length, else through [`PromptText::push`], which cuts it at the limit.
+    fn push_text(&mut self, t: scan::Text<'_>) {
+        if t.max_len() <= self.limit.saturating_sub(self.text.len()) {
+            let before = self.text.len();
+            t.append_to(&mut self.text);
+            self.len += self.text.len() - before;
+        } else {
+            self.push(&t.decoded());
+        }
     }
 
     /// [`PromptText::scanned_message`] piece by piece, each cut at the limit.
@@ -475,11 +489,11 @@ impl PromptText {
     /// A content read by the scanner, as [`PromptText::content`] reads it.
     fn scanned_content(&mut self, content: &scan::Content<'_>) {
         match content {
-            scan::Content::Text(t) => self.push(t),
+            scan::Content::Text(t) => self.push_text(*t),
             scan::Content::Parts(parts) => {
                 for part in parts {
                     match part {
-                        scan::Part::Text(t) => self.push(t),
+                        scan::Part::Text(t) => self.push_text(*t),
                         scan::Part::Raw(raw) => self.push(raw),
                     }
                     self.sep(FIELD_SEP);
