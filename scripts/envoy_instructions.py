@@ -52,11 +52,13 @@ body on `/v1/messages`, in the shape Anthropic's SDKs send (the system prompt a 
 content-part paths cost through Envoy. Filter builds only (the floor reads chat bodies).
 With `--body chat-lines` it is the chat body with every sentence and clause of its contents on a
 line of its own: the contents hold newline escapes, as multi-line prompts do, which the default
-body does not.
+body does not. With `--body chat-unicode` a few of its words are Spanish or Japanese and every user
+message ends with an emoji, written as Python's `json.dumps` (and the Python SDKs) writes them:
+`\\u` escapes, the emoji a surrogate pair.
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
-                                     [--tick-ms MS] [--serving-thread] [--body chat|chat-lines|messages-blocks]
+                                     [--tick-ms MS] [--serving-thread] [--body chat|chat-lines|chat-unicode|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -116,10 +118,25 @@ def chat_lines_body():
     return json.dumps(chat).encode()
 
 
+def chat_unicode_body():
+    """chat_body() with a few words outside ASCII in its contents (Spanish, Japanese) and an emoji
+    at the end of every user message, written as Python's `json.dumps` writes them by default (and
+    so the OpenAI and Anthropic Python SDKs): each such character a `\\u` escape, the emoji a
+    surrogate pair."""
+    chat = json.loads(chat_body())
+    for m in chat["messages"]:
+        m["content"] = m["content"].replace("shipment", "envío").replace("customer", "クライアント")
+        if m["role"] == "user":
+            m["content"] += " \U0001F642"
+    return json.dumps(chat).encode()
+
+
 # --body: the request's path and body.
 BODIES = {
     "chat": ("/v1/chat/completions", chat_body, "4 KB chat body"),
     "chat-lines": ("/v1/chat/completions", chat_lines_body, "4 KB chat body, contents on several lines"),
+    "chat-unicode": ("/v1/chat/completions", chat_unicode_body,
+                     "4 KB chat body, non-ASCII text and emoji as Python writes them"),
     "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
 }
 PATH = BODIES["chat"][0]
@@ -225,8 +242,9 @@ def main():
                     help="count only the busiest thread (the serving worker), not the whole process")
     ap.add_argument("--body", choices=sorted(BODIES), default="chat",
                     help="the request: the 4 KB chat body (default); the same with its contents on "
-                         "several lines (newline escapes); or the same conversation as a Messages API body "
-                         "with content blocks (filter builds only: the floor reads chat)")
+                         "several lines (newline escapes); with non-ASCII text and emoji as Python writes "
+                         "them (\\u escapes, surrogate pairs); or the same conversation as a Messages API "
+                         "body with content blocks (filter builds only: the floor reads chat)")
     args = ap.parse_args()
     global PATH
     PATH, make_body, body_label = BODIES[args.body]
