@@ -853,7 +853,10 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             put(&mut w, c);
             i += len;
         }
-        // Eight at a time while eight are left (the same store-then-keep step on a word).
+        // Eight at a time while eight are left (the same store-then-keep step on a word). The
+        // step at a backslash is written out in each loop: as one closure taking the positions
+        // by reference it counted 4,200 more instructions per request through Envoy
+        // (`chat-lines`).
         while i + 8 <= n {
             // 8 bytes in `b` read; 8 written at `w <= i`, in the room.
             let x = src.add(i).cast::<u64>().read_unaligned();
