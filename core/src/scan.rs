@@ -711,7 +711,7 @@ fn text_of(tok: &str, escaped: bool) -> Option<Text<'_>> {
 /// is never longer than `inner`).
 ///
 /// For contents [`Scanner::string`] accepted, which is all a [`Text`] holds. Anything else it
-/// cannot decode (an unknown escape, a `\u` escape that is not four hex digits or is a
+/// cannot decode (an unknown escape, a `\u` escape that is not four hex digits or is a lone
 /// surrogate) it copies as it stands, byte for byte, without failing.
 ///
 /// The scanner used `serde_json::from_str::<String>` on each escaped token before: a second
