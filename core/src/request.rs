@@ -240,7 +240,7 @@ fn parse_chat_scan(
 ) -> Option<Result<InferenceRequest<'_>, ApiError>> {
     // The messages go into the prompt text as they are read; if the scanner declines, the
     // caller starts the next tier with a new text.
-    let head = scan::chat_each(body, |m| prompt.scanned_message(&m))?;
+    let head = scan::chat_each(body, &mut prompt)?;
     Some(model_field(body, head.model).map(|model| prompt.finish(model, is_true(head.stream))))
 }
 
@@ -338,6 +338,46 @@ fn span_of(outer: &[u8], inner: &str) -> Option<Range<usize>> {
     (end <= outer.len()).then_some(start..end)
 }
 
+/// A chat body's messages as the scanner reads them: a plain message (a role and a string
+/// content) is written into the text by the scanner itself when it fits under the limit at the
+/// length of the rest of the body (a bound on the content's text), so its content is read once;
+/// any other message, and any that may not fit, through [`PromptText::scanned_message`]. The
+/// same text and length either way.
+impl<'a> scan::ChatSink<'a> for PromptText {
+    #[inline(always)]
+    fn message(&mut self, m: scan::ChatMessage<'a>) {
+        self.scanned_message(&m);
+    }
+
+    #[inline(always)]
+    fn open(&mut self, role: &'static str, most: usize) -> Option<&mut String> {
+        // Role, field separator, content, item separator.
+        let most = role.len().saturating_add(most).saturating_add(2);
+        if self.text.len().saturating_add(most) > self.limit {
+            return None;
+        }
+        self.text.reserve(most);
+        self.opened = self.text.len();
+        append(&mut self.text, role);
+        self.text.push(FIELD_SEP);
+        Some(&mut self.text)
+    }
+
+    #[inline(always)]
+    fn close(&mut self, role: &'static str) {
+        let start = self.opened + role.len() + 1;
+        if self.conversation_len.is_none() && role == "user" {
+            self.conversation_len = Some(self.text.len().min(start + self.home_chars));
+        }
+        self.text.push(ITEM_SEP);
+        self.len += self.text.len() - self.opened;
+    }
+
+    fn undo(&mut self) {
+        self.text.truncate(self.opened);
+    }
+}
+
 /// Accumulates canonical prompt text up to a limit while measuring the full length.
 struct PromptText {
     text: String,
@@ -345,6 +385,8 @@ struct PromptText {
     limit: usize,
     home_chars: usize,
     conversation_len: Option<usize>,
+    /// Where the message the scanner opened last starts in `text` ([`scan::ChatSink::open`]).
+    opened: usize,
 }
 
 impl PromptText {
@@ -355,6 +397,7 @@ impl PromptText {
             limit,
             home_chars,
             conversation_len: None,
+            opened: 0,
         }
     }
 

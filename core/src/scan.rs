@@ -121,21 +121,50 @@ const ROLES: [&str; 5] = ["user", "assistant", "system", "tool", "developer"];
 /// Nesting deeper than this is left to `serde_json` (its own limit is 128).
 const MAX_DEPTH: u32 = 64;
 
-/// Scans a chat body, handing each message to `each` in order as it is read; `None` means "not
-/// certain: use the general parser" (possibly after some messages went to `each`).
-pub fn chat_each<'a>(body: &'a [u8], each: impl FnMut(ChatMessage<'a>)) -> Option<ChatHead<'a>> {
-    whole(body, |s| s.top(each))
+/// Where [`chat_each`] puts the messages it reads, in order: a message in the plain form (a role
+/// of [`ROLES`] and a string content; see [`Scanner::plain_message`]) is written straight into
+/// the sink's text as the scanner reads it, when the sink has room for it; any other message is
+/// handed over as read.
+pub trait ChatSink<'a> {
+    /// A message as read.
+    fn message(&mut self, m: ChatMessage<'a>);
+    /// The text a plain message's content is to be written into, with whatever goes before the
+    /// content (`role`'s part) already in it; the content's text is at most `most` bytes.
+    /// `None` to be handed the message by [`ChatSink::message`] instead.
+    fn open(&mut self, role: &'static str, most: usize) -> Option<&mut String>;
+    /// The content is in the text that [`ChatSink::open`] returned.
+    fn close(&mut self, role: &'static str);
+    /// The message opened last is not plain after all (another field follows its content):
+    /// the text is to be as it was before [`ChatSink::open`]. The message is then handed over.
+    fn undo(&mut self);
 }
 
-/// [`chat_each`] with the messages collected.
+/// Scans a chat body, handing each message to `sink` in order as it is read; `None` means "not
+/// certain: use the general parser" (possibly after some messages went to `sink`).
+pub fn chat_each<'a>(body: &'a [u8], sink: &mut impl ChatSink<'a>) -> Option<ChatHead<'a>> {
+    whole(body, |s| s.top(sink))
+}
+
+/// [`chat_each`] with the messages collected as read (none written into a text).
 #[cfg(test)]
 pub fn chat(body: &[u8]) -> Option<ChatScan<'_>> {
-    let mut messages = Vec::new();
-    let head = chat_each(body, |m| messages.push(m))?;
+    struct Collect<'a>(Vec<ChatMessage<'a>>);
+    impl<'a> ChatSink<'a> for Collect<'a> {
+        fn message(&mut self, m: ChatMessage<'a>) {
+            self.0.push(m);
+        }
+        fn open(&mut self, _: &'static str, _: usize) -> Option<&mut String> {
+            None
+        }
+        fn close(&mut self, _: &'static str) {}
+        fn undo(&mut self) {}
+    }
+    let mut messages = Collect(Vec::new());
+    let head = chat_each(body, &mut messages)?;
     Some(ChatScan {
         model: head.model,
         stream: head.stream,
-        messages,
+        messages: messages.0,
     })
 }
 
@@ -230,6 +259,109 @@ impl<'a> Scanner<'a> {
                 _ => {}
             }
         }
+    }
+
+    /// The string token at the position (its opening quote), read as [`Scanner::string`] reads
+    /// it, with its text appended to `out`: `None` for a token `string` declines, with `out`'s
+    /// text as it was (the bytes past its length are not kept).
+    ///
+    /// With WebAssembly SIMD, one pass: each 16-byte block is stored to `out` as it is loaded,
+    /// and kept up to its first special byte (a quote ends the token, an escape is decoded
+    /// there, a control character declines). The scan of a chat body's contents is then also
+    /// their copy into the prompt text, and their decoding: with the scan and then a copy (or
+    /// [`decode_into`]) each content was read twice.
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[inline(always)]
+    fn string_into(&mut self, out: &mut String) -> Option<()> {
+        use std::arch::wasm32::{i8x16_lt, i8x16_splat, u8x16_bitmask, u8x16_eq, u8x16_splat};
+        use std::arch::wasm32::{v128_load, v128_or, v128_store};
+        let b = self.b;
+        let n = b.len();
+        if b.get(self.i) != Some(&b'"') {
+            return None;
+        }
+        let from = self.i + 1;
+        // The text is never longer than the token's contents, nor they than the rest of `b`.
+        out.reserve(n - from);
+        let quote = u8x16_splat(b'"');
+        let backslash = u8x16_splat(b'\\');
+        let limit = i8x16_splat(0x20);
+        // SAFETY: `w`, the bytes written, never outnumbers `i - from`, the bytes read (an escape
+        // is never shorter than its character's UTF-8), so a 16-byte store at `w` while
+        // `i + 16 <= n` ends within the `n - from` bytes reserved above, as do a byte written
+        // while `i < n` and an escape's character. Every load is within `b` (checked before
+        // it). The length is set only at the closing quote, after a run of `b`'s bytes (UTF-8,
+        // see `whole`) that ends before an ASCII byte, or after a decoded character: `out`
+        // stays UTF-8.
+        unsafe {
+            let v = out.as_mut_vec();
+            let base = v.len();
+            let dst = v.as_mut_ptr().add(base);
+            let src = b.as_ptr();
+            let (mut i, mut w) = (from, 0usize);
+            loop {
+                let c = if i + 16 <= n {
+                    let x = v128_load(src.add(i).cast());
+                    v128_store(dst.add(w).cast(), x);
+                    // Quote, backslash, and below 0x20 signed (control characters and bytes
+                    // >= 0x80, which are dropped from the mask: a byte's top bit is the mask of
+                    // `x` itself).
+                    let hits = v128_or(
+                        v128_or(u8x16_eq(x, quote), u8x16_eq(x, backslash)),
+                        i8x16_lt(x, limit),
+                    );
+                    let mut mask = u8x16_bitmask(hits);
+                    if mask != 0 {
+                        mask &= !u8x16_bitmask(x);
+                    }
+                    if mask == 0 {
+                        i += 16;
+                        w += 16;
+                        continue;
+                    }
+                    let run = mask.trailing_zeros() as usize;
+                    i += run;
+                    w += run;
+                    *b.get_unchecked(i)
+                } else {
+                    // The last bytes of `b`, one at a time.
+                    let c = *b.get(i)?;
+                    if c >= 0x20 && c != b'"' && c != b'\\' {
+                        dst.add(w).write(c);
+                        i += 1;
+                        w += 1;
+                        continue;
+                    }
+                    c
+                };
+                match c {
+                    b'"' => {
+                        v.set_len(base + w);
+                        self.i = i + 1;
+                        return Some(());
+                    }
+                    b'\\' => {
+                        let (ch, len) = escape(b, i);
+                        if len == 1 {
+                            return None;
+                        }
+                        put(dst, &mut w, ch);
+                        i += len;
+                    }
+                    _ => return None,
+                }
+            }
+        }
+    }
+
+    /// [`Scanner::string_into`] without WebAssembly SIMD (the dynamic module, the native tools):
+    /// the token read by [`Scanner::string`], its text then appended.
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    #[inline(always)]
+    fn string_into(&mut self, out: &mut String) -> Option<()> {
+        let (tok, escaped) = self.string()?;
+        text_of(tok, escaped)?.append_to(out);
+        Some(())
     }
 
     fn number(&mut self) -> Option<()> {
@@ -371,7 +503,7 @@ impl<'a> Scanner<'a> {
         }
     }
 
-    fn top(&mut self, mut each: impl FnMut(ChatMessage<'a>)) -> Option<ChatHead<'a>> {
+    fn top(&mut self, sink: &mut impl ChatSink<'a>) -> Option<ChatHead<'a>> {
         let mut model = None;
         let mut stream = None;
         let mut messages = false;
@@ -391,11 +523,9 @@ impl<'a> Scanner<'a> {
                 Some(2) => {
                     s.array(|s| {
                         // The plain form inline, here in the loop; the general path a call.
-                        let m = match s.plain_message() {
-                            Some(m) => m,
-                            None => s.general_message()?,
-                        };
-                        each(m);
+                        if s.plain_message_to(sink).is_none() {
+                            sink.message(s.general_message()?);
+                        }
                         Some(())
                     })?;
                     messages = true;
@@ -602,6 +732,37 @@ impl<'a> Scanner<'a> {
 
     #[inline(always)]
     fn plain_message_at(&mut self) -> Option<ChatMessage<'a>> {
+        let role = self.plain_head()?;
+        self.plain_rest(role)
+    }
+
+    /// [`Scanner::plain_message`] for [`chat_each`]: the message goes to `sink`, its content
+    /// written straight into the sink's text when the sink opens it
+    /// ([`Scanner::string_into`]: one pass over the content, which the scan validates, decodes
+    /// and copies at once). `None`, with the position and the sink's text as they were, for a
+    /// message not in the plain form.
+    #[inline(always)]
+    fn plain_message_to(&mut self, sink: &mut impl ChatSink<'a>) -> Option<()> {
+        self.or_back(|s| {
+            let role = s.plain_head()?;
+            let Some(out) = sink.open(role, s.b.len() - s.i) else {
+                sink.message(s.plain_rest(role)?);
+                return Some(());
+            };
+            if s.string_into(out).is_some() && s.peek() == Some(b'}') {
+                s.i += 1;
+                sink.close(role);
+                return Some(());
+            }
+            sink.undo();
+            None
+        })
+    }
+
+    /// A plain message's start, up to its content's opening quote (where it leaves the
+    /// position): its role.
+    #[inline(always)]
+    fn plain_head(&mut self) -> Option<&'static str> {
         self.ws();
         let rest = self.b.get(self.i..)?;
         // `{"role":` then ` "` (spaced) or `"`; each literal below is then a word compare or two.
@@ -634,6 +795,12 @@ impl<'a> Scanner<'a> {
         };
         // The content's opening quote is the last byte of `next`: the string scan starts there.
         self.i += at + role.len() + next? - 1;
+        Some(role)
+    }
+
+    /// A plain message after [`Scanner::plain_head`]: its content and the closing brace.
+    #[inline(always)]
+    fn plain_rest(&mut self, role: &'static str) -> Option<ChatMessage<'a>> {
         let (tok, escaped) = self.string()?;
         if self.peek()? != b'}' {
             return None;
@@ -799,29 +966,8 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
         let src = b.as_ptr();
         let backslash = u8x16_splat(b'\\');
         let (mut i, mut w) = (0usize, 0usize);
-        // Each byte written on its own (a loop over the encoded bytes compiles to a
-        // `memory.copy`, a call out of the wasm code per escape). `w` stays in the room: the
-        // escape's bytes outnumber the character's.
-        let put = |w: &mut usize, c: char| {
-            if c.is_ascii() {
-                dst.add(*w).write(c as u8);
-                *w += 1;
-                return;
-            }
-            let mut buf = [0u8; 4];
-            let n = c.encode_utf8(&mut buf).len();
-            dst.add(*w).write(buf[0]);
-            if n > 1 {
-                dst.add(*w + 1).write(buf[1]);
-            }
-            if n > 2 {
-                dst.add(*w + 2).write(buf[2]);
-            }
-            if n > 3 {
-                dst.add(*w + 3).write(buf[3]);
-            }
-            *w += n;
-        };
+        // `w` stays in the room when a character is put: the escape's bytes outnumber the
+        // character's.
         while i + 16 <= n {
             // 16 bytes in `b` read; 16 written at `w <= i`, in the room (`w + 16 <= n`).
             let x = v128_load(src.add(i).cast());
@@ -836,7 +982,7 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             i += run;
             w += run;
             let (c, len) = escape(b, i);
-            put(&mut w, c);
+            put(dst, &mut w, c);
             i += len;
         }
         // Eight at a time while eight are left (the same store-then-keep step on a word). The
@@ -860,13 +1006,13 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             i += run;
             w += run;
             let (c, len) = escape(b, i);
-            put(&mut w, c);
+            put(dst, &mut w, c);
             i += len;
         }
         while let Some(&c) = b.get(i) {
             if c == b'\\' {
                 let (c, len) = escape(b, i);
-                put(&mut w, c);
+                put(dst, &mut w, c);
                 i += len;
             } else {
                 dst.add(w).write(c);
@@ -875,6 +1021,37 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             }
         }
         v.set_len(base + w);
+    }
+}
+
+/// Writes `c`'s UTF-8 at `dst + *w` and advances `*w`: each byte on its own (a loop over the
+/// encoded bytes compiles to a `memory.copy`, a call out of the wasm code per escape).
+///
+/// # Safety
+/// `dst + *w` is writable for `c.len_utf8()` bytes.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+unsafe fn put(dst: *mut u8, w: &mut usize, c: char) {
+    // SAFETY: the caller vouches for the room.
+    unsafe {
+        if c.is_ascii() {
+            dst.add(*w).write(c as u8);
+            *w += 1;
+            return;
+        }
+        let mut buf = [0u8; 4];
+        let n = c.encode_utf8(&mut buf).len();
+        dst.add(*w).write(buf[0]);
+        if n > 1 {
+            dst.add(*w + 1).write(buf[1]);
+        }
+        if n > 2 {
+            dst.add(*w + 2).write(buf[2]);
+        }
+        if n > 3 {
+            dst.add(*w + 3).write(buf[3]);
+        }
+        *w += n;
     }
 }
 
@@ -1119,11 +1296,23 @@ mod tests {
                 r"\uDE00", r"\uD83D", r"\x", r"\u12g4", r"\u+123", r"\u12",
                 "\u{1}", "\"", "\\",
             ]).prop_map(|s: &str| s.to_string()),
-        ], 0..12)) {
+        ], 0..12), pad in 0usize..24) {
             let inner = pieces.concat();
             let tok = format!("\"{inner}\"");
             let mut sc = Scanner { text: &tok, b: tok.as_bytes(), i: 0 };
-            let scanned = sc.string().filter(|_| sc.i == tok.len());
+            let read = sc.string().map(|t| (t, sc.i));
+            let scanned = read.filter(|r| r.1 == tok.len()).map(|r| r.0);
+            // The same token read and written at once, with `pad` bytes after it (its last
+            // bytes then go by block or one by one), into a text with something in it: it
+            // ends where the string scan ends, or declines as it does.
+            let padded = format!("{tok}{}", "}".repeat(pad));
+            let mut sc = Scanner { text: &padded, b: padded.as_bytes(), i: 0 };
+            let mut into = String::from("y");
+            let read_into = sc.string_into(&mut into).map(|()| sc.i);
+            proptest::prop_assert_eq!(read_into, read.map(|r| r.1));
+            if read.is_none() {
+                proptest::prop_assert_eq!(into.as_str(), "y");
+            }
             let mut out = String::from("x");
             match scanned {
                 Some((t, escaped)) => {
@@ -1132,7 +1321,9 @@ mod tests {
                     let text = text_of(t, escaped).unwrap();
                     proptest::prop_assert_eq!(Some(text.decoded().into_owned()), want.clone());
                     text.append_to(&mut out);
-                    proptest::prop_assert_eq!(Some(out), want.map(|w| format!("x{w}")));
+                    proptest::prop_assert_eq!(Some(out), want.as_ref().map(|w| format!("x{w}")));
+                    proptest::prop_assert_eq!(read_into, Some(tok.len()));
+                    proptest::prop_assert_eq!(Some(into), want.map(|w| format!("y{w}")));
                 }
                 None => {
                     decode_into(&mut out, &inner);
