@@ -282,14 +282,16 @@ impl<'a> Scanner<'a> {
         }
         let from = self.i + 1;
         // The text is never longer than the token's contents, nor they than the rest of `b`.
-        out.reserve(n - from);
+        // Four more: a decoded character is written as a four-byte word (see `put`).
+        out.reserve(n - from + 4);
         let quote = u8x16_splat(b'"');
         let backslash = u8x16_splat(b'\\');
         let limit = i8x16_splat(0x20);
         // SAFETY: `w`, the bytes written, never outnumbers `i - from`, the bytes read (an escape
         // is never shorter than its character's UTF-8), so a 16-byte store at `w` while
-        // `i + 16 <= n` ends within the `n - from` bytes reserved above, as do a byte written
-        // while `i < n` and an escape's character. Every load is within `b` (checked before
+        // `i + 16 <= n` ends within the `n - from` bytes reserved above, as does a byte written
+        // while `i < n`; a character's four-byte word (`put`) at `w <= i - from` ends within
+        // `n - from + 4`. Every load is within `b` (checked before
         // it). The length is set only at the closing quote, after a run of `b`'s bytes (UTF-8,
         // see `whole`) that ends before an ASCII byte, or after a decoded character: `out`
         // stays UTF-8.
@@ -873,7 +875,8 @@ fn text_of(tok: &str, escaped: bool) -> Option<Text<'_>> {
 /// (`scripts/envoy_instructions.py --body chat-lines`).
 #[inline(never)]
 fn decode_into(out: &mut String, inner: &str) {
-    out.reserve(inner.len());
+    // Four more: a decoded character is written as a four-byte word (see `put`).
+    out.reserve(inner.len() + 4);
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     // SAFETY: `decode_simd128` writes only into the room reserved above and leaves the string's
     // bytes UTF-8 (see there).
@@ -950,10 +953,10 @@ const LOW_SURROGATES: std::ops::Range<u32> = 0xDC00..0xE000;
 /// eight at a time, then byte by byte.
 ///
 /// # Safety
-/// `v` has room for `b.len()` more bytes, and `b` is UTF-8 whose backslashes are ASCII (any
+/// `v` has room for `b.len() + 4` more bytes, and `b` is UTF-8 whose backslashes are ASCII (any
 /// UTF-8). Then: the bytes written so far (`w`) never outnumber the bytes read (`i`), because
 /// no escape is shorter than its character, so every 16-byte store at `w` with `i + 16 <= n`
-/// stays in the room; the bytes kept are runs of `b` ending before a backslash or at its end,
+/// stays in the room, and so does a character's four-byte word at `w <= i < n`; the bytes kept are runs of `b` ending before a backslash or at its end,
 /// and decoded characters, so the string stays UTF-8.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
@@ -967,7 +970,7 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
         let backslash = u8x16_splat(b'\\');
         let (mut i, mut w) = (0usize, 0usize);
         // `w` stays in the room when a character is put: the escape's bytes outnumber the
-        // character's.
+        // character's, and its four-byte word ends within the four bytes of room past `n`.
         while i + 16 <= n {
             // 16 bytes in `b` read; 16 written at `w <= i`, in the room (`w + 16 <= n`).
             let x = v128_load(src.add(i).cast());
@@ -1024,35 +1027,36 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
     }
 }
 
-/// Writes `c`'s UTF-8 at `dst + *w` and advances `*w`: each byte on its own (a loop over the
-/// encoded bytes compiles to a `memory.copy`, a call out of the wasm code per escape).
+/// Writes `c`'s UTF-8 at `dst + *w` and advances `*w`: the bytes packed into a word, written
+/// with one four-byte store (the bytes past the character's are left past the length). With the
+/// bytes encoded by `char::encode_utf8` and written one by one (a loop over them compiles to a
+/// `memory.copy`, a call out of the wasm code per escape), a body with 119 `\u` escapes cost
+// 339 more instructions per request under Node (`scripts/wasm_instructions.py --body`).
 ///
 /// # Safety
-/// `dst + *w` is writable for `c.len_utf8()` bytes.
+/// `dst + *w` is writable for four bytes.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 #[inline(always)]
 unsafe fn put(dst: *mut u8, w: &mut usize, c: char) {
-    // SAFETY: the caller vouches for the room.
-    unsafe {
-        if c.is_ascii() {
-            dst.add(*w).write(c as u8);
-            *w += 1;
-            return;
-        }
-        let mut buf = [0u8; 4];
-        let n = c.encode_utf8(&mut buf).len();
-        dst.add(*w).write(buf[0]);
-        if n > 1 {
-            dst.add(*w + 1).write(buf[1]);
-        }
-        if n > 2 {
-            dst.add(*w + 2).write(buf[2]);
-        }
-        if n > 3 {
-            dst.add(*w + 3).write(buf[3]);
-        }
-        *w += n;
-    }
+    let c = u32::from(c);
+    let (word, n) = if c < 0x80 {
+        (c, 1)
+    } else if c < 0x800 {
+        (0x80C0 | c >> 6 | (c & 0x3F) << 8, 2)
+    } else if c < 0x1_0000 {
+        (
+            0x0080_80E0 | c >> 12 | (c >> 6 & 0x3F) << 8 | (c & 0x3F) << 16,
+            3,
+        )
+    } else {
+        (
+            0x8080_80F0 | c >> 18 | (c >> 12 & 0x3F) << 8 | (c >> 6 & 0x3F) << 16 | (c & 0x3F) << 24,
+            4,
+        )
+    };
+    // SAFETY: the caller vouches for the room; unaligned stores are allowed.
+    unsafe { dst.add(*w).cast::<u32>().write_unaligned(word.to_le()) };
+    *w += n;
 }
 
 /// Four hex digits' value, `None` unless `hex` is exactly four hex digits. Each digit by table,
