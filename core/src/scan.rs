@@ -1031,7 +1031,7 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
 /// with one four-byte store (the bytes past the character's are left past the length). With the
 /// bytes encoded by `char::encode_utf8` and written one by one (a loop over them compiles to a
 /// `memory.copy`, a call out of the wasm code per escape), a body with 119 `\u` escapes cost
-// 339 more instructions per request under Node (`scripts/wasm_instructions.py --body`).
+/// 339 more instructions per request under Node (`scripts/wasm_instructions.py --body`).
 ///
 /// # Safety
 /// `dst + *w` is writable for four bytes.
