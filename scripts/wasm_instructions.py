@@ -125,11 +125,11 @@ def count(cg, ranges):
     return own, copies
 
 
-def run(wasm, body, n, work):
+def run(wasm, body, n, work, path="/v1/chat/completions"):
     cg, log = work / f"cg.{n}.out", work / f"v8.{n}.log"
     cmd = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--dump-instr=yes",
            f"--callgrind-out-file={cg}", "node", "--no-liftoff", "--log-code", "--no-logfile-per-isolate",
-           f"--logfile={log}", "--no-warnings", str(ROOT / "scripts" / "wasm_profile.mjs"), str(wasm), str(body), str(n)]
+           f"--logfile={log}", "--no-warnings", str(ROOT / "scripts" / "wasm_profile.mjs"), str(wasm), str(body), str(n), path]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"node under valgrind failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-2000:]}")
@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--wasm", type=Path, default=DEFAULT_WASM)
     ap.add_argument("--requests", type=int, default=2000, help="N: the runs route N and 2N requests")
     ap.add_argument("--top", type=int, default=30, help="functions listed")
+    ap.add_argument("--path", default="/v1/chat/completions",
+                    help="the request's path (/v1/messages for a Messages API body)")
     ap.add_argument("--body", type=Path, help="the chat request's body, from this file (default: the "
                     "4 KB chat body of the Envoy benchmarks)")
     args = ap.parse_args()
@@ -152,8 +154,8 @@ def main():
         body = work / "chat.json"
         body.write_bytes(args.body.read_bytes() if args.body else envoy_overhead.chat_body())
         n = args.requests
-        own1, copies1 = run(args.wasm, body, n, work)
-        own2, copies2 = run(args.wasm, body, 2 * n, work)
+        own1, copies1 = run(args.wasm, body, n, work, args.path)
+        own2, copies2 = run(args.wasm, body, 2 * n, work, args.path)
     # Per request: the difference of the two runs over N. Only wasm functions (V8 logs them under
     # their export or symbol name); the JavaScript host's own functions are left out.
     per = {k: (own2.get(k, 0) - own1.get(k, 0)) / n for k in set(own1) | set(own2)}

@@ -9,13 +9,13 @@
 // snapshot of 8 equally loaded pods; every request must be picked, or the run fails.
 //
 // Usage: make profile-wasm, or
-//        node --cpu-prof --cpu-prof-dir=DIR scripts/wasm_profile.mjs FILTER.wasm BODY.json [N]
+//        node --cpu-prof --cpu-prof-dir=DIR scripts/wasm_profile.mjs FILTER.wasm BODY.json [N [PATH]]
 //        then scripts/wasm_profile_report.py DIR/*.cpuprofile
 import { readFile } from 'node:fs/promises';
 import { WASI } from 'node:wasi';
 import process from 'node:process';
 
-const [wasmPath, bodyPath, n = '200000'] = process.argv.slice(2);
+const [wasmPath, bodyPath, n = '200000', reqPath = '/v1/chat/completions'] = process.argv.slice(2);
 const body = new Uint8Array(await readFile(bodyPath));
 const enc = new TextEncoder();
 const dec = new TextDecoder();
@@ -126,7 +126,7 @@ x.proxy_on_request_body(3, requestBody.length, 1);
 x.proxy_on_delete(3);
 
 // The requests.
-headers = headerMap([[':method', 'POST'], [':path', '/v1/chat/completions'],
+headers = headerMap([[':method', 'POST'], [':path', reqPath],
   [':authority', '127.0.0.1:10000'], ['content-type', 'application/json'],
   ['content-length', String(body.length)], ['user-agent', 'profile'],
   ['x-request-id', 'b7f0c5a2-1c1e-4d8e-9d3f-2a7c5b9e0f11']]);
