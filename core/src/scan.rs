@@ -36,8 +36,18 @@ pub struct ChatScan<'a> {
     pub messages: Vec<ChatMessage<'a>>,
 }
 
-/// What the router needs from a Messages API body: a chat body's fields, and the top-level
-/// `system` prompt (None when absent or null).
+/// What the router needs from a Messages API body besides its messages, which
+/// [`messages_each`] hands over one by one as it reads them: a chat body's fields, and the
+/// top-level `system` prompt (None when absent or null).
+#[derive(Debug)]
+pub struct MessagesHead<'a> {
+    pub model: Option<&'a str>,
+    pub stream: Option<&'a str>,
+    pub system: Option<Content<'a>>,
+}
+
+/// A Messages API body as [`messages`] reads it: the head and the messages in a list.
+#[cfg(test)]
 #[derive(Debug)]
 pub struct MessagesScan<'a> {
     pub model: Option<&'a str>,
@@ -121,22 +131,51 @@ const ROLES: [&str; 5] = ["user", "assistant", "system", "tool", "developer"];
 /// Nesting deeper than this is left to `serde_json` (its own limit is 128).
 const MAX_DEPTH: u32 = 64;
 
-/// Where [`chat_each`] puts the messages it reads, in order: a message in the plain form (a role
-/// of [`ROLES`] and a string content; see [`Scanner::plain_message`]) is written straight into
-/// the sink's text as the scanner reads it, when the sink has room for it; any other message is
-/// handed over as read.
+/// Where [`chat_each`] and [`messages_each`] put the messages they read, in order. A message in
+/// a plain form (a role of [`ROLES`], and a string content or a list of text parts; see
+/// [`Scanner::plain_message_to`] and [`Scanner::plain_part`]) is written straight into the sink's
+/// text as the scanner reads it, when the sink opens it; any other message is handed over as
+/// read.
 pub trait ChatSink<'a> {
     /// A message as read.
     fn message(&mut self, m: ChatMessage<'a>);
-    /// The text a plain message's content is to be written into, with whatever goes before the
-    /// content (`role`'s part) already in it; the content's text is at most `most` bytes.
-    /// `None` to be handed the message by [`ChatSink::message`] instead.
-    fn open(&mut self, role: &'static str, most: usize) -> Option<&mut String>;
-    /// The content is in the text that [`ChatSink::open`] returned.
+    /// A plain message of `role` is to be written into [`ChatSink::text`]: whatever goes before
+    /// its content is put there now. The content's text is at most `most` bytes. `false` to be
+    /// handed the message by [`ChatSink::message`] instead.
+    fn open(&mut self, role: &'static str, most: usize) -> bool;
+    /// The text the opened message's content is appended to.
+    fn text(&mut self) -> &mut String;
+    /// One text part of a list is in the text.
+    fn end_part(&mut self);
+    /// The opened message's content is in the text.
     fn close(&mut self, role: &'static str);
-    /// The message opened last is not plain after all (another field follows its content):
-    /// the text is to be as it was before [`ChatSink::open`]. The message is then handed over.
+    /// The message opened last is not in the plain form after all (another field follows its
+    /// content, a part is not a text part, ...): the text is to be as it was before
+    /// [`ChatSink::open`]. The message is then read again and handed over.
     fn undo(&mut self);
+}
+
+/// A sink that opens no message: every message is handed over, into `messages`.
+#[derive(Default)]
+pub struct Collect<'a> {
+    pub messages: Vec<ChatMessage<'a>>,
+    /// What [`ChatSink::text`] returns (never written: no message is opened).
+    unused: String,
+}
+
+impl<'a> ChatSink<'a> for Collect<'a> {
+    fn message(&mut self, m: ChatMessage<'a>) {
+        self.messages.push(m);
+    }
+    fn open(&mut self, _: &'static str, _: usize) -> bool {
+        false
+    }
+    fn text(&mut self) -> &mut String {
+        &mut self.unused
+    }
+    fn end_part(&mut self) {}
+    fn close(&mut self, _: &'static str) {}
+    fn undo(&mut self) {}
 }
 
 /// Scans a chat body, handing each message to `sink` in order as it is read; `None` means "not
@@ -148,30 +187,33 @@ pub fn chat_each<'a>(body: &'a [u8], sink: &mut impl ChatSink<'a>) -> Option<Cha
 /// [`chat_each`] with the messages collected as read (none written into a text).
 #[cfg(test)]
 pub fn chat(body: &[u8]) -> Option<ChatScan<'_>> {
-    struct Collect<'a>(Vec<ChatMessage<'a>>);
-    impl<'a> ChatSink<'a> for Collect<'a> {
-        fn message(&mut self, m: ChatMessage<'a>) {
-            self.0.push(m);
-        }
-        fn open(&mut self, _: &'static str, _: usize) -> Option<&mut String> {
-            None
-        }
-        fn close(&mut self, _: &'static str) {}
-        fn undo(&mut self) {}
-    }
-    let mut messages = Collect(Vec::new());
-    let head = chat_each(body, &mut messages)?;
+    let mut sink = Collect::default();
+    let head = chat_each(body, &mut sink)?;
     Some(ChatScan {
         model: head.model,
         stream: head.stream,
-        messages: messages.0,
+        messages: sink.messages,
     })
 }
 
-/// Scans a Messages API body (Anthropic's); `None` means "not certain: use the general parser".
-/// `messages` absent or null reads as no messages, as the general parser reads it.
+/// Scans a Messages API body (Anthropic's), handing each message to `sink` in order as it is
+/// read; `None` means "not certain: use the general parser" (possibly after some messages went
+/// to `sink`). `messages` absent or null reads as no messages, as the general parser reads it.
+pub fn messages_each<'a>(body: &'a [u8], sink: &mut impl ChatSink<'a>) -> Option<MessagesHead<'a>> {
+    whole(body, |s| s.messages_top(sink))
+}
+
+/// [`messages_each`] with the messages collected.
+#[cfg(test)]
 pub fn messages(body: &[u8]) -> Option<MessagesScan<'_>> {
-    whole(body, Scanner::messages_top)
+    let mut sink = Collect::default();
+    let head = messages_each(body, &mut sink)?;
+    Some(MessagesScan {
+        model: head.model,
+        stream: head.stream,
+        system: head.system,
+        messages: sink.messages,
+    })
 }
 
 /// `top` over the whole body: UTF-8, and nothing but whitespace after the value it reads.
@@ -580,12 +622,11 @@ impl<'a> Scanner<'a> {
 
     /// A Messages body's top level. Its known fields are these four (the OpenAI prompt fields
     /// are other fields here, as for the general parser).
-    fn messages_top(&mut self) -> Option<MessagesScan<'a>> {
-        let mut out = MessagesScan {
+    fn messages_top(&mut self, sink: &mut impl ChatSink<'a>) -> Option<MessagesHead<'a>> {
+        let mut out = MessagesHead {
             model: None,
             stream: None,
             system: None,
-            messages: Vec::new(),
         };
         let mut seen = [false; 4];
         const FIELDS: [&str; 4] = ["model", "stream", "messages", "system"];
@@ -596,7 +637,12 @@ impl<'a> Scanner<'a> {
                 Some(2) => {
                     s.ws();
                     if s.peek()? == b'[' {
-                        out.messages = s.messages()?;
+                        s.array(|s| {
+                            if s.plain_message_to(sink).is_none() {
+                                sink.message(s.general_message()?);
+                            }
+                            Some(())
+                        })?;
                     } else if s.value(1)? != "null" {
                         return None;
                     }
@@ -664,23 +710,6 @@ impl<'a> Scanner<'a> {
         })
     }
 
-    fn messages(&mut self) -> Option<Vec<ChatMessage<'a>>> {
-        // Conversations are rarely short: one allocation for the first 32 messages.
-        let mut out = Vec::with_capacity(32);
-        self.array(|s| {
-            out.push(s.message()?);
-            Some(())
-        })?;
-        Some(out)
-    }
-
-    fn message(&mut self) -> Option<ChatMessage<'a>> {
-        match self.plain_message() {
-            Some(m) => Some(m),
-            None => self.general_message(),
-        }
-    }
-
     /// A message not in the plain form: its fields in any order and spacing.
     fn general_message(&mut self) -> Option<ChatMessage<'a>> {
         let mut m = ChatMessage {
@@ -731,20 +760,62 @@ impl<'a> Scanner<'a> {
 }
 
 impl<'a> Scanner<'a> {
-    /// A message in one of the two forms nearly every client sends, matched byte for byte:
-    /// `{"role": "R", "content": "..."}` (Python's `json.dumps`, the OpenAI Python SDK) and
-    /// `{"role":"R","content":"..."}` (`JSON.stringify`, `serde_json`, Go), with `R` one of
-    /// [`ROLES`]. The general path spends most of a short message in its whitespace, key and
-    /// separator steps; here they are three prefix compares. Anything else (other keys or key
-    /// order, other spacing, another role, a content that is not a string) leaves the position
-    /// where it was and returns `None`: the general path then reads the message, and decides.
+    /// A message in one of the two forms nearly every client sends, matched byte for byte, handed
+    /// to `sink`: `{"role": "R", "content": C}` (Python's `json.dumps`, the OpenAI and Anthropic
+    /// Python SDKs) and `{"role":"R","content":C}` (`JSON.stringify`, `serde_json`, Go), with
+    /// `R` one of [`ROLES`] and `C` a string or a list of text parts in the same spacing
+    /// (`[{"type": "text", "text": "..."}, ...]`, as the Messages API's clients send every
+    /// content). The general path spends most of a short message in its whitespace, key and
+    /// separator steps; here they are a few prefix compares.
     ///
-    /// Inline in the chat scanner's message loop, with what takes the message there (the prompt
-    /// text): ~1,000 fewer instructions per request in the VM than as a call
-    /// (`make profile-wasm-instr`, 28 messages).
+    /// The content is written straight into the sink's text when the sink opens the message
+    /// ([`Scanner::string_into`]: one pass over each text, which the scan validates, decodes and
+    /// copies at once); a string content is otherwise handed over as read. Anything else (other
+    /// keys or key order, other spacing, another role, another content, a part with other
+    /// fields) leaves the position and the sink's text as they were and returns `None`: the
+    /// general path then reads the message, and decides.
+    ///
+    /// Inline in the scanners' message loops: ~1,000 fewer instructions per request in the VM
+    /// than as a call (`make profile-wasm-instr`, 28 messages).
     #[inline(always)]
-    fn plain_message(&mut self) -> Option<ChatMessage<'a>> {
-        self.or_back(Self::plain_message_at)
+    fn plain_message_to(&mut self, sink: &mut impl ChatSink<'a>) -> Option<()> {
+        // Not `or_back` with a closure: LLVM then kept the closure out of line (1,800 more
+        // instructions per request under Node on the benchmark's body).
+        let start = self.i;
+        let got = self.plain_message_to_at(sink);
+        if got.is_none() {
+            self.i = start;
+        }
+        got
+    }
+
+    #[inline(always)]
+    fn plain_message_to_at(&mut self, sink: &mut impl ChatSink<'a>) -> Option<()> {
+        let (role, spaced) = self.plain_head()?;
+        let list = match self.peek()? {
+            b'"' => false,
+            b'[' => true,
+            _ => return None,
+        };
+        if !sink.open(role, self.b.len() - self.i) {
+            if list {
+                return None;
+            }
+            sink.message(self.plain_rest(role)?);
+            return Some(());
+        }
+        let read = if list {
+            self.plain_parts_into(sink, spaced)
+        } else {
+            self.string_into(sink.text())
+        };
+        if read.is_some() && self.peek() == Some(b'}') {
+            self.i += 1;
+            sink.close(role);
+            return Some(());
+        }
+        sink.undo();
+        None
     }
 
     /// `read`'s result, or `None` with the position back where it was.
@@ -758,39 +829,10 @@ impl<'a> Scanner<'a> {
         got
     }
 
+    /// A plain message's start, up to its content (where it leaves the position): its role,
+    /// and whether it is in the spaced form.
     #[inline(always)]
-    fn plain_message_at(&mut self) -> Option<ChatMessage<'a>> {
-        let role = self.plain_head()?;
-        self.plain_rest(role)
-    }
-
-    /// [`Scanner::plain_message`] for [`chat_each`]: the message goes to `sink`, its content
-    /// written straight into the sink's text when the sink opens it
-    /// ([`Scanner::string_into`]: one pass over the content, which the scan validates, decodes
-    /// and copies at once). `None`, with the position and the sink's text as they were, for a
-    /// message not in the plain form.
-    #[inline(always)]
-    fn plain_message_to(&mut self, sink: &mut impl ChatSink<'a>) -> Option<()> {
-        self.or_back(|s| {
-            let role = s.plain_head()?;
-            let Some(out) = sink.open(role, s.b.len() - s.i) else {
-                sink.message(s.plain_rest(role)?);
-                return Some(());
-            };
-            if s.string_into(out).is_some() && s.peek() == Some(b'}') {
-                s.i += 1;
-                sink.close(role);
-                return Some(());
-            }
-            sink.undo();
-            None
-        })
-    }
-
-    /// A plain message's start, up to its content's opening quote (where it leaves the
-    /// position): its role.
-    #[inline(always)]
-    fn plain_head(&mut self) -> Option<&'static str> {
+    fn plain_head(&mut self) -> Option<(&'static str, bool)> {
         self.ws();
         let rest = self.b.get(self.i..)?;
         // `{"role":` then ` "` (spaced) or `"`; each literal below is then a word compare or two.
@@ -814,16 +856,49 @@ impl<'a> Scanner<'a> {
             _ => return None,
         };
         let after = rest.get(role.len()..)?;
-        const NEXT: &[u8] = b"\",\"content\":\"";
-        const NEXT_SPACED: &[u8] = b"\", \"content\": \"";
+        const NEXT: &[u8] = b"\",\"content\":";
+        const NEXT_SPACED: &[u8] = b"\", \"content\": ";
         let next = if spaced {
             has_prefix(after, NEXT_SPACED).then_some(NEXT_SPACED.len())
         } else {
             has_prefix(after, NEXT).then_some(NEXT.len())
         };
-        // The content's opening quote is the last byte of `next`: the string scan starts there.
-        self.i += at + role.len() + next? - 1;
-        Some(role)
+        self.i += at + role.len() + next?;
+        Some((role, spaced))
+    }
+
+    /// A list of text parts in the plain form, spaced as its message (`spaced`), at its `[`:
+    /// each part's text written into the sink's text, then the part's end. `None` at anything
+    /// else (an empty list, a part with other fields or spacing).
+    #[inline(always)]
+    fn plain_parts_into(&mut self, sink: &mut impl ChatSink<'a>, spaced: bool) -> Option<()> {
+        let (form, comma): (&[u8], &[u8]) = if spaced {
+            (b"{\"type\": \"text\", \"text\": \"", b", ")
+        } else {
+            (b"{\"type\":\"text\",\"text\":\"", b",")
+        };
+        self.i += 1;
+        loop {
+            if !has_prefix(self.b.get(self.i..)?, form) {
+                return None;
+            }
+            // The text's opening quote is the form's last byte: the string scan starts there.
+            self.i += form.len() - 1;
+            self.string_into(sink.text())?;
+            if self.peek()? != b'}' {
+                return None;
+            }
+            self.i += 1;
+            sink.end_part();
+            if self.peek()? == b']' {
+                self.i += 1;
+                return Some(());
+            }
+            if !has_prefix(self.b.get(self.i..)?, comma) {
+                return None;
+            }
+            self.i += comma.len();
+        }
     }
 
     /// A plain message after [`Scanner::plain_head`]: its content and the closing brace.
@@ -844,7 +919,7 @@ impl<'a> Scanner<'a> {
 
 impl<'a> Scanner<'a> {
     /// A text part in the form nearly every client sends, matched byte for byte as
-    /// [`Scanner::plain_message`] matches a message: `{"type": "text", "text": "..."}` or
+    /// [`Scanner::plain_message_to`] matches a message: `{"type": "text", "text": "..."}` or
     /// `{"type":"text","text":"..."}`. Anything else (`cache_control` after the text, other
     /// spacing or order) leaves the position where it was and returns `None`.
     fn plain_part(&mut self) -> Option<Part<'a>> {
@@ -1395,6 +1470,13 @@ mod tests {
         }
     }
 
+    /// A message read by the plain path, handed over as read (a sink that opens nothing).
+    fn plain<'a>(sc: &mut Scanner<'a>) -> Option<ChatMessage<'a>> {
+        let mut sink = Collect::default();
+        sc.plain_message_to(&mut sink)?;
+        sink.messages.pop()
+    }
+
     /// The text of a string content; None for parts or none.
     fn as_text<'c>(c: &Content<'c>) -> Option<Cow<'c, str>> {
         match c {
@@ -1564,7 +1646,7 @@ mod tests {
                     b: form.as_bytes(),
                     i: 0,
                 };
-                let m = sc.plain_message().unwrap_or_else(|| panic!("{form}"));
+                let m = plain(&mut sc).unwrap_or_else(|| panic!("{form}"));
                 assert_eq!((m.role, text(&m).as_deref()), (Some(role), Some("q")));
                 assert_eq!(sc.i, form.len());
             }
@@ -1590,7 +1672,7 @@ mod tests {
                 b: form,
                 i: 0,
             };
-            let m = sc.plain_message();
+            let m = plain(&mut sc);
             assert_eq!(m.is_some(), matched, "{}", sc.text);
             assert_eq!(sc.i, if matched { form.len() } else { 0 });
         }
