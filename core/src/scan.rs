@@ -378,6 +378,9 @@ impl<'a> Scanner<'a> {
                     w += run;
                     *b.get_unchecked(i)
                 } else if i + 16 <= n {
+                    // The same step on sixteen bytes, written out: with the two steps sharing
+                    // their end (the block's length and mask as values) it counted ~400 more
+                    // instructions per request through Envoy (`chat`, `chat-lines`).
                     let x = v128_load(src.add(i).cast());
                     v128_store(dst.add(w).cast(), x);
                     let mut mask = u8x16_bitmask(hits(x));
