@@ -371,11 +371,11 @@ fn span_of(outer: &[u8], inner: &str) -> Option<Range<usize>> {
     (end <= outer.len()).then_some(start..end)
 }
 
-/// A chat body's messages as the scanner reads them: a plain message (a role and a string
-/// content) is written into the text by the scanner itself when it fits under the limit at the
-/// length of the rest of the body (a bound on the content's text), so its content is read once;
-/// any other message, and any that may not fit, through [`PromptText::scanned_message`]. The
-/// same text and length either way.
+/// A chat or Messages body's messages as the scanner reads them: a plain message (a role, and a
+/// string content or a list of text parts) is written into the text by the scanner itself when
+/// it fits under the limit at the length of the rest of the body (a bound on the content's
+/// text and its separators), so its content is read once; any other message, and any that may
+/// not fit, through [`PromptText::scanned_message`]. The same text and length either way.
 impl<'a> scan::ChatSink<'a> for PromptText {
     #[inline(always)]
     fn message(&mut self, m: scan::ChatMessage<'a>) {
