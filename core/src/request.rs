@@ -241,27 +241,17 @@ fn parse_messages_scan(
     body: &[u8],
     mut prompt: PromptText,
 ) -> Option<Result<InferenceRequest<'_>, ApiError>> {
-    if body.len() > prompt.limit {
-        let mut sink = scan::Collect::default();
-        let head = scan::messages_each(body, &mut sink)?;
-        return Some(model_field(body, head.model).map(|model| {
-            if let Some(system) = &head.system {
-                prompt.system(system);
-            }
-            prompt.scanned(&sink.messages);
-            prompt.finish(model, is_true(head.stream))
-        }));
-    }
-    let head = scan::messages_each(body, &mut prompt)?;
+    let mut collected = scan::Collect::default();
+    let head = if body.len() > prompt.limit {
+        scan::messages_each(body, &mut collected)?
+    } else {
+        scan::messages_each(body, &mut prompt)?
+    };
     Some(model_field(body, head.model).map(|model| {
         if let Some(system) = &head.system {
-            // The system prompt's text is shorter than the body, as the messages' is.
-            let mut front = PromptText::new(prompt.limit, prompt.home_chars, body.len());
-            front.system(system);
-            prompt.text.insert_str(0, &front.text);
-            prompt.len += front.len;
-            prompt.conversation_len = prompt.conversation_len.map(|n| n + front.text.len());
+            prompt.system_first(system, body.len());
         }
+        prompt.scanned(&collected.messages);
         prompt.finish(model, is_true(head.stream))
     }))
 }
@@ -507,10 +497,24 @@ impl PromptText {
         }
     }
 
-    /// A Messages body's `system`, read as a leading system message.
-    fn system(&mut self, system: &scan::Content<'_>) {
-        self.message(Some("system"), |p| p.scanned_content(system));
-        self.sep(ITEM_SEP);
+    /// A Messages body's `system`, read as a leading system message: written now when nothing
+    /// is in the text yet, else (the messages written as they were read, all under the limit)
+    /// put in front of them, the conversation's extent moved by as much. `room`: a bound on its
+    /// text (the body's length).
+    fn system_first(&mut self, system: &scan::Content<'_>, room: usize) {
+        let write = |p: &mut PromptText| {
+            p.message(Some("system"), |p| p.scanned_content(system));
+            p.sep(ITEM_SEP);
+        };
+        if self.len == 0 {
+            write(self);
+            return;
+        }
+        let mut front = PromptText::new(self.limit, self.home_chars, room);
+        write(&mut front);
+        self.text.insert_str(0, &front.text);
+        self.len += front.len;
+        self.conversation_len = self.conversation_len.map(|n| n + front.text.len());
     }
 
     /// Messages read by the scanner: contents already unescaped, `tool_calls` raw.

@@ -310,9 +310,8 @@ impl<'a> Scanner<'a> {
     /// With WebAssembly SIMD, one pass: each block of thirty-two bytes (sixteen, then one by one,
     /// near the end of the body) is stored to `out` as it is loaded, and kept up to its first
     /// special byte (a quote ends the token, an escape is decoded there, a control character
-    /// declines). The scan of a chat body's contents is then also
-    /// their copy into the prompt text, and their decoding: with the scan and then a copy (or
-    /// [`decode_into`]) each content was read twice.
+    /// declines). The scan of a content is then also its copy into the prompt text, and its
+    /// decoding: with the scan and then a copy (or [`decode_into`]) each content was read twice.
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
     #[inline(always)]
     fn string_into(&mut self, out: &mut String) -> Option<()> {
@@ -594,13 +593,7 @@ impl<'a> Scanner<'a> {
                 Some(0) => model = s.model()?,
                 Some(1) => stream = Some(s.value(1)?),
                 Some(2) => {
-                    s.array(|s| {
-                        // The plain form inline, here in the loop; the general path a call.
-                        if s.plain_message_to(sink).is_none() {
-                            sink.message(s.general_message()?);
-                        }
-                        Some(())
-                    })?;
+                    s.messages_to(sink)?;
                     messages = true;
                 }
                 _ => {
@@ -640,12 +633,7 @@ impl<'a> Scanner<'a> {
                 Some(2) => {
                     s.ws();
                     if s.peek()? == b'[' {
-                        s.array(|s| {
-                            if s.plain_message_to(sink).is_none() {
-                                sink.message(s.general_message()?);
-                            }
-                            Some(())
-                        })?;
+                        s.messages_to(sink)?;
                     } else if s.value(1)? != "null" {
                         return None;
                     }
@@ -710,6 +698,18 @@ impl<'a> Scanner<'a> {
         Some(match text {
             Some(t) => Part::Text(t),
             None => Part::Raw(self.text.get(start..self.i)?),
+        })
+    }
+
+    /// A list of messages (chat's or the Messages API's), each handed to `sink` as it is read:
+    /// the plain form inline, here in the loop; the general path a call.
+    #[inline(always)]
+    fn messages_to(&mut self, sink: &mut impl ChatSink<'a>) -> Option<()> {
+        self.array(|s| {
+            if s.plain_message_to(sink).is_none() {
+                sink.message(s.general_message()?);
+            }
+            Some(())
         })
     }
 
@@ -1060,8 +1060,9 @@ const LOW_SURROGATES: std::ops::Range<u32> = 0xDC00..0xE000;
 /// `v` has room for `b.len() + 4` more bytes, and `b` is UTF-8 whose backslashes are ASCII (any
 /// UTF-8). Then: the bytes written so far (`w`) never outnumber the bytes read (`i`), because
 /// no escape is shorter than its character, so every 16-byte store at `w` with `i + 16 <= n`
-/// stays in the room, and so does a character's four-byte word at `w <= i < n`; the bytes kept are runs of `b` ending before a backslash or at its end,
-/// and decoded characters, so the string stays UTF-8.
+/// stays in the room, and so does a character's four-byte word at `w <= i < n`; the bytes kept
+/// are runs of `b` ending before a backslash or at its end, and decoded characters, so the
+/// string stays UTF-8.
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
     use std::arch::wasm32::{u8x16_bitmask, u8x16_eq, u8x16_splat, v128_load, v128_store};
