@@ -55,10 +55,12 @@ line of its own: the contents hold newline escapes, as multi-line prompts do, wh
 body does not. With `--body chat-unicode` a few of its words are Spanish or Japanese and every user
 message ends with an emoji, written as Python's `json.dumps` (and the Python SDKs) writes them:
 `\\u` escapes, the emoji a surrogate pair.
+With `--body chat-cjk` the conversation is in Japanese, as Python writes it by default: every
+character of its contents a `\\u` escape (a run of them, decoded one after the other).
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
-                                     [--tick-ms MS] [--serving-thread] [--body chat|chat-lines|chat-unicode|messages-blocks]
+                                     [--tick-ms MS] [--serving-thread] [--body chat|chat-lines|chat-unicode|chat-cjk|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -131,12 +133,33 @@ def chat_unicode_body():
     return json.dumps(chat).encode()
 
 
+def chat_cjk_body():
+    """A conversation of chat_body()'s shape in Japanese (a system prompt, turns until the body
+    passes ~3,900 bytes, a last question), written as Python's `json.dumps` writes it by default
+    (`ensure_ascii`, as `requests`, `aiohttp` and many scripts send JSON): every character of its
+    contents a `\\u` escape."""
+    system = ("あなたは物流会社の几帳面なアシスタントです。番号付きの手順で答え、依拠する規定の節を"
+              "引用し、追跡番号を決して作らないでください。") * 2
+    messages = [{"role": "system", "content": system}]
+    turn = 0
+    while len(json.dumps(messages)) < 3900:
+        messages.append({"role": "user", "content": f"ターン{turn}：荷物は火曜日にロッテルダムのハブを出発し、"
+                                                    "それ以来スキャンされていません。次はどうすればよいですか？"})
+        messages.append({"role": "assistant", "content": "最後の引き渡しスキャンの積荷目録を確認し、幹線輸送業者に"
+                                                         "追跡を依頼し、顧客に通知してください。"})
+        turn += 1
+    messages.append({"role": "user", "content": "ハブが受け取っていないと言ったら？"})
+    return json.dumps({"model": "llama-3-8b", "stream": False, "max_tokens": 64, "messages": messages}).encode()
+
+
 # --body: the request's path and body.
 BODIES = {
     "chat": ("/v1/chat/completions", chat_body, "4 KB chat body"),
     "chat-lines": ("/v1/chat/completions", chat_lines_body, "4 KB chat body, contents on several lines"),
     "chat-unicode": ("/v1/chat/completions", chat_unicode_body,
                      "4 KB chat body, non-ASCII text and emoji as Python writes them"),
+    "chat-cjk": ("/v1/chat/completions", chat_cjk_body,
+                 "4 KB chat body in Japanese, every character a \\u escape as Python writes it"),
     "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
 }
 PATH = BODIES["chat"][0]

@@ -68,7 +68,7 @@ impl SplitTaken {
 pub struct Prepared {
     pub target: Arc<Target>,
     /// Pool name (what `x-gateway-pool` carries).
-    pub pool: String,
+    pub pool: Arc<str>,
     pub stream: bool,
     pub prompt_tokens: u32,
     /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`):
@@ -98,7 +98,7 @@ impl Prepared {
     pub fn routing_headers(&self) -> impl Iterator<Item = (&'static str, &str)> {
         let t = &self.target;
         [
-            Some((headers::POOL, self.pool.as_str())),
+            Some((headers::POOL, &*self.pool)),
             Some((headers::MODEL, t.model.as_str())),
             t.adapter
                 .as_ref()
@@ -112,7 +112,7 @@ impl Prepared {
     /// The in-flight record of this request once it is counted against `pod_key`.
     pub fn in_flight(&self, pod_key: u64, prefill_tokens: u32) -> InFlight {
         InFlight {
-            pool: crate::bytes::owned(&self.pool),
+            pool: Arc::clone(&self.pool),
             pod_key,
             tokens: self.prompt_tokens,
             prefill_tokens,
@@ -310,7 +310,7 @@ impl Engine {
             .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
         let adapter_recent = adapter_anchor.and_then(|k| self.prefix.latest_pod_of(k));
         Ok(Prepared {
-            pool: crate::bytes::owned(self.routes.pool_name(target.pool)),
+            pool: self.routes.pool_name_shared(target.pool),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
             model_only,
@@ -670,7 +670,7 @@ mod tests {
         for i in 0..200 {
             let first = e.prepare("/v1/chat/completions", &turns(i, 1)).unwrap();
             let (pool, model) = (first.pool.clone(), first.target.model.clone());
-            by_target[usize::from(pool == "new")] += 1;
+            by_target[usize::from(&*pool == "new")] += 1;
             assert_eq!(
                 Some(("m", model.as_str())),
                 first.split.as_ref().map(SplitTaken::names)
@@ -683,8 +683,8 @@ mod tests {
             for n in [2, 5] {
                 let later = e.prepare("/v1/chat/completions", &turns(i, n)).unwrap();
                 assert_eq!(
-                    (later.pool.as_str(), later.target.model.as_str()),
-                    (pool.as_str(), model.as_str())
+                    (later.pool.as_ref(), later.target.model.as_str()),
+                    (pool.as_ref(), model.as_str())
                 );
             }
         }
@@ -782,8 +782,8 @@ mod tests {
                 .prepare_in("/v1/chat/completions", &body, ctx(&down, 1_100))
                 .unwrap();
             let taken = p.split.as_ref().unwrap();
-            assert_eq!(p.pool, "old");
-            assert_eq!(taken.rerouted, own.pool == "new");
+            assert_eq!(&*p.pool, "old");
+            assert_eq!(taken.rerouted, &*own.pool == "new");
             let sent: serde_json::Value =
                 serde_json::from_slice(p.rewritten_body.as_ref().unwrap()).unwrap();
             assert_eq!(sent["model"], "m-v1");
@@ -793,7 +793,7 @@ mod tests {
                 .prepare_in("/v1/chat/completions", &body, ctx(&down, 1_000 + 5_000))
                 .unwrap();
             assert_eq!(stale.pool, own.pool);
-            on_new += usize::from(own.pool == "new");
+            on_new += usize::from(&*own.pool == "new");
         }
         assert!(
             on_new > 20,
@@ -802,7 +802,7 @@ mod tests {
         // The debug header says which version a request took, and whether it was moved.
         let body = (0..100)
             .map(|i| chat("m", &format!("conversation {i}")))
-            .find(|b| e.prepare("/v1/chat/completions", b).unwrap().pool == "new")
+            .find(|b| &*e.prepare("/v1/chat/completions", b).unwrap().pool == "new")
             .unwrap();
         let opts = DecideOptions {
             now_ms: 1_100,
@@ -832,7 +832,7 @@ mod tests {
         let marked = [UTF8_BOM, &chat("llama-3", "hi")].concat();
         let p = e.prepare("/v1/chat/completions", &marked).unwrap();
         assert_eq!(
-            (p.pool.as_str(), p.anchors.len()),
+            (p.pool.as_ref(), p.anchors.len()),
             ("llama", plain.anchors.len())
         );
         assert!(p.rewritten_body.is_none());
@@ -882,7 +882,7 @@ mod tests {
         assert_eq!(e.avg_prompt_tokens, typical);
         let p = e.prepare("/v1/messages/count_tokens", &body).unwrap();
         assert!(p.model_only);
-        assert_eq!(p.pool, "llama");
+        assert_eq!(&*p.pool, "llama");
         // Routed by model (an alias rewritten as for any request), the pod left to Envoy.
         assert!(p.rewritten_body.is_some());
         let c = e.decide(&p, Some(&f), &[], opts, &mut rng);

@@ -331,7 +331,7 @@ impl Completion {
 /// A request counted against a pod (by [`LoadTable::add`]) until it ends: what to undo.
 #[derive(Debug, Clone, PartialEq)]
 pub struct InFlight {
-    pub pool: String,
+    pub pool: std::sync::Arc<str>,
     pub pod_key: u64,
     pub tokens: u32,
     /// Tokens the pod must prefill (not in its prefix cache as far as we know).

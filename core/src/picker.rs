@@ -202,6 +202,10 @@ fn kv_tokens(s: &crate::snapshot::PodSnapshot) -> Option<f64> {
     (cap > 0.0).then_some(cap)
 }
 
+/// A candidate in [`Picker::pick`]: pod index, load, saturated, expected wait, the prompt's
+/// matched depth on the pod, whether the pod served the conversation (None: no conversation).
+type Cand = (usize, Load, bool, f64, u32, Option<bool>);
+
 impl Picker {
     pub fn new(scoring: ScoringConfig, fallbacks: usize) -> Picker {
         Picker {
@@ -229,8 +233,9 @@ impl Picker {
         let loads_ok = loads.len() == pool.pods.len();
 
         // Candidates: healthy, fresh, and (for ramping pods) admitted with probability = weight.
-        // (pod index, load, saturated, expected wait: filled in once the candidates are known).
-        let mut cands: Vec<(usize, Load, bool, f64)> = Vec::with_capacity(pool.pods.len());
+        // (pod index, load, saturated, then, once the candidates are known: expected wait, the
+        // prompt's matched depth on the pod, and whether the pod served the conversation).
+        let mut cands: Vec<Cand> = Vec::with_capacity(pool.pods.len());
         for (i, pod) in pool.pods.iter().enumerate() {
             if !pod.fresh(snapshot_age_ms, sc.stale_after_ms) {
                 continue;
@@ -242,7 +247,7 @@ impl Picker {
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
             let saturated = l.waiting / l.capacity >= sc.queue_threshold
                 || l.kv.is_some_and(|k| k >= sc.kv_threshold);
-            cands.push((i, l, saturated, 0.0));
+            cands.push((i, l, saturated, 0.0, 0, None));
         }
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
@@ -262,7 +267,7 @@ impl Picker {
         // escape valve. (The GIE endpoint picker has the same filter stage.)
         let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
         if let Some(a) = adapter {
-            let holds = |c: &(usize, Load, bool, f64)| {
+            let holds = |c: &Cand| {
                 let p = &pool.pods[c.0];
                 let home =
                     req.adapter_home == Some(p.key) && p.free_lora_slots().is_none_or(|f| f > 0);
@@ -278,7 +283,7 @@ impl Picker {
         // Weighted by capacity, so a pod three times faster is home to three times the
         // conversations (and adapters). The speed class (not the raw estimate) keeps the
         // estimate's jitter between snapshots from moving homes around.
-        let hrw = |k: u64, c: &(usize, Load, bool, f64)| {
+        let hrw = |k: u64, c: &Cand| {
             let w = c.1.capacity;
             (weighted_hrw(k, pool.pods[c.0].key, w), c.0)
         };
@@ -320,19 +325,12 @@ impl Picker {
         let kv_on = cands.iter().any(|c| c.1.kv.is_some());
         // This request's own prefill on a pod, in the same unit as the queued work: only what
         // the pod does not already hold in its prefix cache needs computing.
-        let own = |pod: &PodState| {
-            let mut depth = req
-                .matches
-                .iter()
-                .find(|m| m.pod == pod.key)
-                .map_or(0, |m| m.depth);
-            // For a conversation, only pods that served it get the credit: what conversations
-            // merely share (a system prompt) is soon cached on every pod, and crediting the
-            // first pod that computed it would pile conversations onto it and make gateways,
-            // which each know only their own decisions, disagree.
-            if req.conversation_pods.is_some_and(|c| !c.contains(&pod.key)) {
-                depth = 0;
-            }
+        // For a conversation, only pods that served it get the credit: what conversations merely
+        // share (a system prompt) is soon cached on every pod, and crediting the first pod that
+        // computed it would pile conversations onto it and make gateways, which each know only
+        // their own decisions, disagree.
+        let own = |depth: u32, served: Option<bool>| {
+            let depth = if served == Some(false) { 0 } else { depth };
             let uncached = uncached_tokens(req.prompt_tokens, depth, req.block_tokens);
             if req.avg_prompt_tokens > 0.0 {
                 (f64::from(uncached) / req.avg_prompt_tokens).clamp(0.02, 16.0)
@@ -364,9 +362,17 @@ impl Picker {
         let prompt_tokens = f64::from(req.prompt_tokens);
         let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
         for c in &mut cands {
+            // Looked up once per candidate: the wait and the prefix score both use them.
+            let key = pool.pods[c.0].key;
+            c.4 = req
+                .matches
+                .iter()
+                .find(|m| m.pod == key)
+                .map_or(0, |m| m.depth);
+            c.5 = req.conversation_pods.map(|p| p.contains(&key));
             let l = &c.1;
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
-            c.3 = (l.work + own(&pool.pods[c.0])) / l.capacity
+            c.3 = (l.work + own(c.4, c.5)) / l.capacity
                 + if no_room { sc.queue_horizon } else { 0.0 };
             w_min = fmin(w_min, c.3);
             w_max = fmax(w_max, c.3);
@@ -377,22 +383,17 @@ impl Picker {
         let span = fmax(sc.queue_horizon, w_max - w_min);
 
         let mut scored: Vec<(usize, f64, f64, f64)> = Vec::with_capacity(cands.len());
-        for (i, l, saturated, wait) in &cands {
+        for (i, l, saturated, wait, depth, served) in &cands {
             let pod = &pool.pods[*i];
             let queue = 1.0 - (wait - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
             let lora = adapter.map(|a| lora_score(pod, a, likely_loaded(pod, req)));
             let prefix = prefix_on.then(|| {
-                let depth = req
-                    .matches
-                    .iter()
-                    .find(|m| m.pod == pod.key)
-                    .map_or(0, |m| m.depth);
-                let mut learned = f64::from(depth) / f64::from(req.prefix_blocks);
-                match req.conversation_pods {
-                    Some(c) if c.contains(&pod.key) => learned = fmax(learned, CONVERSATION_FLOOR),
-                    Some(_) => learned *= SHARED_PREFIX_DISCOUNT,
+                let mut learned = f64::from(*depth) / f64::from(req.prefix_blocks);
+                match served {
+                    Some(true) => learned = fmax(learned, CONVERSATION_FLOOR),
+                    Some(false) => learned *= SHARED_PREFIX_DISCOUNT,
                     None => {}
                 }
                 let homed = if home == Some(*i) {

@@ -170,7 +170,9 @@ pub struct RoutingTable {
     by_name: NameMap<String, Arc<Target>>,
     /// Split names, apart from `by_name`: a request for one needs its prompt to pick a target.
     splits: NameMap<String, Arc<Split>>,
-    pool_names: Vec<String>,
+    /// Shared with every request's [`crate::engine::Prepared`] and in-flight record: a clone
+    /// is a count, not an allocation.
+    pool_names: Vec<Arc<str>>,
     default_target: Option<Arc<Target>>,
     models_json: String,
     /// One model's object by its id (`GET /v1/models/{id}`).
@@ -378,7 +380,11 @@ impl RoutingTable {
         RoutingTable {
             by_name,
             splits,
-            pool_names: cfg.pools.iter().map(|p| p.name.clone()).collect(),
+            pool_names: cfg
+                .pools
+                .iter()
+                .map(|p| Arc::from(p.name.as_str()))
+                .collect(),
             default_target,
             models_json,
             model_json,
@@ -406,12 +412,15 @@ impl RoutingTable {
 
     /// Name of pool `i`.
     pub fn pool_name(&self, i: usize) -> &str {
-        self.pool_names.get(i).map(String::as_str).unwrap_or("")
+        self.pool_names.get(i).map_or("", |n| n)
     }
 
-    /// Pool names in configuration order.
-    pub fn pool_names(&self) -> &[String] {
-        &self.pool_names
+    /// Name of pool `i`, shared (empty when there is no such pool).
+    pub fn pool_name_shared(&self, i: usize) -> Arc<str> {
+        self.pool_names
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| Arc::from(""))
     }
 
     /// The `/v1/models` body: OpenAI's list format with vLLM's `root`/`parent` fields, and

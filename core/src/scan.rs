@@ -413,12 +413,21 @@ impl<'a> Scanner<'a> {
                         return Some(());
                     }
                     b'\\' => {
-                        let (ch, len) = escape(b, i);
-                        if len == 1 {
-                            return None;
+                        // A run of escapes (every character outside ASCII, as Python's
+                        // `json.dumps` writes text by default) is decoded here one after the
+                        // other: after a block step each would stop the next step at once, ~50
+                        // instructions per escape for nothing.
+                        loop {
+                            let (ch, len) = escape(b, i);
+                            if len == 1 {
+                                return None;
+                            }
+                            put(dst, &mut w, ch);
+                            i += len;
+                            if b.get(i) != Some(&b'\\') {
+                                break;
+                            }
                         }
-                        put(dst, &mut w, ch);
-                        i += len;
                     }
                     _ => return None,
                 }
@@ -1089,9 +1098,15 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             let run = mask.trailing_zeros() as usize;
             i += run;
             w += run;
-            let (c, len) = escape(b, i);
-            put(dst, &mut w, c);
-            i += len;
+            // A run of escapes one after the other, as in `Scanner::string_into`.
+            loop {
+                let (c, len) = escape(b, i);
+                put(dst, &mut w, c);
+                i += len;
+                if b.get(i) != Some(&b'\\') {
+                    break;
+                }
+            }
         }
         // Eight at a time while eight are left (the same store-then-keep step on a word). The
         // step at a backslash is written out in each loop: as one closure taking the positions
@@ -1499,6 +1514,62 @@ mod tests {
             Part::Text(t) => t.decoded(),
             Part::Raw(raw) => Cow::Borrowed(raw),
         }
+    }
+
+    /// Long runs of `\u` escapes (a CJK text as Python's `json.dumps` writes it), across every
+    /// block boundary and ending in each way: the run is decoded escape after escape, then the
+    /// block steps go on, and a bad escape at the end of a run declines.
+    #[test]
+    fn runs_of_escapes_decode_as_serde_json_reads_them() {
+        let text: String = "物流の几帳面なアシスタント😀é"
+            .chars()
+            .cycle()
+            .take(90)
+            .collect();
+        let escaped = serde_json::to_string(&text)
+            .unwrap()
+            .chars()
+            .flat_map(|c| match c {
+                c if c.is_ascii() => vec![c.to_string()],
+                c => c
+                    .encode_utf16(&mut [0; 2])
+                    .iter()
+                    .map(|u| format!("\\u{u:04x}"))
+                    .collect(),
+            })
+            .collect::<String>();
+        let inner = &escaped[1..escaped.len() - 1];
+        for cut in 0..inner.len() {
+            for after in ["", "abc", r"\n", "abcdefghijklmnopqrstuvwxyz0123456789"] {
+                let part = inner.get(..cut).filter(|p| !p.ends_with('\\'));
+                let Some(part) = part else { continue };
+                let tok = format!("\"{part}{after}\"}}");
+                let want: Option<String> = serde_json::from_str(&tok[..tok.len() - 1]).ok();
+                let mut sc = Scanner {
+                    text: &tok,
+                    b: tok.as_bytes(),
+                    i: 0,
+                };
+                let mut into = String::from("y");
+                let got = sc.string_into(&mut into).map(|()| into[1..].to_string());
+                assert_eq!(got, want, "{tok}");
+                if want.is_some() {
+                    let mut out = String::new();
+                    decode_into(&mut out, &tok[1..tok.len() - 2]);
+                    assert_eq!(Some(out), want, "{tok}");
+                }
+            }
+        }
+        // A bad escape after a run: the scan declines, the text is left as it was.
+        let tok = format!("\"{}\\uD83D\\u0041\"", &inner[..60]);
+        let mut sc = Scanner {
+            text: &tok,
+            b: tok.as_bytes(),
+            i: 0,
+        };
+        let mut into = String::from("y");
+        assert_eq!(sc.string_into(&mut into), None);
+        assert_eq!(into, "y");
     }
 
     /// Python's `json.dumps` (behind the OpenAI and Anthropic Python SDKs) writes every character

@@ -668,10 +668,10 @@ impl Filter {
             }
         };
         let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
-        if !r.loads.contains_key(&prep.pool) {
-            r.loads.insert(prep.pool.clone(), LoadTable::default());
+        if !r.loads.contains_key(&*prep.pool) {
+            r.loads.insert(prep.pool.to_string(), LoadTable::default());
         }
-        let Some(table) = r.loads.get_mut(&prep.pool) else {
+        let Some(table) = r.loads.get_mut(&*prep.pool) else {
             return;
         };
         if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
@@ -707,7 +707,7 @@ impl Filter {
         }
         drop(guard);
 
-        let pool = prep.pool.as_str();
+        let pool = &*prep.pool;
         // What to count, handed to `pending` in one lock at the end.
         let mut outcome = None;
         let mut fail_open = None;

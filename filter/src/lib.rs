@@ -136,6 +136,9 @@ struct Worker {
     publish_slot: usize,
     /// This worker's in-flight view of each pool it has routed to.
     loads: NameMap<String, PoolLoad>,
+    /// The request's view of its pool's in-flight requests (this worker's and the others'),
+    /// kept between requests so that filling it allocates nothing.
+    view: LoadTable,
     /// The snapshot version before the current one (other workers may still be on it).
     previous_version: Option<u64>,
     /// When the request path last exchanged with the other workers, and the interval.
@@ -616,6 +619,7 @@ impl Root {
             publishes: [0; SYNC_PUBLISHES],
             publish_slot: 0,
             loads: NameMap::default(),
+            view: LoadTable::default(),
             previous_version: None,
             refreshed_ns: 0,
             published_ns: 0,
@@ -915,9 +919,11 @@ impl Http {
 
         // The pool's in-flight requests: this worker's and the others', aligned with the
         // snapshot.
-        let mut view = LoadTable::default();
+        let mut view = std::mem::take(&mut w.view);
+        view.pods.clear();
         if let Some(pl) = w.pool_load(&prep.pool) {
-            view = pl.own.clone();
+            view.version = pl.own.version;
+            view.pods.extend_from_slice(&pl.own.pods);
             view.add_table(&pl.others, None);
         }
         let opts = DecideOptions {
@@ -928,9 +934,10 @@ impl Http {
         let mut choice = w
             .engine
             .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
+        w.view = view;
         self.debug = choice.debug.take();
 
-        let pool = prep.pool.as_str();
+        let pool = &*prep.pool;
         match &choice.decision {
             Decision::Picked(_) => {
                 let (Some(dest), Some(idx), Some(pod_key)) =
