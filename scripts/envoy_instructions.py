@@ -56,7 +56,7 @@ body does not. With `--body chat-unicode` a few of its words are Spanish or Japa
 message ends with an emoji, written as Python's `json.dumps` (and the Python SDKs) writes them:
 `\\u` escapes, the emoji a surrogate pair.
 With `--body chat-cjk` the conversation is in Japanese, as Python writes it by default: every
-character of its contents a `\\u` escape (a run of them, decoded one after the other).
+character of its contents a `\\u` escape (a run of them, read two escapes at a time).
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]

@@ -417,17 +417,7 @@ impl<'a> Scanner<'a> {
                         // `json.dumps` writes text by default) is decoded here one after the
                         // other: after a block step each would stop the next step at once, ~50
                         // instructions per escape for nothing.
-                        loop {
-                            let (ch, len) = escape(b, i);
-                            if len == 1 {
-                                return None;
-                            }
-                            put(dst, &mut w, ch);
-                            i += len;
-                            if b.get(i) != Some(&b'\\') {
-                                break;
-                            }
-                        }
+                        escape_run(b, dst, &mut i, &mut w)?;
                     }
                     _ => return None,
                 }
@@ -1056,6 +1046,81 @@ fn escape(b: &[u8], i: usize) -> (char, usize) {
     }
 }
 
+/// The escape at `b[i]` (a backslash) when it is the one a run of escapes is nearly always made
+/// of: `\uXXXX` of a character in the Basic Multilingual Plane, not a surrogate (how Python's
+/// `json.dumps` writes every character of Chinese, Japanese or Korean text by default). The
+/// character is then what [`escape`] reads there, with a length of six; `None` leaves every
+/// other escape to `escape`. Tested before `escape`'s match, on its own: ~11 fewer instructions
+/// per escape under Node (a Japanese chat body of 650 escapes, 92,547 -> 85,352 per request).
+#[cfg_attr(
+    not(all(target_arch = "wasm32", target_feature = "simd128")),
+    allow(dead_code)
+)]
+#[inline(always)]
+fn bmp_escape(b: &[u8], i: usize) -> Option<char> {
+    let &[b'u', h0, h1, h2, h3] = b.get(i + 1..i + 6)? else {
+        return None;
+    };
+    let v = hex4(&[h0, h1, h2, h3])?;
+    if (0xD800..0xE000).contains(&v) {
+        return None;
+    }
+    char::from_u32(v)
+}
+
+/// Two escapes in a row, each as [`bmp_escape`] takes it (`\uXXXX\uYYYY`, both characters in
+/// the Basic Multilingual Plane and not surrogates), read from the sixteen bytes at `p`, which
+/// start with `\u` (the caller has checked): the second escape's `\u` as a sixteen-bit word, the
+/// eight hex digits checked and turned into their values with WebAssembly SIMD, then folded into
+/// the two numbers. `None` when the bytes are anything else.
+///
+/// Written for V8, which builds every vector constant where it is used (two or three
+/// instructions each): signed compares (one instruction; an unsigned one is four), digit values
+/// from the low four bits, the folding by shifts. On a Japanese chat body of 650 escapes the
+/// filter's code counts 69,006 instructions per request under Node with this (69,598 with `u`
+/// tested first, as [`escape_run`] does), 77,293 with unsigned compares, a multiply-add and nine
+/// constants, and 85,352 one escape at a time.
+///
+/// # Safety
+/// `p` is readable for sixteen bytes.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+unsafe fn bmp_pair(p: *const u8) -> Option<(char, char)> {
+    use std::arch::wasm32::*;
+    // SAFETY: the caller vouches for the sixteen bytes.
+    let (x, mark) = unsafe { (v128_load(p.cast()), p.add(6).cast::<u16>().read_unaligned()) };
+    if mark != u16::from_le_bytes(*b"\\u") {
+        return None;
+    }
+    // A digit is the one byte that lands in 0x80..=0x89 when 0x50 is added, a letter (either
+    // case, with its 0x20 bit set) the one that lands in 0x80..=0x85 with 0x1F more: the bottom
+    // of the signed range.
+    let lower = v128_or(x, u8x16_splat(0x20));
+    let is_digit = i8x16_lt(i8x16_add(x, u8x16_splat(0x50)), i8x16_splat(-118));
+    let is_letter = i8x16_lt(i8x16_add(lower, u8x16_splat(0x1F)), i8x16_splat(-122));
+    // Bytes 2-5 and 8-11: hex digits.
+    if u8x16_bitmask(v128_or(is_digit, is_letter)) & 0x0F3C != 0x0F3C {
+        return None;
+    }
+    // A digit's value is its low four bits, a letter's those and nine.
+    let value = i8x16_add(
+        v128_and(x, u8x16_splat(0x0F)),
+        v128_and(is_letter, u8x16_splat(9)),
+    );
+    // Each sixteen-bit lane's low byte is then its two digits' byte (16 * first + second):
+    // bytes 2 and 4 the first escape's high and low byte, 8 and 10 the second's.
+    let pairs = v128_or(i16x8_shl(value, 4), u16x8_shr(value, 8));
+    let packed = i8x16_shuffle::<4, 2, 10, 8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>(pairs, pairs);
+    let word = i32x4_extract_lane::<0>(packed) as u32;
+    let (v1, v2) = (word & 0xFFFF, word >> 16);
+    let surrogate = |v: u32| v & 0xF800 == 0xD800;
+    if surrogate(v1) || surrogate(v2) {
+        return None;
+    }
+    // SAFETY: below 0x10000 and not a surrogate: a character.
+    unsafe { Some((char::from_u32_unchecked(v1), char::from_u32_unchecked(v2))) }
+}
+
 /// The first and the second of a surrogate pair's two `\u` escapes.
 const HIGH_SURROGATES: std::ops::Range<u32> = 0xD800..0xDC00;
 const LOW_SURROGATES: std::ops::Range<u32> = 0xDC00..0xE000;
@@ -1098,14 +1163,11 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             let run = mask.trailing_zeros() as usize;
             i += run;
             w += run;
-            // A run of escapes one after the other, as in `Scanner::string_into`.
-            loop {
-                let (c, len) = escape(b, i);
-                put(dst, &mut w, c);
-                i += len;
-                if b.get(i) != Some(&b'\\') {
-                    break;
-                }
+            // A run of escapes one after the other, as in `Scanner::string_into`; a bad one
+            // (never, in a string the scan took) is kept as its backslash.
+            if escape_run(b, dst, &mut i, &mut w).is_none() {
+                put(dst, &mut w, '\\');
+                i += 1;
             }
         }
         // Eight at a time while eight are left (the same store-then-keep step on a word). The
@@ -1144,6 +1206,55 @@ unsafe fn decode_simd128(v: &mut Vec<u8>, b: &[u8]) {
             }
         }
         v.set_len(base + w);
+    }
+}
+
+/// Decodes the run of escapes at `b[*i]` (a backslash) into `dst + *w`, one after the other up to
+/// the first byte after the run that is not a backslash, advancing both positions; `None` at an
+/// escape [`escape`] does not take, with the positions at it. `\u` escapes go two at a time
+/// ([`bmp_pair`]) while sixteen bytes are left to load, else one ([`bmp_escape`]); any other
+/// escape (a line break) goes straight to `escape`. Testing for `u` first, not only in the
+/// pair's marks, costs a Japanese body of 650 escapes ~1,300 instructions through Envoy and saves
+/// a body of 51 line breaks ~1,100.
+///
+/// # Safety
+/// `dst + *w` is writable for `b.len() - *i + 4` bytes. That stays so: no escape is shorter than
+/// its character's UTF-8, the four-byte word [`put`] writes for a character ends within it, and
+/// a pair's two words (the second at most three bytes on) end within it while `*i + 16 <=
+/// b.len()`.
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+#[inline(always)]
+unsafe fn escape_run(b: &[u8], dst: *mut u8, i: &mut usize, w: &mut usize) -> Option<()> {
+    // SAFETY: see the contract; the pair's sixteen bytes are checked to be within `b`.
+    unsafe {
+        loop {
+            let u = b.get(*i + 1) == Some(&b'u');
+            if u && *i + 16 <= b.len() {
+                if let Some((c1, c2)) = bmp_pair(b.as_ptr().add(*i)) {
+                    put(dst, w, c1);
+                    put(dst, w, c2);
+                    *i += 12;
+                    if b.get(*i) != Some(&b'\\') {
+                        return Some(());
+                    }
+                    continue;
+                }
+            }
+            if let Some(c) = u.then(|| bmp_escape(b, *i)).flatten() {
+                put(dst, w, c);
+                *i += 6;
+            } else {
+                let (c, len) = escape(b, *i);
+                if len == 1 {
+                    return None;
+                }
+                put(dst, w, c);
+                *i += len;
+            }
+            if b.get(*i) != Some(&b'\\') {
+                return Some(());
+            }
+        }
     }
 }
 
@@ -1560,6 +1671,22 @@ mod tests {
                 }
             }
         }
+        // Another escape followed by four hex digits and a `\u` escape is not a pair.
+        for esc in [r"\n", r"\t", r#"\""#, r"\\", r"\/"] {
+            let tok = format!("\"{esc}4e00\\u4e00\\u30a2 and some more text\"}}");
+            let want: Option<String> = serde_json::from_str(&tok[..tok.len() - 1]).ok();
+            assert!(want.is_some(), "{tok}");
+            let mut sc = Scanner {
+                text: &tok,
+                b: tok.as_bytes(),
+                i: 0,
+            };
+            let mut into = String::new();
+            assert_eq!(sc.string_into(&mut into).map(|()| into), want, "{tok}");
+            let mut out = String::new();
+            decode_into(&mut out, &tok[1..tok.len() - 2]);
+            assert_eq!(Some(out), want, "{tok}");
+        }
         // A bad escape after a run: the scan declines, the text is left as it was.
         let tok = format!("\"{}\\uD83D\\u0041\"", &inner[..60]);
         let mut sc = Scanner {
@@ -1595,6 +1722,73 @@ mod tests {
                 let mut hex = *b"0aF9";
                 hex[at] = b;
                 assert_eq!(hex4(&hex), None, "{hex:?}");
+            }
+        }
+    }
+
+    /// The shortcut for the usual escape of a run reads what [`escape`] reads wherever it
+    /// answers, and leaves to it every escape that is not `\\u` and four hex digits of a
+    /// character in the BMP outside the surrogates: every value in both cases, and every byte
+    /// in every position.
+    #[test]
+    fn bmp_escape_reads_what_escape_reads() {
+        let check = |b: &[u8]| {
+            let want = match escape(b, 0) {
+                (c, 6) if b[1] == b'u' && (c as u32) < 0x1_0000 => Some(c),
+                _ => None,
+            };
+            assert_eq!(bmp_escape(b, 0), want, "{b:?}");
+        };
+        for v in 0..=0xFFFFu32 {
+            for esc in [format!("\\u{v:04x}!"), format!("\\u{v:04X}")] {
+                check(esc.as_bytes());
+            }
+        }
+        for b in 0..=255u8 {
+            for at in 1..6 {
+                let mut esc = *b"\\u4e0A";
+                esc[at] = b;
+                check(&esc);
+            }
+        }
+        // Cut short: no answer.
+        assert_eq!(bmp_escape(b"\\u4e0", 0), None);
+        assert_eq!(bmp_escape(b"\\u4e0A", 0), Some('\u{4e0a}'));
+    }
+
+    /// Two escapes read at once with SIMD are what [`bmp_escape`] reads of each, or `None` when
+    /// either is not its kind: every value in either place (both cases), and every byte in every
+    /// one of the sixteen positions but the first two, which the caller checks (the last four
+    /// are not the pair's and change nothing).
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    #[test]
+    fn bmp_pair_reads_two_escapes_as_bmp_escape_does() {
+        let check = |b: &[u8; 16]| {
+            // Called at `\u` only (as `bmp_escape` at a backslash); the pair checks the second.
+            if &b[..2] != b"\\u" {
+                return;
+            }
+            let marked = b[6] == b'\\';
+            let want = bmp_escape(b, 0).zip(bmp_escape(b, 6)).filter(|_| marked);
+            // SAFETY: sixteen bytes.
+            assert_eq!(unsafe { bmp_pair(b.as_ptr()) }, want, "{b:?}");
+        };
+        for v in 0..=0xFFFFu32 {
+            for (first, second) in [
+                (format!("{v:04x}"), "4E00".to_string()),
+                (format!("{v:04X}"), "30a2".to_string()),
+                ("00e9".to_string(), format!("{v:04x}")),
+                ("FFFF".to_string(), format!("{v:04X}")),
+            ] {
+                let s = format!("\\u{first}\\u{second}xyz\\");
+                check(s.as_bytes().try_into().unwrap());
+            }
+        }
+        for b in 0..=255u8 {
+            for at in 0..16 {
+                let mut pair = *b"\\u9aF0\\u3042\\u30";
+                pair[at] = b;
+                check(&pair);
             }
         }
     }
