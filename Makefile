@@ -21,7 +21,7 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -98,6 +98,9 @@ profile-wasm: setup wasm ## the filter's own code per request by wasm function: 
 	$(PY) -c "import sys; sys.path.insert(0, 'scripts'); import envoy_overhead as eo; open('target/bench/wasm-profile/chat.json', 'wb').write(eo.chat_body())"
 	node --no-warnings --cpu-prof --cpu-prof-interval 50 --cpu-prof-dir=target/bench/wasm-profile scripts/wasm_profile.mjs $(WASM) target/bench/wasm-profile/chat.json
 	$(PY) scripts/wasm_profile_report.py target/bench/wasm-profile/*.cpuprofile
+
+profile-envoy: setup build ## the gateway Envoy's CPU per request by where it goes (kernel, Envoy, Envoy's host calls for the VM, the filter's JIT code): plain, the wasm floor and the filter under perf (needs perf; ~1 min)
+	$(PY) scripts/envoy_profile.py
 
 profile-wasm-instr: setup wasm ## the filter's own code per request by wasm function in CPU instructions (V8 TurboFan under Node, counted by callgrind; needs valgrind; ~1 min), and its memory.copy calls
 	$(PY) scripts/wasm_instructions.py --wasm $(WASM)

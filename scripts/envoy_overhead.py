@@ -47,13 +47,16 @@ cycle give the build's figures with half the turn-to-turn noise ("filter_pooled"
 --no-copy leaves the copy out.
 
 Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--no-copy] [--compare-wasm NAME=PATH ...]
-                                 [--ask NAME ...]
+                                 [--compare-config NAME=JSON ...] [--ask NAME ...]
   --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
   to the interleaved rounds, e.g. the build before a change: builds compared within one run agree
   far better than runs of different days on this shared machine. To build an earlier revision:
     git worktree add /tmp/prev REV && (cd /tmp/prev && cargo build -p gpuroute-filter \
       --target wasm32-wasip1 --profile wasm-release --target-dir /tmp/prev-target)
     scripts/envoy_overhead.py --compare-wasm prev=/tmp/prev-target/wasm32-wasip1/wasm-release/gpuroute_filter.wasm
+  --compare-config NAME=JSON adds the filter's own .wasm with its configuration changed by JSON
+  (keys of the plugin configuration, e.g. '{"tick_ms": 1000}'), measured like a --compare-wasm
+  build: what one option costs, in the same rounds as the filter as shipped.
   --ask NAME asks that gateway for its prefix records every 50 ms, as sidecar-metrics' relay
   between gateway replicas does (`GET ingest.prefix_path`, the cursor carried on): with
   `--compare-wasm relayed=<the filter's .wasm> --ask relayed`, the relay's cost on the gateway
@@ -183,11 +186,12 @@ REFERENCES = ("plain", "native_buffer", "wasm_floor", "floor_callbacks")
 GATEWAYS = (*REFERENCES, "filter", "module")
 
 
-def gateway_specs(up, config, extra, floor_callbacks=False):
+def gateway_specs(up, config, extra, floor_callbacks=False, configs=None):
     """Each gateway of the comparison as `Envoy(**spec)` arguments, in report order: plain,
     native_buffer, wasm_floor (and floor_callbacks), filter, module, then the `--compare-wasm`
-    builds (`extra`). `config` is the configuration of the filter builds; the references get
-    `CONFIG`."""
+    builds (`extra`). `config` is the configuration of the filter builds, with `configs[name]`'s
+    keys changed for an extra build that has them; the references get `CONFIG`."""
+    configs = configs or {}
     pools = [{"name": "llama", "endpoints": up.addresses()}]
     ours = dict(mode="filter", pools=pools, filter_config=config)
     floor = dict(mode="filter", pools=pools, filter_config=dict(CONFIG, floor_endpoints=up.addresses()), runtime="wasm")
@@ -198,8 +202,27 @@ def gateway_specs(up, config, extra, floor_callbacks=False):
         **({"floor_callbacks": dict(floor, wasm=FLOOR_CALLBACKS_WASM)} if floor_callbacks else {}),
         "filter": dict(ours, runtime="wasm"),
         "module": dict(ours, runtime="dynamic"),
-        **{name: dict(ours, runtime="wasm", wasm=path) for name, path in extra.items()},
+        **{name: dict(ours, runtime="wasm", wasm=path, filter_config=dict(config, **configs.get(name, {})))
+           for name, path in extra.items()},
     }
+
+
+def compare_configs(specs, taken):
+    """The `--compare-config NAME=JSON` arguments as {name: configuration changes}; exits on a
+    malformed one or a name in `taken`."""
+    configs = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        try:
+            changes = json.loads(text) if sep and name else None
+        except json.JSONDecodeError:
+            changes = None
+        if not isinstance(changes, dict):
+            sys.exit(f"--compare-config {spec!r}: want NAME=JSON, the JSON an object of configuration keys")
+        if name in taken or name in configs:
+            sys.exit(f"--compare-config: the name {name!r} is taken")
+        configs[name] = changes
+    return configs
 
 
 def pod_snapshot(up):
@@ -338,6 +361,8 @@ def main():
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--compare-wasm", action="append", default=[], metavar="NAME=PATH",
                     help="another build of the proxy-wasm filter to measure in the same rounds (repeatable)")
+    ap.add_argument("--compare-config", action="append", default=[], metavar="NAME=JSON",
+                    help="the filter's .wasm with these configuration keys changed, measured in the same rounds (repeatable)")
     ap.add_argument("--ask", action="append", default=[], metavar="NAME",
                     help="ask this gateway for its prefix records every 50 ms, as the relay between replicas does")
     ap.add_argument("--floor-callbacks", action="store_true",
@@ -355,10 +380,12 @@ def main():
         copy = Path(tempfile.mkdtemp()) / "gpuroute_filter_copy.wasm"
         shutil.copyfile(BUILDS["filter"][2], copy)
         extra = {aa: copy, **extra}
+    configs = compare_configs(args.compare_config, {*extra, *GATEWAYS})
+    extra.update({name: BUILDS["filter"][2] for name in configs})
     body_file = Path(tempfile.mkdtemp()) / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
-    gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra, args.floor_callbacks).items())
+    gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra, args.floor_callbacks, configs).items())
     pusher = Pusher([gw for name, gw in gateways if name not in REFERENCES], pod_snapshot(up))
     unknown = set(args.ask) - set(extra)
     if unknown:
@@ -405,6 +432,7 @@ def main():
         "builds": {name: {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
                    for name, path in [*((n, p) for n, (_, p) in ours.items()), ("wasm_floor", FLOOR_WASM),
                                       *([("floor_callbacks", FLOOR_CALLBACKS_WASM)] if args.floor_callbacks else [])]},
+        "configs": configs,
         "outcomes": outcomes, "upstream_connections_per_request": conns, "asked": asked, "raw": rows,
     }
     for name, _ in gateways:
@@ -433,7 +461,8 @@ def main():
               "wasm_floor": "reference: the proxy-wasm floor (bench/wasm-floor: pause, body into the VM, three headers, no decision)",
               "floor_callbacks": "reference: the floor with the filter's three other callbacks exported empty "
                                  "(response headers, response body, context deleted)",
-              **{name: f"proxy-wasm filter, build '{name}' ({path})" for name, path in extra.items()}}
+              **{name: f"proxy-wasm filter, build '{name}' ({path})" for name, path in extra.items()},
+              **{name: f"proxy-wasm filter, configuration '{name}' ({json.dumps(c)})" for name, c in configs.items()}}
     if aa:
         labels[aa] = "proxy-wasm filter, a byte-identical copy (the method's A/A check)"
     floors = ("wasm_floor", "floor_callbacks") if args.floor_callbacks else ("wasm_floor",)
