@@ -26,7 +26,11 @@ Needs `perf` (linux-perf) and permission to profile the gateway (root, or
 perf_event_paranoid <= 1 for the kernel's share).
 The gateways take turns, `--seconds` each, `--reps` times over: this shared host's slow spells
 last seconds, and in short turns they land on every gateway alike instead of on one (in 4-second
-turns, two runs read the floor with the callbacks at +1 and +18 us over the floor).
+turns, two runs read the floor with the callbacks at +1 and +18 us over the floor). Even so, a
+few microseconds between gateways are within the host's drift: six runs read Envoy's own path
+with the filter at -3 to +14 us over the floor with the callbacks, while the filter's wasm code
+read 8-10.5 us in every one. For the whole cost, `make bench-envoy` (paired quarter-second
+turns) is the measure; this says where it goes.
 Usage: scripts/envoy_profile.py [--seconds 1.5] [--reps 10]
 Writes target/bench/envoy-profile.json (every turn's figures and the medians).
 """
