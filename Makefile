@@ -99,7 +99,7 @@ profile-wasm: setup wasm ## the filter's own code per request by wasm function: 
 	node --no-warnings --cpu-prof --cpu-prof-interval 50 --cpu-prof-dir=target/bench/wasm-profile scripts/wasm_profile.mjs $(WASM) target/bench/wasm-profile/chat.json
 	$(PY) scripts/wasm_profile_report.py target/bench/wasm-profile/*.cpuprofile
 
-profile-envoy: setup build ## the gateway Envoy's CPU per request by where it goes (kernel, Envoy, Envoy's host calls for the VM, the filter's JIT code): plain, the wasm floor and the filter under perf (needs perf; ~1 min)
+profile-envoy: setup build ## the gateway Envoy's CPU per request by where it goes (kernel, Envoy, Envoy's host calls for the VM, the filter's JIT code): plain, the wasm floor, the floor with the callbacks and the filter, interleaved in quarter-second turns under one perf (needs perf; ~1 min)
 	$(PY) scripts/envoy_profile.py
 
 profile-wasm-instr: setup wasm ## the filter's own code per request by wasm function in CPU instructions (V8 TurboFan under Node, counted by callgrind; needs valgrind; ~1 min), and its memory.copy calls

@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """Where the gateway Envoy's CPU goes per request, with and without the filter: `perf record`
-(cpu-clock samples with DWARF call chains) on the gateway Envoy (one worker) under the same
+(cpu-clock samples with DWARF call chains) on the gateway Envoys (one worker each) under the same
 16-connection 4 KB chat load as `envoy_overhead.py`, for plain Envoy, the proxy-wasm floor
 (bench/wasm-floor), the floor with the three callbacks the filter has beyond it exported empty
-(`make wasm` builds it) and the filter, one after the other, each measured `--reps` times.
+(`make wasm` builds it) and the filter. The gateways are loaded in turns of a quarter second,
+interleaved as `make bench-envoy` does (httpload `--slot-ms`), with one perf attached to all of
+them; each gateway's samples are told apart by its process id. Each round gives every gateway
+its figures; the report takes medians over rounds, and pairs the filter with the floor with
+the callbacks round by round. Profiled one after the other instead, in 1.5- or 4-second turns,
+six runs read Envoy's own path with the filter at -3 to +14 us over that floor: the host's drift.
 
 Each sample is put in one class by the code it was taken in:
   kernel                the kernel (sockets, epoll, scheduling)
@@ -20,28 +25,24 @@ per request, which httpload counts from /proc over the same load (all the gatewa
 this 2-core machine the gateway does not have a core to itself, so 1e6 / requests-per-second
 would overstate it). perf's own overhead is in both; compare the gateways with each other, not
 with `make bench-envoy`'s figures. Call chains through JIT frames unwind by frame pointer (V8
-keeps them); a chain that stops early puts a host call's sample under "envoy".
+keeps them); a chain that stops early (as it may in V8's builtins, the stubs between Envoy and
+the wasm code) puts that sample under "envoy".
 
 Needs `perf` (linux-perf) and permission to profile the gateway (root, or
 perf_event_paranoid <= 1 for the kernel's share).
-The gateways take turns, `--seconds` each, `--reps` times over: this shared host's slow spells
-last seconds, and in short turns they land on every gateway alike instead of on one (in 4-second
-turns, two runs read the floor with the callbacks at +1 and +18 us over the floor). Even so, a
-few microseconds between gateways are within the host's drift: six runs read Envoy's own path
-with the filter at -3 to +14 us over the floor with the callbacks, while the filter's wasm code
-read 8-10.5 us in every one. For the whole cost, `make bench-envoy` (paired quarter-second
-turns) is the measure; this says where it goes.
-Usage: scripts/envoy_profile.py [--seconds 1.5] [--reps 10]
-Writes target/bench/envoy-profile.json (every turn's figures and the medians).
+Usage: scripts/envoy_profile.py [--seconds 2] [--rounds 5]
+Writes target/bench/envoy-profile.json (every round's figures and the medians).
 """
 
 import argparse
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,38 +70,35 @@ def classify(frames):
 
 
 def split(data):
-    """Shares (0..1) of `data`'s samples by class."""
-    out = subprocess.run(["perf", "script", "-i", str(data), "-F", "ip,dso"],
+    """{pid: shares (0..1) of that process's samples by class} of `data`'s samples."""
+    out = subprocess.run(["perf", "script", "-i", str(data), "-F", "pid,ip,dso"],
                          capture_output=True, text=True, check=True).stdout
-    counts = dict.fromkeys(CLASSES, 0)
+    return split_text(out)
+
+
+def split_text(out):
+    """`split` of `perf script -F pid,ip,dso`'s text: a blank line between samples, each a line
+    with its process id, then its call chain innermost first, a frame per line as `ip (dso)`."""
+    counts = {}
     for block in out.split("\n\n"):
+        lines = [line.strip() for line in block.splitlines() if line.strip()]
+        if not lines or not lines[0].split()[0].isdigit():
+            continue
+        pid = int(lines[0].split()[0])
         frames = []
-        for line in block.splitlines():
-            line = line.strip()
-            if line:
-                start = line.find("(")
-                frames.append(line[start + 1:-1] if start >= 0 else "?")
+        for line in lines[1:]:
+            start = line.find("(")
+            frames.append(line[start + 1:-1] if start >= 0 else "?")
         if frames:
-            counts[classify(frames)] += 1
-    total = sum(counts.values()) or 1
-    return {k: v / total for k, v in counts.items()}
-
-
-def profile(name, gw, body_file, seconds, work, rep):
-    eo.load([(name, gw)], body_file, 16, 0.5)  # warm-up
-    data = work / f"{name}-{rep}.perf"
-    perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "2000", "--call-graph", "dwarf,8192",
-                             "-p", str(gw.proc.pid), "-o", str(data), "--", "sleep", str(seconds)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    res = eo.load([(name, gw)], body_file, 16, seconds, cpu=True)[name]
-    perf.wait()
-    return res["rps"], res["cpu_us_per_request"], split(data)
+            c = counts.setdefault(pid, dict.fromkeys(CLASSES, 0))
+            c[classify(frames)] += 1
+    return {pid: {k: v / (sum(c.values()) or 1) for k, v in c.items()} for pid, c in counts.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--seconds", type=float, default=1.5)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--seconds", type=float, default=2.0, help="measured seconds per gateway and round")
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     if not shutil.which("perf"):
         sys.exit("perf is not installed (Debian: apt install linux-perf)")
@@ -113,38 +111,67 @@ def main():
     specs = eo.gateway_specs(up, eo.CONFIG, {}, floor_callbacks=True)
     gws = {}
     pusher = None
-    results = {name: [] for name in GATEWAYS}
+    rounds = {name: [] for name in GATEWAYS}
+    shares = []
     try:
         for name in GATEWAYS:
             gws[name] = Envoy(**specs[name])
         pods = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
         pusher = Pusher([gws["filter"]], pods)
-        for rep in range(args.reps):
+        order = list(gws.items())
+        eo.load(order, body_file, 16, 0.5)  # warm-up
+        pids = ",".join(str(gw.proc.pid) for gw in gws.values())
+        for r in range(args.rounds):
+            data = work / f"round-{r}.perf"
+            # One perf over every gateway: each is loaded only in its own turns, so a process's
+            # samples are its turns' (and its timers', a few per second).
+            perf = subprocess.Popen(["perf", "record", "-e", "cpu-clock", "-F", "1000", "--call-graph", "dwarf,8192",
+                                     "-p", pids, "-o", str(data)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)  # perf attached
+            res = eo.load(order if r % 2 == 0 else order[::-1], body_file, 16, args.seconds, cpu=True)
+            perf.send_signal(signal.SIGINT)
+            perf.wait()
+            by_pid = split(data)
+            data.unlink()
+            shares.append({name: by_pid.get(gw.proc.pid, dict.fromkeys(CLASSES, 0.0)) for name, gw in gws.items()})
             for name in GATEWAYS:
-                results[name].append(profile(name, gws[name], body_file, args.seconds, work, rep))
+                rounds[name].append((res[name]["rps"], res[name]["cpu_us_per_request"]))
+            print(f"round {r + 1}: " + ", ".join(f"{n} {rounds[n][-1][1]:.1f} us" for n in GATEWAYS), flush=True)
     finally:
         if pusher:
             pusher.stop()
         for gw in gws.values():
             gw.stop()
         up.stop()
-    print(f"gateway CPU per request by where it was spent (us; median of {args.reps} runs of "
-          f"{args.seconds:g} s each, perf attached)")
+    print(f"\ngateway CPU per request by where it was spent (us; median of {args.rounds} rounds, each "
+          f"gateway {args.seconds:g} s per round in {eo.SLOT_MS} ms turns, perf attached to all)")
     print(f"{'':20s}" + "".join(f"{name:>16s}" for name in GATEWAYS))
-    rows = {"requests/s": [statistics.median(r[0] for r in results[n]) for n in GATEWAYS],
-            "CPU per request": [statistics.median(r[1] for r in results[n]) for n in GATEWAYS]}
+    rows = {"requests/s": [statistics.median(x[0] for x in rounds[n]) for n in GATEWAYS],
+            "CPU per request": [statistics.median(x[1] for x in rounds[n]) for n in GATEWAYS]}
     for c in CLASSES:
-        rows[f"  {c}"] = [statistics.median(r[1] * r[2][c] for r in results[n]) for n in GATEWAYS]
+        rows[f"  {c}"] = [statistics.median(rounds[n][r][1] * shares[r][n][c] for r in range(args.rounds))
+                          for n in GATEWAYS]
     for label, values in rows.items():
         print(f"{label:20s}" + "".join(f"{v:16.1f}" if label != "requests/s" else f"{v:16.0f}" for v in values))
+    # Paired per round: the filter over the floor with the callbacks, by class.
+    diffs = {c: sorted(rounds["filter"][r][1] * shares[r]["filter"][c]
+                       - rounds["floor_callbacks"][r][1] * shares[r]["floor_callbacks"][c] for r in range(args.rounds))
+             for c in CLASSES}
+    total = sorted(rounds["filter"][r][1] - rounds["floor_callbacks"][r][1] for r in range(args.rounds))
+    print("the filter over the floor with the callbacks, per round (median, range): "
+          f"in all {statistics.median(total):+.1f} ({total[0]:+.1f} to {total[-1]:+.1f}); "
+          + "; ".join(f"{c} {statistics.median(d):+.1f} ({d[0]:+.1f} to {d[-1]:+.1f})" for c, d in diffs.items()
+                      if c in ("envoy", "envoy, for the VM", "wasm (JIT)", "kernel")))
     out = eo.ROOT / "target" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     (out / "envoy-profile.json").write_text(json.dumps({
-        "setup": {"seconds_per_turn": args.seconds, "turns": args.reps, "connections": 16, "gateway_workers": 1,
-                  "sampling": "perf cpu-clock 2000 Hz, DWARF call chains", **eo.host_info()},
+        "setup": {"seconds_per_gateway_and_round": args.seconds, "rounds": args.rounds, "slot_ms": eo.SLOT_MS,
+                  "connections": 16, "gateway_workers": 1,
+                  "sampling": "perf cpu-clock 1000 Hz, DWARF call chains, attached to every gateway", **eo.host_info()},
         "medians": {label.strip(): dict(zip(GATEWAYS, values)) for label, values in rows.items()},
-        "turns": {name: [{"rps": r[0], "cpu_us_per_request": r[1], "shares": r[2]} for r in results[name]]
-                  for name in GATEWAYS},
+        "rounds": {name: [{"rps": x[0], "cpu_us_per_request": x[1], "shares": shares[r][name]}
+                          for r, x in enumerate(rounds[name])] for name in GATEWAYS},
     }, indent=1))
 
 

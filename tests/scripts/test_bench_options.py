@@ -66,3 +66,31 @@ JIT = "/tmp/perf-123.map"
 ])
 def test_a_sample_is_classed_by_its_leaf_and_whether_wasm_code_called_it(frames, want):
     assert ep.classify(frames) == want
+
+
+def test_samples_are_split_by_process_and_class():
+    text = f"""
+    101 
+\t    7f00 [unknown] ({JIT})
+\t    5f00 [unknown] ({ENVOY})
+
+    101 
+\t    5f10 [unknown] ({ENVOY})
+\t    7f10 [unknown] ({JIT})
+
+    101 
+\t    5f20 [unknown] ({ENVOY})
+\t    5f30 [unknown] ({ENVOY})
+
+    202 
+\t    ffff [unknown] ([kernel.kallsyms])
+
+    202 
+\t    5f20 [unknown] ({ENVOY})
+"""
+    got = ep.split_text(text)
+    assert set(got) == {101, 202}
+    assert got[101]["wasm (JIT)"] == pytest.approx(1 / 3)
+    assert got[101]["envoy, for the VM"] == pytest.approx(1 / 3)
+    assert got[101]["envoy"] == pytest.approx(1 / 3)
+    assert got[202] == dict(dict.fromkeys(ep.CLASSES, 0.0), kernel=0.5, envoy=0.5)
