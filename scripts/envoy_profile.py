@@ -116,8 +116,7 @@ def main():
     try:
         for name in GATEWAYS:
             gws[name] = Envoy(**specs[name])
-        pods = {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
-        pusher = Pusher([gws["filter"]], pods)
+        pusher = Pusher([gws["filter"]], eo.pod_snapshot(up))
         order = list(gws.items())
         eo.load(order, body_file, 16, 0.5)  # warm-up
         pids = ",".join(str(gw.proc.pid) for gw in gws.values())
@@ -149,15 +148,17 @@ def main():
     print(f"{'':20s}" + "".join(f"{name:>16s}" for name in GATEWAYS))
     rows = {"requests/s": [statistics.median(x[0] for x in rounds[n]) for n in GATEWAYS],
             "CPU per request": [statistics.median(x[1] for x in rounds[n]) for n in GATEWAYS]}
+
+    def us(name, r, c):
+        """Gateway `name`'s microseconds per request in class `c` in round `r`."""
+        return rounds[name][r][1] * shares[r][name][c]
+
     for c in CLASSES:
-        rows[f"  {c}"] = [statistics.median(rounds[n][r][1] * shares[r][n][c] for r in range(args.rounds))
-                          for n in GATEWAYS]
+        rows[f"  {c}"] = [statistics.median(us(n, r, c) for r in range(args.rounds)) for n in GATEWAYS]
     for label, values in rows.items():
         print(f"{label:20s}" + "".join(f"{v:16.1f}" if label != "requests/s" else f"{v:16.0f}" for v in values))
     # Paired per round: the filter over the floor with the callbacks, by class.
-    diffs = {c: sorted(rounds["filter"][r][1] * shares[r]["filter"][c]
-                       - rounds["floor_callbacks"][r][1] * shares[r]["floor_callbacks"][c] for r in range(args.rounds))
-             for c in CLASSES}
+    diffs = {c: sorted(us("filter", r, c) - us("floor_callbacks", r, c) for r in range(args.rounds)) for c in CLASSES}
     total = sorted(rounds["filter"][r][1] - rounds["floor_callbacks"][r][1] for r in range(args.rounds))
     print("the filter over the floor with the callbacks, per round (median, range): "
           f"in all {statistics.median(total):+.1f} ({total[0]:+.1f} to {total[-1]:+.1f}); "

@@ -1058,11 +1058,8 @@ fn bmp_escape(b: &[u8], i: usize) -> Option<char> {
     let &[b'u', h0, h1, h2, h3] = b.get(i + 1..i + 6)? else {
         return None;
     };
-    let v = hex4(&[h0, h1, h2, h3])?;
-    if (0xD800..0xE000).contains(&v) {
-        return None;
-    }
-    char::from_u32(v)
+    // A surrogate is no `char`: `from_u32` leaves it to `escape`.
+    char::from_u32(hex4(&[h0, h1, h2, h3])?)
 }
 
 /// Two escapes in a row, each as [`bmp_escape`] takes it (`\uXXXX\uYYYY`, both characters in
