@@ -41,6 +41,7 @@ wasm: ## build the filter (.wasm)
 	$(CARGO) build -p gpuroute-filter -p gpuroute-wasm-floor --target $(WASM_TARGET) --profile wasm-release
 	$(CARGO) build -p gpuroute-wasm-floor --features trap --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-trap
 	$(CARGO) build -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-callbacks
+	$(CARGO) build -p gpuroute-wasm-floor --features experiments --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-experiments
 	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
 
 native: ## build the native binaries (aggregator, simulator, benchmark tools, the dynamic-module filter)
@@ -50,6 +51,7 @@ build: wasm native ## build everything
 
 unit: $(VENV)/.ready ## native unit and property tests of every crate, and of the benchmark scripts' statistics
 	$(CARGO) test --workspace --exclude gpuroute-filter
+	$(CARGO) test -p gpuroute-wasm-floor --features experiments
 	cd tests/scripts && ../../$(VENV)/bin/pytest -q
 
 wasm-test: ## the core crate's tests compiled to wasm32 and run under Node's WASI
@@ -62,6 +64,8 @@ lint: ## rustfmt, clippy -D warnings (native and wasm32)
 	$(CARGO) clippy -p gpuroute-filter -p gpuroute-core -p gpuroute-wasm-floor --target $(WASM_TARGET) -- -D warnings
 	$(CARGO) clippy -p gpuroute-wasm-floor --features trap --target $(WASM_TARGET) --target-dir target/wasm-trap -- -D warnings
 	$(CARGO) clippy -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --target-dir target/wasm-floor-callbacks -- -D warnings
+	$(CARGO) clippy -p gpuroute-wasm-floor --features experiments --target $(WASM_TARGET) --target-dir target/wasm-floor-experiments -- -D warnings
+	$(CARGO) clippy -p gpuroute-wasm-floor --features experiments --all-targets -- -D warnings
 
 validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)
@@ -99,10 +103,10 @@ profile-wasm: setup wasm ## the filter's own code per request by wasm function: 
 	node --no-warnings --cpu-prof --cpu-prof-interval 50 --cpu-prof-dir=target/bench/wasm-profile scripts/wasm_profile.mjs $(WASM) target/bench/wasm-profile/chat.json
 	$(PY) scripts/wasm_profile_report.py target/bench/wasm-profile/*.cpuprofile
 
-profile-envoy: setup build ## the gateway Envoy's CPU per request by where it goes (kernel, Envoy, Envoy's host calls for the VM, the filter's JIT code): plain, the wasm floor, the floor with the callbacks and the filter, interleaved in quarter-second turns under one perf (needs perf; ~1 min)
+profile-envoy: setup build ## the gateway Envoy's CPU per request by where it goes (kernel, Envoy, Envoy's host calls for the VM, the filter's JIT code): plain, the wasm floor, the floor with the callbacks and the filter, interleaved in quarter-second turns under one perf (needs perf; ~1 min); scripts/envoy_profile.py --compare-floor/--compare-config/--compare-wasm add experiments
 	$(PY) scripts/envoy_profile.py
 
-profile-wasm-instr: setup wasm ## the filter's own code per request by wasm function in CPU instructions (V8 TurboFan under Node, counted by callgrind; needs valgrind; ~1 min), and its memory.copy calls
+profile-wasm-instr: setup wasm ## the filter's own code per request by wasm function in CPU instructions (V8 TurboFan under Node, counted by callgrind; needs valgrind; ~1 min), the machine code a request runs through, and its memory.copy calls
 	$(PY) scripts/wasm_instructions.py --wasm $(WASM)
 
 bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle: plain, wasm filter, dynamic module (~4 min)

@@ -87,8 +87,10 @@ WARMUP = 300
 MEASURE_CONFIG = dict(CONFIG, tick_ms=600_000, scoring={"stale_after_ms": 3_600_000})
 
 
-def callgrind(out_dir, sim=False, threads=False):
+def callgrind(out_dir, sim=False, threads=False, ll=None):
     extra = ["--cache-sim=yes", "--branch-sim=yes"] if sim else []
+    if sim and ll:
+        extra.append(f"--LL={ll}")
     if threads:
         extra.append("--separate-threads=yes")
     return ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--instr-atstart=no",
@@ -251,6 +253,11 @@ def main():
     ap.add_argument("--sim", action="store_true",
                     help="also simulate the caches and branch predictor (callgrind's --cache-sim and "
                          "--branch-sim; ~2x slower): L1 and last-level misses, mispredicted branches")
+    ap.add_argument("--ll", metavar="SIZE,ASSOC,LINE",
+                    help="with --sim, the simulated last-level cache (valgrind's --LL), e.g. 1048576,8,64: "
+                         "this host's per-core L2 instead of valgrind's choice, the shared L3; callgrind "
+                         "models two levels, so the level the code and data of Envoy and the VM compete "
+                         "for is only seen when it is the last")
     ap.add_argument("--config-changes", type=int, default=0, metavar="N",
                     help="change the proxy-wasm filter's configuration N times (through LDS) before counting")
     ap.add_argument("--workers", type=int, default=1, metavar="N",
@@ -290,7 +297,7 @@ def main():
             if args.config_changes and spec.get("runtime") == "wasm" and name not in REFERENCES:
                 lds = LdsListener(out_dir / f"lds-{name}")
                 spec = dict(spec, patch=lds.patch, envoy_args=lds.envoy_args)
-            gw = Envoy(**spec, concurrency=args.workers, wrap=callgrind(out_dir, args.sim, args.serving_thread), ready_timeout=600)
+            gw = Envoy(**spec, concurrency=args.workers, wrap=callgrind(out_dir, args.sim, args.serving_thread, args.ll), ready_timeout=600)
             pushed = name not in REFERENCES
             try:
                 if pushed:
@@ -346,7 +353,7 @@ def main():
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "config_changes": args.config_changes,
                                "workers": args.workers,
                                "tick_ms": config["tick_ms"], "shared_refresh_ms": config.get("shared_refresh_ms"),
-                               "serving_thread": args.serving_thread,
+                               "serving_thread": args.serving_thread, "simulated_last_level": args.ll if args.sim else None,
                                "instructions_per_request": result,
                                "seconds": {name: ev["seconds"] for name, ev in events.items()},
                                **({"every_thread_per_request": {name: ev["every_thread"] for name, ev in events.items()}}

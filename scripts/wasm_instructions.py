@@ -9,7 +9,14 @@ logs where it put each wasm function's machine code (`--log-code`); every instru
 counted at an address inside a function's code is that function's. Two runs, N and 2N requests,
 and their difference over N: what a request costs, without start-up and compilation.
 
-Besides the functions: `memory.copy` executions per request. V8 runs each as a call out of the
+Besides the functions: the machine code a request runs through, as distinct 64-byte lines of
+the wasm functions' compiled code (the lines whose count grows by at least one instruction per
+request from the N-request run to the 2N one). A line is a 64-byte piece of a function counted
+from the function's start, named by the function and its offset, which are the same in both
+runs; so the count is about, not exactly, the cache lines. It is the VM's instruction-cache
+footprint per request: distinct code run in the VM slows Envoy's own
+side of the request, where the same time in a tight loop does not (docs/performance.md, twelfth
+session). And `memory.copy` executions per request. V8 runs each as a call out of the
 wasm code into a C function (`memory_copy_wrapper`), ~80 instructions of fixed cost, so a copy
 of a short string costs more than the bytes it moves; they are counted by their callers.
 
@@ -73,16 +80,20 @@ def code_ranges(log):
     return ranges
 
 
+LINE = 64
+
+
 def count(cg, ranges):
-    """Self instructions per named code range, and calls into the `memory.copy` wrapper per
-    calling range, from a callgrind file written with --dump-instr=yes."""
+    """Self instructions per named code range, self instructions per 64-byte line of code as
+    {(range name, line's offset in the range): instructions}, and calls into the `memory.copy`
+    wrapper per calling range, from a callgrind file written with --dump-instr=yes."""
     starts = [r[0] for r in ranges]
 
     def owner(addr):
         i = bisect.bisect_right(starts, addr) - 1
         if i >= 0 and addr < ranges[i][0] + ranges[i][1]:
-            return ranges[i][2]
-        return None
+            return ranges[i][2], ranges[i][0]
+        return None, 0
 
     def pos(tok, prev):
         if tok == "*":
@@ -91,7 +102,7 @@ def count(cg, ranges):
             return prev + int(tok)
         return int(tok, 16) if tok.startswith("0x") else int(tok)
 
-    own, copies, names = {}, {}, {}
+    own, lines, copies, names = {}, {}, {}, {}
     addr = line_no = 0
     callee, calls = "", None
     with open(cg) as f:
@@ -113,7 +124,7 @@ def count(cg, ranges):
                 calls = None
                 continue
             addr, line_no = pos(parts[0], addr), pos(parts[1], line_no)
-            name = owner(addr)
+            name, start = owner(addr)
             if calls is not None:
                 # The line after `calls=` is the call's inclusive cost, at the call site.
                 if COPY_WRAPPER in callee and name:
@@ -122,7 +133,15 @@ def count(cg, ranges):
                 continue
             if name:
                 own[name] = own.get(name, 0) + int(parts[2])
-    return own, copies
+                key = (name, (addr - start) // LINE * LINE)
+                lines[key] = lines.get(key, 0) + int(parts[2])
+    return own, lines, copies
+
+
+def is_wasm(name):
+    """Whether a code range V8 logged is a wasm function (not the JavaScript host's code, a
+    builtin or a wrapper between the two)."""
+    return ":" not in name.split(" ")[0] and " file:" not in name and not name.startswith(("wasm-to-js", "js-to-wasm"))
 
 
 def run(wasm, body, n, work, path="/v1/chat/completions"):
@@ -154,21 +173,29 @@ def main():
         body = work / "chat.json"
         body.write_bytes(args.body.read_bytes() if args.body else envoy_overhead.chat_body())
         n = args.requests
-        own1, copies1 = run(args.wasm, body, n, work, args.path)
-        own2, copies2 = run(args.wasm, body, 2 * n, work, args.path)
+        own1, lines1, copies1 = run(args.wasm, body, n, work, args.path)
+        own2, lines2, copies2 = run(args.wasm, body, 2 * n, work, args.path)
     # Per request: the difference of the two runs over N. Only wasm functions (V8 logs them under
     # their export or symbol name); the JavaScript host's own functions are left out.
     per = {k: (own2.get(k, 0) - own1.get(k, 0)) / n for k in set(own1) | set(own2)}
-    wasm_fns = {k: v for k, v in per.items()
-                if ":" not in k.split(" ")[0] and " file:" not in k and not k.startswith(("wasm-to-js", "js-to-wasm"))}
+    wasm_fns = {k: v for k, v in per.items() if is_wasm(k)}
+    # A line a request runs grows by at least one instruction per request between the runs.
+    hot = {key for key, v in lines2.items() if is_wasm(key[0]) and v - lines1.get(key, 0) >= n}
     total = sum(v for v in wasm_fns.values() if v > 0)
     copy_calls = {k: (copies2.get(k, 0) - copies1.get(k, 0)) / n for k in set(copies1) | set(copies2)}
     what = args.body.name if args.body else "the 4 KB chat body"
     print(f"{args.wasm.name}: {n} and {2 * n} requests of {what} (scripts/wasm_profile.mjs), "
           "V8 TurboFan under Node, instructions per request")
-    print(f"  the filter's wasm code: {total:,.0f}")
+    print(f"  the filter's wasm code: {total:,.0f} (and per function the KiB of its machine code a request runs)")
+    fp = {}
+    for name, _ in hot:
+        fp[name] = fp.get(name, 0) + LINE / 1024
     for k, v in sorted(wasm_fns.items(), key=lambda x: -x[1])[:args.top]:
-        print(f"  {v:9,.0f}  {v / total:6.1%}  {demangle(k)}")
+        print(f"  {v:9,.0f}  {v / total:6.1%}  {fp.get(k, 0):5.1f} KiB  {demangle(k)}")
+    print(f"machine code a request runs: {len(hot):,} distinct {LINE}-byte lines ({len(hot) * LINE / 1024:,.1f} KiB) "
+          f"in {len(fp)} functions; the most:")
+    for k, v in sorted(fp.items(), key=lambda x: -x[1])[:8]:
+        print(f"  {v:5.1f} KiB  {demangle(k)}")
     print(f"memory.copy per request (each a call into V8's C function): {sum(copy_calls.values()):.1f}")
     for k, v in sorted(copy_calls.items(), key=lambda x: -x[1])[:8]:
         if v >= 0.5:

@@ -1,5 +1,6 @@
 """The benchmark scripts' option parsing and sample classification: scripts/envoy_overhead.py's
---compare-config and scripts/envoy_profile.py's split of perf samples."""
+--compare-config, scripts/envoy_profile.py's experiments and split of perf samples, and
+scripts/wasm_instructions.py's reading of callgrind's per-instruction counts."""
 
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import envoy_overhead as eo  # noqa: E402
 import envoy_profile as ep  # noqa: E402
+import wasm_instructions as wi  # noqa: E402
 
 
 class Addresses:
@@ -94,3 +96,61 @@ def test_samples_are_split_by_process_and_class():
     assert got[101]["envoy, for the VM"] == pytest.approx(1 / 3)
     assert got[101]["envoy"] == pytest.approx(1 / 3)
     assert got[202] == dict(dict.fromkeys(ep.CLASSES, 0.0), kernel=0.5, envoy=0.5)
+
+
+def test_profile_experiments_are_their_reference_with_their_keys_changed():
+    specs = eo.gateway_specs(Addresses(), eo.CONFIG, {}, floor_callbacks=True)
+    got, pairs = ep.experiment_specs(specs, {"spin": {"floor_spin": 6000}}, {"nofb": {"fallback_endpoints": 0}},
+                                     {"small": Path("/x/small.wasm")})
+    assert list(got) == [*ep.GATEWAYS, "spin", "nofb", "small"]
+    # The experiments are the floor and the filter with one key more or changed; nothing else.
+    assert got["spin"] == dict(specs["wasm_floor"], wasm=ep.FLOOR_EXPERIMENTS_WASM,
+                               filter_config=dict(specs["wasm_floor"]["filter_config"], floor_spin=6000))
+    assert got["nofb"]["filter_config"] == dict(eo.CONFIG, fallback_endpoints=0)
+    assert got["nofb"]["runtime"] == "wasm" and "wasm" not in got["nofb"]
+    # The references are untouched.
+    assert "floor_spin" not in got["wasm_floor"]["filter_config"]
+    assert got["wasm_floor"]["wasm"] == eo.FLOOR_WASM
+    assert got["filter"]["filter_config"] == eo.CONFIG
+    assert got["small"] == dict(specs["filter"], wasm=Path("/x/small.wasm"))
+    assert pairs == [("filter", "floor_callbacks"), ("spin", "wasm_floor"), ("nofb", "filter"), ("small", "filter")]
+
+
+CALLGRIND = """positions: instr line
+events: Ir
+fn=(1) f
+0x1000 1 5
++4 * 3
++60 * 2
+cfn=(2) memory_copy_wrapper
+calls=2 0x9000
++4 * 100
+fn=(3) g
+0x2010 1 7
+0x5000 1 9
+"""
+
+
+def test_callgrind_counts_are_given_to_functions_and_their_lines(tmp_path):
+    cg = tmp_path / "cg.out"
+    cg.write_text(CALLGRIND)
+    own, lines, copies = wi.count(cg, [(0x1000, 0x100, "f"), (0x2000, 0x80, "g")])
+    # A call's inclusive cost is not the caller's own; an address outside every range is no one's.
+    assert own == {"f": 10, "g": 7}
+    # Lines are named by their function and offset: 0x1000 and 0x1004 share one, 0x1040 is the next.
+    assert lines == {("f", 0): 8, ("f", 64): 2, ("g", 0): 7}
+    assert copies == {"f": 2}
+
+
+@pytest.mark.parametrize("name, want", [
+    ("proxy_on_request_headers", True),
+    ("_RNvNtNtCsdHhIpgkcIfN_4core3str8converts9from_utf8", True),
+    ("_ZN15gpuroute_filter4Http5route17h0123456789abcdefE", True),
+    ("Builtin:WasmToJs", False),
+    ("wasm-to-js:iii:i", False),
+    ("js-to-wasm:i:i", False),
+    ("main file:///x/wasm_profile.mjs:12:3", False),
+])
+def test_only_wasm_functions_count_as_the_filter_code(name, want):
+    # V8 logs a wasm function under its export or (mangled) symbol name, its other code by kind.
+    assert wi.is_wasm(name) is want

@@ -27,6 +27,14 @@
 //! prefill) and the context's deletion (the request leaves the in-flight table). Envoy calls
 //! each one it finds exported, so this build is the floor of a filter that does the filter's
 //! job with those three: `scripts/envoy_overhead.py --compare-floor` measures it.
+//!
+//! With the `experiments` feature (`make wasm` puts it in `target/wasm-floor-experiments/`) the
+//! module also does, per request, the extra work its configuration asks for (see
+//! `experiments.rs`: VM time, memory traffic, distinct code), for `scripts/envoy_profile.py
+//! --compare-floor`.
+
+#[cfg(feature = "experiments")]
+mod experiments;
 
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -65,6 +73,8 @@ struct Floor {
     pool: String,
     endpoints: Vec<String>,
     next: usize,
+    #[cfg(feature = "experiments")]
+    experiments: experiments::Experiments,
 }
 
 thread_local! {
@@ -154,6 +164,10 @@ pub extern "C" fn proxy_on_configure(_context_id: u32, size: usize) -> u32 {
             if let Ok(mut f) = f.try_borrow_mut() {
                 f.pool = pool;
                 f.endpoints = endpoints;
+                #[cfg(feature = "experiments")]
+                {
+                    f.experiments = experiments::Experiments::from_config(&raw);
+                }
             }
         });
     }
@@ -227,6 +241,11 @@ pub extern "C" fn proxy_on_request_body(_context_id: u32, size: usize, end: u32)
         let Ok(mut f) = f.try_borrow_mut() else {
             return;
         };
+        #[cfg(feature = "experiments")]
+        {
+            let seed = body.len() as u64 ^ ((f.next as u64) << 20);
+            f.experiments.run(seed);
+        }
         add_header("x-gateway-pool", f.pool.as_bytes());
         add_header("x-gateway-model-name", model);
         if !f.endpoints.is_empty() {
