@@ -278,6 +278,8 @@ def main():
     args = ap.parse_args()
     global PATH
     PATH, make_body, body_label = BODIES[args.body]
+    if args.ll and not args.sim:
+        sys.exit("--ll sets the simulated cache: it goes with --sim")
     if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
         sys.exit("needs valgrind: apt-get install valgrind")
     extra = compare_builds(args.compare_wasm)

@@ -150,7 +150,8 @@ def main():
         sys.exit("--compare-wasm: a name is taken")
     if not shutil.which("perf"):
         sys.exit("perf is not installed (Debian: apt install linux-perf)")
-    if not all(w.exists() for w in (eo.FLOOR_WASM, eo.FLOOR_CALLBACKS_WASM, FLOOR_EXPERIMENTS_WASM)):
+    needed = (eo.FLOOR_WASM, eo.FLOOR_CALLBACKS_WASM, *((FLOOR_EXPERIMENTS_WASM,) if floors else ()))
+    if not all(w.exists() for w in needed):
         sys.exit("build first: make build")
     work = Path(tempfile.mkdtemp(prefix="gpuroute-profile-"))
     body_file = work / "chat.json"

@@ -5,7 +5,7 @@
 //! - `"floor_touch": N`: N words written at pseudo-random places of a 1 MiB table: VM time that
 //!   moves data through the caches.
 //! - `"floor_code": N`: N (at most 256) distinct functions of branchy arithmetic, each called
-//!   once (~450 bytes of wasm each): VM time spread over much distinct code, as a real filter's
+//!   once (~470 bytes of wasm each): VM time spread over much distinct code, as a real filter's
 //!   request path is.
 //!
 //! `scripts/envoy_profile.py --compare-floor NAME=JSON` loads this build beside the plain floor;
