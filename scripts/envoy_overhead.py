@@ -230,15 +230,15 @@ def pod_snapshot(up):
     return {"llama": [{"address": a, "running": 4, "kv_cache_usage": 0.3} for a in up.addresses()]}
 
 
-def compare_builds(specs):
+def compare_builds(specs, taken=()):
     """The `--compare-wasm NAME=PATH` arguments as {name: path}; exits on a malformed one, a
-    missing file or a name already taken."""
+    missing file or a name already taken (a gateway's, or one in `taken`)."""
     extra = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not Path(path).is_file():
             sys.exit(f"--compare-wasm {spec!r}: want NAME=PATH of a .wasm file")
-        if name in extra or name in GATEWAYS:
+        if name in extra or name in GATEWAYS or name in taken:
             sys.exit(f"--compare-wasm: the name {name!r} is taken")
         extra[name] = Path(path).resolve()
     return extra

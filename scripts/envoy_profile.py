@@ -118,12 +118,11 @@ def experiment_specs(specs, floors, configs, builds=None):
     the filter, `builds` {name: .wasm path} of other builds of the filter."""
     out = {name: specs[name] for name in GATEWAYS}
     pairs = [("filter", "floor_callbacks")]
-    for changes, ref in ((floors, "wasm_floor"), (configs, "filter")):
+    # A floor experiment runs the floor's experiments build; a configuration, the filter's own.
+    for changes, ref, build in ((floors, "wasm_floor", {"wasm": FLOOR_EXPERIMENTS_WASM}), (configs, "filter", {})):
         for name, keys in changes.items():
             base = specs[ref]
-            out[name] = dict(base, filter_config=dict(base["filter_config"], **keys))
-            if ref == "wasm_floor":
-                out[name]["wasm"] = FLOOR_EXPERIMENTS_WASM
+            out[name] = dict(base, **build, filter_config=dict(base["filter_config"], **keys))
             pairs.append((name, ref))
     for name, path in (builds or {}).items():
         out[name] = dict(specs["filter"], wasm=path)
@@ -145,9 +144,7 @@ def main():
     args = ap.parse_args()
     floors = eo.compare_configs(args.compare_floor, GATEWAYS)
     configs = eo.compare_configs(args.compare_config, GATEWAYS + tuple(floors))
-    builds = eo.compare_builds(args.compare_wasm)
-    if set(builds) & {*GATEWAYS, *floors, *configs}:
-        sys.exit("--compare-wasm: a name is taken")
+    builds = eo.compare_builds(args.compare_wasm, {*GATEWAYS, *floors, *configs})
     if not shutil.which("perf"):
         sys.exit("perf is not installed (Debian: apt install linux-perf)")
     needed = (eo.FLOOR_WASM, eo.FLOOR_CALLBACKS_WASM, *((FLOOR_EXPERIMENTS_WASM,) if floors else ()))

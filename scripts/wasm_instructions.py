@@ -132,9 +132,10 @@ def count(cg, ranges):
                 calls = None
                 continue
             if name:
-                own[name] = own.get(name, 0) + int(parts[2])
                 key = (name, (addr - start) // LINE * LINE)
                 lines[key] = lines.get(key, 0) + int(parts[2])
+    for (name, _), n in lines.items():
+        own[name] = own.get(name, 0) + n
     return own, lines, copies
 
 
