@@ -16,7 +16,7 @@ use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::headers;
 use crate::load::{InFlight, PodLoad};
 use crate::picker::uncached_tokens;
-use crate::picker::{format_breakdown, Breakdown, Decision, FailOpen, Picker, RequestFeatures};
+use crate::picker::{format_breakdown, Decision, Explain, FailOpen, Picker, RequestFeatures};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
 use crate::request::{self, Endpoint};
 use crate::rng::SplitMix64;
@@ -380,7 +380,7 @@ impl Engine {
             adapter_home,
             sheddable,
         };
-        let mut breakdown: Vec<Breakdown> = Vec::new();
+        let mut explain = Explain::default();
         let Some(picker) = self.pickers.get(prep.target.pool) else {
             return none(Decision::FailOpen(FailOpen::UnknownPool));
         };
@@ -390,7 +390,7 @@ impl Engine {
             &features,
             fleet.age_ms(now_ms),
             rng,
-            debug.then_some(&mut breakdown),
+            debug.then_some(&mut explain),
         );
         let mut choice = none(decision);
         if let Decision::Picked(ranked) = &choice.decision {
@@ -414,7 +414,7 @@ impl Engine {
             }
         }
         if debug {
-            let mut d = format_breakdown(pool, choice.picked_index, &breakdown);
+            let mut d = format_breakdown(pool, choice.picked_index, &explain);
             if let Some(taken) = &prep.split {
                 let (split, target) = taken.names();
                 let rerouted = if taken.rerouted { " (rerouted)" } else { "" };

@@ -117,6 +117,42 @@ pub struct Breakdown {
     pub saturated: bool,
 }
 
+/// Why a pod of the pool was not scored for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeftOut {
+    /// The snapshot says it is not healthy.
+    Unhealthy,
+    /// Its metrics are older than `stale_after_ms`.
+    Stale,
+    /// Ramping up after coming back, and not admitted this time (probability = its weight).
+    Ramping,
+    /// Over the queue or KV-cache threshold while another candidate was not.
+    Saturated,
+    /// An adapter request, and other pods hold the adapter (running it, or its home).
+    AdapterElsewhere,
+}
+
+impl LeftOut {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LeftOut::Unhealthy => "unhealthy",
+            LeftOut::Stale => "stale",
+            LeftOut::Ramping => "ramping",
+            LeftOut::Saturated => "saturated",
+            LeftOut::AdapterElsewhere => "adapter-elsewhere",
+        }
+    }
+}
+
+/// A decision explained, for the debug header and tests: every scored candidate's breakdown,
+/// and every other pod of the pool with the reason it was not scored.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Explain {
+    pub scored: Vec<Breakdown>,
+    /// (pod index, reason), in the order the filters ran.
+    pub left_out: Vec<(usize, LeftOut)>,
+}
+
 /// Scoring parameters, fixed per configuration.
 #[derive(Debug, Clone)]
 pub struct Picker {
@@ -219,7 +255,8 @@ impl Picker {
     ///
     /// `loads` is the shared in-flight table aligned with the pool (ignored unless its length
     /// matches); `snapshot_age_ms` is the time since the snapshot was accepted. With
-    /// `breakdown`, every scored candidate's breakdown is appended to it.
+    /// `explain`, every scored candidate's breakdown, and every pod left out with its reason,
+    /// are appended to it (the pick is the same with or without).
     pub fn pick(
         &self,
         pool: &PoolState,
@@ -227,7 +264,7 @@ impl Picker {
         req: &RequestFeatures<'_>,
         snapshot_age_ms: u64,
         rng: &mut SplitMix64,
-        mut breakdown: Option<&mut Vec<Breakdown>>,
+        mut explain: Option<&mut Explain>,
     ) -> Decision {
         let sc = &self.scoring;
         let loads_ok = loads.len() == pool.pods.len();
@@ -238,10 +275,21 @@ impl Picker {
         let mut cands: Vec<Cand> = Vec::with_capacity(pool.pods.len());
         for (i, pod) in pool.pods.iter().enumerate() {
             if !pod.fresh(snapshot_age_ms, sc.stale_after_ms) {
+                if let Some(e) = explain.as_deref_mut() {
+                    let why = if pod.snap.healthy {
+                        LeftOut::Stale
+                    } else {
+                        LeftOut::Unhealthy
+                    };
+                    e.left_out.push((i, why));
+                }
                 continue;
             }
             let w = pod.snap.ramp_weight;
             if w < 1.0 && rng.next_f64() >= w {
+                if let Some(e) = explain.as_deref_mut() {
+                    e.left_out.push((i, LeftOut::Ramping));
+                }
                 continue;
             }
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
@@ -257,6 +305,9 @@ impl Picker {
                 return Decision::Shed;
             }
         } else {
+            if let Some(e) = explain.as_deref_mut() {
+                left_out(e, &cands, |c| !c.2, LeftOut::Saturated);
+            }
             cands.retain(|c| !c.2);
         }
         // LoRA affinity filter: an adapter request stays on the pods that hold its adapter (it
@@ -274,6 +325,9 @@ impl Picker {
                 !c.2 && (p.lora_running.contains(&a) || home)
             };
             if cands.iter().any(holds) {
+                if let Some(e) = explain.as_deref_mut() {
+                    left_out(e, &cands, holds, LeftOut::AdapterElsewhere);
+                }
                 cands.retain(holds);
             }
         }
@@ -419,8 +473,8 @@ impl Picker {
             // `tie_break`. Drawn for every candidate, so the pick depends only on the seed.
             let u = fmax(rng.next_f64(), f64::MIN_POSITIVE);
             scored.push((*i, total, u, l.capacity));
-            if let Some(b) = breakdown.as_deref_mut() {
-                b.push(Breakdown {
+            if let Some(e) = explain.as_deref_mut() {
+                e.scored.push(Breakdown {
                     pod: *i,
                     total,
                     queue,
@@ -530,8 +584,17 @@ fn lora_score(pod: &PodState, adapter: u64, likely_loaded: bool) -> f64 {
     }
 }
 
-/// Formats a decision's breakdown for the `x-gateway-debug` response header.
-pub fn format_breakdown(pool: &PoolState, picked: Option<usize>, b: &[Breakdown]) -> String {
+/// Records the candidates that `keep` drops, before the filter drops them.
+fn left_out(e: &mut Explain, cands: &[Cand], keep: impl Fn(&Cand) -> bool, why: LeftOut) {
+    e.left_out
+        .extend(cands.iter().filter(|c| !keep(c)).map(|c| (c.0, why)));
+}
+
+/// Formats an explained decision for the `x-gateway-debug` response header: the pool, the
+/// pick, each scored candidate's breakdown, then the pods left out and why
+/// (`; left-out=10.0.0.3:8000 stale,10.0.0.4:8000 adapter-elsewhere`).
+pub fn format_breakdown(pool: &PoolState, picked: Option<usize>, e: &Explain) -> String {
+    let b = &e.scored;
     let mut s = String::new();
     let _ = write!(s, "pool={}", pool.name);
     if let Some(p) = picked.and_then(|i| pool.pods.get(i)) {
@@ -554,6 +617,13 @@ pub fn format_breakdown(pool: &PoolState, picked: Option<usize>, b: &[Breakdown]
         }
         if c.saturated {
             s.push_str(" saturated");
+        }
+    }
+    let mut sep = "; left-out=";
+    for (i, why) in &e.left_out {
+        if let Some(p) = pool.pods.get(*i) {
+            let _ = write!(s, "{sep}{} {}", p.snap.address, why.as_str());
+            sep = ",";
         }
     }
     s
@@ -915,19 +985,96 @@ mod tests {
     #[test]
     fn breakdown_lists_every_candidate() {
         let p = pool(vec![pod(1, 0, 0, 0.0), pod(2, 1, 1, 0.5)]);
-        let mut b = Vec::new();
+        let mut e = Explain::default();
         let d = picker().pick(
             &p,
             &[],
             &RequestFeatures::default(),
             0,
             &mut SplitMix64::new(1),
-            Some(&mut b),
+            Some(&mut e),
         );
-        assert_eq!(b.len(), 2);
-        let s = format_breakdown(&p, Some(best(&d)), &b);
+        assert_eq!(e.scored.len(), 2);
+        assert!(e.left_out.is_empty());
+        let s = format_breakdown(&p, Some(best(&d)), &e);
         assert!(s.starts_with("pool=p; picked=10.0.0.1:8000"), "{s}");
         assert!(s.contains("10.0.0.2:8000 total="));
+        assert!(!s.contains("left-out"), "{s}");
+    }
+
+    #[test]
+    fn the_explanation_names_every_pod_left_out_and_why() {
+        let mut unhealthy = lora_pod(1, &["sql"], &[], 2);
+        unhealthy.healthy = false;
+        let stale = {
+            let mut p = lora_pod(2, &["sql"], &[], 2);
+            p.last_scrape_ms = 0; // 5 s before the snapshot; stale after 1 s
+            p
+        };
+        let ramping = {
+            let mut p = lora_pod(3, &["sql"], &[], 2);
+            p.ramp_weight = 0.0;
+            p
+        };
+        let saturated = {
+            let mut p = lora_pod(4, &["sql"], &[], 2);
+            p.kv_cache_usage = Some(0.99);
+            p
+        };
+        let p = pool(vec![
+            unhealthy,
+            stale,
+            ramping,
+            saturated,
+            lora_pod(5, &["x"], &[], 2),   // does not hold the adapter
+            lora_pod(6, &["sql"], &[], 2), // runs it
+        ]);
+        let req = RequestFeatures {
+            adapter: Some(adapter_key("sql")),
+            ..Default::default()
+        };
+        let mut e = Explain::default();
+        let explained = picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(7), Some(&mut e));
+        // Explaining does not change the pick.
+        let plain = picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(7), None);
+        assert_eq!(explained, plain);
+        assert_eq!(best(&explained), 5);
+        assert_eq!(
+            e.left_out,
+            vec![
+                (0, LeftOut::Unhealthy),
+                (1, LeftOut::Stale),
+                (2, LeftOut::Ramping),
+                (3, LeftOut::Saturated),
+                (4, LeftOut::AdapterElsewhere),
+            ]
+        );
+        assert_eq!(e.scored.iter().map(|b| b.pod).collect::<Vec<_>>(), vec![5]);
+        let s = format_breakdown(&p, Some(5), &e);
+        assert!(
+            s.ends_with(
+                "; left-out=10.0.0.1:8000 unhealthy,10.0.0.2:8000 stale,10.0.0.3:8000 ramping,\
+                 10.0.0.4:8000 saturated,10.0.0.5:8000 adapter-elsewhere"
+            ),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn saturated_pods_are_scored_not_left_out_when_every_pod_is() {
+        let p = pool(vec![pod(1, 0, 0, 0.99), pod(2, 0, 0, 0.98)]);
+        let mut e = Explain::default();
+        let d = picker().pick(
+            &p,
+            &[],
+            &RequestFeatures::default(),
+            0,
+            &mut SplitMix64::new(1),
+            Some(&mut e),
+        );
+        assert!(matches!(d, Decision::Picked(_)));
+        assert!(e.left_out.is_empty());
+        assert!(e.scored.iter().all(|b| b.saturated));
     }
 
     fn arb_pod() -> impl Strategy<Value = PodSnapshot> {
@@ -1009,6 +1156,27 @@ mod tests {
             let a = picker().pick(&pl, &[], &RequestFeatures::default(), 0, &mut SplitMix64::new(seed), None);
             let b = picker().pick(&pl, &[], &RequestFeatures::default(), 0, &mut SplitMix64::new(seed), None);
             prop_assert_eq!(a, b);
+        }
+
+        #[test]
+        fn the_explanation_changes_nothing_and_accounts_for_every_pod(pods in proptest::collection::vec(arb_pod(), 1..20), seed in any::<u64>(), age in 0u64..1_500) {
+            let pods: Vec<PodSnapshot> = pods.into_iter().enumerate().map(|(i, mut p)| { p.address = format!("10.1.0.{i}:80"); p }).collect();
+            let pl = pool(pods);
+            let mut e = Explain::default();
+            let a = picker().pick(&pl, &[], &RequestFeatures::default(), age, &mut SplitMix64::new(seed), Some(&mut e));
+            let b = picker().pick(&pl, &[], &RequestFeatures::default(), age, &mut SplitMix64::new(seed), None);
+            prop_assert_eq!(&a, &b);
+            let mut seen: Vec<usize> = e.scored.iter().map(|x| x.pod).chain(e.left_out.iter().map(|x| x.0)).collect();
+            seen.sort_unstable();
+            match a {
+                // Every pod either scored or left out, once.
+                Decision::Picked(_) => prop_assert_eq!(seen, (0..pl.pods.len()).collect::<Vec<_>>()),
+                // Nothing scored; every pod left out as unhealthy, stale or ramping.
+                _ => {
+                    prop_assert!(e.scored.is_empty());
+                    prop_assert_eq!(seen, (0..pl.pods.len()).collect::<Vec<_>>());
+                }
+            }
         }
     }
 }

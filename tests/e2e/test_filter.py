@@ -198,6 +198,17 @@ def test_destination_header_lists_fallbacks_and_debug_explains(envoy, pods):
     assert dest[0] == pods[h["x-served-by"]].address
     assert h["x-gateway-debug"].startswith("pool=llama; picked=" + dest[0])
     assert "queue=" in h["x-gateway-debug"] and "kv=" in h["x-gateway-debug"]
+    assert "left-out=" not in h["x-gateway-debug"]
+
+
+def test_debug_header_names_the_pods_left_out_and_why(envoy, pods):
+    addr = [pods[f"llama-{i}"].address for i in range(3)]
+    assert envoy.push(fresh(pods, [{"healthy": False}, {"kv_cache_usage": 0.99}, {}]))[0] == 204
+    s, h, _, _ = envoy.chat("llama-3-8b")
+    assert s == 200 and served_by((s, h)) == "llama-2"
+    debug = h["x-gateway-debug"]
+    assert debug.startswith(f"pool=llama; picked={addr[2]}; {addr[2]} total="), debug
+    assert debug.endswith(f"; left-out={addr[0]} unhealthy,{addr[1]} saturated"), debug
 
 
 def test_lora_affinity(envoy, pods):
@@ -210,6 +221,10 @@ def test_lora_affinity(envoy, pods):
     # The resident pod wins although it is busier: the others would have to evict an adapter.
     got = Counter(served_by(envoy.chat("sql-lora")) for _ in range(6))
     assert got == {"llama-1": 6}, got
+    # The debug header says why the idler pods were not considered.
+    debug = envoy.chat("sql-lora")[1]["x-gateway-debug"]
+    others = ",".join(f"{pods[f'llama-{i}'].address} adapter-elsewhere" for i in (0, 2))
+    assert debug.endswith("; left-out=" + others), debug
     # An adapter nobody has goes to a pod with a free slot.
     loras[2]["lora"]["running"] = ["a"]
     assert envoy.push(fresh(pods, loras))[0] == 204

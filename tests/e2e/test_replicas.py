@@ -54,6 +54,8 @@ def prefix_scores(h):
     """Each candidate's prefix score from the debug header (0 where it has none)."""
     out = {}
     for part in h.get("x-gateway-debug", "").split("; ")[2:]:
+        if part.startswith("left-out="):
+            continue
         addr, _, rest = part.partition(" ")
         score = [kv.split("=")[1] for kv in rest.split() if kv.startswith("prefix=")]
         out[addr] = float(score[0]) if score else 0.0
