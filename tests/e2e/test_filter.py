@@ -276,12 +276,17 @@ def test_fail_open_without_fresh_metrics(envoy, pods):
     # Envoy's own least_request fallback spreads them; nobody is refused.
     assert sum(got.values()) == 30 and len(got) >= 2, got
     assert envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod") - before == 30
+    # The debug header says why nobody was picked.
+    stale_pods = ",".join(f"{pods[f'llama-{i}'].address} stale" for i in range(3))
+    assert envoy.chat("llama-3-8b")[1]["x-gateway-debug"] == "pool=llama; left-out=" + stale_pods
 
 
 def test_fail_open_when_every_pod_is_unhealthy(envoy, pods):
     assert envoy.push(fresh(pods, [{"healthy": False}] * 3))[0] == 204
     s, h, _, _ = envoy.chat("llama-3-8b")
     assert s == 200 and h["x-served-by"].startswith("llama-")
+    unhealthy = ",".join(f"{pods[f'llama-{i}'].address} unhealthy" for i in range(3))
+    assert h["x-gateway-debug"] == "pool=llama; left-out=" + unhealthy
 
 
 def test_snapshot_ages_out(pods):
