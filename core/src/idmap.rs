@@ -26,6 +26,11 @@ impl Hasher for IdHasher {
         // Small sequential ids: spread the bits so hashbrown's top-7-bit control bytes differ.
         self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
     }
+    fn write_usize(&mut self, n: usize) {
+        // Small sequential ids too (metric ids). Folding their bytes would leave the low bits,
+        // which pick the bucket, zero for every key.
+        self.0 = (n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
 }
 
 /// A `HashMap` with [`IdHasher`].
@@ -89,5 +94,29 @@ mod tests {
         assert_eq!(m.get("pool-0.model/"), Some(&0));
         assert_eq!(m.get("pool-0.model/\0"), None);
         assert_eq!(m.get(""), None);
+    }
+
+    #[test]
+    fn small_ids_spread_over_the_buckets() {
+        // hashbrown picks the bucket from the low bits: sequential ids must not share them.
+        let low = |h: u64| h & 63;
+        let hash = |f: &dyn Fn(&mut IdHasher)| {
+            let mut h = IdHasher::default();
+            f(&mut h);
+            h.finish()
+        };
+        let usize_buckets: std::collections::HashSet<u64> = (0..64usize)
+            .map(|i| low(hash(&|h| h.write_usize(i))))
+            .collect();
+        let u32_buckets: std::collections::HashSet<u64> =
+            (0..64u32).map(|i| low(hash(&|h| h.write_u32(i)))).collect();
+        assert!(usize_buckets.len() >= 32, "{}", usize_buckets.len());
+        assert!(u32_buckets.len() >= 32, "{}", u32_buckets.len());
+        let mut m: IdMap<usize, usize> = IdMap::default();
+        for i in 0..1_000 {
+            m.insert(i, i * 2);
+        }
+        assert!((0..1_000).all(|i| m.get(&i) == Some(&(i * 2))));
+        assert_eq!(m.get(&1_000), None);
     }
 }

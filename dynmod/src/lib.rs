@@ -32,7 +32,7 @@ use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
 use gpuroute_core::headers::{self, RequestHead};
-use gpuroute_core::idmap::IdMap;
+use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
@@ -104,10 +104,10 @@ fn current_fleet() -> Option<Arc<FleetState>> {
 /// Metric ids (defined at configuration time; `None` if Envoy refused one).
 struct Metrics {
     /// Per pool, one id per entry of `OUTCOMES` (looked up by `&str`: no allocation per request).
-    outcome: HashMap<String, Vec<Option<usize>>>,
+    outcome: NameMap<String, Vec<Option<usize>>>,
     fail_open: HashMap<&'static str, Option<usize>>,
     /// Per split, one id per target, in configuration order, and the `rerouted` counter's.
-    split: HashMap<String, (Vec<Option<usize>>, Option<usize>)>,
+    split: NameMap<String, (Vec<Option<usize>>, Option<usize>)>,
     rejected: HashMap<&'static str, Option<usize>>,
     /// `gpuroute.<endpoint>.rejected.<reason>`, by endpoint and reason.
     ingest_rejected: HashMap<(Endpoint, &'static str), Option<usize>>,
@@ -216,9 +216,9 @@ impl Metrics {
 /// even plain counters and histograms a few, which batching takes off the request path.
 #[derive(Default)]
 struct Pending {
-    counts: HashMap<usize, u64>,
+    counts: IdMap<usize, u64>,
     /// Picks per pool, per pod (by pod key): the pod's address and the count.
-    picks: HashMap<String, IdMap<u64, (String, u64)>>,
+    picks: NameMap<String, IdMap<u64, (String, u64)>>,
     decision_us: Vec<u64>,
     snapshot_pods: Option<u64>,
 }
@@ -275,7 +275,7 @@ impl Pending {
 struct Router {
     engine: Engine,
     /// In-flight requests per pod, per pool (re-aligned with each new snapshot).
-    loads: HashMap<String, LoadTable>,
+    loads: NameMap<String, LoadTable>,
     rng: SplitMix64,
 }
 
@@ -307,7 +307,7 @@ impl Config {
             models,
             router: Mutex::new(Router {
                 engine,
-                loads: HashMap::new(),
+                loads: NameMap::default(),
                 rng: SplitMix64::new(seed),
             }),
             metrics,
