@@ -227,7 +227,14 @@ def main():
               "conversation kept on one (x-gateway-debug starts with split=assistant->...):\n")
         print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
               f"    -d '{{\"model\": \"assistant\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi, I am Ada.\"}}], \"max_tokens\": 32}}' -i\n")
-        print("The x-served-by response header names the pod; x-gateway-debug shows why it was picked.")
+        adapters = [a for p in stack.pools for a in p.get("adapters", [])]
+        if adapters:
+            print(f"A LoRA adapter goes to a pod that holds it or is its home (x-gateway-debug ends with the\n"
+                  f"other pods, left out as adapter-elsewhere):\n")
+            print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
+                  f"    -d '{{\"model\": \"{adapters[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}' -i\n")
+        print("The x-served-by response header names the pod; x-gateway-debug shows why it was picked,\n"
+              "and which pods were left out and why.")
         print("Ctrl-C stops everything.", flush=True)
         wait_forever(stack)
         return
