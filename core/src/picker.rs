@@ -590,41 +590,82 @@ fn left_out(e: &mut Explain, cands: &[Cand], keep: impl Fn(&Cand) -> bool, why: 
         .extend(cands.iter().filter(|c| !keep(c)).map(|c| (c.0, why)));
 }
 
+/// The longest `x-gateway-debug` value [`format_breakdown`] writes: room for ~90 scored pods.
+/// Clients and proxies limit response headers (Python's `http.client` a header line to 64 KiB,
+/// many servers and proxies the whole block to 8-16 KiB); a 1,000-pod pool's whole breakdown is
+/// ~75 KiB.
+pub const DEBUG_HEADER_MAX: usize = 8 * 1024;
+
 /// Formats an explained decision for the `x-gateway-debug` response header: the pool, the
-/// pick, each scored candidate's breakdown, then the pods left out and why
-/// (`; left-out=10.0.0.3:8000 stale,10.0.0.4:8000 adapter-elsewhere`).
+/// pick, each scored candidate's breakdown best first (the pick first), then the pods left out
+/// and why (`; left-out=10.0.0.3:8000 stale,10.0.0.4:8000 adapter-elsewhere`). At most
+/// [`DEBUG_HEADER_MAX`] bytes: what does not fit is counted at the end
+/// (`; omitted=12 scored,300 left-out`).
 pub fn format_breakdown(pool: &PoolState, picked: Option<usize>, e: &Explain) -> String {
-    let b = &e.scored;
+    // Room kept for the omitted note (~40 bytes) and for the split prefix the engine puts in
+    // front (two configured names).
+    const BUDGET: usize = DEBUG_HEADER_MAX - 512;
     let mut s = String::new();
     let _ = write!(s, "pool={}", pool.name);
     if let Some(p) = picked.and_then(|i| pool.pods.get(i)) {
         let _ = write!(s, "; picked={}", p.snap.address);
     }
-    for c in b {
+    let mut order: Vec<&Breakdown> = e.scored.iter().collect();
+    order.sort_by(|a, b| {
+        let (pa, pb) = (Some(a.pod) == picked, Some(b.pod) == picked);
+        pb.cmp(&pa).then(b.total.total_cmp(&a.total))
+    });
+    let mut entry = String::new();
+    let mut omitted = (0usize, 0usize);
+    for c in order {
         let Some(p) = pool.pods.get(c.pod) else {
             continue;
         };
+        if omitted.0 > 0 {
+            omitted.0 += 1;
+            continue;
+        }
+        entry.clear();
         let _ = write!(
-            s,
+            entry,
             "; {} total={:.3} queue={:.3} kv={:.3} running={:.3}",
             p.snap.address, c.total, c.queue, c.kv, c.running
         );
         if let Some(l) = c.lora {
-            let _ = write!(s, " lora={l:.3}");
+            let _ = write!(entry, " lora={l:.3}");
         }
         if let Some(x) = c.prefix {
-            let _ = write!(s, " prefix={x:.3}");
+            let _ = write!(entry, " prefix={x:.3}");
         }
         if c.saturated {
-            s.push_str(" saturated");
+            entry.push_str(" saturated");
         }
+        if s.len() + entry.len() > BUDGET {
+            omitted.0 += 1;
+            continue;
+        }
+        s.push_str(&entry);
     }
     let mut sep = "; left-out=";
     for (i, why) in &e.left_out {
-        if let Some(p) = pool.pods.get(*i) {
-            let _ = write!(s, "{sep}{} {}", p.snap.address, why.as_str());
-            sep = ",";
+        let Some(p) = pool.pods.get(*i) else {
+            continue;
+        };
+        if omitted != (0, 0) {
+            omitted.1 += 1;
+            continue;
         }
+        entry.clear();
+        let _ = write!(entry, "{sep}{} {}", p.snap.address, why.as_str());
+        if s.len() + entry.len() > BUDGET {
+            omitted.1 += 1;
+            continue;
+        }
+        s.push_str(&entry);
+        sep = ",";
+    }
+    if omitted != (0, 0) {
+        let _ = write!(s, "; omitted={} scored,{} left-out", omitted.0, omitted.1);
     }
     s
 }
@@ -1056,6 +1097,102 @@ mod tests {
                 "; left-out=10.0.0.1:8000 unhealthy,10.0.0.2:8000 stale,10.0.0.3:8000 ramping,\
                  10.0.0.4:8000 saturated,10.0.0.5:8000 adapter-elsewhere"
             ),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn the_breakdown_lists_the_pick_first_then_best_first() {
+        let p = pool(vec![
+            pod(1, 3, 20, 0.6),
+            pod(2, 0, 1, 0.1),
+            pod(3, 1, 8, 0.3),
+        ]);
+        let mut e = Explain::default();
+        let d = picker().pick(
+            &p,
+            &[],
+            &RequestFeatures::default(),
+            0,
+            &mut SplitMix64::new(1),
+            Some(&mut e),
+        );
+        assert_eq!(best(&d), 1);
+        let s = format_breakdown(&p, Some(1), &e);
+        let listed: Vec<&str> = s
+            .split("; ")
+            .skip(2)
+            .map(|part| part.split(' ').next().unwrap_or(""))
+            .collect();
+        assert_eq!(
+            listed,
+            ["10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.1:8000"],
+            "{s}"
+        );
+        // The pick comes first even when another pod scored as well (a tie broken at random).
+        let s = format_breakdown(&p, Some(2), &e);
+        assert!(
+            s.starts_with("pool=p; picked=10.0.0.3:8000; 10.0.0.3:8000 total="),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn a_large_pools_breakdown_is_capped_and_counts_what_it_leaves_out() {
+        // 1,000 pods: 600 fresh (scored), 400 stale (left out). The whole breakdown would be
+        // ~55 KiB.
+        let pods = (0..1_000)
+            .map(|i| {
+                let mut p = PodSnapshot::new(format!("10.1.{}.{}:8000", i / 250, i % 250), 5_000);
+                p.waiting = i % 4;
+                p.running = i % 17;
+                p.kv_cache_usage = Some(f64::from(i % 10) / 20.0);
+                if i >= 600 {
+                    p.last_scrape_ms = 0;
+                }
+                p
+            })
+            .collect();
+        let p = pool(pods);
+        let mut e = Explain::default();
+        let d = picker().pick(
+            &p,
+            &[],
+            &RequestFeatures::default(),
+            0,
+            &mut SplitMix64::new(3),
+            Some(&mut e),
+        );
+        assert_eq!((e.scored.len(), e.left_out.len()), (600, 400));
+        let s = format_breakdown(&p, Some(best(&d)), &e);
+        assert!(s.len() <= DEBUG_HEADER_MAX, "{}", s.len());
+        let picked = &p.pods[best(&d)].snap.address;
+        assert!(
+            s.starts_with(&format!("pool=p; picked={picked}; {picked} total=")),
+            "{s}"
+        );
+        let listed = s.matches(" total=").count();
+        assert!(listed >= 80, "{listed}");
+        assert!(
+            !s.contains("left-out="),
+            "the scored pods fill the header first"
+        );
+        assert!(
+            s.ends_with(&format!("; omitted={} scored,400 left-out", 600 - listed)),
+            "{}",
+            &s[s.len() - 80..]
+        );
+        // A pool whose left-out list alone overflows: the list is cut and counted.
+        let mut e = Explain::default();
+        for i in 0..1_000 {
+            e.left_out.push((i, LeftOut::Stale));
+        }
+        let s = format_breakdown(&p, None, &e);
+        assert!(s.len() <= DEBUG_HEADER_MAX, "{}", s.len());
+        let listed = s.matches(" stale").count();
+        assert!(listed >= 200, "{listed}");
+        assert!(
+            s.ends_with(&format!("; omitted=0 scored,{} left-out", 1_000 - listed)),
             "{s}"
         );
     }

@@ -211,6 +211,24 @@ def test_debug_header_names_the_pods_left_out_and_why(envoy, pods):
     assert debug.endswith(f"; left-out={addr[0]} unhealthy,{addr[1]} saturated"), debug
 
 
+def test_debug_header_of_a_large_pool_is_capped(envoy, pods):
+    # 600 pods the snapshot says are stale besides the three real ones: the whole left-out list
+    # would be ~17 KB; the header stays within 8 KiB and counts what it leaves out.
+    snap = fresh(pods)
+    ts = snap["generated_at_ms"]
+    llama = next(p for p in snap["pools"] if p["name"] == "llama")
+    llama["pods"] += [dict(llama["pods"][0], address=f"10.9.{i // 200}.{i % 200}:8000", last_scrape_ms=ts - 60_000)
+                      for i in range(600)]
+    assert envoy.push(snap)[0] == 204
+    s, h, _, _ = envoy.chat("llama-3-8b")
+    assert s == 200 and h["x-served-by"].startswith("llama-")
+    debug = h["x-gateway-debug"]
+    assert len(debug) <= 8192, len(debug)
+    assert debug.count(" total=") == 3, debug[:400]
+    listed = debug.count(" stale")
+    assert 200 <= listed < 600 and debug.endswith(f"; omitted=0 scored,{600 - listed} left-out"), debug[-200:]
+
+
 def test_lora_affinity(envoy, pods):
     loras = [
         {"lora": {"max_loras": 2, "running": ["chat-lora", "x"], "waiting": []}, "running": 3},
