@@ -15,6 +15,8 @@ Description fields:
   filter_config   the plugin configuration (pools, ingest token, scoring, ...)
   pools           [{"name": "llama-8b", "endpoints": ["127.0.0.1:18001", ...]}]
   route_timeout_s 0 = none (streams can be long)
+  access_log      optional: a file (e.g. /dev/stdout) for one JSON line per request on the
+                  OpenAI listener, with the filter's routing decision (ACCESS_LOG_FORMAT)
 
 Baselines (round_robin, least_request) still run the filter for body-based routing when there
 is more than one pool (with pick_endpoints false, so the pod is Envoy's choice); with one pool
@@ -29,6 +31,45 @@ import sys
 
 BODY_HEADROOM = 1024 * 1024
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
+
+
+# The access log line (`access_log`): what Envoy logs of every request anyway, plus the headers
+# the filter added to it, so each line says which pool and which pods the filter chose and
+# which pod served. `-` where a value is absent: no `destination` with a status 200 is a
+# fail-open (Envoy's load balancer picked), no `pool` a request the filter answered itself or
+# let through (an error, /v1/models, another path).
+ACCESS_LOG_FORMAT = {
+    "start_time": "%START_TIME%",
+    "method": "%REQ(:METHOD)%",
+    "path": "%REQ(:PATH)%",
+    "status": "%RESPONSE_CODE%",
+    "flags": "%RESPONSE_FLAGS%",
+    "details": "%RESPONSE_CODE_DETAILS%",
+    "model": "%REQ(X-GATEWAY-MODEL-NAME)%",
+    "base_model": "%REQ(X-GATEWAY-BASE-MODEL-NAME)%",
+    "pool": "%REQ(X-GATEWAY-POOL)%",
+    "destination": "%REQ(X-GATEWAY-DESTINATION-ENDPOINT)%",
+    "upstream_host": "%UPSTREAM_HOST%",
+    "attempts": "%UPSTREAM_REQUEST_ATTEMPT_COUNT%",
+    "bytes_received": "%BYTES_RECEIVED%",
+    "bytes_sent": "%BYTES_SENT%",
+    "duration_ms": "%DURATION%",
+    "upstream_first_byte_ms": "%RESPONSE_DURATION%",
+    "request_id": "%REQ(X-REQUEST-ID)%",
+}
+
+
+def access_log(path):
+    return [
+        {
+            "name": "envoy.access_loggers.file",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "path": path,
+                "log_format": {"json_format": ACCESS_LOG_FORMAT},
+            },
+        }
+    ]
 
 
 def addr(s):
@@ -356,7 +397,7 @@ def render(desc):
         }
     )
 
-    def hcm(stat_prefix, route_list, filters, local_replies=None):
+    def hcm(stat_prefix, route_list, filters, local_replies=None, log=None):
         c = {
             "name": "envoy.filters.network.http_connection_manager",
             "typed_config": {
@@ -369,6 +410,8 @@ def render(desc):
         }
         if local_replies:
             c["typed_config"]["local_reply_config"] = local_replies
+        if log:
+            c["typed_config"]["access_log"] = access_log(log)
         return c
 
     listeners = [
@@ -378,7 +421,19 @@ def render(desc):
             # The filter buffers bodies up to max_body_bytes; Envoy's own limit sits above it so
             # the filter, not Envoy, answers an oversize body (with an OpenAI-style 413).
             "per_connection_buffer_limit_bytes": max_body + BODY_HEADROOM,
-            "filter_chains": [{"filters": [hcm("openai", routes, http_filters, local_reply_config(max_body, ingest_part) if filter_on else None)]}],
+            "filter_chains": [
+                {
+                    "filters": [
+                        hcm(
+                            "openai",
+                            routes,
+                            http_filters,
+                            local_reply_config(max_body, ingest_part) if filter_on else None,
+                            desc.get("access_log"),
+                        )
+                    ]
+                }
+            ],
         }
     ]
     if mode.startswith("filter") and desc.get("ingest"):

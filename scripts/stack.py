@@ -52,7 +52,10 @@ def http_ok(url):
 class Stack:
     def __init__(self, fleet=None, preset=None, router="filter", listen=None, admin=None, ingest=None,
                  sidecar_listen=None, concurrency=1, interval_ms=100, filter_overrides=None, workdir=None,
-                 time_scale=None, quiet=True):
+                 time_scale=None, quiet=True, access_log=None):
+        """`access_log`: a file for Envoy's access log of the OpenAI listener (envoy/render.py's
+        `access_log`), written every second; none by default (the benchmarks run without)."""
+        self.access_log = access_log
         self.fleet = fleet
         self.preset = preset
         self.router = router
@@ -125,9 +128,13 @@ class Stack:
             "ingest": {"token": TOKEN},
         }
         filter_config.update(self.filter_overrides)
+        logging = {}
+        if self.access_log:
+            logging = {"extra": {"access_log": str(self.access_log)},
+                       "envoy_args": ("--file-flush-interval-msec", "1000")}
         self.envoy = Envoy(self.router, [{"name": p["name"], "endpoints": p["endpoints"]} for p in self.pools],
                            filter_config, concurrency=self.concurrency, listen=self.listen, admin=self.admin,
-                           ingest=self.ingest, workdir=self.dir / "envoy")
+                           ingest=self.ingest, workdir=self.dir / "envoy", **logging)
         self.listen, self.admin, self.ingest = self.envoy.listen, self.envoy.admin, self.envoy.ingest
 
         if self.router.startswith("filter"):
@@ -173,6 +180,8 @@ class Stack:
                          + (f"; adapters {', '.join(p['adapters'])}" if p["adapters"] else "")
                          + f"; {len(p['endpoints'])} pods")
         lines.append(f"  logs           {self.dir}")
+        if self.access_log:
+            lines.append(f"  access log     {self.access_log}   (a JSON line per request: pool, pods chosen, pod that served)")
         return "\n".join(lines)
 
 
@@ -213,7 +222,8 @@ def main():
                                {"model": "Qwen/Qwen2.5-7B-Instruct", "weight": 20}]}
         stack = Stack(preset="demo", router="filter", listen="127.0.0.1:8080", admin="127.0.0.1:9901",
                       ingest="127.0.0.1:9002", sidecar_listen="127.0.0.1:9100", concurrency=2,
-                      filter_overrides={"debug_header": True, "splits": split}, workdir=ROOT / "target" / "run").start()
+                      filter_overrides={"debug_header": True, "splits": split}, workdir=ROOT / "target" / "run",
+                      access_log=ROOT / "target" / "run" / "access.log").start()
         model = stack.pools[0]["models"][0]
         print("\ngpuroute is up: Envoy + filter + sidecar-metrics + a simulated fleet\n")
         print(stack.describe())
