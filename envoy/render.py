@@ -35,7 +35,7 @@ DEFAULT_MAX_BODY = 4 * 1024 * 1024
 
 # The access log line (`access_log`): what Envoy logs of every request anyway, plus the headers
 # the filter added to it, so each line says which pool and which pods the filter chose and
-# which pod served. `-` where a value is absent: no `destination` with a status 200 is a
+# which pod served. JSON null where a value is absent: no `destination` with a `pool` is a
 # fail-open (Envoy's load balancer picked), no `pool` a request the filter answered itself or
 # let through (an error, /v1/models, another path).
 ACCESS_LOG_FORMAT = {
