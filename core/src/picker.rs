@@ -717,6 +717,13 @@ mod tests {
         picker().pick(p, &[], req, 0, &mut SplitMix64::new(1), None)
     }
 
+    /// [`pick`] with its explanation, from a given seed.
+    fn explained(p: &PoolState, req: &RequestFeatures<'_>, seed: u64) -> (Decision, Explain) {
+        let mut e = Explain::default();
+        let d = picker().pick(p, &[], req, 0, &mut SplitMix64::new(seed), Some(&mut e));
+        (d, e)
+    }
+
     #[test]
     fn least_loaded_pod_wins_with_fallbacks() {
         let p = pool(vec![
@@ -1026,15 +1033,7 @@ mod tests {
     #[test]
     fn breakdown_lists_every_candidate() {
         let p = pool(vec![pod(1, 0, 0, 0.0), pod(2, 1, 1, 0.5)]);
-        let mut e = Explain::default();
-        let d = picker().pick(
-            &p,
-            &[],
-            &RequestFeatures::default(),
-            0,
-            &mut SplitMix64::new(1),
-            Some(&mut e),
-        );
+        let (d, e) = explained(&p, &RequestFeatures::default(), 1);
         assert_eq!(e.scored.len(), 2);
         assert!(e.left_out.is_empty());
         let s = format_breakdown(&p, Some(best(&d)), &e);
@@ -1074,12 +1073,11 @@ mod tests {
             adapter: Some(adapter_key("sql")),
             ..Default::default()
         };
-        let mut e = Explain::default();
-        let explained = picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(7), Some(&mut e));
+        let (d, e) = explained(&p, &req, 7);
         // Explaining does not change the pick.
         let plain = picker().pick(&p, &[], &req, 0, &mut SplitMix64::new(7), None);
-        assert_eq!(explained, plain);
-        assert_eq!(best(&explained), 5);
+        assert_eq!(d, plain);
+        assert_eq!(best(&d), 5);
         assert_eq!(
             e.left_out,
             vec![
@@ -1108,15 +1106,7 @@ mod tests {
             pod(2, 0, 1, 0.1),
             pod(3, 1, 8, 0.3),
         ]);
-        let mut e = Explain::default();
-        let d = picker().pick(
-            &p,
-            &[],
-            &RequestFeatures::default(),
-            0,
-            &mut SplitMix64::new(1),
-            Some(&mut e),
-        );
+        let (d, e) = explained(&p, &RequestFeatures::default(), 1);
         assert_eq!(best(&d), 1);
         let s = format_breakdown(&p, Some(1), &e);
         let listed: Vec<&str> = s
@@ -1154,15 +1144,7 @@ mod tests {
             })
             .collect();
         let p = pool(pods);
-        let mut e = Explain::default();
-        let d = picker().pick(
-            &p,
-            &[],
-            &RequestFeatures::default(),
-            0,
-            &mut SplitMix64::new(3),
-            Some(&mut e),
-        );
+        let (d, e) = explained(&p, &RequestFeatures::default(), 3);
         assert_eq!((e.scored.len(), e.left_out.len()), (600, 400));
         let s = format_breakdown(&p, Some(best(&d)), &e);
         assert!(s.len() <= DEBUG_HEADER_MAX, "{}", s.len());
@@ -1200,15 +1182,7 @@ mod tests {
     #[test]
     fn saturated_pods_are_scored_not_left_out_when_every_pod_is() {
         let p = pool(vec![pod(1, 0, 0, 0.99), pod(2, 0, 0, 0.98)]);
-        let mut e = Explain::default();
-        let d = picker().pick(
-            &p,
-            &[],
-            &RequestFeatures::default(),
-            0,
-            &mut SplitMix64::new(1),
-            Some(&mut e),
-        );
+        let (d, e) = explained(&p, &RequestFeatures::default(), 1);
         assert!(matches!(d, Decision::Picked(_)));
         assert!(e.left_out.is_empty());
         assert!(e.scored.iter().all(|b| b.saturated));

@@ -57,17 +57,17 @@ def line_of(log, request_id, timeout=5.0):
     raise AssertionError(f"no access log line for {request_id}: {log.read_text()[-2000:]}")
 
 
-def chat(e, model, request_id, **headers):
-    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-    return e.request("POST", "/v1/chat/completions", body, headers={"x-request-id": request_id, **headers})
+def logged(gateway, model, request_id, **headers):
+    """A chat request with this request id: its status, response headers and access log line."""
+    e, log = gateway
+    s, h, _, _ = e.chat(model, headers={"x-request-id": request_id, **headers})
+    return s, h, line_of(log, request_id)
 
 
 def test_a_picked_request_logs_its_pool_its_pods_and_who_served(gateway, pods):
-    e, log = gateway
-    assert e.push(fresh(pods))[0] == 204
-    s, h, _, _ = chat(e, "llama-3-8b", "req-picked")
+    assert gateway[0].push(fresh(pods))[0] == 204
+    s, h, entry = logged(gateway, "llama-3-8b", "req-picked")
     assert s == 200
-    entry = line_of(log, "req-picked")
     served = pods[h["x-served-by"]].address
     assert entry["status"] == 200 and entry["pool"] == "llama" and entry["model"] == "llama-3-8b"
     destination = entry["destination"].split(",")
@@ -77,37 +77,29 @@ def test_a_picked_request_logs_its_pool_its_pods_and_who_served(gateway, pods):
 
 
 def test_an_adapter_request_logs_its_base_model(gateway, pods):
-    e, log = gateway
-    assert e.push(fresh(pods))[0] == 204
-    s, _, _, _ = chat(e, "sql-lora", "req-adapter")
+    assert gateway[0].push(fresh(pods))[0] == 204
+    s, _, entry = logged(gateway, "sql-lora", "req-adapter")
     assert s == 200
-    entry = line_of(log, "req-adapter")
     assert (entry["model"], entry["base_model"], entry["pool"]) == ("sql-lora", "llama-3-8b", "llama"), entry
 
 
 def test_a_fail_open_logs_no_destination_and_envoys_pick(gateway, pods):
-    e, log = gateway
-    assert e.push(fresh(pods, healthy=False))[0] == 204
-    s, h, _, _ = chat(e, "llama-3-8b", "req-fail-open")
+    assert gateway[0].push(fresh(pods, healthy=False))[0] == 204
+    s, h, entry = logged(gateway, "llama-3-8b", "req-fail-open")
     assert s == 200
-    entry = line_of(log, "req-fail-open")
     assert entry["pool"] == "llama" and entry["destination"] is None, entry
     assert entry["upstream_host"] == pods[h["x-served-by"]].address
 
 
 def test_requests_the_filter_answers_log_their_status_and_no_pool(gateway, pods):
-    e, log = gateway
-    s, _, _, _ = chat(e, "no-such-model", "req-404")
+    s, _, entry = logged(gateway, "no-such-model", "req-404")
     assert s == 404
-    entry = line_of(log, "req-404")
     assert entry["status"] == 404 and entry["pool"] is None and entry["upstream_host"] is None, entry
 
 
 def test_a_forged_routing_header_is_not_what_the_log_shows(gateway, pods):
-    e, log = gateway
-    assert e.push(fresh(pods))[0] == 204
-    s, h, _, _ = chat(e, "qwen-7b", "req-forged", **{"x-gateway-destination-endpoint": "10.9.9.9:80",
-                                                     "x-gateway-pool": "llama"})
+    assert gateway[0].push(fresh(pods))[0] == 204
+    s, h, entry = logged(gateway, "qwen-7b", "req-forged", **{"x-gateway-destination-endpoint": "10.9.9.9:80",
+                                                              "x-gateway-pool": "llama"})
     assert s == 200 and h["x-served-by"] == "qwen-0"
-    entry = line_of(log, "req-forged")
     assert entry["pool"] == "qwen" and entry["destination"] == pods["qwen-0"].address, entry
