@@ -270,6 +270,7 @@ class Envoy:
                 "-l", "warning",
                 "--log-path", str(log),
                 "--admin-address-path", str(addr_file),
+                "--file-flush-interval-msec", "100",
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -823,6 +824,9 @@ def eg_fragment(manifests, wasm):
             "http_filters": [wasm_filter, ROUTER],
         },
     }
+    logs = eg_access_logs(proxy)
+    if logs:
+        hcm["typed_config"]["access_log"] = logs
     listener = {
         "name": listener_name,
         "address": {"socket_address": {"address": "0.0.0.0", "port_value": gl["port"]}},
@@ -858,7 +862,49 @@ def eg_fragment(manifests, wasm):
         route_pools,
         hcm["typed_config"].get("local_reply_config"),
     )
+    check_access_log(hcm["typed_config"])
     return bootstrap([listener], clusters), {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters}
+
+
+def eg_access_logs(proxy):
+    """The EnvoyProxy's spec.telemetry.accessLog as Envoy Gateway puts it on the HTTP connection
+    manager (internal/xds/translator/accesslog.go: one file access log per File sink, a JSON format
+    as json_format, string values). None when unset: Envoy Gateway's default, its own format."""
+    al = proxy["spec"].get("telemetry", {}).get("accessLog")
+    if al is None or al.get("disable"):
+        return None
+    logs = []
+    for setting in al.get("settings", []):
+        fmt = setting.get("format", {})
+        if fmt.get("type") == "JSON":
+            log_format = {"json_format": {k: str(v) for k, v in fmt.get("json", {}).items()}}
+        elif fmt.get("type") == "Text":
+            log_format = {"text_format_source": {"inline_string": fmt.get("text", "")}}
+        else:
+            raise CheckError(f"access log format {fmt.get('type')!r}: teach check_configs.py")
+        for sink in setting.get("sinks", []):
+            if sink.get("type") != "File":
+                raise CheckError(f"access log sink {sink.get('type')!r}: teach check_configs.py")
+            logs.append({
+                "name": render.FILE_ACCESS_LOG,
+                "typed_config": {"@type": render.FILE_ACCESS_LOG_TYPE, "path": sink["file"]["path"],
+                                 "log_format": copy.deepcopy(log_format)},
+            })
+    return logs
+
+
+def decision_logs(hcm_config):
+    """The connection manager's file access logs with render.py's ACCESS_LOG_FORMAT."""
+    return [a for a in hcm_config.get("access_log", [])
+            if a.get("typed_config", {}).get("@type") == render.FILE_ACCESS_LOG_TYPE
+            and a["typed_config"].get("log_format", {}).get("json_format") == render.ACCESS_LOG_FORMAT]
+
+
+def check_access_log(hcm_config):
+    """The gateway logs each routing decision, with exactly the local bootstraps' fields."""
+    if len(decision_logs(hcm_config)) != 1:
+        raise CheckError("the HTTP connection manager has no file access log with render.py's ACCESS_LOG_FORMAT: "
+                         "regenerate its fields from there")
 
 
 # ---- Istio -----------------------------------------------------------------------------------
@@ -1021,6 +1067,7 @@ def istio_fragment(manifests, wasm):
         route_pools,
         listener["filter_chains"][0]["filters"][0]["typed_config"].get("local_reply_config"),
     )
+    check_access_log(listener["filter_chains"][0]["filters"][0]["typed_config"])
     # An inference path that reaches the routes without a pool header (the filter is not running
     # on that worker) gets a 503, not the catch-all 404: the 503 routes list the filter's paths.
     unavailable = sorted(r["match"]["path"] for r in routes
@@ -1069,8 +1116,15 @@ def smoke_fragment(envoy, name, frag):
     """Starts the patched fragment and sends what matters through it."""
     config, facts = frag
     config = copy.deepcopy(config)
+    # The routing decisions' access log goes to a file here, not the pod's stdout.
+    access_log = envoy.workdir / (re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".access.log")
+    access_log.unlink(missing_ok=True)
     for listener in config["static_resources"]["listeners"]:
         loopback_any_port(listener)
+        for chain in listener.get("filter_chains", []) + [listener.get("default_filter_chain", {})]:
+            for f in chain.get("filters", []):
+                for log in decision_logs(f.get("typed_config", {})):
+                    log["typed_config"]["path"] = str(access_log)
     plugin = facts["plugin"]
     pool = plugin["pools"][-1]
     model = pool["models"][0]
@@ -1101,6 +1155,12 @@ def smoke_fragment(envoy, name, frag):
         code = ((body or {}).get("error") or {}).get("code")
         if code != "upstream_unavailable":
             raise CheckError(f"Envoy's 503 for the dead pool answers {body}, want OpenAI's shape with code upstream_unavailable")
+        # Its access log line names the filter's pool and model; no snapshot, so no destination
+        # (a fail-open), and the dead pod as the upstream Envoy tried.
+        line = logged_line(access_log, "/v1/chat/completions")
+        want = {"pool": pool["name"], "model": model, "destination": None, "status": 503}
+        if {k: line.get(k) for k in want} != want or not line.get("upstream_host"):
+            raise CheckError(f"the access log line for the chat is {line}, want {want} and the pod tried")
         ingest = plugin.get("ingest", {})
         status, _ = http(addr, "POST", ingest.get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
         if status not in (401, 403):
@@ -1118,7 +1178,21 @@ def smoke_fragment(envoy, name, frag):
         if e.proc.poll() is not None:
             raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
     return (f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms "
-            "(Envoy's 503 in OpenAI's shape); the filter answers ingest")
+            "(Envoy's 503 in OpenAI's shape, its access log line naming the pool); the filter answers ingest")
+
+
+def logged_line(path, request_path, timeout_s=5.0):
+    """The last access log line for request_path (Envoy writes the file every 100 ms here)."""
+    deadline = time.time() + timeout_s
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        found = [json.loads(x) for x in lines if x.strip()]
+        found = [x for x in found if x.get("path") == request_path]
+        if found:
+            return found[-1]
+        if time.time() > deadline:
+            raise CheckError(f"no access log line for {request_path} in {path} after {timeout_s:.0f} s ({len(lines)} lines)")
+        time.sleep(0.1)
 
 
 def declared_oversize(addr, path, token, length):

@@ -59,12 +59,16 @@ ACCESS_LOG_FORMAT = {
 }
 
 
+FILE_ACCESS_LOG = "envoy.access_loggers.file"
+FILE_ACCESS_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
+
+
 def access_log(path):
     return [
         {
-            "name": "envoy.access_loggers.file",
+            "name": FILE_ACCESS_LOG,
             "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                "@type": FILE_ACCESS_LOG_TYPE,
                 "path": path,
                 "log_format": {"json_format": ACCESS_LOG_FORMAT},
             },
