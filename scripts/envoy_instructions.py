@@ -46,6 +46,10 @@ the count, the filter's configuration is changed N times while Envoy runs (as an
 changes it; each change routes a few requests and waits for the old plugin instances to drain
 and go): what a long-running gateway carries from the configurations it had before.
 
+With `--access-log` every gateway writes envoy/render.py's access log (one JSON line per
+request, `ACCESS_LOG_FORMAT`) to a file: what logging each routing decision costs, beside the
+same count without it.
+
 With `--body messages-blocks` the request is the same conversation as an Anthropic Messages API
 body on `/v1/messages`, in the shape Anthropic's SDKs send (the system prompt a text block with
 `cache_control`, every content a list of text blocks): what the scanner's Messages and
@@ -60,7 +64,7 @@ character of its contents a `\\u` escape (a run of them, read two escapes at a t
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
-                                     [--tick-ms MS] [--serving-thread] [--body chat|chat-lines|chat-unicode|chat-cjk|messages-blocks]
+                                     [--tick-ms MS] [--serving-thread] [--access-log] [--body chat|chat-lines|chat-unicode|chat-cjk|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -270,6 +274,8 @@ def main():
                          "at full speed, where it runs once a millisecond)")
     ap.add_argument("--serving-thread", action="store_true",
                     help="count only the busiest thread (the serving worker), not the whole process")
+    ap.add_argument("--access-log", action="store_true",
+                    help="every gateway writes render.py's access log (ACCESS_LOG_FORMAT) to a file")
     ap.add_argument("--body", choices=sorted(BODIES), default="chat",
                     help="the request: the 4 KB chat body (default); the same with its contents on "
                          "several lines (newline escapes); with non-ASCII text and emoji as Python writes "
@@ -296,6 +302,8 @@ def main():
             if args.only and name not in args.only:
                 continue
             lds = None
+            if args.access_log:
+                spec = dict(spec, extra=dict(spec.get("extra") or {}, access_log=str(out_dir / f"access-{name}.log")))
             if args.config_changes and spec.get("runtime") == "wasm" and name not in REFERENCES:
                 lds = LdsListener(out_dir / f"lds-{name}")
                 spec = dict(spec, patch=lds.patch, envoy_args=lds.envoy_args)
@@ -320,6 +328,11 @@ def main():
                         raise RuntimeError(f"{name}: {fail_open} requests failed open; the figure would not be the decision's")
             finally:
                 gw.stop()
+            if args.access_log:
+                # Envoy writes the file at exit at the latest: every request counted has its line.
+                logged = sum(1 for _ in open(spec["extra"]["access_log"]))
+                if logged < args.requests:
+                    raise RuntimeError(f"{name}: {logged} access log lines for {args.requests} counted requests")
             every = f", every thread {events[name]['every_thread']:,.0f}" if args.serving_thread else ""
             print(f"{name}: {events[name]['Ir']:,.0f} instructions per request "
                   f"({args.requests} in {events[name]['seconds']:.1f} s{every})", flush=True)
@@ -334,6 +347,7 @@ def main():
     changes += f", tick every {args.tick_ms} ms" if args.tick_ms else ""
     changes += f", shared_refresh_ms {args.shared_refresh_ms}" if args.shared_refresh_ms else ""
     changes += ", the serving thread only" if args.serving_thread else ""
+    changes += ", each request written to the access log" if args.access_log else ""
     print(f"\n{body_label}, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():
@@ -355,7 +369,7 @@ def main():
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "config_changes": args.config_changes,
                                "workers": args.workers,
                                "tick_ms": config["tick_ms"], "shared_refresh_ms": config.get("shared_refresh_ms"),
-                               "serving_thread": args.serving_thread, "simulated_last_level": args.ll if args.sim else None,
+                               "serving_thread": args.serving_thread, "access_log": args.access_log, "simulated_last_level": args.ll if args.sim else None,
                                "instructions_per_request": result,
                                "seconds": {name: ev["seconds"] for name, ev in events.items()},
                                **({"every_thread_per_request": {name: ev["every_thread"] for name, ev in events.items()}}
