@@ -10,12 +10,14 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuroute_core::config::FilterConfig;
-use gpuroute_core::engine::{DecideOptions, Engine, RequestContext};
+use gpuroute_core::engine::{DecideOptions, Engine, Reader, RequestContext};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::load::LoadTable;
 use gpuroute_core::request::Endpoint;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::{LoraState, PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 const NOW: u64 = 1_700_000_000_000;
 
@@ -228,5 +230,79 @@ fn bench(c: &mut Criterion) {
     parts.finish();
 }
 
-criterion_group!(benches, bench);
+/// The dynamic module's pattern: one engine for every Envoy worker, behind a mutex. Each thread
+/// routes the 4 KB chat body to a 64-pod pool, as `route` does, with the body read either inside
+/// the lock (`Engine::prepare_in`, the module before 2026-12-04) or before it (`Reader::read` on
+/// the module's clone of the reader, then `Engine::prepare_read`); the decision and the commit are
+/// under the lock either way. One iteration is one request on each thread at once, so with no
+/// contention the time stays the single-threaded request's, and with the lock held throughout it
+/// grows with the threads. On this 2-core machine: 1 and 2 threads.
+fn shared_engine(c: &mut Criterion) {
+    let fleet = Arc::new(fleet(64));
+    let bodies: Arc<Vec<Vec<u8>>> = Arc::new((0..64).map(chat_body).collect());
+    let mut group = c.benchmark_group("shared_engine");
+    for threads in [1usize, 2] {
+        for read_outside in [false, true] {
+            let name = if read_outside {
+                "read_outside_lock"
+            } else {
+                "read_in_lock"
+            };
+            group.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, &threads| {
+                let e = engine();
+                let reader = e.reader().clone();
+                let shared = Arc::new((Mutex::new(e), reader));
+                b.iter_custom(|iters| {
+                    let start = Instant::now();
+                    std::thread::scope(|scope| {
+                        for t in 0..threads {
+                            let (shared, fleet, bodies) = (&shared, &fleet, &bodies);
+                            scope.spawn(move || {
+                                let mut rng = SplitMix64::new(t as u64);
+                                for i in 0..iters as usize {
+                                    let body = &bodies[(i * 7 + t) % bodies.len()];
+                                    black_box(route(shared, fleet, body, read_outside, &mut rng));
+                                }
+                            });
+                        }
+                    });
+                    start.elapsed()
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+fn route(
+    shared: &(Mutex<Engine>, Reader),
+    fleet: &FleetState,
+    body: &[u8],
+    read_outside: bool,
+    rng: &mut SplitMix64,
+) -> Option<String> {
+    let path = "/v1/chat/completions";
+    let ctx = RequestContext {
+        fleet: Some(fleet),
+        now_ms: NOW,
+        split_key: None,
+    };
+    let read = read_outside.then(|| shared.1.read(path, body, ctx).unwrap());
+    let mut e = shared.0.lock().unwrap();
+    let p = match read {
+        Some(r) => e.prepare_read(r),
+        None => e.prepare_in(path, body, ctx).unwrap(),
+    };
+    let opts = DecideOptions {
+        now_ms: NOW,
+        ..Default::default()
+    };
+    let ch = e.decide(&p, Some(fleet), &[], opts, rng);
+    if let Some(k) = ch.picked_key {
+        e.commit(&p, k);
+    }
+    ch.destination
+}
+
+criterion_group!(benches, bench, shared_engine);
 criterion_main!(benches);

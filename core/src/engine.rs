@@ -1,8 +1,9 @@
 //! The per-request pipeline, in three steps around the one thing only the host can do (read and
 //! update the shared in-flight table):
 //!
-//! 1. [`Engine::prepare`]: parse the body, resolve the model to its pool, hash the prompt, look
-//!    up the learned prefix index;
+//! 1. [`Engine::prepare`]: parse the body, resolve the model to its pool, hash the prompt
+//!    ([`Reader::read`], which needs none of the engine's changing state), then look up the
+//!    learned prefix index ([`Engine::prepare_read`]);
 //! 2. [`Engine::decide`]: score the pool's candidates with the shared load table;
 //! 3. [`Engine::commit`]: remember where the prompt went (prefix index, sync log for the other
 //!    workers).
@@ -10,7 +11,7 @@
 //! The filter, the native tests and the criterion benchmark all run exactly this code.
 
 use crate::adapters::{partition, SlotPod};
-use crate::config::FilterConfig;
+use crate::config::{FilterConfig, PrefixConfig};
 use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::headers;
@@ -157,10 +158,26 @@ pub struct DecideOptions {
     pub debug: bool,
 }
 
+/// Step 1's first half, from the configuration alone: parse the body, resolve the model, hash
+/// the prompt. A clone can read requests apart from the engine: the dynamic module, whose one
+/// engine serves every worker behind a lock, reads outside it and locks only for the rest.
+#[derive(Clone)]
+pub struct Reader {
+    pub routes: RoutingTable,
+    prefix: PrefixConfig,
+    /// Per pool, its scoring's `stale_after_ms` (a split passes over a pool that cannot serve).
+    stale_after_ms: Vec<u64>,
+}
+
+/// A request read by [`Reader::read`], not yet looked up in the prefix index: only
+/// [`Engine::prepare_read`] makes a [`Prepared`] of it.
+#[derive(Debug)]
+pub struct Read(Prepared);
+
 /// Per-worker routing state.
 pub struct Engine {
     pub config: FilterConfig,
-    pub routes: RoutingTable,
+    reader: Reader,
     /// One per pool (its scoring: the top-level one with the pool's changes).
     pickers: Vec<Picker>,
     prefix: PrefixIndex,
@@ -178,39 +195,10 @@ pub struct Engine {
 /// long enough to be stable, short enough to follow a change of workload within seconds.
 const AVG_ALPHA: f64 = 1.0 / 64.0;
 
-impl Engine {
-    pub fn new(config: FilterConfig) -> Engine {
-        let routes = RoutingTable::new(&config);
-        let pickers = (0..config.pools.len())
-            .map(|i| Picker::new(config.pool_scoring(i), config.fallback_endpoints))
-            .collect();
-        let prefix = PrefixIndex::new(config.prefix.index_entries);
-        Engine {
-            routes,
-            pickers,
-            prefix,
-            sync: Some(SyncLog::new(SYNC_RING)),
-            avg_prompt_tokens: 0.0,
-            recorded: Vec::new(),
-            adapter_homes: HashMap::new(),
-            config,
-        }
-    }
-
-    /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send. Without the
-    /// context, a split's targets all count as serving and no split key was sent
-    /// ([`Engine::prepare_in`]).
-    pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
-        self.prepare_in(path, body, RequestContext::default())
-    }
-
-    /// [`Engine::prepare`] with what the shell knows besides the body ([`RequestContext`]).
-    pub fn prepare_in(
-        &mut self,
-        path: &str,
-        body: &[u8],
-        ctx: RequestContext<'_>,
-    ) -> Result<Prepared, ApiError> {
+impl Reader {
+    /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
+    /// API's answers to send.
+    pub fn read(&self, path: &str, body: &[u8], ctx: RequestContext<'_>) -> Result<Read, ApiError> {
         let RequestContext {
             fleet,
             now_ms,
@@ -220,22 +208,12 @@ impl Engine {
         // SGLang accept it (Python's json.loads on bytes does), so the gateway does too. A
         // rewritten body leaves it out.
         let body = body.strip_prefix(UTF8_BOM).unwrap_or(body);
-        let p = &self.config.prefix;
+        let p = &self.prefix;
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
         let endpoint = Endpoint::from_path(path);
         let model_only = endpoint == Endpoint::CountTokens;
         let req = request::parse(body, endpoint, limit, home_chars)?;
-        // The typical prefill the pods see: a token count is no prefill (a client counting a
-        // long document before sending it would otherwise make every real prompt look short).
-        if !model_only {
-            let tokens = f64::from(req.estimated_prompt_tokens());
-            self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
-                tokens
-            } else {
-                self.avg_prompt_tokens + AVG_ALPHA * (tokens - self.avg_prompt_tokens)
-            };
-        }
         let (target, split) = match self.routes.resolve(req.model.as_deref())? {
             Resolved::Target(t) => (t.clone(), None),
             Resolved::Split(s) => {
@@ -252,10 +230,9 @@ impl Engine {
                 };
                 // A target whose pool the snapshot shows unable to serve is passed over; with
                 // no snapshot, or a pool it does not list, nothing is known against it.
-                let (routes, pickers) = (&self.routes, &self.pickers);
                 let serving = |t: &Target| {
-                    let stale_after_ms = pickers.get(t.pool)?.scoring.stale_after_ms;
-                    let pool = fleet?.pool(routes.pool_name(t.pool))?;
+                    let stale_after_ms = *self.stale_after_ms.get(t.pool)?;
+                    let pool = fleet?.pool(self.routes.pool_name(t.pool))?;
                     Some(pool.serving(fleet?.age_ms(now_ms), stale_after_ms))
                 };
                 let serving = |t: &Target| serving(t).unwrap_or(true);
@@ -297,19 +274,13 @@ impl Engine {
             .and_then(|n| req.prompt.as_bytes().get(..n))
             .map(|k| prefix::conversation_key(k, seed));
         let home_key = conversation.or_else(|| prefix::home_key(&anchors, p.home_blocks));
-        let mut matches = Vec::new();
-        self.prefix.lookup(&anchors, &mut matches);
-        let conversation_pods = conversation
-            .map(|k| self.prefix.pods_of(k))
-            .unwrap_or_default();
         // Where this adapter went lately: the same index, under a key no prompt hash can take
         // by accident (its own seed domain).
         let adapter_anchor = target
             .adapter
             .as_deref()
             .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
-        let adapter_recent = adapter_anchor.and_then(|k| self.prefix.latest_pod_of(k));
-        Ok(Prepared {
+        Ok(Read(Prepared {
             pool: self.routes.pool_name_shared(target.pool),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
@@ -319,13 +290,91 @@ impl Engine {
             prefix_blocks: blocks as u32,
             home_key,
             conversation,
-            conversation_pods,
+            conversation_pods: Vec::new(),
             adapter_anchor,
-            adapter_recent,
-            matches,
+            adapter_recent: None,
+            matches: Vec::new(),
             anchors,
             target,
-        })
+        }))
+    }
+}
+
+impl Engine {
+    pub fn new(config: FilterConfig) -> Engine {
+        let routes = RoutingTable::new(&config);
+        let pickers: Vec<Picker> = (0..config.pools.len())
+            .map(|i| Picker::new(config.pool_scoring(i), config.fallback_endpoints))
+            .collect();
+        let prefix = PrefixIndex::new(config.prefix.index_entries);
+        let reader = Reader {
+            routes,
+            prefix: config.prefix.clone(),
+            stale_after_ms: pickers.iter().map(|p| p.scoring.stale_after_ms).collect(),
+        };
+        Engine {
+            reader,
+            pickers,
+            prefix,
+            sync: Some(SyncLog::new(SYNC_RING)),
+            avg_prompt_tokens: 0.0,
+            recorded: Vec::new(),
+            adapter_homes: HashMap::new(),
+            config,
+        }
+    }
+
+    /// Step 1: parse, resolve, hash. Errors are the OpenAI-style answers to send. Without the
+    /// context, a split's targets all count as serving and no split key was sent
+    /// ([`Engine::prepare_in`]).
+    pub fn prepare(&mut self, path: &str, body: &[u8]) -> Result<Prepared, ApiError> {
+        self.prepare_in(path, body, RequestContext::default())
+    }
+
+    /// [`Engine::prepare`] with what the shell knows besides the body ([`RequestContext`]).
+    pub fn prepare_in(
+        &mut self,
+        path: &str,
+        body: &[u8],
+        ctx: RequestContext<'_>,
+    ) -> Result<Prepared, ApiError> {
+        let read = self.reader.read(path, body, ctx)?;
+        Ok(self.prepare_read(read))
+    }
+
+    /// The engine's half of step 1 for a request [`Reader::read`] read: look it up in the
+    /// learned prefix index, and count its prompt in the typical prompt size.
+    pub fn prepare_read(&mut self, read: Read) -> Prepared {
+        let Read(mut prep) = read;
+        // The typical prefill the pods see: a token count is no prefill (a client counting a
+        // long document before sending it would otherwise make every real prompt look short).
+        if !prep.model_only {
+            let tokens = f64::from(prep.prompt_tokens);
+            self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
+                tokens
+            } else {
+                self.avg_prompt_tokens + AVG_ALPHA * (tokens - self.avg_prompt_tokens)
+            };
+        }
+        self.prefix.lookup(&prep.anchors, &mut prep.matches);
+        prep.conversation_pods = prep
+            .conversation
+            .map(|k| self.prefix.pods_of(k))
+            .unwrap_or_default();
+        prep.adapter_recent = prep
+            .adapter_anchor
+            .and_then(|k| self.prefix.latest_pod_of(k));
+        prep
+    }
+
+    /// What reads requests for this engine; a clone reads them apart from it.
+    pub fn reader(&self) -> &Reader {
+        &self.reader
+    }
+
+    /// The model table: `/v1/models`' answers.
+    pub fn routes(&self) -> &RoutingTable {
+        &self.reader.routes
     }
 
     /// Step 2: pick pods of the request's pool. `fleet` is the worker's decoded snapshot (None
@@ -857,6 +906,56 @@ mod tests {
                 &[UTF8_BOM, UTF8_BOM, &chat("llama-3", "hi")].concat()
             )
             .is_err());
+    }
+
+    #[test]
+    fn a_reader_apart_from_the_engine_prepares_what_the_engine_does() {
+        // The dynamic module reads with a clone of the reader, outside the engine's lock.
+        let (mut a, mut b) = (engine(), engine());
+        let reader = b.reader().clone();
+        let f = fleet(3);
+        let opts = DecideOptions {
+            now_ms: 1_000,
+            sheddable: false,
+            debug: false,
+        };
+        let (mut ra, mut rb) = (SplitMix64::new(5), SplitMix64::new(5));
+        let long = |i: usize| {
+            let text = format!("{}turn {i}", "a long shared system prompt. ".repeat(40));
+            chat("llama", &text)
+        };
+        for i in 0..40 {
+            let body = long(i % 7);
+            let pa = a.prepare("/v1/chat/completions", &body).unwrap();
+            let read = reader
+                .read("/v1/chat/completions", &body, RequestContext::default())
+                .unwrap();
+            let pb = b.prepare_read(read);
+            assert_eq!(format!("{pa:?}"), format!("{pb:?}"));
+            let (ca, cb) = (
+                a.decide(&pa, Some(&f), &[], opts, &mut ra),
+                b.decide(&pb, Some(&f), &[], opts, &mut rb),
+            );
+            assert_eq!(ca, cb);
+            if let (Some(ka), Some(kb)) = (ca.picked_key, cb.picked_key) {
+                a.commit(&pa, ka);
+                b.commit(&pb, kb);
+            }
+        }
+        // Past the first requests the index has matches to look up, in both.
+        let body = long(3);
+        assert!(!a
+            .prepare("/v1/chat/completions", &body)
+            .unwrap()
+            .matches
+            .is_empty());
+        assert_eq!(a.avg_prompt_tokens, b.avg_prompt_tokens);
+        // A request the reader refuses is not counted in the typical prompt.
+        let before = b.avg_prompt_tokens;
+        assert!(b
+            .prepare("/v1/chat/completions", &chat("no-such-model", "hi"))
+            .is_err());
+        assert_eq!(b.avg_prompt_tokens, before);
     }
 
     #[test]

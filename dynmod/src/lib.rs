@@ -11,8 +11,9 @@
 //! - the snapshot is one process-wide `Arc` swapped by the ingest path (no shared-data copy, no
 //!   per-worker decode);
 //! - the in-flight tables and the prefix index are one per filter configuration, behind a
-//!   mutex held only for the decision (prepare, score, count, commit): every worker sees every
-//!   other worker's picks at once, with no sync ring;
+//!   mutex held only for the decision (prefix lookups, score, count, commit): every worker sees
+//!   every other worker's picks at once, with no sync ring. Reading the body (parse, resolve,
+//!   hash the prompt) needs none of that and runs before the lock, in parallel across workers;
 //! - metrics are defined when the configuration loads (Envoy freezes definitions after that),
 //!   so per-pool counters exist for the configured pools, and per-pod picks are one counter
 //!   labelled by pool and pod; requests only add to a local tally, which a ticker thread has
@@ -27,7 +28,7 @@ mod host;
 
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
 use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine, Prepared, RequestContext};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
@@ -38,7 +39,7 @@ use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix;
 use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery, RoutingTable};
+use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery};
 use host::{ConfigStats, Definer, Scheduler, Stream};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -282,8 +283,10 @@ struct Router {
 /// One filter configuration (`on_http_filter_config_new`).
 struct Config {
     settings: FilterConfig,
-    /// The models path's answers, outside the router's lock.
-    models: RoutingTable,
+    /// Reads requests (parse, resolve, hash) and answers the models path, outside the router's
+    /// lock: the lock is held only for what needs the shared state (prefix lookups, the pick,
+    /// the counts).
+    reader: Reader,
     router: Mutex<Router>,
     metrics: Metrics,
     pending: Mutex<Pending>,
@@ -298,13 +301,13 @@ impl Config {
         let metrics = Metrics::define(definer, &settings);
         // One engine for every worker: picks are visible to all at once, no sync log needed.
         let engine = Engine::new(settings.clone()).without_sync_log();
-        let models = engine.routes.clone();
+        let reader = engine.reader().clone();
         let seed = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
         Ok(Config {
             settings,
-            models,
+            reader,
             router: Mutex::new(Router {
                 engine,
                 loads: NameMap::default(),
@@ -460,7 +463,7 @@ impl Filter {
             .flatten()
         {
             config.count(config.metrics.models_list);
-            let (status, body) = config.models.models_answer(&q, self.head.anthropic);
+            let (status, body) = config.reader.routes.models_answer(&q, self.head.anthropic);
             self.reply(s, status, &body, "application/json");
             return abi::HEADERS_STOP_ITERATION;
         }
@@ -645,10 +648,8 @@ impl Filter {
         let fleet = current_fleet();
         let now = now_ms();
 
-        let mut guard = lock(&config.router);
-        let r = &mut *guard;
-        let prepared = s.with_request_body(|body| {
-            r.engine.prepare_in(
+        let read = s.with_request_body(|body| {
+            config.reader.read(
                 &self.head.path,
                 body,
                 RequestContext {
@@ -658,15 +659,17 @@ impl Filter {
                 },
             )
         });
-        let prep = match prepared {
-            Ok(p) => p,
+        let read = match read {
+            Ok(r) => r,
             Err(e) => {
-                drop(guard);
                 config.count(m.rejected_id(e.code.as_deref()));
                 self.reply_error(s, &e);
                 return;
             }
         };
+        let mut guard = lock(&config.router);
+        let r = &mut *guard;
+        let prep = r.engine.prepare_read(read);
         let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
         if !r.loads.contains_key(&*prep.pool) {
             r.loads.insert(prep.pool.to_string(), LoadTable::default());

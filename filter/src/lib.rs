@@ -1073,7 +1073,7 @@ impl Http {
         if method == "GET" {
             if let Some(q) = ModelsQuery::of(&self.path, &w.engine.config.models_path) {
                 w.stats.inc("gpuroute.models_list");
-                let (status, body) = w.engine.routes.models_answer(&q, self.head.anthropic);
+                let (status, body) = w.engine.routes().models_answer(&q, self.head.anthropic);
                 let body = body.into_owned();
                 return self.reply(u32::from(status), &body, "application/json");
             }
