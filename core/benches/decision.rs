@@ -238,6 +238,9 @@ fn bench(c: &mut Criterion) {
 /// contention the time stays the single-threaded request's, and with the lock held throughout it
 /// grows with the threads. On this 2-core machine: 1 and 2 threads.
 fn shared_engine(c: &mut Criterion) {
+    if cfg!(target_os = "wasi") {
+        return; // No threads in a wasm32-wasip1 VM (the module runs natively anyway).
+    }
     let fleet = Arc::new(fleet(64));
     let bodies: Arc<Vec<Vec<u8>>> = Arc::new((0..64).map(chat_body).collect());
     let mut group = c.benchmark_group("shared_engine");
