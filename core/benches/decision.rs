@@ -10,7 +10,7 @@
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
 use gpuroute_core::config::FilterConfig;
-use gpuroute_core::engine::{DecideOptions, Engine, Reader, RequestContext};
+use gpuroute_core::engine::{DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::load::LoadTable;
 use gpuroute_core::request::Endpoint;
@@ -231,12 +231,18 @@ fn bench(c: &mut Criterion) {
 }
 
 /// The dynamic module's pattern: one engine for every Envoy worker, behind a mutex. Each thread
-/// routes the 4 KB chat body to a 64-pod pool, as `route` does, with the body read either inside
-/// the lock (`Engine::prepare_in`, the module before 2026-12-04) or before it (`Reader::read` on
-/// the module's clone of the reader, then `Engine::prepare_read`); the decision and the commit are
-/// under the lock either way. One iteration is one request on each thread at once, so with no
-/// contention the time stays the single-threaded request's, and with the lock held throughout it
-/// grows with the threads. On this 2-core machine: 1 and 2 threads.
+/// routes the 4 KB chat body to a 64-pod pool as the module's `route` does: the body read, then
+/// under the lock the prefix lookups, the pick and the commit. Three ways, by `Lock`:
+/// - `std_read_in_lock`: the module before 2026-12-04: `std::sync::Mutex`, the body read under
+///   it too (`Engine::prepare_in`);
+/// - `std_read_outside`: the body read before the lock (`Reader::read` on a clone of the
+///   reader, then `Engine::prepare_read` under it);
+/// - `parking_lot`: the same with `parking_lot::Mutex`, which spins a little before it parks a
+///   waiting thread (the module now).
+///
+/// One iteration is one request on each thread at once, so with no contention the time stays
+/// the single-threaded request's, and with the lock held throughout it grows with the threads.
+/// On this 2-core machine: 1 and 2 threads.
 fn shared_engine(c: &mut Criterion) {
     if cfg!(target_os = "wasi") {
         return; // No threads in a wasm32-wasip1 VM (the module runs natively anyway).
@@ -245,16 +251,15 @@ fn shared_engine(c: &mut Criterion) {
     let bodies: Arc<Vec<Vec<u8>>> = Arc::new((0..64).map(chat_body).collect());
     let mut group = c.benchmark_group("shared_engine");
     for threads in [1usize, 2] {
-        for read_outside in [false, true] {
-            let name = if read_outside {
-                "read_outside_lock"
-            } else {
-                "read_in_lock"
-            };
-            group.bench_with_input(BenchmarkId::new(name, threads), &threads, |b, &threads| {
+        for lock in [Lock::StdReadInside, Lock::StdReadOutside, Lock::ParkingLot] {
+            let id = BenchmarkId::new(lock.name(), threads);
+            group.bench_with_input(id, &threads, |b, &threads| {
                 let e = engine();
-                let reader = e.reader().clone();
-                let shared = Arc::new((Mutex::new(e), reader));
+                let shared = Shared {
+                    reader: e.reader().clone(),
+                    parking_lot: parking_lot::Mutex::new(engine()),
+                    std: Mutex::new(e),
+                };
                 b.iter_custom(|iters| {
                     let start = Instant::now();
                     std::thread::scope(|scope| {
@@ -264,7 +269,7 @@ fn shared_engine(c: &mut Criterion) {
                                 let mut rng = SplitMix64::new(t as u64);
                                 for i in 0..iters as usize {
                                     let body = &bodies[(i * 7 + t) % bodies.len()];
-                                    black_box(route(shared, fleet, body, read_outside, &mut rng));
+                                    black_box(shared.route(lock, fleet, body, &mut rng));
                                 }
                             });
                         }
@@ -277,34 +282,74 @@ fn shared_engine(c: &mut Criterion) {
     group.finish();
 }
 
-fn route(
-    shared: &(Mutex<Engine>, Reader),
-    fleet: &FleetState,
-    body: &[u8],
-    read_outside: bool,
-    rng: &mut SplitMix64,
-) -> Option<String> {
-    let path = "/v1/chat/completions";
-    let ctx = RequestContext {
-        fleet: Some(fleet),
-        now_ms: NOW,
-        split_key: None,
-    };
-    let read = read_outside.then(|| shared.1.read(path, body, ctx).unwrap());
-    let mut e = shared.0.lock().unwrap();
-    let p = match read {
-        Some(r) => e.prepare_read(r),
-        None => e.prepare_in(path, body, ctx).unwrap(),
-    };
-    let opts = DecideOptions {
-        now_ms: NOW,
-        ..Default::default()
-    };
-    let ch = e.decide(&p, Some(fleet), &[], opts, rng);
-    if let Some(k) = ch.picked_key {
-        e.commit(&p, k);
+#[derive(Clone, Copy)]
+enum Lock {
+    StdReadInside,
+    StdReadOutside,
+    ParkingLot,
+}
+
+impl Lock {
+    fn name(self) -> &'static str {
+        match self {
+            Lock::StdReadInside => "std_read_in_lock",
+            Lock::StdReadOutside => "std_read_outside",
+            Lock::ParkingLot => "parking_lot",
+        }
     }
-    ch.destination
+}
+
+struct Shared {
+    reader: Reader,
+    std: Mutex<Engine>,
+    parking_lot: parking_lot::Mutex<Engine>,
+}
+
+impl Shared {
+    fn route(
+        &self,
+        lock: Lock,
+        fleet: &FleetState,
+        body: &[u8],
+        rng: &mut SplitMix64,
+    ) -> Option<String> {
+        let path = "/v1/chat/completions";
+        let ctx = RequestContext {
+            fleet: Some(fleet),
+            now_ms: NOW,
+            split_key: None,
+        };
+        let decide = |e: &mut Engine, p: Prepared, rng: &mut SplitMix64| {
+            let opts = DecideOptions {
+                now_ms: NOW,
+                ..Default::default()
+            };
+            let ch = e.decide(&p, Some(fleet), &[], opts, rng);
+            if let Some(k) = ch.picked_key {
+                e.commit(&p, k);
+            }
+            ch.destination
+        };
+        match lock {
+            Lock::StdReadInside => {
+                let mut e = self.std.lock().unwrap();
+                let p = e.prepare_in(path, body, ctx).unwrap();
+                decide(&mut e, p, rng)
+            }
+            Lock::StdReadOutside => {
+                let read = self.reader.read(path, body, ctx).unwrap();
+                let mut e = self.std.lock().unwrap();
+                let p = e.prepare_read(read);
+                decide(&mut e, p, rng)
+            }
+            Lock::ParkingLot => {
+                let read = self.reader.read(path, body, ctx).unwrap();
+                let mut e = self.parking_lot.lock();
+                let p = e.prepare_read(read);
+                decide(&mut e, p, rng)
+            }
+        }
+    }
 }
 
 criterion_group!(benches, bench, shared_engine);

@@ -287,9 +287,12 @@ struct Config {
     /// lock: the lock is held only for what needs the shared state (prefix lookups, the pick,
     /// the counts).
     reader: Reader,
-    router: Mutex<Router>,
+    /// `parking_lot`'s mutex: it spins briefly before parking a waiting worker, and the lock is
+    /// held for microseconds; std's parks at once, and waking a parked worker costs more than
+    /// the wait (`shared_engine` in core/benches/decision.rs).
+    router: parking_lot::Mutex<Router>,
     metrics: Metrics,
-    pending: Mutex<Pending>,
+    pending: parking_lot::Mutex<Pending>,
     /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
     /// the configuration, which also ends the ticker thread.
     scheduler: Mutex<Option<Scheduler>>,
@@ -308,24 +311,24 @@ impl Config {
         Ok(Config {
             settings,
             reader,
-            router: Mutex::new(Router {
+            router: parking_lot::Mutex::new(Router {
                 engine,
                 loads: NameMap::default(),
                 rng: SplitMix64::new(seed),
             }),
             metrics,
-            pending: Mutex::new(Pending::default()),
+            pending: parking_lot::Mutex::new(Pending::default()),
             scheduler: Mutex::new(None),
         })
     }
 
     fn count(&self, id: Option<usize>) {
-        lock(&self.pending).count(id);
+        self.pending.lock().count(id);
     }
 
     /// Hands the pending metric updates to Envoy (main thread, `on_http_filter_config_scheduled`).
     fn flush(&self, stats: ConfigStats) {
-        let p = std::mem::take(&mut *lock(&self.pending));
+        let p = std::mem::take(&mut *self.pending.lock());
         let m = &self.metrics;
         for (id, n) in p.counts {
             stats.counter(Some(id), &[], n);
@@ -363,7 +366,7 @@ impl Config {
                     let Some(c) = weak.upgrade() else { return };
                     let gauge_due =
                         !c.settings.pools.is_empty() && flushed.elapsed() >= GAUGE_REFRESH;
-                    let work = gauge_due || !lock(&c.pending).is_empty();
+                    let work = gauge_due || !c.pending.lock().is_empty();
                     let guard = lock(&c.scheduler);
                     match guard.as_ref() {
                         Some(s) if work => {
@@ -382,7 +385,7 @@ impl Config {
 
     /// Counts a change in a pod's in-flight load (first byte back, or the end of the request).
     fn complete(&self, pool: &str, op: Completion) {
-        let mut r = lock(&self.router);
+        let mut r = self.router.lock();
         if let Some(t) = r.loads.get_mut(pool) {
             op.apply(t);
         }
@@ -542,14 +545,17 @@ impl Filter {
             self.head.cursor.as_deref().unwrap_or_default(),
         ));
         for (id, c) in routing_configs() {
-            let mut r = lock(&c.router);
+            let mut r = c.router.lock();
             r.engine.enable_sync_log();
             if let Some(log) = r.engine.sync_log() {
                 export.add_log(id, log);
             }
         }
         let m = &self.config.metrics;
-        lock(&self.config.pending).add(m.prefix_exported, export.len() as u64);
+        self.config
+            .pending
+            .lock()
+            .add(m.prefix_exported, export.len() as u64);
         let (body, cursor) = export.finish();
         self.mode = Mode::Answered;
         s.send_response(
@@ -580,9 +586,12 @@ impl Filter {
             }
         };
         for (_, c) in routing_configs() {
-            lock(&c.router).engine.apply_sync(&records);
+            c.router.lock().engine.apply_sync(&records);
         }
-        lock(&config.pending).add(config.metrics.prefix_imported, records.len() as u64);
+        config
+            .pending
+            .lock()
+            .add(config.metrics.prefix_imported, records.len() as u64);
         self.reply(s, 204, "", "text/plain");
     }
 
@@ -632,7 +641,7 @@ impl Filter {
             *slot = Some(fleet);
         }
         {
-            let mut p = lock(&config.pending);
+            let mut p = config.pending.lock();
             p.count(m.snapshot_accepted);
             p.snapshot_pods = Some(pods as u64);
         }
@@ -667,7 +676,7 @@ impl Filter {
                 return;
             }
         };
-        let mut guard = lock(&config.router);
+        let mut guard = config.router.lock();
         let r = &mut *guard;
         let prep = r.engine.prepare_read(read);
         let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
@@ -757,7 +766,7 @@ impl Filter {
             s.clear_route_cache();
         }
         {
-            let mut p = lock(&config.pending);
+            let mut p = config.pending.lock();
             p.count(outcome.and_then(|o| m.outcome_id(pool, o)));
             p.count(fail_open);
             for id in m.split_ids(&prep) {
