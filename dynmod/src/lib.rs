@@ -287,9 +287,9 @@ struct Config {
     /// lock: the lock is held only for what needs the shared state (prefix lookups, the pick,
     /// the counts).
     reader: Reader,
-    /// `parking_lot`'s mutex: it spins briefly before parking a waiting worker, and the lock is
-    /// held for microseconds; std's parks at once, and waking a parked worker costs more than
-    /// the wait (`shared_engine` in core/benches/decision.rs).
+    /// `parking_lot`'s mutex: it spins with back-off before parking a waiting worker, and the
+    /// lock is held for microseconds; std's parks almost at once, and waking a parked worker
+    /// costs more than the wait (`shared_engine` in core/benches/decision.rs).
     router: parking_lot::Mutex<Router>,
     metrics: Metrics,
     pending: parking_lot::Mutex<Pending>,
