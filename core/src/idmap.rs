@@ -5,9 +5,16 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// See the module docs. Keys other than `u64`/`u32` fall back to folding their bytes.
+/// See the module docs. Keys other than `u64`, `u32` and `usize` fall back to folding their
+/// bytes.
 #[derive(Default)]
 pub struct IdHasher(u64);
+
+/// Spreads a small sequential id over all 64 bits (Fibonacci hashing): hashbrown picks the bucket
+/// from the low bits and the control byte from the top 7, and both must differ between ids.
+fn spread(id: u64) -> u64 {
+    id.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
@@ -23,13 +30,13 @@ impl Hasher for IdHasher {
         self.0 = v;
     }
     fn write_u32(&mut self, n: u32) {
-        // Small sequential ids: spread the bits so hashbrown's top-7-bit control bytes differ.
-        self.0 = u64::from(n).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        // Small sequential ids handed out by the host.
+        self.0 = spread(u64::from(n));
     }
     fn write_usize(&mut self, n: usize) {
         // Small sequential ids too (metric ids). Folding their bytes would leave the low bits,
         // which pick the bucket, zero for every key.
-        self.0 = (n as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = spread(n as u64);
     }
 }
 
