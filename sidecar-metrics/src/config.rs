@@ -1,8 +1,9 @@
 //! Configuration: the file format (YAML or JSON), its defaults, command-line/environment
 //! overrides, and validation that names the offending field.
 //!
-//! Every option and the reason for its default is listed in `sidecar-metrics/README.md`; the
-//! constants below say where their values come from. Precedence: command-line flag, then
+//! Every option and the reason for its default is listed in `sidecar-metrics/README.md`
+//! (`tests/config_reference.rs` fails when the two part); the constants below say where their
+//! values come from. Precedence: command-line flag, then
 //! environment variable (clap reads both), then the file, then the default.
 
 use gpuroute_core::snapshot::{Engine, MAX_NAME_LEN};
