@@ -1,5 +1,6 @@
 //! Envoy stats emitted by the filter. They appear in Envoy's `/stats` and `/stats/prometheus`
-//! under the names below (Envoy strips the `wasmcustom.` prefix it adds).
+//! under the names below (Envoy strips the `wasmcustom.` prefix it adds). The README's
+//! Observability section lists them for users; an end-to-end test holds Envoy's to that list.
 //!
 //! - `gpuroute.pool.<pool>.requests.<picked|fail_open|shed|error|routed>` (counters; `routed`: the pod left to Envoy by design)
 //! - `gpuroute.pool.<pool>.pod.<ip_port>.picks` (counters, created on first pick)
@@ -9,7 +10,9 @@
 //! - `gpuroute.split.<split>.to.<target>` (counters: requests for a split, by the target they
 //!   took), `gpuroute.split.<split>.rerouted` (counter: moved off a target that could not serve)
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
-//! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods` (gauges)
+//! - `gpuroute.prefix.exported`, `gpuroute.prefix.imported`, `gpuroute.prefix.rejected.<reason>`
+//!   (counters: prefix records given to and taken from other gateway replicas)
+//! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods`, `gpuroute.workers` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
 //!   worker's first routed request and one in `DECISION_SAMPLE` after it)
 //! - `gpuroute.models_list` (counter: `GET` under `models_path` answered, the list or one model)

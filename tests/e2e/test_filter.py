@@ -4,10 +4,12 @@ against stub pods that say who served each request."""
 import concurrent.futures
 import contextlib
 import json
+import re
 import socket
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -188,6 +190,52 @@ def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     while "P50" not in str(stats().get(STAT_PREFIX + "gpuroute.decision_us", "")) and time.time() < deadline:
         time.sleep(0.2)
     assert "P50" in str(stats().get(STAT_PREFIX + "gpuroute.decision_us")), stats().get(STAT_PREFIX + "gpuroute.decision_us")
+
+
+def documented_stats():
+    """The stat names the README's Observability section lists, as regular expressions: each
+    backticked `gpuroute.` name of its "Envoy stats" paragraph, `{a,b}` groups as alternatives
+    and `<placeholder>` parts as any text."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("Envoy stats (in `/stats`")
+    paragraph = readme[start:readme.index("\n\n", start)]
+    names = ["".join(span.split()) for span in paragraph.split("`")[1::2]]
+    expanded = []
+    for name in (n for n in names if n.startswith("gpuroute.")):
+        group = re.search(r"\{([^}]*)\}", name)
+        alternatives = group.group(1).split(",") if group else [""]
+        for a in alternatives:
+            expanded.append(name[:group.start()] + a + name[group.end():] if group else name)
+    return [re.compile(".+".join(re.escape(p) for p in re.split(r"<[^>]*>", n))) for n in expanded]
+
+
+def test_every_stat_the_filter_shows_is_documented(envoy, pods):
+    """After requests that reach most outcomes (picks in two pools, refusals, a fail-open, a
+    rejected and an accepted snapshot), every `gpuroute` stat Envoy shows is one the README
+    names. The dynamic module defines its metrics when its configuration loads, so there this
+    covers names no request reached too."""
+    patterns = documented_stats()
+    assert len(patterns) >= 15, patterns
+    assert envoy.push(fresh(pods))[0] == 204
+    for i in range(10):
+        assert envoy.chat("llama-3-8b", f"documented {i}")[0] == 200
+    assert envoy.chat("qwen-7b")[0] == 200
+    assert envoy.chat("sql-lora")[0] == 200
+    assert envoy.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
+    assert envoy.chat("no-such-model")[0] == 404
+    assert envoy.push({"version": 1})[0] == 400
+    stale_qwen = fresh(pods)
+    stale_qwen["pools"][1]["pods"][0]["last_scrape_ms"] = stale_qwen["generated_at_ms"] - 60_000
+    assert envoy.push(stale_qwen)[0] == 204
+    assert envoy.chat("qwen-7b")[0] == 200  # no fresh pod: a fail-open
+    assert envoy.request("GET", "/v1/models")[0] == 200
+    time.sleep(0.2)  # the batched counts reach Envoy within tick_ms
+    shown = sorted({name.removeprefix(STAT_PREFIX) for name in envoy.stats() if name.startswith(STAT_PREFIX)})
+    assert len(shown) >= 10, shown
+    undocumented = [n for n in shown if not any(p.fullmatch(n) for p in patterns)]
+    assert not undocumented, f"stats the README does not name: {undocumented}"
+    for must in ("gpuroute.fail_open.no_fresh_pod", "gpuroute.rejected.model_not_found", "gpuroute.models_list"):
+        assert must in shown, shown
 
 
 def test_destination_header_lists_fallbacks_and_debug_explains(envoy, pods):
