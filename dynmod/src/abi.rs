@@ -100,6 +100,8 @@ pub const HEADERS_STOP_ITERATION: u32 = 1;
 pub const BODY_CONTINUE: u32 = 0;
 pub const BODY_STOP_AND_BUFFER: u32 = 1;
 pub const BODY_STOP_NO_BUFFER: u32 = 3;
+pub const TRAILERS_CONTINUE: u32 = 0;
+pub const TRAILERS_STOP_ITERATION: u32 = 1;
 // Metrics results (the second is this module's own, for "Envoy not there").
 pub const METRICS_SUCCESS: u32 = 0;
 pub const METRICS_UNAVAILABLE: u32 = u32::MAX;

@@ -145,17 +145,16 @@ impl Stream {
         }
     }
 
-    /// Replaces the whole request body with `new` (at its end).
+    /// Replaces the whole request body with `new` (at its end: in the last body hook, or in the
+    /// trailers hook, where there is no received chunk and the body is all buffered).
     pub fn replace_request_body(self, new: &[u8]) {
         // SAFETY: live filter pointer; `new` outlives the call (Envoy copies it).
         unsafe {
             let buffered =
                 envoy_dynamic_module_callback_http_get_body_size(self.0, BUFFERED_REQUEST_BODY);
             envoy_dynamic_module_callback_http_drain_body(self.0, BUFFERED_REQUEST_BODY, buffered);
-            let target =
-                if envoy_dynamic_module_callback_http_received_buffered_request_body(self.0) {
-                    BUFFERED_REQUEST_BODY
-                } else {
+            let into_received =
+                !envoy_dynamic_module_callback_http_received_buffered_request_body(self.0) && {
                     let received = envoy_dynamic_module_callback_http_get_body_size(
                         self.0,
                         RECEIVED_REQUEST_BODY,
@@ -165,9 +164,20 @@ impl Stream {
                         RECEIVED_REQUEST_BODY,
                         received,
                     );
-                    RECEIVED_REQUEST_BODY
+                    // Refused when there is no received chunk (the trailers hook).
+                    envoy_dynamic_module_callback_http_append_body(
+                        self.0,
+                        RECEIVED_REQUEST_BODY,
+                        ModuleBuffer::of(new),
+                    )
                 };
-            envoy_dynamic_module_callback_http_append_body(self.0, target, ModuleBuffer::of(new));
+            if !into_received {
+                envoy_dynamic_module_callback_http_append_body(
+                    self.0,
+                    BUFFERED_REQUEST_BODY,
+                    ModuleBuffer::of(new),
+                );
+            }
         }
     }
 

@@ -530,6 +530,26 @@ impl Filter {
         }
     }
 
+    /// An HTTP/2 request can end with trailers instead of with its last body bytes: its body,
+    /// buffered, is then whole, and is routed (or ingested) as at the end of the body.
+    fn on_request_trailers(&mut self, s: Stream) -> u32 {
+        match self.mode {
+            Mode::Inference => {
+                self.route(s);
+                match self.mode {
+                    Mode::Answered => abi::TRAILERS_STOP_ITERATION,
+                    _ => abi::TRAILERS_CONTINUE,
+                }
+            }
+            Mode::Ingest(ep) => {
+                self.ingest_end(s, ep);
+                abi::TRAILERS_STOP_ITERATION
+            }
+            Mode::Answered => abi::TRAILERS_STOP_ITERATION,
+            Mode::Pass => abi::TRAILERS_CONTINUE,
+        }
+    }
+
     /// The whole body of a request to an ingest endpoint is in.
     fn ingest_end(&mut self, s: Stream, ep: Endpoint) {
         match ep {
@@ -955,12 +975,16 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     })
 }
 
+/// # Safety
+/// Envoy's pointers for a live stream.
 #[no_mangle]
-pub extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
-    _envoy: FilterEnvoyPtr,
-    _f: *mut c_void,
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
+    envoy: FilterEnvoyPtr,
+    f: *mut c_void,
 ) -> u32 {
-    0
+    filter(f).map_or(abi::TRAILERS_CONTINUE, |f| {
+        f.on_request_trailers(Stream(envoy))
+    })
 }
 
 /// # Safety

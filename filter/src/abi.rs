@@ -2,7 +2,7 @@
 //! filter exports, dispatched to `Root` and `Http` contexts.
 //!
 //! Why not the proxy-wasm SDK's dispatcher: the SDK exports every callback of the ABI
-//! (`proxy_on_done`, `proxy_on_log`, trailers, network-filter and gRPC callbacks, ...) whatever
+//! (`proxy_on_done`, `proxy_on_log`, response trailers, network-filter and gRPC callbacks, ...) whatever
 //! the filter implements, and the host calls each exported one it has an event for. It also
 //! takes the host's booleans and enums as Rust `bool`s and enums (undefined behaviour for a value
 //! out of range) and panics on statuses it does not expect. This module exports only what the
@@ -15,13 +15,14 @@
 //! | `proxy_on_context_create`, `proxy_on_delete` | per-request state (its end is also where the request leaves the in-flight table); a plugin instance's end gives its worker id back |
 //! | `proxy_on_vm_start`, `proxy_on_configure`, `proxy_on_tick` | root context: configuration, snapshot refresh, worker sync |
 //! | `proxy_on_request_headers`, `proxy_on_request_body` | the routing decision |
+//! | `proxy_on_request_trailers` | the routing decision of a request that ends with trailers (HTTP/2); the host calls it only for those |
 //! | `proxy_on_response_headers` | the debug header (`debug_header`) |
 //! | `proxy_on_response_body` | a streamed response's first chunk ends the pod's prefill of it |
 //! | `proxy_on_memory_allocate` | buffers the host returns |
 //!
 //! Not exported, so never called: `proxy_on_done` (the host then treats a context as done),
 //! `proxy_on_log` (the end of a request is handled in `proxy_on_delete`, which the host calls
-//! right after it), trailers, metadata, network filter and gRPC callbacks.
+//! right after it), response trailers, metadata, network filter and gRPC callbacks.
 //!
 //! Every argument the host passes is taken as a plain integer (a boolean as `u32`, never a Rust
 //! `bool` or enum, which would be undefined behaviour for an unexpected value), and nothing here
@@ -210,6 +211,11 @@ pub extern "C" fn proxy_on_request_body(
     action(with_stream(context_id, |h| {
         h.on_request_body(body_size, end_of_stream != 0)
     }))
+}
+
+#[no_mangle]
+pub extern "C" fn proxy_on_request_trailers(context_id: u32, _num_trailers: usize) -> u32 {
+    action(with_stream(context_id, Http::on_request_trailers))
 }
 
 #[no_mangle]

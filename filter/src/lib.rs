@@ -661,6 +661,7 @@ impl Root {
             mode: Mode::Pass,
             head: RequestHead::default(),
             path: String::new(),
+            body_size: 0,
             picked: None,
             debug: None,
         }
@@ -684,6 +685,8 @@ struct Http {
     mode: Mode,
     head: RequestHead,
     path: String,
+    /// Bytes of the request body buffered so far (for a request that ends with trailers).
+    body_size: usize,
     picked: Option<InFlight>,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
@@ -1100,6 +1103,7 @@ impl Http {
         let Ok(mut w) = worker.try_borrow_mut() else {
             return Action::Continue;
         };
+        self.body_size = body_size;
         match self.mode {
             Mode::Inference => {
                 let max = w.engine.config.max_body_bytes;
@@ -1126,6 +1130,29 @@ impl Http {
                     return Action::Pause;
                 }
                 self.ingest_end(&mut w, endpoint, body_size, current)
+            }
+            Mode::Answered => Action::Pause,
+            Mode::Pass => Action::Continue,
+        }
+    }
+
+    /// An HTTP/2 request can end with trailers instead of with its last body bytes: its body,
+    /// buffered, is then whole, and is routed (or ingested) as at the end of the body.
+    fn on_request_trailers(&mut self) -> Action {
+        let Some(worker) = self.worker.clone() else {
+            return Action::Continue;
+        };
+        let Ok(mut w) = worker.try_borrow_mut() else {
+            return Action::Continue;
+        };
+        match self.mode {
+            Mode::Inference => {
+                // Routed once, here: a request whose body ended it has no trailers.
+                self.mode = Mode::Pass;
+                self.route(&mut w, self.body_size)
+            }
+            Mode::Ingest { endpoint, current } => {
+                self.ingest_end(&mut w, endpoint, self.body_size, current)
             }
             Mode::Answered => Action::Pause,
             Mode::Pass => Action::Continue,

@@ -78,9 +78,21 @@ class StubPod:
                     return self._send(200, "text/plain; version=0.0.4", VLLM_METRICS.format(**pod.load).encode())
                 self._answer()
 
-            def _answer(self):
+            def _read_body(self):
+                if "chunked" in self.headers.get("transfer-encoding", "").lower():
+                    # An HTTP/2 client's body without a content-length reaches the pod chunked.
+                    body = b""
+                    while (size := int(self.rfile.readline().split(b";")[0], 16)) > 0:
+                        body += self.rfile.read(size)
+                        self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailers
+                    return body
                 n = int(self.headers.get("content-length") or 0)
-                body = self.rfile.read(n) if n else b""
+                return self.rfile.read(n) if n else b""
+
+            def _answer(self):
+                body = self._read_body()
                 rec = {
                     "pod": pod.name,
                     "method": self.command,
