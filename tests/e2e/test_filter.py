@@ -331,6 +331,54 @@ def test_large_body_arriving_in_many_reads_is_routed_and_rewritten_whole(envoy, 
     assert s == 200 and answer["body"].encode() == raw
 
 
+def raw_http1(addr, head, parts, expect_continue=False):
+    """Sends one HTTP/1.1 request as given (`head`, then each of `parts` in its own write) and
+    returns (status, headers, body) of the answer; with `expect_continue`, the body goes only
+    after Envoy's interim `100 Continue`, as curl sends a body over 1 KB."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head)
+        got = b""
+        if expect_continue:
+            while b"\r\n\r\n" not in got:
+                got += sock.recv(65536)
+            interim, _, got = got.partition(b"\r\n\r\n")
+            assert interim.startswith(b"HTTP/1.1 100"), interim
+        for p in parts:
+            sock.sendall(p)
+            time.sleep(0.01)
+        while b"\r\n\r\n" not in got:
+            got += sock.recv(65536)
+        head_bytes, _, body = got.partition(b"\r\n\r\n")
+        lines = head_bytes.decode().split("\r\n")
+        headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+        while len(body) < int(headers.get("content-length", 0)):
+            body += sock.recv(65536)
+        return int(lines[0].split()[1]), headers, body
+
+
+def test_chunked_uploads_and_expect_continue_are_routed_whole(envoy, pods):
+    """What curl and streaming clients send: a body in chunks (with a trailer section, which
+    Envoy's HTTP/1 codec drops), and `Expect: 100-continue` before a body over 1 KB."""
+    assert envoy.push(fresh(pods))[0] == 204
+    text = "a chunked upload " * 300
+    body = json.dumps({"model": "llama", "messages": [{"role": "user", "content": text}]}).encode()
+    pieces = [body[i:i + 1000] for i in range(0, len(body), 1000)]
+    chunks = [b"%x\r\n%s\r\n" % (len(p), p) for p in pieces]
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+    for end in (b"0\r\n\r\n", b"0\r\nx-client-trailer: 1\r\n\r\n"):
+        status, headers, answer = raw_http1(envoy.listen, head, [*chunks, end])
+        assert status == 200 and headers["x-served-by"].startswith("llama-"), (status, answer[:300])
+        sent = json.loads(json.loads(answer)["body"])
+        assert sent["model"] == "llama-3-8b" and sent["messages"][0]["content"] == text
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body))
+    status, headers, answer = raw_http1(envoy.listen, head, pieces, expect_continue=True)
+    assert status == 200 and headers["x-served-by"].startswith("llama-"), (status, answer[:300])
+    assert json.loads(json.loads(answer)["body"])["model"] == "llama-3-8b"
+
+
 def test_fail_open_without_fresh_metrics(envoy, pods):
     before = envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
     stale = fresh(pods)
