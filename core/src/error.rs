@@ -45,9 +45,11 @@ pub struct ApiError {
     /// OpenAI error type, e.g. `invalid_request_error`.
     pub kind: &'static str,
     /// The request field at fault, if any.
-    pub param: Option<String>,
+    pub param: Option<&'static str>,
     /// Machine-readable code, e.g. `model_not_found`.
     pub code: Option<String>,
+    /// A 405's `allow` header: the methods the path takes.
+    pub allow: Option<&'static str>,
 }
 
 #[derive(Serialize)]
@@ -86,11 +88,12 @@ impl ApiError {
             kind,
             param: None,
             code: None,
+            allow: None,
         }
     }
 
-    fn param(mut self, p: &str) -> Self {
-        self.param = Some(p.to_string());
+    fn param(mut self, p: &'static str) -> Self {
+        self.param = Some(p);
         self
     }
 
@@ -105,7 +108,7 @@ impl ApiError {
     }
 
     /// 400: a field has the wrong JSON type.
-    pub fn invalid_type(param: &str, expected: &str) -> ApiError {
+    pub fn invalid_type(param: &'static str, expected: &str) -> ApiError {
         ApiError::new(
             400,
             "invalid_request_error",
@@ -227,14 +230,17 @@ impl ApiError {
         ApiError::new(413, "invalid_request_error", message).code(code)
     }
 
-    /// 405 on the ingest path for anything but POST.
-    pub fn method_not_allowed(allowed: &str) -> ApiError {
-        ApiError::new(
+    /// 405: a method the path does not take (an inference path takes POST only; an ingest
+    /// path its own); `allowed` also goes out as the `allow` header.
+    pub fn method_not_allowed(allowed: &'static str) -> ApiError {
+        let mut e = ApiError::new(
             405,
             "invalid_request_error",
             format!("method not allowed; use {allowed}"),
         )
-        .code("method_not_allowed")
+        .code("method_not_allowed");
+        e.allow = Some(allowed);
+        e
     }
 
     /// The JSON body in `style`.
@@ -277,7 +283,7 @@ impl ApiError {
             error: Inner {
                 message: &self.message,
                 kind: self.kind,
-                param: self.param.as_deref(),
+                param: self.param,
                 code: self.code.as_deref(),
             },
         };

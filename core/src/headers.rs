@@ -94,10 +94,15 @@ impl RequestHead {
         h
     }
 
-    /// What the headers alone decide for an inference request, before any of its body is
-    /// buffered: a declared length over `max_body_bytes` (413), then a compressed body the
-    /// filter cannot read (415). Both shells answer the error and count it under its code.
-    pub fn admit(&self, max_body_bytes: usize) -> Result<(), ApiError> {
+    /// What the request line and headers alone decide for a request on an inference path,
+    /// before any of its body is buffered: a method other than POST (405: it would otherwise
+    /// reach the route table without a pool, whose answer says the filter is not running), a
+    /// declared length over `max_body_bytes` (413), then a compressed body the filter cannot
+    /// read (415). Both shells answer the error and count it under its code.
+    pub fn admit(&self, method: &str, max_body_bytes: usize) -> Result<(), ApiError> {
+        if method != "POST" {
+            return Err(ApiError::method_not_allowed("POST"));
+        }
         if self.content_length.is_some_and(|n| n > max_body_bytes) {
             return Err(ApiError::body_too_large(max_body_bytes));
         }
@@ -189,13 +194,13 @@ mod tests {
     }
 
     #[test]
-    fn admit_refuses_too_large_then_encoded_bodies() {
+    fn admit_refuses_other_methods_then_too_large_then_encoded_bodies() {
         let head = |len: Option<usize>, enc: Option<&str>| RequestHead {
             content_length: len,
             content_encoding: enc.map(str::to_string),
             ..RequestHead::default()
         };
-        let code = |h: RequestHead| h.admit(100).err().map(|e| (e.status, e.code));
+        let code = |h: RequestHead| h.admit("POST", 100).err().map(|e| (e.status, e.code));
         assert_eq!(code(head(Some(100), None)), None);
         assert_eq!(code(head(None, None)), None);
         assert_eq!(
@@ -210,6 +215,13 @@ mod tests {
             code(head(Some(101), Some("gzip"))),
             Some((413, Some("request_too_large".into())))
         );
+        for method in ["GET", "PUT", "OPTIONS", "post", ""] {
+            let e = head(Some(101), Some("gzip"))
+                .admit(method, 100)
+                .unwrap_err();
+            assert_eq!((e.status, e.allow), (405, Some("POST")), "{method}");
+            assert_eq!(e.code.as_deref(), Some("method_not_allowed"));
+        }
     }
 
     #[test]

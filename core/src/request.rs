@@ -749,7 +749,7 @@ mod tests {
         );
         assert_eq!(err(r#"[1]"#).code.as_deref(), Some("invalid_json"));
         let e = err(r#"{"model": 7, "messages": []}"#);
-        assert_eq!((e.status, e.param.as_deref()), (400, Some("model")));
+        assert_eq!((e.status, e.param), (400, Some("model")));
         assert_eq!(
             err(r#"{"model": "a", "model": "b", "messages": []}"#).status,
             400
@@ -795,7 +795,7 @@ mod tests {
     fn non_string_model_is_a_typed_error() {
         let err = parse(br#"{"model": 42}"#, Endpoint::Chat, 100, 1024).unwrap_err();
         assert_eq!(err.status, 400);
-        assert_eq!(err.param.as_deref(), Some("model"));
+        assert_eq!(err.param, Some("model"));
     }
 
     #[test]

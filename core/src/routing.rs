@@ -742,7 +742,7 @@ mod tests {
         assert_eq!(target(&t, None).pool, 1);
         let no_default = table(r#"{"pools":[{"name":"p","models":["m"]}]}"#);
         let err = no_default.resolve(None).unwrap_err();
-        assert_eq!((err.status, err.param.as_deref()), (400, Some("model")));
+        assert_eq!((err.status, err.param), (400, Some("model")));
     }
 
     #[test]

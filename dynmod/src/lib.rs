@@ -57,6 +57,7 @@ const REJECTED: &[&str] = &[
     "missing_required_parameter",
     "request_too_large",
     "unsupported_content_encoding",
+    "method_not_allowed",
     "other",
 ];
 const INGEST_REJECTED: &[&str] = &[
@@ -411,18 +412,26 @@ struct Filter {
 
 impl Filter {
     fn reply(&mut self, s: Stream, status: u16, body: &str, content_type: &str) {
+        self.reply_with(s, status, body, &[("content-type", content_type)]);
+    }
+
+    fn reply_with(&mut self, s: Stream, status: u16, body: &str, headers: &[(&str, &str)]) {
         self.mode = Mode::Answered;
-        s.send_response(
-            u32::from(status),
-            &[("content-type", content_type)],
-            body.as_bytes(),
-        );
+        s.send_response(u32::from(status), headers, body.as_bytes());
     }
 
     /// Answers with `err` in the shape of the request path's API.
     fn reply_error(&mut self, s: Stream, err: &ApiError) {
         let body = err.body(ErrorStyle::for_path(&self.head.path));
-        self.reply(s, err.status, &body, "application/json");
+        match &err.allow {
+            Some(allow) => self.reply_with(
+                s,
+                err.status,
+                &body,
+                &[("content-type", "application/json"), ("allow", allow)],
+            ),
+            None => self.reply(s, err.status, &body, "application/json"),
+        }
     }
 
     fn on_request_headers(&mut self, s: Stream, end_of_stream: bool) -> u32 {
@@ -470,8 +479,8 @@ impl Filter {
             self.reply(s, status, &body, "application/json");
             return abi::HEADERS_STOP_ITERATION;
         }
-        if method == "POST" && cfg.is_inference_path(&self.head.path) {
-            if let Err(e) = self.head.admit(cfg.max_body_bytes) {
+        if cfg.is_inference_path(&self.head.path) {
+            if let Err(e) = self.head.admit(&method, cfg.max_body_bytes) {
                 config.count(config.metrics.rejected_id(e.code.as_deref()));
                 self.reply_error(s, &e);
                 return abi::HEADERS_STOP_ITERATION;

@@ -92,6 +92,8 @@ const SYNC_PUBLISHES: usize = 3;
 /// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
 const DECISION_SAMPLE: u64 = 8;
 
+const JSON: &str = "application/json";
+
 /// Shared-data key of one worker's in-flight table of `pool` (built once per pool and worker).
 fn load_key(pool: &str, worker: u32) -> String {
     format!("gpuroute.load.{pool}.{worker}")
@@ -694,15 +696,25 @@ struct Http {
 
 impl Http {
     fn reply(&mut self, status: u32, body: &str, content_type: &str) -> Action {
+        self.reply_with(status, body, &[("content-type", content_type)])
+    }
+
+    fn reply_with(&mut self, status: u32, body: &str, headers: &[(&str, &str)]) -> Action {
         self.mode = Mode::Answered;
-        let _ = host::send_response(status, &[("content-type", content_type)], body.as_bytes());
+        let _ = host::send_response(status, headers, body.as_bytes());
         Action::Pause
     }
 
     /// Answers with `err` in the shape of the request path's API.
     fn reply_error(&mut self, err: &ApiError) -> Action {
         let body = err.body(ErrorStyle::for_path(&self.path));
-        self.reply(u32::from(err.status), &body, "application/json")
+        let status = u32::from(err.status);
+        match &err.allow {
+            Some(allow) => {
+                self.reply_with(status, &body, &[("content-type", JSON), ("allow", allow)])
+            }
+            None => self.reply(status, &body, JSON),
+        }
     }
 
     /// Answers a refused inference request with `err` and counts it as
@@ -1078,11 +1090,11 @@ impl Http {
                 w.stats.inc("gpuroute.models_list");
                 let (status, body) = w.engine.routes().models_answer(&q, self.head.anthropic);
                 let body = body.into_owned();
-                return self.reply(u32::from(status), &body, "application/json");
+                return self.reply(u32::from(status), &body, JSON);
             }
         }
-        if method == "POST" && w.engine.config.is_inference_path(&self.path) {
-            if let Err(e) = self.head.admit(w.engine.config.max_body_bytes) {
+        if w.engine.config.is_inference_path(&self.path) {
+            if let Err(e) = self.head.admit(&method, w.engine.config.max_body_bytes) {
                 return self.reject(&mut w, &e);
             }
             self.mode = Mode::Inference;

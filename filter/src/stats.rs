@@ -6,7 +6,8 @@
 //! - `gpuroute.pool.<pool>.pod.<ip_port>.picks` (counters, created on first pick)
 //! - `gpuroute.fail_open.<no_snapshot|unknown_pool|no_fresh_pod>` (counters)
 //! - `gpuroute.rejected.<code>` (counters: invalid_json, invalid_type, model_not_found,
-//!   missing_required_parameter, request_too_large, unsupported_content_encoding)
+//!   missing_required_parameter, request_too_large, unsupported_content_encoding,
+//!   method_not_allowed)
 //! - `gpuroute.split.<split>.to.<target>` (counters: requests for a split, by the target they
 //!   took), `gpuroute.split.<split>.rerouted` (counter: moved off a target that could not serve)
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)

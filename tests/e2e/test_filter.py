@@ -509,6 +509,24 @@ def test_openai_style_errors(envoy):
     assert body["error"]["code"] == "request_too_large"
 
 
+def test_other_methods_on_an_inference_path_get_405(envoy):
+    """An inference path takes POST only. Anything else (a `GET /v1/chat/completions` listing
+    stored completions, a CORS preflight with no CORS filter before this one) gets 405 with
+    `allow: POST`, in the path's API's shape, as vLLM answers it. Before, it passed the filter
+    unrouted and the route table answered 503 "the routing filter is not running; retry", which
+    SDKs retried and operators took for an outage."""
+    before = envoy.stat(STAT_PREFIX + "gpuroute.rejected.method_not_allowed")
+    for method in ("GET", "PUT", "DELETE", "OPTIONS", "PATCH"):
+        s, h, body, _ = envoy.request(method, "/v1/chat/completions", b"{}" if method in ("PUT", "PATCH") else None)
+        assert (s, h.get("allow")) == (405, "POST"), (method, s, body)
+        assert (body["error"]["code"], body["error"]["type"]) == ("method_not_allowed", "invalid_request_error")
+    s, h, body, _ = envoy.request("GET", "/v1/messages?beta=true")
+    assert (s, h.get("allow"), body["type"], body["error"]["type"]) == (405, "POST", "error", "invalid_request_error")
+    assert envoy.stat(STAT_PREFIX + "gpuroute.rejected.method_not_allowed") - before == 6
+    # A path that is not an inference path keeps the route table's answer.
+    assert envoy.request("GET", "/v1/responses/resp_1")[0] == 404
+
+
 def test_a_byte_order_mark_before_the_json_is_routed(envoy, pods):
     """Some Windows tools write JSON files with a UTF-8 byte-order mark; vLLM accepts such a
     body (Python's json.loads on bytes), so the gateway routes it instead of answering 400."""

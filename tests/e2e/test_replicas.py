@@ -145,8 +145,8 @@ def test_the_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
     try:
         assert ask(gw, token="wrong-token-123")[0] == 401
         assert give(gw, b"GPX1", token="wrong-token-123")[0] == 401
-        s, _, err, _ = gw.request("PUT", PREFIX, b"", {"authorization": f"Bearer {TOKEN}"}, addr=gw.ingest)
-        assert s == 405 and err["error"]["code"] == "method_not_allowed"
+        s, h, err, _ = gw.request("PUT", PREFIX, b"", {"authorization": f"Bearer {TOKEN}"}, addr=gw.ingest)
+        assert s == 405 and err["error"]["code"] == "method_not_allowed" and h["allow"] == "GET, POST"
         for bad in (b"", b'{"records": []}', b"GPX1" + b"\x01" * 20, b"GPX1" + bytes(17) + b"\x00"):
             s, _, err, _ = give(gw, bad)
             assert s == 400 and err["error"]["code"] == "invalid_prefix_records", (bad, s, err)
