@@ -9,7 +9,9 @@
 #[path = "support/doc_table.rs"]
 mod doc_table;
 
-use doc_table::{default_value, expected_fields, set_path, table_after, Row};
+use doc_table::{
+    assert_documented, default_value, expected_fields, options, set_path, table_after, Row,
+};
 use gpuroute_core::config::{ConfigError, FilterConfig, Preset};
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
@@ -71,28 +73,10 @@ fn every_option_is_documented_and_every_documented_option_exists() {
     // Sections the reference documents field by field; the others (`pools[].scoring`,
     // `splits`) have one row each, checked below.
     let sections = ["scoring", "scoring.weights", "prefix", "ingest", "pools[]"];
-    let mut options = BTreeSet::new();
-    let mut pending = vec![String::new()];
-    while let Some(at) = pending.pop() {
-        for f in fields_at(&at) {
-            let section = if f == "pools" {
-                "pools[]".to_string()
-            } else {
-                f.clone()
-            };
-            if sections.contains(&section.as_str()) {
-                pending.push(section);
-            } else {
-                options.insert(f);
-            }
-        }
-    }
+    let options = options(&sections, fields_at);
     assert!(options.contains("scoring.weights.prefix") && options.contains("pools[].scoring"));
     let documented: BTreeSet<String> = reference().into_iter().flat_map(|r| r.options).collect();
-    let missing: Vec<_> = options.difference(&documented).collect();
-    let stale: Vec<_> = documented.difference(&options).collect();
-    assert!(missing.is_empty(), "options without a row: {missing:?}");
-    assert!(stale.is_empty(), "rows of no option: {stale:?}");
+    assert_documented(&options, &documented);
 
     // `pools[].scoring` takes "any of `scoring`'s fields".
     let scoring: Vec<_> = fields_at("scoring")

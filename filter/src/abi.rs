@@ -2,10 +2,10 @@
 //! filter exports, dispatched to `Root` and `Http` contexts.
 //!
 //! Why not the proxy-wasm SDK's dispatcher: the SDK exports every callback of the ABI
-//! (`proxy_on_done`, `proxy_on_log`, response trailers, network-filter and gRPC callbacks, ...) whatever
-//! the filter implements, and the host calls each exported one it has an event for. It also
-//! takes the host's booleans and enums as Rust `bool`s and enums (undefined behaviour for a value
-//! out of range) and panics on statuses it does not expect. This module exports only what the
+//! (`proxy_on_done`, `proxy_on_log`, response trailers, network-filter and gRPC callbacks,
+//! ...) whatever the filter implements, and the host calls each exported one it has an event
+//! for. It also takes the host's booleans and enums as Rust `bool`s and enums (undefined
+//! behaviour for a value out of range) and panics on statuses it does not expect. This module exports only what the
 //! filter uses and takes every argument as a plain integer. The module is ~100 KB smaller. The
 //! saving in Envoy's time per request is within the noise of `scripts/envoy_overhead.py`
 //! (under ~2 us: a host call costs 0.3-1 us, measured by adding ten of each to a request).
@@ -15,7 +15,7 @@
 //! | `proxy_on_context_create`, `proxy_on_delete` | per-request state (its end is also where the request leaves the in-flight table); a plugin instance's end gives its worker id back |
 //! | `proxy_on_vm_start`, `proxy_on_configure`, `proxy_on_tick` | root context: configuration, snapshot refresh, worker sync |
 //! | `proxy_on_request_headers`, `proxy_on_request_body` | the routing decision |
-//! | `proxy_on_request_trailers` | the routing decision of a request that ends with trailers (HTTP/2); the host calls it only for those |
+//! | `proxy_on_request_trailers` | the decision for a request that ends with trailers (HTTP/2); called only for those |
 //! | `proxy_on_response_headers` | the debug header (`debug_header`) |
 //! | `proxy_on_response_body` | a streamed response's first chunk ends the pod's prefill of it |
 //! | `proxy_on_memory_allocate` | buffers the host returns |

@@ -9,7 +9,9 @@
 #[path = "../../core/tests/support/doc_table.rs"]
 mod doc_table;
 
-use doc_table::{default_value, expected_fields, set_path, table_after, Row};
+use doc_table::{
+    assert_documented, default_value, expected_fields, options, set_path, table_after, Row,
+};
 use serde_json::{json, Value};
 use sidecar_metrics::config::{Config, ConfigError};
 use std::collections::BTreeSet;
@@ -48,11 +50,10 @@ fn option_name(documented: &str) -> &str {
 }
 
 /// The fields of the struct at `at` (`""`: the top level), from serde's error for an unknown
-/// one. `with` is what the struct needs to get as far as that field.
-fn fields_at(at: &str, with: Value) -> Vec<String> {
+/// one.
+fn fields_at(at: &str) -> Vec<String> {
     let mut v = base();
-    let mut inner = with;
-    inner["zz_unknown"] = json!(1);
+    let inner = json!({"zz_unknown": 1});
     if at.is_empty() {
         v = inner;
     } else if let Some(array) = at.strip_suffix("[]") {
@@ -77,31 +78,13 @@ fn fields_at(at: &str, with: Value) -> Vec<String> {
 #[test]
 fn every_option_is_documented_and_every_documented_option_exists() {
     let sections = ["health", "ramp", "capacity", "push", "prefix", "pools[]"];
-    let mut options = BTreeSet::new();
-    let mut pending = vec![String::new()];
-    while let Some(at) = pending.pop() {
-        for f in fields_at(&at, json!({})) {
-            let section = if f == "pools" {
-                "pools[]".to_string()
-            } else {
-                f.clone()
-            };
-            if sections.contains(&section.as_str()) {
-                pending.push(section);
-            } else {
-                options.insert(f);
-            }
-        }
-    }
+    let options = options(&sections, fields_at);
     let rows = reference();
     let documented: BTreeSet<String> = rows
         .iter()
         .flat_map(|r| r.options.iter().map(|o| option_name(o).to_string()))
         .collect();
-    let missing: Vec<_> = options.difference(&documented).collect();
-    let stale: Vec<_> = documented.difference(&options).collect();
-    assert!(missing.is_empty(), "options without a row: {missing:?}");
-    assert!(stale.is_empty(), "rows of no option: {stale:?}");
+    assert_documented(&options, &documented);
 
     // The sections documented in one row name each of their fields.
     for section in INLINE {
@@ -114,7 +97,7 @@ fn every_option_is_documented_and_every_documented_option_exists() {
         } else {
             section
         };
-        let fields = fields_at(at, json!({}));
+        let fields = fields_at(at);
         assert!(fields.len() >= 3, "{section}: {fields:?}");
         for f in fields {
             let name = f.rsplit('.').next().unwrap();

@@ -14,7 +14,7 @@ import h2.connection
 import h2.events
 import pytest
 
-from harness import Envoy, snapshot
+from harness import TOKEN, Envoy, snapshot
 from stubpod import serving
 
 MAX_BODY = 16_384
@@ -182,6 +182,19 @@ def test_a_request_ending_in_trailers_is_routed_rewritten_or_refused(envoy, pods
     assert json.loads(json.loads(got[alias]["body"])["body"])["model"] == "llama-3-8b"
     assert got[bad]["status"] == 400, got[bad]
     assert json.loads(got[bad]["body"])["error"]["code"] == "invalid_json"
+
+    # A snapshot pushed over HTTP/2 with trailers is taken too: llama-0 becomes the best pod.
+    llama = [{"address": pods[f"llama-{i}"].address, "waiting": 0 if i == 0 else 6} for i in range(3)]
+    snap = json.dumps(snapshot({"llama": llama, "qwen": [{"address": pods["qwen-0"].address}]})).encode()
+    ingest = H2Client(envoy.ingest)
+    try:
+        sid = ingest.start("POST", "/gpuroute/v1/snapshot", split(snap, 3), trailers=trailers,
+                           headers=[("authorization", f"Bearer {TOKEN}")])
+        assert ingest.wait([sid])[sid]["status"] == 204
+    finally:
+        ingest.close()
+    sid = client.start("POST", "/v1/chat/completions", [chat_body("llama-3-8b")])
+    assert client.wait([sid])[sid]["headers"]["x-served-by"] == "llama-0"
 
 
 def test_errors_models_and_forged_headers_over_http2(envoy, pods, client):

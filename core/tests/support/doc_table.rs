@@ -63,6 +63,43 @@ fn expand(cell: &str) -> Vec<String> {
     }
 }
 
+/// Every option below the top level: the fields `fields_at` gives for a section (`""` the top
+/// level, else the section's path, `pools` walked as `pools[]`), going into the `sections`
+/// documented field by field and keeping every other field as one option.
+pub fn options(
+    sections: &[&str],
+    fields_at: impl Fn(&str) -> Vec<String>,
+) -> std::collections::BTreeSet<String> {
+    let mut options = std::collections::BTreeSet::new();
+    let mut pending = vec![String::new()];
+    while let Some(at) = pending.pop() {
+        for f in fields_at(&at) {
+            let section = if f == "pools" {
+                "pools[]".to_string()
+            } else {
+                f.clone()
+            };
+            if sections.contains(&section.as_str()) {
+                pending.push(section);
+            } else {
+                options.insert(f);
+            }
+        }
+    }
+    options
+}
+
+/// The options and the documented rows are the same set; the failure names either side's extra.
+pub fn assert_documented(
+    options: &std::collections::BTreeSet<String>,
+    documented: &std::collections::BTreeSet<String>,
+) {
+    let missing: Vec<_> = options.difference(documented).collect();
+    let stale: Vec<_> = documented.difference(options).collect();
+    assert!(missing.is_empty(), "options without a row: {missing:?}");
+    assert!(stale.is_empty(), "rows of no option: {stale:?}");
+}
+
 /// The field names serde lists in a `deny_unknown_fields` struct's error for an unknown field
 /// ("unknown field `x`, expected one of `a`, `b`" or "expected `a`").
 pub fn expected_fields(error: &str) -> Vec<String> {
