@@ -32,6 +32,14 @@ pub const SYNC_RING: usize = 512;
 /// Seed domain of adapter keys in the index.
 const ADAPTER_DOMAIN: u64 = 0x6c6f_7261_6164_6170;
 
+/// Seed domain of stored responses' keys in the index (Responses API ids).
+const RESPONSE_DOMAIN: u64 = 0x7265_7370_6f6e_7365;
+
+/// The index key of a stored response's id.
+pub fn response_key(id: &str) -> u64 {
+    prefix::conversation_key(id.as_bytes(), RESPONSE_DOMAIN)
+}
+
 /// What a shell knows of a request besides its path and body.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RequestContext<'a> {
@@ -91,6 +99,13 @@ pub struct Prepared {
     adapter_anchor: Option<u64>,
     adapter_recent: Option<u64>,
     matches: Vec<PodMatch>,
+    /// A Responses API request: the shell learns its answer's id and pod
+    /// ([`Engine::learn_response`]).
+    pub learns_response: bool,
+    /// The key of the stored response a Responses API turn continues (`previous_response_id`),
+    /// and the pod that made it, when this engine knows.
+    response_key: Option<u64>,
+    response_pod: Option<u64>,
 }
 
 impl Prepared {
@@ -280,7 +295,11 @@ impl Reader {
             .adapter
             .as_deref()
             .map(|a| prefix::conversation_key(a.as_bytes(), ADAPTER_DOMAIN));
+        let response_key = req.previous_response.as_deref().map(response_key);
         Ok(Read(Prepared {
+            learns_response: endpoint == Endpoint::Responses,
+            response_key,
+            response_pod: None,
             pool: self.routes.pool_name_shared(target.pool),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
@@ -364,6 +383,7 @@ impl Engine {
         prep.adapter_recent = prep
             .adapter_anchor
             .and_then(|k| self.prefix.latest_pod_of(k));
+        prep.response_pod = prep.response_key.and_then(|k| self.prefix.latest_pod_of(k));
         prep
     }
 
@@ -442,6 +462,23 @@ impl Engine {
             debug.then_some(&mut explain),
         );
         let mut choice = none(decision);
+        // A turn that continues a stored response goes to the pod that holds it: no other can
+        // answer it. Only a healthy pod: one that failed has lost what it held in memory.
+        let pinned = match (&mut choice.decision, prep.response_pod) {
+            (Decision::Picked(ranked), Some(k)) => pool
+                .pods
+                .iter()
+                .position(|p| p.key == k && p.snap.healthy)
+                .map(|i| {
+                    // First, the others after it as fallbacks, as many in all as before.
+                    let n = ranked.len();
+                    ranked.retain(|r| *r != i);
+                    ranked.insert(0, i);
+                    ranked.truncate(n);
+                })
+                .is_some(),
+            _ => false,
+        };
         if let Decision::Picked(ranked) = &choice.decision {
             choice.destination = Some(destination(pool, ranked));
             choice.picked_index = ranked.first().copied();
@@ -464,6 +501,9 @@ impl Engine {
         }
         if debug {
             let mut d = format_breakdown(pool, choice.picked_index, &explain);
+            if pinned {
+                d = format!("previous-response; {d}");
+            }
             if let Some(taken) = &prep.split {
                 let (split, target) = taken.names();
                 let rerouted = if taken.rerouted { " (rerouted)" } else { "" };
@@ -525,6 +565,18 @@ impl Engine {
             sync.push(pod_key, &hashes);
         }
         self.recorded = hashes;
+    }
+
+    /// A Responses API answer from `pod_key` carries the id `id` (the first chunk of its body,
+    /// [`crate::request::response_id`]): a later turn naming it as its `previous_response_id`
+    /// goes to that pod. Recorded like a routing decision, so the other workers and gateway
+    /// replicas learn it too.
+    pub fn learn_response(&mut self, id: &str, pod_key: u64) {
+        let key = [response_key(id)];
+        self.prefix.record(&key, pod_key);
+        if let Some(sync) = &mut self.sync {
+            sync.push(pod_key, &key);
+        }
     }
 
     /// The newest sequence of this worker's outgoing sync ring (0 without one): what a reader
@@ -641,10 +693,16 @@ mod tests {
     }
 
     fn fleet(n: u32) -> FleetState {
+        fleet_where(n, |_| {})
+    }
+
+    /// `n` idle pods, each changed by `change` first.
+    fn fleet_where(n: u32, change: impl Fn(&mut PodSnapshot)) -> FleetState {
         let pods = (1..=n)
             .map(|i| {
                 let mut p = PodSnapshot::new(format!("10.0.0.{i}:8000"), 1_000);
                 p.kv_cache_usage = Some(0.1);
+                change(&mut p);
                 p
             })
             .collect();
@@ -1199,6 +1257,66 @@ mod tests {
             &mut SplitMix64::new(5),
         );
         assert_eq!(c.picked_key, Some(forced));
+    }
+
+    /// A Responses API turn that continues a stored response goes to the pod that made it,
+    /// however loaded, while it is healthy; another worker learns it through the sync log.
+    #[test]
+    fn a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it() {
+        let mut f = fleet(4);
+        let pool = f.pool("llama").unwrap();
+        let (held, keys) = (pool.pods[2].key, pool.keys.clone());
+        let mut table = LoadTable::default();
+        table.rebase(1, &keys);
+        // The pod holding the response is the busiest by far.
+        for _ in 0..6 {
+            table.add(2, 500, Some(500));
+        }
+        let opts = DecideOptions {
+            now_ms: 1_010,
+            sheddable: false,
+            debug: true,
+        };
+        let turn = |previous: &str| {
+            serde_json::to_vec(&serde_json::json!(
+                {"model": "llama-3", "previous_response_id": previous, "input": "and then?"}
+            ))
+            .unwrap()
+        };
+        let first = |e: &mut Engine, f: &FleetState, body: &[u8]| {
+            let p = e.prepare("/v1/responses", body).unwrap();
+            assert!(p.learns_response);
+            e.decide(&p, Some(f), &table.pods, opts, &mut SplitMix64::new(1))
+        };
+        let mut a = engine();
+        let unknown = first(&mut a, &f, &turn("resp_1"));
+        assert_ne!(
+            unknown.picked_key,
+            Some(held),
+            "load decides for an unknown id"
+        );
+        a.learn_response("resp_1", held);
+        let c = first(&mut a, &f, &turn("resp_1"));
+        assert_eq!(c.picked_key, Some(held));
+        let dest = c.destination.unwrap();
+        assert_eq!(dest.split(',').count(), 3, "{dest}");
+        assert!(dest.starts_with(&f.pool("llama").unwrap().pods[2].snap.address));
+        assert!(c
+            .debug
+            .unwrap()
+            .starts_with("previous-response; pool=llama"));
+        assert_ne!(first(&mut a, &f, &turn("resp_2")).picked_key, Some(held));
+
+        // Another worker learns it from the first one's sync records.
+        let mut b = engine();
+        let mut recs = Vec::new();
+        SyncLog::decode_after(&a.sync_payload(0), 0, &mut recs);
+        b.apply_sync(&recs);
+        assert_eq!(first(&mut b, &f, &turn("resp_1")).picked_key, Some(held));
+
+        // A pod that failed has lost what it held: load decides again.
+        f = fleet_where(4, |p| p.healthy = p.address != "10.0.0.3:8000");
+        assert_ne!(first(&mut a, &f, &turn("resp_1")).picked_key, Some(held));
     }
 
     #[test]

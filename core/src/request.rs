@@ -83,6 +83,9 @@ pub struct InferenceRequest<'a> {
     /// user message plus up to `home_chars` of it. Every later turn repeats it unchanged, and two
     /// conversations that share only a system prompt differ in it.
     pub conversation_len: Option<usize>,
+    /// Responses API: the `previous_response_id` a turn continues (a stored response, held by
+    /// the pod that made it).
+    pub previous_response: Option<Cow<'a, str>>,
 }
 
 impl InferenceRequest<'_> {
@@ -107,6 +110,8 @@ struct Body<'a> {
     input: Option<&'a RawValue>,
     #[serde(borrow, default)]
     instructions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    previous_response_id: Option<&'a RawValue>,
 }
 
 /// A chat body in the documented shape, read in one pass. The other endpoints' prompt fields are
@@ -287,6 +292,31 @@ fn parse_chat_serde(
     }))
 }
 
+/// The longest response id [`response_id`] takes (vLLM's and OpenAI's are ~40 bytes).
+const MAX_RESPONSE_ID: usize = 256;
+
+/// The id of a Responses API answer, from the first bytes of its body: the value of the first
+/// `"id"` key, in a JSON answer (`{"id":"resp_...",...`) and in a stream's first event alike
+/// (`data: {"type":"response.created",...,"response":{"id":"resp_...`). `None` when it is not
+/// there (an error answer, a chunk that ends before it) or is not a plain string of printable
+/// ASCII up to [`MAX_RESPONSE_ID`] bytes.
+pub fn response_id(chunk: &[u8]) -> Option<&str> {
+    const KEY: &[u8] = b"\"id\"";
+    let at = chunk.windows(KEY.len()).position(|w| w == KEY)?;
+    let rest = chunk[at + KEY.len()..].trim_ascii_start();
+    let rest = rest
+        .strip_prefix(b":")?
+        .trim_ascii_start()
+        .strip_prefix(b"\"")?;
+    let end = rest.iter().position(|b| *b == b'"')?;
+    let id = &rest[..end];
+    let plain = id.iter().all(|b| b.is_ascii_graphic() && *b != b'\\');
+    if id.is_empty() || id.len() > MAX_RESPONSE_ID || !plain {
+        return None;
+    }
+    std::str::from_utf8(id).ok()
+}
+
 /// The general path: top-level fields as raw JSON, then the prompt of the endpoint.
 fn parse_general(
     body: &[u8],
@@ -304,6 +334,15 @@ fn parse_general(
         Endpoint::Responses => {
             prompt.value(raw.instructions);
             prompt.value(raw.input);
+            // A string, or nothing: any other value is the server's to refuse.
+            let previous = raw
+                .previous_response_id
+                .map(RawValue::get)
+                .filter(|t| t.starts_with('"'))
+                .and_then(json_str);
+            let mut req = prompt.finish(model, stream);
+            req.previous_response = previous;
+            return Ok(req);
         }
         // Read by `parse_messages`; were it ever here, its messages are chat's.
         Endpoint::Messages | Endpoint::CountTokens => prompt.messages(raw.messages),
@@ -494,6 +533,7 @@ impl PromptText {
             prompt_len: self.len,
             conversation_len: self.conversation_len,
             prompt: self.text,
+            previous_response: None,
         }
     }
 
@@ -994,7 +1034,71 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_responses_turn_names_the_response_it_continues() {
+        let body = br#"{"model":"m","previous_response_id":"resp_7","input":"and then?"}"#;
+        let r = parse(body, Endpoint::Responses, 1024, 64).unwrap();
+        assert_eq!(r.previous_response.as_deref(), Some("resp_7"));
+        assert_eq!(r.prompt, "and then?\u{1e}");
+        let escaped = br#"{"model":"m","previous_response_id":"resp_\u0037","input":"x"}"#;
+        let r = parse(escaped, Endpoint::Responses, 1024, 64).unwrap();
+        assert_eq!(r.previous_response.as_deref(), Some("resp_7"));
+        for other in [
+            &br#"{"model":"m","input":"x"}"#[..],
+            br#"{"model":"m","previous_response_id":null}"#,
+            br#"{"model":"m","previous_response_id":7}"#,
+        ] {
+            assert_eq!(
+                parse(other, Endpoint::Responses, 1024, 64)
+                    .unwrap()
+                    .previous_response,
+                None
+            );
+        }
+        // Only the Responses API continues stored responses.
+        let chat = br#"{"model":"m","previous_response_id":"resp_7","messages":[]}"#;
+        assert_eq!(
+            parse(chat, Endpoint::Chat, 1024, 64)
+                .unwrap()
+                .previous_response,
+            None
+        );
+    }
+
+    #[test]
+    fn a_responses_answer_gives_its_id_from_its_first_bytes() {
+        let json =
+            br#"{"id":"resp_abc123","object":"response","created_at":1,"output":[{"id":"msg_1"}]}"#;
+        assert_eq!(response_id(json), Some("resp_abc123"));
+        assert_eq!(
+            response_id(br#"{ "id" : "resp_x", "object": "response"}"#),
+            Some("resp_x")
+        );
+        let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_9\",\"object\":\"response\"}}\n\n";
+        assert_eq!(response_id(sse), Some("resp_9"));
+        let long = format!(r#"{{"id":"{}"}}"#, "r".repeat(MAX_RESPONSE_ID + 1));
+        for none in [
+            &br#"{"object":"error","message":"not found","code":404}"#[..],
+            br#"{"id":"resp_cut"#,
+            br#"{"id":"resp_\"q"}"#,
+            br#"{"id":"","x":1}"#,
+            br#"{"id":7}"#,
+            br#"{"id":"with space"}"#,
+            long.as_bytes(),
+            b"",
+        ] {
+            assert_eq!(response_id(none), None, "{}", String::from_utf8_lossy(none));
+        }
+    }
+
     proptest! {
+        #[test]
+        fn answers_never_panic_the_id_reader(chunk in proptest::collection::vec(any::<u8>(), 0..256)) {
+            if let Some(id) = response_id(&chunk) {
+                prop_assert!(!id.is_empty() && id.len() <= MAX_RESPONSE_ID);
+            }
+        }
+
         #[test]
         fn arbitrary_bytes_never_panic(body in proptest::collection::vec(any::<u8>(), 0..512)) {
             let _ = parse(&body, Endpoint::Chat, 64, 1024);

@@ -94,6 +94,7 @@ pub const RESPONSE_HEADERS: u32 = 2;
 // Body selector.
 pub const RECEIVED_REQUEST_BODY: u32 = 0;
 pub const BUFFERED_REQUEST_BODY: u32 = 1;
+pub const RECEIVED_RESPONSE_BODY: u32 = 2;
 // Hook results.
 pub const HEADERS_CONTINUE: u32 = 0;
 pub const HEADERS_STOP_ITERATION: u32 = 1;

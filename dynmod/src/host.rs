@@ -145,6 +145,22 @@ impl Stream {
         }
     }
 
+    /// Runs `f` on the first bytes (at most 1 KiB) of the response body chunk of this hook.
+    pub fn with_response_chunk<R>(self, f: impl FnOnce(&[u8]) -> R) -> R {
+        let mut chunks = Vec::with_capacity(2);
+        self.body_chunks(RECEIVED_RESPONSE_BODY, &mut chunks);
+        let mut head = Vec::new();
+        for c in chunks.iter().filter(|c| c.len > 0) {
+            // SAFETY: the chunks are Envoy's, valid until this hook returns.
+            let bytes = unsafe { c.as_slice() };
+            head.extend_from_slice(&bytes[..bytes.len().min(1024 - head.len())]);
+            if head.len() == 1024 {
+                break;
+            }
+        }
+        f(&head)
+    }
+
     /// Replaces the whole request body with `new` (at its end: in the last body hook, or in the
     /// trailers hook, where there is no received chunk and the body is all buffered).
     pub fn replace_request_body(self, new: &[u8]) {

@@ -38,6 +38,7 @@ use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix;
+use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery};
 use host::{ConfigStats, Definer, Scheduler, Stream};
@@ -407,6 +408,8 @@ struct Filter {
     mode: Mode,
     head: RequestHead,
     picked: Option<InFlight>,
+    /// A Responses API request's pod, until the first chunk of its answer gave the answer's id.
+    learn_response: Option<u64>,
     debug: Option<String>,
 }
 
@@ -739,6 +742,7 @@ impl Filter {
                 );
                 r.engine.commit(&prep, pod_key);
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
+                self.learn_response = prep.learns_response.then_some(pod_key);
             }
         } else if matches!(choice.decision, Decision::FailOpen(_))
             && cfg.data_plane == DataPlane::OriginalDst
@@ -822,7 +826,15 @@ impl Filter {
     }
 
     /// The first streamed chunk is the first token: the pod's prefill of this request is over.
-    fn on_response_body(&mut self) {
+    /// A Responses API answer's first chunk also gives its id: a later turn continuing it goes
+    /// to this pod, which holds it.
+    fn on_response_body(&mut self, s: Stream) {
+        if let Some(pod) = self.learn_response.take() {
+            if let Some(id) = s.with_response_chunk(|c| request::response_id(c).map(str::to_owned))
+            {
+                self.config.router.lock().engine.learn_response(&id, pod);
+            }
+        }
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 self.config.complete(&p.pool, op);
@@ -947,6 +959,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         mode: Mode::Pass,
         head: RequestHead::default(),
         picked: None,
+        learn_response: None,
         debug: None,
     };
     Box::into_raw(Box::new(filter)).cast()
@@ -1014,12 +1027,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
 /// Envoy's pointers for a live stream.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
-    _envoy: FilterEnvoyPtr,
+    envoy: FilterEnvoyPtr,
     f: *mut c_void,
     _end_of_stream: bool,
 ) -> u32 {
     if let Some(f) = filter(f) {
-        f.on_response_body();
+        f.on_response_body(Stream(envoy));
     }
     0
 }

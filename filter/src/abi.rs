@@ -70,6 +70,7 @@ impl Status {
 #[repr(u32)]
 pub enum BufferType {
     HttpRequestBody = 0,
+    HttpResponseBody = 1,
     PluginConfiguration = 7,
 }
 
@@ -230,10 +231,10 @@ pub extern "C" fn proxy_on_response_headers(
 #[no_mangle]
 pub extern "C" fn proxy_on_response_body(
     context_id: u32,
-    _body_size: usize,
+    body_size: usize,
     _end_of_stream: u32,
 ) -> u32 {
-    action(with_stream(context_id, Http::on_response_body))
+    action(with_stream(context_id, |h| h.on_response_body(body_size)))
 }
 
 /// The host's last call for a context. For a stream, after its access log: the request is over.

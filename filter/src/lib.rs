@@ -34,6 +34,7 @@ use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::Decision;
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
+use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::ModelsQuery;
 use gpuroute_core::snapshot::Snapshot;
@@ -664,6 +665,7 @@ impl Root {
             head: RequestHead::default(),
             path: String::new(),
             body_size: 0,
+            learn_response: None,
             picked: None,
             debug: None,
         }
@@ -689,6 +691,8 @@ struct Http {
     path: String,
     /// Bytes of the request body buffered so far (for a request that ends with trailers).
     body_size: usize,
+    /// A Responses API request's pod, until the first chunk of its answer gave the answer's id.
+    learn_response: Option<u64>,
     picked: Option<InFlight>,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
@@ -978,6 +982,7 @@ impl Http {
                     w.stats.picked(pool, pod_key, addr);
                 }
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
+                self.learn_response = prep.learns_response.then_some(pod_key);
             }
             Decision::FailOpen(reason) => {
                 if reason.by_design() {
@@ -1178,7 +1183,18 @@ impl Http {
         Action::Continue
     }
 
-    fn on_response_body(&mut self) -> Action {
+    fn on_response_body(&mut self, body_size: usize) -> Action {
+        // A Responses API answer's id, from its first chunk: a later turn continuing it goes to
+        // this pod, which holds it.
+        if let Some(pod) = self.learn_response.take() {
+            let head = host::get_buffer(BufferType::HttpResponseBody, 0, body_size.min(1024));
+            let worker = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok());
+            if let (Ok(head), Some(mut w)) = (head, worker) {
+                if let Some(id) = request::response_id(&head) {
+                    w.engine.learn_response(id, pod);
+                }
+            }
+        }
         // The first streamed chunk is the first token (vLLM sends its first SSE event with the
         // first output): the pod's prefill of this request is over.
         if let Some(p) = self.picked.as_mut() {

@@ -93,7 +93,10 @@ class StubPod:
 
             def _answer(self):
                 body = self._read_body()
+                # A Responses API answer starts with its id, as vLLM's does.
+                rid = {"id": f"resp_{pod.name}_{len(pod.requests)}"} if self.path.startswith("/v1/responses") else {}
                 rec = {
+                    **rid,
                     "pod": pod.name,
                     "method": self.command,
                     "path": self.path,

@@ -379,6 +379,32 @@ def test_chunked_uploads_and_expect_continue_are_routed_whole(envoy, pods):
     assert json.loads(json.loads(answer)["body"])["model"] == "llama-3-8b"
 
 
+def test_a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it(pods):
+    """Responses API: a turn that sends `previous_response_id` goes to the pod whose answer
+    carried that id (a server that stores responses in memory, as vLLM with its store enabled,
+    has it nowhere else), however loaded that pod is, from either of Envoy's two workers; other
+    turns go by load as before."""
+    e = Envoy("filter", pools_of(pods), CONFIG, concurrency=2)
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        s, h, first, _ = e.request("POST", "/v1/responses", {"model": "llama-3-8b", "input": "remember 42"})
+        assert s == 200 and first["id"].startswith("resp_"), first
+        held = h["x-served-by"]
+        # The pod that holds the response becomes the busiest; the others are idle.
+        busy = [{"waiting": 4 if f"llama-{i}" == held else 0} for i in range(3)]
+        assert e.push(fresh(pods, busy))[0] == 204
+        time.sleep(0.1)  # the other worker reads the learned id on its tick (tick_ms, 20 ms)
+        turn = {"model": "llama-3-8b", "previous_response_id": first["id"], "input": "what was it?"}
+        served = [e.request("POST", "/v1/responses", turn)[1] for _ in range(8)]
+        assert all(s["x-served-by"] == held for s in served), [s["x-served-by"] for s in served]
+        assert all(s["x-gateway-debug"].startswith("previous-response; pool=llama") for s in served)
+        # An id the gateway never saw, and a turn without one, go by load.
+        for other in ({**turn, "previous_response_id": "resp_unknown"}, {"model": "llama-3-8b", "input": "hi"}):
+            assert e.request("POST", "/v1/responses", other)[1]["x-served-by"] != held
+    finally:
+        e.stop()
+
+
 def test_fail_open_without_fresh_metrics(envoy, pods):
     before = envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
     stale = fresh(pods)
