@@ -579,6 +579,22 @@ impl Engine {
         }
     }
 
+    /// Where a stored response's own calls go (`GET`/`DELETE /v1/responses/{id}`, its `cancel`):
+    /// the pool and address of the pod whose answer carried `id`, when this engine learned it
+    /// and the snapshot shows that pod healthy. These calls carry no model: the pod is their
+    /// only route.
+    pub fn stored_response_pod<'f>(
+        &self,
+        id: &str,
+        fleet: &'f FleetState,
+    ) -> Option<(&'f str, &'f str)> {
+        let pod = self.prefix.latest_pod_of(response_key(id))?;
+        fleet.pools.iter().find_map(|pool| {
+            let p = pool.pods.iter().find(|p| p.key == pod && p.snap.healthy)?;
+            Some((pool.name.as_str(), p.snap.address.as_str()))
+        })
+    }
+
     /// The newest sequence of this worker's outgoing sync ring (0 without one): what a reader
     /// compares to decide whether to read the ring.
     pub fn sync_seq(&self) -> u64 {
@@ -1317,6 +1333,24 @@ mod tests {
         // A pod that failed has lost what it held: load decides again.
         f = fleet_where(4, |p| p.healthy = p.address != "10.0.0.3:8000");
         assert_ne!(first(&mut a, &f, &turn("resp_1")).picked_key, Some(held));
+        assert_eq!(
+            a.stored_response_pod("resp_1", &f),
+            None,
+            "an unhealthy pod"
+        );
+    }
+
+    #[test]
+    fn a_stored_responses_own_calls_go_to_the_pod_that_holds_it() {
+        let f = fleet(4);
+        let mut e = engine();
+        assert_eq!(e.stored_response_pod("resp_1", &f), None);
+        e.learn_response("resp_1", f.pool("llama").unwrap().pods[1].key);
+        assert_eq!(
+            e.stored_response_pod("resp_1", &f),
+            Some(("llama", "10.0.0.2:8000"))
+        );
+        assert_eq!(e.stored_response_pod("resp_2", &f), None);
     }
 
     #[test]

@@ -317,6 +317,16 @@ pub fn response_id(chunk: &[u8]) -> Option<&str> {
     std::str::from_utf8(id).ok()
 }
 
+/// The response id in the path of a stored response's own calls: `GET` and `DELETE
+/// /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`
+/// (`path` without its query). `None` for any other path.
+pub fn stored_response_path(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/responses/")?;
+    let (id, tail) = rest.split_once('/').unwrap_or((rest, ""));
+    let known = matches!(tail, "" | "cancel" | "input_items");
+    (known && !id.is_empty() && id.len() <= MAX_RESPONSE_ID).then_some(id)
+}
+
 /// The general path: top-level fields as raw JSON, then the prompt of the endpoint.
 fn parse_general(
     body: &[u8],
@@ -1063,6 +1073,21 @@ mod tests {
                 .previous_response,
             None
         );
+    }
+
+    #[test]
+    fn a_stored_responses_calls_name_it_in_their_path() {
+        for (path, id) in [
+            ("/v1/responses/resp_1", Some("resp_1")),
+            ("/v1/responses/resp_1/cancel", Some("resp_1")),
+            ("/v1/responses/resp_1/input_items", Some("resp_1")),
+            ("/v1/responses/resp_1/other", None),
+            ("/v1/responses/", None),
+            ("/v1/responses", None),
+            ("/v1/chat/completions/resp_1", None),
+        ] {
+            assert_eq!(stored_response_path(path), id, "{path}");
+        }
     }
 
     #[test]

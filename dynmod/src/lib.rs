@@ -482,6 +482,23 @@ impl Filter {
             self.reply(s, status, &body, "application/json");
             return abi::HEADERS_STOP_ITERATION;
         }
+        if let Some(id) = request::stored_response_path(&self.head.path) {
+            // A stored response's own call carries no model: it goes to the pod whose answer
+            // carried the id, when the engine learned it (else on, unrouted, to the route
+            // table's 404).
+            let fleet = current_fleet();
+            let found = fleet.as_deref().and_then(|f| {
+                let r = config.router.lock();
+                let (pool, address) = r.engine.stored_response_pod(id, f)?;
+                Some((pool.to_owned(), address.to_owned()))
+            });
+            if let Some((pool, address)) = found {
+                s.add_header(REQUEST_HEADERS, headers::POOL, &pool);
+                s.add_header(REQUEST_HEADERS, headers::DESTINATION, &address);
+                s.clear_route_cache();
+            }
+            return abi::HEADERS_CONTINUE;
+        }
         if cfg.is_inference_path(&self.head.path) {
             if let Err(e) = self.head.admit(&method, cfg.max_body_bytes) {
                 config.count(config.metrics.rejected_id(e.code.as_deref()));

@@ -1098,6 +1098,10 @@ impl Http {
                 return self.reply(u32::from(status), &body, JSON);
             }
         }
+        if let Some(id) = request::stored_response_path(&self.path) {
+            self.stored_response(&mut w, id.to_owned());
+            return Action::Continue;
+        }
         if w.engine.config.is_inference_path(&self.path) {
             if let Err(e) = self.head.admit(&method, w.engine.config.max_body_bytes) {
                 return self.reject(&mut w, &e);
@@ -1150,6 +1154,26 @@ impl Http {
             }
             Mode::Answered => Action::Pause,
             Mode::Pass => Action::Continue,
+        }
+    }
+
+    /// A stored response's own call (`GET`/`DELETE /v1/responses/{id}`, its `cancel`) carries
+    /// no model: it goes to the pod whose answer carried the id, when this worker knows it
+    /// (else on, unrouted, to the route table's 404).
+    fn stored_response(&mut self, w: &mut Worker, id: String) {
+        if !w.register_tried {
+            // What the other workers learned, as before a first routed request.
+            w.register();
+            w.sync();
+        }
+        w.refresh_shared_throttled(host::now_nanos());
+        let Some(fleet) = w.fleet.as_ref() else {
+            return;
+        };
+        if let Some((pool, address)) = w.engine.stored_response_pod(&id, fleet) {
+            let h = MapType::HttpRequestHeaders;
+            let _ = host::add_header(h, headers::POOL, pool);
+            let _ = host::add_header(h, headers::DESTINATION, address);
         }
     }
 

@@ -112,6 +112,7 @@ class StubPod:
                 self._send(200, "application/json", json.dumps(rec).encode())
 
             do_POST = _answer
+            do_DELETE = _answer
 
         return Handler
 

@@ -383,7 +383,7 @@ def test_a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it(pods)
     """Responses API: a turn that sends `previous_response_id` goes to the pod whose answer
     carried that id (a server that stores responses in memory, as vLLM with its store enabled,
     has it nowhere else), however loaded that pod is, from either of Envoy's two workers; other
-    turns go by load as before."""
+    turns go by load as before. So do the response's own calls (retrieve, delete, cancel)."""
     e = Envoy("filter", pools_of(pods), CONFIG, concurrency=2)
     try:
         assert e.push(fresh(pods))[0] == 204
@@ -401,6 +401,15 @@ def test_a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it(pods)
         # An id the gateway never saw, and a turn without one, go by load.
         for other in ({**turn, "previous_response_id": "resp_unknown"}, {"model": "llama-3-8b", "input": "hi"}):
             assert e.request("POST", "/v1/responses", other)[1]["x-served-by"] != held
+        # The response's own calls carry no model: the id takes them to the pod that holds it.
+        rid = first["id"]
+        for method, path in [("GET", f"/v1/responses/{rid}"), ("GET", f"/v1/responses/{rid}/input_items?limit=5"),
+                             ("DELETE", f"/v1/responses/{rid}"), ("POST", f"/v1/responses/{rid}/cancel")] * 2:
+            s, h, body, _ = e.request(method, path)
+            assert (s, h.get("x-served-by"), body["path"]) == (200, held, path), (method, path, s, body)
+        # An unknown id keeps the route table's answer.
+        s, _, body, _ = e.request("GET", "/v1/responses/resp_unknown")
+        assert (s, body["error"]["code"]) == (404, "not_found")
     finally:
         e.stop()
 
