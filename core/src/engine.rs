@@ -40,6 +40,27 @@ pub fn response_key(id: &str) -> u64 {
     prefix::conversation_key(id.as_bytes(), RESPONSE_DOMAIN)
 }
 
+/// Slots of the table of learned responses that the workers of one Envoy share (proxy-wasm
+/// shared data, one key per slot): a worker that misses a response in its own index looks there
+/// before its tick brings the other workers' records. A newer response takes an older one's
+/// slot; the prefix records still carry every one.
+pub const RESPONSE_SLOTS: u64 = 4096;
+
+/// The shared-data key of `key`'s slot, and the slot's value for `key` at `pod`.
+pub fn response_slot(key: u64, pod: u64) -> (String, [u8; 16]) {
+    let mut value = [0u8; 16];
+    value[..8].copy_from_slice(&key.to_le_bytes());
+    value[8..].copy_from_slice(&pod.to_le_bytes());
+    (format!("gpuroute.resp.{}", key % RESPONSE_SLOTS), value)
+}
+
+/// The pod a slot's value holds for `key` (`None`: another response's, or not a slot value).
+pub fn response_slot_pod(key: u64, value: &[u8]) -> Option<u64> {
+    let (k, pod) = value.split_first_chunk::<8>()?;
+    let pod: [u8; 8] = pod.try_into().ok()?;
+    (u64::from_le_bytes(*k) == key).then_some(u64::from_le_bytes(pod))
+}
+
 /// What a shell knows of a request besides its path and body.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct RequestContext<'a> {
@@ -134,6 +155,13 @@ impl Prepared {
             prefill_tokens,
             in_prefill: self.stream,
         }
+    }
+
+    /// The key of the stored response a Responses API turn continues when this engine does not
+    /// know its pod (yet): a worker may look in the shared slots ([`response_slot`]) and tell
+    /// it with [`Engine::note_response`], then look again ([`Engine::look_up_response`]).
+    pub fn missed_response(&self) -> Option<u64> {
+        self.response_key.filter(|_| self.response_pod.is_none())
     }
 
     /// Hashes recorded in the index: the anchors, plus the conversation and adapter keys.
@@ -383,8 +411,14 @@ impl Engine {
         prep.adapter_recent = prep
             .adapter_anchor
             .and_then(|k| self.prefix.latest_pod_of(k));
-        prep.response_pod = prep.response_key.and_then(|k| self.prefix.latest_pod_of(k));
+        self.look_up_response(&mut prep);
         prep
+    }
+
+    /// Looks up the pod holding the stored response a turn continues (done by
+    /// [`Engine::prepare_read`]; again after reading other workers' records).
+    pub fn look_up_response(&self, prep: &mut Prepared) {
+        prep.response_pod = prep.response_key.and_then(|k| self.prefix.latest_pod_of(k));
     }
 
     /// What reads requests for this engine; a clone reads them apart from it.
@@ -577,6 +611,12 @@ impl Engine {
         if let Some(sync) = &mut self.sync {
             sync.push(pod_key, &key);
         }
+    }
+
+    /// A stored response's pod another worker of this Envoy learned (its shared slot): in this
+    /// engine's index, not sent on (that worker's records carry it to the others).
+    pub fn note_response(&mut self, key: u64, pod_key: u64) {
+        self.prefix.record(&[key], pod_key);
     }
 
     /// Where a stored response's own calls go (`GET`/`DELETE /v1/responses/{id}`, its `cancel`):
@@ -1338,6 +1378,27 @@ mod tests {
             None,
             "an unhealthy pod"
         );
+    }
+
+    #[test]
+    fn a_response_slot_holds_its_response_and_no_other() {
+        let (a, b) = (response_key("resp_a"), response_key("resp_b"));
+        let (slot, value) = response_slot(a, 77);
+        assert!(slot.starts_with("gpuroute.resp."));
+        assert_eq!(response_slot_pod(a, &value), Some(77));
+        assert_eq!(response_slot_pod(b, &value), None);
+        assert_eq!(response_slot_pod(a, &value[..15]), None);
+        assert_eq!(response_slot_pod(a, b""), None);
+        // What a worker notes from a slot, its index knows.
+        let f = fleet(2);
+        let mut e = engine();
+        let pod = f.pool("llama").unwrap().pods[1].key;
+        e.note_response(a, pod);
+        assert_eq!(
+            e.stored_response_pod("resp_a", &f),
+            Some(("llama", "10.0.0.2:8000"))
+        );
+        assert!(e.sync_payload(0).len() <= 8, "noted, not sent on");
     }
 
     #[test]

@@ -317,6 +317,30 @@ pub fn response_id(chunk: &[u8]) -> Option<&str> {
     std::str::from_utf8(id).ok()
 }
 
+/// The first bytes of a Responses API answer, gathered across the chunks it arrives in until
+/// they give its id ([`response_id`]): a server may send the start of its body apart.
+#[derive(Debug, Default)]
+pub struct ResponseHead {
+    bytes: Vec<u8>,
+}
+
+/// How much of an answer's start [`ResponseHead`] reads for its id.
+pub const RESPONSE_HEAD_MAX: usize = 1024;
+
+impl ResponseHead {
+    /// How many more bytes it reads.
+    pub fn room(&self) -> usize {
+        RESPONSE_HEAD_MAX - self.bytes.len()
+    }
+
+    /// Adds the next chunk (what fits of it): the id once the bytes so far give it.
+    pub fn push(&mut self, chunk: &[u8]) -> Option<String> {
+        let n = chunk.len().min(self.room());
+        self.bytes.extend_from_slice(&chunk[..n]);
+        response_id(&self.bytes).map(str::to_owned)
+    }
+}
+
 /// The response id in the path of a stored response's own calls: `GET` and `DELETE
 /// /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`
 /// (`path` without its query). `None` for any other path.
@@ -1072,6 +1096,24 @@ mod tests {
                 .unwrap()
                 .previous_response,
             None
+        );
+    }
+
+    #[test]
+    fn an_answers_id_is_read_across_the_chunks_it_comes_in() {
+        let body = br#"{"id":"resp_split_1","object":"response"}"#;
+        for cut in 1..body.len() {
+            let mut head = ResponseHead::default();
+            let first = head.push(&body[..cut]);
+            let id = first.or_else(|| head.push(&body[cut..]));
+            assert_eq!(id.as_deref(), Some("resp_split_1"), "cut at {cut}");
+        }
+        // It reads at most RESPONSE_HEAD_MAX bytes: an id past them is not found.
+        let mut head = ResponseHead::default();
+        assert_eq!(head.push(&[b' '; RESPONSE_HEAD_MAX]), None);
+        assert_eq!(
+            (head.room(), head.push(br#"{"id":"resp_late"}"#)),
+            (0, None)
         );
     }
 

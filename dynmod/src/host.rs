@@ -145,16 +145,16 @@ impl Stream {
         }
     }
 
-    /// Runs `f` on the first bytes (at most 1 KiB) of the response body chunk of this hook.
-    pub fn with_response_chunk<R>(self, f: impl FnOnce(&[u8]) -> R) -> R {
+    /// Runs `f` on the first bytes (at most `max`) of the response body chunk of this hook.
+    pub fn with_response_chunk<R>(self, max: usize, f: impl FnOnce(&[u8]) -> R) -> R {
         let mut chunks = Vec::with_capacity(2);
         self.body_chunks(RECEIVED_RESPONSE_BODY, &mut chunks);
         let mut head = Vec::new();
         for c in chunks.iter().filter(|c| c.len > 0) {
             // SAFETY: the chunks are Envoy's, valid until this hook returns.
             let bytes = unsafe { c.as_slice() };
-            head.extend_from_slice(&bytes[..bytes.len().min(1024 - head.len())]);
-            if head.len() == 1024 {
+            head.extend_from_slice(&bytes[..bytes.len().min(max - head.len())]);
+            if head.len() == max {
                 break;
             }
         }

@@ -408,8 +408,9 @@ struct Filter {
     mode: Mode,
     head: RequestHead,
     picked: Option<InFlight>,
-    /// A Responses API request's pod, until the first chunk of its answer gave the answer's id.
-    learn_response: Option<u64>,
+    /// A Responses API request's pod and its answer's first bytes, until they give the answer's
+    /// id.
+    learn_response: Option<(u64, request::ResponseHead)>,
     debug: Option<String>,
 }
 
@@ -759,7 +760,9 @@ impl Filter {
                 );
                 r.engine.commit(&prep, pod_key);
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
-                self.learn_response = prep.learns_response.then_some(pod_key);
+                self.learn_response = prep
+                    .learns_response
+                    .then(|| (pod_key, request::ResponseHead::default()));
             }
         } else if matches!(choice.decision, Decision::FailOpen(_))
             && cfg.data_plane == DataPlane::OriginalDst
@@ -845,10 +848,13 @@ impl Filter {
     /// The first streamed chunk is the first token: the pod's prefill of this request is over.
     /// A Responses API answer's first chunk also gives its id: a later turn continuing it goes
     /// to this pod, which holds it.
-    fn on_response_body(&mut self, s: Stream) {
-        if let Some(pod) = self.learn_response.take() {
-            if let Some(id) = s.with_response_chunk(|c| request::response_id(c).map(str::to_owned))
-            {
+    fn on_response_body(&mut self, s: Stream, end_of_stream: bool) {
+        if let Some((pod, head)) = self.learn_response.as_mut() {
+            let (pod, found) = (*pod, s.with_response_chunk(head.room(), |c| head.push(c)));
+            if found.is_some() || head.room() == 0 || end_of_stream {
+                self.learn_response = None;
+            }
+            if let Some(id) = found {
                 self.config.router.lock().engine.learn_response(&id, pod);
             }
         }
@@ -1046,10 +1052,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     envoy: FilterEnvoyPtr,
     f: *mut c_void,
-    _end_of_stream: bool,
+    end_of_stream: bool,
 ) -> u32 {
     if let Some(f) = filter(f) {
-        f.on_response_body(Stream(envoy));
+        f.on_response_body(Stream(envoy), end_of_stream);
     }
     0
 }

@@ -232,9 +232,11 @@ pub extern "C" fn proxy_on_response_headers(
 pub extern "C" fn proxy_on_response_body(
     context_id: u32,
     body_size: usize,
-    _end_of_stream: u32,
+    end_of_stream: u32,
 ) -> u32 {
-    action(with_stream(context_id, |h| h.on_response_body(body_size)))
+    action(with_stream(context_id, |h| {
+        h.on_response_body(body_size, end_of_stream != 0)
+    }))
 }
 
 /// The host's last call for a context. For a stream, after its access log: the request is over.

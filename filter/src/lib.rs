@@ -24,7 +24,7 @@ mod stats;
 
 use abi::{Action, BufferType, LogLevel, MapType};
 use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine, Prepared, RequestContext};
+use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
@@ -456,6 +456,19 @@ impl Worker {
         self.publishes.get(newest).copied().unwrap_or(0)
     }
 
+    /// Reads a stored response's shared slot (`engine::response_slot`), written by the worker
+    /// that served it, into this worker's index: whether it held that response's pod.
+    fn note_shared_response(&mut self, key: u64) -> bool {
+        let (slot, _) = engine::response_slot(key, 0);
+        let pod = host::get_shared(&slot)
+            .0
+            .and_then(|v| engine::response_slot_pod(key, &v));
+        if let Some(pod) = pod {
+            self.engine.note_response(key, pod);
+        }
+        pod.is_some()
+    }
+
     /// Exchanges prefix decisions with the other workers of this Envoy (`peers`, read by the
     /// exchange just before).
     fn sync(&mut self) {
@@ -691,8 +704,9 @@ struct Http {
     path: String,
     /// Bytes of the request body buffered so far (for a request that ends with trailers).
     body_size: usize,
-    /// A Responses API request's pod, until the first chunk of its answer gave the answer's id.
-    learn_response: Option<u64>,
+    /// A Responses API request's pod and its answer's first bytes, until they give the answer's
+    /// id.
+    learn_response: Option<(u64, request::ResponseHead)>,
     picked: Option<InFlight>,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
@@ -917,7 +931,7 @@ impl Http {
         }
         w.refresh_shared_throttled(t0);
         let now = t0 / 1_000_000;
-        let prep = match w.engine.prepare_in(
+        let mut prep = match w.engine.prepare_in(
             &self.path,
             &body,
             RequestContext {
@@ -929,6 +943,12 @@ impl Http {
             Ok(p) => p,
             Err(e) => return self.reject(w, &e),
         };
+        if let Some(key) = prep.missed_response() {
+            // Another worker may have served it: its slot says so before any tick.
+            if w.note_shared_response(key) {
+                w.engine.look_up_response(&mut prep);
+            }
+        }
         if let Some(taken) = &prep.split {
             let (split, target) = taken.names();
             w.stats.split(split, target, taken.rerouted);
@@ -982,7 +1002,9 @@ impl Http {
                     w.stats.picked(pool, pod_key, addr);
                 }
                 self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
-                self.learn_response = prep.learns_response.then_some(pod_key);
+                self.learn_response = prep
+                    .learns_response
+                    .then(|| (pod_key, request::ResponseHead::default()));
             }
             Decision::FailOpen(reason) => {
                 if reason.by_design() {
@@ -1167,10 +1189,14 @@ impl Http {
             w.sync();
         }
         w.refresh_shared_throttled(host::now_nanos());
-        let Some(fleet) = w.fleet.as_ref() else {
-            return;
-        };
-        if let Some((pool, address)) = w.engine.stored_response_pod(&id, fleet) {
+        fn known<'w>(w: &'w Worker, id: &str) -> Option<(&'w str, &'w str)> {
+            w.engine.stored_response_pod(id, w.fleet.as_ref()?)
+        }
+        if known(w, &id).is_none() {
+            // Another worker may have served it: its slot says so before any tick.
+            w.note_shared_response(engine::response_key(&id));
+        }
+        if let Some((pool, address)) = known(w, &id) {
             let h = MapType::HttpRequestHeaders;
             let _ = host::add_header(h, headers::POOL, pool);
             let _ = host::add_header(h, headers::DESTINATION, address);
@@ -1207,16 +1233,24 @@ impl Http {
         Action::Continue
     }
 
-    fn on_response_body(&mut self, body_size: usize) -> Action {
-        // A Responses API answer's id, from its first chunk: a later turn continuing it goes to
+    fn on_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // A Responses API answer's id, from its first bytes: a later turn continuing it goes to
         // this pod, which holds it.
-        if let Some(pod) = self.learn_response.take() {
-            let head = host::get_buffer(BufferType::HttpResponseBody, 0, body_size.min(1024));
+        if let Some((pod, head)) = self.learn_response.as_mut() {
+            let chunk =
+                host::get_buffer(BufferType::HttpResponseBody, 0, body_size.min(head.room()))
+                    .unwrap_or_default();
+            let (pod, found) = (*pod, head.push(&chunk));
+            if found.is_some() || head.room() == 0 || end_of_stream {
+                self.learn_response = None;
+            }
             let worker = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok());
-            if let (Ok(head), Some(mut w)) = (head, worker) {
-                if let Some(id) = request::response_id(&head) {
-                    w.engine.learn_response(id, pod);
-                }
+            if let (Some(id), Some(mut w)) = (found, worker) {
+                w.engine.learn_response(&id, pod);
+                // In the workers' shared slots at once, before the client has the answer: its
+                // next turn may reach another worker before this one's tick.
+                let (slot, value) = engine::response_slot(engine::response_key(&id), pod);
+                let _ = host::set_shared(&slot, &value, None);
             }
         }
         // The first streamed chunk is the first token (vLLM sends its first SSE event with the

@@ -71,6 +71,13 @@ class StubPod:
                 self.send_header("x-served-by", pod.name)
                 self.send_header("content-length", str(len(out)))
                 self.end_headers()
+                if self.path.startswith("/v1/responses"):
+                    # Its first bytes apart, as a server may send them: the gateway must read a
+                    # response's id across the chunks it arrives in.
+                    self.wfile.write(out[:9])
+                    self.wfile.flush()
+                    time.sleep(0.02)
+                    out = out[9:]
                 self.wfile.write(out)
 
             def do_GET(self):
