@@ -49,10 +49,20 @@ def pod_picks_stat(pool, address):
     return f"{STAT_PREFIX}gpuroute.pool.{pool}.pod." + address.replace(".", "_").replace(":", "_") + ".picks"
 
 
+_handed_out = set()
+
+
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not handed out before: the kernel may give the
+    same ephemeral port to two binds in a row once the first is closed, and one Envoy given the
+    same port for two listeners refuses its configuration ("duplicate address")."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def envoy_binary():
