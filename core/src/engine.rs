@@ -46,12 +46,17 @@ pub fn response_key(id: &str) -> u64 {
 /// slot; the prefix records still carry every one.
 pub const RESPONSE_SLOTS: u64 = 4096;
 
+/// The shared-data key of `key`'s slot.
+pub fn response_slot_key(key: u64) -> String {
+    format!("gpuroute.resp.{}", key % RESPONSE_SLOTS)
+}
+
 /// The shared-data key of `key`'s slot, and the slot's value for `key` at `pod`.
 pub fn response_slot(key: u64, pod: u64) -> (String, [u8; 16]) {
     let mut value = [0u8; 16];
     value[..8].copy_from_slice(&key.to_le_bytes());
     value[8..].copy_from_slice(&pod.to_le_bytes());
-    (format!("gpuroute.resp.{}", key % RESPONSE_SLOTS), value)
+    (response_slot_key(key), value)
 }
 
 /// The pod a slot's value holds for `key` (`None`: another response's, or not a slot value).

@@ -456,11 +456,20 @@ impl Worker {
         self.publishes.get(newest).copied().unwrap_or(0)
     }
 
+    /// Before this worker's first routed request (or call by response id): takes a worker id,
+    /// and reads what the other workers and replicas published meanwhile (its ticks did not
+    /// read it while it had not routed).
+    fn join(&mut self) {
+        if !self.register_tried {
+            self.register();
+            self.sync();
+        }
+    }
+
     /// Reads a stored response's shared slot (`engine::response_slot`), written by the worker
     /// that served it, into this worker's index: whether it held that response's pod.
     fn note_shared_response(&mut self, key: u64) -> bool {
-        let (slot, _) = engine::response_slot(key, 0);
-        let pod = host::get_shared(&slot)
+        let pod = host::get_shared(&engine::response_slot_key(key))
             .0
             .and_then(|v| engine::response_slot_pod(key, &v));
         if let Some(pod) = pod {
@@ -920,12 +929,7 @@ impl Http {
     fn route(&mut self, w: &mut Worker, size: usize) -> Action {
         let t0 = host::now_nanos();
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
-        if !w.register_tried {
-            w.register();
-            // What the other workers and replicas published before this worker's first
-            // request: its ticks did not read it while it had not routed.
-            w.sync();
-        }
+        w.join();
         if w.tick_now_ms != w.engine.config.tick_ms {
             w.wake(t0);
         }
@@ -1183,11 +1187,7 @@ impl Http {
     /// no model: it goes to the pod whose answer carried the id, when this worker knows it
     /// (else on, unrouted, to the route table's 404).
     fn stored_response(&mut self, w: &mut Worker, id: String) {
-        if !w.register_tried {
-            // What the other workers learned, as before a first routed request.
-            w.register();
-            w.sync();
-        }
+        w.join();
         w.refresh_shared_throttled(host::now_nanos());
         fn known<'w>(w: &'w Worker, id: &str) -> Option<(&'w str, &'w str)> {
             w.engine.stored_response_pod(id, w.fleet.as_ref()?)
