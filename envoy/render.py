@@ -121,6 +121,8 @@ INFERENCE_PATHS = [
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
 ]
 
 
@@ -176,6 +178,13 @@ def body_too_large_message(max_body):
     return f"request body exceeds the gateway limit of {max_body} bytes"
 
 
+def form_too_large_message(max_body):
+    """The filter's 413 message for a multipart form (`ApiError::form_too_large`)."""
+    return (f"multipart request body exceeds the gateway limit of {max_body} bytes before its `model` field: "
+            "send the `model` field before the file (as OpenAI's Python SDK does), and the upload streams to "
+            "the model server whatever its size")
+
+
 DEFAULT_INGEST_PATH = "/gpuroute/v1/snapshot"  # core/src/config.rs, `default_ingest_path`
 DEFAULT_PREFIX_PATH = "/gpuroute/v1/prefix"  # core/src/config.rs, `default_prefix_path`
 
@@ -194,7 +203,9 @@ def local_reply_config(max_body, ingest=None):
     - 413: Envoy answers an oversize body itself when one read from the socket takes its buffer
       past `per_connection_buffer_limit_bytes` before the filter has seen the body pass
       `max_body_bytes` (the filter is handed the body buffered so far, not the read that
-      overflows it). The body is the filter's own 413, so it does not matter which answered.
+      overflows it). The body is the filter's own 413, so it does not matter which answered;
+      for a multipart form (an audio upload) the filter's form 413, which says to send `model`
+      before the file.
     - 503 and 504 that Envoy generates (response flags above): no pod of the pool could take
       the request (all dead, connects refused, retries exhausted) or the pod timed out. The
       message keeps Envoy's reason.
@@ -230,12 +241,14 @@ def local_reply_config(max_body, ingest=None):
         return {"body_format_override": {"json_format": body, "content_type": "application/json"}}
 
     too_large = body_too_large_message(max_body)
+    form = {"header_filter": {"header": {"name": "content-type", "string_match": {"prefix": "multipart/form-data", "ignore_case": True}}}}
     reason = "%LOCAL_REPLY_BODY%"
     unavailable = f"no pod of the pool could take the request: {reason}"
     timeout = f"the pod did not answer in time: {reason}"
     return {
         "mappers": [
             dict({"filter": both(status(413), messages)}, **fixed({"type": "error", "error": {"type": "request_too_large", "message": too_large}})),
+            dict({"filter": both(status(413), form)}, **fixed({"error": {"message": form_too_large_message(max_body), "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
             dict({"filter": {"and_filter": {"filters": [status(413), *not_ingest]}}}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
             dict({"filter": both(flags(TIMEOUT_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "api_error", "message": timeout}})),
             dict({"filter": flags(TIMEOUT_FLAGS)}, **formatted({"error": {"message": timeout, "type": "timeout_error", "param": None, "code": "upstream_timeout"}})),

@@ -14,12 +14,13 @@ use crate::adapters::{partition, SlotPod};
 use crate::config::{FilterConfig, PrefixConfig};
 use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
+use crate::form;
 use crate::headers;
 use crate::load::{InFlight, PodLoad};
 use crate::picker::uncached_tokens;
 use crate::picker::{format_breakdown, Decision, Explain, FailOpen, Picker, RequestFeatures};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
-use crate::request::{self, Endpoint};
+use crate::request::{self, Endpoint, InferenceRequest};
 use crate::rng::SplitMix64;
 use crate::routing::{Resolved, RoutingTable, Split, Target};
 use std::collections::HashMap;
@@ -243,15 +244,19 @@ pub struct Engine {
 /// long enough to be stable, short enough to follow a change of workload within seconds.
 const AVG_ALPHA: f64 = 1.0 / 64.0;
 
+/// How a body is written: what a split keys on without a client key, and how an alias is
+/// rewritten.
+#[derive(Clone, Copy)]
+enum Format<'a> {
+    Json,
+    /// `multipart/form-data` with this boundary.
+    Form(&'a str),
+}
+
 impl Reader {
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
     /// API's answers to send.
     pub fn read(&self, path: &str, body: &[u8], ctx: RequestContext<'_>) -> Result<Read, ApiError> {
-        let RequestContext {
-            fleet,
-            now_ms,
-            split_key,
-        } = ctx;
         // A UTF-8 byte-order mark before the JSON, as some Windows tools write files: vLLM and
         // SGLang accept it (Python's json.loads on bytes does), so the gateway does too. A
         // rewritten body leaves it out.
@@ -260,8 +265,49 @@ impl Reader {
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
         let endpoint = Endpoint::from_path(path);
-        let model_only = endpoint == Endpoint::CountTokens;
         let req = request::parse(body, endpoint, limit, home_chars)?;
+        self.resolve(req, body, endpoint, Format::Json, ctx)
+    }
+
+    /// [`Reader::read`] for a `multipart/form-data` body with `boundary` (the audio endpoints;
+    /// [`form`]). `complete`: the body is whole. `Ok(None)`: the fields routing needs have not
+    /// arrived yet; with `complete`, never.
+    pub fn read_form(
+        &self,
+        path: &str,
+        body: &[u8],
+        boundary: &str,
+        complete: bool,
+        ctx: RequestContext<'_>,
+    ) -> Result<Option<Read>, ApiError> {
+        match form::scan(body, boundary, complete)? {
+            form::Scan::More => Ok(None),
+            form::Scan::Ready(req) => {
+                let endpoint = Endpoint::from_path(path);
+                self.resolve(req, body, endpoint, Format::Form(boundary), ctx)
+                    .map(Some)
+            }
+        }
+    }
+
+    /// Resolves a read request's model to its target and hashes its prompt. Inlined: the JSON
+    /// path is the hot one, and a call here moved the request and the result through memory.
+    #[inline(always)]
+    fn resolve(
+        &self,
+        req: InferenceRequest<'_>,
+        body: &[u8],
+        endpoint: Endpoint,
+        format: Format<'_>,
+        ctx: RequestContext<'_>,
+    ) -> Result<Read, ApiError> {
+        let RequestContext {
+            fleet,
+            now_ms,
+            split_key,
+        } = ctx;
+        let p = &self.prefix;
+        let model_only = endpoint == Endpoint::CountTokens;
         let (target, split) = match self.routes.resolve(req.model.as_deref())? {
             Resolved::Target(t) => (t.clone(), None),
             Resolved::Split(s) => {
@@ -269,9 +315,12 @@ impl Reader {
                 // when there is one (every turn repeats it), else the prompt text the filter
                 // read: the same target on every worker and replica.
                 let text = req.prompt.as_bytes();
-                let text = match split_key {
-                    Some(k) => k.as_bytes(),
-                    None => req
+                let text = match (split_key, format) {
+                    (Some(k), _) => k.as_bytes(),
+                    // A form has no prompt: its boundary, which clients draw at random for each
+                    // request, spreads uploads over the targets by their weights.
+                    (None, Format::Form(boundary)) => boundary.as_bytes(),
+                    (None, Format::Json) => req
                         .conversation_len
                         .and_then(|n| text.get(..n))
                         .unwrap_or(text),
@@ -295,8 +344,13 @@ impl Reader {
                 (t.clone(), Some(taken))
             }
         };
-        let rewritten_body = match (&req.model_span, target.rewrite) {
-            (Some(span), true) => Some(rewrite_model(body, span.clone(), &target.model)),
+        let rewritten_body = match (&req.model_span, target.rewrite, format) {
+            (Some(span), true, Format::Json) => {
+                Some(rewrite_model(body, span.clone(), &target.model))
+            }
+            (Some(span), true, Format::Form(_)) => {
+                Some(form::rewrite_model(body, span.clone(), &target.model))
+            }
             _ => None,
         };
         // Adapters have their own KV (engines key cached blocks by adapter too).
@@ -394,13 +448,31 @@ impl Engine {
         Ok(self.prepare_read(read))
     }
 
+    /// [`Engine::prepare_in`] for a `multipart/form-data` body ([`Reader::read_form`]):
+    /// `Ok(None)` until the fields routing needs have arrived. Out of line: rare, and kept out
+    /// of the JSON path's code.
+    #[cold]
+    #[inline(never)]
+    pub fn prepare_form(
+        &mut self,
+        path: &str,
+        body: &[u8],
+        boundary: &str,
+        complete: bool,
+        ctx: RequestContext<'_>,
+    ) -> Result<Option<Prepared>, ApiError> {
+        let read = self.reader.read_form(path, body, boundary, complete, ctx)?;
+        Ok(read.map(|r| self.prepare_read(r)))
+    }
+
     /// The engine's half of step 1 for a request [`Reader::read`] read: look it up in the
     /// learned prefix index, and count its prompt in the typical prompt size.
     pub fn prepare_read(&mut self, read: Read) -> Prepared {
         let Read(mut prep) = read;
         // The typical prefill the pods see: a token count is no prefill (a client counting a
         // long document before sending it would otherwise make every real prompt look short).
-        if !prep.model_only {
+        // Nor is a request without prompt text (an audio form).
+        if !prep.model_only && prep.prompt_tokens > 0 {
             let tokens = f64::from(prep.prompt_tokens);
             self.avg_prompt_tokens = if self.avg_prompt_tokens == 0.0 {
                 tokens
@@ -732,6 +804,22 @@ fn destination(pool: &PoolState, ranked: &[usize]) -> String {
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
 /// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
+/// The `content-length` to give a request whose buffered body of `old` bytes was rewritten to
+/// `new`: the new body's when it is `complete`; else (a form routed before its upload ended) the
+/// declared length changed by the difference, and none when there is no declared length (the
+/// body goes on chunked).
+pub fn rewritten_length(
+    complete: bool,
+    declared: Option<usize>,
+    old: usize,
+    new: usize,
+) -> Option<usize> {
+    if complete {
+        return Some(new);
+    }
+    declared?.checked_sub(old)?.checked_add(new)
+}
+
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
     let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
     let mut out = Vec::with_capacity(body.len() + quoted.len());
@@ -811,6 +899,56 @@ mod tests {
             .unwrap()
             .rewritten_body
             .is_none());
+    }
+
+    #[test]
+    fn an_audio_form_is_routed_by_its_model_field_and_its_alias_rewritten() {
+        let cfg = r#"{"pools":[{"name":"llama","models":["llama-3"]},
+            {"name":"asr","models":["whisper-v3"],"aliases":{"whisper":"whisper-v3"}}],
+            "splits":{"stt":[{"model":"llama-3","weight":1},{"model":"whisper-v3","weight":1}]}}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        let form = |boundary: &str, model: &str| {
+            format!(
+                "--{boundary}\r\ncontent-disposition: form-data; name=\"model\"\r\n\r\n{model}\r\n\
+                 --{boundary}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\n\
+                 RIFF....\r\n--{boundary}--\r\n"
+            )
+            .into_bytes()
+        };
+        let path = "/v1/audio/transcriptions";
+        let ctx = RequestContext::default;
+        let body = form("b1", "whisper");
+        // Routed at the file's head, before any audio arrived.
+        let head = body.len() - "RIFF....\r\n--b1--\r\n".len();
+        assert!(e
+            .prepare_form(path, &body[..head - 1], "b1", false, ctx())
+            .unwrap()
+            .is_none());
+        let p = e
+            .prepare_form(path, &body[..head], "b1", false, ctx())
+            .unwrap()
+            .unwrap();
+        assert_eq!(&*p.pool, "asr");
+        assert_eq!(p.prompt_tokens, 0);
+        let rewritten = p.rewritten_body.unwrap();
+        assert_eq!(rewritten, form("b1", "whisper-v3")[..head + 3].to_vec());
+        // No prompt: the typical prompt size the scorers use is left alone.
+        assert_eq!(e.avg_prompt_tokens, 0.0);
+        // Errors are the JSON path's.
+        let unknown = e.prepare_form(path, &form("b1", "gpt-9"), "b1", true, ctx());
+        assert_eq!(unknown.unwrap_err().status, 404);
+        // A split takes each upload by its boundary, drawn at random by clients: both targets.
+        let pools: std::collections::HashSet<String> = (0..32)
+            .map(|i| {
+                let b = format!("boundary{i}");
+                let p = e
+                    .prepare_form(path, &form(&b, "stt"), &b, true, ctx())
+                    .unwrap()
+                    .unwrap();
+                p.pool.to_string()
+            })
+            .collect();
+        assert_eq!(pools.len(), 2, "{pools:?}");
     }
 
     #[test]

@@ -152,6 +152,29 @@ impl ApiError {
         .code("request_too_large")
     }
 
+    /// 400: a `multipart/form-data` body that cannot be read ([`crate::form`]).
+    pub fn invalid_form(why: &str) -> ApiError {
+        ApiError::new(
+            400,
+            "invalid_request_error",
+            format!("malformed multipart/form-data body: {why}"),
+        )
+        .code("invalid_form")
+    }
+
+    /// 413: a form body over `max_body_bytes` whose `model` field had not come before its file
+    /// (such a body is buffered whole to find it).
+    pub fn form_too_large(limit: usize) -> ApiError {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!(
+                "multipart request body exceeds the gateway limit of {limit} bytes before its                  `model` field: send the `model` field before the file (as OpenAI's Python SDK                  does), and the upload streams to the model server whatever its size"
+            ),
+        )
+        .code("request_too_large")
+    }
+
     /// 415: a compressed request body (`content-encoding`), which the filter cannot read to
     /// route. Answered from the headers, before any of the body is buffered.
     pub fn unsupported_encoding(encoding: &str) -> ApiError {

@@ -3,6 +3,7 @@
 
 use crate::bytes::owned;
 use crate::error::ApiError;
+use crate::form;
 
 /// Headers the filter sets to steer Envoy. A client must never be able to set them: with an
 /// ORIGINAL_DST data plane a forged destination would make the gateway connect anywhere. Every
@@ -51,6 +52,9 @@ pub struct RequestHead {
     pub cursor: Option<String>,
     /// `x-gateway-split-key` ([`SPLIT_KEY`]), when not empty.
     pub split_key: Option<String>,
+    /// The boundary of a `multipart/form-data` body (`""` when it has none usable): the body
+    /// is a form ([`crate::form`]), not JSON.
+    pub form_boundary: Option<String>,
 }
 
 impl RequestHead {
@@ -78,6 +82,10 @@ impl RequestHead {
                 b"x-gateway-priority" => h.priority = text().and_then(|t| t.trim().parse().ok()),
                 b"authorization" => h.authorization = text().map(str::to_string),
                 b"anthropic-version" => h.anthropic = true,
+                // Only a form's type is read further (JSON's is skipped on its first byte).
+                b"content-type" if v.first().is_some_and(|b| b | 0x20 == b'm') => {
+                    h.form_boundary = text().and_then(form::boundary);
+                }
                 b"content-encoding" => {
                     let enc = text().map_or("?", str::trim);
                     if !enc.is_empty() && !enc.eq_ignore_ascii_case("identity") {
@@ -97,13 +105,15 @@ impl RequestHead {
     /// What the request line and headers alone decide for a request on an inference path,
     /// before any of its body is buffered: a method other than POST (405: it would otherwise
     /// reach the route table without a pool, whose answer says the filter is not running), a
-    /// declared length over `max_body_bytes` (413), then a compressed body the filter cannot
+    /// declared length over `max_body_bytes` (413; not for a form, below), then a compressed body the filter cannot
     /// read (415). Both shells answer the error and count it under its code.
     pub fn admit(&self, method: &str, max_body_bytes: usize) -> Result<(), ApiError> {
         if method != "POST" {
             return Err(ApiError::method_not_allowed("POST"));
         }
-        if self.content_length.is_some_and(|n| n > max_body_bytes) {
+        // A form's upload streams on once its `model` field is read, whatever its length
+        // (`crate::form`); only what is buffered before that is bounded.
+        if self.form_boundary.is_none() && self.content_length.is_some_and(|n| n > max_body_bytes) {
             return Err(ApiError::body_too_large(max_body_bytes));
         }
         match &self.content_encoding {
@@ -116,6 +126,24 @@ impl RequestHead {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_form_is_known_by_its_content_type_and_may_declare_any_length() {
+        let head = |ct: &'static [u8]| {
+            let pairs: Vec<(&[u8], &[u8])> = vec![
+                (b":method", b"POST"),
+                (b"content-type", ct),
+                (b"content-length", b"9000000"),
+            ];
+            RequestHead::read(pairs)
+        };
+        let form = head(b"multipart/form-data; boundary=abc");
+        assert_eq!(form.form_boundary.as_deref(), Some("abc"));
+        assert_eq!(form.admit("POST", 1000), Ok(()));
+        let json = head(b"application/json");
+        assert_eq!(json.form_boundary, None);
+        assert_eq!(json.admit("POST", 1000).unwrap_err().status, 413);
+    }
 
     #[test]
     fn a_blank_or_non_utf8_split_key_is_no_key() {

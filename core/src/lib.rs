@@ -26,6 +26,7 @@ pub mod engine;
 pub mod error;
 pub mod exchange;
 pub mod fleet;
+pub mod form;
 pub mod headers;
 pub mod idmap;
 pub mod ingest;

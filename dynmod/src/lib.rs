@@ -28,10 +28,11 @@ mod host;
 
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
 use gpuroute_core::config::{DataPlane, FilterConfig};
-use gpuroute_core::engine::{DecideOptions, Engine, Prepared, Reader, RequestContext};
+use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
+use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
@@ -58,6 +59,7 @@ const REJECTED: &[&str] = &[
     "missing_required_parameter",
     "request_too_large",
     "unsupported_content_encoding",
+    "invalid_form",
     "method_not_allowed",
     "other",
 ];
@@ -407,6 +409,8 @@ struct Filter {
     config: Arc<Config>,
     mode: Mode,
     head: RequestHead,
+    /// A form's bytes buffered when it was last read for its fields before its end.
+    form_scanned: usize,
     picked: Option<InFlight>,
     /// A Responses API request's pod and its answer's first bytes, until they give the answer's
     /// id.
@@ -523,10 +527,31 @@ impl Filter {
         let config = Arc::clone(&self.config);
         match self.mode {
             Mode::Inference => {
+                let len = s.request_body_len();
+                // A form is routed as soon as its fields are in (before its file, when they come
+                // first: the upload then streams on, whatever its size), while what is buffered
+                // of it is short; else at its end.
+                let form = self.head.form_boundary.is_some();
+                if form && !end_of_stream && self.form_scanned < form::EARLY_BYTES {
+                    self.form_scanned = len;
+                    if self.route_body(s, false) {
+                        return match self.mode {
+                            Mode::Answered => abi::BODY_STOP_NO_BUFFER,
+                            _ => {
+                                self.mode = Mode::Pass;
+                                abi::BODY_CONTINUE
+                            }
+                        };
+                    }
+                }
                 let max = config.settings.max_body_bytes;
-                if s.request_body_len() > max {
+                if len > max {
                     config.count(config.metrics.rejected_id(Some("request_too_large")));
-                    self.reply_error(s, &ApiError::body_too_large(max));
+                    let e = match form {
+                        true => ApiError::form_too_large(max),
+                        false => ApiError::body_too_large(max),
+                    };
+                    self.reply_error(s, &e);
                     return abi::BODY_STOP_NO_BUFFER;
                 }
                 if !end_of_stream {
@@ -700,6 +725,13 @@ impl Filter {
 
     /// Parses, resolves and picks (the whole body is in), then sets the routing headers.
     fn route(&mut self, s: Stream) {
+        self.route_body(s, true);
+    }
+
+    /// Parses, resolves and picks on the body buffered so far (`complete`: all of it), then
+    /// sets the routing headers. False: a form whose fields routing needs have not arrived yet
+    /// (never when `complete`).
+    fn route_body(&mut self, s: Stream, complete: bool) -> bool {
         let t0 = Instant::now();
         let config = Arc::clone(&self.config);
         let cfg = &config.settings;
@@ -707,23 +739,27 @@ impl Filter {
         let fleet = current_fleet();
         let now = now_ms();
 
+        let buffered = s.request_body_len();
         let read = s.with_request_body(|body| {
-            config.reader.read(
-                &self.head.path,
-                body,
-                RequestContext {
-                    fleet: fleet.as_deref(),
-                    now_ms: now,
-                    split_key: self.head.split_key.as_deref(),
-                },
-            )
+            let ctx = RequestContext {
+                fleet: fleet.as_deref(),
+                now_ms: now,
+                split_key: self.head.split_key.as_deref(),
+            };
+            match &self.head.form_boundary {
+                None => config.reader.read(&self.head.path, body, ctx).map(Some),
+                Some(b) => config
+                    .reader
+                    .read_form(&self.head.path, body, b, complete, ctx),
+            }
         });
         let read = match read {
-            Ok(r) => r,
+            Ok(Some(r)) => r,
+            Ok(None) => return false,
             Err(e) => {
                 config.count(m.rejected_id(e.code.as_deref()));
                 self.reply_error(s, &e);
-                return;
+                return true;
             }
         };
         let mut guard = config.router.lock();
@@ -734,7 +770,7 @@ impl Filter {
             r.loads.insert(prep.pool.to_string(), LoadTable::default());
         }
         let Some(table) = r.loads.get_mut(&*prep.pool) else {
-            return;
+            return true;
         };
         if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
             table.rebase(f.version, &p.keys);
@@ -809,11 +845,11 @@ impl Filter {
             }
             if let Some(new_body) = &prep.rewritten_body {
                 s.replace_request_body(new_body);
-                s.set_header(
-                    REQUEST_HEADERS,
-                    "content-length",
-                    &new_body.len().to_string(),
-                );
+                let declared = self.head.content_length;
+                let length = engine::rewritten_length(complete, declared, buffered, new_body.len());
+                if let Some(n) = length {
+                    s.set_header(REQUEST_HEADERS, "content-length", &n.to_string());
+                }
             }
             // The route was matched on the headers as they arrived; match again on the pool.
             s.clear_route_cache();
@@ -837,6 +873,7 @@ impl Filter {
         if let Some((_, e)) = answer {
             self.reply_error(s, &e);
         }
+        true
     }
 
     fn on_response_headers(&mut self, s: Stream) {
@@ -981,6 +1018,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         config: Arc::from_raw(config),
         mode: Mode::Pass,
         head: RequestHead::default(),
+        form_scanned: 0,
         picked: None,
         learn_response: None,
         debug: None,

@@ -28,6 +28,7 @@ use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, RequestContex
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
+use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
@@ -687,6 +688,7 @@ impl Root {
             head: RequestHead::default(),
             path: String::new(),
             body_size: 0,
+            form_scanned: 0,
             learn_response: None,
             picked: None,
             debug: None,
@@ -713,6 +715,8 @@ struct Http {
     path: String,
     /// Bytes of the request body buffered so far (for a request that ends with trailers).
     body_size: usize,
+    /// A form's bytes buffered when it was last read for its fields before its end.
+    form_scanned: usize,
     /// A Responses API request's pod and its answer's first bytes, until they give the answer's
     /// id.
     learn_response: Option<(u64, request::ResponseHead)>,
@@ -926,7 +930,15 @@ impl Http {
         self.reply(204, "", "text/plain")
     }
 
+    /// Routes the request, its body (of `size` bytes) whole.
     fn route(&mut self, w: &mut Worker, size: usize) -> Action {
+        self.route_body(w, size, true).unwrap_or(Action::Continue)
+    }
+
+    /// Routes the request on the `size` bytes of its body buffered so far (`complete`: all of
+    /// it). `None`: a form whose fields routing needs have not arrived yet (never when
+    /// `complete`).
+    fn route_body(&mut self, w: &mut Worker, size: usize, complete: bool) -> Option<Action> {
         let t0 = host::now_nanos();
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
         w.join();
@@ -935,17 +947,19 @@ impl Http {
         }
         w.refresh_shared_throttled(t0);
         let now = t0 / 1_000_000;
-        let mut prep = match w.engine.prepare_in(
-            &self.path,
-            &body,
-            RequestContext {
-                fleet: w.fleet.as_ref(),
-                now_ms: now,
-                split_key: self.head.split_key.as_deref(),
-            },
-        ) {
-            Ok(p) => p,
-            Err(e) => return self.reject(w, &e),
+        let ctx = RequestContext {
+            fleet: w.fleet.as_ref(),
+            now_ms: now,
+            split_key: self.head.split_key.as_deref(),
+        };
+        let prepared = match &self.head.form_boundary {
+            None => w.engine.prepare_in(&self.path, &body, ctx).map(Some),
+            Some(b) => w.engine.prepare_form(&self.path, &body, b, complete, ctx),
+        };
+        let mut prep = match prepared {
+            Ok(Some(p)) => p,
+            Ok(None) => return None,
+            Err(e) => return Some(self.reject(w, &e)),
         };
         if let Some(key) = prep.missed_response() {
             // Another worker may have served it: its slot says so before any tick.
@@ -986,7 +1000,7 @@ impl Http {
                 let (Some(dest), Some(idx), Some(pod_key)) =
                     (&choice.destination, choice.picked_index, choice.picked_key)
                 else {
-                    return Action::Continue;
+                    return Some(Action::Continue);
                 };
                 let dest = w.engine.config.data_plane.destination(dest);
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
@@ -1032,27 +1046,28 @@ impl Http {
                         }
                         None => {
                             w.stats.pool_outcome(pool, "error");
-                            return self.reply_error(&ApiError::no_endpoints(pool));
+                            return Some(self.reply_error(&ApiError::no_endpoints(pool)));
                         }
                     }
                 }
             }
             Decision::Shed => {
                 w.stats.pool_outcome(pool, "shed");
-                return self.reply_error(&ApiError::shed(pool));
+                return Some(self.reply_error(&ApiError::shed(pool)));
             }
         }
-        self.set_routing_headers(&prep, &body);
+        self.set_routing_headers(&prep, &body, complete);
         if w.routed.is_multiple_of(DECISION_SAMPLE) {
             let t1 = host::now_nanos();
             w.stats
                 .histogram("gpuroute.decision_us", t1.saturating_sub(t0) / 1_000);
         }
         w.routed = w.routed.wrapping_add(1);
-        Action::Continue
+        Some(Action::Continue)
     }
 
-    fn set_routing_headers(&self, prep: &Prepared, body: &[u8]) {
+    /// `body`: what is buffered of the request's body (all of it when `complete`).
+    fn set_routing_headers(&self, prep: &Prepared, body: &[u8], complete: bool) {
         let h = MapType::HttpRequestHeaders;
         // Added, not replaced: every internal header was stripped on arrival (cheaper for Envoy).
         for (name, value) in prep.routing_headers() {
@@ -1060,7 +1075,11 @@ impl Http {
         }
         if let Some(new_body) = &prep.rewritten_body {
             if host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body).is_ok() {
-                let _ = host::set_header(h, "content-length", &new_body.len().to_string());
+                let declared = self.head.content_length;
+                let (old, new) = (body.len(), new_body.len());
+                if let Some(n) = engine::rewritten_length(complete, declared, old, new) {
+                    let _ = host::set_header(h, "content-length", &n.to_string());
+                }
             }
         }
     }
@@ -1153,9 +1172,26 @@ impl Http {
         self.body_size = body_size;
         match self.mode {
             Mode::Inference => {
+                // A form is routed as soon as its fields are in (before its file, when they come
+                // first: the upload then streams on, whatever its size), while what is buffered
+                // of it is short; else at its end.
+                let form = self.head.form_boundary.is_some();
+                if form && !end_of_stream && self.form_scanned < form::EARLY_BYTES {
+                    self.form_scanned = body_size;
+                    if let Some(action) = self.route_body(&mut w, body_size, false) {
+                        if matches!(self.mode, Mode::Inference) {
+                            self.mode = Mode::Pass;
+                        }
+                        return action;
+                    }
+                }
                 let max = w.engine.config.max_body_bytes;
                 if body_size > max {
-                    return self.reject(&mut w, &ApiError::body_too_large(max));
+                    let e = match form {
+                        true => ApiError::form_too_large(max),
+                        false => ApiError::body_too_large(max),
+                    };
+                    return self.reject(&mut w, &e);
                 }
                 if !end_of_stream {
                     return Action::Pause;

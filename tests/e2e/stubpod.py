@@ -4,6 +4,9 @@ echo of what it received (method, path, headers, body) and says who served it in
 (`set_load`). They bind 127.0.0.1 (an OS-chosen port, or a given one to come back on)."""
 
 import contextlib
+import email.parser
+import email.policy
+import hashlib
 import json
 import socket
 import threading
@@ -25,6 +28,22 @@ vllm:cache_config_info{{block_size="16",num_gpu_blocks="20000"}} 1.0
 """
 
 
+def form_fields(content_type, body):
+    """A multipart/form-data body's fields: text fields as text, files as (length, sha256)."""
+    msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"content-type: " + content_type.encode() + b"\r\n\r\n" + body
+    )
+    fields = {}
+    for part in msg.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        data = part.get_payload(decode=True) or b""
+        if part.get_filename() is not None:
+            fields[name] = {"length": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        else:
+            fields[name] = data.decode("utf-8", "replace")
+    return fields
+
+
 class StubPod:
     def __init__(self, name, delay_s=0.0, port=0):
         self.name = name
@@ -34,6 +53,7 @@ class StubPod:
         # long as it needs instead of for a fixed time a slow machine can outrun.
         self.hold = None
         self.requests = []
+        self.started = []
         self.load = {"waiting": 0, "running": 0, "kv": 0.05}
         self.conns = set()
         # Set by close(): a connection accepted just before it, whose handler thread had not
@@ -99,6 +119,9 @@ class StubPod:
                 return self.rfile.read(n) if n else b""
 
             def _answer(self):
+                # Seen when its headers arrive, before its body is read: a test can tell a
+                # request that reached the pod while its upload was still being sent.
+                pod.started.append(self.path)
                 body = self._read_body()
                 # A Responses API answer starts with its id, as vLLM's does.
                 rid = {"id": f"resp_{pod.name}_{len(pod.requests)}"} if self.path.startswith("/v1/responses") else {}
@@ -110,6 +133,14 @@ class StubPod:
                     "headers": {k.lower(): v for k, v in self.headers.items()},
                     "body": body.decode("utf-8", "replace"),
                 }
+                ctype = self.headers.get("content-type", "")
+                if ctype.startswith("multipart/"):
+                    # A form (the audio endpoints): its text fields, and each file's length and
+                    # digest, as the server's own form parser (Python's email package) reads them.
+                    rec["body"] = body[:2048].decode("utf-8", "replace")
+                    rec["body_length"] = len(body)
+                    rec["form"] = form_fields(ctype, body)
+                    rec["text"] = f"transcribed by {pod.name}"
                 pod.requests.append(rec)
                 hold = pod.hold
                 if hold is not None:
