@@ -228,6 +228,63 @@ fn bench(c: &mut Criterion) {
         })
     });
     parts.finish();
+
+    // Audio uploads (`gpuroute_core::form`): what the shells read of a form. The head OpenAI's
+    // Python SDK sends before the file (routed there), and a 4 MiB file-first body
+    // (`max_body_bytes`' default), read whole for a `model` after the file: the search for the
+    // boundary across the file is the most a form costs.
+    let mut forms = c.benchmark_group("form");
+    let boundary = "0b4e5d2c8a7f41e39c0d6b1a2f3e4d5c";
+    let part = |name: &str, file: bool| {
+        let filename = if file {
+            "; filename=\"clip.wav\"\r\ncontent-type: audio/wav"
+        } else {
+            ""
+        };
+        format!("--{boundary}\r\ncontent-disposition: form-data; name=\"{name}\"{filename}\r\n\r\n")
+    };
+    let mut head = Vec::new();
+    for (k, v) in [
+        ("model", "whisper"),
+        ("response_format", "json"),
+        ("language", "en"),
+    ] {
+        head.extend_from_slice(part(k, false).as_bytes());
+        head.extend_from_slice(format!("{v}\r\n").as_bytes());
+    }
+    head.extend_from_slice(part("file", true).as_bytes());
+    head.extend_from_slice(&[0x52; 1000]);
+    // Pseudo-random audio bytes (CR and LF among them), a fixed seed.
+    let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+    let audio: Vec<u8> = (0..4 * 1024 * 1024 - 1024)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let mut file_first = part("file", true).into_bytes();
+    file_first.extend_from_slice(&audio);
+    file_first.extend_from_slice(b"\r\n");
+    file_first.extend_from_slice(part("model", false).as_bytes());
+    file_first.extend_from_slice(format!("whisper\r\n--{boundary}--\r\n").as_bytes());
+    for (name, body, complete) in [
+        ("sdk_head", &head, false),
+        ("file_first_4mb", &file_first, true),
+    ] {
+        let scan = gpuroute_core::form::scan(body, boundary, complete);
+        assert!(
+            matches!(scan, Ok(gpuroute_core::form::Scan::Ready(_))),
+            "{name}"
+        );
+        forms.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(gpuroute_core::form::scan(black_box(body), boundary, complete).is_ok())
+            })
+        });
+    }
+    forms.finish();
 }
 
 /// The dynamic module's pattern: one engine for every Envoy worker, behind a mutex. Each thread

@@ -108,7 +108,7 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'
             (&rest[..0], pos + 2)
         } else {
             let window = &rest[..rest.len().min(MAX_PART_HEAD + 4)];
-            match find(window, b"\r\n\r\n", 0) {
+            match window.windows(4).position(|w| w == b"\r\n\r\n") {
                 Some(i) => (&rest[..i], pos + i + 4),
                 None if rest.len() >= MAX_PART_HEAD + 4 => {
                     return Err(malformed("a part's header lines are too long"))
@@ -260,21 +260,20 @@ fn parameters(mut s: &[u8]) -> impl Iterator<Item = (&[u8], Vec<u8>)> {
     })
 }
 
-/// The first `needle` in `hay` at or after `from`.
+/// The first `needle` (a delimiter: it starts with CR) in `hay` at or after `from`. Each CR is
+/// found by `memchr`, 16 bytes at a time (SIMD natively and with wasm32's simd128), without
+/// the set-up of a substring finder: a form's head is a few hundred bytes, but a part's content
+/// is a whole file when it comes before `model`.
 fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
-    let (&first, tail) = needle.split_first()?;
-    let mut i = from;
-    while i + needle.len() <= hay.len() {
-        let at = hay[i..hay.len() - tail.len()]
-            .iter()
-            .position(|&b| b == first)?;
-        let j = i + at;
-        if hay[j + 1..j + needle.len()] == *tail {
-            return Some(j);
+    let (&first, _) = needle.split_first()?;
+    let mut at = from;
+    loop {
+        at += memchr::memchr(first, hay.get(at..)?)?;
+        if hay.get(at..)?.starts_with(needle) {
+            return Some(at);
         }
-        i = j + 1;
+        at += 1;
     }
-    None
 }
 
 /// The form's `model` value replaced by `model`, bytes as they are (a form field is not
@@ -367,7 +366,7 @@ mod tests {
         assert!(r.stream);
         assert_eq!(&body[r.model_span.clone().unwrap()], b"whisper");
         // Ready before any of the file arrived: the file's head is enough.
-        let file_head = find(&body, b"audio/wav\r\n\r\n", 0).unwrap() + 13;
+        let file_head = memchr::memmem::find(&body, b"audio/wav\r\n\r\n").unwrap() + 13;
         assert_eq!(scan(&body[..file_head - 1], B, false).unwrap(), Scan::More);
         let early = ready(scan(&body[..file_head], B, false).unwrap());
         assert_eq!(early.model.as_deref(), Some("whisper"));
