@@ -133,8 +133,11 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'
                 fields.model = Some(value);
             }
             Some(b"stream") => {
+                // What the server's form model (pydantic) reads as true.
                 let v = body.get(value).unwrap_or_default().trim_ascii();
-                fields.stream = v.eq_ignore_ascii_case(b"true") || v == b"1";
+                fields.stream = [&b"true"[..], b"1", b"yes", b"on", b"t", b"y"]
+                    .iter()
+                    .any(|t| v.eq_ignore_ascii_case(t));
             }
             _ => {}
         }
@@ -364,6 +367,16 @@ mod tests {
         let r = ready(scan(&body, B, true).unwrap());
         assert_eq!(r.model.as_deref(), Some("whisper"));
         assert!(r.stream);
+        for (v, stream) in [
+            ("True", true),
+            ("1", true),
+            ("yes", true),
+            ("false", false),
+            ("0", false),
+        ] {
+            let b = form(&[("model", "w"), ("stream", v)], None, false);
+            assert_eq!(ready(scan(&b, B, true).unwrap()).stream, stream, "{v}");
+        }
         assert_eq!(&body[r.model_span.clone().unwrap()], b"whisper");
         // Ready before any of the file arrived: the file's head is enough.
         let file_head = memchr::memmem::find(&body, b"audio/wav\r\n\r\n").unwrap() + 13;
