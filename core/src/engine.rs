@@ -822,11 +822,7 @@ pub fn rewritten_length(
 
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
     let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
-    let mut out = Vec::with_capacity(body.len() + quoted.len());
-    out.extend_from_slice(body.get(..span.start).unwrap_or_default());
-    out.extend_from_slice(quoted.as_bytes());
-    out.extend_from_slice(body.get(span.end..).unwrap_or_default());
-    out
+    crate::bytes::splice(body, span, quoted.as_bytes())
 }
 
 #[cfg(test)]

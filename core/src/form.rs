@@ -282,11 +282,7 @@ fn find(hay: &[u8], needle: &[u8], from: usize) -> Option<usize> {
 /// The form's `model` value replaced by `model`, bytes as they are (a form field is not
 /// quoted).
 pub fn rewrite_model(body: &[u8], span: Range<usize>, model: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(body.len() + model.len());
-    out.extend_from_slice(body.get(..span.start).unwrap_or_default());
-    out.extend_from_slice(model.as_bytes());
-    out.extend_from_slice(body.get(span.end..).unwrap_or_default());
-    out
+    crate::bytes::splice(body, span, model.as_bytes())
 }
 
 #[cfg(test)]
