@@ -7,7 +7,9 @@ import hashlib
 import http.client
 import json
 import os
+import shutil
 import socket
+import subprocess
 import time
 import warnings
 
@@ -219,3 +221,27 @@ def test_bad_forms_get_the_apis_errors_and_nothing_reaches_a_pod(gateway, pods):
     # And Envoy serves on.
     ok, ctype = form([("field", "model", "whisper"), ("file", "file", "a.wav", clip)])
     assert upload(gateway, ok, ctype)[0] == 200
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")
+def test_curl_uploads_in_either_order_over_http1_and_http2(gateway, pods, tmp_path):
+    """curl as OpenAI's documentation writes it (`-F file=@... -F model=...`: the file first,
+    buffered) and with `model` first (streamed), over HTTP/1.1, where curl asks `Expect:
+    100-continue` before a large body, and over HTTP/2 (h2c with prior knowledge)."""
+    push(gateway, pods, "asr-1")
+    small, large = tmp_path / "small.wav", tmp_path / "large.wav"
+    small.write_bytes(audio(100_000))
+    large.write_bytes(audio(5 * MAX_BODY))
+    url = f"http://{gateway.listen}{TRANSCRIBE}"
+    orders = [(small, ["-F", f"file=@{small}", "-F", "model=whisper"]),
+              (large, ["-F", "model=whisper", "-F", f"file=@{large}"])]
+    for http in ("--http1.1", "--http2-prior-knowledge"):
+        for sent, fields in orders:
+            heads, answer = tmp_path / "headers.txt", tmp_path / "answer.json"
+            status = subprocess.run(["curl", "-sS", http, "-D", str(heads), "-o", str(answer), "-w", "%{http_code}",
+                                     url, *fields], capture_output=True, timeout=60, check=True).stdout
+            assert status == b"200", (http, sent.name, status, answer.read_bytes()[:300])
+            assert "x-served-by: asr-0" in heads.read_text().lower(), heads.read_text()
+            rec = json.loads(answer.read_bytes())
+            assert rec["form"]["model"] == "whisper-large-v3"
+            assert rec["form"]["file"]["sha256"] == sha(sent.read_bytes()), (http, sent.name)
