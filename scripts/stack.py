@@ -237,6 +237,12 @@ def main():
               "conversation kept on one (x-gateway-debug starts with split=assistant->...):\n")
         print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
               f"    -d '{{\"model\": \"assistant\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi, I am Ada.\"}}], \"max_tokens\": 32}}' -i\n")
+        audio = [m for p in stack.pools for m in p["models"] if "whisper" in m]
+        if audio:
+            print("An audio upload, a multipart form routed by its model field (the file: 10 s of 16 kHz\n"
+                  "16-bit audio to the simulated fleet; with model first, the upload streams to the pod):\n")
+            print(f"  head -c 320000 /dev/zero > /tmp/clip.wav\n"
+                  f"  curl -s http://{stack.listen}/v1/audio/transcriptions -F model={audio[0]} -F file=@/tmp/clip.wav -i\n")
         adapters = [a for p in stack.pools for a in p.get("adapters", [])]
         if adapters:
             print(f"A LoRA adapter goes to a pod that holds it or is its home (x-gateway-debug ends with the\n"

@@ -333,7 +333,8 @@ fn resolve_engine(
     })
 }
 
-/// The `demo` preset used by `make run`: two pools, fast and slow pods, three adapters.
+/// The `demo` preset used by `make run`: two LLM pools, fast and slow pods, three adapters; and a
+/// Whisper pool for audio uploads.
 /// H100 and L40S differ by 2.7x in compute and 3.9x in memory bandwidth (datasheets), about 3x
 /// overall.
 pub const DEMO_PRESET: &str = r#"{
@@ -346,7 +347,9 @@ pub const DEMO_PRESET: &str = r#"{
     {"name": "qwen-h100", "count": 1, "pool": "qwen-7b", "model": "Qwen/Qwen2.5-7B-Instruct",
      "gpu": "h100", "port": 18005},
     {"name": "qwen-l40s", "count": 1, "pool": "qwen-7b", "model": "Qwen/Qwen2.5-7B-Instruct",
-     "gpu": "l40s", "port": 18006}
+     "gpu": "l40s", "port": 18006},
+    {"name": "whisper-l40s", "count": 2, "pool": "whisper", "model": "openai/whisper-large-v3",
+     "gpu": "l40s", "port": 18007}
   ]
 }"#;
 
@@ -439,13 +442,17 @@ mod tests {
     }
 
     #[test]
-    fn demo_preset_has_six_pods_on_fixed_ports() {
+    fn demo_preset_has_eight_pods_on_fixed_ports() {
         let c = FleetFile::preset("demo")
             .unwrap()
             .resolve(Overrides::default())
             .unwrap();
         let ports: Vec<_> = c.pods.iter().map(|p| p.port).collect();
-        assert_eq!(ports, [18001, 18002, 18003, 18004, 18005, 18006]);
+        assert_eq!(
+            ports,
+            [18001, 18002, 18003, 18004, 18005, 18006, 18007, 18008]
+        );
+        assert_eq!(c.pods.iter().filter(|p| p.pool == "whisper").count(), 2);
         assert_eq!(c.pods.iter().filter(|p| p.pool == "llama-8b").count(), 4);
         assert!(c.pods[0].adapters.contains(&"summarize-lora".to_string()));
         assert!(FleetFile::preset("nope").is_err());

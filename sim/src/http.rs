@@ -3,7 +3,8 @@
 //! ending with `data: [DONE]`, or one JSON body with `usage`), `POST /v1/messages` (Anthropic's
 //! Messages API, which vLLM serves beside them: its message object, its named SSE events, its
 //! error shape; and `POST /v1/messages/count_tokens`), `GET /v1/models` (base model and LoRA adapters with `root`/`parent`),
-//! `GET /health`, `GET /version` and `GET /metrics`.
+//! `POST /v1/audio/transcriptions` and `/v1/audio/translations` (a `multipart/form-data` upload,
+//! as vLLM serves Whisper models there), `GET /health`, `GET /version` and `GET /metrics`.
 //! Every response carries `x-served-by` and `x-served-by-address`. The failure modes `hang` and
 //! `error` are applied here; `down` is applied by the listener ([`crate::server`]).
 
@@ -12,7 +13,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Multipart, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -41,6 +42,8 @@ pub fn router(pod: Arc<Pod>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/v1/audio/transcriptions", post(transcriptions))
+        .route("/v1/audio/translations", post(transcriptions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/version", get(version))
@@ -382,6 +385,91 @@ async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
     }
     let tokens = text::prompt_tokens(&messages_prompt(&req.system, &req.messages));
     json_response(StatusCode::OK, format!(r#"{{"input_tokens":{tokens}}}"#))
+}
+
+/// Audio a simulated upload holds per byte: 16 kHz, 16-bit mono PCM (a WAV file), the rate
+/// Whisper models take their input at.
+const AUDIO_BYTES_PER_SECOND: f64 = 32_000.0;
+/// Whisper's encoder reads audio in 30-second windows of 1,500 frames; the simulation counts the
+/// frames as prompt tokens (they are computed and attended to as a prompt's are).
+const FRAMES_PER_WINDOW: u32 = 1_500;
+const WINDOW_SECONDS: f64 = 30.0;
+/// Text tokens per second of speech: ~150 words a minute at ~1.3 tokens a word.
+const TEXT_TOKENS_PER_SECOND: f64 = 3.25;
+
+/// `POST /v1/audio/transcriptions` (and `translations`): the form's `model` and `file`; the
+/// engine runs the audio's frames as a prompt and its text as output, and the answer is OpenAI's
+/// JSON transcription (`text`, and `usage` by duration). Streamed answers are not simulated.
+async fn transcriptions(State(pod): State<Arc<Pod>>, mut form: Multipart) -> Response {
+    let mut model = None;
+    let mut audio_bytes = None;
+    let mut stream = false;
+    loop {
+        let field = match form.next_field().await {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(e) => return bad_request(&format!("malformed multipart body: {e}")),
+        };
+        let name = field.name().unwrap_or_default().to_string();
+        let is_file = field.file_name().is_some();
+        let data = match field.bytes().await {
+            Ok(d) => d,
+            Err(e) => return bad_request(&format!("malformed multipart body: {e}")),
+        };
+        match name.as_str() {
+            "file" if is_file => audio_bytes = Some(data.len()),
+            "model" => model = Some(String::from_utf8_lossy(&data).into_owned()),
+            "stream" => stream = matches!(&data[..], b"true" | b"True" | b"1"),
+            _ => {}
+        }
+    }
+    let Some(audio_bytes) = audio_bytes else {
+        return bad_request("the form has no `file`");
+    };
+    if stream {
+        return bad_request("fleet-sim does not simulate streamed transcriptions");
+    }
+    let model = model.unwrap_or_else(|| pod.cfg.model.clone());
+    if model != pod.cfg.model {
+        let message = format!("The model `{model}` does not exist.");
+        return error_response(StatusCode::NOT_FOUND, "NotFoundError", &message);
+    }
+    let seconds = (audio_bytes as f64 / AUDIO_BYTES_PER_SECOND).max(1.0);
+    let windows = (seconds / WINDOW_SECONDS).ceil() as u32;
+    let (rx, mut guard) = pod.submit(NewRequest {
+        prompt_tokens: windows.max(1) * FRAMES_PER_WINDOW,
+        output_tokens: ((seconds * TEXT_TOKENS_PER_SECOND).round() as u32).max(1),
+        finish: FinishReason::Stop,
+        block_hashes: Vec::new(),
+        adapter: None,
+        stream: false,
+    });
+    let mut rx = rx;
+    let mut generated = 0u32;
+    let mut finished = false;
+    while let Some(o) = rx.recv().await {
+        generated += o.new_tokens;
+        if o.finish.is_some() {
+            finished = true;
+            break;
+        }
+    }
+    if !finished {
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            "the engine stopped before the request finished",
+        );
+    }
+    guard.finish();
+    let text = serde_json::to_string(&text::filler(0, generated)).unwrap_or_default();
+    json_response(
+        StatusCode::OK,
+        format!(
+            r#"{{"text":{text},"usage":{{"type":"duration","seconds":{}}}}}"#,
+            seconds.ceil()
+        ),
+    )
 }
 
 async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {

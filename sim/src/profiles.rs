@@ -137,6 +137,7 @@ pub const BYTES_PER_ELEMENT: f64 = 2.0;
 /// - Qwen3-8B: 8.2B parameters, 36 layers, 32 heads x 128, 8 KV heads, max 40960 (`config.json`).
 /// - Qwen3-32B: 32.8B parameters, 64 layers, 64 heads x 128, 8 KV heads, max 40960
 ///   (`config.json`); fits one 80 GB GPU only with a small KV cache.
+/// - Whisper large-v3: below.
 pub const MODELS: &[ModelProfile] = &[
     ModelProfile {
         key: "llama-3.1-8b",
@@ -183,6 +184,21 @@ pub const MODELS: &[ModelProfile] = &[
         kv_heads: 8,
         head_dim: 128,
         max_position: 40_960,
+    },
+    // Whisper large-v3 (`openai/whisper-large-v3`): 1.55B parameters (model card), 32 decoder
+    // layers of 20 heads x 64 (d_model 1280, no grouped KV heads), 448 text positions
+    // (`config.json`). The simulation runs the encoder's 1,500 frames per 30 s of audio as a
+    // prompt (`crate::http`'s transcriptions), so its context is taken as one window and the
+    // text: 1,500 + 448.
+    ModelProfile {
+        key: "whisper-large-v3",
+        matches: &["whisper-large-v3", "whisper-large"],
+        params: 1.55e9,
+        layers: 32,
+        attn_width: 1280,
+        kv_heads: 20,
+        head_dim: 64,
+        max_position: 1_948,
     },
 ];
 

@@ -721,3 +721,90 @@ async fn a_conversation_shares_its_cached_prefix_across_chat_and_messages() {
         total.div_ceil(4)
     );
 }
+
+/// A multipart/form-data body of text fields and one file, fields first.
+fn form(fields: &[(&str, &str)], file: Option<&[u8]>) -> (Vec<u8>, String) {
+    let b = "simboundary42";
+    let mut out = Vec::new();
+    for (k, v) in fields {
+        out.extend_from_slice(
+            format!("--{b}\r\ncontent-disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n")
+                .as_bytes(),
+        );
+    }
+    if let Some(f) = file {
+        out.extend_from_slice(
+            format!("--{b}\r\ncontent-disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\ncontent-type: audio/wav\r\n\r\n").as_bytes(),
+        );
+        out.extend_from_slice(f);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(format!("--{b}--\r\n").as_bytes());
+    (out, format!("multipart/form-data; boundary={b}"))
+}
+
+#[tokio::test]
+async fn an_audio_upload_runs_its_frames_and_text_through_the_engine() {
+    let file = FleetFile::parse(
+        r#"{"seed": 7, "time_scale": 10, "pods": [
+            {"name": "asr", "pool": "whisper", "model": "openai/whisper-large-v3", "gpu": "l40s"}]}"#,
+    )
+    .unwrap();
+    let cfg = file.resolve(Overrides::default()).unwrap();
+    let fleet = Fleet::start(cfg, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let a = addr(&fleet, "asr");
+    let c = client();
+    let post = |path: &'static str, (body, ctype): (Vec<u8>, String)| {
+        c.post(format!("http://{a}{path}"))
+            .header("content-type", ctype)
+            .body(body)
+            .send()
+    };
+    let prompt_before = metric(&c, a, "vllm:prompt_tokens_total").await;
+    // 10 s of 16 kHz 16-bit audio: one 30 s window of frames, ~33 text tokens.
+    let audio = vec![7u8; 320_000];
+    for path in ["/v1/audio/transcriptions", "/v1/audio/translations"] {
+        let r = post(
+            path,
+            form(
+                &[("model", "openai/whisper-large-v3"), ("language", "en")],
+                Some(&audio),
+            ),
+        )
+        .await
+        .unwrap();
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(word_count(v["text"].as_str().unwrap()), 33, "{v}");
+        assert_eq!(v["usage"]["seconds"], 10.0);
+    }
+    assert_eq!(
+        metric(&c, a, "vllm:prompt_tokens_total").await - prompt_before,
+        3000.0
+    );
+    // The server's answers to what it cannot serve.
+    let cases = [
+        (form(&[("model", "whisper-tiny")], Some(&audio)), 404),
+        (form(&[("model", "openai/whisper-large-v3")], None), 400),
+        (
+            form(
+                &[("model", "openai/whisper-large-v3"), ("stream", "true")],
+                Some(&audio),
+            ),
+            400,
+        ),
+        (
+            (
+                b"not a form".to_vec(),
+                "multipart/form-data; boundary=x".into(),
+            ),
+            400,
+        ),
+    ];
+    for (body, status) in cases {
+        let r = post("/v1/audio/transcriptions", body).await.unwrap();
+        assert_eq!(r.status(), status);
+    }
+}
