@@ -123,6 +123,9 @@ INFERENCE_PATHS = [
     "/v1/messages/count_tokens",
     "/v1/audio/transcriptions",
     "/v1/audio/translations",
+    "/v1/rerank",
+    "/v1/score",
+    "/v2/rerank",
 ]
 
 

@@ -38,6 +38,11 @@ pub enum Endpoint {
     /// `/v1/messages/count_tokens`: a Messages body whose tokens are counted, not generated. It
     /// needs its model's pool, not a pod's capacity (see `Prepared::model_only`).
     CountTokens,
+    /// `/v1/rerank`, `/v2/rerank` (Cohere's and Jina's rerank APIs) and `/v1/score`, which vLLM
+    /// serves for cross-encoder and late-interaction models: a `query` and `documents` (or
+    /// `text_1` and `text_2`), no prompt to match against what a pod caches. The whole body's
+    /// length stands for the request's prefill: every document is encoded.
+    Rerank,
     /// Any other configured inference path: the first of the fields above that is present.
     Other,
 }
@@ -57,6 +62,8 @@ impl Endpoint {
             Endpoint::Embeddings
         } else if path.ends_with("/responses") {
             Endpoint::Responses
+        } else if path.ends_with("/rerank") || path.ends_with("/score") {
+            Endpoint::Rerank
         } else {
             Endpoint::Other
         }
@@ -380,6 +387,11 @@ fn parse_general(
         }
         // Read by `parse_messages`; were it ever here, its messages are chat's.
         Endpoint::Messages | Endpoint::CountTokens => prompt.messages(raw.messages),
+        Endpoint::Rerank => {
+            let mut req = prompt.finish(model, stream);
+            req.prompt_len = body.len();
+            return Ok(req);
+        }
         Endpoint::Other => {
             if raw.messages.is_some() {
                 prompt.messages(raw.messages);
@@ -1052,6 +1064,27 @@ mod tests {
     }
 
     #[test]
+    fn a_rerank_body_gives_its_model_and_its_length_as_the_prefill() {
+        let body = br#"{"model":"bge-reranker","query":"What is a panda?","documents":["hi","a bear"],"top_n":1}"#;
+        let r = parse(body, Endpoint::Rerank, 16_384, 1_024).unwrap();
+        assert_eq!(r.model.as_deref(), Some("bge-reranker"));
+        assert_eq!(&body[r.model_span.clone().unwrap()], br#""bge-reranker""#);
+        assert_eq!((r.prompt.as_str(), r.prompt_len), ("", body.len()));
+        assert_eq!(r.estimated_prompt_tokens(), body.len().div_ceil(4) as u32);
+        assert_eq!(r.conversation_len, None);
+        let score = br#"{"model":"m","text_1":"a","text_2":["b","c"]}"#;
+        assert_eq!(
+            parse(score, Endpoint::Rerank, 64, 64).unwrap().prompt_len,
+            score.len()
+        );
+        let twice = br#"{"model":"a","query":"q","model":"b","documents":[]}"#;
+        assert_eq!(
+            parse(twice, Endpoint::Rerank, 64, 64).unwrap_err().status,
+            400
+        );
+    }
+
+    #[test]
     fn endpoint_from_path() {
         assert_eq!(Endpoint::from_path("/v1/chat/completions"), Endpoint::Chat);
         assert_eq!(
@@ -1060,7 +1093,12 @@ mod tests {
         );
         assert_eq!(Endpoint::from_path("/v1/embeddings"), Endpoint::Embeddings);
         assert_eq!(Endpoint::from_path("/v1/responses"), Endpoint::Responses);
-        assert_eq!(Endpoint::from_path("/v1/score"), Endpoint::Other);
+        assert_eq!(Endpoint::from_path("/v1/score"), Endpoint::Rerank);
+        assert_eq!(Endpoint::from_path("/v2/rerank"), Endpoint::Rerank);
+        assert_eq!(
+            Endpoint::from_path("/v1/audio/transcriptions"),
+            Endpoint::Other
+        );
         assert_eq!(Endpoint::from_path("/v1/messages"), Endpoint::Messages);
         assert_eq!(
             Endpoint::from_path("/v1/messages/count_tokens"),

@@ -175,12 +175,19 @@ fn every_documented_default_is_the_codes() {
     assert!(checked > 35, "only {checked} defaults checked");
 }
 
-/// The `inference_paths` cell: "a, b/c, ... under `/v1`".
+/// The `inference_paths` cell: "a, b/c, ... under `/v1`", optionally followed by "; then `/x`,
+/// `/y`" (paths outside `/v1`, in their place at the end of the list).
 fn inference_paths(cell: &str) -> Value {
-    let list = cell
+    let (v1, then) = cell.split_once("; then ").unwrap_or((cell, ""));
+    let list = v1
         .strip_suffix(" under `/v1`")
         .unwrap_or_else(|| panic!("inference_paths: unreadable default {cell:?}"));
-    let paths: Vec<String> = list.split(", ").map(|p| format!("/v1/{p}")).collect();
+    let mut paths: Vec<String> = list.split(", ").map(|p| format!("/v1/{p}")).collect();
+    paths.extend(
+        then.split(", ")
+            .filter(|p| !p.is_empty())
+            .map(|p| p.trim_matches('`').to_string()),
+    );
     json!(paths)
 }
 

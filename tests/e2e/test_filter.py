@@ -664,6 +664,26 @@ def test_count_tokens_is_routed_to_its_models_pool_and_not_counted_as_load(envoy
     assert (s, err["type"]) == (404, "not_found_error"), err
 
 
+def test_rerank_and_score_requests_are_routed_by_model_to_the_least_loaded_pod(envoy, pods):
+    """vLLM's rerank and score APIs (Jina's `/v1/rerank`, Cohere's `/v2/rerank`, `/v1/score`) are
+    default inference paths: each body goes to its model's pool, the alias rewritten, and to the
+    idle pod of the pool; the others are busy."""
+    busy = {"waiting": 30, "running": 40, "kv_cache_usage": 0.9}
+    assert envoy.push(fresh(pods, llama=[busy, {}, busy]))[0] == 204
+    asks = [
+        ("/v1/rerank", {"model": "llama", "query": "What is a panda?", "documents": ["hi", "a bear"], "top_n": 1}),
+        ("/v2/rerank", {"model": "llama", "query": "What is a panda?", "documents": ["hi", "a bear"]}),
+        ("/v1/score", {"model": "llama", "text_1": "What is a panda?", "text_2": ["hi", "a bear"]}),
+    ]
+    for path, ask in asks:
+        for _ in range(3):
+            s, h, body, _ = envoy.request("POST", path, ask)
+            assert (s, body["pod"], body["path"]) == (200, "llama-1", path), (path, h.get("x-gateway-debug"))
+            assert json.loads(body["body"]) == dict(ask, model="llama-3-8b")
+    s, err = error_of(envoy.request("POST", "/v1/rerank", dict(asks[0][1], model="bge-9")))
+    assert (s, err["code"]) == (404, "model_not_found"), err
+
+
 def test_a_conversation_keeps_its_pod_across_the_openai_and_anthropic_apis(envoy, pods):
     """The engines apply one chat template to both APIs, so a conversation's cached prefix on a
     pod serves it whichever API the client uses: a Messages request whose `system` and first
