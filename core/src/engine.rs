@@ -170,6 +170,11 @@ impl Prepared {
         self.response_key.filter(|_| self.response_pod.is_none())
     }
 
+    /// A Responses API turn that names a stored response (`previous_response_id`).
+    pub fn continues_response(&self) -> bool {
+        self.response_key.is_some()
+    }
+
     /// Hashes recorded in the index: the anchors, plus the conversation and adapter keys.
     /// `out` is cleared first.
     pub fn anchor_hashes(&self, out: &mut Vec<u64>) {
@@ -194,6 +199,9 @@ pub struct Choice {
     pub prefill_tokens: u32,
     /// Score breakdown for the debug header, when asked for.
     pub debug: Option<String>,
+    /// The request continues a stored response ([`Prepared::continues_response`]), and went
+    /// to the pod that holds it.
+    pub pinned_response: bool,
 }
 
 /// Per-request inputs of [`Engine::decide`] besides the pool state.
@@ -530,6 +538,7 @@ impl Engine {
             picked_index: None,
             prefill_tokens: prep.prompt_tokens,
             debug: None,
+            pinned_response: false,
         };
         if !self.config.pick_endpoints {
             return none(Decision::FailOpen(FailOpen::Disabled));
@@ -590,6 +599,7 @@ impl Engine {
                 .is_some(),
             _ => false,
         };
+        choice.pinned_response = pinned;
         if let Decision::Picked(ranked) = &choice.decision {
             choice.destination = Some(destination(pool, ranked));
             choice.picked_index = ranked.first().copied();
@@ -1490,9 +1500,11 @@ mod tests {
             Some(held),
             "load decides for an unknown id"
         );
+        assert!(!unknown.pinned_response);
         a.learn_response("resp_1", held);
         let c = first(&mut a, &f, &turn("resp_1"));
         assert_eq!(c.picked_key, Some(held));
+        assert!(c.pinned_response);
         let dest = c.destination.unwrap();
         assert_eq!(dest.split(',').count(), 3, "{dest}");
         assert!(dest.starts_with(&f.pool("llama").unwrap().pods[2].snap.address));
@@ -1511,7 +1523,9 @@ mod tests {
 
         // A pod that failed has lost what it held: load decides again.
         f = fleet_where(4, |p| p.healthy = p.address != "10.0.0.3:8000");
-        assert_ne!(first(&mut a, &f, &turn("resp_1")).picked_key, Some(held));
+        let after = first(&mut a, &f, &turn("resp_1"));
+        assert_ne!(after.picked_key, Some(held));
+        assert!(!after.pinned_response);
         assert_eq!(
             a.stored_response_pod("resp_1", &f),
             None,

@@ -122,6 +122,10 @@ struct Metrics {
     snapshot_age: Option<usize>,
     snapshot_pods: Option<usize>,
     models_list: Option<usize>,
+    /// `gpuroute.responses.{learned,pinned,unpinned}`.
+    responses_learned: Option<usize>,
+    responses_pinned: Option<usize>,
+    responses_unpinned: Option<usize>,
     decision_us: Option<usize>,
     picks: Option<usize>,
 }
@@ -179,6 +183,9 @@ impl Metrics {
             snapshot_age: d.gauge("gpuroute.snapshot.age_ms"),
             snapshot_pods: d.gauge("gpuroute.snapshot.pods"),
             models_list: d.counter("gpuroute.models_list", &[]),
+            responses_learned: d.counter("gpuroute.responses.learned", &[]),
+            responses_pinned: d.counter("gpuroute.responses.pinned", &[]),
+            responses_unpinned: d.counter("gpuroute.responses.unpinned", &[]),
             decision_us: d.histogram("gpuroute.decision_us"),
             picks: d.counter("gpuroute.picks", &["pool", "pod"]),
         }
@@ -497,10 +504,14 @@ impl Filter {
                 let (pool, address) = r.engine.stored_response_pod(id, f)?;
                 Some((pool.to_owned(), address.to_owned()))
             });
+            let m = &config.metrics;
             if let Some((pool, address)) = found {
                 s.add_header(REQUEST_HEADERS, headers::POOL, &pool);
                 s.add_header(REQUEST_HEADERS, headers::DESTINATION, &address);
                 s.clear_route_cache();
+                config.count(m.responses_pinned);
+            } else {
+                config.count(m.responses_unpinned);
             }
             return abi::HEADERS_CONTINUE;
         }
@@ -861,6 +872,12 @@ impl Filter {
             for id in m.split_ids(&prep) {
                 p.count(id);
             }
+            if prep.continues_response() {
+                p.count(match choice.pinned_response {
+                    true => m.responses_pinned,
+                    false => m.responses_unpinned,
+                });
+            }
             if let Some((key, addr)) = picked_at {
                 p.pick(pool, key, addr);
             }
@@ -893,6 +910,7 @@ impl Filter {
             }
             if let Some(id) = found {
                 self.config.router.lock().engine.learn_response(&id, pod);
+                self.config.count(self.config.metrics.responses_learned);
             }
         }
         if let Some(p) = self.picked.as_mut() {

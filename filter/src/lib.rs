@@ -992,6 +992,12 @@ impl Http {
             .engine
             .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         w.view = view;
+        if prep.continues_response() {
+            w.stats.inc(match choice.pinned_response {
+                true => "gpuroute.responses.pinned",
+                false => "gpuroute.responses.unpinned",
+            });
+        }
         self.debug = choice.debug.take();
 
         let pool = &*prep.pool;
@@ -1232,11 +1238,16 @@ impl Http {
             // Another worker may have served it: its slot says so before any tick.
             w.note_shared_response(engine::response_key(&id));
         }
-        if let Some((pool, address)) = known(w, &id) {
-            let h = MapType::HttpRequestHeaders;
-            let _ = host::add_header(h, headers::POOL, pool);
-            let _ = host::add_header(h, headers::DESTINATION, address);
-        }
+        let pinned = match known(w, &id) {
+            Some((pool, address)) => {
+                let h = MapType::HttpRequestHeaders;
+                let _ = host::add_header(h, headers::POOL, pool);
+                let _ = host::add_header(h, headers::DESTINATION, address);
+                "gpuroute.responses.pinned"
+            }
+            None => "gpuroute.responses.unpinned",
+        };
+        w.stats.inc(pinned);
     }
 
     /// An HTTP/2 request can end with trailers instead of with its last body bytes: its body,
@@ -1283,6 +1294,7 @@ impl Http {
             let worker = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok());
             if let (Some(id), Some(mut w)) = (found, worker) {
                 w.engine.learn_response(&id, pod);
+                w.stats.inc("gpuroute.responses.learned");
                 // In the workers' shared slots at once, before the client has the answer: its
                 // next turn may reach another worker before this one's tick.
                 let (slot, value) = engine::response_slot(engine::response_key(&id), pod);

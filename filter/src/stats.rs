@@ -17,6 +17,9 @@
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
 //!   worker's first routed request and one in `DECISION_SAMPLE` after it)
 //! - `gpuroute.models_list` (counter: `GET` under `models_path` answered, the list or one model)
+//! - `gpuroute.responses.learned`, `gpuroute.responses.pinned`, `gpuroute.responses.unpinned`
+//!   (counters: stored-response ids learned from answers; turns and calls by id sent to the pod
+//!   that holds their response, and those that could not be)
 //! - `gpuroute.idle_wakes` (counter: a routed request found its worker's tick slowed down by
 //!   idling, `idle_tick_ms`, and restored it)
 //!

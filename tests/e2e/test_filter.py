@@ -412,6 +412,10 @@ def test_a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it(pods)
         # An unknown id keeps the route table's answer.
         s, _, body, _ = e.request("GET", "/v1/responses/resp_unknown")
         assert (s, body["error"]["code"]) == (404, "not_found")
+        # Counted: 11 answers' ids learned; 8 turns and 8 calls pinned; the unknown id's turn
+        # and call not. The Envoy's two workers each count their own: the stats sum them.
+        stat = lambda n: e.stat(STAT_PREFIX + f"gpuroute.responses.{n}")
+        assert (stat("learned"), stat("pinned"), stat("unpinned")) == (11, 16, 2)
     finally:
         e.stop()
 
