@@ -4,6 +4,7 @@ sidecar-metrics scraping it and pushing snapshots, and Envoy with the filter (or
 load balancer).
 
   stack.py run                                   the demo (make run): fixed ports, waits for Ctrl-C
+  stack.py run --any-ports                       the same on OS-chosen ports (tests)
   stack.py stack --router filter --scenario mixed-gpu
                                                  one benchmark scenario's fleet behind one router,
                                                  left running for any other load tool (make stack)
@@ -52,10 +53,11 @@ def http_ok(url):
 class Stack:
     def __init__(self, fleet=None, preset=None, router="filter", listen=None, admin=None, ingest=None,
                  sidecar_listen=None, concurrency=1, interval_ms=100, filter_overrides=None, workdir=None,
-                 time_scale=None, quiet=True, access_log=None):
+                 time_scale=None, quiet=True, access_log=None, fleet_args=()):
         """`access_log`: a file for Envoy's access log of the OpenAI listener (envoy/render.py's
         `access_log`), written every second; none by default (the benchmarks run without)."""
         self.access_log = access_log
+        self.fleet_args = list(fleet_args)
         self.fleet = fleet
         self.preset = preset
         self.router = router
@@ -104,6 +106,7 @@ class Stack:
             args += ["--fleet", str(fleet_file), "--admin", "127.0.0.1:0"]
         if self.time_scale:
             args += ["--time-scale", str(self.time_scale)]
+        args += self.fleet_args
         fleet_proc = self._spawn(args, "fleet-sim.log")
         wait_for(lambda: ports_file.exists() or fleet_proc.poll() is not None, 30, "fleet-sim")
         if fleet_proc.poll() is not None:
@@ -207,7 +210,10 @@ def wait_forever(stack):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("run", help="the demo stack on 127.0.0.1:8080")
+    rn = sub.add_parser("run", help="the demo stack on 127.0.0.1:8080")
+    rn.add_argument("--any-ports", action="store_true",
+                    help="every listener on an OS-chosen port, the logs in a temporary directory (a test "
+                         "runs the demo this way beside other servers; the printed commands name the ports)")
     st = sub.add_parser("stack", help="a benchmark scenario's stack, left running")
     st.add_argument("--router", default="filter", choices=["filter", "filter_original_dst", "round_robin", "least_request"])
     st.add_argument("--scenario", default="mixed-gpu")
@@ -220,10 +226,18 @@ def main():
         # canary rollout of a new model would be: the public name `assistant`, 80 / 20.
         split = {"assistant": [{"model": "meta-llama/Llama-3.1-8B-Instruct", "weight": 80},
                                {"model": "Qwen/Qwen2.5-7B-Instruct", "weight": 20}]}
-        stack = Stack(preset="demo", router="filter", listen="127.0.0.1:8080", admin="127.0.0.1:9901",
-                      ingest="127.0.0.1:9002", sidecar_listen="127.0.0.1:9100", concurrency=2,
-                      filter_overrides={"debug_header": True, "splits": split}, workdir=ROOT / "target" / "run",
-                      access_log=ROOT / "target" / "run" / "access.log").start()
+        if args.any_ports:
+            ports = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}",
+                     "ingest": f"127.0.0.1:{free_port()}", "sidecar_listen": f"127.0.0.1:{free_port()}"}
+            workdir = Path(tempfile.mkdtemp(prefix="gpuroute-run-"))
+        else:
+            ports = {"listen": "127.0.0.1:8080", "admin": "127.0.0.1:9901", "ingest": "127.0.0.1:9002",
+                     "sidecar_listen": "127.0.0.1:9100"}
+            workdir = ROOT / "target" / "run"
+        stack = Stack(preset="demo", router="filter", concurrency=2, **ports,
+                      filter_overrides={"debug_header": True, "splits": split}, workdir=workdir,
+                      access_log=workdir / "access.log",
+                      fleet_args=["--any-ports"] if args.any_ports else []).start()
         model = stack.pools[0]["models"][0]
         print("\ngpuroute is up: Envoy + filter + sidecar-metrics + a simulated fleet\n")
         print(stack.describe())

@@ -36,6 +36,10 @@ struct Args {
     /// Admin API address (default 127.0.0.1:0; the demo preset uses 127.0.0.1:18000).
     #[arg(long)]
     admin: Option<SocketAddr>,
+    /// Every pod, and the admin API unless `--admin` is given, on an OS-chosen port instead of
+    /// the fleet's own (a test running the demo preset beside other servers).
+    #[arg(long)]
+    any_ports: bool,
 }
 
 #[tokio::main]
@@ -54,10 +58,18 @@ async fn main() -> anyhow::Result<()> {
         (None, Some(name)) => (FleetFile::preset(name)?, DEMO_ADMIN),
         (None, None) => bail!("give --fleet FLEET.json or --preset demo"),
     };
-    let cfg = file.resolve(Overrides {
+    let mut cfg = file.resolve(Overrides {
         seed: args.seed,
         time_scale: args.time_scale,
     })?;
+    let default_admin = if args.any_ports {
+        for p in &mut cfg.pods {
+            p.port = 0;
+        }
+        "127.0.0.1:0"
+    } else {
+        default_admin
+    };
     let admin = match args.admin {
         Some(a) => a,
         None => default_admin.parse().context("admin address")?,
