@@ -750,7 +750,6 @@ impl Filter {
         let fleet = current_fleet();
         let now = now_ms();
 
-        let buffered = s.request_body_len();
         let read = s.with_request_body(|body| {
             let ctx = RequestContext {
                 fleet: fleet.as_deref(),
@@ -855,6 +854,7 @@ impl Filter {
                 s.add_header(REQUEST_HEADERS, name, value);
             }
             if let Some(new_body) = &prep.rewritten_body {
+                let buffered = s.request_body_len();
                 s.replace_request_body(new_body);
                 let declared = self.head.content_length;
                 let length = engine::rewritten_length(complete, declared, buffered, new_body.len());
