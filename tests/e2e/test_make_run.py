@@ -5,11 +5,14 @@ port; the printed commands name the ports it took."""
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,6 +32,7 @@ def printed_commands(text):
     return commands
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="the printed commands need curl")
 def test_every_command_make_run_prints_works_as_printed(tmp_path):
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "stack.py"), "run", "--any-ports"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
