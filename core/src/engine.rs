@@ -261,6 +261,17 @@ enum Format<'a> {
     Form(&'a str),
 }
 
+impl Format<'_> {
+    /// `body` with its `model` value (at `span`) replaced by `model`, written as this format
+    /// writes a value.
+    fn rewrite_model(self, body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
+        match self {
+            Format::Json => rewrite_model(body, span, model),
+            Format::Form(_) => form::rewrite_model(body, span, model),
+        }
+    }
+}
+
 impl Reader {
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
     /// API's answers to send.
@@ -352,13 +363,8 @@ impl Reader {
                 (t.clone(), Some(taken))
             }
         };
-        let rewritten_body = match (&req.model_span, target.rewrite, format) {
-            (Some(span), true, Format::Json) => {
-                Some(rewrite_model(body, span.clone(), &target.model))
-            }
-            (Some(span), true, Format::Form(_)) => {
-                Some(form::rewrite_model(body, span.clone(), &target.model))
-            }
+        let rewritten_body = match (&req.model_span, target.rewrite) {
+            (Some(span), true) => Some(format.rewrite_model(body, span.clone(), &target.model)),
             _ => None,
         };
         // Adapters have their own KV (engines key cached blocks by adapter too).
@@ -813,7 +819,6 @@ fn destination(pool: &PoolState, ranked: &[usize]) -> String {
 
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
-/// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
 /// The `content-length` to give a request whose buffered body of `old` bytes was rewritten to
 /// `new`: the new body's when it is `complete`; else (a form routed before its upload ended) the
 /// declared length changed by the difference, and none when there is no declared length (the
@@ -830,6 +835,7 @@ pub fn rewritten_length(
     declared?.checked_sub(old)?.checked_add(new)
 }
 
+/// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
 pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
     let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
     crate::bytes::splice(body, span, quoted.as_bytes())

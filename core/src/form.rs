@@ -62,7 +62,7 @@ pub enum Scan<'a> {
 /// answer whichever prefix of it was scanned first.
 pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'a>, ApiError> {
     if boundary.is_empty() {
-        return Err(malformed(
+        return Err(ApiError::invalid_form(
             "the multipart content-type has no usable `boundary` parameter",
         ));
     }
@@ -71,7 +71,7 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'
     delim.extend_from_slice(boundary.as_bytes());
     let more = |why: &str| {
         if complete {
-            Err(malformed(why))
+            Err(ApiError::invalid_form(why))
         } else {
             Ok(Scan::More)
         }
@@ -98,7 +98,11 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'
             .count();
         match rest.get(blanks..blanks + 2) {
             Some(b"\r\n") => pos += blanks + 2,
-            Some(_) => return Err(malformed("a boundary line does not end with CRLF")),
+            Some(_) => {
+                return Err(ApiError::invalid_form(
+                    "a boundary line does not end with CRLF",
+                ))
+            }
             None if rest.len() < 2 => return more("the form is not closed"),
             None => return more("a boundary line is cut short"),
         }
@@ -111,7 +115,7 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'
             match window.windows(4).position(|w| w == b"\r\n\r\n") {
                 Some(i) => (&rest[..i], pos + i + 4),
                 None if rest.len() >= MAX_PART_HEAD + 4 => {
-                    return Err(malformed("a part's header lines are too long"))
+                    return Err(ApiError::invalid_form("a part's header lines are too long"))
                 }
                 None => return more("a part's header lines are cut short"),
             }
@@ -128,7 +132,9 @@ pub fn scan<'a>(body: &'a [u8], boundary: &str, complete: bool) -> Result<Scan<'
         match part.name.as_deref() {
             Some(b"model") => {
                 if fields.model.is_some() {
-                    return Err(malformed("the form has more than one `model` field"));
+                    return Err(ApiError::invalid_form(
+                        "the form has more than one `model` field",
+                    ));
                 }
                 fields.model = Some(value);
             }
@@ -166,10 +172,6 @@ impl Fields {
             previous_response: None,
         }
     }
-}
-
-fn malformed(why: &str) -> ApiError {
-    ApiError::invalid_form(why)
 }
 
 /// A part's `content-disposition`: its field name, and whether it is a file.

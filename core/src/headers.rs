@@ -102,11 +102,21 @@ impl RequestHead {
         h
     }
 
+    /// The 413 for a body found over `max_body_bytes` while it is buffered: for a form, the one
+    /// that says to send `model` before the file.
+    pub fn too_large(&self, max_body_bytes: usize) -> ApiError {
+        match self.form_boundary {
+            Some(_) => ApiError::form_too_large(max_body_bytes),
+            None => ApiError::body_too_large(max_body_bytes),
+        }
+    }
+
     /// What the request line and headers alone decide for a request on an inference path,
     /// before any of its body is buffered: a method other than POST (405: it would otherwise
     /// reach the route table without a pool, whose answer says the filter is not running), a
-    /// declared length over `max_body_bytes` (413; not for a form, below), then a compressed body the filter cannot
-    /// read (415). Both shells answer the error and count it under its code.
+    /// declared length over `max_body_bytes` (413; not for a form, whose upload may stream on),
+    /// then a compressed body the filter cannot read (415). Both shells answer the error and
+    /// count it under its code.
     pub fn admit(&self, method: &str, max_body_bytes: usize) -> Result<(), ApiError> {
         if method != "POST" {
             return Err(ApiError::method_not_allowed("POST"));

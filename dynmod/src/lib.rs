@@ -558,10 +558,7 @@ impl Filter {
                 let max = config.settings.max_body_bytes;
                 if len > max {
                     config.count(config.metrics.rejected_id(Some("request_too_large")));
-                    let e = match form {
-                        true => ApiError::form_too_large(max),
-                        false => ApiError::body_too_large(max),
-                    };
+                    let e = self.head.too_large(max);
                     self.reply_error(s, &e);
                     return abi::BODY_STOP_NO_BUFFER;
                 }

@@ -1193,10 +1193,7 @@ impl Http {
                 }
                 let max = w.engine.config.max_body_bytes;
                 if body_size > max {
-                    let e = match form {
-                        true => ApiError::form_too_large(max),
-                        false => ApiError::body_too_large(max),
-                    };
+                    let e = self.head.too_large(max);
                     return self.reject(&mut w, &e);
                 }
                 if !end_of_stream {

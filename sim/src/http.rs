@@ -444,23 +444,13 @@ async fn transcriptions(State(pod): State<Arc<Pod>>, mut form: Multipart) -> Res
         adapter: None,
         stream: false,
     });
-    let mut rx = rx;
-    let mut generated = 0u32;
-    let mut finished = false;
-    while let Some(o) = rx.recv().await {
-        generated += o.new_tokens;
-        if o.finish.is_some() {
-            finished = true;
-            break;
-        }
-    }
-    if !finished {
+    let Some(Finished { generated, .. }) = finish(rx).await else {
         return error_response(
             StatusCode::INTERNAL_SERVER_ERROR,
             "InternalServerError",
             "the engine stopped before the request finished",
         );
-    }
+    };
     guard.finish();
     let text = serde_json::to_string(&text::filler(0, generated)).unwrap_or_default();
     json_response(
@@ -605,23 +595,40 @@ fn usage_json(prompt: u32, completion: u32, cached: u32) -> String {
     )
 }
 
+/// What a non-streamed request's emissions add up to once it finished.
+struct Finished {
+    generated: u32,
+    finish: FinishReason,
+    cached: u32,
+}
+
+/// Waits for a request's last emission; `None` if the engine stopped before it.
+async fn finish(mut rx: mpsc::UnboundedReceiver<Output>) -> Option<Finished> {
+    let mut generated = 0u32;
+    while let Some(o) = rx.recv().await {
+        generated += o.new_tokens;
+        if let Some(finish) = o.finish {
+            return Some(Finished {
+                generated,
+                finish,
+                cached: o.cached_tokens,
+            });
+        }
+    }
+    None
+}
+
 async fn full_response(
-    mut rx: mpsc::UnboundedReceiver<Output>,
+    rx: mpsc::UnboundedReceiver<Output>,
     mut guard: RequestGuard,
     meta: Meta,
 ) -> Response {
-    let mut generated = 0u32;
-    let mut finish = None;
-    let mut cached = 0;
-    while let Some(o) = rx.recv().await {
-        generated += o.new_tokens;
-        cached = o.cached_tokens;
-        if o.finish.is_some() {
-            finish = o.finish;
-            break;
-        }
-    }
-    let Some(finish) = finish else {
+    let Some(Finished {
+        generated,
+        finish,
+        cached,
+    }) = finish(rx).await
+    else {
         return api_error(
             meta.api,
             StatusCode::INTERNAL_SERVER_ERROR,
