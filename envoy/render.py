@@ -125,7 +125,14 @@ INFERENCE_PATHS = [
     "/v1/audio/translations",
     "/v1/rerank",
     "/v1/score",
+    "/v1/classify",
     "/v2/rerank",
+    "/rerank",
+    "/score",
+    "/classify",
+    "/pooling",
+    "/tokenize",
+    "/detokenize",
 ]
 
 

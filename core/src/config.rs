@@ -394,7 +394,14 @@ fn default_inference_paths() -> Vec<String> {
         "/v1/audio/translations",
         "/v1/rerank",
         "/v1/score",
+        "/v1/classify",
         "/v2/rerank",
+        "/rerank",
+        "/score",
+        "/classify",
+        "/pooling",
+        "/tokenize",
+        "/detokenize",
     ]
     .iter()
     .map(|s| s.to_string())
@@ -678,12 +685,14 @@ mod tests {
     fn minimal_config_gets_documented_defaults() {
         let c = FilterConfig::from_json(MINIMAL.as_bytes()).unwrap();
         assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
-        assert_eq!(c.inference_paths.len(), 11);
+        assert_eq!(c.inference_paths.len(), 18);
         assert!(c.is_inference_path("/v1/messages"));
         assert!(c.is_inference_path("/v1/audio/transcriptions"));
         assert!(c.is_inference_path("/v1/audio/translations"));
         assert!(c.is_inference_path("/v2/rerank"));
         assert!(c.is_inference_path("/v1/messages/count_tokens"));
+        assert!(c.is_inference_path("/tokenize"));
+        assert!(!c.is_inference_path("/v1/tokenize"));
         assert_eq!(c.models_path, "/v1/models");
         assert_eq!(c.scoring.stale_after_ms, 1_000);
         assert_eq!(c.scoring.effective_weights(), Preset::Latency.weights());

@@ -107,7 +107,8 @@ pub struct Prepared {
     pub pool: Arc<str>,
     pub stream: bool,
     pub prompt_tokens: u32,
-    /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`):
+    /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`,
+    /// `/tokenize`, `/detokenize`):
     /// [`Engine::decide`] leaves the pod to Envoy ([`FailOpen::ModelOnly`]).
     pub model_only: bool,
     /// The body with the alias replaced by the real model name, when an alias was used.
@@ -326,7 +327,7 @@ impl Reader {
             split_key,
         } = ctx;
         let p = &self.prefix;
-        let model_only = endpoint == Endpoint::CountTokens;
+        let model_only = matches!(endpoint, Endpoint::CountTokens | Endpoint::Tokenize);
         let (target, split) = match self.routes.resolve(req.model.as_deref())? {
             Resolved::Target(t) => (t.clone(), None),
             Resolved::Split(s) => {
@@ -1269,6 +1270,53 @@ mod tests {
             "{:?}",
             c.decision
         );
+    }
+
+    #[test]
+    fn tokenizing_needs_the_pool_not_a_pod() {
+        let mut e = engine();
+        let f = fleet(3);
+        let opts = DecideOptions {
+            now_ms: 1_000,
+            sheddable: false,
+            debug: false,
+        };
+        let mut rng = SplitMix64::new(1);
+        let body = chat("llama", &"word ".repeat(2_000));
+        e.prepare("/v1/chat/completions", &body).unwrap();
+        let typical = e.avg_prompt_tokens;
+        let ids = br#"{"model":"llama","tokens":[1,2,3]}"#;
+        for (path, body) in [("/tokenize", &body[..]), ("/detokenize", &ids[..])] {
+            let p = e.prepare(path, body).unwrap();
+            assert!(p.model_only, "{path}");
+            assert_eq!((&*p.pool, p.prompt_tokens), ("llama", 0), "{path}");
+            // The alias is rewritten as for any request; the pod is left to Envoy.
+            assert!(p.rewritten_body.is_some(), "{path}");
+            let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
+            assert_eq!(
+                c.decision,
+                Decision::FailOpen(FailOpen::ModelOnly),
+                "{path}"
+            );
+            assert!(c.destination.is_none(), "{path}");
+        }
+        assert_eq!(e.avg_prompt_tokens, typical);
+        // A text tokenized is not a prefix any pod caches: the same text sent for real finds
+        // nothing learned from it.
+        let text = chat("llama", &"tokenized once, never sent. ".repeat(40));
+        for _ in 0..3 {
+            let p = e.prepare("/tokenize", &text).unwrap();
+            let _ = e.decide(&p, Some(&f), &[], opts, &mut rng);
+        }
+        assert!(e
+            .prepare("/v1/chat/completions", &text)
+            .unwrap()
+            .matches
+            .is_empty());
+        let e404 = e
+            .prepare("/tokenize", &chat("no-such-model", "hi"))
+            .unwrap_err();
+        assert_eq!(e404.status, 404);
     }
 
     #[test]

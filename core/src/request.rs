@@ -43,6 +43,10 @@ pub enum Endpoint {
     /// `text_1` and `text_2`), no prompt to match against what a pod caches. The whole body's
     /// length stands for the request's prefill: every document is encoded.
     Rerank,
+    /// `/tokenize` and `/detokenize` (vLLM's): text to token ids and back with
+    /// the model's tokenizer, on the server's CPU. Like `CountTokens` it needs its model's pool,
+    /// not a pod's capacity, and its text is not cached anywhere (see `Prepared::model_only`).
+    Tokenize,
     /// Any other configured inference path: the first of the fields above that is present.
     Other,
 }
@@ -64,6 +68,8 @@ impl Endpoint {
             Endpoint::Responses
         } else if path.ends_with("/rerank") || path.ends_with("/score") {
             Endpoint::Rerank
+        } else if path.ends_with("/tokenize") || path.ends_with("/detokenize") {
+            Endpoint::Tokenize
         } else {
             Endpoint::Other
         }
@@ -392,6 +398,8 @@ fn parse_general(
             req.prompt_len = body.len();
             return Ok(req);
         }
+        // Only the model matters: no pod is picked and nothing is hashed.
+        Endpoint::Tokenize => {}
         Endpoint::Other => {
             if raw.messages.is_some() {
                 prompt.messages(raw.messages);
@@ -1104,6 +1112,49 @@ mod tests {
             Endpoint::from_path("/v1/messages/count_tokens"),
             Endpoint::CountTokens
         );
+        assert_eq!(Endpoint::from_path("/rerank"), Endpoint::Rerank);
+        assert_eq!(Endpoint::from_path("/score"), Endpoint::Rerank);
+        assert_eq!(Endpoint::from_path("/tokenize"), Endpoint::Tokenize);
+        assert_eq!(Endpoint::from_path("/detokenize"), Endpoint::Tokenize);
+        // Pooling and classification bodies carry `input` (or `messages`), read as embeddings'.
+        assert_eq!(Endpoint::from_path("/pooling"), Endpoint::Other);
+        assert_eq!(Endpoint::from_path("/v1/classify"), Endpoint::Other);
+    }
+
+    #[test]
+    fn a_tokenize_body_gives_its_model_and_no_prompt() {
+        let body = br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"add_generation_prompt":true}"#;
+        let r = parse(body, Endpoint::Tokenize, 1024, 64).unwrap();
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert_eq!(&body[r.model_span.clone().unwrap()], br#""m""#);
+        assert_eq!((r.prompt.as_str(), r.prompt_len), ("", 0));
+        let ids = br#"{"model":"m","tokens":[128000,9906]}"#;
+        assert_eq!(
+            parse(ids, Endpoint::Tokenize, 1024, 64)
+                .unwrap()
+                .model
+                .as_deref(),
+            Some("m")
+        );
+        let bad = br#"{"model":7,"prompt":"hi"}"#;
+        assert_eq!(
+            parse(bad, Endpoint::Tokenize, 1024, 64).unwrap_err().status,
+            400
+        );
+        assert_eq!(
+            parse(b"{", Endpoint::Tokenize, 1024, 64)
+                .unwrap_err()
+                .status,
+            400
+        );
+    }
+
+    #[test]
+    fn a_classify_body_reads_its_input_as_the_prompt() {
+        let body = br#"{"model":"m","input":["loved it","hated it"]}"#;
+        let r = parse(body, Endpoint::Other, 1024, 64).unwrap();
+        assert!(r.prompt.starts_with("loved it"), "{:?}", r.prompt);
+        assert!(r.prompt.contains("hated it"), "{:?}", r.prompt);
     }
 
     #[test]

@@ -688,6 +688,52 @@ def test_rerank_and_score_requests_are_routed_by_model_to_the_least_loaded_pod(e
     assert (s, err["code"]) == (404, "model_not_found"), err
 
 
+def test_vllms_own_paths_are_routed_by_model(envoy, pods):
+    """The paths vLLM serves outside `/v1` are default inference paths too. Rerank, score,
+    classification and pooling go to the idle pod of their model's pool, the alias rewritten;
+    `/tokenize` and `/detokenize` need only the model's tokenizer: the pool, the pod left to
+    Envoy, counted as `routed`, never as load."""
+    busy = {"waiting": 30, "running": 40, "kv_cache_usage": 0.9}
+    assert envoy.push(fresh(pods, llama=[busy, {}, busy]))[0] == 204
+    picked = [
+        ("/rerank", {"model": "llama", "query": "What is a panda?", "documents": ["hi", "a bear"]}),
+        ("/score", {"model": "llama", "text_1": "What is a panda?", "text_2": "a bear"}),
+        ("/classify", {"model": "llama", "input": ["loved it", "hated it"]}),
+        ("/v1/classify", {"model": "llama", "input": "loved it"}),
+        ("/pooling", {"model": "llama", "messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    for path, ask in picked:
+        for _ in range(3):
+            s, h, body, _ = envoy.request("POST", path, ask)
+            assert (s, body["pod"], body["path"]) == (200, "llama-1", path), (path, h.get("x-gateway-debug"))
+            assert body["headers"]["x-gateway-destination-endpoint"].startswith(pods["llama-1"].address)
+            assert json.loads(body["body"]) == dict(ask, model="llama-3-8b")
+    routed = STAT_PREFIX + "gpuroute.pool.llama.requests.routed"
+    counts = STAT_PREFIX + "gpuroute.pool.llama.requests.picked"
+    before = (envoy.stat(routed), envoy.stat(counts))
+    text = "Tokenized, never generated from. " * 40
+    tokenized = [
+        ("/tokenize", {"model": "llama", "prompt": text}),
+        ("/tokenize", {"model": "llama", "messages": [{"role": "user", "content": text}]}),
+        ("/detokenize", {"model": "llama", "tokens": [128000, 9906, 1917]}),
+    ]
+    served = Counter()
+    for path, ask in tokenized * 3:
+        s, _, body, _ = envoy.request("POST", path, ask)
+        assert (s, body["path"]) == (200, path), body
+        assert body["headers"]["x-gateway-pool"] == "llama"
+        assert "x-gateway-destination-endpoint" not in body["headers"], body["headers"]
+        assert json.loads(body["body"]) == dict(ask, model="llama-3-8b")
+        served[body["pod"]] += 1
+    assert set(served) <= {"llama-0", "llama-1", "llama-2"}, served
+    assert (envoy.stat(routed), envoy.stat(counts)) == (before[0] + 9, before[1])
+    for path in ("/tokenize", "/classify"):
+        s, err = error_of(envoy.request("POST", path, {"model": "bge-9", "input": "x"}))
+        assert (s, err["code"]) == (404, "model_not_found"), (path, err)
+    s, err = error_of(envoy.request("POST", "/tokenize", {"model": 7, "prompt": "x"}))
+    assert (s, err["code"], err["param"]) == (400, "invalid_type", "model"), err
+
+
 def test_a_conversation_keeps_its_pod_across_the_openai_and_anthropic_apis(envoy, pods):
     """The engines apply one chat template to both APIs, so a conversation's cached prefix on a
     pod serves it whichever API the client uses: a Messages request whose `system` and first
