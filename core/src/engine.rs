@@ -107,6 +107,9 @@ pub struct Prepared {
     pub pool: Arc<str>,
     pub stream: bool,
     pub prompt_tokens: u32,
+    /// What the request counts as in its pod's in-flight table: its `n`
+    /// ([`crate::request::InferenceRequest::sequences`]).
+    pub sequences: u32,
     /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`,
     /// `/tokenize`, `/detokenize`):
     /// [`Engine::decide`] leaves the pod to Envoy ([`FailOpen::ModelOnly`]).
@@ -158,6 +161,7 @@ impl Prepared {
         InFlight {
             pool: Arc::clone(&self.pool),
             pod_key,
+            sequences: self.sequences,
             tokens: self.prompt_tokens,
             prefill_tokens,
             in_prefill: self.stream,
@@ -405,6 +409,7 @@ impl Reader {
             pool: self.routes.pool_name_shared(target.pool),
             stream: req.stream,
             prompt_tokens: req.estimated_prompt_tokens(),
+            sequences: req.sequences,
             model_only,
             rewritten_body,
             split,
@@ -1529,7 +1534,7 @@ mod tests {
         table.rebase(1, &keys);
         // The pod holding the response is the busiest by far.
         for _ in 0..6 {
-            table.add(2, 500, Some(500));
+            table.add(2, 1, 500, Some(500));
         }
         let opts = DecideOptions {
             now_ms: 1_010,

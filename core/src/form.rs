@@ -170,6 +170,7 @@ impl Fields {
             prompt_len: 0,
             conversation_len: None,
             previous_response: None,
+            sequences: 1,
         }
     }
 }

@@ -191,12 +191,13 @@ impl LoadTable {
         true
     }
 
-    /// Counts a request sent to pod `idx`: in flight with its prompt `tokens` (KV it will take),
+    /// Counts a request sent to pod `idx`: in flight as its `sequences` (the pod runs each of a
+    /// request's `n` choices as a request of its own) with its prompt `tokens` (KV it will take),
     /// and, when its end of prefill is observable (a streamed response), in prefill with
     /// `prefill_tokens` (the part the pod must compute, not cached) until its first byte.
-    pub fn add(&mut self, idx: usize, tokens: u32, prefill_tokens: Option<u32>) {
+    pub fn add(&mut self, idx: usize, sequences: u32, tokens: u32, prefill_tokens: Option<u32>) {
         if let Some(p) = self.pods.get_mut(idx) {
-            p.inflight = p.inflight.saturating_add(1);
+            p.inflight = p.inflight.saturating_add(sequences);
             p.tokens = p.tokens.saturating_add(tokens);
             if let Some(pt) = prefill_tokens {
                 p.prefill = p.prefill.saturating_add(1);
@@ -216,10 +217,16 @@ impl LoadTable {
         true
     }
 
-    /// Counts a request to the pod with `key` as finished; `in_prefill` carries its prefill
-    /// tokens when no byte came back first. Returns false if the pod is gone from the table (it
-    /// left the pool; nothing to undo).
-    pub fn finish(&mut self, key: u64, tokens: u32, in_prefill: Option<u32>) -> bool {
+    /// Counts a request of `sequences` to the pod with `key` as finished; `in_prefill` carries
+    /// its prefill tokens when no byte came back first. Returns false if the pod is gone from the
+    /// table (it left the pool; nothing to undo).
+    pub fn finish(
+        &mut self,
+        key: u64,
+        sequences: u32,
+        tokens: u32,
+        in_prefill: Option<u32>,
+    ) -> bool {
         let Some(p) = self.pods.iter_mut().find(|p| p.key == key) else {
             return false;
         };
@@ -227,7 +234,7 @@ impl LoadTable {
             p.prefill = p.prefill.saturating_sub(1);
             p.prefill_tokens = p.prefill_tokens.saturating_sub(pt);
         }
-        p.inflight = p.inflight.saturating_sub(1);
+        p.inflight = p.inflight.saturating_sub(sequences);
         p.tokens = p.tokens.saturating_sub(tokens);
         // `base` stays: a request the snapshot counted that finishes makes the delta negative,
         // which is exactly "one fewer than the snapshot reported".
@@ -303,9 +310,11 @@ fn arr4(b: &[u8], at: usize) -> [u8; 4] {
 pub enum Completion {
     /// The first response byte arrived: prefill of `prefill_tokens` done.
     FirstByte { pod_key: u64, prefill_tokens: u32 },
-    /// The request ended; `in_prefill` carries its prefill tokens if no byte came back first.
+    /// The request of `sequences` ended; `in_prefill` carries its prefill tokens if no byte
+    /// came back first.
     Finished {
         pod_key: u64,
+        sequences: u32,
         tokens: u32,
         in_prefill: Option<u32>,
     },
@@ -321,9 +330,10 @@ impl Completion {
             } => table.first_byte(pod_key, prefill_tokens),
             Completion::Finished {
                 pod_key,
+                sequences,
                 tokens,
                 in_prefill,
-            } => table.finish(pod_key, tokens, in_prefill),
+            } => table.finish(pod_key, sequences, tokens, in_prefill),
         }
     }
 }
@@ -333,6 +343,8 @@ impl Completion {
 pub struct InFlight {
     pub pool: std::sync::Arc<str>,
     pub pod_key: u64,
+    /// The request's sequences ([`crate::request::InferenceRequest::sequences`]).
+    pub sequences: u32,
     pub tokens: u32,
     /// Tokens the pod must prefill (not in its prefix cache as far as we know).
     pub prefill_tokens: u32,
@@ -360,6 +372,7 @@ impl InFlight {
     pub fn finished(&self) -> Completion {
         Completion::Finished {
             pod_key: self.pod_key,
+            sequences: self.sequences,
             tokens: self.tokens,
             in_prefill: self.in_prefill.then_some(self.prefill_tokens),
         }
@@ -375,7 +388,7 @@ mod tests {
     fn round_trip() {
         let mut t = LoadTable::default();
         t.rebase(3, &[11, 22]);
-        t.add(1, 500, Some(500));
+        t.add(1, 1, 500, Some(500));
         let back = LoadTable::decode(&t.encode());
         assert_eq!(back, t);
         assert_eq!(back.pods[1].delta(), 1);
@@ -443,9 +456,9 @@ mod tests {
     fn rebase_carries_counts_by_key_and_resets_deltas() {
         let mut t = LoadTable::default();
         t.rebase(1, &[1, 2, 3]);
-        t.add(0, 10, Some(10));
-        t.add(2, 30, Some(30));
-        t.add(2, 30, Some(30));
+        t.add(0, 1, 10, Some(10));
+        t.add(2, 1, 30, Some(30));
+        t.add(2, 1, 30, Some(30));
         assert!(t.rebase(2, &[3, 4, 1]));
         assert_eq!(t.pods.iter().map(|p| p.key).collect::<Vec<_>>(), [3, 4, 1]);
         assert_eq!(t.pods[0].inflight, 2);
@@ -455,11 +468,11 @@ mod tests {
         // A request counted by the snapshot finishes: the delta goes negative.
         assert!(t.first_byte(3, 30));
         assert_eq!((t.pods[0].prefill, t.pods[0].prefill_tokens), (1, 30));
-        assert!(t.finish(3, 30, None));
+        assert!(t.finish(3, 1, 30, None));
         assert_eq!(t.pods[0].delta(), -1);
-        assert!(t.finish(3, 30, Some(30)));
+        assert!(t.finish(3, 1, 30, Some(30)));
         assert_eq!((t.pods[0].prefill, t.pods[0].inflight), (0, 0));
-        assert!(!t.finish(99, 1, Some(1)));
+        assert!(!t.finish(99, 1, 1, Some(1)));
     }
 
     #[test]
@@ -467,11 +480,11 @@ mod tests {
         // Two workers, each with its own requests; the second lists the pods in another order.
         let mut a = LoadTable::default();
         a.rebase(4, &[1, 2]);
-        a.add(0, 100, Some(60));
+        a.add(0, 1, 100, Some(60));
         let mut b = LoadTable::default();
         b.rebase(4, &[2, 1]);
-        b.add(1, 10, None);
-        b.add(0, 5, Some(5));
+        b.add(1, 1, 10, None);
+        b.add(0, 1, 5, Some(5));
         let mut sum = LoadTable::zeroed(4, &[1, 2]);
         assert!(sum.add_table(&a, None) && sum.add_table(&b, None));
         assert_eq!((sum.pods[0].delta(), sum.pods[0].delta_tokens()), (2, 110));
@@ -481,12 +494,12 @@ mod tests {
         // before does.
         let mut old = LoadTable::default();
         old.rebase(2, &[1, 2]);
-        old.add(0, 1_000, Some(1_000));
+        old.add(0, 1, 1_000, Some(1_000));
         assert!(!sum.add_table(&old, Some(3)));
         assert_eq!(sum.pods[0].delta(), 2);
         let mut late = LoadTable::default();
         late.rebase(3, &[2, 1]);
-        late.add(1, 7, None);
+        late.add(1, 1, 7, None);
         let mut with_late = sum.clone();
         assert!(with_late.add_table(&late, Some(3)));
         assert_eq!(with_late.pods[0].delta(), 3);
@@ -494,9 +507,9 @@ mod tests {
         // finishing in one worker offsets one sent by another.
         let mut c = LoadTable::default();
         c.rebase(3, &[1, 2]);
-        c.add(1, 7, None);
+        c.add(1, 1, 7, None);
         c.rebase(4, &[1, 2]);
-        assert!(c.finish(2, 7, None));
+        assert!(c.finish(2, 1, 7, None));
         assert!(sum.add_table(&c, None));
         assert_eq!(sum.pods[1].delta(), 0);
     }
@@ -519,16 +532,16 @@ mod tests {
         }
 
         #[test]
-        fn finishing_everything_sent_returns_to_zero(sends in proptest::collection::vec((0usize..4, 0u32..1000), 0..50)) {
+        fn finishing_everything_sent_returns_to_zero(sends in proptest::collection::vec((0usize..4, 1u32..300, 0u32..1000), 0..50)) {
             let keys = [5u64, 6, 7, 8];
             let mut t = LoadTable::default();
             t.rebase(1, &keys);
-            for (i, tok) in &sends { t.add(*i, *tok, Some(*tok / 2)); }
+            for (i, seqs, tok) in &sends { t.add(*i, *seqs, *tok, Some(*tok / 2)); }
             t.rebase(2, &keys);
-            for (n, (i, tok)) in sends.iter().enumerate() {
+            for (n, (i, seqs, tok)) in sends.iter().enumerate() {
                 // Half get a first byte before they finish, half fail before any byte.
                 if n % 2 == 0 { t.first_byte(keys[*i], *tok / 2); }
-                t.finish(keys[*i], *tok, (n % 2 == 1).then_some(*tok / 2));
+                t.finish(keys[*i], *seqs, *tok, (n % 2 == 1).then_some(*tok / 2));
             }
             for p in &t.pods {
                 prop_assert_eq!(p.inflight, 0);
@@ -544,10 +557,11 @@ mod tests {
     fn in_flight_undoes_exactly_what_was_added() {
         let mut t = LoadTable::default();
         t.rebase(1, &[7, 9]);
-        t.add(0, 100, Some(80));
+        t.add(0, 1, 100, Some(80));
         let mut f = InFlight {
             pool: "p".into(),
             pod_key: 7,
+            sequences: 1,
             tokens: 100,
             prefill_tokens: 80,
             in_prefill: true,
@@ -558,10 +572,13 @@ mod tests {
         assert_eq!((t.pods[0].prefill, t.pods[0].prefill_tokens), (0, 0));
         assert!(f.finished().apply(&mut t));
         assert_eq!((t.pods[0].inflight, t.pods[0].tokens), (0, 0));
-        // Ended before any byte came back: its prefill is undone too.
-        t.add(1, 50, Some(50));
+        // Ended before any byte came back: its prefill is undone too; a request of 8 sequences
+        // counts 8 until it ends.
+        t.add(1, 8, 50, Some(50));
+        assert_eq!(t.pods[1].delta(), 8);
         let g = InFlight {
             pod_key: 9,
+            sequences: 8,
             tokens: 50,
             prefill_tokens: 50,
             in_prefill: true,

@@ -793,7 +793,7 @@ mod tests {
             );
             let i = best(&d);
             counts[i] += 1;
-            table.add(i, 100, Some(100));
+            table.add(i, 1, 100, Some(100));
         }
         assert!(counts.iter().all(|c| (9..=11).contains(c)), "{counts:?}");
     }
@@ -817,7 +817,7 @@ mod tests {
                 None,
             ));
             counts[i] += 1;
-            table.add(i, 0, Some(0));
+            table.add(i, 1, 0, Some(0));
         }
         let ratio = counts[0] as f64 / counts[1] as f64;
         assert!((2.5..=3.5).contains(&ratio), "{counts:?}");

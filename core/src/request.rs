@@ -99,6 +99,23 @@ pub struct InferenceRequest<'a> {
     /// Responses API: the `previous_response_id` a turn continues (a stored response, held by
     /// the pod that made it).
     pub previous_response: Option<Cow<'a, str>>,
+    /// The sequences the request runs on its pod: its `n` (chat and completions), 1 when absent
+    /// or not a positive integer, at most [`MAX_SEQUENCES`]. vLLM's v1 engine runs each of the
+    /// `n` choices as a child request of its own (`ParentRequest`), counted in its running and
+    /// waiting gauges.
+    pub sequences: u32,
+}
+
+/// The most sequences one request counts as: more than a rollout or an evaluation asks of a
+/// prompt (tens of samples), and a bound on how busy an absurd `n` can make a pod look.
+pub const MAX_SEQUENCES: u32 = 256;
+
+/// A request's sequences from its raw `n` value ([`InferenceRequest::sequences`]).
+fn sequences(raw: Option<&str>) -> u32 {
+    match raw.map(str::parse::<u64>) {
+        Some(Ok(n)) => n.clamp(1, u64::from(MAX_SEQUENCES)) as u32,
+        _ => 1,
+    }
 }
 
 impl InferenceRequest<'_> {
@@ -125,6 +142,8 @@ struct Body<'a> {
     instructions: Option<&'a RawValue>,
     #[serde(borrow, default)]
     previous_response_id: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
 }
 
 /// A chat body in the documented shape, read in one pass. The other endpoints' prompt fields are
@@ -137,6 +156,8 @@ struct ChatBody<'a> {
     stream: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<Vec<Message<'a>>>,
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
     #[serde(default, rename = "prompt")]
     _prompt: Option<IgnoredAny>,
     #[serde(default, rename = "input")]
@@ -282,7 +303,11 @@ fn parse_chat_scan(
     // The messages go into the prompt text as they are read; if the scanner declines, the
     // caller starts the next tier with a new text.
     let head = scan::chat_each(body, &mut prompt)?;
-    Some(model_field(body, head.model).map(|model| prompt.finish(model, is_true(head.stream))))
+    Some(model_field(body, head.model).map(|model| {
+        let mut req = prompt.finish(model, is_true(head.stream));
+        req.sequences = sequences(head.n);
+        req
+    }))
 }
 
 /// Chat, second tier: one typed `serde_json` pass (any content shape).
@@ -294,6 +319,7 @@ fn parse_chat_serde(
         model,
         stream,
         messages: Some(messages),
+        n,
         ..
     }) = serde_json::from_slice::<ChatBody<'_>>(body)
     else {
@@ -301,7 +327,9 @@ fn parse_chat_serde(
     };
     Some(model_field(body, model.map(RawValue::get)).map(|model| {
         prompt.message_list(&messages);
-        prompt.finish(model, is_true(stream.map(RawValue::get)))
+        let mut req = prompt.finish(model, is_true(stream.map(RawValue::get)));
+        req.sequences = sequences(n.map(RawValue::get));
+        req
     }))
 }
 
@@ -409,7 +437,15 @@ fn parse_general(
             }
         }
     }
-    Ok(prompt.finish(model, stream))
+    let mut req = prompt.finish(model, stream);
+    // The APIs with `n` (chat and completions; another path's body may be either).
+    if matches!(
+        endpoint,
+        Endpoint::Chat | Endpoint::Completions | Endpoint::Other
+    ) {
+        req.sequences = sequences(raw.n.map(RawValue::get));
+    }
+    Ok(req)
 }
 
 /// A model name and the byte range of its JSON string in the body.
@@ -588,6 +624,7 @@ impl PromptText {
             conversation_len: self.conversation_len,
             prompt: self.text,
             previous_response: None,
+            sequences: 1,
         }
     }
 
@@ -1119,6 +1156,45 @@ mod tests {
         // Pooling and classification bodies carry `input` (or `messages`), read as embeddings'.
         assert_eq!(Endpoint::from_path("/pooling"), Endpoint::Other);
         assert_eq!(Endpoint::from_path("/v1/classify"), Endpoint::Other);
+    }
+
+    #[test]
+    fn n_counts_the_sequences_a_request_runs() {
+        let chat = |n: &str| {
+            format!(r#"{{"model":"m","n":{n},"messages":[{{"role":"user","content":"hi"}}]}}"#)
+        };
+        let seqs =
+            |body: &str, e: Endpoint| parse(body.as_bytes(), e, 1024, 64).map(|r| r.sequences);
+        // The scanner's path, then serde's (a content it declines: a number), then the general
+        // path (completions).
+        assert_eq!(seqs(&chat("16"), Endpoint::Chat), Ok(16));
+        let odd = r#"{"model":"m","n":4,"messages":[{"role":"user","content":7}]}"#;
+        assert_eq!(seqs(odd, Endpoint::Chat), Ok(4));
+        let completion = r#"{"model":"m","prompt":"hi","n":3}"#;
+        assert_eq!(seqs(completion, Endpoint::Completions), Ok(3));
+        assert_eq!(seqs(completion, Endpoint::Other), Ok(3));
+        // Not a field of these APIs: one sequence whatever the body says.
+        let embed = r#"{"model":"m","input":"hi","n":3}"#;
+        assert_eq!(seqs(embed, Endpoint::Embeddings), Ok(1));
+        assert_eq!(
+            seqs(r#"{"model":"m","prompt":"hi"}"#, Endpoint::Completions),
+            Ok(1)
+        );
+        // Absent, zero, negative, fractional, a string, null: one. Huge: the cap.
+        for n in ["0", "-2", "2.5", "\"4\"", "null", "1e3", "[2]"] {
+            assert_eq!(seqs(&chat(n), Endpoint::Chat), Ok(1), "n = {n}");
+        }
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+        assert_eq!(seqs(body, Endpoint::Chat), Ok(1));
+        assert_eq!(seqs(&chat("4000000000"), Endpoint::Chat), Ok(MAX_SEQUENCES));
+        assert_eq!(
+            seqs(&chat("99999999999"), Endpoint::Chat),
+            Ok(MAX_SEQUENCES),
+            "past u32"
+        );
+        // Named twice: refused as a duplicated model or stream is.
+        let twice = r#"{"model":"m","n":2,"n":3,"messages":[]}"#;
+        assert_eq!(seqs(twice, Endpoint::Chat).unwrap_err().status, 400);
     }
 
     #[test]

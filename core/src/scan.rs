@@ -23,6 +23,8 @@ pub struct ChatHead<'a> {
     pub model: Option<&'a str>,
     /// The `stream` value's raw text.
     pub stream: Option<&'a str>,
+    /// The `n` value's raw text (how many choices to generate).
+    pub n: Option<&'a str>,
 }
 
 /// A chat body as [`chat`] reads it: the head and the messages in a list.
@@ -577,12 +579,14 @@ impl<'a> Scanner<'a> {
     fn top(&mut self, sink: &mut impl ChatSink<'a>) -> Option<ChatHead<'a>> {
         let mut model = None;
         let mut stream = None;
+        let mut n = None;
         let mut messages = false;
-        let mut seen = [false; 6];
-        const FIELDS: [&str; 6] = [
+        let mut seen = [false; 7];
+        const FIELDS: [&str; 7] = [
             "model",
             "stream",
             "messages",
+            "n",
             "prompt",
             "input",
             "instructions",
@@ -595,13 +599,14 @@ impl<'a> Scanner<'a> {
                     s.messages_to(sink)?;
                     messages = true;
                 }
+                Some(3) => n = Some(s.value(1)?),
                 _ => {
                     s.value(1)?;
                 }
             }
             Some(())
         })?;
-        messages.then_some(ChatHead { model, stream })
+        messages.then_some(ChatHead { model, stream, n })
     }
 
     /// The `model` value: its string token, or `Some(None)` for null. Anything else declines

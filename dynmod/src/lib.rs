@@ -798,6 +798,7 @@ impl Filter {
             {
                 table.add(
                     idx,
+                    prep.sequences,
                     prep.prompt_tokens,
                     prep.stream.then_some(choice.prefill_tokens),
                 );

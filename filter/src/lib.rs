@@ -1012,7 +1012,7 @@ impl Http {
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
                 if let Some(pl) = w.loads.get_mut(pool) {
                     let prefill = prep.stream.then_some(choice.prefill_tokens);
-                    pl.own.add(idx, prep.prompt_tokens, prefill);
+                    pl.own.add(idx, prep.sequences, prep.prompt_tokens, prefill);
                     pl.dirty = true;
                 }
                 // Published at once unless this worker published within the interval (then
