@@ -99,10 +99,11 @@ pub struct InferenceRequest<'a> {
     /// Responses API: the `previous_response_id` a turn continues (a stored response, held by
     /// the pod that made it).
     pub previous_response: Option<Cow<'a, str>>,
-    /// The sequences the request runs on its pod: its `n` (chat and completions), 1 when absent
-    /// or not a positive integer, at most [`MAX_SEQUENCES`]. vLLM's v1 engine runs each of the
-    /// `n` choices as a child request of its own (`ParentRequest`), counted in its running and
-    /// waiting gauges.
+    /// The sequences the request runs on its pod: its `n` (chat and completions; 1 when absent
+    /// or not a positive integer), times the prompts of a completions batch, at most
+    /// [`MAX_SEQUENCES`]. vLLM's v1 engine runs each of the `n` choices as a child request of
+    /// its own (`ParentRequest`), and each prompt of a batch as a request, each counted in its
+    /// running and waiting gauges.
     pub sequences: u32,
 }
 
@@ -402,10 +403,14 @@ fn parse_general(
         .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
     let model = model_field(body, raw.model.map(RawValue::get))?;
     let stream = is_true(raw.stream.map(RawValue::get));
+    // Completions prompts the body holds (a batch is a request each on the pod).
+    let mut prompts = 1;
     match endpoint {
         Endpoint::Chat => prompt.messages(raw.messages),
-        Endpoint::Completions => prompt.value(raw.prompt),
-        Endpoint::Embeddings => prompt.value(raw.input),
+        Endpoint::Completions => prompts = prompt.value(raw.prompt),
+        Endpoint::Embeddings => {
+            prompt.value(raw.input);
+        }
         Endpoint::Responses => {
             prompt.value(raw.instructions);
             prompt.value(raw.input);
@@ -433,17 +438,24 @@ fn parse_general(
                 prompt.messages(raw.messages);
             } else {
                 prompt.value(raw.instructions);
-                prompt.value(raw.prompt.or(raw.input));
+                match raw.prompt {
+                    Some(p) => prompts = prompt.value(Some(p)),
+                    None => {
+                        prompt.value(raw.input);
+                    }
+                }
             }
         }
     }
     let mut req = prompt.finish(model, stream);
-    // The APIs with `n` (chat and completions; another path's body may be either).
+    // The APIs with `n` (chat and completions; another path's body may be either). Each
+    // prompt of a batch gets `n` choices.
     if matches!(
         endpoint,
         Endpoint::Chat | Endpoint::Completions | Endpoint::Other
     ) {
-        req.sequences = sequences(raw.n.map(RawValue::get));
+        let n = sequences(raw.n.map(RawValue::get));
+        req.sequences = n.saturating_mul(prompts).min(MAX_SEQUENCES);
     }
     Ok(req)
 }
@@ -773,8 +785,11 @@ impl PromptText {
 
     /// A prompt/input value: a string, an array of strings, or anything else as raw JSON
     /// (token-id arrays, Responses API items).
-    fn value(&mut self, raw: Option<&RawValue>) {
-        let Some(raw) = raw else { return };
+    /// Returns the prompts the value holds as a completions `prompt`: a list of strings (or of
+    /// token-id lists) is one prompt each, which vLLM runs as a request each; anything else is
+    /// one.
+    fn value(&mut self, raw: Option<&RawValue>) -> u32 {
+        let Some(raw) = raw else { return 1 };
         let text = raw.get();
         if text.starts_with('"') {
             self.content(raw);
@@ -782,6 +797,17 @@ impl PromptText {
         } else if text.starts_with('[') {
             match serde_json::from_str::<Vec<&RawValue>>(text) {
                 Ok(items) => {
+                    // A list of numbers is one prompt of token ids.
+                    let prompts = match items.first() {
+                        Some(first)
+                            if !first
+                                .get()
+                                .starts_with(|c: char| c == '-' || c.is_ascii_digit()) =>
+                        {
+                            u32::try_from(items.len()).unwrap_or(u32::MAX)
+                        }
+                        _ => 1,
+                    };
                     for item in items {
                         if item.get().starts_with('"') {
                             self.content(item);
@@ -796,6 +822,7 @@ impl PromptText {
                         }
                         self.sep(ITEM_SEP);
                     }
+                    return prompts;
                 }
                 Err(_) => self.push(text),
             }
@@ -803,6 +830,7 @@ impl PromptText {
             self.push(text);
             self.sep(ITEM_SEP);
         }
+        1
     }
 }
 
@@ -1192,6 +1220,25 @@ mod tests {
             Ok(MAX_SEQUENCES),
             "past u32"
         );
+        // A completions batch: each prompt gets its `n` choices. A list of numbers is one prompt
+        // of token ids; a list of such lists is a batch.
+        let batch = |prompt: &str, n: &str| {
+            let body = format!(r#"{{"model":"m","prompt":{prompt},"n":{n}}}"#);
+            seqs(&body, Endpoint::Completions)
+        };
+        assert_eq!(batch(r#"["a","b","c"]"#, "2"), Ok(6));
+        assert_eq!(batch(r#"["a","b","c"]"#, "null"), Ok(3));
+        assert_eq!(batch("[1,2,3]", "4"), Ok(4));
+        assert_eq!(batch("[[1,2],[3]]", "1"), Ok(2));
+        assert_eq!(batch("[]", "1"), Ok(1));
+        let many = format!("[{}]", vec![r#""p""#; 300].join(","));
+        assert_eq!(batch(&many, "1"), Ok(MAX_SEQUENCES));
+        assert_eq!(batch(r#"["a","b"]"#, "200"), Ok(MAX_SEQUENCES));
+        let other = r#"{"model":"m","prompt":["a","b"]}"#;
+        assert_eq!(seqs(other, Endpoint::Other), Ok(2));
+        // An embeddings batch is prefill only, counted by its tokens: one sequence.
+        let embed = r#"{"model":"m","input":["a","b","c"]}"#;
+        assert_eq!(seqs(embed, Endpoint::Embeddings), Ok(1));
         // Named twice: refused as a duplicated model or stream is.
         let twice = r#"{"model":"m","n":2,"n":3,"messages":[]}"#;
         assert_eq!(seqs(twice, Endpoint::Chat).unwrap_err().status, 400);

@@ -156,11 +156,21 @@ def test_requests_whose_client_went_away_leave_the_in_flight_count(pods):
         e.stop()
 
 
-def test_a_request_for_n_choices_counts_as_n_in_flight(pods):
-    """vLLM and SGLang run each of a request's `n` choices as a request of its own: one request
-    for 16 choices is 16 sequences on its pod, as the pod's gauges will show at the next scrape.
-    Counted as 16 until then, it steers the requests after it to the other pods, which report 4
-    running each; counted as one, it would leave the pod looking the least loaded."""
+BIG_ASKS = {
+    "chat-n16": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "sample me"}], "n": 16}),
+    "batch-8x2": ("/v1/completions", {"prompt": [f"p{i}" for i in range(8)], "n": 2}),
+}
+# Both prompts are shorter than a prefix block (64 characters): no prefix home pulls them to a
+# pod, so where they go is the load's choice alone.
+
+
+@pytest.mark.parametrize("big", sorted(BIG_ASKS))
+def test_a_request_for_n_choices_counts_as_n_in_flight(pods, big):
+    """vLLM's v1 engine runs each of a request's `n` choices, and each prompt of a completions
+    batch, as a request of its own: one request for 16 choices (or 8 prompts with 2 choices
+    each) is 16 sequences on its pod, as the pod's gauges will show at the next scrape. Counted
+    as 16 until then, it steers the requests after it to the other pods, which report 4 running
+    each; counted as one, it would leave its pod looking the least loaded."""
     e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 30_000}))
     hold = threading.Event()
     llama = [pods[f"llama-{i}"] for i in range(3)]
@@ -172,27 +182,24 @@ def test_a_request_for_n_choices_counts_as_n_in_flight(pods):
         before = [len(p.requests) for p in llama]
         host, port = e.listen.rsplit(":", 1)
 
-        def send(i, n):
-            """A chat for `n` choices, held at its pod; returns once a pod has it."""
-            ask = {"model": "llama-3-8b", "messages": [{"role": "user", "content": f"question {i}"}]}
-            if n > 1:
-                ask["n"] = n
-            body = json.dumps(ask).encode()
+        def send(path, ask):
+            """A request held at its pod; returns once a pod has it."""
+            body = json.dumps(dict(ask, model="llama-3-8b")).encode()
             c = socket.create_connection((host, int(port)), timeout=10)
-            c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            c.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
             clients.append(c)
             deadline = time.time() + 10
-            while sum(len(p.requests) for p in llama) < sum(before) + i + 1 and time.time() < deadline:
+            while sum(len(p.requests) for p in llama) < sum(before) + len(clients) and time.time() < deadline:
                 time.sleep(0.01)
 
-        send(0, 16)
-        for i in range(1, 7):
-            send(i, 1)
-        got = {p.name: [json.loads(r["body"]).get("n", 1) for r in p.requests[b:]] for p, b in zip(llama, before)}
+        send(*BIG_ASKS[big])
+        for i in range(6):
+            send("/v1/chat/completions", {"messages": [{"role": "user", "content": f"question {i}"}]})
+        got = {p.name: [r["path"] for r in p.requests[b:]] for p, b in zip(llama, before)}
         assert sum(len(v) for v in got.values()) == 7, got
-        # The 16 choices went to the idle pod, and nothing after them.
-        assert got["llama-0"] == [16], got
+        # The big request went to the idle pod, and nothing after it.
+        assert got["llama-0"] == [BIG_ASKS[big][0]], got
     finally:
         hold.set()
         for p in llama:
