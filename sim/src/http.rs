@@ -214,6 +214,8 @@ struct ChatRequest {
     #[serde(default)]
     max_completion_tokens: Option<i64>,
     #[serde(default)]
+    n: Option<i64>,
+    #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
@@ -250,6 +252,8 @@ struct CompletionRequest {
     prompt: Value,
     #[serde(default)]
     max_tokens: Option<i64>,
+    #[serde(default)]
+    n: Option<i64>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
@@ -336,7 +340,13 @@ async fn chat_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response 
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    serve(pod, Api::Chat, req.model, prompt, max, stream, usage).await
+    let ask = Ask {
+        max_tokens: max,
+        n: req.n,
+        stream,
+        include_usage: usage,
+    };
+    serve(pod, Api::Chat, req.model, prompt, ask).await
 }
 
 async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
@@ -346,16 +356,13 @@ async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
     };
     let prompt = messages_prompt(&req.system, &req.messages);
     let stream = req.stream.unwrap_or(false);
-    serve(
-        pod,
-        Api::Messages,
-        req.model,
-        prompt,
-        Some(req.max_tokens),
+    let ask = Ask {
+        max_tokens: Some(req.max_tokens),
+        n: None,
         stream,
-        false,
-    )
-    .await
+        include_usage: false,
+    };
+    serve(pod, Api::Messages, req.model, prompt, ask).await
 }
 
 /// A Messages API prompt: the same text as the conversation in chat, system prompt first (one
@@ -485,27 +492,57 @@ async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         .as_ref()
         .and_then(|o| o.include_usage)
         .unwrap_or(false);
-    serve(
-        pod,
-        Api::Completion,
-        req.model,
-        prompt,
-        req.max_tokens,
+    let ask = Ask {
+        max_tokens: req.max_tokens,
+        n: req.n,
         stream,
-        usage,
-    )
-    .await
+        include_usage: usage,
+    };
+    serve(pod, Api::Completion, req.model, prompt, ask).await
 }
 
+/// What a generation request asks for besides its model and prompt.
+struct Ask {
+    max_tokens: Option<i64>,
+    /// Choices to generate (`n`; 1 when absent).
+    n: Option<i64>,
+    stream: bool,
+    include_usage: bool,
+}
+
+/// The most choices (`n`) fleet-sim generates for one request.
+const MAX_CHOICES: i64 = 256;
+
+/// Runs a generation request. A request for `n` choices runs as `n` requests of the engine, as
+/// vLLM's v1 engine runs them (a parent request and its children, each in the running and
+/// waiting gauges), sharing the prompt's cached blocks once the first has them.
 async fn serve(
     pod: Arc<Pod>,
     api: Api,
     model: Option<String>,
     prompt: String,
-    max_tokens: Option<i64>,
-    stream: bool,
-    include_usage: bool,
+    ask: Ask,
 ) -> Response {
+    let Ask {
+        max_tokens,
+        n: choices,
+        stream,
+        include_usage,
+    } = ask;
+    let choices = match choices {
+        None => 1,
+        Some(c) if c < 1 => {
+            let message = format!("n must be at least 1, got {c}.");
+            return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
+        }
+        Some(c) if c > MAX_CHOICES => {
+            let message = format!(
+                "fleet-sim generates at most {MAX_CHOICES} choices a request, got n = {c}."
+            );
+            return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
+        }
+        Some(c) => c as u64,
+    };
     let n = pod.next_request_number();
     let model = model.unwrap_or_else(|| pod.cfg.model.clone());
     let adapter = match resolve_model(&pod, api, &model) {
@@ -514,18 +551,23 @@ async fn serve(
     };
     let prompt_tokens = text::prompt_tokens(&prompt);
     let max_len = pod.max_model_len();
-    let (output_tokens, finish) = match max_tokens {
-        Some(m) if m < 1 => {
-            let message = format!("max_tokens must be at least 1, got {m}.");
-            return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
-        }
-        Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
-        None => {
-            let room = max_len.saturating_sub(prompt_tokens);
-            let drawn = text::drawn_output_tokens(pod.seed, &model, &prompt, room.max(1));
-            (drawn, FinishReason::Stop)
-        }
-    };
+    if let Some(m) = max_tokens.filter(|&m| m < 1) {
+        let message = format!("max_tokens must be at least 1, got {m}.");
+        return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
+    }
+    // Each choice samples its own length when the request sets none (a seed of its own).
+    let outputs: Vec<(u32, FinishReason)> = (0..choices)
+        .map(|i| match max_tokens {
+            Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
+            None => {
+                let room = max_len.saturating_sub(prompt_tokens);
+                let seed = pod.seed.wrapping_add(i);
+                let drawn = text::drawn_output_tokens(seed, &model, &prompt, room.max(1));
+                (drawn, FinishReason::Stop)
+            }
+        })
+        .collect();
+    let output_tokens = outputs.iter().map(|o| o.0).max().unwrap_or(1);
     let total = u64::from(prompt_tokens) + u64::from(output_tokens);
     if total > u64::from(max_len) {
         let message = format!(
@@ -573,20 +615,29 @@ async fn serve(
         prompt_tokens,
         include_usage,
     };
-    let (rx, guard) = pod.submit(NewRequest {
-        prompt_tokens,
-        output_tokens,
-        finish,
-        block_hashes,
-        adapter,
-        stream,
-    });
+    let children: Vec<Child> = outputs
+        .into_iter()
+        .map(|(output_tokens, finish)| {
+            pod.submit(NewRequest {
+                prompt_tokens,
+                output_tokens,
+                finish,
+                block_hashes: block_hashes.clone(),
+                adapter,
+                stream,
+            })
+        })
+        .collect();
     if stream {
-        sse_response(rx, guard, meta)
+        sse_response(children, meta)
     } else {
-        full_response(rx, guard, meta).await
+        full_response(children, meta).await
     }
 }
+
+/// One engine request of a generation request: its emissions, and the guard that aborts it if
+/// the client goes away first.
+type Child = (mpsc::UnboundedReceiver<Output>, RequestGuard);
 
 fn usage_json(prompt: u32, completion: u32, cached: u32) -> String {
     format!(
@@ -618,43 +669,65 @@ async fn finish(mut rx: mpsc::UnboundedReceiver<Output>) -> Option<Finished> {
     None
 }
 
-async fn full_response(
-    rx: mpsc::UnboundedReceiver<Output>,
-    mut guard: RequestGuard,
-    meta: Meta,
-) -> Response {
-    let Some(Finished {
-        generated,
-        finish,
-        cached,
-    }) = finish(rx).await
-    else {
-        return api_error(
-            meta.api,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "InternalServerError",
-            "the engine stopped before the request finished",
-        );
-    };
-    guard.finish();
-    let content = serde_json::to_string(&text::filler(0, generated)).unwrap_or_default();
+async fn full_response(children: Vec<Child>, meta: Meta) -> Response {
+    let mut done = Vec::with_capacity(children.len());
+    let mut guards = Vec::with_capacity(children.len());
+    for (rx, guard) in children {
+        // Until every choice is done the guards stay alive: an engine that stops drops them
+        // all, which aborts the choices still running.
+        guards.push(guard);
+        let Some(f) = finish(rx).await else {
+            return api_error(
+                meta.api,
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "InternalServerError",
+                "the engine stopped before the request finished",
+            );
+        };
+        done.push(f);
+    }
+    for g in &mut guards {
+        g.finish();
+    }
+    // vLLM counts the prompt once and the choices' tokens together.
+    let generated: u32 = done.iter().map(|f| f.generated).sum();
+    let cached = done.first().map_or(0, |f| f.cached);
     let usage = usage_json(meta.prompt_tokens, generated, cached);
-    let reason = finish.as_str();
-    let body = match meta.api {
-        Api::Chat => format!(
-            r#"{}"choices":[{{"index":0,"message":{{"role":"assistant","reasoning_content":null,"content":{content},"tool_calls":[]}},"logprobs":null,"finish_reason":"{reason}","stop_reason":null}}],"usage":{usage},"prompt_logprobs":null}}"#,
+    let choices: Vec<String> = done
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let content =
+                serde_json::to_string(&text::filler(0, f.generated)).unwrap_or_default();
+            let reason = f.finish.as_str();
+            match meta.api {
+                Api::Chat => format!(
+                    r#"{{"index":{i},"message":{{"role":"assistant","reasoning_content":null,"content":{content},"tool_calls":[]}},"logprobs":null,"finish_reason":"{reason}","stop_reason":null}}"#
+                ),
+                _ => format!(
+                    r#"{{"index":{i},"text":{content},"logprobs":null,"finish_reason":"{reason}","stop_reason":null,"prompt_logprobs":null}}"#
+                ),
+            }
+        })
+        .collect();
+    let choices = choices.join(",");
+    let body = match (meta.api, done.first()) {
+        (Api::Chat, _) => format!(
+            r#"{}"choices":[{choices}],"usage":{usage},"prompt_logprobs":null}}"#,
             meta.head
         ),
-        Api::Completion => format!(
-            r#"{}"choices":[{{"index":0,"text":{content},"logprobs":null,"finish_reason":"{reason}","stop_reason":null,"prompt_logprobs":null}}],"usage":{usage}}}"#,
-            meta.head
-        ),
-        Api::Messages => format!(
-            r#"{{{},"content":[{{"type":"text","text":{content}}}],"stop_reason":"{}","stop_sequence":null,"usage":{}}}"#,
-            meta.head,
-            stop_reason(finish),
-            anthropic_usage(meta.prompt_tokens, generated, cached)
-        ),
+        (Api::Completion, _) => format!(r#"{}"choices":[{choices}],"usage":{usage}}}"#, meta.head),
+        (Api::Messages, first) => {
+            let (generated, finish) =
+                first.map_or((0, FinishReason::Stop), |f| (f.generated, f.finish));
+            let content = serde_json::to_string(&text::filler(0, generated)).unwrap_or_default();
+            format!(
+                r#"{{{},"content":[{{"type":"text","text":{content}}}],"stop_reason":"{}","stop_sequence":null,"usage":{}}}"#,
+                meta.head,
+                stop_reason(finish),
+                anthropic_usage(meta.prompt_tokens, generated, cached)
+            )
+        }
     };
     json_response(StatusCode::OK, body)
 }
@@ -675,32 +748,77 @@ fn anthropic_usage(prompt: u32, output: u32, cached: u32) -> String {
     )
 }
 
+/// The emissions of a request's choices, each with its choice's index.
+enum Emissions {
+    One(mpsc::UnboundedReceiver<Output>),
+    /// Several choices' emissions merged, in the order the engine made them.
+    Many(mpsc::UnboundedReceiver<(usize, Output)>),
+}
+
+impl Emissions {
+    fn of(mut children: Vec<mpsc::UnboundedReceiver<Output>>) -> Emissions {
+        if children.len() == 1 {
+            if let Some(rx) = children.pop() {
+                return Emissions::One(rx);
+            }
+        }
+        let (tx, merged) = mpsc::unbounded_channel();
+        for (i, mut rx) in children.into_iter().enumerate() {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                while let Some(o) = rx.recv().await {
+                    if tx.send((i, o)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        Emissions::Many(merged)
+    }
+
+    async fn recv(&mut self) -> Option<(usize, Output)> {
+        match self {
+            Emissions::One(rx) => rx.recv().await.map(|o| (0, o)),
+            Emissions::Many(rx) => rx.recv().await,
+        }
+    }
+}
+
 struct SseState {
-    rx: mpsc::UnboundedReceiver<Output>,
-    guard: RequestGuard,
+    rx: Emissions,
+    /// One per choice; each is finished when its choice is.
+    guards: Vec<RequestGuard>,
     meta: Meta,
-    generated: u32,
+    /// Tokens emitted so far, per choice.
+    generated: Vec<u32>,
+    /// Choices not finished yet.
+    left: usize,
     done: bool,
 }
 
 impl SseState {
-    /// The SSE events for one engine emission.
-    fn events(&mut self, o: &Output) -> Bytes {
+    /// The SSE events for one engine emission of choice `i`.
+    fn events(&mut self, i: usize, o: &Output) -> Bytes {
         if self.meta.api == Api::Messages {
             return self.message_events(o);
         }
         let mut buf = String::with_capacity(256 + 8 * o.new_tokens as usize);
         let head = &self.meta.head;
-        if self.generated == 0 && self.meta.api == Api::Chat {
+        let generated = self.generated.get(i).copied().unwrap_or(0);
+        if generated == 0 && self.meta.api == Api::Chat {
             // vLLM sends the role chunk together with the first output
             buf.push_str("data: ");
             buf.push_str(head);
-            buf.push_str(r#""choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}"#);
+            buf.push_str(&format!(
+                r#""choices":[{{"index":{i},"delta":{{"role":"assistant","content":""}},"logprobs":null,"finish_reason":null}}]}}"#
+            ));
             buf.push_str("\n\n");
         }
-        let content = text::filler(self.generated, self.generated + o.new_tokens);
+        let content = text::filler(generated, generated + o.new_tokens);
         let content = serde_json::to_string(&content).unwrap_or_default();
-        self.generated += o.new_tokens;
+        if let Some(g) = self.generated.get_mut(i) {
+            *g += o.new_tokens;
+        }
         let finish = match o.finish {
             Some(r) => format!(r#""finish_reason":"{}","stop_reason":null"#, r.as_str()),
             None => match self.meta.api {
@@ -712,14 +830,14 @@ impl SseState {
         buf.push_str(head);
         match self.meta.api {
             Api::Chat | Api::Messages => {
-                buf.push_str(r#""choices":[{"index":0,"delta":{"content":"#);
+                buf.push_str(&format!(r#""choices":[{{"index":{i},"delta":{{"content":"#));
                 buf.push_str(&content);
                 buf.push_str(r#"},"logprobs":null,"#);
                 buf.push_str(&finish);
                 buf.push_str("}]}");
             }
             Api::Completion => {
-                buf.push_str(r#""choices":[{"index":0,"text":"#);
+                buf.push_str(&format!(r#""choices":[{{"index":{i},"text":"#));
                 buf.push_str(&content);
                 buf.push_str(r#","logprobs":null,"#);
                 buf.push_str(&finish);
@@ -728,7 +846,12 @@ impl SseState {
         }
         buf.push_str("\n\n");
         if o.finish.is_some() {
-            self.guard.finish();
+            if let Some(g) = self.guards.get_mut(i) {
+                g.finish();
+            }
+            self.left = self.left.saturating_sub(1);
+        }
+        if o.finish.is_some() && self.left == 0 {
             self.done = true;
             if self.meta.include_usage {
                 buf.push_str("data: ");
@@ -736,7 +859,7 @@ impl SseState {
                 buf.push_str(r#""choices":[],"usage":"#);
                 buf.push_str(&usage_json(
                     self.meta.prompt_tokens,
-                    self.generated,
+                    self.generated.iter().sum(),
                     o.cached_tokens,
                 ));
                 buf.push_str("}\n\n");
@@ -761,7 +884,8 @@ impl SseState {
             buf.push_str(data);
             buf.push_str("\n\n");
         };
-        if self.generated == 0 {
+        let generated = self.generated.first().copied().unwrap_or(0);
+        if generated == 0 {
             let usage = anthropic_usage(self.meta.prompt_tokens, 0, o.cached_tokens);
             event(
                 "message_start",
@@ -775,9 +899,12 @@ impl SseState {
                 r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
             );
         }
-        let content = text::filler(self.generated, self.generated + o.new_tokens);
+        let content = text::filler(generated, generated + o.new_tokens);
         let content = serde_json::to_string(&content).unwrap_or_default();
-        self.generated += o.new_tokens;
+        let generated = generated + o.new_tokens;
+        if let Some(g) = self.generated.first_mut() {
+            *g = generated;
+        }
         event(
             "content_block_delta",
             &format!(
@@ -794,31 +921,35 @@ impl SseState {
                 &format!(
                     r#"{{"type":"message_delta","delta":{{"stop_reason":"{}","stop_sequence":null}},"usage":{{"output_tokens":{}}}}}"#,
                     stop_reason(finish),
-                    self.generated
+                    generated
                 ),
             );
             event("message_stop", r#"{"type":"message_stop"}"#);
-            self.guard.finish();
+            for g in &mut self.guards {
+                g.finish();
+            }
             self.done = true;
         }
         Bytes::from(buf)
     }
 }
 
-fn sse_response(rx: mpsc::UnboundedReceiver<Output>, guard: RequestGuard, meta: Meta) -> Response {
+fn sse_response(children: Vec<Child>, meta: Meta) -> Response {
+    let (rxs, guards): (Vec<_>, Vec<_>) = children.into_iter().unzip();
     let state = SseState {
-        rx,
-        guard,
+        generated: vec![0; guards.len()],
+        left: guards.len(),
+        rx: Emissions::of(rxs),
+        guards,
         meta,
-        generated: 0,
         done: false,
     };
     let stream = futures_util::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
         }
-        let o = st.rx.recv().await?;
-        let bytes = st.events(&o);
+        let (i, o) = st.rx.recv().await?;
+        let bytes = st.events(i, &o);
         Some((Ok::<Bytes, Infallible>(bytes), st))
     });
     (

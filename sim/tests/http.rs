@@ -808,3 +808,101 @@ async fn an_audio_upload_runs_its_frames_and_text_through_the_engine() {
         assert_eq!(r.status(), status);
     }
 }
+
+#[tokio::test]
+async fn a_request_for_n_choices_runs_as_n_sequences() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    let chat = serde_json::json!({
+        "model": LLAMA,
+        "messages": [{"role": "user", "content": "abcdefgh"}],
+        "max_tokens": 5,
+        "n": 3
+    });
+    let (s, v) = post_json(&c, a, "/v1/chat/completions", chat.clone()).await;
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3);
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"], i);
+        assert_eq!(ch["finish_reason"], "length");
+        assert_eq!(word_count(ch["message"]["content"].as_str().unwrap()), 5);
+    }
+    // The prompt counted once, the choices' tokens together (as vLLM reports them).
+    assert_eq!(v["usage"]["prompt_tokens"], 2);
+    assert_eq!(v["usage"]["completion_tokens"], 15);
+
+    // The choices after the first find the prompt's blocks cached.
+    let hits = metric(&c, a, "vllm:prefix_cache_hits_total{").await;
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(30);
+    let ask = serde_json::json!({"model": LLAMA, "prompt": long, "max_tokens": 2, "n": 4});
+    let (s, v) = post_json(&c, a, "/v1/completions", ask).await;
+    assert_eq!(s, 200, "{v}");
+    let reused = metric(&c, a, "vllm:prefix_cache_hits_total{").await - hits;
+    let prompt = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert!(reused >= 3.0 * (prompt - 16.0), "{reused} of {prompt} tokens reused");
+
+    // Streamed: each choice's chunks carry its index and end with its finish reason; one usage
+    // chunk and one [DONE] close the stream.
+    let mut ask = serde_json::json!({"model": LLAMA, "prompt": "once upon a time", "max_tokens": 4,
+        "n": 2, "stream": true, "stream_options": {"include_usage": true}});
+    let (s, body) = post(&c, a, "/v1/completions", ask.clone()).await;
+    assert_eq!(s, 200, "{body}");
+    let events = sse_events(&body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| serde_json::from_str(e).unwrap())
+        .collect();
+    let mut words = [0usize; 2];
+    let mut finished = [0usize; 2];
+    for ch in chunks
+        .iter()
+        .filter(|c| !c["choices"].as_array().unwrap().is_empty())
+    {
+        let choice = &ch["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        words[i] += word_count(choice["text"].as_str().unwrap());
+        finished[i] += usize::from(choice["finish_reason"] == "length");
+    }
+    assert_eq!((words, finished), ([4, 4], [1, 1]), "{body}");
+    let usage: Vec<&Value> = chunks.iter().filter(|c| !c["usage"].is_null()).collect();
+    assert_eq!(usage.len(), 1, "{body}");
+    assert_eq!(usage[0]["usage"]["completion_tokens"], 8);
+
+    // Each choice is a sequence of the engine: the gauges count all of them.
+    ask["max_tokens"] = serde_json::json!(100_000);
+    ask["n"] = serde_json::json!(4);
+    let mut resp = c
+        .post(format!("http://{a}/v1/completions"))
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+    let running = metric(&c, a, "vllm:num_requests_running{").await
+        + metric(&c, a, "vllm:num_requests_waiting{").await;
+    assert_eq!(running, 4.0);
+    drop(resp);
+
+    for (n, want) in [
+        (0, "n must be at least 1, got 0."),
+        (257, "at most 256 choices"),
+    ] {
+        let (s, v) = post_json(
+            &c,
+            a,
+            "/v1/chat/completions",
+            serde_json::json!({
+            "model": LLAMA, "messages": [{"role": "user", "content": "hi"}], "n": n}),
+        )
+        .await;
+        assert_eq!(s, 400, "{v}");
+        let message = v["message"]
+            .as_str()
+            .or(v["error"]["message"].as_str())
+            .unwrap();
+        assert!(message.contains(want), "{v}");
+    }
+}
