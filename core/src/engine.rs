@@ -107,8 +107,8 @@ pub struct Prepared {
     pub pool: Arc<str>,
     pub stream: bool,
     pub prompt_tokens: u32,
-    /// What the request counts as in its pod's in-flight table: its `n`
-    /// ([`crate::request::InferenceRequest::sequences`]).
+    /// What the request counts as in its pod's in-flight table: its `n`, times a completions
+    /// batch's prompts ([`crate::request::InferenceRequest::sequences`]).
     pub sequences: u32,
     /// The request needs its model's pool, not a pod's capacity (`/v1/messages/count_tokens`,
     /// `/tokenize`, `/detokenize`):

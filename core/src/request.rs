@@ -43,9 +43,9 @@ pub enum Endpoint {
     /// `text_1` and `text_2`), no prompt to match against what a pod caches. The whole body's
     /// length stands for the request's prefill: every document is encoded.
     Rerank,
-    /// `/tokenize` and `/detokenize` (vLLM's): text to token ids and back with
-    /// the model's tokenizer, on the server's CPU. Like `CountTokens` it needs its model's pool,
-    /// not a pod's capacity, and its text is not cached anywhere (see `Prepared::model_only`).
+    /// `/tokenize` and `/detokenize` (vLLM's): text to token ids and back with the model's
+    /// tokenizer, on the server's CPU. Like `CountTokens` it needs its model's pool, not a pod's
+    /// capacity, and its text is not cached anywhere (see `Prepared::model_only`).
     Tokenize,
     /// Any other configured inference path: the first of the fields above that is present.
     Other,
@@ -785,6 +785,7 @@ impl PromptText {
 
     /// A prompt/input value: a string, an array of strings, or anything else as raw JSON
     /// (token-id arrays, Responses API items).
+    ///
     /// Returns the prompts the value holds as a completions `prompt`: a list of strings (or of
     /// token-id lists) is one prompt each, which vLLM runs as a request each; anything else is
     /// one.

@@ -841,7 +841,10 @@ async fn a_request_for_n_choices_runs_as_n_sequences() {
     assert_eq!(s, 200, "{v}");
     let reused = metric(&c, a, "vllm:prefix_cache_hits_total{").await - hits;
     let prompt = v["usage"]["prompt_tokens"].as_f64().unwrap();
-    assert!(reused >= 3.0 * (prompt - 16.0), "{reused} of {prompt} tokens reused");
+    assert!(
+        reused >= 3.0 * (prompt - 16.0),
+        "{reused} of {prompt} tokens reused"
+    );
 
     // Streamed: each choice's chunks carry its index and end with its finish reason; one usage
     // chunk and one [DONE] close the stream.
