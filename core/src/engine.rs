@@ -1191,8 +1191,7 @@ mod tests {
         let f = fleet(3);
         let opts = DecideOptions {
             now_ms: 1_000,
-            sheddable: false,
-            debug: false,
+            ..DecideOptions::default()
         };
         let (mut ra, mut rb) = (SplitMix64::new(5), SplitMix64::new(5));
         let long = |i: usize| {
@@ -1234,13 +1233,12 @@ mod tests {
     }
 
     #[test]
-    fn counting_tokens_needs_the_pool_not_a_pod() {
+    fn counting_and_tokenizing_need_the_pool_not_a_pod() {
         let mut e = engine();
         let f = fleet(3);
         let opts = DecideOptions {
             now_ms: 1_000,
-            sheddable: false,
-            debug: false,
+            ..DecideOptions::default()
         };
         let mut rng = SplitMix64::new(1);
         let body = chat("llama", "hi");
@@ -1275,21 +1273,9 @@ mod tests {
             "{:?}",
             c.decision
         );
-    }
-
-    #[test]
-    fn tokenizing_needs_the_pool_not_a_pod() {
-        let mut e = engine();
-        let f = fleet(3);
-        let opts = DecideOptions {
-            now_ms: 1_000,
-            sheddable: false,
-            debug: false,
-        };
-        let mut rng = SplitMix64::new(1);
-        let body = chat("llama", &"word ".repeat(2_000));
-        e.prepare("/v1/chat/completions", &body).unwrap();
+        // `/tokenize` and `/detokenize` likewise.
         let typical = e.avg_prompt_tokens;
+        let body = chat("llama", &"word ".repeat(2_000));
         let ids = br#"{"model":"llama","tokens":[1,2,3]}"#;
         for (path, body) in [("/tokenize", &body[..]), ("/detokenize", &ids[..])] {
             let p = e.prepare(path, body).unwrap();
