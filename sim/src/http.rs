@@ -42,6 +42,8 @@ pub fn router(pod: Arc<Pod>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/messages", post(messages))
         .route("/v1/messages/count_tokens", post(count_tokens))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
         .route("/v1/audio/transcriptions", post(transcriptions))
         .route("/v1/audio/translations", post(transcriptions))
         .route("/v1/models", get(models))
@@ -374,6 +376,92 @@ fn messages_prompt(system: &Option<Value>, messages: &[ChatMessage]) -> String {
         message_text(&m.content, &mut prompt);
     }
     prompt
+}
+
+/// vLLM's `/tokenize`: a completion's `prompt` or a chat's `messages`.
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<ChatMessage>>,
+}
+
+/// vLLM's `/detokenize`.
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    #[serde(default)]
+    model: Option<String>,
+    tokens: Vec<i64>,
+}
+
+/// Ids in a vocabulary of Llama 3's size.
+const VOCAB: u64 = 128_256;
+
+/// `POST /tokenize`: `{"count","max_model_len","tokens","token_strs"}` as vLLM answers, the
+/// prompt counted as the engine counts it (4 bytes a token); each id a hash of its 4 bytes. No
+/// engine work (vLLM tokenizes in its API server).
+async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: TokenizeRequest = match parse_body(Api::Completion, "tokenize", &body) {
+        Ok(r) => r,
+        Err(answer) => return *answer,
+    };
+    if let Some(Err(answer)) = req
+        .model
+        .as_deref()
+        .map(|m| resolve_model(&pod, Api::Completion, m))
+    {
+        return *answer;
+    }
+    let text = match (req.prompt, req.messages) {
+        (Some(p), _) => p,
+        (None, Some(messages)) => {
+            let mut text = String::new();
+            for m in &messages {
+                message_text(&m.content, &mut text);
+            }
+            text
+        }
+        (None, None) => return bad_request("either `prompt` or `messages` is required"),
+    };
+    let count = text::prompt_tokens(&text);
+    let bytes = text.as_bytes();
+    let ids: Vec<String> = (0..count as usize)
+        .map(|i| {
+            let chunk = bytes
+                .get(i * 4..(i * 4 + 4).min(bytes.len()))
+                .unwrap_or_default();
+            (xxhash_rust::xxh64::xxh64(chunk, 0) % VOCAB).to_string()
+        })
+        .collect();
+    json_response(
+        StatusCode::OK,
+        format!(
+            r#"{{"count":{count},"max_model_len":{},"tokens":[{}],"token_strs":null}}"#,
+            pod.max_model_len(),
+            ids.join(",")
+        ),
+    )
+}
+
+/// `POST /detokenize`: `{"prompt"}`, one filler word a token (as generated text is).
+async fn detokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
+    let req: DetokenizeRequest = match parse_body(Api::Completion, "detokenize", &body) {
+        Ok(r) => r,
+        Err(answer) => return *answer,
+    };
+    if let Some(Err(answer)) = req
+        .model
+        .as_deref()
+        .map(|m| resolve_model(&pod, Api::Completion, m))
+    {
+        return *answer;
+    }
+    let count = u32::try_from(req.tokens.len()).unwrap_or(u32::MAX);
+    let prompt = serde_json::to_string(&text::filler(0, count)).unwrap_or_default();
+    json_response(StatusCode::OK, format!(r#"{{"prompt":{prompt}}}"#))
 }
 
 /// `{"input_tokens": N}`, the prompt's tokens as a Messages request would count them; no engine

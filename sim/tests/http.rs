@@ -909,3 +909,44 @@ async fn a_request_for_n_choices_runs_as_n_sequences() {
         assert!(message.contains(want), "{v}");
     }
 }
+
+#[tokio::test]
+async fn tokenize_and_detokenize_answer_as_vllm_does() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    // 12 bytes: 3 tokens, as the engine counts a prompt.
+    let (s, v) = post_json(
+        &c,
+        a,
+        "/tokenize",
+        serde_json::json!({"model": LLAMA, "prompt": "abcdefghijkl"}),
+    )
+    .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["count"], 3);
+    assert_eq!(v["tokens"].as_array().unwrap().len(), 3);
+    assert!(v["max_model_len"].as_u64().unwrap() > 0);
+    let chat = serde_json::json!({"model": "sql-lora", "messages": [{"role": "user", "content": "abcdefghijkl"}]});
+    let (s, w) = post_json(&c, a, "/tokenize", chat).await;
+    assert_eq!((s, &w["tokens"]), (200, &v["tokens"]), "{w}");
+    let (s, d) = post_json(
+        &c,
+        a,
+        "/detokenize",
+        serde_json::json!({"model": LLAMA, "tokens": v["tokens"]}),
+    )
+    .await;
+    assert_eq!(s, 200, "{d}");
+    assert_eq!(word_count(d["prompt"].as_str().unwrap()), 3);
+    let (s, e) = post_json(
+        &c,
+        a,
+        "/tokenize",
+        serde_json::json!({"model": "gpt-9", "prompt": "x"}),
+    )
+    .await;
+    assert_eq!((s, e["error"]["code"].as_u64()), (404, Some(404)), "{e}");
+    let (s, _) = post_json(&c, a, "/tokenize", serde_json::json!({"model": LLAMA})).await;
+    assert_eq!(s, 400);
+}
