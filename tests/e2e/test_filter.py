@@ -209,6 +209,18 @@ def test_a_request_for_n_choices_counts_as_n_in_flight(pods, big):
         e.stop()
 
 
+def test_an_odd_n_is_the_pods_to_answer(envoy, pods):
+    """An `n` that is not a positive integer (or is huge) is not the gateway's to refuse: the
+    request is routed, its body intact, and the pod answers it as it would (vLLM: a 400)."""
+    assert envoy.push(fresh(pods))[0] == 204
+    for n in [0, -1, "many", 2.5, 10**12, None, [2]]:
+        ask = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "n": n}
+        s, h, body, _ = envoy.request("POST", "/v1/chat/completions", ask)
+        assert s == 200 and body["pod"].startswith("llama-"), (n, s, body)
+        assert h["x-gateway-debug"].startswith("pool=llama; picked="), (n, h.get("x-gateway-debug"))
+        assert json.loads(body["body"]) == ask
+
+
 def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     """The filter's Envoy stats: picks per pool and per pod (batched in the worker, handed to
     Envoy on the tick), rejections by code, and the decision-time histogram. The per-pod counts
