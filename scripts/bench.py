@@ -9,6 +9,11 @@ let bench-report print one table and write target/bench/<scenario>.json and the 
   scripts/bench.py                      every scenario (~15 min)
   scripts/bench.py --quick              every scenario briefly (< 3 min), proves the pipeline
   scripts/bench.py --scenario mixed-gpu --scenario bursty
+  scripts/bench.py --scenario-file bench/experiments/sampling-bursts.json \
+      --configs least_request,filter,filter-before --filter-wasm before=/tmp/before.wasm
+                                        a scenario file outside bench/scenarios (an experiment,
+                                        with no targets), and another build of the filter beside
+                                        this tree's, as configuration `filter-before`
   scripts/bench.py --trace FILE [--speedup N]
                                         replay any Azure-conv CSV or Mooncake JSONL trace through
                                         every configuration for 40 s (fleet: the shared-prefix
@@ -38,7 +43,10 @@ def scenario_names():
 
 
 def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False,
-                 filter_config=None):
+                 filter_config=None, filter_wasm=None):
+    """`filter_wasm`: {name: path} of other builds of the filter, run as configuration
+    `filter-<name>`."""
+    filter_wasm = filter_wasm or {}
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
@@ -47,8 +55,12 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
         overrides = dict(filter_config or {})
         if debug:
             overrides["debug_header"] = True
-        stack = Stack(fleet=fleet, router=label, workdir=work / label, concurrency=concurrency,
-                      filter_overrides=overrides).start()
+        build = label.removeprefix("filter-") if label.startswith("filter-") else None
+        if build is not None and build not in filter_wasm:
+            raise SystemExit(f"configuration {label}: no --filter-wasm {build}=PATH given")
+        stack = Stack(fleet=fleet, router="filter" if build else label, workdir=work / label,
+                      concurrency=concurrency, filter_overrides=overrides,
+                      wasm=filter_wasm.get(build)).start()
         try:
             out = work / f"{label}.json"
             args = [str(LOADGEN), "--target", f"http://{stack.listen}", "--workload", str(scenario_file),
@@ -65,7 +77,7 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
         print(f"  {name}: {label} done in {time.time() - t0:.0f} s", flush=True)
         results.append(f"{label}={out}")
     cmd = [str(REPORT), "--scenario", name, "--out-dir", str(out_dir)]
-    if scenario_file.suffix == ".json" and (ROOT / "bench" / "scenarios" / scenario_file.name).exists():
+    if scenario_file.suffix == ".json" and "fleet" in json.loads(scenario_file.read_text()):
         cmd += ["--scenario-file", str(scenario_file)]
     if quick:
         cmd.append("--quick")
@@ -78,6 +90,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--scenario", action="append", help="scenario name (repeatable); default: all")
+    ap.add_argument("--scenario-file", action="append", default=[],
+                    help="a scenario file anywhere, such as bench/experiments/*.json (repeatable)")
+    ap.add_argument("--filter-wasm", action="append", default=[], metavar="NAME=PATH",
+                    help="another build of the filter, run as configuration filter-NAME (name it in --configs)")
     ap.add_argument("--trace", help="replay this trace file instead of the scenarios")
     ap.add_argument("--speedup", type=float, help="trace seconds per wall second")
     ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
@@ -101,6 +117,7 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     started = time.time()
     configs = args.configs.split(",")
+    filter_wasm = dict(w.split("=", 1) for w in args.filter_wasm)
     if args.trace:
         trace = Path(args.trace).resolve()
         mooncake = trace.read_text(errors="replace").lstrip().startswith("{")
@@ -119,14 +136,16 @@ def main():
         if mooncake:
             extra += ["--token-scale", "0.125"]  # 512-token blocks -> 64 tokens, as shared-prefix
         run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs,
-                     args.debug_header, args.filter_config)
+                     args.debug_header, args.filter_config, filter_wasm)
     else:
-        names = args.scenario or scenario_names()
-        for name in names:
-            f = ROOT / "bench" / "scenarios" / f"{name}.json"
+        files = [ROOT / "bench" / "scenarios" / f"{name}.json" for name in args.scenario or []]
+        files += [Path(f).resolve() for f in args.scenario_file]
+        if not files:
+            files = [ROOT / "bench" / "scenarios" / f"{name}.json" for name in scenario_names()]
+        for f in files:
             fleet = json.loads(f.read_text())["fleet"]
-            run_scenario(name, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header,
-                         args.filter_config)
+            run_scenario(f.stem, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header,
+                         args.filter_config, filter_wasm)
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

@@ -53,11 +53,13 @@ def http_ok(url):
 class Stack:
     def __init__(self, fleet=None, preset=None, router="filter", listen=None, admin=None, ingest=None,
                  sidecar_listen=None, concurrency=1, interval_ms=100, filter_overrides=None, workdir=None,
-                 time_scale=None, quiet=True, access_log=None, fleet_args=()):
+                 time_scale=None, quiet=True, access_log=None, fleet_args=(), wasm=None):
         """`access_log`: a file for Envoy's access log of the OpenAI listener (envoy/render.py's
         `access_log`), written every second; none by default (the benchmarks run without)."""
         self.access_log = access_log
         self.fleet_args = list(fleet_args)
+        # The .wasm the filter gateway loads (None: this tree's build); benchmarks compare builds.
+        self.wasm = wasm
         self.fleet = fleet
         self.preset = preset
         self.router = router
@@ -137,7 +139,7 @@ class Stack:
                        "envoy_args": ("--file-flush-interval-msec", "1000")}
         self.envoy = Envoy(self.router, [{"name": p["name"], "endpoints": p["endpoints"]} for p in self.pools],
                            filter_config, concurrency=self.concurrency, listen=self.listen, admin=self.admin,
-                           ingest=self.ingest, workdir=self.dir / "envoy", **logging)
+                           ingest=self.ingest, workdir=self.dir / "envoy", wasm=self.wasm, **logging)
         self.listen, self.admin, self.ingest = self.envoy.listen, self.envoy.admin, self.envoy.ingest
 
         if self.router.startswith("filter"):

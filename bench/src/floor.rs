@@ -26,7 +26,8 @@ use crate::workload::{TimedRequest, Workload};
 
 /// Each request's floor in wall milliseconds, in workload order; `None` where no pod of the
 /// fleet serves the request's model or the request does not fit the model's context (the pod
-/// answers those with an error, whatever the router).
+/// answers those with an error, whatever the router). A request for `n` choices gets the floor
+/// of one: its other choices can only delay its first token.
 pub fn ttft_floor_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Option<f64>> {
     let profiles = distinct_profiles(fleet);
     // Block hashes each profile's block size has seen so far (the hash chain starts from the
@@ -100,11 +101,15 @@ pub fn oracle_ttft_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opt
                 .iter()
                 .position(|a| *a == req.model)
                 .and_then(|a| u16::try_from(a).ok());
+            // A request for n choices is n requests of the engine (as vLLM runs them); its
+            // first token is the first of any.
             let mut probe = engine.clone();
-            let id = probe.submit(new.clone(), now);
+            let ids: Vec<u64> = (0..req.n.max(1))
+                .map(|_| probe.submit(new.clone(), now))
+                .collect();
             let mut scratch = Vec::new();
             let Some(first) = run_until(&mut probe, &mut scratch, |o| {
-                o.seq == id && o.new_tokens > 0
+                ids.contains(&o.seq) && o.new_tokens > 0
             }) else {
                 continue;
             };
@@ -115,8 +120,10 @@ pub fn oracle_ttft_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opt
             }
         }
         if let Some((_, i, new, now)) = best {
-            let id = oracle.engines[i].submit(new, now);
-            oracle.waiting.insert((i, id), (r, now));
+            for _ in 0..req.n.max(1) {
+                let id = oracle.engines[i].submit(new.clone(), now);
+                oracle.waiting.insert((i, id), (r, now));
+            }
         }
     }
     oracle.drain(&fleet.pods);
@@ -141,8 +148,11 @@ impl Oracle {
                 continue;
             }
             if let Some((r, at)) = self.waiting.remove(&(i, o.seq)) {
-                let scale = self.engines[i].config().time_scale;
-                self.ttft[r] = Some(o.at.saturating_sub(at) as f64 / scale / 1e6);
+                // A request's first token is its first choice's.
+                if self.ttft[r].is_none() {
+                    let scale = self.engines[i].config().time_scale;
+                    self.ttft[r] = Some(o.at.saturating_sub(at) as f64 / scale / 1e6);
+                }
             }
         }
     }
@@ -357,6 +367,7 @@ mod tests {
                 chars,
             },
             max_tokens: 16,
+            n: 1,
         }
     }
 
@@ -434,6 +445,34 @@ mod tests {
         let (q0, q1) = (queued[0].unwrap(), queued[1].unwrap());
         assert!(q1 > 1.5 * q0, "{q0} {q1}");
         assert!(queued[2].unwrap() < q0 / 4.0, "{queued:?}");
+    }
+
+    #[test]
+    fn the_oracle_runs_each_choice_as_a_request() {
+        let one = fleet(
+            r#"{"pods": [{"name": "a", "count": 1, "pool": "p", "model": "meta-llama/Llama-3.1-8B-Instruct", "gpu": "a100"}]}"#,
+        );
+        // A long prompt, then a short one just after it on the same pod: the first's choices
+        // are in the batch the second joins.
+        let ttft_after = |n: u32| {
+            let mut first = req(1, 1, 0, 40_000);
+            first.at_s = 0.0;
+            first.n = n;
+            first.max_tokens = 500;
+            let mut second = req(2, 2, 0, 400);
+            second.at_s = 0.5;
+            let t = oracle_ttft_ms(&[first, second], &one);
+            (t[0].unwrap(), t[1].unwrap())
+        };
+        let (single, after_single) = ttft_after(1);
+        let (sampled, after_sampled) = ttft_after(32);
+        // The first token of a request for 32 choices comes with the first choice's (its
+        // prefill, shared once cached); the request after it meets 32 decoding sequences.
+        assert!(sampled < 1.5 * single, "{single} {sampled}");
+        assert!(
+            after_sampled > after_single,
+            "{after_single} {after_sampled}"
+        );
     }
 
     #[test]

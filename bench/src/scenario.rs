@@ -350,6 +350,8 @@ fn parse_poisson(rest: &str, model: Option<&str>) -> Result<PoissonWorkload, Spe
         max_output_tokens: None,
         token_scale: 1.0,
         shared_prefix: None,
+        choices: None,
+        bursts: None,
     };
     if let Some(m) = model {
         p.models.names = vec![m.to_string()];
@@ -402,7 +404,11 @@ mod tests {
     }
 
     fn all_scenarios() -> Vec<(PathBuf, Scenario)> {
-        let mut v: Vec<(PathBuf, Scenario)> = std::fs::read_dir(scenario_dir())
+        scenarios_in(&scenario_dir())
+    }
+
+    fn scenarios_in(dir: &Path) -> Vec<(PathBuf, Scenario)> {
+        let mut v: Vec<(PathBuf, Scenario)> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().path())
             .filter(|p| p.extension().is_some_and(|e| e == "json"))
@@ -429,40 +435,55 @@ mod tests {
             assert!(names.contains(&want), "missing scenario {want}");
         }
         for (path, s) in &scenarios {
-            assert_eq!(
-                path.file_stem().unwrap().to_str().unwrap(),
-                s.name,
-                "file name = scenario name"
-            );
-            let served = s.fleet_models();
-            for quick in [false, true] {
-                let cfg = s.workload_config(quick);
-                let w = Workload::build(&cfg, path.parent()).unwrap();
-                assert!(!w.requests.is_empty(), "{} builds no requests", s.name);
-                // about 40 s per configuration; quick well under that
-                let limit = if quick { 15.0 } else { 60.0 };
-                assert!(
-                    w.info.schedule_span_s <= limit,
-                    "{}: {}",
-                    s.name,
-                    w.info.schedule_span_s
-                );
-                for r in &w.requests {
-                    assert!(
-                        served.contains(&r.model),
-                        "{}: {} not served",
-                        s.name,
-                        r.model
-                    );
-                }
-            }
-            assert!(
-                s.time_scale().is_some(),
-                "{}: fleet sets time_scale",
-                s.name
-            );
+            consistent(path, s);
             assert!(!s.targets.is_empty(), "{}: targets", s.name);
         }
+    }
+
+    /// The experiments (`bench/experiments`) hold to the same rules, without targets.
+    #[test]
+    fn the_experiments_are_consistent() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("experiments");
+        let experiments = scenarios_in(&dir);
+        assert!(!experiments.is_empty());
+        for (path, s) in &experiments {
+            consistent(path, s);
+        }
+    }
+
+    fn consistent(path: &Path, s: &Scenario) {
+        assert_eq!(
+            path.file_stem().unwrap().to_str().unwrap(),
+            s.name,
+            "file name = scenario name"
+        );
+        let served = s.fleet_models();
+        for quick in [false, true] {
+            let cfg = s.workload_config(quick);
+            let w = Workload::build(&cfg, path.parent()).unwrap();
+            assert!(!w.requests.is_empty(), "{} builds no requests", s.name);
+            // about 40 s per configuration; quick well under that
+            let limit = if quick { 15.0 } else { 60.0 };
+            assert!(
+                w.info.schedule_span_s <= limit,
+                "{}: {}",
+                s.name,
+                w.info.schedule_span_s
+            );
+            for r in &w.requests {
+                assert!(
+                    served.contains(&r.model),
+                    "{}: {} not served",
+                    s.name,
+                    r.model
+                );
+            }
+        }
+        assert!(
+            s.time_scale().is_some(),
+            "{}: fleet sets time_scale",
+            s.name
+        );
     }
 
     #[test]

@@ -247,6 +247,46 @@ pub struct PoissonWorkload {
     /// Optional shared system prompts.
     #[serde(default)]
     pub shared_prefix: Option<SharedPrefix>,
+    /// The choices (`n`) each request asks for, drawn from this mix; absent: one.
+    #[serde(default)]
+    pub choices: Option<ChoiceMix>,
+    /// Bursts on top of the Poisson arrivals.
+    #[serde(default)]
+    pub bursts: Option<Bursts>,
+}
+
+/// How many choices (`n`) requests ask for: `values[i]` with relative weight `weights[i]`
+/// (an evaluation mixing greedy answers with pass@k sampling, an RL rollout's group size).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChoiceMix {
+    pub values: Vec<u32>,
+    pub weights: Vec<f64>,
+}
+
+impl ChoiceMix {
+    fn chooser(&self) -> Result<Zipf, WorkloadError> {
+        if self.values.is_empty() || self.values.len() != self.weights.len() {
+            return Err(WorkloadError::Invalid(
+                "choices: values and weights must be non-empty and as many".into(),
+            ));
+        }
+        if self.values.contains(&0) || !self.weights.iter().all(|w| w.is_finite() && *w >= 0.0) {
+            return Err(WorkloadError::Invalid(
+                "choices: values must be at least 1, weights finite and not negative".into(),
+            ));
+        }
+        Ok(Zipf::weighted(self.weights.iter().copied()))
+    }
+}
+
+/// Requests that arrive together: every `every_s` wall seconds (the first at `every_s`),
+/// `size` of them at once, drawn as the Poisson arrivals are (a batch job's fan-out).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Bursts {
+    pub every_s: f64,
+    pub size: usize,
 }
 
 fn one() -> f64 {
@@ -451,6 +491,8 @@ pub struct TimedRequest {
     pub prompt: PromptSpec,
     /// `max_tokens`.
     pub max_tokens: u64,
+    /// `n`: the choices asked for (sent when above one).
+    pub n: u32,
 }
 
 impl TimedRequest {
@@ -471,6 +513,9 @@ impl TimedRequest {
                 v["messages"] = serde_json::json!([{"role": "user", "content": prompt}]);
             }
             Api::Completions => v["prompt"] = serde_json::Value::String(prompt),
+        }
+        if self.n > 1 {
+            v["n"] = self.n.into();
         }
         // serialising a Value of plain strings and numbers cannot fail
         serde_json::to_vec(&v).unwrap_or_default()
@@ -655,6 +700,7 @@ fn build_trace(t: &TraceWorkload, base: Option<&Path>) -> Result<Workload, Workl
             model: t.models.names[chooser.sample(&mut model_rng)].clone(),
             prompt,
             max_tokens,
+            n: 1,
         });
     }
     let source = path.file_name().map(|f| f.to_string_lossy().into_owned());
@@ -733,14 +779,31 @@ fn build_poisson(p: &PoissonWorkload, base: Option<&Path>) -> Result<Workload, W
     let mut lengths = SplitMix64::derive(p.seed, 2);
     let mut models = SplitMix64::derive(p.seed, 3);
     let mut groups = SplitMix64::derive(p.seed, 4);
+    let mut choices = SplitMix64::derive(p.seed, 5);
     let group_choice = p
         .shared_prefix
         .as_ref()
         .map(|s| Zipf::new(s.groups.max(1) as usize, s.zipf_s));
+    let choice_mix = p.choices.as_ref().map(ChoiceMix::chooser).transpose()?;
     let max = p.max_requests.unwrap_or(usize::MAX);
-    let mut requests = Vec::new();
+    // The arrival times: Poisson, then the bursts among them.
+    let mut times = Vec::new();
     let mut t = arrivals.exponential(rate);
-    while t <= duration && requests.len() < max {
+    while t <= duration {
+        times.push(t);
+        t += arrivals.exponential(rate);
+    }
+    if let Some(b) = &p.bursts {
+        let every = positive("bursts.every_s", b.every_s)?;
+        let mut at = every;
+        while at <= duration {
+            times.extend(std::iter::repeat_n(at, b.size));
+            at += every;
+        }
+        times.sort_by(f64::total_cmp);
+    }
+    let mut requests = Vec::new();
+    for t in times.into_iter().take(max) {
         let id = requests.len() as u64;
         let (prompt_tokens, output_tokens) = length_source.sample(&mut lengths);
         let tokens = scale_tokens(prompt_tokens, token_scale);
@@ -763,14 +826,18 @@ fn build_poisson(p: &PoissonWorkload, base: Option<&Path>) -> Result<Workload, W
                 chars,
             },
         };
+        let n = match (&p.choices, &choice_mix) {
+            (Some(mix), Some(z)) => mix.values[z.sample(&mut choices)],
+            _ => 1,
+        };
         requests.push(TimedRequest {
             at_s: t,
             api: p.api,
             model: p.models.names[chooser.sample(&mut models)].clone(),
             prompt,
             max_tokens,
+            n,
         });
-        t += arrivals.exponential(rate);
     }
     let info = WorkloadInfo {
         name: p
@@ -994,6 +1061,46 @@ mod tests {
     }
 
     #[test]
+    fn poisson_choices_and_bursts() {
+        let base = serde_json::json!({
+            "kind": "poisson", "rate_per_s": 5.0, "duration_s": 20.0, "seed": 7,
+            "prompt_tokens": {"dist": "fixed", "value": 100},
+            "output_tokens": {"dist": "fixed", "value": 10}
+        });
+        let mut with = base.clone();
+        with["choices"] = serde_json::json!({"values": [1, 16], "weights": [3, 1]});
+        with["bursts"] = serde_json::json!({"every_s": 5.0, "size": 6});
+        let build = |v: &serde_json::Value| {
+            let cfg: WorkloadConfig = serde_json::from_value(v.clone()).unwrap();
+            Workload::build(&cfg, None).unwrap().requests
+        };
+        let (plain, mixed) = (build(&base), build(&with));
+        assert!(plain.iter().all(|r| r.n == 1));
+        // As many Poisson arrivals with the options as without; 4 bursts of 6 join them.
+        assert_eq!(mixed.len(), plain.len() + 24);
+        assert!(mixed.windows(2).all(|w| w[0].at_s <= w[1].at_s));
+        for at in [5.0, 10.0, 15.0, 20.0] {
+            assert!(
+                mixed.iter().filter(|r| r.at_s == at).count() >= 6,
+                "burst at {at}"
+            );
+        }
+        let sampled = mixed.iter().filter(|r| r.n == 16).count() as f64;
+        let share = sampled / mixed.len() as f64;
+        assert!((0.15..0.35).contains(&share), "share of n = 16: {share}");
+        assert!(mixed.iter().all(|r| r.n == 1 || r.n == 16));
+        let bad = |choices: serde_json::Value| {
+            let mut v = base.clone();
+            v["choices"] = choices;
+            let cfg: WorkloadConfig = serde_json::from_value(v).unwrap();
+            Workload::build(&cfg, None).is_err()
+        };
+        assert!(bad(serde_json::json!({"values": [0], "weights": [1]})));
+        assert!(bad(serde_json::json!({"values": [1, 2], "weights": [1]})));
+        assert!(bad(serde_json::json!({"values": [], "weights": []})));
+    }
+
+    #[test]
     fn poisson_lengths_can_come_from_a_trace_jointly() {
         let cfg: WorkloadConfig = serde_json::from_value(serde_json::json!({
             "kind": "poisson", "rate_per_s": 100.0, "duration_s": 20.0,
@@ -1061,6 +1168,7 @@ mod tests {
                 chars: 40,
             },
             max_tokens: 9,
+            n: 1,
         };
         let v: serde_json::Value = serde_json::from_slice(&r.body()).unwrap();
         assert_eq!(v["stream"], true);
@@ -1073,6 +1181,10 @@ mod tests {
         };
         let v: serde_json::Value = serde_json::from_slice(&chat.body()).unwrap();
         assert_eq!(v["messages"][0]["role"], "user");
+        assert!(v.get("n").is_none(), "one choice: no n sent");
+        let sampled = TimedRequest { n: 8, ..chat };
+        let v: serde_json::Value = serde_json::from_slice(&sampled.body()).unwrap();
+        assert_eq!(v["n"], 8);
     }
 
     #[test]

@@ -246,6 +246,7 @@ fn prefixed(
             chars,
         },
         max_tokens: 2,
+        n: 1,
     }
 }
 
@@ -327,4 +328,49 @@ async fn oracle_playback_matches_a_busy_simulated_pod() {
     // the burst really queued: the last request waits well past its own floor
     let (o5, f5) = (oracle[5].unwrap(), floors[5].unwrap());
     assert!(o5 > 2.0 * f5, "{o5} vs {f5}");
+}
+
+/// The same with requests for several choices: fleet-sim runs a request's `n` choices as `n`
+/// requests of its engine, and the oracle must play them as it does (its first token is the
+/// first of any choice's), or the references of a sampling workload would be a fleet's that
+/// runs one choice each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oracle_playback_matches_a_simulated_pod_running_sampled_requests() {
+    let _turn = ONE_AT_A_TIME.lock().await;
+    use gpuroute_bench::floor::oracle_ttft_ms;
+    let cfg = one_pod("a100");
+    // six prompts 40 ms apart, every other one for 8 choices of 200 tokens: the later prompts
+    // join a batch of decoding choices
+    let requests: Vec<_> = (0..6u64)
+        .map(|i| {
+            let mut r = prefixed(i as f64 * 0.04, i, i, 0, 4_000);
+            r.max_tokens = 200;
+            r.n = if i % 2 == 0 { 8 } else { 1 };
+            r
+        })
+        .collect();
+    let oracle = oracle_ttft_ms(&requests, &cfg);
+    let single: Vec<_> = requests
+        .iter()
+        .cloned()
+        .map(|mut r| {
+            r.n = 1;
+            r
+        })
+        .collect();
+    let oracle_single = oracle_ttft_ms(&single, &cfg);
+    let measured = ttft_at_one_pod(cfg, requests).await;
+    eprintln!("measured TTFT {measured:?} ms, oracle {oracle:?} ms, as single choices {oracle_single:?} ms");
+    for (i, (m, o)) in measured.iter().zip(&oracle).enumerate() {
+        let o = o.unwrap();
+        assert!(
+            (m - o).abs() <= 0.05 * o + 15.0,
+            "request {i}: measured {m:.1} ms, oracle {o:.1} ms (all: {measured:?} vs {oracle:?})"
+        );
+    }
+    // the choices count: the last request waits longer than it would behind single choices
+    assert!(
+        oracle[5].unwrap() > oracle_single[5].unwrap(),
+        "{oracle:?} vs {oracle_single:?}"
+    );
 }

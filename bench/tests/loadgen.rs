@@ -29,6 +29,7 @@ fn workload(times: &[f64], api: Api, max_tokens: u64) -> Arc<Workload> {
                 chars: 2000,
             },
             max_tokens,
+            n: 1,
         })
         .collect();
     Arc::new(Workload {
