@@ -309,6 +309,15 @@ fn parse_body<T: DeserializeOwned>(api: Api, what: &str, body: &[u8]) -> Result<
     })
 }
 
+/// A request that needs no engine names this pod's model or one of its adapters (or none): else
+/// vLLM's 404 in `api`'s shape.
+fn known_model(pod: &Pod, api: Api, model: Option<&str>) -> Result<(), Box<Response>> {
+    match model {
+        Some(m) => resolve_model(pod, api, m).map(|_| ()),
+        None => Ok(()),
+    }
+}
+
 /// The adapter `model` names on this pod (`None` for its base model), or vLLM's 404 in `api`'s
 /// shape.
 fn resolve_model(pod: &Pod, api: Api, model: &str) -> Result<Option<AdapterId>, Box<Response>> {
@@ -408,11 +417,7 @@ async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
-    if let Some(Err(answer)) = req
-        .model
-        .as_deref()
-        .map(|m| resolve_model(&pod, Api::Completion, m))
-    {
+    if let Err(answer) = known_model(&pod, Api::Completion, req.model.as_deref()) {
         return *answer;
     }
     let text = match (req.prompt, req.messages) {
@@ -452,11 +457,7 @@ async fn detokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
-    if let Some(Err(answer)) = req
-        .model
-        .as_deref()
-        .map(|m| resolve_model(&pod, Api::Completion, m))
-    {
+    if let Err(answer) = known_model(&pod, Api::Completion, req.model.as_deref()) {
         return *answer;
     }
     let count = u32::try_from(req.tokens.len()).unwrap_or(u32::MAX);
@@ -471,11 +472,7 @@ async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
-    if let Some(Err(answer)) = req
-        .model
-        .as_deref()
-        .map(|m| resolve_model(&pod, Api::Messages, m))
-    {
+    if let Err(answer) = known_model(&pod, Api::Messages, req.model.as_deref()) {
         return *answer;
     }
     let tokens = text::prompt_tokens(&messages_prompt(&req.system, &req.messages));
