@@ -206,6 +206,13 @@ impl LoadTable {
         }
     }
 
+    /// Counts the request `f` records against pod `idx`: what [`InFlight::finished`] and
+    /// [`InFlight::first_byte`] undo.
+    pub fn count(&mut self, idx: usize, f: &InFlight) {
+        let prefill = f.in_prefill.then_some(f.prefill_tokens);
+        self.add(idx, f.sequences, f.tokens, prefill);
+    }
+
     /// The first response byte of a request to the pod with `key` arrived: its prefill is done.
     /// Returns false if the pod is gone from the table.
     pub fn first_byte(&mut self, key: u64, prefill_tokens: u32) -> bool {
@@ -574,8 +581,6 @@ mod tests {
         assert_eq!((t.pods[0].inflight, t.pods[0].tokens), (0, 0));
         // Ended before any byte came back: its prefill is undone too; a request of 8 sequences
         // counts 8 until it ends.
-        t.add(1, 8, 50, Some(50));
-        assert_eq!(t.pods[1].delta(), 8);
         let g = InFlight {
             pod_key: 9,
             sequences: 8,
@@ -584,6 +589,8 @@ mod tests {
             in_prefill: true,
             ..f
         };
+        t.count(1, &g);
+        assert_eq!(t.pods[1].delta(), 8);
         assert!(g.finished().apply(&mut t));
         assert_eq!(
             t.pods[1],

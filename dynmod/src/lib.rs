@@ -796,14 +796,10 @@ impl Filter {
             if let (Some(idx), Some(pod_key), Some(_)) =
                 (choice.picked_index, choice.picked_key, pool_state)
             {
-                table.add(
-                    idx,
-                    prep.sequences,
-                    prep.prompt_tokens,
-                    prep.stream.then_some(choice.prefill_tokens),
-                );
+                let flight = prep.in_flight(pod_key, choice.prefill_tokens);
+                table.count(idx, &flight);
                 r.engine.commit(&prep, pod_key);
-                self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
+                self.picked = Some(flight);
                 self.learn_response = prep
                     .learns_response
                     .then(|| (pod_key, request::ResponseHead::default()));

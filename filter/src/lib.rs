@@ -1010,9 +1010,9 @@ impl Http {
                 };
                 let dest = w.engine.config.data_plane.destination(dest);
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
+                let flight = prep.in_flight(pod_key, choice.prefill_tokens);
                 if let Some(pl) = w.loads.get_mut(pool) {
-                    let prefill = prep.stream.then_some(choice.prefill_tokens);
-                    pl.own.add(idx, prep.sequences, prep.prompt_tokens, prefill);
+                    pl.own.count(idx, &flight);
                     pl.dirty = true;
                 }
                 // Published at once unless this worker published within the interval (then
@@ -1025,7 +1025,7 @@ impl Http {
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(pool, pod_key, addr);
                 }
-                self.picked = Some(prep.in_flight(pod_key, choice.prefill_tokens));
+                self.picked = Some(flight);
                 self.learn_response = prep
                     .learns_response
                     .then(|| (pod_key, request::ResponseHead::default()));

@@ -778,33 +778,38 @@ async fn full_response(children: Vec<Child>, meta: Meta) -> Response {
     let generated: u32 = done.iter().map(|f| f.generated).sum();
     let cached = done.first().map_or(0, |f| f.cached);
     let usage = usage_json(meta.prompt_tokens, generated, cached);
-    let choices: Vec<String> = done
-        .iter()
-        .enumerate()
-        .map(|(i, f)| {
+    // The choices by index, as chat or completion objects.
+    let choices = |chat: bool| {
+        let each = done.iter().enumerate().map(|(i, f)| {
             let content =
                 serde_json::to_string(&text::filler(0, f.generated)).unwrap_or_default();
             let reason = f.finish.as_str();
-            match meta.api {
-                Api::Chat => format!(
+            if chat {
+                format!(
                     r#"{{"index":{i},"message":{{"role":"assistant","reasoning_content":null,"content":{content},"tool_calls":[]}},"logprobs":null,"finish_reason":"{reason}","stop_reason":null}}"#
-                ),
-                _ => format!(
+                )
+            } else {
+                format!(
                     r#"{{"index":{i},"text":{content},"logprobs":null,"finish_reason":"{reason}","stop_reason":null,"prompt_logprobs":null}}"#
-                ),
+                )
             }
-        })
-        .collect();
-    let choices = choices.join(",");
-    let body = match (meta.api, done.first()) {
-        (Api::Chat, _) => format!(
-            r#"{}"choices":[{choices}],"usage":{usage},"prompt_logprobs":null}}"#,
-            meta.head
+        });
+        each.collect::<Vec<_>>().join(",")
+    };
+    let body = match meta.api {
+        Api::Chat => format!(
+            r#"{}"choices":[{}],"usage":{usage},"prompt_logprobs":null}}"#,
+            meta.head,
+            choices(true)
         ),
-        (Api::Completion, _) => format!(r#"{}"choices":[{choices}],"usage":{usage}}}"#, meta.head),
-        (Api::Messages, first) => {
-            let (generated, finish) =
-                first.map_or((0, FinishReason::Stop), |f| (f.generated, f.finish));
+        Api::Completion => format!(
+            r#"{}"choices":[{}],"usage":{usage}}}"#,
+            meta.head,
+            choices(false)
+        ),
+        // One choice (the Messages API has no `n`).
+        Api::Messages => {
+            let finish = done.first().map_or(FinishReason::Stop, |f| f.finish);
             let content = serde_json::to_string(&text::filler(0, generated)).unwrap_or_default();
             format!(
                 r#"{{{},"content":[{{"type":"text","text":{content}}}],"stop_reason":"{}","stop_sequence":null,"usage":{}}}"#,
