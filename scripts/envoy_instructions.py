@@ -84,7 +84,7 @@ sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 sys.path.insert(0, str(ROOT / "scripts"))
 from envoy_overhead import (CONFIG, REFERENCES, Upstream, chat_body, compare_builds, host_info,  # noqa: E402
                              gateway_specs, pod_snapshot)
-from harness import BUILDS, Envoy, LdsListener, snapshot  # noqa: E402
+from harness import BUILDS, Envoy, LdsListener, scratch, snapshot  # noqa: E402
 
 WARMUP = 300
 # Per-time work left out (see the docstring); everything else is the shipped default.
@@ -290,6 +290,7 @@ def main():
         sys.exit("needs valgrind: apt-get install valgrind")
     extra = compare_builds(args.compare_wasm)
     body = make_body()
+    scratch("gpuroute-instructions-")
     up = Upstream()
     config = dict(MEASURE_CONFIG, **({"tick_ms": args.tick_ms} if args.tick_ms else {}),
                   **({"shared_refresh_ms": args.shared_refresh_ms} if args.shared_refresh_ms else {}))

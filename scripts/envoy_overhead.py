@@ -72,13 +72,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import BUILDS, ENVOY, FLOOR_WASM, TOKEN, Envoy, Pusher, free_port  # noqa: E402
+from harness import BUILDS, ENVOY, FLOOR_WASM, TOKEN, Envoy, Pusher, free_port, scratch, work_dir  # noqa: E402
 sys.path.insert(0, str(ROOT / "scripts"))
 import paired  # noqa: E402
 
@@ -122,7 +121,7 @@ class Upstream:
             })
         cfg = {"admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": free_port()}}},
                "static_resources": {"listeners": listeners}}
-        self.dir = Path(tempfile.mkdtemp(prefix="gpuroute-upstream-"))
+        self.dir = work_dir("gpuroute-upstream-")
         path = self.dir / "upstream.json"
         path.write_text(json.dumps(cfg))
         self.proc = subprocess.Popen([str(ENVOY), "-c", str(path), "--concurrency", "1", "--disable-hot-restart", "-l", "error"],
@@ -373,16 +372,17 @@ def main():
     if not HTTPLOAD.exists() or not FLOOR_WASM.exists() or (args.floor_callbacks and not FLOOR_CALLBACKS_WASM.exists()):
         sys.exit("build first: make build")
     extra = compare_builds(args.compare_wasm)
+    work = scratch("gpuroute-overhead-")
     aa = None if args.no_copy else "copy"  # the A/A copy's name among the extra builds
     if aa:
         if aa in extra:
             sys.exit(f"--compare-wasm: the name {aa!r} is the A/A copy's (or pass --no-copy)")
-        copy = Path(tempfile.mkdtemp()) / "gpuroute_filter_copy.wasm"
+        copy = work / "gpuroute_filter_copy.wasm"
         shutil.copyfile(BUILDS["filter"][2], copy)
         extra = {aa: copy, **extra}
     configs = compare_configs(args.compare_config, {*extra, *GATEWAYS})
     extra.update({name: BUILDS["filter"][2] for name in configs})
-    body_file = Path(tempfile.mkdtemp()) / "chat.json"
+    body_file = work / "chat.json"
     body_file.write_bytes(chat_body())
     up = Upstream()
     gateways = tuple((name, Envoy(**spec)) for name, spec in gateway_specs(up, CONFIG, extra, args.floor_callbacks, configs).items())

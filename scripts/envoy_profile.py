@@ -55,13 +55,12 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envoy_overhead as eo  # noqa: E402
-from harness import Envoy, Pusher  # noqa: E402  (tests/e2e, put on the path by envoy_overhead)
+from harness import Envoy, Pusher, scratch  # noqa: E402  (tests/e2e, put on the path by envoy_overhead)
 
 GATEWAYS = ("plain", "wasm_floor", "floor_callbacks", "filter")
 # The floor built with its `experiments` feature (`make wasm`): `--compare-floor` loads it.
@@ -150,7 +149,7 @@ def main():
     needed = (eo.FLOOR_WASM, eo.FLOOR_CALLBACKS_WASM, *((FLOOR_EXPERIMENTS_WASM,) if floors else ()))
     if not all(w.exists() for w in needed):
         sys.exit("build first: make build")
-    work = Path(tempfile.mkdtemp(prefix="gpuroute-profile-"))
+    work = scratch("gpuroute-profile-")
     body_file = work / "chat.json"
     body_file.write_bytes(eo.chat_body())
     up = eo.Upstream()

@@ -28,13 +28,12 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envoy_overhead as eo  # noqa: E402
-from harness import BUILDS, Envoy, Pusher, free_port  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
+from harness import BUILDS, Envoy, Pusher, free_port, scratch  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
 
 ROOT = eo.ROOT
 RELEASE = ROOT / "target" / "release"
@@ -90,7 +89,7 @@ def main():
     for binary in ("sse-stub", "loadgen"):
         if not (RELEASE / binary).exists():
             sys.exit("build first: make native")
-    work = Path(tempfile.mkdtemp(prefix="gpuroute-streaming-"))
+    work = scratch("gpuroute-streaming-")
     stubs, addrs = start_stubs(4)
     pools = [{"name": "llama", "endpoints": addrs}]
     plain = Envoy("round_robin", pools, eo.CONFIG)

@@ -19,14 +19,13 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import Envoy, free_port  # noqa: E402
+from harness import Envoy, free_port, work_dir  # noqa: E402
 
 FLEET_SIM = ROOT / "target" / "release" / "fleet-sim"
 SIDECAR = ROOT / "target" / "release" / "sidecar-metrics"
@@ -68,7 +67,7 @@ class Stack:
         self.concurrency = concurrency
         self.interval_ms = interval_ms
         self.filter_overrides = filter_overrides or {}
-        self.dir = Path(workdir or tempfile.mkdtemp(prefix="gpuroute-stack-"))
+        self.dir = Path(workdir) if workdir else work_dir("gpuroute-stack-")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.time_scale = time_scale
         self.quiet = quiet
@@ -231,7 +230,7 @@ def main():
         if args.any_ports:
             ports = {"listen": f"127.0.0.1:{free_port()}", "admin": f"127.0.0.1:{free_port()}",
                      "ingest": f"127.0.0.1:{free_port()}", "sidecar_listen": f"127.0.0.1:{free_port()}"}
-            workdir = Path(tempfile.mkdtemp(prefix="gpuroute-run-"))
+            workdir = work_dir("gpuroute-run-")
         else:
             ports = {"listen": "127.0.0.1:8080", "admin": "127.0.0.1:9901", "ingest": "127.0.0.1:9002",
                      "sidecar_listen": "127.0.0.1:9100"}

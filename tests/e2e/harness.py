@@ -4,9 +4,11 @@ Everything binds 127.0.0.1 on OS-chosen ports. Used by the pytest suites here an
 benchmark orchestration.
 """
 
+import atexit
 import http.client
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,6 +82,25 @@ def now_ms():
     return int(time.time() * 1000)
 
 
+def work_dir(prefix):
+    """A new directory for a process's configuration and log. Under `GPUROUTE_TMPDIR` when it is
+    set: the end-to-end suite sets it to its pytest run's own directory, which pytest deletes
+    after three newer runs (each run makes hundreds of these). Otherwise under the system's
+    temporary directory, for scripts to delete or keep."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("GPUROUTE_TMPDIR")))
+
+
+def scratch(prefix):
+    """A directory for one script run's files, deleted when the script exits (kept when
+    `GPUROUTE_KEEP_TMP` is set, to read the logs in it). Gateways, sidecars and pods the harness
+    starts after this call put their own directories in it."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    os.environ["GPUROUTE_TMPDIR"] = str(d)
+    if not os.environ.get("GPUROUTE_KEEP_TMP"):
+        atexit.register(shutil.rmtree, d, True)
+    return d
+
+
 def stop_process(proc, grace_s=10):
     """SIGTERM, then SIGKILL if it has not exited after `grace_s`."""
     if proc.poll() is None:
@@ -107,7 +128,7 @@ class Envoy:
         self.envoy_args = list(envoy_args)
         self.runtime = runtime or RUNTIME
         self.wasm = Path(wasm) if wasm else WASM
-        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-e2e-"))
+        self.dir = Path(workdir) if workdir else work_dir("gpuroute-e2e-")
         self.dir.mkdir(parents=True, exist_ok=True)
         # Ports the harness picks are free when picked but not reserved: another process can
         # take one before Envoy binds it. Envoy then exits at once; pick again (a port the
@@ -356,7 +377,7 @@ class Sidecar:
     """sidecar-metrics scraping `pools` ({name: [address, ...]}) and pushing to `ingest_urls`."""
 
     def __init__(self, pools, ingest_urls, interval_ms=100, extra=None, workdir=None):
-        self.dir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="gpuroute-sidecar-"))
+        self.dir = Path(workdir) if workdir else work_dir("gpuroute-sidecar-")
         self.listen = f"127.0.0.1:{free_port()}"
         cfg = {
             "interval_ms": interval_ms,
