@@ -28,6 +28,7 @@ Usage: render.py DESCRIPTION.json > envoy.yaml
 import copy
 import json
 import sys
+from pathlib import Path
 
 BODY_HEADROOM = 1024 * 1024
 DEFAULT_MAX_BODY = 4 * 1024 * 1024
@@ -114,25 +115,11 @@ def wasm_filter(wasm_path, config):
 
 
 # The filter's default inference paths (core/src/config.rs, `inference_paths`).
+# The filter's default inference paths: the file the filter compiles in (core/src/config.rs).
 INFERENCE_PATHS = [
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/v1/responses",
-    "/v1/messages",
-    "/v1/messages/count_tokens",
-    "/v1/audio/transcriptions",
-    "/v1/audio/translations",
-    "/v1/rerank",
-    "/v1/score",
-    "/v1/classify",
-    "/v2/rerank",
-    "/rerank",
-    "/score",
-    "/classify",
-    "/pooling",
-    "/tokenize",
-    "/detokenize",
+    line.strip()
+    for line in (Path(__file__).resolve().parent.parent / "core" / "src" / "inference_paths.txt").read_text().splitlines()
+    if line.strip() and not line.strip().startswith("#")
 ]
 
 

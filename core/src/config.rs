@@ -382,30 +382,17 @@ impl DataPlane {
 fn yes() -> bool {
     true
 }
+/// The default inference paths, one per line (`#` starts a comment). `envoy/render.py` reads
+/// the same file for the routes it renders.
+const DEFAULT_INFERENCE_PATHS: &str = include_str!("inference_paths.txt");
+
 fn default_inference_paths() -> Vec<String> {
-    [
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-        "/v1/audio/transcriptions",
-        "/v1/audio/translations",
-        "/v1/rerank",
-        "/v1/score",
-        "/v1/classify",
-        "/v2/rerank",
-        "/rerank",
-        "/score",
-        "/classify",
-        "/pooling",
-        "/tokenize",
-        "/detokenize",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    DEFAULT_INFERENCE_PATHS
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.is_empty() && !line.starts_with('#'))
+        .map(String::from)
+        .collect()
 }
 fn default_models_path() -> String {
     "/v1/models".to_string()
@@ -686,6 +673,14 @@ mod tests {
         let c = FilterConfig::from_json(MINIMAL.as_bytes()).unwrap();
         assert_eq!(c.max_body_bytes, 4 * 1024 * 1024);
         assert_eq!(c.inference_paths.len(), 18);
+        let mut seen = std::collections::HashSet::new();
+        assert!(
+            c.inference_paths.iter().all(|p| seen.insert(p)),
+            "inference_paths.txt lists a path twice: {:?}",
+            c.inference_paths
+        );
+        assert_eq!(c.inference_paths[0], "/v1/chat/completions");
+        assert_eq!(c.inference_paths[17], "/detokenize");
         assert!(c.is_inference_path("/v1/messages"));
         assert!(c.is_inference_path("/v1/audio/transcriptions"));
         assert!(c.is_inference_path("/v1/audio/translations"));

@@ -709,9 +709,10 @@ def test_anthropic_messages_api_is_routed_and_answered_in_its_shape(envoy, pods)
 
 
 def test_the_route_tables_inference_paths_are_the_filters(envoy):
-    """The shipped route tables list the filter's default inference paths (`render.py` keeps its
-    own copy, for the 503 routes): on each, the filter itself reads the body, so a malformed one
-    gets its 400 in the path's API's shape rather than passing through to the route table."""
+    """The shipped route tables list the filter's default inference paths (`render.py` reads the
+    file the filter compiles in, for the 503 routes): on each, the filter itself reads the body,
+    so a malformed one gets its 400 in the path's API's shape rather than passing through to the
+    route table."""
     from harness import render
     for path in render.INFERENCE_PATHS:
         s, h, body, _ = envoy.request("POST", path, b"{")
