@@ -277,8 +277,19 @@ struct Meta {
     /// `{"id":...,"object":...,"created":...,"model":...,` (chunk or body prefix); for the
     /// Messages API the message object's `"id":...,"type":"message","role":...,"model":...`.
     head: String,
+    /// All the prompts' tokens.
     prompt_tokens: u32,
+    /// Choices per prompt (`n`): engine request `k` is prompt `k / choices`'s.
+    choices: usize,
     include_usage: bool,
+}
+
+impl Meta {
+    /// Prompt tokens read from the prefix cache: each prompt's first choice's count (the later
+    /// choices reuse what the first computed), summed over the prompts.
+    fn cached_tokens(&self, per_request: impl Iterator<Item = u32>) -> u32 {
+        per_request.step_by(self.choices.max(1)).sum()
+    }
 }
 
 fn message_text(content: &Option<Value>, out: &mut String) {
@@ -357,7 +368,7 @@ async fn chat_completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response 
         stream,
         include_usage: usage,
     };
-    serve(pod, Api::Chat, req.model, prompt, ask).await
+    serve(pod, Api::Chat, req.model, vec![prompt], ask).await
 }
 
 async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
@@ -373,7 +384,7 @@ async fn messages(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         stream,
         include_usage: false,
     };
-    serve(pod, Api::Messages, req.model, prompt, ask).await
+    serve(pod, Api::Messages, req.model, vec![prompt], ask).await
 }
 
 /// A Messages API prompt: the same text as the conversation in chat, system prompt first (one
@@ -559,17 +570,9 @@ async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
-    let prompt = match &req.prompt {
-        Value::String(s) => s.clone(),
-        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-            items[0].as_str().unwrap_or_default().to_string()
-        }
-        // a token-id prompt: keep one "token" (4 bytes of text) per id so counts match
-        Value::Array(items) if items.iter().all(Value::is_number) => items
-            .iter()
-            .map(|v| format!("{:<4}", v.as_u64().unwrap_or(0) % 10_000))
-            .collect(),
-        _ => return bad_request("fleet-sim accepts one prompt: a string, [string] or [token ids]"),
+    let prompts = match completion_prompts(&req.prompt) {
+        Ok(prompts) => prompts,
+        Err(message) => return bad_request(&message),
     };
     let stream = req.stream.unwrap_or(false);
     let usage = req
@@ -583,7 +586,55 @@ async fn completions(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
         stream,
         include_usage: usage,
     };
-    serve(pod, Api::Completion, req.model, prompt, ask).await
+    serve(pod, Api::Completion, req.model, prompts, ask).await
+}
+
+/// The most prompts one completions request may list.
+const MAX_PROMPTS: usize = 1024;
+
+/// A completions request's prompts: a string, a list of token ids, or a batch (a list of
+/// strings, or of token-id lists), each of which vLLM runs as a request of its own. A token-id
+/// prompt keeps one "token" (4 bytes of text) per id, so counts match.
+fn completion_prompts(prompt: &Value) -> Result<Vec<String>, String> {
+    fn token_ids(items: &[Value]) -> Option<String> {
+        items
+            .iter()
+            .map(|v| v.as_u64().map(|id| format!("{:<4}", id % 10_000)))
+            .collect()
+    }
+    let prompts = match prompt {
+        Value::String(s) => Some(vec![s.clone()]),
+        Value::Array(items) if items.is_empty() => None,
+        Value::Array(items) if items.iter().all(Value::is_number) => {
+            token_ids(items).map(|p| vec![p])
+        }
+        Value::Array(items) if items.iter().all(Value::is_string) => Some(
+            items
+                .iter()
+                .map(|v| v.as_str().unwrap_or_default().to_string())
+                .collect(),
+        ),
+        Value::Array(items) => items
+            .iter()
+            .map(|v| match v.as_array() {
+                Some(ids) if !ids.is_empty() => token_ids(ids),
+                _ => None,
+            })
+            .collect(),
+        _ => None,
+    };
+    match prompts {
+        Some(p) if p.len() > MAX_PROMPTS => Err(format!(
+            "fleet-sim takes at most {MAX_PROMPTS} prompts a request, got {}.",
+            p.len()
+        )),
+        Some(p) => Ok(p),
+        None => Err(
+            "prompt must be a string, a list of token ids, or a non-empty list of \
+                     either (a batch)"
+                .to_string(),
+        ),
+    }
 }
 
 /// What a generation request asks for besides its model and prompt.
@@ -598,14 +649,19 @@ struct Ask {
 /// The most choices (`n`) fleet-sim generates for one request.
 const MAX_CHOICES: i64 = 256;
 
+/// The most engine requests one generation request may start (its prompts times `n`).
+const MAX_SEQUENCES: usize = 4096;
+
 /// Runs a generation request. A request for `n` choices runs as `n` requests of the engine, as
 /// vLLM's v1 engine runs them (a parent request and its children, each in the running and
-/// waiting gauges), sharing the prompt's cached blocks once the first has them.
+/// waiting gauges), sharing the prompt's cached blocks once the first has them. A batch of
+/// prompts (completions) runs each prompt so; its choices are listed prompt by prompt, prompt
+/// `p`'s choice `i` at index `p * n + i`, as vLLM lists them.
 async fn serve(
     pod: Arc<Pod>,
     api: Api,
     model: Option<String>,
-    prompt: String,
+    prompts: Vec<String>,
     ask: Ask,
 ) -> Response {
     let Ask {
@@ -626,48 +682,72 @@ async fn serve(
             );
             return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
         }
-        Some(c) => c as u64,
+        Some(c) => c as usize,
     };
+    if prompts.len().saturating_mul(choices) > MAX_SEQUENCES {
+        let message = format!(
+            "fleet-sim runs at most {MAX_SEQUENCES} sequences a request, got {} prompts with \
+             n = {choices}.",
+            prompts.len()
+        );
+        return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
+    }
     let n = pod.next_request_number();
     let model = model.unwrap_or_else(|| pod.cfg.model.clone());
     let adapter = match resolve_model(&pod, api, &model) {
         Ok(adapter) => adapter,
         Err(answer) => return *answer,
     };
-    let prompt_tokens = text::prompt_tokens(&prompt);
     let max_len = pod.max_model_len();
     if let Some(m) = max_tokens.filter(|&m| m < 1) {
         let message = format!("max_tokens must be at least 1, got {m}.");
         return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
     }
-    // Each choice samples its own length when the request sets none (a seed of its own).
-    let outputs: Vec<(u32, FinishReason)> = (0..choices)
-        .map(|i| match max_tokens {
-            Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
-            None => {
-                let room = max_len.saturating_sub(prompt_tokens);
-                let seed = pod.seed.wrapping_add(i);
-                let drawn = text::drawn_output_tokens(seed, &model, &prompt, room.max(1));
-                (drawn, FinishReason::Stop)
-            }
-        })
-        .collect();
-    let output_tokens = outputs.iter().map(|o| o.0).max().unwrap_or(1);
-    let total = u64::from(prompt_tokens) + u64::from(output_tokens);
-    if total > u64::from(max_len) {
-        let message = format!(
-            "This model's maximum context length is {max_len} tokens. However, you requested \
-             {total} tokens ({prompt_tokens} in the messages, {output_tokens} in the \
-             completion). Please reduce the length of the messages or completion."
-        );
-        return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
+    // Each prompt's engine requests: its token count, its blocks, and each choice's output.
+    let mut sequences = Vec::with_capacity(prompts.len() * choices);
+    let mut all_prompt_tokens = 0u32;
+    for (p, prompt) in prompts.iter().enumerate() {
+        let prompt_tokens = text::prompt_tokens(prompt);
+        all_prompt_tokens = all_prompt_tokens.saturating_add(prompt_tokens);
+        // Each choice samples its own length when the request sets none (a seed of its own).
+        let outputs: Vec<(u32, FinishReason)> = (0..choices)
+            .map(|i| match max_tokens {
+                Some(m) => (u32::try_from(m).unwrap_or(u32::MAX), FinishReason::Length),
+                None => {
+                    let room = max_len.saturating_sub(prompt_tokens);
+                    let seed = pod.seed.wrapping_add((p * choices + i) as u64);
+                    let drawn = text::drawn_output_tokens(seed, &model, prompt, room.max(1));
+                    (drawn, FinishReason::Stop)
+                }
+            })
+            .collect();
+        let output_tokens = outputs.iter().map(|o| o.0).max().unwrap_or(1);
+        let total = u64::from(prompt_tokens) + u64::from(output_tokens);
+        if total > u64::from(max_len) {
+            let message = format!(
+                "This model's maximum context length is {max_len} tokens. However, you requested \
+                 {total} tokens ({prompt_tokens} in the messages, {output_tokens} in the \
+                 completion). Please reduce the length of the messages or completion."
+            );
+            return api_error(api, StatusCode::BAD_REQUEST, "BadRequestError", &message);
+        }
+        let block_hashes = if pod.cfg.engine.enable_prefix_caching {
+            text::block_hashes(prompt, pod.cfg.engine.block_size, &model)
+        } else {
+            Vec::new()
+        };
+        for (output_tokens, finish) in outputs {
+            sequences.push(NewRequest {
+                prompt_tokens,
+                output_tokens,
+                finish,
+                block_hashes: block_hashes.clone(),
+                adapter,
+                stream,
+            });
+        }
     }
-    let block_hashes = if pod.cfg.engine.enable_prefix_caching {
-        text::block_hashes(&prompt, pod.cfg.engine.block_size, &model)
-    } else {
-        Vec::new()
-    };
-    drop(prompt);
+    drop(prompts);
     let (prefix, object) = match api {
         Api::Chat => (
             "chatcmpl",
@@ -697,22 +777,11 @@ async fn serve(
     let meta = Meta {
         api,
         head,
-        prompt_tokens,
+        prompt_tokens: all_prompt_tokens,
+        choices,
         include_usage,
     };
-    let children: Vec<Child> = outputs
-        .into_iter()
-        .map(|(output_tokens, finish)| {
-            pod.submit(NewRequest {
-                prompt_tokens,
-                output_tokens,
-                finish,
-                block_hashes: block_hashes.clone(),
-                adapter,
-                stream,
-            })
-        })
-        .collect();
+    let children: Vec<Child> = sequences.into_iter().map(|r| pod.submit(r)).collect();
     if stream {
         sse_response(children, meta)
     } else {
@@ -774,9 +843,9 @@ async fn full_response(children: Vec<Child>, meta: Meta) -> Response {
     for g in &mut guards {
         g.finish();
     }
-    // vLLM counts the prompt once and the choices' tokens together.
+    // vLLM counts each prompt once and the choices' tokens together.
     let generated: u32 = done.iter().map(|f| f.generated).sum();
-    let cached = done.first().map_or(0, |f| f.cached);
+    let cached = meta.cached_tokens(done.iter().map(|f| f.cached));
     let usage = usage_json(meta.prompt_tokens, generated, cached);
     // The choices by index, as chat or completion objects.
     let choices = |chat: bool| {
@@ -881,6 +950,8 @@ struct SseState {
     meta: Meta,
     /// Tokens emitted so far, per choice.
     generated: Vec<u32>,
+    /// Prompt tokens each choice read from the prefix cache, as its last emission said.
+    cached: Vec<u32>,
     /// Choices not finished yet.
     left: usize,
     done: bool,
@@ -908,6 +979,9 @@ impl SseState {
         let content = serde_json::to_string(&content).unwrap_or_default();
         if let Some(g) = self.generated.get_mut(i) {
             *g += o.new_tokens;
+        }
+        if let Some(c) = self.cached.get_mut(i) {
+            *c = o.cached_tokens;
         }
         let finish = match o.finish {
             Some(r) => format!(r#""finish_reason":"{}","stop_reason":null"#, r.as_str()),
@@ -950,7 +1024,7 @@ impl SseState {
                 buf.push_str(&usage_json(
                     self.meta.prompt_tokens,
                     self.generated.iter().sum(),
-                    o.cached_tokens,
+                    self.meta.cached_tokens(self.cached.iter().copied()),
                 ));
                 buf.push_str("}\n\n");
             }
@@ -1028,6 +1102,7 @@ fn sse_response(children: Vec<Child>, meta: Meta) -> Response {
     let (rxs, guards): (Vec<_>, Vec<_>) = children.into_iter().unzip();
     let state = SseState {
         generated: vec![0; guards.len()],
+        cached: vec![0; guards.len()],
         left: guards.len(),
         rx: Emissions::of(rxs),
         guards,

@@ -911,6 +911,98 @@ async fn a_request_for_n_choices_runs_as_n_sequences() {
 }
 
 #[tokio::test]
+async fn a_batch_of_prompts_runs_each_prompt_as_its_requests() {
+    let fleet = start(10.0).await;
+    let a = addr(&fleet, "fast");
+    let c = client();
+    // Two prompts of 2 and 4 tokens, 2 choices each: 4 choices, prompt by prompt.
+    let ask = serde_json::json!({"model": LLAMA, "prompt": ["abcdefgh", "abcdefghijklmnop"],
+        "max_tokens": 3, "n": 2});
+    let (s, v) = post_json(&c, a, "/v1/completions", ask).await;
+    assert_eq!(s, 200, "{v}");
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4, "{v}");
+    for (i, ch) in choices.iter().enumerate() {
+        assert_eq!(ch["index"], i);
+        assert_eq!(word_count(ch["text"].as_str().unwrap()), 3);
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], 6, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 12, "{v}");
+
+    // A batch of token-id lists: each list is a prompt (3 and 2 ids: 5 prompt tokens).
+    let ask =
+        serde_json::json!({"model": LLAMA, "prompt": [[11, 12, 13], [14, 15]], "max_tokens": 1});
+    let (s, v) = post_json(&c, a, "/v1/completions", ask).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"], 5, "{v}");
+
+    // Streamed: each choice's chunks carry its index in the batch.
+    let ask = serde_json::json!({"model": LLAMA, "prompt": ["once", "upon", "a time"],
+        "max_tokens": 2, "n": 2, "stream": true, "stream_options": {"include_usage": true}});
+    let (s, body) = post(&c, a, "/v1/completions", ask).await;
+    assert_eq!(s, 200, "{body}");
+    let events = sse_events(&body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut words = [0usize; 6];
+    let mut usage = Vec::new();
+    for e in &events[..events.len() - 1] {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        if let Some(choice) = chunk["choices"].as_array().unwrap().first() {
+            words[choice["index"].as_u64().unwrap() as usize] +=
+                word_count(choice["text"].as_str().unwrap());
+        }
+        if !chunk["usage"].is_null() {
+            usage.push(chunk["usage"]["completion_tokens"].clone());
+        }
+    }
+    assert_eq!(
+        (words, usage),
+        ([2; 6], vec![serde_json::json!(12)]),
+        "{body}"
+    );
+
+    // Every prompt's every choice is a sequence of the engine.
+    let ask = serde_json::json!({"model": LLAMA, "prompt": ["a", "b", "c"], "n": 2,
+        "max_tokens": 100_000, "stream": true});
+    let mut resp = c
+        .post(format!("http://{a}/v1/completions"))
+        .json(&ask)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+    let running = metric(&c, a, "vllm:num_requests_running{").await
+        + metric(&c, a, "vllm:num_requests_waiting{").await;
+    assert_eq!(running, 6.0);
+    drop(resp);
+
+    let many: Vec<String> = (0..1025).map(|i| format!("p{i}")).collect();
+    for (prompt, n, want) in [
+        (serde_json::json!([]), 1, "non-empty list"),
+        (serde_json::json!([1, "a"]), 1, "non-empty list"),
+        (serde_json::json!([[1], []]), 1, "non-empty list"),
+        (serde_json::json!([[1], "a"]), 1, "non-empty list"),
+        (serde_json::json!(7), 1, "non-empty list"),
+        (serde_json::json!(many), 1, "at most 1024 prompts"),
+        (
+            serde_json::json!(vec!["a"; 17]),
+            256,
+            "at most 4096 sequences",
+        ),
+    ] {
+        let ask = serde_json::json!({"model": LLAMA, "prompt": prompt, "n": n});
+        let (s, v) = post_json(&c, a, "/v1/completions", ask).await;
+        assert_eq!(s, 400, "{v}");
+        let message = v["message"]
+            .as_str()
+            .or(v["error"]["message"].as_str())
+            .unwrap();
+        assert!(message.contains(want), "{want}: {v}");
+    }
+}
+
+#[tokio::test]
 async fn tokenize_and_detokenize_answer_as_vllm_does() {
     let fleet = start(10.0).await;
     let a = addr(&fleet, "fast");
