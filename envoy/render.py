@@ -206,6 +206,11 @@ def local_reply_config(max_body, ingest=None):
     - 503 and 504 that Envoy generates (response flags above): no pod of the pool could take
       the request (all dead, connects refused, retries exhausted) or the pod timed out. The
       message keeps Envoy's reason.
+    - 507, which Envoy's router answers when a request's first attempt failed and its body
+      outgrew the retry buffer (`per_connection_buffer_limit_bytes`) before the retry (an audio
+      upload streaming on to a pod that refused it): answered as the 503 above, which SDKs
+      retry, with Envoy's reason ("exceeded request buffer limit while retrying upstream"). It
+      carries no response flag.
 
     A mapper's filter reads the request's `:path` for the API (Anthropic's shape on the
     Messages API's paths). The filter's own answers carry no response flag and, for 413, the
@@ -249,6 +254,10 @@ def local_reply_config(max_body, ingest=None):
             dict({"filter": {"and_filter": {"filters": [status(413), *not_ingest]}}}, **fixed({"error": {"message": too_large, "type": "invalid_request_error", "param": None, "code": "request_too_large"}})),
             dict({"filter": both(flags(TIMEOUT_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "api_error", "message": timeout}})),
             dict({"filter": flags(TIMEOUT_FLAGS)}, **formatted({"error": {"message": timeout, "type": "timeout_error", "param": None, "code": "upstream_timeout"}})),
+            dict({"filter": both(status(507), messages), "status_code": 503},
+                 **formatted({"type": "error", "error": {"type": "overloaded_error", "message": unavailable}})),
+            dict({"filter": status(507), "status_code": 503},
+                 **formatted({"error": {"message": unavailable, "type": "service_unavailable_error", "param": None, "code": "upstream_unavailable"}})),
             dict({"filter": both(flags(UNAVAILABLE_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "overloaded_error", "message": unavailable}})),
             dict({"filter": flags(UNAVAILABLE_FLAGS)}, **formatted({"error": {"message": unavailable, "type": "service_unavailable_error", "param": None, "code": "upstream_unavailable"}})),
         ]

@@ -134,6 +134,38 @@ def test_a_pool_no_pod_can_take_answers_503_in_the_apis_shape(gateway):
     assert (s, body["error"]["code"]) == (404, "model_not_found")
 
 
+def test_envoys_507_while_retrying_is_a_503_in_the_apis_shape():
+    """Envoy's router answers 507 "exceeded request buffer limit while retrying upstream" when a
+    request's first attempt failed and its body outgrew the retry buffer before the retry: an
+    audio upload that streams on to a pod that refused it (`test_a_dead_pod_an_upload_was_sent_to`
+    meets it when the refusal comes early; how often depends on the machine's timing). It comes
+    back as the retryable 503 of a pool no pod could take, in the API's shape. The race is not
+    forced here: a route answers Envoy's 507 directly, through the same local reply mappers."""
+    pod = StubPod("llama-0")
+    reason = "exceeded request buffer limit while retrying upstream"
+
+    def answer_507(config):
+        hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        routes.insert(0, {"match": {"prefix": "/retrying"},
+                          "direct_response": {"status": 507, "body": {"inline_string": reason}}})
+
+    e = Envoy("filter", [{"name": "llama", "endpoints": [pod.address]}], {"pools": CONFIG["pools"][:1]},
+              patch=answer_507)
+    try:
+        s, h, body, raw = e.request("POST", "/retrying/v1/audio/transcriptions", b"x")
+        assert s == 503 and h["content-type"] == "application/json", (s, h, raw)
+        err = body["error"]
+        assert set(err) == OPENAI_KEYS, err
+        assert (err["type"], err["code"]) == ("service_unavailable_error", "upstream_unavailable")
+        assert err["message"] == f"no pod of the pool could take the request: {reason}", err
+        s, h, body, raw = e.request("POST", "/retrying/v1/messages", b"x")
+        assert s == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error", (s, raw)
+    finally:
+        e.stop()
+        pod.close()
+
+
 def test_sdks_read_envoys_503(gateway):
     base = f"http://{gateway.listen}"
     oai = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
