@@ -43,10 +43,12 @@ def scenario_names():
 
 
 def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False,
-                 filter_config=None, filter_wasm=None):
+                 filter_config=None, filter_wasm=None, filter_variants=None):
     """`filter_wasm`: {name: path} of other builds of the filter, run as configuration
-    `filter-<name>`."""
+    `filter-<name>`; `filter_variants`: {name: options} merged into this build's configuration,
+    run as configuration `filter-<name>`."""
     filter_wasm = filter_wasm or {}
+    filter_variants = filter_variants or {}
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
@@ -56,8 +58,10 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
         if debug:
             overrides["debug_header"] = True
         build = label.removeprefix("filter-") if label.startswith("filter-") else None
-        if build is not None and build not in filter_wasm:
-            raise SystemExit(f"configuration {label}: no --filter-wasm {build}=PATH given")
+        if build in filter_variants:
+            overrides.update(filter_variants[build])
+        elif build is not None and build not in filter_wasm:
+            raise SystemExit(f"configuration {label}: no --filter-wasm {build}=PATH or --filter-variant {build}=JSON")
         stack = Stack(fleet=fleet, router="filter" if build else label, workdir=work / label,
                       concurrency=concurrency, filter_overrides=overrides,
                       wasm=filter_wasm.get(build)).start()
@@ -94,6 +98,9 @@ def main():
                     help="a scenario file anywhere, such as bench/experiments/*.json (repeatable)")
     ap.add_argument("--filter-wasm", action="append", default=[], metavar="NAME=PATH",
                     help="another build of the filter, run as configuration filter-NAME (name it in --configs)")
+    ap.add_argument("--filter-variant", action="append", default=[], metavar="NAME=JSON",
+                    help="this build of the filter with JSON merged into its configuration, run as configuration "
+                    "filter-NAME (name it in --configs), e.g. hold='{\"hold\": {}}'")
     ap.add_argument("--trace", help="replay this trace file instead of the scenarios")
     ap.add_argument("--speedup", type=float, help="trace seconds per wall second")
     ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
@@ -118,6 +125,10 @@ def main():
     started = time.time()
     configs = args.configs.split(",")
     filter_wasm = dict(w.split("=", 1) for w in args.filter_wasm)
+    filter_variants = {name: json.loads(options) for name, options in (v.split("=", 1) for v in args.filter_variant)}
+    clash = set(filter_wasm) & set(filter_variants)
+    if clash:
+        sys.exit(f"named both a --filter-wasm and a --filter-variant: {', '.join(sorted(clash))}")
     if args.trace:
         trace = Path(args.trace).resolve()
         mooncake = trace.read_text(errors="replace").lstrip().startswith("{")
@@ -136,7 +147,7 @@ def main():
         if mooncake:
             extra += ["--token-scale", "0.125"]  # 512-token blocks -> 64 tokens, as shared-prefix
         run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs,
-                     args.debug_header, args.filter_config, filter_wasm)
+                     args.debug_header, args.filter_config, filter_wasm, filter_variants)
     else:
         files = [ROOT / "bench" / "scenarios" / f"{name}.json" for name in args.scenario or []]
         files += [Path(f).resolve() for f in args.scenario_file]
@@ -145,7 +156,7 @@ def main():
         for f in files:
             fleet = json.loads(f.read_text())["fleet"]
             run_scenario(f.stem, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header,
-                         args.filter_config, filter_wasm)
+                         args.filter_config, filter_wasm, filter_variants)
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

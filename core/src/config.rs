@@ -46,6 +46,11 @@ pub struct FilterConfig {
     /// pool is saturated.
     #[serde(default = "yes")]
     pub shed_sheddable: bool,
+    /// Hold requests at the gateway while every pod of their pool is saturated, and send each
+    /// when a pod has room (proxy-wasm build). Absent: off (a request goes to the least
+    /// saturated pod at once, to wait in its queue).
+    #[serde(default)]
+    pub hold: Option<HoldConfig>,
     /// Pick endpoints. `false` keeps body-based routing to the pool (headers, errors,
     /// `/v1/models`) and leaves the pod to Envoy's load balancer: a baseline for benchmarks, or
     /// a first rollout step.
@@ -334,6 +339,53 @@ impl Default for PrefixConfig {
     }
 }
 
+/// Holding requests while their pool is saturated (`hold`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HoldConfig {
+    /// The longest a request is held (ms); then it goes to the best saturated pod, as it would
+    /// have without holding.
+    #[serde(default = "default_hold_max_wait_ms")]
+    pub max_wait_ms: u64,
+    /// The most requests one Envoy worker holds at once; the next ones go to a saturated pod
+    /// at once.
+    #[serde(default = "default_hold_max_held")]
+    pub max_held: usize,
+    /// Which held request goes first when a pod has room, among those of the same
+    /// `x-gateway-priority`.
+    #[serde(default)]
+    pub order: HoldOrder,
+}
+
+/// The order of held requests of one priority (`hold.order`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HoldOrder {
+    /// First come, first served.
+    #[default]
+    Arrival,
+    /// The shortest prompt first (estimated tokens): short prefills do not wait behind long
+    /// ones. A long prompt waits at most `max_wait_ms`.
+    Shortest,
+}
+
+impl Default for HoldConfig {
+    fn default() -> HoldConfig {
+        HoldConfig {
+            max_wait_ms: default_hold_max_wait_ms(),
+            max_held: default_hold_max_held(),
+            order: HoldOrder::Arrival,
+        }
+    }
+}
+
+fn default_hold_max_wait_ms() -> u64 {
+    2_000
+}
+fn default_hold_max_held() -> usize {
+    256
+}
+
 /// Snapshot ingest endpoint.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -522,6 +574,14 @@ impl FilterConfig {
                 ));
             }
         }
+        if let Some(h) = &self.hold {
+            if !(1..=60_000).contains(&h.max_wait_ms) {
+                return Err(cfg_err("hold.max_wait_ms", "must be between 1 and 60000"));
+            }
+            if !(1..=65_536).contains(&h.max_held) {
+                return Err(cfg_err("hold.max_held", "must be between 1 and 65536"));
+            }
+        }
         if !(1..=64 * 1024 * 1024).contains(&self.max_body_bytes) {
             return Err(cfg_err("max_body_bytes", "must be between 1 and 64 MiB"));
         }
@@ -694,6 +754,17 @@ mod tests {
         assert_eq!(c.data_plane, DataPlane::OverrideHost);
         assert_eq!(c.fallback_endpoints, 2);
         assert!(c.ingest.is_none());
+        assert_eq!(c.hold, None);
+        let held = r#"{"pools":[{"name":"llama","models":["llama-3"]}],"hold":{}}"#;
+        let c = FilterConfig::from_json(held.as_bytes()).unwrap();
+        assert_eq!(c.hold, Some(HoldConfig::default()));
+        assert_eq!(
+            (
+                HoldConfig::default().max_wait_ms,
+                HoldConfig::default().max_held
+            ),
+            (2_000, 256)
+        );
     }
 
     #[test]
@@ -809,6 +880,22 @@ mod tests {
             (
                 r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m"}]}}"#,
                 "missing field `weight`",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait_ms":0}}"#,
+                "hold.max_wait_ms",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_held":100000}}"#,
+                "hold.max_held",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait":5}}"#,
+                "unknown field `max_wait`",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"order":"random"}}"#,
+                "unknown variant `random`",
             ),
         ];
         for (json, needle) in cases {

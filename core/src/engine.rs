@@ -216,6 +216,9 @@ pub struct DecideOptions {
     pub now_ms: u64,
     /// `x-gateway-priority` < 0.
     pub sheddable: bool,
+    /// May be held while the pool is saturated (`hold` is on, the request is whole, its wait
+    /// has not run out and the worker has room to hold it).
+    pub holdable: bool,
     /// Produce the score breakdown for the debug header.
     pub debug: bool,
 }
@@ -541,6 +544,7 @@ impl Engine {
         let DecideOptions {
             now_ms,
             sheddable,
+            holdable,
             debug,
         } = opts;
         let none = |d: Decision| Choice {
@@ -580,6 +584,7 @@ impl Engine {
             adapter_recent: prep.adapter_recent,
             adapter_home,
             sheddable,
+            holdable,
         };
         let mut explain = Explain::default();
         let Some(picker) = self.pickers.get(prep.target.pool) else {
@@ -1371,6 +1376,7 @@ mod tests {
             DecideOptions {
                 now_ms: 1_000,
                 sheddable: false,
+                holdable: false,
                 debug: false,
             },
             &mut rng,
@@ -1396,6 +1402,7 @@ mod tests {
             DecideOptions {
                 now_ms: 1_000,
                 sheddable: false,
+                holdable: false,
                 debug: false,
             },
             &mut rng,
@@ -1417,6 +1424,7 @@ mod tests {
             DecideOptions {
                 now_ms: 1_010,
                 sheddable: false,
+                holdable: false,
                 debug: true,
             },
             &mut SplitMix64::new(3),
@@ -1455,6 +1463,7 @@ mod tests {
                 DecideOptions {
                     now_ms: 1_010,
                     sheddable: false,
+                    holdable: false,
                     debug: false,
                 },
                 &mut rng,
@@ -1502,6 +1511,7 @@ mod tests {
             DecideOptions {
                 now_ms: 1_010,
                 sheddable: false,
+                holdable: false,
                 debug: false,
             },
             &mut SplitMix64::new(5),
@@ -1525,6 +1535,7 @@ mod tests {
         let opts = DecideOptions {
             now_ms: 1_010,
             sheddable: false,
+            holdable: false,
             debug: true,
         };
         let turn = |previous: &str| {

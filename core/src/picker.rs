@@ -49,6 +49,8 @@ pub struct RequestFeatures<'a> {
     pub adapter_home: Option<u64>,
     /// `x-gateway-priority` < 0: may be rejected when the pool is saturated.
     pub sheddable: bool,
+    /// May be held at the gateway while the pool is saturated (`hold`).
+    pub holdable: bool,
 }
 
 /// Weight of a prefix match that does not include the conversation itself (see
@@ -102,6 +104,9 @@ pub enum Decision {
     FailOpen(FailOpen),
     /// Sheddable request, every candidate saturated.
     Shed,
+    /// Every candidate saturated, and the request may wait at the gateway (`hold`): decide
+    /// again when a pod may have room.
+    Hold,
 }
 
 /// One candidate's score breakdown, for the debug header and tests.
@@ -303,6 +308,9 @@ impl Picker {
         if cands.iter().all(|c| c.2) {
             if req.sheddable {
                 return Decision::Shed;
+            }
+            if req.holdable {
+                return Decision::Hold;
             }
         } else {
             if let Some(e) = explain.as_deref_mut() {
@@ -772,6 +780,46 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(pick(&all, &shed), Decision::Shed);
+    }
+
+    #[test]
+    fn a_holdable_request_is_held_only_while_every_pod_is_saturated() {
+        let hold = RequestFeatures {
+            holdable: true,
+            ..Default::default()
+        };
+        let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.9)]);
+        assert_eq!(pick(&all, &hold), Decision::Hold);
+        // One pod with room: it is picked, held or not.
+        let one_free = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.5)]);
+        assert_eq!(best(&pick(&one_free, &hold)), 1);
+        // Sheddable requests are still shed rather than held.
+        let both = RequestFeatures {
+            sheddable: true,
+            ..hold
+        };
+        assert_eq!(pick(&all, &both), Decision::Shed);
+        // With no fresh pod there is nothing to wait for: fail open.
+        let d = picker().pick(&all, &[], &hold, 2_000, &mut SplitMix64::new(1), None);
+        assert_eq!(d, Decision::FailOpen(FailOpen::NoFreshPod));
+        // Requests this gateway sent since the snapshot fill a pod's queue: an idle pod that
+        // was just sent a burst is saturated as far as the gateway knows.
+        let idle = pool(vec![pod(1, 0, 0, 0.1)]);
+        let mut table = LoadTable::default();
+        table.rebase(1, &idle.keys);
+        let held = |table: &LoadTable| {
+            picker().pick(&idle, &table.pods, &hold, 0, &mut SplitMix64::new(1), None)
+        };
+        let mut sent = 0;
+        while held(&table) != Decision::Hold {
+            table.add(0, 1, 100, Some(100));
+            sent += 1;
+            assert!(sent <= 16, "never saturated");
+        }
+        assert_eq!(
+            f64::from(sent),
+            ScoringConfig::default().queue_threshold.ceil()
+        );
     }
 
     #[test]

@@ -785,6 +785,8 @@ impl Filter {
         let opts = DecideOptions {
             now_ms: now,
             sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
+            // Holding (`hold`) is the proxy-wasm build's: this build sends at once.
+            holdable: false,
             debug: cfg.debug_header,
         };
         let mut choice = r
@@ -842,6 +844,8 @@ impl Filter {
                 }
             }
             Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
+            // Never decided here: `holdable` is false.
+            Decision::Hold => {}
         }
         if answer.is_none() {
             for (name, value) in prep.routing_headers() {

@@ -29,10 +29,12 @@
 //! can panic: a context id the filter does not know, or a context already in use, gets the
 //! host's default (`Continue`).
 
-use crate::{Http, Root};
+use crate::{Http, Release, Root, Worker};
 use gpuroute_core::idmap::IdMap;
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
+use std::rc::Rc;
+use std::sync::Arc;
 
 /// `proxy_log` levels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,7 +173,11 @@ pub extern "C" fn proxy_on_context_create(context_id: u32, root_context_id: u32)
         };
         if root_context_id == 0 {
             c.roots.insert(context_id, Root::new(context_id));
-        } else if let Some(stream) = c.roots.get(&root_context_id).map(Root::create_http) {
+        } else if let Some(stream) = c
+            .roots
+            .get(&root_context_id)
+            .map(|r| r.create_http(context_id))
+        {
             c.streams.insert(context_id, stream);
         }
     });
@@ -189,7 +195,33 @@ pub extern "C" fn proxy_on_configure(context_id: u32, plugin_configuration_size:
 
 #[no_mangle]
 pub extern "C" fn proxy_on_tick(context_id: u32) {
-    with_root(context_id, Root::on_tick);
+    if let Some(Some(worker)) = with_root(context_id, Root::on_tick) {
+        release_held(&worker, context_id);
+    }
+}
+
+/// Decides again for the requests `worker` holds (`hold`), in their order, and continues those
+/// that now have a pod (or answers them), each through its own context; then makes `current`
+/// the effective context again. A pool found still saturated is not asked again in the pass.
+fn release_held(worker: &Rc<RefCell<Worker>>, current: u32) {
+    let queue = match worker.try_borrow() {
+        Ok(w) if !w.held.is_empty() => w.held.iter().map(|e| e.context).collect::<Vec<_>>(),
+        _ => return,
+    };
+    let mut blocked: Vec<Arc<str>> = Vec::new();
+    for id in queue {
+        if crate::host::set_effective_context(id).is_err() {
+            continue;
+        }
+        match with_stream(id, |h| h.release(&blocked)) {
+            Some(Release::Continue) => {
+                let _ = crate::host::continue_request();
+            }
+            Some(Release::Held(pool)) => blocked.push(pool),
+            Some(Release::Answered | Release::Nothing) | None => {}
+        }
+    }
+    let _ = crate::host::set_effective_context(current);
 }
 
 #[no_mangle]
@@ -254,6 +286,10 @@ pub extern "C" fn proxy_on_delete(context_id: u32) {
     // Outside the borrow: ending a request, or a plugin instance, writes shared data.
     if let Some(mut s) = stream {
         s.on_end();
+        // A request that ends leaves room on its pod for one its worker holds.
+        if let Some(worker) = s.worker() {
+            release_held(&worker, context_id);
+        }
     }
     if let Some(mut r) = root {
         r.on_delete();

@@ -89,6 +89,8 @@ extern "C" {
     ) -> u32;
     fn proxy_increment_metric(metric_id: u32, offset: i64) -> u32;
     fn proxy_record_metric(metric_id: u32, value: u64) -> u32;
+    fn proxy_set_effective_context(context_id: u32) -> u32;
+    fn proxy_continue_stream(stream_type: u32) -> u32;
 }
 
 /// Takes ownership of a buffer the host allocated through `proxy_on_memory_allocate`.
@@ -345,4 +347,18 @@ pub fn increment_metric(id: u32, by: i64) {
 pub fn record_metric(id: u32, value: u64) {
     // SAFETY: plain value call.
     let _ = unsafe { proxy_record_metric(id, value) };
+}
+
+/// Makes the host's calls that follow act on context `id` (a stream's headers, body, local
+/// reply), until the next such call or the end of this callback.
+pub fn set_effective_context(id: u32) -> Result<(), Status> {
+    // SAFETY: plain integer argument.
+    ok(unsafe { proxy_set_effective_context(id) })
+}
+
+/// Resumes the effective context's request, paused by an earlier callback's `Pause` (Envoy
+/// continues it once the current callback returns).
+pub fn continue_request() -> Result<(), Status> {
+    // SAFETY: plain integer argument (0: the request stream).
+    ok(unsafe { proxy_continue_stream(0) })
 }

@@ -23,7 +23,7 @@ mod host;
 mod stats;
 
 use abi::{Action, BufferType, LogLevel, MapType};
-use gpuroute_core::config::{DataPlane, FilterConfig};
+use gpuroute_core::config::{DataPlane, FilterConfig, HoldOrder};
 use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
@@ -45,6 +45,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// Size-class free lists in front of wasi-libc's dlmalloc ([`gpuroute_core::alloc`]): a request's
 /// dozen allocations and frees at a few instructions each instead of ~250. The VM has one thread.
@@ -161,6 +162,26 @@ struct Worker {
     /// are wanted, and the newest sequence it wrote for it.
     export_checked_ms: u64,
     exported_seq: u64,
+    /// Requests held while their pool is saturated (`hold`), in the order they are to go:
+    /// higher `x-gateway-priority` first, then by arrival.
+    held: Vec<HeldEntry>,
+}
+
+/// A request a worker holds: its stream's context id, and what orders it among the others.
+#[derive(Debug, Clone, Copy)]
+struct HeldEntry {
+    context: u32,
+    priority: i64,
+    /// Its prompt's estimated tokens, for `hold.order: shortest` (else 0: arrival order).
+    tokens: u32,
+}
+
+impl HeldEntry {
+    /// Whether `self` goes before `other`, which arrived earlier.
+    fn before(&self, other: &HeldEntry) -> bool {
+        self.priority > other.priority
+            || (self.priority == other.priority && self.tokens < other.tokens)
+    }
 }
 
 /// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
@@ -396,7 +417,9 @@ impl Worker {
     fn tick(&mut self) {
         // Something to exchange: requests routed, or in-flight counts changed (requests
         // finished), since the last tick.
-        let active = self.routed != self.routed_at_tick || self.loads.values().any(|pl| pl.dirty);
+        let active = self.routed != self.routed_at_tick
+            || self.loads.values().any(|pl| pl.dirty)
+            || !self.held.is_empty();
         self.routed_at_tick = self.routed;
         if self.register_tried && self.id == UNREGISTERED {
             self.register();
@@ -656,6 +679,7 @@ impl Root {
             idle_ticks: 0,
             export_checked_ms: 0,
             exported_seq: 0,
+            held: Vec::new(),
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -665,11 +689,13 @@ impl Root {
         true
     }
 
-    fn on_tick(&mut self) {
+    /// The tick; returns the worker, to decide again for the requests it holds.
+    fn on_tick(&mut self) -> Option<Rc<RefCell<Worker>>> {
         // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
         if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
             w.tick();
         }
+        self.worker.clone()
     }
 
     /// Envoy deletes this plugin instance (its configuration was removed, or Envoy stops).
@@ -681,8 +707,10 @@ impl Root {
         }
     }
 
-    fn create_http(&self) -> Http {
+    fn create_http(&self, id: u32) -> Http {
         Http {
+            id,
+            held: None,
             worker: self.worker.clone(),
             mode: Mode::Pass,
             head: RequestHead::default(),
@@ -694,6 +722,28 @@ impl Root {
             debug: None,
         }
     }
+}
+
+/// A request held while its pool is saturated.
+struct Held {
+    prep: Box<Prepared>,
+    /// Its body's length (Envoy buffers the body while it is held).
+    size: usize,
+    /// When it was first held (ns), and when it goes to a saturated pod if none had room (ms).
+    since_ns: u64,
+    deadline_ms: u64,
+}
+
+/// What deciding again for a held request came to.
+pub(crate) enum Release {
+    /// Not (or no longer) held, or its worker was busy.
+    Nothing,
+    /// Still held: its pool is still saturated.
+    Held(Arc<str>),
+    /// Routed: continue the request.
+    Continue,
+    /// Answered by the filter (an error, or shed): the host has the reply.
+    Answered,
 }
 
 enum Mode {
@@ -709,6 +759,10 @@ enum Mode {
 }
 
 struct Http {
+    /// The host's id of this stream's context.
+    id: u32,
+    /// Held while its pool is saturated (`hold`): what the decision needs again.
+    held: Option<Held>,
     worker: Option<Rc<RefCell<Worker>>>,
     mode: Mode,
     head: RequestHead,
@@ -971,6 +1025,66 @@ impl Http {
             let (split, target) = taken.names();
             w.stats.split(split, target, taken.rerouted);
         }
+        // Only a whole body is held: a form that streams on cannot wait.
+        let holdable = match w.engine.config.hold {
+            Some(h) if complete => {
+                let room = w.held.len() < h.max_held;
+                if !room {
+                    w.stats.inc("gpuroute.hold.full");
+                }
+                room
+            }
+            _ => false,
+        };
+        match self.dispatch(w, prep, t0, body.len(), complete, holdable) {
+            Ok(action) => Some(action),
+            Err(prep) => {
+                let (max_wait, order) = w
+                    .engine
+                    .config
+                    .hold
+                    .map_or((0, HoldOrder::Arrival), |h| (h.max_wait_ms, h.order));
+                let entry = HeldEntry {
+                    context: self.id,
+                    priority: self.head.priority.unwrap_or(0),
+                    tokens: match order {
+                        HoldOrder::Arrival => 0,
+                        HoldOrder::Shortest => prep.prompt_tokens,
+                    },
+                };
+                let at = w
+                    .held
+                    .iter()
+                    .position(|e| entry.before(e))
+                    .unwrap_or(w.held.len());
+                w.held.insert(at, entry);
+                self.held = Some(Held {
+                    prep,
+                    size: body.len(),
+                    since_ns: t0,
+                    deadline_ms: (t0 / 1_000_000).saturating_add(max_wait),
+                });
+                w.stats.inc("gpuroute.hold.held");
+                w.stats.gauge_add("gpuroute.held", 1);
+                Some(Action::Pause)
+            }
+        }
+    }
+
+    /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
+    /// answer). `t0`: when routing began (ns); `body_len`: the bytes buffered of the body (all
+    /// of it when `complete`). `Err`: every pod of its pool is saturated and the request may be
+    /// held (`holdable`): nothing was done, the caller holds it.
+    fn dispatch(
+        &mut self,
+        w: &mut Worker,
+        prep: Prepared,
+        t0: u64,
+        body_len: usize,
+        complete: bool,
+        holdable: bool,
+    ) -> Result<Action, Box<Prepared>> {
+        let now = t0 / 1_000_000;
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
 
@@ -986,12 +1100,16 @@ impl Http {
         let opts = DecideOptions {
             now_ms: now,
             sheddable,
+            holdable,
             debug,
         };
         let mut choice = w
             .engine
             .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         w.view = view;
+        if choice.decision == Decision::Hold {
+            return Err(Box::new(prep));
+        }
         if prep.continues_response() {
             w.stats.inc(match choice.pinned_response {
                 true => "gpuroute.responses.pinned",
@@ -1006,7 +1124,7 @@ impl Http {
                 let (Some(dest), Some(idx), Some(pod_key)) =
                     (&choice.destination, choice.picked_index, choice.picked_key)
                 else {
-                    return Some(Action::Continue);
+                    return Ok(Action::Continue);
                 };
                 let dest = w.engine.config.data_plane.destination(dest);
                 let _ = host::add_header(MapType::HttpRequestHeaders, headers::DESTINATION, dest);
@@ -1052,37 +1170,39 @@ impl Http {
                         }
                         None => {
                             w.stats.pool_outcome(pool, "error");
-                            return Some(self.reply_error(&ApiError::no_endpoints(pool)));
+                            return Ok(self.reply_error(&ApiError::no_endpoints(pool)));
                         }
                     }
                 }
             }
             Decision::Shed => {
                 w.stats.pool_outcome(pool, "shed");
-                return Some(self.reply_error(&ApiError::shed(pool)));
+                return Ok(self.reply_error(&ApiError::shed(pool)));
             }
+            // Returned above.
+            Decision::Hold => return Err(Box::new(prep)),
         }
-        self.set_routing_headers(&prep, &body, complete);
+        self.set_routing_headers(&prep, body_len, complete);
         if w.routed.is_multiple_of(DECISION_SAMPLE) {
             let t1 = host::now_nanos();
             w.stats
                 .histogram("gpuroute.decision_us", t1.saturating_sub(t0) / 1_000);
         }
         w.routed = w.routed.wrapping_add(1);
-        Some(Action::Continue)
+        Ok(Action::Continue)
     }
 
-    /// `body`: what is buffered of the request's body (all of it when `complete`).
-    fn set_routing_headers(&self, prep: &Prepared, body: &[u8], complete: bool) {
+    /// `body_len`: the bytes buffered of the request's body (all of it when `complete`).
+    fn set_routing_headers(&self, prep: &Prepared, body_len: usize, complete: bool) {
         let h = MapType::HttpRequestHeaders;
         // Added, not replaced: every internal header was stripped on arrival (cheaper for Envoy).
         for (name, value) in prep.routing_headers() {
             let _ = host::add_header(h, name, value);
         }
         if let Some(new_body) = &prep.rewritten_body {
-            if host::set_buffer(BufferType::HttpRequestBody, 0, body.len(), new_body).is_ok() {
+            if host::set_buffer(BufferType::HttpRequestBody, 0, body_len, new_body).is_ok() {
                 let declared = self.head.content_length;
-                let (old, new) = (body.len(), new_body.len());
+                let (old, new) = (body_len, new_body.len());
                 if let Some(n) = engine::rewritten_length(complete, declared, old, new) {
                     let _ = host::set_header(h, "content-length", &n.to_string());
                 }
@@ -1308,10 +1428,80 @@ impl Http {
         Action::Continue
     }
 
-    /// The request is over (the host deletes its context): it leaves the in-flight table.
+    /// The request is over (the host deletes its context): it leaves the in-flight table, or,
+    /// held (its client left), its worker's queue.
     fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
             complete(&self.worker, &p.pool, p.finished());
+        }
+        if self.held.take().is_some() {
+            if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
+                w.held.retain(|e| e.context != self.id);
+                w.stats.inc("gpuroute.hold.cancelled");
+                w.stats.gauge_add("gpuroute.held", -1);
+            }
+        }
+    }
+
+    /// This stream's worker (shared with its root context).
+    fn worker(&self) -> Option<Rc<RefCell<Worker>>> {
+        self.worker.clone()
+    }
+
+    /// Decides again for this request, held while its pool was saturated (the host's effective
+    /// context is this stream's). Pools in `blocked` were found still saturated in this pass.
+    fn release(&mut self, blocked: &[Arc<str>]) -> Release {
+        let Some(worker) = self.worker.clone() else {
+            return Release::Nothing;
+        };
+        let Ok(mut w) = worker.try_borrow_mut() else {
+            return Release::Nothing;
+        };
+        let Some(held) = self.held.take() else {
+            return Release::Nothing;
+        };
+        let now_ns = host::now_nanos();
+        let expired = now_ns / 1_000_000 >= held.deadline_ms;
+        if !expired && blocked.contains(&held.prep.pool) {
+            let pool = held.prep.pool.clone();
+            self.held = Some(held);
+            return Release::Held(pool);
+        }
+        let Held {
+            prep,
+            size,
+            since_ns,
+            deadline_ms,
+        } = held;
+        w.refresh_shared_throttled(now_ns);
+        match self.dispatch(&mut w, *prep, now_ns, size, true, !expired) {
+            Err(prep) => {
+                let pool = prep.pool.clone();
+                self.held = Some(Held {
+                    prep,
+                    size,
+                    since_ns,
+                    deadline_ms,
+                });
+                Release::Held(pool)
+            }
+            Ok(action) => {
+                w.held.retain(|e| e.context != self.id);
+                w.stats.gauge_add("gpuroute.held", -1);
+                w.stats.inc(if expired {
+                    "gpuroute.hold.expired"
+                } else {
+                    "gpuroute.hold.released"
+                });
+                w.stats.histogram(
+                    "gpuroute.hold_ms",
+                    now_ns.saturating_sub(since_ns) / 1_000_000,
+                );
+                match action {
+                    Action::Continue => Release::Continue,
+                    Action::Pause => Release::Answered,
+                }
+            }
         }
     }
 }

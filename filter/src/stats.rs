@@ -22,6 +22,11 @@
 //!   that holds their response, and those that could not be)
 //! - `gpuroute.idle_wakes` (counter: a routed request found its worker's tick slowed down by
 //!   idling, `idle_tick_ms`, and restored it)
+//! - `gpuroute.hold.{held,released,expired,cancelled,full}` (counters: requests held while their
+//!   pool was saturated, `hold`; sent when a pod had room; sent after `max_wait_ms` to a
+//!   saturated pod; whose client left while held; not held because the worker held `max_held`),
+//!   `gpuroute.held` (gauge: requests held now, all workers), `gpuroute.hold_ms` (histogram:
+//!   how long each held request waited)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request; every
@@ -76,6 +81,13 @@ impl Stats {
     pub fn gauge(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Gauge, name) {
             host::record_metric(id, value);
+        }
+    }
+
+    /// Moves a gauge by `delta` (a gauge every worker moves, such as a count across workers).
+    pub fn gauge_add(&mut self, name: &str, delta: i64) {
+        if let Some(id) = self.id(MetricType::Gauge, name) {
+            host::increment_metric(id, delta);
         }
     }
 

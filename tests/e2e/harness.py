@@ -8,6 +8,7 @@ import atexit
 import http.client
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -430,3 +431,20 @@ class Sidecar:
 
     def stop(self):
         stop_process(self.proc)
+
+
+def documented_stats():
+    """The stat names the README's Observability section lists, as regular expressions: each
+    backticked `gpuroute.` name of its "Envoy stats" paragraph, `{a,b}` groups as alternatives
+    and `<placeholder>` parts as any text."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("Envoy stats (in `/stats`")
+    paragraph = readme[start:readme.index("\n\n", start)]
+    names = ["".join(span.split()) for span in paragraph.split("`")[1::2]]
+    expanded = []
+    for name in (n for n in names if n.startswith("gpuroute.")):
+        group = re.search(r"\{([^}]*)\}", name)
+        alternatives = group.group(1).split(",") if group else [""]
+        for a in alternatives:
+            expanded.append(name[:group.start()] + a + name[group.end():] if group else name)
+    return [re.compile(".+".join(re.escape(p) for p in re.split(r"<[^>]*>", n))) for n in expanded]

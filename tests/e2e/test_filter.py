@@ -4,16 +4,15 @@ against stub pods that say who served each request."""
 import concurrent.futures
 import contextlib
 import json
-import re
 import socket
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-from harness import RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, pod_picks_stat, snapshot
+from harness import (RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, documented_stats, pod_picks_stat,
+                     snapshot)
 from stubpod import StubPod, serving
 
 CONFIG = {
@@ -267,23 +266,6 @@ def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     while "P50" not in str(stats().get(STAT_PREFIX + "gpuroute.decision_us", "")) and time.time() < deadline:
         time.sleep(0.2)
     assert "P50" in str(stats().get(STAT_PREFIX + "gpuroute.decision_us")), stats().get(STAT_PREFIX + "gpuroute.decision_us")
-
-
-def documented_stats():
-    """The stat names the README's Observability section lists, as regular expressions: each
-    backticked `gpuroute.` name of its "Envoy stats" paragraph, `{a,b}` groups as alternatives
-    and `<placeholder>` parts as any text."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = readme.index("Envoy stats (in `/stats`")
-    paragraph = readme[start:readme.index("\n\n", start)]
-    names = ["".join(span.split()) for span in paragraph.split("`")[1::2]]
-    expanded = []
-    for name in (n for n in names if n.startswith("gpuroute.")):
-        group = re.search(r"\{([^}]*)\}", name)
-        alternatives = group.group(1).split(",") if group else [""]
-        for a in alternatives:
-            expanded.append(name[:group.start()] + a + name[group.end():] if group else name)
-    return [re.compile(".+".join(re.escape(p) for p in re.split(r"<[^>]*>", n))) for n in expanded]
 
 
 def test_every_stat_the_filter_shows_is_documented(envoy, pods):

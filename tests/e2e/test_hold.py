@@ -1,0 +1,237 @@
+"""Holding requests at the gateway while every pod of their pool is saturated (`hold`), in a real
+Envoy with the built filter: a held request waits at the gateway, not in a pod's queue, and goes
+to the first pod with room; priority orders the held; a request held too long goes to a
+saturated pod as it would have without holding; a client that leaves is forgotten. The dynamic
+module does not hold (its requests go at once)."""
+
+import concurrent.futures
+import socket
+import threading
+import time
+
+import pytest
+
+from harness import RUNTIME, STAT_PREFIX, Envoy, documented_stats, snapshot
+from stubpod import serving
+
+POOLS = {"name": "llama", "models": ["llama-3-8b"]}
+# Metrics that stay fresh for the whole test: the test pushes every change itself.
+SCORING = {"stale_after_ms": 60_000}
+SATURATED = {"waiting": 9}  # over the default queue threshold (5 waiting per unit of speed)
+
+wasm_only = pytest.mark.skipif(RUNTIME == "dynamic", reason="the dynamic module does not hold")
+
+
+@pytest.fixture(scope="module")
+def pods():
+    with serving(["p0", "p1", "p2"]) as pods:
+        yield pods
+
+
+def endpoints(pods):
+    return [{"name": "llama", "endpoints": [pods[f"p{i}"].address for i in range(3)]}]
+
+
+def push(gw, pods, loads):
+    """A snapshot with each pod's load (`loads[i]`: fields of pod p<i>)."""
+    snap = snapshot({"llama": [dict({"address": pods[f"p{i}"].address}, **loads[i]) for i in range(3)]})
+    assert gw.push(snap)[0] == 204
+
+
+def stat(gw, name):
+    return gw.stats().get(STAT_PREFIX + name, 0)
+
+
+def wait_for(check, timeout=10, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def ask(gw, text, priority=None, timeout=20):
+    headers = {"x-gateway-priority": str(priority)} if priority is not None else {}
+    body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": text}]}
+    t0 = time.time()
+    s, h, reply, _ = gw.request("POST", "/v1/chat/completions", body, headers, timeout=timeout)
+    return s, h.get("x-served-by"), reply, time.time() - t0
+
+
+def served(pods):
+    return sum(len(p.requests) for p in pods.values())
+
+
+@pytest.fixture(scope="module")
+def gw(pods):
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
+                                          "hold": {"max_wait_ms": 10_000, "max_held": 3}})
+    yield e
+    e.stop()
+
+
+@pytest.fixture(autouse=True)
+def room_after(gw, pods):
+    """Every test leaves the pool with room and nothing held."""
+    yield
+    push(gw, pods, [{}, {}, {}])
+    wait_for(lambda: stat(gw, "gpuroute.held") == 0, what="the held requests to go")
+
+
+@wasm_only
+def test_a_request_waits_at_the_gateway_until_a_pod_has_room(gw, pods):
+    push(gw, pods, [SATURATED] * 3)
+    before = (served(pods), stat(gw, "gpuroute.hold.held"), stat(gw, "gpuroute.hold.released"))
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        pending = ex.submit(ask, gw, "wait for me")
+        wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the request to be held")
+        time.sleep(0.3)  # a few ticks: still held, no pod has it
+        assert not pending.done() and served(pods) == before[0]
+        assert stat(gw, "gpuroute.hold.held") == before[1] + 1
+        # p2's queue empties: the request goes there, within a tick or two.
+        pushed = time.time()
+        push(gw, pods, [SATURATED, SATURATED, {"waiting": 0}])
+        s, pod, reply, _ = pending.result(10)
+        took = time.time() - pushed
+    assert (s, pod) == (200, "p2"), reply
+    assert reply["headers"]["x-gateway-pool"] == "llama"
+    assert took < 2, f"{took:.2f} s from room to the request's answer"
+    assert stat(gw, "gpuroute.hold.released") == before[2] + 1
+    assert stat(gw, "gpuroute.held") == 0
+    assert gw.stat(STAT_PREFIX + "gpuroute.pool.llama.requests.picked") > 0  # batched to the tick
+
+
+@wasm_only
+def test_the_held_go_by_priority_and_only_as_many_as_there_is_room_for(gw, pods):
+    """Two held requests, the later with a higher priority; a pod with room for one more request
+    (4 waiting, the threshold at 5): the later one goes, and the gateway, counting it as in flight
+    while the pod works on it, holds the other (no herd onto the pod that looked free)."""
+    push(gw, pods, [SATURATED] * 3)
+    p0 = pods["p0"]
+    start = {n: len(p.requests) for n, p in pods.items()}
+    p0.hold = threading.Event()  # p0 keeps what it gets until the end of the test
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            first = ex.submit(ask, gw, "standard, first")
+            wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the first to be held")
+            urgent = ex.submit(ask, gw, "urgent, second", priority=5)
+            wait_for(lambda: stat(gw, "gpuroute.held") == 2, what="the second to be held")
+            push(gw, pods, [{"waiting": 4}, SATURATED, SATURATED])
+            wait_for(lambda: len(p0.requests) > start["p0"], what="p0 to get a request")
+            assert "urgent" in p0.requests[-1]["body"], p0.requests[-1]
+            time.sleep(0.3)
+            assert stat(gw, "gpuroute.held") == 1 and not first.done(), \
+                "the first went too, onto a pod that had room for one"
+            push(gw, pods, [SATURATED, {"waiting": 0}, SATURATED])
+            s, pod, reply, _ = first.result(10)
+            assert (s, pod) == (200, "p1") and "standard" in reply["body"], reply
+            p0.hold.set()
+            assert urgent.result(10)[:2] == (200, "p0")
+    finally:
+        p0.hold.set()
+        p0.hold = None
+    got = {n: len(p.requests) - start[n] for n, p in pods.items()}
+    assert got == {"p0": 1, "p1": 1, "p2": 0}, got
+
+
+@wasm_only
+def test_with_order_shortest_the_shortest_prompt_goes_first(pods):
+    """`hold.order: shortest`: of two held requests of one priority, the later one with the
+    shorter prompt goes first to a pod with room for one."""
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
+                                          "hold": {"max_wait_ms": 10_000, "order": "shortest"}})
+    p0 = pods["p0"]
+    start = len(p0.requests)
+    p0.hold = threading.Event()
+    try:
+        push(e, pods, [SATURATED] * 3)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            long = ex.submit(ask, e, "long " + "context " * 2000)
+            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the long one to be held")
+            short = ex.submit(ask, e, "short")
+            wait_for(lambda: stat(e, "gpuroute.held") == 2, what="the short one to be held")
+            push(e, pods, [{"waiting": 4}, SATURATED, SATURATED])
+            wait_for(lambda: len(p0.requests) > start, what="p0 to get a request")
+            assert "short" in p0.requests[-1]["body"] and "context" not in p0.requests[-1]["body"]
+            time.sleep(0.2)
+            assert stat(e, "gpuroute.held") == 1 and not long.done()
+            push(e, pods, [SATURATED, {}, SATURATED])
+            assert long.result(10)[:2] == (200, "p1")
+            p0.hold.set()
+            assert short.result(10)[:2] == (200, "p0")
+    finally:
+        p0.hold.set()
+        p0.hold = None
+        e.stop()
+
+
+@wasm_only
+def test_a_client_that_leaves_while_held_is_forgotten(gw, pods):
+    push(gw, pods, [SATURATED] * 3)
+    cancelled = stat(gw, "gpuroute.hold.cancelled")
+    before = served(pods)
+    host, port = gw.listen.rsplit(":", 1)
+    body = b'{"model":"llama-3-8b","messages":[{"role":"user","content":"bye"}]}'
+    c = socket.create_connection((host, int(port)), timeout=5)
+    c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+              b"content-length: %d\r\n\r\n%s" % (len(body), body))
+    wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the request to be held")
+    c.close()
+    wait_for(lambda: stat(gw, "gpuroute.held") == 0, what="the request to be forgotten")
+    assert stat(gw, "gpuroute.hold.cancelled") == cancelled + 1
+    # Nothing reached a pod, and the gateway serves on.
+    push(gw, pods, [{}, {}, {}])
+    time.sleep(0.1)
+    assert served(pods) == before
+    assert ask(gw, "still here")[0] == 200
+
+
+@wasm_only
+def test_sheddable_requests_are_shed_and_a_full_worker_sends_at_once(gw, pods):
+    push(gw, pods, [SATURATED] * 3)
+    s, _, reply, took = ask(gw, "batch job", priority=-1)
+    assert s == 429 and took < 2, reply
+    full = stat(gw, "gpuroute.hold.full")
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        held = [ex.submit(ask, gw, f"held {i}") for i in range(3)]
+        wait_for(lambda: stat(gw, "gpuroute.held") == 3, what="three to be held")
+        # max_held is 3: the fourth goes to a saturated pod at once.
+        s, pod, _, took = ask(gw, "one too many")
+        assert s == 200 and pod in ("p0", "p1", "p2") and took < 2
+        assert stat(gw, "gpuroute.hold.full") == full + 1
+        assert not any(f.done() for f in held)
+        push(gw, pods, [{}, {}, {}])
+        assert all(f.result(10)[0] == 200 for f in held)
+
+
+@wasm_only
+def test_every_hold_stat_is_documented(gw):
+    """After the tests above (held, released, cancelled, full), every `gpuroute` stat Envoy
+    shows is one the README names."""
+    patterns = documented_stats()
+    shown = sorted({n.removeprefix(STAT_PREFIX) for n in gw.stats() if n.startswith(STAT_PREFIX)})
+    assert {"gpuroute.hold.held", "gpuroute.hold.released", "gpuroute.hold.cancelled", "gpuroute.held"} <= set(shown)
+    undocumented = [n for n in shown if not any(p.fullmatch(n) for p in patterns)]
+    assert not undocumented, f"stats the README does not name: {undocumented}"
+
+
+def test_a_held_request_goes_to_a_saturated_pod_after_max_wait(pods):
+    """The dynamic module does not hold: there the request goes at once (`took` near 0)."""
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
+                                          "hold": {"max_wait_ms": 400}})
+    try:
+        push(e, pods, [SATURATED] * 3)
+        expired = stat(e, "gpuroute.hold.expired")
+        s, pod, reply, took = ask(e, "patience")
+        assert s == 200 and pod in ("p0", "p1", "p2"), reply
+        if RUNTIME == "dynamic":
+            assert took < 0.3, took
+            return
+        assert 0.4 <= took < 2.5, took
+        assert stat(e, "gpuroute.hold.expired") == expired + 1
+        assert stat(e, "gpuroute.held") == 0
+        hist = e.stats("hold_ms")
+        assert any("gpuroute.hold_ms" in k for k in hist), hist
+    finally:
+        e.stop()
