@@ -206,6 +206,31 @@ def test_sheddable_requests_are_shed_and_a_full_worker_sends_at_once(gw, pods):
 
 
 @wasm_only
+def test_each_worker_holds_and_sends_its_own(pods):
+    """Two Envoy workers, each holding requests that reached it (the kernel spreads the
+    connections): when the pool has room, both send theirs, each from its own tick."""
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING, "hold": {}}, concurrency=2)
+    try:
+        push(e, pods, [SATURATED] * 3)
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            held = []
+            # Until both workers hold some (each request on a connection of its own).
+            while len(held) < 16 and (len(held) < 4 or len(e.worker_connections()) < 2):
+                held.append(ex.submit(ask, e, f"worker test {len(held)}"))
+                wait_for(lambda: stat(e, "gpuroute.held") == len(held), what=f"{len(held)} held")
+            assert len(e.worker_connections()) == 2, e.worker_connections()
+            time.sleep(0.2)
+            assert not any(f.done() for f in held)
+            push(e, pods, [{}, {}, {}])
+            answers = [f.result(10) for f in held]
+        assert all(a[0] == 200 for a in answers), answers
+        assert stat(e, "gpuroute.held") == 0
+        assert stat(e, "gpuroute.hold.released") == len(held)
+    finally:
+        e.stop()
+
+
+@wasm_only
 def test_every_hold_stat_is_documented(gw):
     """After the tests above (held, released, cancelled, full), every `gpuroute` stat Envoy
     shows is one the README names."""
