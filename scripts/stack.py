@@ -25,20 +25,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-from harness import Envoy, free_port, work_dir  # noqa: E402
+from harness import Envoy, free_port, wait_for, work_dir  # noqa: E402
 
 FLEET_SIM = ROOT / "target" / "release" / "fleet-sim"
 SIDECAR = ROOT / "target" / "release" / "sidecar-metrics"
 TOKEN = os.environ.get("GPUROUTE_INGEST_TOKEN", "dev-token-change-me")
-
-
-def wait_for(pred, timeout, what):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def http_ok(url):

@@ -72,7 +72,14 @@ fn fields_at(at: &str) -> Vec<String> {
 fn every_option_is_documented_and_every_documented_option_exists() {
     // Sections the reference documents field by field; the others (`pools[].scoring`,
     // `splits`) have one row each, checked below.
-    let sections = ["scoring", "scoring.weights", "prefix", "ingest", "pools[]", "hold"];
+    let sections = [
+        "scoring",
+        "scoring.weights",
+        "prefix",
+        "ingest",
+        "pools[]",
+        "hold",
+    ];
     let mut options = options(&sections, fields_at);
     // A section that is off unless present has a row of its own too, for what turning it on does.
     options.extend(OPTIONAL_SECTIONS.iter().map(|s| s.to_string()));

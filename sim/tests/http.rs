@@ -809,6 +809,20 @@ async fn an_audio_upload_runs_its_frames_and_text_through_the_engine() {
     }
 }
 
+/// The pod's running and waiting sequences once the streamed completion `ask` has sent its
+/// first chunk (the request is aborted when this returns).
+async fn sequences_while_streaming(c: &reqwest::Client, a: SocketAddr, ask: &Value) -> f64 {
+    let mut resp = c
+        .post(format!("http://{a}/v1/completions"))
+        .json(ask)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.chunk().await.unwrap().is_some());
+    metric(c, a, "vllm:num_requests_running{").await
+        + metric(c, a, "vllm:num_requests_waiting{").await
+}
+
 #[tokio::test]
 async fn a_request_for_n_choices_runs_as_n_sequences() {
     let fleet = start(10.0).await;
@@ -877,17 +891,7 @@ async fn a_request_for_n_choices_runs_as_n_sequences() {
     // Each choice is a sequence of the engine: the gauges count all of them.
     ask["max_tokens"] = serde_json::json!(100_000);
     ask["n"] = serde_json::json!(4);
-    let mut resp = c
-        .post(format!("http://{a}/v1/completions"))
-        .json(&ask)
-        .send()
-        .await
-        .unwrap();
-    assert!(resp.chunk().await.unwrap().is_some());
-    let running = metric(&c, a, "vllm:num_requests_running{").await
-        + metric(&c, a, "vllm:num_requests_waiting{").await;
-    assert_eq!(running, 4.0);
-    drop(resp);
+    assert_eq!(sequences_while_streaming(&c, a, &ask).await, 4.0);
 
     for (n, want) in [
         (0, "n must be at least 1, got 0."),
@@ -965,17 +969,7 @@ async fn a_batch_of_prompts_runs_each_prompt_as_its_requests() {
     // Every prompt's every choice is a sequence of the engine.
     let ask = serde_json::json!({"model": LLAMA, "prompt": ["a", "b", "c"], "n": 2,
         "max_tokens": 100_000, "stream": true});
-    let mut resp = c
-        .post(format!("http://{a}/v1/completions"))
-        .json(&ask)
-        .send()
-        .await
-        .unwrap();
-    assert!(resp.chunk().await.unwrap().is_some());
-    let running = metric(&c, a, "vllm:num_requests_running{").await
-        + metric(&c, a, "vllm:num_requests_waiting{").await;
-    assert_eq!(running, 6.0);
-    drop(resp);
+    assert_eq!(sequences_while_streaming(&c, a, &ask).await, 6.0);
 
     let many: Vec<String> = (0..1025).map(|i| format!("p{i}")).collect();
     for (prompt, n, want) in [

@@ -102,6 +102,16 @@ def scratch(prefix):
     return d
 
 
+def wait_for(check, timeout=10, what="condition", every=0.02):
+    """Returns once `check()` is true; raises if it is not within `timeout` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if check():
+            return
+        time.sleep(every)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
 def stop_process(proc, grace_s=10):
     """SIGTERM, then SIGKILL if it has not exited after `grace_s`."""
     if proc.poll() is None:

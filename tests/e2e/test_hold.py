@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from harness import RUNTIME, STAT_PREFIX, Envoy, documented_stats, snapshot
+from harness import RUNTIME, STAT_PREFIX, Envoy, documented_stats, snapshot, wait_for
 from stubpod import serving
 
 POOLS = {"name": "llama", "models": ["llama-3-8b"]}
@@ -40,15 +40,6 @@ def push(gw, pods, loads):
 
 def stat(gw, name):
     return gw.stats().get(STAT_PREFIX + name, 0)
-
-
-def wait_for(check, timeout=10, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def ask(gw, text, priority=None, timeout=20):
