@@ -47,8 +47,8 @@ pub struct FilterConfig {
     #[serde(default = "yes")]
     pub shed_sheddable: bool,
     /// Hold requests at the gateway while every pod of their pool is saturated, and send each
-    /// when a pod has room (proxy-wasm build). Absent: off (a request goes to the least
-    /// saturated pod at once, to wait in its queue).
+    /// when a pod has room. Absent: off (a request goes to the least saturated pod at once, to
+    /// wait in its queue).
     #[serde(default)]
     pub hold: Option<HoldConfig>,
     /// Pick endpoints. `false` keeps body-based routing to the pool (headers, errors,

@@ -273,6 +273,17 @@ callbacks! {
     fn envoy_dynamic_module_callback_http_filter_config_scheduler_delete(
         scheduler: *mut c_void,
     ) = ();
+    fn envoy_dynamic_module_callback_http_filter_scheduler_new(
+        filter: FilterEnvoyPtr,
+    ) -> *mut c_void = std::ptr::null_mut();
+    fn envoy_dynamic_module_callback_http_filter_scheduler_commit(
+        scheduler: *mut c_void,
+        event_id: u64,
+    ) = ();
+    fn envoy_dynamic_module_callback_http_filter_scheduler_delete(
+        scheduler: *mut c_void,
+    ) = ();
+    fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: FilterEnvoyPtr) = ();
     fn envoy_dynamic_module_callback_http_filter_config_increment_counter(
         config: ConfigEnvoyPtr,
         id: usize,

@@ -222,6 +222,12 @@ impl Stream {
         }
     }
 
+    /// Resumes the request, stopped by an earlier hook (`hold`): on the stream's worker thread.
+    pub fn continue_decoding(self) {
+        // SAFETY: a live filter pointer, on its worker thread.
+        unsafe { envoy_dynamic_module_callback_http_filter_continue_decoding(self.0) }
+    }
+
     pub fn clear_route_cache(self) {
         // SAFETY: live filter pointer.
         unsafe { envoy_dynamic_module_callback_http_clear_route_cache(self.0) }
@@ -324,6 +330,42 @@ impl Scheduler {
     pub fn delete(self) {
         // SAFETY: deleted once; no commit follows (the owner took it out of its slot).
         unsafe { envoy_dynamic_module_callback_http_filter_config_scheduler_delete(self.0) }
+    }
+}
+
+/// Wakes `on_http_filter_scheduled` for one stream on its worker thread; `commit` may be called
+/// from any thread (Envoy posts the event to the stream's dispatcher, and drops it if the stream
+/// is gone).
+pub struct StreamScheduler(*mut std::ffi::c_void);
+
+// SAFETY: Envoy documents the scheduler's commit as callable from any thread. The owner (the
+// stream's filter) deletes it once, after taking it out of every place another thread could
+// commit through (`Config::held`, under its lock).
+unsafe impl Send for StreamScheduler {}
+unsafe impl Sync for StreamScheduler {}
+
+impl StreamScheduler {
+    /// # Safety
+    /// `s` must be the live filter pointer of the current hook.
+    pub unsafe fn new(s: Stream) -> Option<StreamScheduler> {
+        let p = envoy_dynamic_module_callback_http_filter_scheduler_new(s.0);
+        (!p.is_null()).then_some(StreamScheduler(p))
+    }
+
+    pub fn commit(&self, event: u64) {
+        // SAFETY: live until `delete`.
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_commit(self.0, event) }
+    }
+
+    /// A copy of the pointer, for a queue entry; the owner deletes the scheduler only after
+    /// removing that entry.
+    pub fn share(&self) -> StreamScheduler {
+        StreamScheduler(self.0)
+    }
+
+    pub fn delete(self) {
+        // SAFETY: deleted once, by its owner, after every copy was removed.
+        unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0) }
     }
 }
 

@@ -18,7 +18,10 @@
 //!   so per-pool counters exist for the configured pools, and per-pod picks are one counter
 //!   labelled by pool and pod; requests only add to a local tally, which a ticker thread has
 //!   Envoy's main thread hand over every `tick_ms` (Envoy's own metric calls cost more per
-//!   request than the decision).
+//!   request than the decision);
+//! - requests held while their pool is saturated (`hold`) wait in one queue per filter
+//!   configuration, for every worker; the ticker thread, and each request's end, wake the
+//!   first of each pool on its own worker through Envoy's per-stream scheduler.
 //!
 //! The ABI is pinned to Envoy 1.40 (see [`abi`]); a module built for another Envoy version
 //! must not be loaded.
@@ -27,7 +30,7 @@ pub mod abi;
 mod host;
 
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
-use gpuroute_core::config::{DataPlane, FilterConfig};
+use gpuroute_core::config::{DataPlane, FilterConfig, HoldOrder};
 use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
@@ -42,11 +45,11 @@ use gpuroute_core::prefix;
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery};
-use host::{ConfigStats, Definer, Scheduler, Stream};
+use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -128,6 +131,19 @@ struct Metrics {
     responses_unpinned: Option<usize>,
     decision_us: Option<usize>,
     picks: Option<usize>,
+    /// `hold` (defined only when it is on): `gpuroute.hold.{held,released,expired,cancelled,
+    /// full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
+    hold: Option<HoldMetrics>,
+}
+
+struct HoldMetrics {
+    held: Option<usize>,
+    released: Option<usize>,
+    expired: Option<usize>,
+    cancelled: Option<usize>,
+    full: Option<usize>,
+    gauge: Option<usize>,
+    wait_ms: Option<usize>,
 }
 
 impl Metrics {
@@ -188,6 +204,15 @@ impl Metrics {
             responses_unpinned: d.counter("gpuroute.responses.unpinned", &[]),
             decision_us: d.histogram("gpuroute.decision_us"),
             picks: d.counter("gpuroute.picks", &["pool", "pod"]),
+            hold: config.hold.map(|_| HoldMetrics {
+                held: d.counter("gpuroute.hold.held", &[]),
+                released: d.counter("gpuroute.hold.released", &[]),
+                expired: d.counter("gpuroute.hold.expired", &[]),
+                cancelled: d.counter("gpuroute.hold.cancelled", &[]),
+                full: d.counter("gpuroute.hold.full", &[]),
+                gauge: d.gauge("gpuroute.held"),
+                wait_ms: d.histogram("gpuroute.hold_ms"),
+            }),
         }
     }
 
@@ -233,6 +258,8 @@ struct Pending {
     picks: NameMap<String, IdMap<u64, (String, u64)>>,
     decision_us: Vec<u64>,
     snapshot_pods: Option<u64>,
+    /// How long each request released from `hold` since the last flush waited, ms.
+    hold_ms: Vec<u64>,
 }
 
 /// The longest the snapshot-age gauge goes without an update when nothing else is pending.
@@ -280,6 +307,7 @@ impl Pending {
             && self.picks.is_empty()
             && self.decision_us.is_empty()
             && self.snapshot_pods.is_none()
+            && self.hold_ms.is_empty()
     }
 }
 
@@ -307,6 +335,21 @@ struct Config {
     /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
     /// the configuration, which also ends the ticker thread.
     scheduler: Mutex<Option<Scheduler>>,
+    /// Requests held while their pool is saturated (`hold`), from every worker, in the order
+    /// they are to go: higher priority first, then by `hold.order`.
+    held: parking_lot::Mutex<Vec<HeldEntry>>,
+    next_held: AtomicU64,
+}
+
+/// A held request: what orders it, and how to wake its stream on its worker.
+struct HeldEntry {
+    id: u64,
+    priority: i64,
+    /// Its prompt's estimated tokens for `hold.order: shortest`, else 0.
+    tokens: u32,
+    pool: Arc<str>,
+    deadline: Instant,
+    wake: StreamScheduler,
 }
 
 impl Config {
@@ -330,6 +373,8 @@ impl Config {
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
             scheduler: Mutex::new(None),
+            held: parking_lot::Mutex::new(Vec::new()),
+            next_held: AtomicU64::new(1),
         })
     }
 
@@ -351,6 +396,12 @@ impl Config {
         }
         for us in p.decision_us {
             stats.histogram(m.decision_us, us);
+        }
+        if let Some(h) = &m.hold {
+            for ms in p.hold_ms {
+                stats.histogram(h.wait_ms, ms);
+            }
+            stats.gauge(h.gauge, self.held.lock().len() as u64);
         }
         if let Some(n) = p.snapshot_pods {
             stats.gauge(m.snapshot_pods, n);
@@ -375,9 +426,11 @@ impl Config {
                 loop {
                     std::thread::sleep(tick);
                     let Some(c) = weak.upgrade() else { return };
+                    // New snapshots, and the deadlines of held requests, are looked at here.
+                    let holding = c.wake_held();
                     let gauge_due =
                         !c.settings.pools.is_empty() && flushed.elapsed() >= GAUGE_REFRESH;
-                    let work = gauge_due || !c.pending.lock().is_empty();
+                    let work = gauge_due || holding || !c.pending.lock().is_empty();
                     let guard = lock(&c.scheduler);
                     match guard.as_ref() {
                         Some(s) if work => {
@@ -401,6 +454,43 @@ impl Config {
             op.apply(t);
         }
     }
+
+    /// Asks the first held request of each pool, and every held request whose wait ran out, to
+    /// decide again, each on its own worker (`on_http_filter_scheduled`). One that goes wakes
+    /// the next. Returns whether any request is held.
+    fn wake_held(&self) -> bool {
+        if self.settings.hold.is_none() {
+            return false;
+        }
+        let held = self.held.lock();
+        let now = Instant::now();
+        let mut asked: Vec<&str> = Vec::new();
+        for e in held.iter() {
+            if e.deadline <= now || !asked.contains(&&*e.pool) {
+                e.wake.commit(e.id);
+                asked.push(&e.pool);
+            }
+        }
+        !held.is_empty()
+    }
+
+    /// Queues a held request in its place (see `held`).
+    fn hold(&self, entry: HeldEntry) {
+        let mut held = self.held.lock();
+        let before = |e: &HeldEntry| {
+            entry.priority > e.priority || (entry.priority == e.priority && entry.tokens < e.tokens)
+        };
+        let at = held.iter().position(before).unwrap_or(held.len());
+        held.insert(at, entry);
+    }
+
+    /// Takes a held request out of the queue; false if it was not in it.
+    fn unhold(&self, id: u64) -> bool {
+        let mut held = self.held.lock();
+        let n = held.len();
+        held.retain(|e| e.id != id);
+        held.len() != n
+    }
 }
 
 enum Mode {
@@ -409,6 +499,17 @@ enum Mode {
     /// A snapshot, or prefix records from other gateway replicas (`exchange`), being buffered.
     Ingest(Endpoint),
     Answered,
+    /// Held while its pool is saturated (`hold`): stopped until `on_scheduled` sends it.
+    Held,
+}
+
+/// A request held while its pool is saturated.
+struct Held {
+    prep: Box<Prepared>,
+    /// Its entry in `Config::held`.
+    id: u64,
+    since: Instant,
+    deadline: Instant,
 }
 
 /// One HTTP stream (`on_http_filter_new`).
@@ -423,6 +524,9 @@ struct Filter {
     /// id.
     learn_response: Option<(u64, request::ResponseHead)>,
     debug: Option<String>,
+    held: Option<Held>,
+    /// Wakes this stream on its worker once it has been held; deleted at its end.
+    wake: Option<StreamScheduler>,
 }
 
 impl Filter {
@@ -525,7 +629,7 @@ impl Filter {
             if end_of_stream {
                 self.route(s);
                 return match self.mode {
-                    Mode::Answered => abi::HEADERS_STOP_ITERATION,
+                    Mode::Answered | Mode::Held => abi::HEADERS_STOP_ITERATION,
                     _ => abi::HEADERS_CONTINUE,
                 };
             }
@@ -568,6 +672,7 @@ impl Filter {
                 self.route(s);
                 match self.mode {
                     Mode::Answered => abi::BODY_STOP_NO_BUFFER,
+                    Mode::Held => abi::BODY_STOP_AND_BUFFER,
                     _ => abi::BODY_CONTINUE,
                 }
             }
@@ -589,6 +694,7 @@ impl Filter {
                 abi::BODY_STOP_NO_BUFFER
             }
             Mode::Answered => abi::BODY_STOP_NO_BUFFER,
+            Mode::Held => abi::BODY_STOP_AND_BUFFER,
             Mode::Pass => abi::BODY_CONTINUE,
         }
     }
@@ -600,7 +706,7 @@ impl Filter {
             Mode::Inference => {
                 self.route(s);
                 match self.mode {
-                    Mode::Answered => abi::TRAILERS_STOP_ITERATION,
+                    Mode::Answered | Mode::Held => abi::TRAILERS_STOP_ITERATION,
                     _ => abi::TRAILERS_CONTINUE,
                 }
             }
@@ -608,7 +714,7 @@ impl Filter {
                 self.ingest_end(s, ep);
                 abi::TRAILERS_STOP_ITERATION
             }
-            Mode::Answered => abi::TRAILERS_STOP_ITERATION,
+            Mode::Answered | Mode::Held => abi::TRAILERS_STOP_ITERATION,
             Mode::Pass => abi::TRAILERS_CONTINUE,
         }
     }
@@ -769,15 +875,50 @@ impl Filter {
                 return true;
             }
         };
+        // Only a whole body is held: a form that streams on cannot wait.
+        let holdable = match cfg.hold {
+            Some(h) if complete => {
+                let room = config.held.lock().len() < h.max_held;
+                if !room {
+                    config.count(m.hold.as_ref().and_then(|h| h.full));
+                }
+                room
+            }
+            _ => false,
+        };
         let mut guard = config.router.lock();
+        let prep = guard.engine.prepare_read(read);
+        if let Err(prep) = self.dispatch(s, guard, prep, &fleet, now, complete, t0, holdable) {
+            self.hold(s, prep, &fleet, now, t0);
+        }
+        true
+    }
+
+    /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
+    /// answer), `guard` held for the decision and the counts. `Err`: every pod of its pool is
+    /// saturated and it may be held (`holdable`): nothing was done or counted.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &mut self,
+        s: Stream,
+        mut guard: parking_lot::MutexGuard<'_, Router>,
+        prep: Prepared,
+        fleet: &Option<Arc<FleetState>>,
+        now: u64,
+        complete: bool,
+        t0: Instant,
+        holdable: bool,
+    ) -> Result<(), Box<Prepared>> {
+        let config = Arc::clone(&self.config);
+        let cfg = &config.settings;
+        let m = &config.metrics;
         let r = &mut *guard;
-        let prep = r.engine.prepare_read(read);
         let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
         if !r.loads.contains_key(&*prep.pool) {
             r.loads.insert(prep.pool.to_string(), LoadTable::default());
         }
         let Some(table) = r.loads.get_mut(&*prep.pool) else {
-            return true;
+            return Ok(());
         };
         if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
             table.rebase(f.version, &p.keys);
@@ -785,13 +926,15 @@ impl Filter {
         let opts = DecideOptions {
             now_ms: now,
             sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
-            // Holding (`hold`) is the proxy-wasm build's: this build sends at once.
-            holdable: false,
+            holdable,
             debug: cfg.debug_header,
         };
         let mut choice = r
             .engine
             .decide(&prep, fleet.as_deref(), &table.pods, opts, &mut r.rng);
+        if choice.decision == Decision::Hold {
+            return Err(Box::new(prep));
+        }
         self.debug = choice.debug.take();
         let mut any_pod = None;
         if let Decision::Picked(_) = &choice.decision {
@@ -844,7 +987,7 @@ impl Filter {
                 }
             }
             Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
-            // Never decided here: `holdable` is false.
+            // Returned above.
             Decision::Hold => {}
         }
         if answer.is_none() {
@@ -888,7 +1031,85 @@ impl Filter {
         if let Some((_, e)) = answer {
             self.reply_error(s, &e);
         }
-        true
+        Ok(())
+    }
+
+    /// Holds the request (`dispatch` found its pool saturated): queued in `Config::held`, its
+    /// stream stopped until `on_scheduled` sends it. Without a scheduler for the stream it goes
+    /// at once, to a saturated pod.
+    fn hold(
+        &mut self,
+        s: Stream,
+        prep: Box<Prepared>,
+        fleet: &Option<Arc<FleetState>>,
+        now: u64,
+        t0: Instant,
+    ) {
+        let config = Arc::clone(&self.config);
+        let Some(h) = config.settings.hold else {
+            return;
+        };
+        if self.wake.is_none() {
+            // SAFETY: the live filter pointer of the current hook.
+            self.wake = unsafe { StreamScheduler::new(s) };
+        }
+        let Some(wake) = self.wake.as_ref().map(StreamScheduler::share) else {
+            let guard = config.router.lock();
+            let _ = self.dispatch(s, guard, *prep, fleet, now, true, t0, false);
+            return;
+        };
+        let id = config.next_held.fetch_add(1, Ordering::Relaxed);
+        let deadline = t0 + Duration::from_millis(h.max_wait_ms);
+        config.hold(HeldEntry {
+            id,
+            priority: self.head.priority.unwrap_or(0),
+            tokens: match h.order {
+                HoldOrder::Arrival => 0,
+                HoldOrder::Shortest => prep.prompt_tokens,
+            },
+            pool: prep.pool.clone(),
+            deadline,
+            wake,
+        });
+        self.held = Some(Held {
+            prep,
+            id,
+            since: t0,
+            deadline,
+        });
+        self.mode = Mode::Held;
+        config.count(config.metrics.hold.as_ref().and_then(|h| h.held));
+    }
+
+    /// Woken on this stream's worker (`Config::wake_held`): a held request decides again, and
+    /// goes if a pod has room or its wait ran out.
+    fn on_scheduled(&mut self, s: Stream) {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        let config = Arc::clone(&self.config);
+        let t0 = Instant::now();
+        let expired = t0 >= held.deadline;
+        let fleet = current_fleet();
+        let guard = config.router.lock();
+        match self.dispatch(s, guard, *held.prep, &fleet, now_ms(), true, t0, !expired) {
+            Err(prep) => self.held = Some(Held { prep, ..held }),
+            Ok(()) => {
+                config.unhold(held.id);
+                if let Some(h) = &config.metrics.hold {
+                    let mut p = config.pending.lock();
+                    p.count(if expired { h.expired } else { h.released });
+                    p.hold_ms
+                        .push(t0.duration_since(held.since).as_millis() as u64);
+                }
+                if !matches!(self.mode, Mode::Answered) {
+                    self.mode = Mode::Pass;
+                    s.continue_decoding();
+                }
+                // The next held request of the pool may fit too.
+                config.wake_held();
+            }
+        }
     }
 
     fn on_response_headers(&mut self, s: Stream) {
@@ -918,11 +1139,23 @@ impl Filter {
         }
     }
 
-    /// The request is over: it leaves the in-flight table.
+    /// The request is over: it leaves the in-flight table, or, held (its client left), the
+    /// queue. Its end may leave room for a held request.
     fn on_end(&mut self) {
         if let Some(p) = self.picked.take() {
             self.config.complete(&p.pool, p.finished());
         }
+        if let Some(h) = self.held.take() {
+            if self.config.unhold(h.id) {
+                let cancelled = self.config.metrics.hold.as_ref().and_then(|h| h.cancelled);
+                self.config.count(cancelled);
+            }
+        }
+        // Out of the queue (above, or when it was sent): no other thread commits through it.
+        if let Some(w) = self.wake.take() {
+            w.delete();
+        }
+        self.config.wake_held();
     }
 }
 
@@ -1038,6 +1271,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         picked: None,
         learn_response: None,
         debug: None,
+        held: None,
+        wake: None,
     };
     Box::into_raw(Box::new(filter)).cast()
 }
@@ -1156,7 +1391,7 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_local_reply(
     0
 }
 
-/// Hooks for features this module does not use (callouts, scheduling, streams, watermarks,
+/// Hooks for features this module does not use (callouts, streams, watermarks,
 /// per-route configuration). They must exist for Envoy to load the module.
 macro_rules! unused_hooks {
     ($($name:ident),* $(,)?) => {$(
@@ -1166,7 +1401,6 @@ macro_rules! unused_hooks {
 }
 unused_hooks!(
     envoy_dynamic_module_on_http_filter_http_callout_done,
-    envoy_dynamic_module_on_http_filter_scheduled,
     envoy_dynamic_module_on_http_filter_downstream_above_write_buffer_high_watermark,
     envoy_dynamic_module_on_http_filter_downstream_below_write_buffer_low_watermark,
     envoy_dynamic_module_on_http_filter_http_stream_headers,
@@ -1182,6 +1416,21 @@ unused_hooks!(
     envoy_dynamic_module_on_http_filter_config_http_stream_reset,
     envoy_dynamic_module_on_http_filter_per_route_config_destroy,
 );
+
+/// A held request's stream, woken on its worker (`Config::wake_held`).
+///
+/// # Safety
+/// Envoy's pointers for a live stream (a null filter is ignored).
+#[no_mangle]
+pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
+    envoy: FilterEnvoyPtr,
+    f: *mut c_void,
+    _event: u64,
+) {
+    if let Some(f) = filter(f) {
+        f.on_scheduled(Stream(envoy));
+    }
+}
 
 /// No per-route configuration: a null answer (only consulted when a route sets one).
 #[no_mangle]
