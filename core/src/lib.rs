@@ -28,6 +28,7 @@ pub mod exchange;
 pub mod fleet;
 pub mod form;
 pub mod headers;
+pub mod hold;
 pub mod idmap;
 pub mod ingest;
 pub mod load;

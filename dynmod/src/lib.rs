@@ -30,13 +30,14 @@ pub mod abi;
 mod host;
 
 use abi::{ConfigEnvoyPtr, EnvoyBuffer, FilterEnvoyPtr, REQUEST_HEADERS, RESPONSE_HEADERS};
-use gpuroute_core::config::{DataPlane, FilterConfig, HoldOrder};
+use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{stat_segment, FleetState};
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
+use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
@@ -336,17 +337,14 @@ struct Config {
     /// the configuration, which also ends the ticker thread.
     scheduler: Mutex<Option<Scheduler>>,
     /// Requests held while their pool is saturated (`hold`), from every worker, in the order
-    /// they are to go: higher priority first, then by `hold.order`.
-    held: parking_lot::Mutex<Vec<HeldEntry>>,
+    /// they are to go.
+    held: parking_lot::Mutex<HoldQueue<HeldEntry>>,
     next_held: AtomicU64,
 }
 
-/// A held request: what orders it, and how to wake its stream on its worker.
+/// A held request: its pool and deadline, and how to wake its stream on its worker.
 struct HeldEntry {
     id: u64,
-    priority: i64,
-    /// Its prompt's estimated tokens for `hold.order: shortest`, else 0.
-    tokens: u32,
     pool: Arc<str>,
     deadline: Instant,
     wake: StreamScheduler,
@@ -356,6 +354,7 @@ impl Config {
     fn new(raw: &[u8], definer: &Definer) -> Result<Config, String> {
         let settings = FilterConfig::from_json(raw).map_err(|e| e.to_string())?;
         let metrics = Metrics::define(definer, &settings);
+        let hold_order = settings.hold.map(|h| h.order).unwrap_or_default();
         // One engine for every worker: picks are visible to all at once, no sync log needed.
         let engine = Engine::new(settings.clone()).without_sync_log();
         let reader = engine.reader().clone();
@@ -373,7 +372,7 @@ impl Config {
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
             scheduler: Mutex::new(None),
-            held: parking_lot::Mutex::new(Vec::new()),
+            held: parking_lot::Mutex::new(HoldQueue::new(hold_order)),
             next_held: AtomicU64::new(1),
         })
     }
@@ -474,22 +473,9 @@ impl Config {
         !held.is_empty()
     }
 
-    /// Queues a held request in its place (see `held`).
-    fn hold(&self, entry: HeldEntry) {
-        let mut held = self.held.lock();
-        let before = |e: &HeldEntry| {
-            entry.priority > e.priority || (entry.priority == e.priority && entry.tokens < e.tokens)
-        };
-        let at = held.iter().position(before).unwrap_or(held.len());
-        held.insert(at, entry);
-    }
-
     /// Takes a held request out of the queue; false if it was not in it.
     fn unhold(&self, id: u64) -> bool {
-        let mut held = self.held.lock();
-        let n = held.len();
-        held.retain(|e| e.id != id);
-        held.len() != n
+        self.held.lock().remove(|e| e.id == id)
     }
 }
 
@@ -1060,17 +1046,14 @@ impl Filter {
         };
         let id = config.next_held.fetch_add(1, Ordering::Relaxed);
         let deadline = t0 + Duration::from_millis(h.max_wait_ms);
-        config.hold(HeldEntry {
+        let entry = HeldEntry {
             id,
-            priority: self.head.priority.unwrap_or(0),
-            tokens: match h.order {
-                HoldOrder::Arrival => 0,
-                HoldOrder::Shortest => prep.prompt_tokens,
-            },
             pool: prep.pool.clone(),
             deadline,
             wake,
-        });
+        };
+        let priority = self.head.priority.unwrap_or(0);
+        config.held.lock().push(priority, prep.prompt_tokens, entry);
         self.held = Some(Held {
             prep,
             id,

@@ -205,7 +205,7 @@ pub extern "C" fn proxy_on_tick(context_id: u32) {
 /// the effective context again. A pool found still saturated is not asked again in the pass.
 fn release_held(worker: &Rc<RefCell<Worker>>, current: u32) {
     let queue = match worker.try_borrow() {
-        Ok(w) if !w.held.is_empty() => w.held.iter().map(|e| e.context).collect::<Vec<_>>(),
+        Ok(w) if !w.held.is_empty() => w.held.iter().copied().collect::<Vec<_>>(),
         _ => return,
     };
     let mut blocked: Vec<Arc<str>> = Vec::new();

@@ -23,13 +23,14 @@ mod host;
 mod stats;
 
 use abi::{Action, BufferType, LogLevel, MapType};
-use gpuroute_core::config::{DataPlane, FilterConfig, HoldOrder};
+use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
+use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
@@ -162,26 +163,9 @@ struct Worker {
     /// are wanted, and the newest sequence it wrote for it.
     export_checked_ms: u64,
     exported_seq: u64,
-    /// Requests held while their pool is saturated (`hold`), in the order they are to go:
-    /// higher `x-gateway-priority` first, then by arrival.
-    held: Vec<HeldEntry>,
-}
-
-/// A request a worker holds: its stream's context id, and what orders it among the others.
-#[derive(Debug, Clone, Copy)]
-struct HeldEntry {
-    context: u32,
-    priority: i64,
-    /// Its prompt's estimated tokens, for `hold.order: shortest` (else 0: arrival order).
-    tokens: u32,
-}
-
-impl HeldEntry {
-    /// Whether `self` goes before `other`, which arrived earlier.
-    fn before(&self, other: &HeldEntry) -> bool {
-        self.priority > other.priority
-            || (self.priority == other.priority && self.tokens < other.tokens)
-    }
+    /// Requests held while their pool is saturated (`hold`): their streams' context ids, in
+    /// the order they are to go.
+    held: HoldQueue<u32>,
 }
 
 /// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
@@ -651,6 +635,7 @@ impl Root {
         let tick = tick_ms.min(u64::from(u32::MAX)) as u32;
         let refresh_ns = config.shared_refresh_ms.saturating_mul(1_000_000);
         let routes = !config.pools.is_empty();
+        let hold_order = config.hold.map(|h| h.order).unwrap_or_default();
         let seed = host::now_nanos() ^ (u64::from(self.id) << 32);
         let mut worker = Worker {
             engine: Engine::new(config),
@@ -679,7 +664,7 @@ impl Root {
             idle_ticks: 0,
             export_checked_ms: 0,
             exported_seq: 0,
-            held: Vec::new(),
+            held: HoldQueue::new(hold_order),
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -1039,25 +1024,9 @@ impl Http {
         match self.dispatch(w, prep, t0, body.len(), complete, holdable) {
             Ok(action) => Some(action),
             Err(prep) => {
-                let (max_wait, order) = w
-                    .engine
-                    .config
-                    .hold
-                    .map_or((0, HoldOrder::Arrival), |h| (h.max_wait_ms, h.order));
-                let entry = HeldEntry {
-                    context: self.id,
-                    priority: self.head.priority.unwrap_or(0),
-                    tokens: match order {
-                        HoldOrder::Arrival => 0,
-                        HoldOrder::Shortest => prep.prompt_tokens,
-                    },
-                };
-                let at = w
-                    .held
-                    .iter()
-                    .position(|e| entry.before(e))
-                    .unwrap_or(w.held.len());
-                w.held.insert(at, entry);
+                let max_wait = w.engine.config.hold.map_or(0, |h| h.max_wait_ms);
+                let priority = self.head.priority.unwrap_or(0);
+                w.held.push(priority, prep.prompt_tokens, self.id);
                 self.held = Some(Held {
                     prep,
                     size: body.len(),
@@ -1436,7 +1405,7 @@ impl Http {
         }
         if self.held.take().is_some() {
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
-                w.held.retain(|e| e.context != self.id);
+                w.held.remove(|c| *c == self.id);
                 w.stats.inc("gpuroute.hold.cancelled");
                 w.stats.gauge_add("gpuroute.held", -1);
             }
@@ -1486,7 +1455,7 @@ impl Http {
                 Release::Held(pool)
             }
             Ok(action) => {
-                w.held.retain(|e| e.context != self.id);
+                w.held.remove(|c| *c == self.id);
                 w.stats.gauge_add("gpuroute.held", -1);
                 w.stats.inc(if expired {
                     "gpuroute.hold.expired"

@@ -1,0 +1,97 @@
+//! The queue of requests held while their pool is saturated (`hold`): the order they go in.
+//! Both shells keep one (the proxy-wasm filter per worker, the dynamic module per filter
+//! configuration), each with its own handle to wake a held request.
+
+use crate::config::HoldOrder;
+
+/// Held requests, in the order they are to go: higher `x-gateway-priority` first; among equal
+/// priorities by arrival, or with [`HoldOrder::Shortest`] the shortest prompt first (arrival
+/// between equal lengths).
+#[derive(Debug)]
+pub struct HoldQueue<T> {
+    order: HoldOrder,
+    entries: Vec<(i64, u32, T)>,
+}
+
+impl<T> HoldQueue<T> {
+    pub fn new(order: HoldOrder) -> HoldQueue<T> {
+        HoldQueue {
+            order,
+            entries: Vec::new(),
+        }
+    }
+
+    /// Queues `item` (a request of `priority` whose prompt is about `prompt_tokens` long) in its
+    /// place.
+    pub fn push(&mut self, priority: i64, prompt_tokens: u32, item: T) {
+        let tokens = match self.order {
+            HoldOrder::Arrival => 0,
+            HoldOrder::Shortest => prompt_tokens,
+        };
+        let at = self
+            .entries
+            .iter()
+            .position(|(p, t, _)| priority > *p || (priority == *p && tokens < *t))
+            .unwrap_or(self.entries.len());
+        self.entries.insert(at, (priority, tokens, item));
+    }
+
+    /// Takes out the entries `f` picks; whether there was any.
+    pub fn remove(&mut self, mut f: impl FnMut(&T) -> bool) -> bool {
+        let n = self.entries.len();
+        self.entries.retain(|(_, _, item)| !f(item));
+        self.entries.len() != n
+    }
+
+    /// The held requests, first to go first.
+    pub fn iter(&self) -> impl Iterator<Item = &T> {
+        self.entries.iter().map(|(_, _, item)| item)
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn order(q: &HoldQueue<&'static str>) -> Vec<&'static str> {
+        q.iter().copied().collect()
+    }
+
+    #[test]
+    fn priority_first_then_arrival() {
+        let mut q = HoldQueue::new(HoldOrder::Arrival);
+        q.push(0, 900, "a");
+        q.push(0, 10, "b");
+        q.push(5, 500, "urgent");
+        q.push(-1, 1, "batch");
+        q.push(0, 1, "c");
+        assert_eq!(order(&q), ["urgent", "a", "b", "c", "batch"]);
+        assert!(q.remove(|i| *i == "b"));
+        assert!(!q.remove(|i| *i == "b"));
+        assert_eq!((order(&q), q.len()), (vec!["urgent", "a", "c", "batch"], 4));
+    }
+
+    #[test]
+    fn shortest_first_within_a_priority_arrival_between_equals() {
+        let mut q = HoldQueue::new(HoldOrder::Shortest);
+        q.push(0, 900, "long");
+        q.push(0, 10, "short");
+        q.push(0, 10, "short, later");
+        q.push(1, 5_000, "urgent and long");
+        q.push(0, 400, "middle");
+        assert_eq!(
+            order(&q),
+            ["urgent and long", "short", "short, later", "middle", "long"]
+        );
+        q.remove(|_| true);
+        assert!(q.is_empty());
+    }
+}
