@@ -223,6 +223,12 @@ pub struct DecideOptions {
     pub debug: bool,
 }
 
+/// The debug header (`debug_header`) of a request that was held (`hold`) for `waited_ms`
+/// before its decision `debug`: `held=<ms>ms; ` in front.
+pub fn held_debug(waited_ms: u64, debug: &str) -> String {
+    format!("held={waited_ms}ms; {debug}")
+}
+
 /// Step 1's first half, from the configuration alone: parse the body, resolve the model, hash
 /// the prompt. A clone can read requests apart from the engine: the dynamic module, whose one
 /// engine serves every worker behind a lock, reads outside it and locks only for the rest.

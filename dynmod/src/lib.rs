@@ -1078,12 +1078,15 @@ impl Filter {
         match self.dispatch(s, guard, *held.prep, &fleet, now_ms(), true, t0, !expired) {
             Err(prep) => self.held = Some(Held { prep, ..held }),
             Ok(()) => {
+                let waited_ms = t0.duration_since(held.since).as_millis() as u64;
                 config.unhold(held.id);
                 if let Some(h) = &config.metrics.hold {
                     let mut p = config.pending.lock();
                     p.count(if expired { h.expired } else { h.released });
-                    p.hold_ms
-                        .push(t0.duration_since(held.since).as_millis() as u64);
+                    p.hold_ms.push(waited_ms);
+                }
+                if let Some(d) = self.debug.as_mut() {
+                    *d = engine::held_debug(waited_ms, d);
                 }
                 if !matches!(self.mode, Mode::Answered) {
                     self.mode = Mode::Pass;

@@ -1455,6 +1455,7 @@ impl Http {
                 Release::Held(pool)
             }
             Ok(action) => {
+                let waited_ms = now_ns.saturating_sub(since_ns) / 1_000_000;
                 w.held.remove(|c| *c == self.id);
                 w.stats.gauge_add("gpuroute.held", -1);
                 w.stats.inc(if expired {
@@ -1462,10 +1463,10 @@ impl Http {
                 } else {
                     "gpuroute.hold.released"
                 });
-                w.stats.histogram(
-                    "gpuroute.hold_ms",
-                    now_ns.saturating_sub(since_ns) / 1_000_000,
-                );
+                w.stats.histogram("gpuroute.hold_ms", waited_ms);
+                if let Some(d) = self.debug.as_mut() {
+                    *d = engine::held_debug(waited_ms, d);
+                }
                 match action {
                     Action::Continue => Release::Continue,
                     Action::Pause => Release::Answered,

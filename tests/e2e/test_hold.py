@@ -6,6 +6,7 @@ the proxy-wasm filter's workers each hold their own requests, the dynamic module
 worker's in one queue."""
 
 import concurrent.futures
+import re
 import socket
 import threading
 import time
@@ -41,11 +42,17 @@ def stat(gw, name):
 
 
 def ask(gw, text, priority=None, timeout=20):
+    """(status, the pod that served it, the pod's answer, seconds taken)."""
+    return ask_with_headers(gw, text, priority, timeout)[:4]
+
+
+def ask_with_headers(gw, text, priority=None, timeout=20):
+    """`ask`, and the response's headers."""
     headers = {"x-gateway-priority": str(priority)} if priority is not None else {}
     body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": text}]}
     t0 = time.time()
     s, h, reply, _ = gw.request("POST", "/v1/chat/completions", body, headers, timeout=timeout)
-    return s, h.get("x-served-by"), reply, time.time() - t0
+    return s, h.get("x-served-by"), reply, time.time() - t0, h
 
 
 def served(pods):
@@ -54,7 +61,7 @@ def served(pods):
 
 @pytest.fixture(scope="module")
 def gw(pods):
-    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING, "debug_header": True,
                                           "hold": {"max_wait_ms": 10_000, "max_held": 3}})
     yield e
     e.stop()
@@ -72,7 +79,7 @@ def test_a_request_waits_at_the_gateway_until_a_pod_has_room(gw, pods):
     push(gw, pods, [SATURATED] * 3)
     before = (served(pods), gw.stat(STAT_PREFIX + "gpuroute.hold.held"), gw.stat(STAT_PREFIX + "gpuroute.hold.released"))
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
-        pending = ex.submit(ask, gw, "wait for me")
+        pending = ex.submit(ask_with_headers, gw, "wait for me")
         wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the request to be held")
         time.sleep(0.3)  # a few ticks: still held, no pod has it
         assert not pending.done() and served(pods) == before[0]
@@ -80,9 +87,12 @@ def test_a_request_waits_at_the_gateway_until_a_pod_has_room(gw, pods):
         # p2's queue empties: the request goes there, within a tick or two.
         pushed = time.time()
         push(gw, pods, [SATURATED, SATURATED, {"waiting": 0}])
-        s, pod, reply, _ = pending.result(10)
+        s, pod, reply, _, headers = pending.result(10)
         took = time.time() - pushed
     assert (s, pod) == (200, "p2"), reply
+    # The debug header says how long it was held, before the decision's breakdown.
+    held_ms = re.match(r"held=(\d+)ms; pool=llama; picked=", headers["x-gateway-debug"])
+    assert held_ms and 300 <= int(held_ms.group(1)) < 10_000, headers["x-gateway-debug"]
     assert reply["headers"]["x-gateway-pool"] == "llama"
     assert took < 2, f"{took:.2f} s from room to the request's answer"
     assert gw.stat(STAT_PREFIX + "gpuroute.hold.released") == before[2] + 1
