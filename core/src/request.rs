@@ -120,6 +120,12 @@ fn sequences(raw: Option<&str>) -> u32 {
 }
 
 impl InferenceRequest<'_> {
+    /// The request with its sequences read from its raw `n` value.
+    fn with_n(mut self, n: Option<&str>) -> Self {
+        self.sequences = sequences(n);
+        self
+    }
+
     /// Prompt tokens, estimated at 4 bytes per token (the usual rule of thumb for English text
     /// with BPE tokenizers; OpenAI's tokenizer guide gives the same figure).
     pub fn estimated_prompt_tokens(&self) -> u32 {
@@ -304,11 +310,10 @@ fn parse_chat_scan(
     // The messages go into the prompt text as they are read; if the scanner declines, the
     // caller starts the next tier with a new text.
     let head = scan::chat_each(body, &mut prompt)?;
-    Some(model_field(body, head.model).map(|model| {
-        let mut req = prompt.finish(model, is_true(head.stream));
-        req.sequences = sequences(head.n);
-        req
-    }))
+    Some(
+        model_field(body, head.model)
+            .map(|model| prompt.finish(model, is_true(head.stream)).with_n(head.n)),
+    )
 }
 
 /// Chat, second tier: one typed `serde_json` pass (any content shape).
@@ -328,9 +333,9 @@ fn parse_chat_serde(
     };
     Some(model_field(body, model.map(RawValue::get)).map(|model| {
         prompt.message_list(&messages);
-        let mut req = prompt.finish(model, is_true(stream.map(RawValue::get)));
-        req.sequences = sequences(n.map(RawValue::get));
-        req
+        prompt
+            .finish(model, is_true(stream.map(RawValue::get)))
+            .with_n(n.map(RawValue::get))
     }))
 }
 

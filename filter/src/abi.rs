@@ -287,7 +287,7 @@ pub extern "C" fn proxy_on_delete(context_id: u32) {
     if let Some(mut s) = stream {
         s.on_end();
         // A request that ends leaves room on its pod for one its worker holds.
-        if let Some(worker) = s.worker() {
+        if let Some(worker) = s.worker.clone() {
             release_held(&worker, context_id);
         }
     }

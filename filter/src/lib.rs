@@ -1149,7 +1149,7 @@ impl Http {
                 return Ok(self.reply_error(&ApiError::shed(pool)));
             }
             // Returned above.
-            Decision::Hold => return Err(Box::new(prep)),
+            Decision::Hold => {}
         }
         self.set_routing_headers(&prep, body_len, complete);
         if w.routed.is_multiple_of(DECISION_SAMPLE) {
@@ -1410,11 +1410,6 @@ impl Http {
                 w.stats.gauge_add("gpuroute.held", -1);
             }
         }
-    }
-
-    /// This stream's worker (shared with its root context).
-    fn worker(&self) -> Option<Rc<RefCell<Worker>>> {
-        self.worker.clone()
     }
 
     /// Decides again for this request, held while its pool was saturated (the host's effective

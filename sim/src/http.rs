@@ -320,13 +320,24 @@ fn parse_body<T: DeserializeOwned>(api: Api, what: &str, body: &[u8]) -> Result<
     })
 }
 
-/// A request that needs no engine names this pod's model or one of its adapters (or none): else
-/// vLLM's 404 in `api`'s shape.
-fn known_model(pod: &Pod, api: Api, model: Option<&str>) -> Result<(), Box<Response>> {
-    match model {
-        Some(m) => resolve_model(pod, api, m).map(|_| ()),
-        None => Ok(()),
+/// A request body that names a model (or none).
+trait NamesModel {
+    fn model(&self) -> Option<&str>;
+}
+
+/// The body of a request that needs no engine (`what`), naming this pod's model or one of its
+/// adapters, or none: else vLLM's 400 or 404 in `api`'s shape.
+fn no_engine_request<T: DeserializeOwned + NamesModel>(
+    pod: &Pod,
+    api: Api,
+    what: &str,
+    body: &[u8],
+) -> Result<T, Box<Response>> {
+    let req: T = parse_body(api, what, body)?;
+    if let Some(m) = req.model() {
+        resolve_model(pod, api, m)?;
     }
+    Ok(req)
 }
 
 /// The adapter `model` names on this pod (`None` for its base model), or vLLM's 404 in `api`'s
@@ -417,6 +428,24 @@ struct DetokenizeRequest {
     tokens: Vec<i64>,
 }
 
+impl NamesModel for TokenizeRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
+impl NamesModel for DetokenizeRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
+impl NamesModel for CountTokensRequest {
+    fn model(&self) -> Option<&str> {
+        self.model.as_deref()
+    }
+}
+
 /// Ids in a vocabulary of Llama 3's size.
 const VOCAB: u64 = 128_256;
 
@@ -424,22 +453,13 @@ const VOCAB: u64 = 128_256;
 /// prompt counted as the engine counts it (4 bytes a token); each id a hash of its 4 bytes. No
 /// engine work (vLLM tokenizes in its API server).
 async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: TokenizeRequest = match parse_body(Api::Completion, "tokenize", &body) {
+    let req: TokenizeRequest = match no_engine_request(&pod, Api::Completion, "tokenize", &body) {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
-    if let Err(answer) = known_model(&pod, Api::Completion, req.model.as_deref()) {
-        return *answer;
-    }
     let text = match (req.prompt, req.messages) {
         (Some(p), _) => p,
-        (None, Some(messages)) => {
-            let mut text = String::new();
-            for m in &messages {
-                message_text(&m.content, &mut text);
-            }
-            text
-        }
+        (None, Some(messages)) => messages_prompt(&None, &messages),
         (None, None) => return bad_request("either `prompt` or `messages` is required"),
     };
     let count = text::prompt_tokens(&text);
@@ -464,13 +484,11 @@ async fn tokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
 
 /// `POST /detokenize`: `{"prompt"}`, one filler word a token (as generated text is).
 async fn detokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: DetokenizeRequest = match parse_body(Api::Completion, "detokenize", &body) {
+    let req: DetokenizeRequest = match no_engine_request(&pod, Api::Completion, "detokenize", &body)
+    {
         Ok(r) => r,
         Err(answer) => return *answer,
     };
-    if let Err(answer) = known_model(&pod, Api::Completion, req.model.as_deref()) {
-        return *answer;
-    }
     let count = u32::try_from(req.tokens.len()).unwrap_or(u32::MAX);
     let prompt = serde_json::to_string(&text::filler(0, count)).unwrap_or_default();
     json_response(StatusCode::OK, format!(r#"{{"prompt":{prompt}}}"#))
@@ -479,13 +497,11 @@ async fn detokenize(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
 /// `{"input_tokens": N}`, the prompt's tokens as a Messages request would count them; no engine
 /// work (vLLM answers it from the tokenizer).
 async fn count_tokens(State(pod): State<Arc<Pod>>, body: Bytes) -> Response {
-    let req: CountTokensRequest = match parse_body(Api::Messages, "count_tokens", &body) {
-        Ok(r) => r,
-        Err(answer) => return *answer,
-    };
-    if let Err(answer) = known_model(&pod, Api::Messages, req.model.as_deref()) {
-        return *answer;
-    }
+    let req: CountTokensRequest =
+        match no_engine_request(&pod, Api::Messages, "count_tokens", &body) {
+            Ok(r) => r,
+            Err(answer) => return *answer,
+        };
     let tokens = text::prompt_tokens(&messages_prompt(&req.system, &req.messages));
     json_response(StatusCode::OK, format!(r#"{{"input_tokens":{tokens}}}"#))
 }
