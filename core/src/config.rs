@@ -355,6 +355,18 @@ pub struct HoldConfig {
     /// `x-gateway-priority`.
     #[serde(default)]
     pub order: HoldOrder,
+    /// How long a request may wait for the pod that caches its prompt (ms) while that pod is
+    /// saturated and others are not; 0: it goes to another pod at once, as without `hold`.
+    /// Read through [`HoldConfig::prefix_wait`].
+    #[serde(default = "default_hold_prefix_wait_ms")]
+    pub prefix_wait_ms: u64,
+}
+
+impl HoldConfig {
+    /// `prefix_wait_ms`, at most `max_wait_ms` (the longest any request is held).
+    pub fn prefix_wait(&self) -> u64 {
+        self.prefix_wait_ms.min(self.max_wait_ms)
+    }
 }
 
 /// The order of held requests of one priority (`hold.order`).
@@ -375,8 +387,13 @@ impl Default for HoldConfig {
             max_wait_ms: default_hold_max_wait_ms(),
             max_held: default_hold_max_held(),
             order: HoldOrder::Arrival,
+            prefix_wait_ms: default_hold_prefix_wait_ms(),
         }
     }
+}
+
+fn default_hold_prefix_wait_ms() -> u64 {
+    1_000
 }
 
 fn default_hold_max_wait_ms() -> u64 {
@@ -581,6 +598,9 @@ impl FilterConfig {
             if !(1..=65_536).contains(&h.max_held) {
                 return Err(cfg_err("hold.max_held", "must be between 1 and 65536"));
             }
+            if h.prefix_wait_ms > 60_000 {
+                return Err(cfg_err("hold.prefix_wait_ms", "must be at most 60000"));
+            }
         }
         if !(1..=64 * 1024 * 1024).contains(&self.max_body_bytes) {
             return Err(cfg_err("max_body_bytes", "must be between 1 and 64 MiB"));
@@ -758,13 +778,15 @@ mod tests {
         let held = r#"{"pools":[{"name":"llama","models":["llama-3"]}],"hold":{}}"#;
         let c = FilterConfig::from_json(held.as_bytes()).unwrap();
         assert_eq!(c.hold, Some(HoldConfig::default()));
+        let h = HoldConfig::default();
         assert_eq!(
-            (
-                HoldConfig::default().max_wait_ms,
-                HoldConfig::default().max_held
-            ),
-            (2_000, 256)
+            (h.max_wait_ms, h.max_held, h.prefix_wait()),
+            (2_000, 256, 1_000)
         );
+        // No request waits for its prompt's pod longer than any request is held.
+        let short = r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait_ms":300}}"#;
+        let c = FilterConfig::from_json(short.as_bytes()).unwrap();
+        assert_eq!(c.hold.map(|h| h.prefix_wait()), Some(300));
     }
 
     #[test]
@@ -888,6 +910,10 @@ mod tests {
             (
                 r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_held":100000}}"#,
                 "hold.max_held",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"prefix_wait_ms":60001}}"#,
+                "hold.prefix_wait_ms",
             ),
             (
                 r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait":5}}"#,

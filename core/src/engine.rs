@@ -219,6 +219,9 @@ pub struct DecideOptions {
     /// May be held while the pool is saturated (`hold` is on, the request is whole, its wait
     /// has not run out and the worker has room to hold it).
     pub holdable: bool,
+    /// With `holdable`: may also wait for the saturated pod that caches its prompt
+    /// (`hold.prefix_wait_ms` is on and has not run out for the request).
+    pub prefix_hold: bool,
     /// Produce the score breakdown for the debug header.
     pub debug: bool,
 }
@@ -551,6 +554,7 @@ impl Engine {
             now_ms,
             sheddable,
             holdable,
+            prefix_hold,
             debug,
         } = opts;
         let none = |d: Decision| Choice {
@@ -591,6 +595,7 @@ impl Engine {
             adapter_home,
             sheddable,
             holdable,
+            prefix_hold,
         };
         let mut explain = Explain::default();
         let Some(picker) = self.pickers.get(prep.target.pool) else {
@@ -1383,6 +1388,7 @@ mod tests {
                 now_ms: 1_000,
                 sheddable: false,
                 holdable: false,
+                prefix_hold: false,
                 debug: false,
             },
             &mut rng,
@@ -1409,6 +1415,7 @@ mod tests {
                 now_ms: 1_000,
                 sheddable: false,
                 holdable: false,
+                prefix_hold: false,
                 debug: false,
             },
             &mut rng,
@@ -1431,6 +1438,7 @@ mod tests {
                 now_ms: 1_010,
                 sheddable: false,
                 holdable: false,
+                prefix_hold: false,
                 debug: true,
             },
             &mut SplitMix64::new(3),
@@ -1470,6 +1478,7 @@ mod tests {
                     now_ms: 1_010,
                     sheddable: false,
                     holdable: false,
+                    prefix_hold: false,
                     debug: false,
                 },
                 &mut rng,
@@ -1518,6 +1527,7 @@ mod tests {
                 now_ms: 1_010,
                 sheddable: false,
                 holdable: false,
+                prefix_hold: false,
                 debug: false,
             },
             &mut SplitMix64::new(5),
@@ -1542,6 +1552,7 @@ mod tests {
             now_ms: 1_010,
             sheddable: false,
             holdable: false,
+            prefix_hold: false,
             debug: true,
         };
         let turn = |previous: &str| {

@@ -51,7 +51,15 @@ pub struct RequestFeatures<'a> {
     pub sheddable: bool,
     /// May be held at the gateway while the pool is saturated (`hold`).
     pub holdable: bool,
+    /// With `holdable`: may also be held while the pod that caches its prompt is saturated and
+    /// others are not (`hold.prefix_wait_ms`, not yet run out).
+    pub prefix_hold: bool,
 }
+
+/// Share of the prompt a saturated pod must be credited with (its matched depth, with the
+/// conversation rules of [`Picker::pick`]) before a request waits for it (`prefix_hold`); and
+/// the most a pod with room may hold, as a share of that, for the wait to be worth it.
+pub const PREFIX_HOLD_MIN: f64 = 0.5;
 
 /// Weight of a prefix match that does not include the conversation itself (see
 /// [`RequestFeatures::conversation_pods`]).
@@ -104,9 +112,18 @@ pub enum Decision {
     FailOpen(FailOpen),
     /// Sheddable request, every candidate saturated.
     Shed,
-    /// Every candidate saturated, and the request may wait at the gateway (`hold`): decide
-    /// again when a pod may have room.
-    Hold,
+    /// The request may wait at the gateway (`hold`): decide again when a pod may have room.
+    Hold(HoldReason),
+}
+
+/// Why a request is held ([`Decision::Hold`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldReason {
+    /// Every candidate is saturated: no request of the pool can go until one has room.
+    Saturated,
+    /// The pod that caches its prompt is saturated and others are not
+    /// ([`RequestFeatures::prefix_hold`]): other requests of the pool may go.
+    Prefix,
 }
 
 /// One candidate's score breakdown, for the debug header and tests.
@@ -310,9 +327,12 @@ impl Picker {
                 return Decision::Shed;
             }
             if req.holdable {
-                return Decision::Hold;
+                return Decision::Hold(HoldReason::Saturated);
             }
         } else {
+            if self.waits_for_prefix(pool, req, &cands) {
+                return Decision::Hold(HoldReason::Prefix);
+            }
             if let Some(e) = explain.as_deref_mut() {
                 left_out(e, &cands, |c| !c.2, LeftOut::Saturated);
             }
@@ -514,6 +534,50 @@ impl Picker {
             scored.swap(slot, best);
         }
         Decision::Picked(scored[..k].iter().map(|s| s.0).collect())
+    }
+}
+
+impl Picker {
+    /// Whether the request is better held for a saturated candidate than sent to one with room
+    /// ([`RequestFeatures::prefix_hold`]): a saturated pod is credited with at least
+    /// [`PREFIX_HOLD_MIN`] of the prompt, and no pod with room with half as much. Credit as in
+    /// the prefix scorer: the learned depth; for a conversation, at least
+    /// [`CONVERSATION_FLOOR`] on a pod that served it, and a discounted depth on the others.
+    /// Not for adapter requests: their pods are the adapter's.
+    fn waits_for_prefix(
+        &self,
+        pool: &PoolState,
+        req: &RequestFeatures<'_>,
+        cands: &[Cand],
+    ) -> bool {
+        if !(req.holdable && req.prefix_hold)
+            || req.adapter.is_some()
+            || req.prefix_blocks == 0
+            || self.weights.prefix <= 0.0
+        {
+            return false;
+        }
+        let (mut busy, mut free) = (0.0f64, 0.0f64);
+        for c in cands {
+            let key = pool.pods[c.0].key;
+            let depth = req
+                .matches
+                .iter()
+                .find(|m| m.pod == key)
+                .map_or(0, |m| m.depth);
+            let mut credit = f64::from(depth) / f64::from(req.prefix_blocks);
+            match req.conversation_pods.map(|p| p.contains(&key)) {
+                Some(true) => credit = fmax(credit, CONVERSATION_FLOOR),
+                Some(false) => credit *= SHARED_PREFIX_DISCOUNT,
+                None => {}
+            }
+            if c.2 {
+                busy = fmax(busy, credit);
+            } else {
+                free = fmax(free, credit);
+            }
+        }
+        busy >= PREFIX_HOLD_MIN && free < busy * PREFIX_HOLD_MIN
     }
 }
 
@@ -789,7 +853,7 @@ mod tests {
             ..Default::default()
         };
         let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.9)]);
-        assert_eq!(pick(&all, &hold), Decision::Hold);
+        assert_eq!(pick(&all, &hold), Decision::Hold(HoldReason::Saturated));
         // One pod with room: it is picked, held or not.
         let one_free = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.5)]);
         assert_eq!(best(&pick(&one_free, &hold)), 1);
@@ -811,7 +875,7 @@ mod tests {
             picker().pick(&idle, &table.pods, &hold, 0, &mut SplitMix64::new(1), None)
         };
         let mut sent = 0;
-        while held(&table) != Decision::Hold {
+        while held(&table) != Decision::Hold(HoldReason::Saturated) {
             table.add(0, 1, 100, Some(100));
             sent += 1;
             assert!(sent <= 16, "never saturated");
@@ -819,6 +883,62 @@ mod tests {
         assert_eq!(
             f64::from(sent),
             ScoringConfig::default().queue_threshold.ceil()
+        );
+    }
+
+    #[test]
+    fn a_request_waits_for_the_saturated_pod_caching_its_prompt_only_when_allowed_and_worth_it() {
+        // Pod 0 is saturated (9 waiting) and holds 6 of the prompt's 8 blocks; pod 1 has room.
+        let p = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.5)]);
+        let (k0, k1) = (p.pods[0].key, p.pods[1].key);
+        let deep = [PodMatch { pod: k0, depth: 6 }];
+        let req = |matches, holdable, prefix_hold| RequestFeatures {
+            prompt_tokens: 2_000,
+            prefix_blocks: 8,
+            block_tokens: 64,
+            matches,
+            holdable,
+            prefix_hold,
+            ..Default::default()
+        };
+        assert_eq!(
+            pick(&p, &req(&deep, true, true)),
+            Decision::Hold(HoldReason::Prefix)
+        );
+        // Not allowed (hold off, or its prefix wait ran out): it goes to the pod with room.
+        assert_eq!(best(&pick(&p, &req(&deep, false, true))), 1);
+        assert_eq!(best(&pick(&p, &req(&deep, true, false))), 1);
+        // Not worth it: the saturated pod holds less than half the prompt, or the pod with room
+        // holds half as much as it does.
+        let shallow = [PodMatch { pod: k0, depth: 3 }];
+        assert_eq!(best(&pick(&p, &req(&shallow, true, true))), 1);
+        let both = [
+            PodMatch { pod: k0, depth: 6 },
+            PodMatch { pod: k1, depth: 3 },
+        ];
+        assert_eq!(best(&pick(&p, &req(&both, true, true))), 1);
+        // No prompt blocks, or an adapter request: no wait.
+        let mut r = req(&deep, true, true);
+        r.prefix_blocks = 0;
+        assert_eq!(best(&pick(&p, &r)), 1);
+        let mut r = req(&deep, true, true);
+        r.adapter = Some(adapter_key("a"));
+        assert!(matches!(pick(&p, &r), Decision::Picked(_)));
+        // A conversation waits for a pod that served it, whatever depth was learned, and not
+        // for one that only shares its system prompt.
+        let mut r = req(&[], true, true);
+        let served = [k0];
+        r.conversation_pods = Some(&served);
+        assert_eq!(pick(&p, &r), Decision::Hold(HoldReason::Prefix));
+        let mut r = req(&deep, true, true);
+        let elsewhere = [pod_key("10.0.0.9:8000")];
+        r.conversation_pods = Some(&elsewhere);
+        assert_eq!(best(&pick(&p, &r)), 1);
+        // Every pod saturated: held for that, whatever its prefix.
+        let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 9, 0, 0.5)]);
+        assert_eq!(
+            pick(&all, &req(&deep, true, true)),
+            Decision::Hold(HoldReason::Saturated)
         );
     }
 

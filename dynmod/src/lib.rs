@@ -21,7 +21,8 @@
 //!   request than the decision);
 //! - requests held while their pool is saturated (`hold`) wait in one queue per filter
 //!   configuration, for every worker; the ticker thread, and each request's end, wake the
-//!   first of each pool on its own worker through Envoy's per-stream scheduler.
+//!   first of each pool (and every request waiting for the pod caching its prompt,
+//!   `hold.prefix_wait_ms`) on its own worker through Envoy's per-stream scheduler.
 //!
 //! The ABI is pinned to Envoy 1.40 (see [`abi`]); a module built for another Envoy version
 //! must not be loaded.
@@ -41,7 +42,7 @@ use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
-use gpuroute_core::picker::Decision;
+use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix;
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
@@ -50,7 +51,7 @@ use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -132,13 +133,14 @@ struct Metrics {
     responses_unpinned: Option<usize>,
     decision_us: Option<usize>,
     picks: Option<usize>,
-    /// `hold` (defined only when it is on): `gpuroute.hold.{held,released,expired,cancelled,
-    /// full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
+    /// `hold` (defined only when it is on): `gpuroute.hold.{held,prefix,released,expired,
+    /// cancelled,full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
     hold: Option<HoldMetrics>,
 }
 
 struct HoldMetrics {
     held: Option<usize>,
+    prefix: Option<usize>,
     released: Option<usize>,
     expired: Option<usize>,
     cancelled: Option<usize>,
@@ -207,6 +209,7 @@ impl Metrics {
             picks: d.counter("gpuroute.picks", &["pool", "pod"]),
             hold: config.hold.map(|_| HoldMetrics {
                 held: d.counter("gpuroute.hold.held", &[]),
+                prefix: d.counter("gpuroute.hold.prefix", &[]),
                 released: d.counter("gpuroute.hold.released", &[]),
                 expired: d.counter("gpuroute.hold.expired", &[]),
                 cancelled: d.counter("gpuroute.hold.cancelled", &[]),
@@ -347,6 +350,9 @@ struct HeldEntry {
     id: u64,
     pool: Arc<str>,
     deadline: Instant,
+    /// It waits for the pod caching its prompt (`hold.prefix_wait_ms`), not for its pool to have
+    /// room: the requests behind it may go, and it is asked again at each wake-up.
+    for_prefix: AtomicBool,
     wake: StreamScheduler,
 }
 
@@ -454,9 +460,10 @@ impl Config {
         }
     }
 
-    /// Asks the first held request of each pool, and every held request whose wait ran out, to
-    /// decide again, each on its own worker (`on_http_filter_scheduled`). One that goes wakes
-    /// the next. Returns whether any request is held.
+    /// Asks the first held request of each pool, every held request whose wait ran out, and
+    /// every one waiting for the pod caching its prompt, to decide again, each on its own worker
+    /// (`on_http_filter_scheduled`). One that goes wakes the next. Returns whether any request
+    /// is held.
     fn wake_held(&self) -> bool {
         if self.settings.hold.is_none() {
             return false;
@@ -465,12 +472,39 @@ impl Config {
         let now = Instant::now();
         let mut asked: Vec<&str> = Vec::new();
         for e in held.iter() {
-            if e.deadline <= now || !asked.contains(&&*e.pool) {
+            if e.for_prefix.load(Ordering::Relaxed) || e.deadline <= now {
+                e.wake.commit(e.id);
+            } else if !asked.contains(&&*e.pool) {
                 e.wake.commit(e.id);
                 asked.push(&e.pool);
             }
         }
         !held.is_empty()
+    }
+
+    /// Request `id`, held, decided again to wait for the pod caching its prompt (`for_prefix`)
+    /// or for its pool to have room: marked so. Waiting for its prompt's pod, it left the room
+    /// it was asked about: the first request behind it in its pool that waits for room is
+    /// asked.
+    fn still_held(&self, id: u64, for_prefix: bool) {
+        let held = self.held.lock();
+        let mut pool = None;
+        for e in held.iter() {
+            match &pool {
+                None if e.id == id => {
+                    e.for_prefix.store(for_prefix, Ordering::Relaxed);
+                    if !for_prefix {
+                        return;
+                    }
+                    pool = Some(e.pool.clone());
+                }
+                Some(p) if e.pool == *p && !e.for_prefix.load(Ordering::Relaxed) => {
+                    e.wake.commit(e.id);
+                    return;
+                }
+                _ => {}
+            }
+        }
     }
 
     /// Takes a held request out of the queue; false if it was not in it.
@@ -489,13 +523,17 @@ enum Mode {
     Held,
 }
 
-/// A request held while its pool is saturated.
+/// A request held while its pool is saturated, or while the pod caching its prompt is.
 struct Held {
     prep: Box<Prepared>,
     /// Its entry in `Config::held`.
     id: u64,
     since: Instant,
     deadline: Instant,
+    /// Until when it may wait for the pod caching its prompt (`hold.prefix_wait_ms`).
+    prefix_until: Instant,
+    /// It has waited for that pod (counted once, `gpuroute.hold.prefix`).
+    waited_for_prefix: bool,
 }
 
 /// One HTTP stream (`on_http_filter_new`).
@@ -874,15 +912,28 @@ impl Filter {
         };
         let mut guard = config.router.lock();
         let prep = guard.engine.prepare_read(read);
-        if let Err(prep) = self.dispatch(s, guard, prep, &fleet, now, complete, t0, holdable) {
-            self.hold(s, prep, &fleet, now, t0);
+        let prefix_hold = cfg.hold.is_some_and(|h| h.prefix_wait() > 0);
+        let dispatched = self.dispatch(
+            s,
+            guard,
+            prep,
+            &fleet,
+            now,
+            complete,
+            t0,
+            holdable,
+            prefix_hold,
+        );
+        if let Err((prep, reason)) = dispatched {
+            self.hold(s, prep, reason, &fleet, now, t0);
         }
         true
     }
 
     /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
-    /// answer), `guard` held for the decision and the counts. `Err`: every pod of its pool is
-    /// saturated and it may be held (`holdable`): nothing was done or counted.
+    /// answer), `guard` held for the decision and the counts. `Err`: the request may be held
+    /// (`holdable`; `prefix_hold`: also for the pod caching its prompt) and is, for the reason
+    /// given: nothing was done or counted.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
@@ -894,7 +945,8 @@ impl Filter {
         complete: bool,
         t0: Instant,
         holdable: bool,
-    ) -> Result<(), Box<Prepared>> {
+        prefix_hold: bool,
+    ) -> Result<(), (Box<Prepared>, HoldReason)> {
         let config = Arc::clone(&self.config);
         let cfg = &config.settings;
         let m = &config.metrics;
@@ -913,13 +965,14 @@ impl Filter {
             now_ms: now,
             sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
             holdable,
+            prefix_hold: holdable && prefix_hold,
             debug: cfg.debug_header,
         };
         let mut choice = r
             .engine
             .decide(&prep, fleet.as_deref(), &table.pods, opts, &mut r.rng);
-        if choice.decision == Decision::Hold {
-            return Err(Box::new(prep));
+        if let Decision::Hold(reason) = choice.decision {
+            return Err((Box::new(prep), reason));
         }
         self.debug = choice.debug.take();
         let mut any_pod = None;
@@ -974,7 +1027,7 @@ impl Filter {
             }
             Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
             // Returned above.
-            Decision::Hold => {}
+            Decision::Hold(_) => {}
         }
         if answer.is_none() {
             for (name, value) in prep.routing_headers() {
@@ -1027,6 +1080,7 @@ impl Filter {
         &mut self,
         s: Stream,
         prep: Box<Prepared>,
+        reason: HoldReason,
         fleet: &Option<Arc<FleetState>>,
         now: u64,
         t0: Instant,
@@ -1041,15 +1095,17 @@ impl Filter {
         }
         let Some(wake) = self.wake.as_ref().map(StreamScheduler::share) else {
             let guard = config.router.lock();
-            let _ = self.dispatch(s, guard, *prep, fleet, now, true, t0, false);
+            let _ = self.dispatch(s, guard, *prep, fleet, now, true, t0, false, false);
             return;
         };
         let id = config.next_held.fetch_add(1, Ordering::Relaxed);
         let deadline = t0 + Duration::from_millis(h.max_wait_ms);
+        let for_prefix = reason == HoldReason::Prefix;
         let entry = HeldEntry {
             id,
             pool: prep.pool.clone(),
             deadline,
+            for_prefix: AtomicBool::new(for_prefix),
             wake,
         };
         let priority = self.head.priority.unwrap_or(0);
@@ -1059,13 +1115,20 @@ impl Filter {
             id,
             since: t0,
             deadline,
+            prefix_until: t0 + Duration::from_millis(h.prefix_wait()),
+            waited_for_prefix: for_prefix,
         });
         self.mode = Mode::Held;
-        config.count(config.metrics.hold.as_ref().and_then(|h| h.held));
+        let m = config.metrics.hold.as_ref();
+        config.count(m.and_then(|h| h.held));
+        if for_prefix {
+            config.count(m.and_then(|h| h.prefix));
+        }
     }
 
     /// Woken on this stream's worker (`Config::wake_held`): a held request decides again, and
-    /// goes if a pod has room or its wait ran out.
+    /// goes if a pod has room (the pod caching its prompt, while it may wait for that) or its
+    /// wait ran out.
     fn on_scheduled(&mut self, s: Stream) {
         let Some(held) = self.held.take() else {
             return;
@@ -1073,10 +1136,33 @@ impl Filter {
         let config = Arc::clone(&self.config);
         let t0 = Instant::now();
         let expired = t0 >= held.deadline;
+        let prefix_hold = t0 < held.prefix_until;
         let fleet = current_fleet();
         let guard = config.router.lock();
-        match self.dispatch(s, guard, *held.prep, &fleet, now_ms(), true, t0, !expired) {
-            Err(prep) => self.held = Some(Held { prep, ..held }),
+        let prep = held.prep;
+        match self.dispatch(
+            s,
+            guard,
+            *prep,
+            &fleet,
+            now_ms(),
+            true,
+            t0,
+            !expired,
+            prefix_hold,
+        ) {
+            Err((prep, reason)) => {
+                let for_prefix = reason == HoldReason::Prefix;
+                if for_prefix && !held.waited_for_prefix {
+                    config.count(config.metrics.hold.as_ref().and_then(|h| h.prefix));
+                }
+                config.still_held(held.id, for_prefix);
+                self.held = Some(Held {
+                    prep,
+                    waited_for_prefix: held.waited_for_prefix || for_prefix,
+                    ..held
+                });
+            }
             Ok(()) => {
                 let waited_ms = t0.duration_since(held.since).as_millis() as u64;
                 config.unhold(held.id);

@@ -218,7 +218,7 @@ fn release_held(worker: &Rc<RefCell<Worker>>, current: u32) {
                 let _ = crate::host::continue_request();
             }
             Some(Release::Held(pool)) => blocked.push(pool),
-            Some(Release::Answered | Release::Nothing) | None => {}
+            Some(Release::Waiting | Release::Answered | Release::Nothing) | None => {}
         }
     }
     let _ = crate::host::set_effective_context(current);

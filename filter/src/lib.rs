@@ -34,7 +34,7 @@ use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
-use gpuroute_core::picker::Decision;
+use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
@@ -709,7 +709,7 @@ impl Root {
     }
 }
 
-/// A request held while its pool is saturated.
+/// A request held while its pool is saturated, or while the pod caching its prompt is.
 struct Held {
     prep: Box<Prepared>,
     /// Its body's length (Envoy buffers the body while it is held).
@@ -717,6 +717,10 @@ struct Held {
     /// When it was first held (ns), and when it goes to a saturated pod if none had room (ms).
     since_ns: u64,
     deadline_ms: u64,
+    /// Until when (ms) it may wait for the pod caching its prompt (`hold.prefix_wait_ms`).
+    prefix_until_ms: u64,
+    /// It has waited for that pod (counted once, `gpuroute.hold.prefix`).
+    waited_for_prefix: bool,
 }
 
 /// What deciding again for a held request came to.
@@ -725,6 +729,8 @@ pub(crate) enum Release {
     Nothing,
     /// Still held: its pool is still saturated.
     Held(Arc<str>),
+    /// Still held for the pod caching its prompt: other requests of its pool may go.
+    Waiting,
     /// Routed: continue the request.
     Continue,
     /// Answered by the filter (an error, or shed): the host has the reply.
@@ -1021,19 +1027,30 @@ impl Http {
             }
             _ => false,
         };
-        match self.dispatch(w, prep, t0, body.len(), complete, holdable) {
+        let (max_wait, prefix_wait) = w
+            .engine
+            .config
+            .hold
+            .map_or((0, 0), |h| (h.max_wait_ms, h.prefix_wait()));
+        match self.dispatch(w, prep, t0, body.len(), complete, holdable, prefix_wait > 0) {
             Ok(action) => Some(action),
-            Err(prep) => {
-                let max_wait = w.engine.config.hold.map_or(0, |h| h.max_wait_ms);
+            Err((prep, reason)) => {
                 let priority = self.head.priority.unwrap_or(0);
                 w.held.push(priority, prep.prompt_tokens, self.id);
+                let now_ms = t0 / 1_000_000;
+                let for_prefix = reason == HoldReason::Prefix;
                 self.held = Some(Held {
                     prep,
                     size: body.len(),
                     since_ns: t0,
-                    deadline_ms: (t0 / 1_000_000).saturating_add(max_wait),
+                    deadline_ms: now_ms.saturating_add(max_wait),
+                    prefix_until_ms: now_ms.saturating_add(prefix_wait),
+                    waited_for_prefix: for_prefix,
                 });
                 w.stats.inc("gpuroute.hold.held");
+                if for_prefix {
+                    w.stats.inc("gpuroute.hold.prefix");
+                }
                 w.stats.gauge_add("gpuroute.held", 1);
                 Some(Action::Pause)
             }
@@ -1042,8 +1059,10 @@ impl Http {
 
     /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
     /// answer). `t0`: when routing began (ns); `body_len`: the bytes buffered of the body (all
-    /// of it when `complete`). `Err`: every pod of its pool is saturated and the request may be
-    /// held (`holdable`): nothing was done, the caller holds it.
+    /// of it when `complete`). `Err`: the request may be held (`holdable`; `prefix_hold`: also
+    /// for the pod caching its prompt) and is, for the reason given: nothing was done, the
+    /// caller holds it.
+    #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
         w: &mut Worker,
@@ -1052,7 +1071,8 @@ impl Http {
         body_len: usize,
         complete: bool,
         holdable: bool,
-    ) -> Result<Action, Box<Prepared>> {
+        prefix_hold: bool,
+    ) -> Result<Action, (Box<Prepared>, HoldReason)> {
         let now = t0 / 1_000_000;
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
@@ -1070,14 +1090,15 @@ impl Http {
             now_ms: now,
             sheddable,
             holdable,
+            prefix_hold: holdable && prefix_hold,
             debug,
         };
         let mut choice = w
             .engine
             .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         w.view = view;
-        if choice.decision == Decision::Hold {
-            return Err(Box::new(prep));
+        if let Decision::Hold(reason) = choice.decision {
+            return Err((Box::new(prep), reason));
         }
         if prep.continues_response() {
             w.stats.inc(match choice.pinned_response {
@@ -1149,7 +1170,7 @@ impl Http {
                 return Ok(self.reply_error(&ApiError::shed(pool)));
             }
             // Returned above.
-            Decision::Hold => {}
+            Decision::Hold(_) => {}
         }
         self.set_routing_headers(&prep, body_len, complete);
         if w.routed.is_multiple_of(DECISION_SAMPLE) {
@@ -1412,8 +1433,9 @@ impl Http {
         }
     }
 
-    /// Decides again for this request, held while its pool was saturated (the host's effective
-    /// context is this stream's). Pools in `blocked` were found still saturated in this pass.
+    /// Decides again for this request, held while its pool (or the pod caching its prompt) was
+    /// saturated (the host's effective context is this stream's). Pools in `blocked` were found
+    /// still saturated in this pass.
     fn release(&mut self, blocked: &[Arc<str>]) -> Release {
         let Some(worker) = self.worker.clone() else {
             return Release::Nothing;
@@ -1431,26 +1453,36 @@ impl Http {
             self.held = Some(held);
             return Release::Held(pool);
         }
-        let Held {
-            prep,
-            size,
-            since_ns,
-            deadline_ms,
-        } = held;
+        let Held { prep, .. } = held;
+        let prefix_hold = now_ns / 1_000_000 < held.prefix_until_ms;
         w.refresh_shared_throttled(now_ns);
-        match self.dispatch(&mut w, *prep, now_ns, size, true, !expired) {
-            Err(prep) => {
+        match self.dispatch(
+            &mut w,
+            *prep,
+            now_ns,
+            held.size,
+            true,
+            !expired,
+            prefix_hold,
+        ) {
+            Err((prep, reason)) => {
                 let pool = prep.pool.clone();
+                let first_wait = reason == HoldReason::Prefix && !held.waited_for_prefix;
+                if first_wait {
+                    w.stats.inc("gpuroute.hold.prefix");
+                }
                 self.held = Some(Held {
                     prep,
-                    size,
-                    since_ns,
-                    deadline_ms,
+                    waited_for_prefix: held.waited_for_prefix || first_wait,
+                    ..held
                 });
-                Release::Held(pool)
+                match reason {
+                    HoldReason::Saturated => Release::Held(pool),
+                    HoldReason::Prefix => Release::Waiting,
+                }
             }
             Ok(action) => {
-                let waited_ms = now_ns.saturating_sub(since_ns) / 1_000_000;
+                let waited_ms = now_ns.saturating_sub(held.since_ns) / 1_000_000;
                 w.held.remove(|c| *c == self.id);
                 w.stats.gauge_add("gpuroute.held", -1);
                 w.stats.inc(if expired {

@@ -223,6 +223,104 @@ def test_each_worker_holds_and_sends_its_own(pods):
         e.stop()
 
 
+DOCUMENT = "Summarise the attached contract. " + "Clause %d: the parties agree to the terms. " * 300
+
+
+def prefix_gateway(pods, prefix_wait_ms):
+    return Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING, "debug_header": True,
+                                             "hold": {"max_wait_ms": 10_000, "prefix_wait_ms": prefix_wait_ms}})
+
+
+def cache_on_one_pod(e, pods):
+    """Sends the long prompt once with every pod free: (the pod that now caches it, the index of
+    that pod, the loads that saturate it alone)."""
+    push(e, pods, [{}, {}, {}])
+    s, home, reply, _ = ask(e, DOCUMENT % tuple(range(300)) + " First question?")
+    assert s == 200, reply
+    i = int(home[1:])
+    return home, i, [SATURATED if j == i else {} for j in range(3)]
+
+
+def test_a_request_waits_for_the_saturated_pod_that_caches_its_prompt(pods):
+    """`hold.prefix_wait_ms`: the pod that caches a request's prompt is saturated and others are
+    not; the request waits at the gateway for that pod instead of being prefilled anew elsewhere,
+    while requests that have no such pod go at once; when the pod has room, it goes there."""
+    e = prefix_gateway(pods, 5_000)
+    try:
+        home, i, loads = cache_on_one_pod(e, pods)
+        push(e, pods, loads)
+        waited = e.stat(STAT_PREFIX + "gpuroute.hold.prefix")
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            follow_up = ex.submit(ask_with_headers, e, DOCUMENT % tuple(range(300)) + " Second question?")
+            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the follow-up to be held")
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.prefix") == waited + 1
+            # Another request of the pool is not held behind it: it goes to a pod with room.
+            s, pod, reply, took = ask(e, "an unrelated short question")
+            assert s == 200 and pod != home and took < 2, (pod, reply)
+            time.sleep(0.3)
+            assert not follow_up.done() and stat(e, "gpuroute.held") == 1
+            push(e, pods, [{}, {}, {}])
+            s, pod, reply, _, headers = follow_up.result(10)
+        assert (s, pod) == (200, home), reply
+        assert re.match(r"held=\d+ms; pool=llama; picked=", headers["x-gateway-debug"]), headers
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.released") == 1
+    finally:
+        e.stop()
+
+
+def test_a_pod_that_gets_room_takes_the_held_request_it_suits(pods):
+    """Two requests held while every pod is saturated, the first a follow-up whose prompt one pod
+    caches. Another pod gets room: the second request takes it, and the first waits on for its
+    prompt's pod, then goes there."""
+    e = prefix_gateway(pods, 5_000)
+    try:
+        home, i, _ = cache_on_one_pod(e, pods)
+        other = (i + 1) % 3
+        push(e, pods, [SATURATED] * 3)
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            follow_up = ex.submit(ask, e, DOCUMENT % tuple(range(300)) + " Second question?")
+            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the follow-up to be held")
+            unrelated = ex.submit(ask, e, "an unrelated short question")
+            wait_for(lambda: stat(e, "gpuroute.held") == 2, what="both to be held")
+            push(e, pods, [{} if j == other else SATURATED for j in range(3)])
+            s, pod, reply, _ = unrelated.result(10)
+            assert (s, pod) == (200, f"p{other}"), reply
+            time.sleep(0.3)
+            assert not follow_up.done() and stat(e, "gpuroute.held") == 1
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.prefix") == 1
+            push(e, pods, [{}, {}, {}])
+            s, pod, reply, _ = follow_up.result(10)
+        assert (s, pod) == (200, home), reply
+    finally:
+        e.stop()
+
+
+def test_a_request_waits_for_its_prompts_pod_at_most_prefix_wait_ms(pods):
+    """Past `hold.prefix_wait_ms` it goes to a pod with room; with the option at 0 it goes there
+    at once."""
+    e = prefix_gateway(pods, 400)
+    try:
+        home, _, loads = cache_on_one_pod(e, pods)
+        push(e, pods, loads)
+        s, pod, reply, took = ask(e, DOCUMENT % tuple(range(300)) + " Second question?")
+        assert s == 200 and pod != home, (pod, reply)
+        assert 0.4 <= took < 2.5, took
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.prefix") == 1
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.released") == 1
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.expired") == 0
+    finally:
+        e.stop()
+    e = prefix_gateway(pods, 0)
+    try:
+        home, _, loads = cache_on_one_pod(e, pods)
+        push(e, pods, loads)
+        s, pod, reply, took = ask(e, DOCUMENT % tuple(range(300)) + " Second question?")
+        assert s == 200 and pod != home and took < 2, (pod, reply)
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.held") == 0
+    finally:
+        e.stop()
+
+
 def test_every_hold_stat_is_documented(gw):
     """After the tests above (held, released, cancelled, full), every `gpuroute` stat Envoy
     shows is one the README names."""
