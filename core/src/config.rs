@@ -328,6 +328,13 @@ pub struct PrefixConfig {
     pub home_blocks: usize,
 }
 
+impl PrefixConfig {
+    /// Tokens per prefix block (about 4 characters a token): what a matched depth saves.
+    pub fn block_tokens(&self) -> u32 {
+        u32::try_from(self.block_chars / 4).unwrap_or(u32::MAX)
+    }
+}
+
 impl Default for PrefixConfig {
     fn default() -> Self {
         PrefixConfig {
@@ -376,8 +383,9 @@ pub enum HoldOrder {
     /// First come, first served.
     #[default]
     Arrival,
-    /// The shortest prompt first (estimated tokens): short prefills do not wait behind long
-    /// ones. A long prompt waits at most `max_wait_ms`.
+    /// The shortest prefill first: the prompt's estimated tokens less what the pod that caches
+    /// most of it holds ([`crate::engine::Prepared::least_prefill`]). Short prefills do not wait
+    /// behind long ones; a long one waits at most `max_wait_ms`.
     Shortest,
 }
 

@@ -175,6 +175,17 @@ impl Prepared {
         self.response_key.filter(|_| self.response_pod.is_none())
     }
 
+    /// The least prefill a pod is known to leave this request: its prompt tokens less the
+    /// deepest match on a pod (for a conversation, only on a pod that served it, as the picker
+    /// credits them), with `block_tokens` tokens a matched block. What `hold.order: shortest`
+    /// orders by.
+    pub fn least_prefill(&self, block_tokens: u32) -> u32 {
+        let credited =
+            |m: &&PodMatch| self.conversation.is_none() || self.conversation_pods.contains(&m.pod);
+        let depth = self.matches.iter().filter(credited).map(|m| m.depth).max();
+        uncached_tokens(self.prompt_tokens, depth.unwrap_or(0), block_tokens)
+    }
+
     /// A Responses API turn that names a stored response (`previous_response_id`).
     pub fn continues_response(&self) -> bool {
         self.response_key.is_some()
@@ -587,7 +598,7 @@ impl Engine {
             prompt_tokens: prep.prompt_tokens,
             avg_prompt_tokens: self.avg_prompt_tokens,
             prefix_blocks: prep.prefix_blocks,
-            block_tokens: (self.config.prefix.block_chars / 4) as u32,
+            block_tokens: self.config.prefix.block_tokens(),
             home_key: prep.home_key,
             matches: &prep.matches,
             conversation_pods: prep.conversation.map(|_| prep.conversation_pods.as_slice()),
@@ -641,11 +652,8 @@ impl Engine {
                     .iter()
                     .find(|m| m.pod == k)
                     .map_or(0, |m| m.depth);
-                choice.prefill_tokens = uncached_tokens(
-                    prep.prompt_tokens,
-                    depth,
-                    (self.config.prefix.block_chars / 4) as u32,
-                );
+                choice.prefill_tokens =
+                    uncached_tokens(prep.prompt_tokens, depth, self.config.prefix.block_tokens());
             }
         }
         if debug {
@@ -1533,6 +1541,39 @@ mod tests {
             &mut SplitMix64::new(5),
         );
         assert_eq!(c.picked_key, Some(forced));
+    }
+
+    #[test]
+    fn least_prefill_is_the_prompt_less_what_the_best_pod_caches() {
+        let f = fleet(4);
+        let key = f.pool("llama").unwrap().pods[1].key;
+        let mut e = engine();
+        let block = e.config.prefix.block_tokens();
+        let text = "a long shared document ".repeat(40);
+        let body = |t: &str| {
+            serde_json::to_vec(&serde_json::json!({"model":"llama-3","prompt":t})).unwrap()
+        };
+        let first = e.prepare("/v1/completions", &body(&text)).unwrap();
+        // Nothing cached anywhere yet: the whole prompt.
+        assert_eq!(first.least_prefill(block), first.prompt_tokens);
+        e.commit(&first, key);
+        let next = e
+            .prepare("/v1/completions", &body(&format!("{text} and a question")))
+            .unwrap();
+        let depth = next.matches.iter().map(|m| m.depth).max().unwrap();
+        assert!(depth > 0);
+        assert_eq!(
+            next.least_prefill(block),
+            next.prompt_tokens - depth * block
+        );
+        assert!(next.least_prefill(block) < next.prompt_tokens / 4);
+        // A conversation credits only the pods that served it.
+        let mut convo = next.clone();
+        convo.conversation = Some(7);
+        convo.conversation_pods = vec![];
+        assert_eq!(convo.least_prefill(block), convo.prompt_tokens);
+        convo.conversation_pods = vec![key];
+        assert_eq!(convo.least_prefill(block), next.least_prefill(block));
     }
 
     /// A Responses API turn that continues a stored response goes to the pod that made it,

@@ -5,7 +5,7 @@
 use crate::config::HoldOrder;
 
 /// Held requests, in the order they are to go: higher `x-gateway-priority` first; among equal
-/// priorities by arrival, or with [`HoldOrder::Shortest`] the shortest prompt first (arrival
+/// priorities by arrival, or with [`HoldOrder::Shortest`] the shortest prefill first (arrival
 /// between equal lengths).
 #[derive(Debug)]
 pub struct HoldQueue<T> {
@@ -21,12 +21,12 @@ impl<T> HoldQueue<T> {
         }
     }
 
-    /// Queues `item` (a request of `priority` whose prompt is about `prompt_tokens` long) in its
-    /// place.
-    pub fn push(&mut self, priority: i64, prompt_tokens: u32, item: T) {
+    /// Queues `item` (a request of `priority` that leaves about `prefill_tokens` to prefill) in
+    /// its place.
+    pub fn push(&mut self, priority: i64, prefill_tokens: u32, item: T) {
         let tokens = match self.order {
             HoldOrder::Arrival => 0,
-            HoldOrder::Shortest => prompt_tokens,
+            HoldOrder::Shortest => prefill_tokens,
         };
         let at = self
             .entries

@@ -1109,7 +1109,8 @@ impl Filter {
             wake,
         };
         let priority = self.head.priority.unwrap_or(0);
-        config.held.lock().push(priority, prep.prompt_tokens, entry);
+        let prefill = prep.least_prefill(config.settings.prefix.block_tokens());
+        config.held.lock().push(priority, prefill, entry);
         self.held = Some(Held {
             prep,
             id,

@@ -1036,7 +1036,8 @@ impl Http {
             Ok(action) => Some(action),
             Err((prep, reason)) => {
                 let priority = self.head.priority.unwrap_or(0);
-                w.held.push(priority, prep.prompt_tokens, self.id);
+                let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
+                w.held.push(priority, prefill, self.id);
                 let now_ms = t0 / 1_000_000;
                 let for_prefix = reason == HoldReason::Prefix;
                 self.held = Some(Held {

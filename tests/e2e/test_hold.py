@@ -321,6 +321,39 @@ def test_a_request_waits_for_its_prompts_pod_at_most_prefix_wait_ms(pods):
         e.stop()
 
 
+def test_with_order_shortest_the_shortest_prefill_goes_first(pods):
+    """`hold.order: shortest` orders by what a pod must still prefill: a long prompt that one pod
+    caches goes before a shorter one that no pod does, to the pod with room for one."""
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
+                                          "hold": {"max_wait_ms": 10_000, "order": "shortest"}})
+    try:
+        home, i, _ = cache_on_one_pod(e, pods)
+        p = pods[home]
+        start = len(p.requests)
+        p.hold = threading.Event()
+        try:
+            push(e, pods, [SATURATED] * 3)
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                uncached = ex.submit(ask, e, "uncached " + "words " * 600)
+                wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the uncached one to be held")
+                cached = ex.submit(ask, e, DOCUMENT % tuple(range(300)) + " Second question?")
+                wait_for(lambda: stat(e, "gpuroute.held") == 2, what="both to be held")
+                push(e, pods, [{"waiting": 4} if j == i else SATURATED for j in range(3)])
+                wait_for(lambda: len(p.requests) > start, what=f"{home} to get a request")
+                assert "Second question" in p.requests[-1]["body"], p.requests[-1]["body"][:80]
+                time.sleep(0.2)
+                assert stat(e, "gpuroute.held") == 1 and not uncached.done()
+                p.hold.set()
+                push(e, pods, [{}, {}, {}])
+                assert cached.result(10)[:2] == (200, home)
+                assert uncached.result(10)[0] == 200
+        finally:
+            p.hold.set()
+            p.hold = None
+    finally:
+        e.stop()
+
+
 def test_every_hold_stat_is_documented(gw):
     """After the tests above (held, released, cancelled, full), every `gpuroute` stat Envoy
     shows is one the README names."""
