@@ -132,36 +132,6 @@ def test_the_held_go_by_priority_and_only_as_many_as_there_is_room_for(gw, pods)
     assert got == {"p0": 1, "p1": 1, "p2": 0}, got
 
 
-def test_with_order_shortest_the_shortest_prompt_goes_first(pods):
-    """`hold.order: shortest`: of two held requests of one priority, the later one with the
-    shorter prompt goes first to a pod with room for one."""
-    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
-                                          "hold": {"max_wait_ms": 10_000, "order": "shortest"}})
-    p0 = pods["p0"]
-    start = len(p0.requests)
-    p0.hold = threading.Event()
-    try:
-        push(e, pods, [SATURATED] * 3)
-        with concurrent.futures.ThreadPoolExecutor(2) as ex:
-            long = ex.submit(ask, e, "long " + "context " * 2000)
-            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the long one to be held")
-            short = ex.submit(ask, e, "short")
-            wait_for(lambda: stat(e, "gpuroute.held") == 2, what="the short one to be held")
-            push(e, pods, [{"waiting": 4}, SATURATED, SATURATED])
-            wait_for(lambda: len(p0.requests) > start, what="p0 to get a request")
-            assert "short" in p0.requests[-1]["body"] and "context" not in p0.requests[-1]["body"]
-            time.sleep(0.2)
-            assert stat(e, "gpuroute.held") == 1 and not long.done()
-            push(e, pods, [SATURATED, {}, SATURATED])
-            assert long.result(10)[:2] == (200, "p1")
-            p0.hold.set()
-            assert short.result(10)[:2] == (200, "p0")
-    finally:
-        p0.hold.set()
-        p0.hold = None
-        e.stop()
-
-
 def test_a_client_that_leaves_while_held_is_forgotten(gw, pods):
     push(gw, pods, [SATURATED] * 3)
     cancelled = gw.stat(STAT_PREFIX + "gpuroute.hold.cancelled")
@@ -322,35 +292,45 @@ def test_a_request_waits_for_its_prompts_pod_at_most_prefix_wait_ms(pods):
 
 
 def test_with_order_shortest_the_shortest_prefill_goes_first(pods):
-    """`hold.order: shortest` orders by what a pod must still prefill: a long prompt that one pod
-    caches goes before a shorter one that no pod does, to the pod with room for one."""
+    """`hold.order: shortest` orders the held by what a pod must still prefill: of three held
+    requests, a long prompt that one pod caches goes first, then a short uncached one, then a
+    long uncached one, each as a pod gets room for one."""
     e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
                                           "hold": {"max_wait_ms": 10_000, "order": "shortest"}})
+    keep = threading.Event()  # the pods keep what they get, so a pod with room for one takes one
     try:
         home, i, _ = cache_on_one_pod(e, pods)
-        p = pods[home]
-        start = len(p.requests)
-        p.hold = threading.Event()
-        try:
-            push(e, pods, [SATURATED] * 3)
-            with concurrent.futures.ThreadPoolExecutor(2) as ex:
-                uncached = ex.submit(ask, e, "uncached " + "words " * 600)
-                wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the uncached one to be held")
-                cached = ex.submit(ask, e, DOCUMENT % tuple(range(300)) + " Second question?")
-                wait_for(lambda: stat(e, "gpuroute.held") == 2, what="both to be held")
-                push(e, pods, [{"waiting": 4} if j == i else SATURATED for j in range(3)])
-                wait_for(lambda: len(p.requests) > start, what=f"{home} to get a request")
-                assert "Second question" in p.requests[-1]["body"], p.requests[-1]["body"][:80]
+        other = (i + 1) % 3
+        start = {n: len(p.requests) for n, p in pods.items()}
+        for p in pods.values():
+            p.hold = keep
+        push(e, pods, [SATURATED] * 3)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            asked = {}
+            for name, text in [("long", "long " + "context " * 2000),
+                               ("cached", DOCUMENT % tuple(range(300)) + " Second question?"),
+                               ("short", "short " + "words " * 200)]:
+                asked[name] = ex.submit(ask, e, text)
+                wait_for(lambda: stat(e, "gpuroute.held") == len(asked), what=f"{name} to be held")
+
+            def got(pod):
+                return [r["body"] for r in pods[pod].requests[start[pod]:]]
+
+            for left, (name, j, marker) in enumerate([("cached", i, "Second question"),
+                                                      ("short", other, "short words")], 1):
+                # Room for one on one pod; the one that went before stays on its pod.
+                push(e, pods, [{"waiting": 4} if k == j else SATURATED for k in range(3)])
+                wait_for(lambda: got(f"p{j}"), what=f"p{j} to get a request")
+                assert len(got(f"p{j}")) == 1 and marker in got(f"p{j}")[0], (name, got(f"p{j}")[0][:60])
                 time.sleep(0.2)
-                assert stat(e, "gpuroute.held") == 1 and not uncached.done()
-                p.hold.set()
-                push(e, pods, [{}, {}, {}])
-                assert cached.result(10)[:2] == (200, home)
-                assert uncached.result(10)[0] == 200
-        finally:
-            p.hold.set()
-            p.hold = None
+                assert stat(e, "gpuroute.held") == 3 - left
+            keep.set()
+            push(e, pods, [{}, {}, {}])
+            assert all(f.result(10)[0] == 200 for f in asked.values())
     finally:
+        keep.set()
+        for p in pods.values():
+            p.hold = None
         e.stop()
 
 
