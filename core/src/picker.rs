@@ -56,6 +56,33 @@ pub struct RequestFeatures<'a> {
     pub prefix_hold: bool,
 }
 
+impl RequestFeatures<'_> {
+    /// The prompt's matched depth on the pod `key` (leading blocks it is known to hold).
+    pub fn depth_on(&self, key: u64) -> u32 {
+        self.matches
+            .iter()
+            .find(|m| m.pod == key)
+            .map_or(0, |m| m.depth)
+    }
+
+    /// For a conversation, whether the pod `key` served it (None: not a conversation).
+    fn served_by(&self, key: u64) -> Option<bool> {
+        self.conversation_pods.map(|p| p.contains(&key))
+    }
+
+    /// The share of the prompt a pod is credited with holding, from its matched `depth`: for a
+    /// conversation, at least [`CONVERSATION_FLOOR`] on a pod that `served` it, and the depth
+    /// discounted by [`SHARED_PREFIX_DISCOUNT`] on the others.
+    fn prefix_credit(&self, depth: u32, served: Option<bool>) -> f64 {
+        let learned = f64::from(depth) / f64::from(self.prefix_blocks);
+        match served {
+            Some(true) => fmax(learned, CONVERSATION_FLOOR),
+            Some(false) => learned * SHARED_PREFIX_DISCOUNT,
+            None => learned,
+        }
+    }
+}
+
 /// Share of the prompt a saturated pod must be credited with (its matched depth, with the
 /// conversation rules of [`Picker::pick`]) before a request waits for it (`prefix_hold`); and
 /// the most a pod with room may hold, as a share of that, for the wait to be worth it.
@@ -446,12 +473,8 @@ impl Picker {
         for c in &mut cands {
             // Looked up once per candidate: the wait and the prefix score both use them.
             let key = pool.pods[c.0].key;
-            c.4 = req
-                .matches
-                .iter()
-                .find(|m| m.pod == key)
-                .map_or(0, |m| m.depth);
-            c.5 = req.conversation_pods.map(|p| p.contains(&key));
+            c.4 = req.depth_on(key);
+            c.5 = req.served_by(key);
             let l = &c.1;
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
             c.3 = (l.work + own(c.4, c.5)) / l.capacity
@@ -472,12 +495,7 @@ impl Picker {
             let kv = l.kv.map_or(0.5, |k| 1.0 - k.clamp(0.0, 1.0));
             let lora = adapter.map(|a| lora_score(pod, a, likely_loaded(pod, req)));
             let prefix = prefix_on.then(|| {
-                let mut learned = f64::from(*depth) / f64::from(req.prefix_blocks);
-                match served {
-                    Some(true) => learned = fmax(learned, CONVERSATION_FLOOR),
-                    Some(false) => learned *= SHARED_PREFIX_DISCOUNT,
-                    None => {}
-                }
+                let learned = req.prefix_credit(*depth, *served);
                 let homed = if home == Some(*i) {
                     sc.prefix_home_score
                 } else {
@@ -535,15 +553,12 @@ impl Picker {
         }
         Decision::Picked(scored[..k].iter().map(|s| s.0).collect())
     }
-}
 
-impl Picker {
     /// Whether the request is better held for a saturated candidate than sent to one with room
     /// ([`RequestFeatures::prefix_hold`]): a saturated pod is credited with at least
-    /// [`PREFIX_HOLD_MIN`] of the prompt, and no pod with room with half as much. Credit as in
-    /// the prefix scorer: the learned depth; for a conversation, at least
-    /// [`CONVERSATION_FLOOR`] on a pod that served it, and a discounted depth on the others.
-    /// Not for adapter requests: their pods are the adapter's.
+    /// [`PREFIX_HOLD_MIN`] of the prompt, and no pod with room with half as much (credited as
+    /// by the prefix scorer, [`RequestFeatures::prefix_credit`]). Not for adapter requests:
+    /// their pods are the adapter's.
     fn waits_for_prefix(
         &self,
         pool: &PoolState,
@@ -560,17 +575,7 @@ impl Picker {
         let (mut busy, mut free) = (0.0f64, 0.0f64);
         for c in cands {
             let key = pool.pods[c.0].key;
-            let depth = req
-                .matches
-                .iter()
-                .find(|m| m.pod == key)
-                .map_or(0, |m| m.depth);
-            let mut credit = f64::from(depth) / f64::from(req.prefix_blocks);
-            match req.conversation_pods.map(|p| p.contains(&key)) {
-                Some(true) => credit = fmax(credit, CONVERSATION_FLOOR),
-                Some(false) => credit *= SHARED_PREFIX_DISCOUNT,
-                None => {}
-            }
+            let credit = req.prefix_credit(req.depth_on(key), req.served_by(key));
             if c.2 {
                 busy = fmax(busy, credit);
             } else {
