@@ -148,9 +148,10 @@ pub enum Decision {
 pub enum HoldReason {
     /// Every candidate is saturated: no request of the pool can go until one has room.
     Saturated,
-    /// The pod that caches its prompt is saturated and others are not
-    /// ([`RequestFeatures::prefix_hold`]): other requests of the pool may go.
-    Prefix,
+    /// The pod that caches its prompt (its key, `pod`) is saturated and others are not
+    /// ([`RequestFeatures::prefix_hold`]): other requests of the pool may go, and only that
+    /// pod's room is this request's.
+    Prefix { pod: u64 },
 }
 
 /// One candidate's score breakdown, for the debug header and tests.
@@ -357,8 +358,8 @@ impl Picker {
                 return Decision::Hold(HoldReason::Saturated);
             }
         } else {
-            if self.waits_for_prefix(pool, req, &cands) {
-                return Decision::Hold(HoldReason::Prefix);
+            if let Some(pod) = self.waits_for_prefix(pool, req, &cands) {
+                return Decision::Hold(HoldReason::Prefix { pod });
             }
             if let Some(e) = explain.as_deref_mut() {
                 left_out(e, &cands, |c| !c.2, LeftOut::Saturated);
@@ -554,35 +555,36 @@ impl Picker {
         Decision::Picked(scored[..k].iter().map(|s| s.0).collect())
     }
 
-    /// Whether the request is better held for a saturated candidate than sent to one with room
-    /// ([`RequestFeatures::prefix_hold`]): a saturated pod is credited with at least
-    /// [`PREFIX_HOLD_MIN`] of the prompt, and no pod with room with half as much (credited as
-    /// by the prefix scorer, [`RequestFeatures::prefix_credit`]). Not for adapter requests:
-    /// their pods are the adapter's.
+    /// The saturated candidate the request is better held for than sent to one with room
+    /// ([`RequestFeatures::prefix_hold`]), by key: one credited with at least
+    /// [`PREFIX_HOLD_MIN`] of the prompt, the most of the saturated, where no pod with room
+    /// holds half as much (credited as by the prefix scorer,
+    /// [`RequestFeatures::prefix_credit`]). Not for adapter requests: their pods are the
+    /// adapter's.
     fn waits_for_prefix(
         &self,
         pool: &PoolState,
         req: &RequestFeatures<'_>,
         cands: &[Cand],
-    ) -> bool {
+    ) -> Option<u64> {
         if !(req.holdable && req.prefix_hold)
             || req.adapter.is_some()
             || req.prefix_blocks == 0
             || self.weights.prefix <= 0.0
         {
-            return false;
+            return None;
         }
-        let (mut busy, mut free) = (0.0f64, 0.0f64);
+        let (mut busy, mut free, mut pod) = (0.0f64, 0.0f64, None);
         for c in cands {
             let key = pool.pods[c.0].key;
             let credit = req.prefix_credit(req.depth_on(key), req.served_by(key));
-            if c.2 {
-                busy = fmax(busy, credit);
-            } else {
+            if !c.2 {
                 free = fmax(free, credit);
+            } else if credit > busy {
+                (busy, pod) = (credit, Some(key));
             }
         }
-        busy >= PREFIX_HOLD_MIN && free < busy * PREFIX_HOLD_MIN
+        pod.filter(|_| busy >= PREFIX_HOLD_MIN && free < busy * PREFIX_HOLD_MIN)
     }
 }
 
@@ -908,7 +910,7 @@ mod tests {
         };
         assert_eq!(
             pick(&p, &req(&deep, true, true)),
-            Decision::Hold(HoldReason::Prefix)
+            Decision::Hold(HoldReason::Prefix { pod: k0 })
         );
         // Not allowed (hold off, or its prefix wait ran out): it goes to the pod with room.
         assert_eq!(best(&pick(&p, &req(&deep, false, true))), 1);
@@ -934,11 +936,26 @@ mod tests {
         let mut r = req(&[], true, true);
         let served = [k0];
         r.conversation_pods = Some(&served);
-        assert_eq!(pick(&p, &r), Decision::Hold(HoldReason::Prefix));
+        assert_eq!(pick(&p, &r), Decision::Hold(HoldReason::Prefix { pod: k0 }));
         let mut r = req(&deep, true, true);
         let elsewhere = [pod_key("10.0.0.9:8000")];
         r.conversation_pods = Some(&elsewhere);
         assert_eq!(best(&pick(&p, &r)), 1);
+        // Of two saturated pods, it waits for the one that caches more of the prompt.
+        let two = pool(vec![
+            pod(1, 9, 0, 0.5),
+            pod(2, 9, 0, 0.5),
+            pod(3, 0, 0, 0.5),
+        ]);
+        let (t0, t1) = (two.pods[0].key, two.pods[1].key);
+        let both = [
+            PodMatch { pod: t0, depth: 5 },
+            PodMatch { pod: t1, depth: 7 },
+        ];
+        assert_eq!(
+            pick(&two, &req(&both, true, true)),
+            Decision::Hold(HoldReason::Prefix { pod: t1 })
+        );
         // Every pod saturated: held for that, whatever its prefix.
         let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 9, 0, 0.5)]);
         assert_eq!(

@@ -21,8 +21,9 @@
 //!   request than the decision);
 //! - requests held while their pool is saturated (`hold`) wait in one queue per filter
 //!   configuration, for every worker; the ticker thread, and each request's end, wake the
-//!   first of each pool (and every request waiting for the pod caching its prompt,
-//!   `hold.prefix_wait_ms`) on its own worker through Envoy's per-stream scheduler.
+//!   first of each pool on its own worker through Envoy's per-stream scheduler (and the
+//!   requests waiting for the pod caching their prompt, `hold.prefix_wait_ms`: on a tick all of
+//!   them, on a request's end those waiting for its pod).
 //!
 //! The ABI is pinned to Envoy 1.40 (see [`abi`]); a module built for another Envoy version
 //! must not be loaded.
@@ -51,7 +52,7 @@ use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -345,14 +346,25 @@ struct Config {
     next_held: AtomicU64,
 }
 
+/// The pod a request held for `reason` waits for: the key of the one that caches its prompt,
+/// or 0 (it waits for its pool to have room).
+fn awaited(reason: HoldReason) -> u64 {
+    match reason {
+        HoldReason::Prefix { pod } => pod,
+        HoldReason::Saturated => 0,
+    }
+}
+
 /// A held request: its pool and deadline, and how to wake its stream on its worker.
 struct HeldEntry {
     id: u64,
     pool: Arc<str>,
     deadline: Instant,
-    /// It waits for the pod caching its prompt (`hold.prefix_wait_ms`), not for its pool to have
-    /// room: the requests behind it may go, and it is asked again at each wake-up.
-    for_prefix: AtomicBool,
+    /// The key of the pod it waits for, when its last decision held it for the pod that caches
+    /// its prompt (`hold.prefix_wait_ms`); 0 when it waits for its pool to have room. Such a
+    /// request is asked again at each tick and when that pod's request ends, and the requests
+    /// behind it may go.
+    awaits: AtomicU64,
     wake: StreamScheduler,
 }
 
@@ -432,7 +444,7 @@ impl Config {
                     std::thread::sleep(tick);
                     let Some(c) = weak.upgrade() else { return };
                     // New snapshots, and the deadlines of held requests, are looked at here.
-                    let holding = c.wake_held();
+                    let holding = c.wake_held(Wake::Tick);
                     let gauge_due =
                         !c.settings.pools.is_empty() && flushed.elapsed() >= GAUGE_REFRESH;
                     let work = gauge_due || holding || !c.pending.lock().is_empty();
@@ -460,11 +472,11 @@ impl Config {
         }
     }
 
-    /// Asks the first held request of each pool, every held request whose wait ran out, and
-    /// every one waiting for the pod caching its prompt, to decide again, each on its own worker
-    /// (`on_http_filter_scheduled`). One that goes wakes the next. Returns whether any request
-    /// is held.
-    fn wake_held(&self) -> bool {
+    /// Asks held requests to decide again, each on its own worker (`on_http_filter_scheduled`):
+    /// every one whose wait ran out, the first of each pool that waits for room, and those that
+    /// wait for the pod caching their prompt, all of them on a tick, on a request's end those
+    /// waiting for its pod. One that goes wakes the next. Returns whether any request is held.
+    fn wake_held(&self, why: Wake) -> bool {
         if self.settings.hold.is_none() {
             return false;
         }
@@ -472,38 +484,41 @@ impl Config {
         let now = Instant::now();
         let mut asked: Vec<&str> = Vec::new();
         for e in held.iter() {
-            if e.for_prefix.load(Ordering::Relaxed) || e.deadline <= now {
-                e.wake.commit(e.id);
+            let awaits = e.awaits.load(Ordering::Relaxed);
+            let ask = if e.deadline <= now {
+                true
+            } else if awaits != 0 {
+                why == Wake::Tick || why == Wake::Ended(awaits)
             } else if !asked.contains(&&*e.pool) {
-                e.wake.commit(e.id);
                 asked.push(&e.pool);
+                true
+            } else {
+                false
+            };
+            if ask {
+                e.wake.commit(e.id);
             }
         }
         !held.is_empty()
     }
 
-    /// Request `id`, held, decided again to wait for the pod caching its prompt (`for_prefix`)
-    /// or for its pool to have room: marked so. Waiting for its prompt's pod, it left the room
-    /// it was asked about: the first request behind it in its pool that waits for room is
-    /// asked.
-    fn still_held(&self, id: u64, for_prefix: bool) {
+    /// Request `id`, held, decided again to wait for the pod `awaits` that caches its prompt
+    /// (0: for its pool to have room): marked so. Waiting for its prompt's pod, it left the
+    /// room it was asked about: the first request of its pool that waits for room is asked.
+    fn still_held(&self, id: u64, awaits: u64) {
         let held = self.held.lock();
-        let mut pool = None;
-        for e in held.iter() {
-            match &pool {
-                None if e.id == id => {
-                    e.for_prefix.store(for_prefix, Ordering::Relaxed);
-                    if !for_prefix {
-                        return;
-                    }
-                    pool = Some(e.pool.clone());
-                }
-                Some(p) if e.pool == *p && !e.for_prefix.load(Ordering::Relaxed) => {
-                    e.wake.commit(e.id);
-                    return;
-                }
-                _ => {}
-            }
+        let Some(e) = held.iter().find(|e| e.id == id) else {
+            return;
+        };
+        e.awaits.store(awaits, Ordering::Relaxed);
+        if awaits == 0 {
+            return;
+        }
+        let next = held
+            .iter()
+            .find(|n| n.pool == e.pool && n.awaits.load(Ordering::Relaxed) == 0);
+        if let Some(n) = next {
+            n.wake.commit(n.id);
         }
     }
 
@@ -511,6 +526,17 @@ impl Config {
     fn unhold(&self, id: u64) -> bool {
         self.held.lock().remove(|e| e.id == id)
     }
+}
+
+/// Why held requests are asked to decide again ([`Config::wake_held`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wake {
+    /// The ticker: new snapshots, deadlines.
+    Tick,
+    /// A request on this pod (key) ended, leaving room on it.
+    Ended(u64),
+    /// A held request went: the next of its pool may fit too.
+    Sent,
 }
 
 enum Mode {
@@ -1100,12 +1126,13 @@ impl Filter {
         };
         let id = config.next_held.fetch_add(1, Ordering::Relaxed);
         let deadline = t0 + Duration::from_millis(h.max_wait_ms);
-        let for_prefix = reason == HoldReason::Prefix;
+        let awaits = awaited(reason);
+        let for_prefix = awaits != 0;
         let entry = HeldEntry {
             id,
             pool: prep.pool.clone(),
             deadline,
-            for_prefix: AtomicBool::new(for_prefix),
+            awaits: AtomicU64::new(awaits),
             wake,
         };
         let priority = self.head.priority.unwrap_or(0);
@@ -1153,11 +1180,12 @@ impl Filter {
             prefix_hold,
         ) {
             Err((prep, reason)) => {
-                let for_prefix = reason == HoldReason::Prefix;
+                let awaits = awaited(reason);
+                let for_prefix = awaits != 0;
                 if for_prefix && !held.waited_for_prefix {
                     config.count(config.metrics.hold.as_ref().and_then(|h| h.prefix));
                 }
-                config.still_held(held.id, for_prefix);
+                config.still_held(held.id, awaits);
                 self.held = Some(Held {
                     prep,
                     waited_for_prefix: held.waited_for_prefix || for_prefix,
@@ -1180,7 +1208,7 @@ impl Filter {
                     s.continue_decoding();
                 }
                 // The next held request of the pool may fit too.
-                config.wake_held();
+                config.wake_held(Wake::Sent);
             }
         }
     }
@@ -1215,9 +1243,10 @@ impl Filter {
     /// The request is over: it leaves the in-flight table, or, held (its client left), the
     /// queue. Its end may leave room for a held request.
     fn on_end(&mut self) {
-        if let Some(p) = self.picked.take() {
+        let freed = self.picked.take().map(|p| {
             self.config.complete(&p.pool, p.finished());
-        }
+            p.pod_key
+        });
         if let Some(h) = self.held.take() {
             if self.config.unhold(h.id) {
                 let cancelled = self.config.metrics.hold.as_ref().and_then(|h| h.cancelled);
@@ -1228,7 +1257,9 @@ impl Filter {
         if let Some(w) = self.wake.take() {
             w.delete();
         }
-        self.config.wake_held();
+        if let Some(pod) = freed {
+            self.config.wake_held(Wake::Ended(pod));
+        }
     }
 }
 

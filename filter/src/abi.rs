@@ -196,14 +196,16 @@ pub extern "C" fn proxy_on_configure(context_id: u32, plugin_configuration_size:
 #[no_mangle]
 pub extern "C" fn proxy_on_tick(context_id: u32) {
     if let Some(Some(worker)) = with_root(context_id, Root::on_tick) {
-        release_held(&worker, context_id);
+        release_held(&worker, context_id, None);
     }
 }
 
 /// Decides again for the requests `worker` holds (`hold`), in their order, and continues those
 /// that now have a pod (or answers them), each through its own context; then makes `current`
 /// the effective context again. A pool found still saturated is not asked again in the pass.
-fn release_held(worker: &Rc<RefCell<Worker>>, current: u32) {
+/// `freed`: the pass follows a request's end on that pod (None: a tick), and a request waiting
+/// for the pod that caches its prompt is asked only if it is that pod.
+fn release_held(worker: &Rc<RefCell<Worker>>, current: u32, freed: Option<u64>) {
     let queue = match worker.try_borrow() {
         Ok(w) if !w.held.is_empty() => w.held.iter().copied().collect::<Vec<_>>(),
         _ => return,
@@ -213,7 +215,7 @@ fn release_held(worker: &Rc<RefCell<Worker>>, current: u32) {
         if crate::host::set_effective_context(id).is_err() {
             continue;
         }
-        match with_stream(id, |h| h.release(&blocked)) {
+        match with_stream(id, |h| h.release(&blocked, freed)) {
             Some(Release::Continue) => {
                 let _ = crate::host::continue_request();
             }
@@ -285,10 +287,9 @@ pub extern "C" fn proxy_on_delete(context_id: u32) {
     });
     // Outside the borrow: ending a request, or a plugin instance, writes shared data.
     if let Some(mut s) = stream {
-        s.on_end();
         // A request that ends leaves room on its pod for one its worker holds.
-        if let Some(worker) = s.worker.clone() {
-            release_held(&worker, context_id);
+        if let (Some(pod), Some(worker)) = (s.on_end(), s.worker.clone()) {
+            release_held(&worker, context_id, Some(pod));
         }
     }
     if let Some(mut r) = root {

@@ -721,6 +721,18 @@ struct Held {
     prefix_until_ms: u64,
     /// It has waited for that pod (counted once, `gpuroute.hold.prefix`).
     waited_for_prefix: bool,
+    /// The pod it waits for, when its last decision held it for the pod that caches its prompt:
+    /// only that pod's room, or a tick, makes deciding again worth it.
+    awaits: Option<u64>,
+}
+
+/// The pod a request held for `reason` waits for: the one that caches its prompt, if that is
+/// why it is held.
+fn awaited(reason: HoldReason) -> Option<u64> {
+    match reason {
+        HoldReason::Prefix { pod } => Some(pod),
+        HoldReason::Saturated => None,
+    }
 }
 
 /// What deciding again for a held request came to.
@@ -1039,7 +1051,8 @@ impl Http {
                 let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
                 w.held.push(priority, prefill, self.id);
                 let now_ms = t0 / 1_000_000;
-                let for_prefix = reason == HoldReason::Prefix;
+                let awaits = awaited(reason);
+                let for_prefix = awaits.is_some();
                 self.held = Some(Held {
                     prep,
                     size: body.len(),
@@ -1047,6 +1060,7 @@ impl Http {
                     deadline_ms: now_ms.saturating_add(max_wait),
                     prefix_until_ms: now_ms.saturating_add(prefix_wait),
                     waited_for_prefix: for_prefix,
+                    awaits,
                 });
                 w.stats.inc("gpuroute.hold.held");
                 if for_prefix {
@@ -1420,11 +1434,12 @@ impl Http {
     }
 
     /// The request is over (the host deletes its context): it leaves the in-flight table, or,
-    /// held (its client left), its worker's queue.
-    fn on_end(&mut self) {
-        if let Some(p) = self.picked.take() {
+    /// held (its client left), its worker's queue. Returns the pod it leaves room on.
+    fn on_end(&mut self) -> Option<u64> {
+        let freed = self.picked.take().map(|p| {
             complete(&self.worker, &p.pool, p.finished());
-        }
+            p.pod_key
+        });
         if self.held.take().is_some() {
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
                 w.held.remove(|c| *c == self.id);
@@ -1432,12 +1447,14 @@ impl Http {
                 w.stats.gauge_add("gpuroute.held", -1);
             }
         }
+        freed
     }
 
     /// Decides again for this request, held while its pool (or the pod caching its prompt) was
     /// saturated (the host's effective context is this stream's). Pools in `blocked` were found
-    /// still saturated in this pass.
-    fn release(&mut self, blocked: &[Arc<str>]) -> Release {
+    /// still saturated in this pass. `freed`: the pass follows a request's end on that pod (None:
+    /// a tick); a request waiting for another pod is not decided again then.
+    fn release(&mut self, blocked: &[Arc<str>], freed: Option<u64>) -> Release {
         let Some(worker) = self.worker.clone() else {
             return Release::Nothing;
         };
@@ -1454,8 +1471,14 @@ impl Http {
             self.held = Some(held);
             return Release::Held(pool);
         }
-        let Held { prep, .. } = held;
         let prefix_hold = now_ns / 1_000_000 < held.prefix_until_ms;
+        if let (Some(pod), Some(f), true) = (held.awaits, freed, prefix_hold) {
+            if pod != f {
+                self.held = Some(held);
+                return Release::Waiting;
+            }
+        }
+        let Held { prep, .. } = held;
         w.refresh_shared_throttled(now_ns);
         match self.dispatch(
             &mut w,
@@ -1468,18 +1491,20 @@ impl Http {
         ) {
             Err((prep, reason)) => {
                 let pool = prep.pool.clone();
-                let first_wait = reason == HoldReason::Prefix && !held.waited_for_prefix;
+                let awaits = awaited(reason);
+                let first_wait = awaits.is_some() && !held.waited_for_prefix;
                 if first_wait {
                     w.stats.inc("gpuroute.hold.prefix");
                 }
                 self.held = Some(Held {
                     prep,
                     waited_for_prefix: held.waited_for_prefix || first_wait,
+                    awaits,
                     ..held
                 });
-                match reason {
-                    HoldReason::Saturated => Release::Held(pool),
-                    HoldReason::Prefix => Release::Waiting,
+                match awaits {
+                    None => Release::Held(pool),
+                    Some(_) => Release::Waiting,
                 }
             }
             Ok(action) => {
