@@ -154,6 +154,17 @@ pub enum HoldReason {
     Prefix { pod: u64 },
 }
 
+impl HoldReason {
+    /// The pod the request waits for: the one that caches its prompt, when that is why it is
+    /// held.
+    pub fn awaited_pod(self) -> Option<u64> {
+        match self {
+            HoldReason::Prefix { pod } => Some(pod),
+            HoldReason::Saturated => None,
+        }
+    }
+}
+
 /// One candidate's score breakdown, for the debug header and tests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Breakdown {

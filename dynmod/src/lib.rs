@@ -346,15 +346,6 @@ struct Config {
     next_held: AtomicU64,
 }
 
-/// The pod a request held for `reason` waits for: the key of the one that caches its prompt,
-/// or 0 (it waits for its pool to have room).
-fn awaited(reason: HoldReason) -> u64 {
-    match reason {
-        HoldReason::Prefix { pod } => pod,
-        HoldReason::Saturated => 0,
-    }
-}
-
 /// A held request: its pool and deadline, and how to wake its stream on its worker.
 struct HeldEntry {
     id: u64,
@@ -1126,7 +1117,7 @@ impl Filter {
         };
         let id = config.next_held.fetch_add(1, Ordering::Relaxed);
         let deadline = t0 + Duration::from_millis(h.max_wait_ms);
-        let awaits = awaited(reason);
+        let awaits = reason.awaited_pod().unwrap_or(0);
         let for_prefix = awaits != 0;
         let entry = HeldEntry {
             id,
@@ -1180,7 +1171,7 @@ impl Filter {
             prefix_hold,
         ) {
             Err((prep, reason)) => {
-                let awaits = awaited(reason);
+                let awaits = reason.awaited_pod().unwrap_or(0);
                 let for_prefix = awaits != 0;
                 if for_prefix && !held.waited_for_prefix {
                     config.count(config.metrics.hold.as_ref().and_then(|h| h.prefix));

@@ -726,15 +726,6 @@ struct Held {
     awaits: Option<u64>,
 }
 
-/// The pod a request held for `reason` waits for: the one that caches its prompt, if that is
-/// why it is held.
-fn awaited(reason: HoldReason) -> Option<u64> {
-    match reason {
-        HoldReason::Prefix { pod } => Some(pod),
-        HoldReason::Saturated => None,
-    }
-}
-
 /// What deciding again for a held request came to.
 pub(crate) enum Release {
     /// Not (or no longer) held, or its worker was busy.
@@ -1051,7 +1042,7 @@ impl Http {
                 let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
                 w.held.push(priority, prefill, self.id);
                 let now_ms = t0 / 1_000_000;
-                let awaits = awaited(reason);
+                let awaits = reason.awaited_pod();
                 let for_prefix = awaits.is_some();
                 self.held = Some(Held {
                     prep,
@@ -1491,7 +1482,7 @@ impl Http {
         ) {
             Err((prep, reason)) => {
                 let pool = prep.pool.clone();
-                let awaits = awaited(reason);
+                let awaits = reason.awaited_pod();
                 let first_wait = awaits.is_some() && !held.waited_for_prefix;
                 if first_wait {
                     w.stats.inc("gpuroute.hold.prefix");
