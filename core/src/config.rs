@@ -362,17 +362,17 @@ pub struct HoldConfig {
     /// `x-gateway-priority`.
     #[serde(default)]
     pub order: HoldOrder,
-    /// How long a request may wait for the pod that caches its prompt (ms) while that pod is
-    /// saturated and others are not; 0: it goes to another pod at once, as without `hold`.
-    /// Read through [`HoldConfig::prefix_wait`].
-    #[serde(default = "default_hold_prefix_wait_ms")]
-    pub prefix_wait_ms: u64,
+    /// How long a request may wait for the pod that caches its prompt or adapter (ms) while that
+    /// pod is saturated and others are not; 0: it goes to another pod at once, as without `hold`.
+    /// Read through [`HoldConfig::affinity_wait`].
+    #[serde(default = "default_hold_affinity_wait_ms")]
+    pub affinity_wait_ms: u64,
 }
 
 impl HoldConfig {
-    /// `prefix_wait_ms`, at most `max_wait_ms` (the longest any request is held).
-    pub fn prefix_wait(&self) -> u64 {
-        self.prefix_wait_ms.min(self.max_wait_ms)
+    /// `affinity_wait_ms`, at most `max_wait_ms` (the longest any request is held).
+    pub fn affinity_wait(&self) -> u64 {
+        self.affinity_wait_ms.min(self.max_wait_ms)
     }
 }
 
@@ -395,12 +395,12 @@ impl Default for HoldConfig {
             max_wait_ms: default_hold_max_wait_ms(),
             max_held: default_hold_max_held(),
             order: HoldOrder::Arrival,
-            prefix_wait_ms: default_hold_prefix_wait_ms(),
+            affinity_wait_ms: default_hold_affinity_wait_ms(),
         }
     }
 }
 
-fn default_hold_prefix_wait_ms() -> u64 {
+fn default_hold_affinity_wait_ms() -> u64 {
     1_000
 }
 
@@ -606,8 +606,8 @@ impl FilterConfig {
             if !(1..=65_536).contains(&h.max_held) {
                 return Err(cfg_err("hold.max_held", "must be between 1 and 65536"));
             }
-            if h.prefix_wait_ms > 60_000 {
-                return Err(cfg_err("hold.prefix_wait_ms", "must be at most 60000"));
+            if h.affinity_wait_ms > 60_000 {
+                return Err(cfg_err("hold.affinity_wait_ms", "must be at most 60000"));
             }
         }
         if !(1..=64 * 1024 * 1024).contains(&self.max_body_bytes) {
@@ -788,13 +788,13 @@ mod tests {
         assert_eq!(c.hold, Some(HoldConfig::default()));
         let h = HoldConfig::default();
         assert_eq!(
-            (h.max_wait_ms, h.max_held, h.prefix_wait()),
+            (h.max_wait_ms, h.max_held, h.affinity_wait()),
             (2_000, 256, 1_000)
         );
         // No request waits for its prompt's pod longer than any request is held.
         let short = r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait_ms":300}}"#;
         let c = FilterConfig::from_json(short.as_bytes()).unwrap();
-        assert_eq!(c.hold.map(|h| h.prefix_wait()), Some(300));
+        assert_eq!(c.hold.map(|h| h.affinity_wait()), Some(300));
     }
 
     #[test]
@@ -920,8 +920,8 @@ mod tests {
                 "hold.max_held",
             ),
             (
-                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"prefix_wait_ms":60001}}"#,
-                "hold.prefix_wait_ms",
+                r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"affinity_wait_ms":60001}}"#,
+                "hold.affinity_wait_ms",
             ),
             (
                 r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait":5}}"#,

@@ -231,8 +231,8 @@ pub struct DecideOptions {
     /// has not run out and the worker has room to hold it).
     pub holdable: bool,
     /// With `holdable`: may also wait for the saturated pod that caches its prompt
-    /// (`hold.prefix_wait_ms` is on and has not run out for the request).
-    pub prefix_hold: bool,
+    /// (`hold.affinity_wait_ms` is on and has not run out for the request).
+    pub affinity_hold: bool,
     /// Produce the score breakdown for the debug header.
     pub debug: bool,
 }
@@ -565,7 +565,7 @@ impl Engine {
             now_ms,
             sheddable,
             holdable,
-            prefix_hold,
+            affinity_hold,
             debug,
         } = opts;
         let none = |d: Decision| Choice {
@@ -606,7 +606,7 @@ impl Engine {
             adapter_home,
             sheddable,
             holdable,
-            prefix_hold,
+            affinity_hold,
         };
         let mut explain = Explain::default();
         let Some(picker) = self.pickers.get(prep.target.pool) else {
@@ -1396,7 +1396,7 @@ mod tests {
                 now_ms: 1_000,
                 sheddable: false,
                 holdable: false,
-                prefix_hold: false,
+                affinity_hold: false,
                 debug: false,
             },
             &mut rng,
@@ -1423,7 +1423,7 @@ mod tests {
                 now_ms: 1_000,
                 sheddable: false,
                 holdable: false,
-                prefix_hold: false,
+                affinity_hold: false,
                 debug: false,
             },
             &mut rng,
@@ -1446,7 +1446,7 @@ mod tests {
                 now_ms: 1_010,
                 sheddable: false,
                 holdable: false,
-                prefix_hold: false,
+                affinity_hold: false,
                 debug: true,
             },
             &mut SplitMix64::new(3),
@@ -1486,7 +1486,7 @@ mod tests {
                     now_ms: 1_010,
                     sheddable: false,
                     holdable: false,
-                    prefix_hold: false,
+                    affinity_hold: false,
                     debug: false,
                 },
                 &mut rng,
@@ -1535,7 +1535,7 @@ mod tests {
                 now_ms: 1_010,
                 sheddable: false,
                 holdable: false,
-                prefix_hold: false,
+                affinity_hold: false,
                 debug: false,
             },
             &mut SplitMix64::new(5),
@@ -1593,7 +1593,7 @@ mod tests {
             now_ms: 1_010,
             sheddable: false,
             holdable: false,
-            prefix_hold: false,
+            affinity_hold: false,
             debug: true,
         };
         let turn = |previous: &str| {

@@ -51,9 +51,10 @@ pub struct RequestFeatures<'a> {
     pub sheddable: bool,
     /// May be held at the gateway while the pool is saturated (`hold`).
     pub holdable: bool,
-    /// With `holdable`: may also be held while the pod that caches its prompt is saturated and
-    /// others are not (`hold.prefix_wait_ms`, not yet run out).
-    pub prefix_hold: bool,
+    /// With `holdable`: may also be held while the pod that caches its prompt (for an adapter
+    /// request: that holds its adapter) is saturated and others are not
+    /// (`hold.affinity_wait_ms`, not yet run out).
+    pub affinity_hold: bool,
 }
 
 impl RequestFeatures<'_> {
@@ -84,7 +85,7 @@ impl RequestFeatures<'_> {
 }
 
 /// Share of the prompt a saturated pod must be credited with (its matched depth, with the
-/// conversation rules of [`Picker::pick`]) before a request waits for it (`prefix_hold`); and
+/// conversation rules of [`Picker::pick`]) before a request waits for it (`affinity_hold`); and
 /// the most a pod with room may hold, as a share of that, for the wait to be worth it.
 pub const PREFIX_HOLD_MIN: f64 = 0.5;
 
@@ -148,18 +149,18 @@ pub enum Decision {
 pub enum HoldReason {
     /// Every candidate is saturated: no request of the pool can go until one has room.
     Saturated,
-    /// The pod that caches its prompt (its key, `pod`) is saturated and others are not
-    /// ([`RequestFeatures::prefix_hold`]): other requests of the pool may go, and only that
-    /// pod's room is this request's.
-    Prefix { pod: u64 },
+    /// The pod that caches its prompt, or for an adapter request holds its adapter (its key,
+    /// `pod`), is saturated and others are not ([`RequestFeatures::affinity_hold`]): other
+    /// requests of the pool may go, and only that pod's room is this request's.
+    Affinity { pod: u64 },
 }
 
 impl HoldReason {
-    /// The pod the request waits for: the one that caches its prompt, when that is why it is
-    /// held.
+    /// The pod the request waits for: the one that caches its prompt or holds its adapter, when
+    /// that is why it is held.
     pub fn awaited_pod(self) -> Option<u64> {
         match self {
-            HoldReason::Prefix { pod } => Some(pod),
+            HoldReason::Affinity { pod } => Some(pod),
             HoldReason::Saturated => None,
         }
     }
@@ -369,8 +370,8 @@ impl Picker {
                 return Decision::Hold(HoldReason::Saturated);
             }
         } else {
-            if let Some(pod) = self.waits_for_prefix(pool, req, &cands) {
-                return Decision::Hold(HoldReason::Prefix { pod });
+            if let Some(pod) = self.awaited_pod_for(pool, req, &cands) {
+                return Decision::Hold(HoldReason::Affinity { pod });
             }
             if let Some(e) = explain.as_deref_mut() {
                 left_out(e, &cands, |c| !c.2, LeftOut::Saturated);
@@ -567,22 +568,37 @@ impl Picker {
     }
 
     /// The saturated candidate the request is better held for than sent to one with room
-    /// ([`RequestFeatures::prefix_hold`]), by key: one credited with at least
+    /// ([`RequestFeatures::affinity_hold`]), by key. For an adapter request, a pod that holds
+    /// its adapter (runs it, or is its home with a free slot; one running it first) when no
+    /// pod with room does: any other pod would load it. For others, one credited with at least
     /// [`PREFIX_HOLD_MIN`] of the prompt, the most of the saturated, where no pod with room
     /// holds half as much (credited as by the prefix scorer,
-    /// [`RequestFeatures::prefix_credit`]). Not for adapter requests: their pods are the
-    /// adapter's.
-    fn waits_for_prefix(
+    /// [`RequestFeatures::prefix_credit`]).
+    fn awaited_pod_for(
         &self,
         pool: &PoolState,
         req: &RequestFeatures<'_>,
         cands: &[Cand],
     ) -> Option<u64> {
-        if !(req.holdable && req.prefix_hold)
-            || req.adapter.is_some()
-            || req.prefix_blocks == 0
-            || self.weights.prefix <= 0.0
-        {
+        if !(req.holdable && req.affinity_hold) {
+            return None;
+        }
+        if let Some(a) = req.adapter.filter(|_| self.weights.lora > 0.0) {
+            let running = |c: &&Cand| pool.pods[c.0].lora_running.contains(&a);
+            let home = |c: &&Cand| {
+                let p = &pool.pods[c.0];
+                req.adapter_home == Some(p.key) && p.free_lora_slots().is_none_or(|f| f > 0)
+            };
+            if cands.iter().any(|c| !c.2 && (running(&c) || home(&c))) {
+                return None;
+            }
+            let pod = cands
+                .iter()
+                .find(running)
+                .or_else(|| cands.iter().find(home));
+            return pod.map(|c| pool.pods[c.0].key);
+        }
+        if req.prefix_blocks == 0 || self.weights.prefix <= 0.0 {
             return None;
         }
         let (mut busy, mut free, mut pod) = (0.0f64, 0.0f64, None);
@@ -905,23 +921,23 @@ mod tests {
     }
 
     #[test]
-    fn a_request_waits_for_the_saturated_pod_caching_its_prompt_only_when_allowed_and_worth_it() {
+    fn a_request_waits_for_the_saturated_pod_caching_its_prompt_or_adapter_only_when_worth_it() {
         // Pod 0 is saturated (9 waiting) and holds 6 of the prompt's 8 blocks; pod 1 has room.
         let p = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.5)]);
         let (k0, k1) = (p.pods[0].key, p.pods[1].key);
         let deep = [PodMatch { pod: k0, depth: 6 }];
-        let req = |matches, holdable, prefix_hold| RequestFeatures {
+        let req = |matches, holdable, affinity_hold| RequestFeatures {
             prompt_tokens: 2_000,
             prefix_blocks: 8,
             block_tokens: 64,
             matches,
             holdable,
-            prefix_hold,
+            affinity_hold,
             ..Default::default()
         };
         assert_eq!(
             pick(&p, &req(&deep, true, true)),
-            Decision::Hold(HoldReason::Prefix { pod: k0 })
+            Decision::Hold(HoldReason::Affinity { pod: k0 })
         );
         // Not allowed (hold off, or its prefix wait ran out): it goes to the pod with room.
         assert_eq!(best(&pick(&p, &req(&deep, false, true))), 1);
@@ -935,19 +951,54 @@ mod tests {
             PodMatch { pod: k1, depth: 3 },
         ];
         assert_eq!(best(&pick(&p, &req(&both, true, true))), 1);
-        // No prompt blocks, or an adapter request: no wait.
+        // No prompt blocks: no wait.
         let mut r = req(&deep, true, true);
         r.prefix_blocks = 0;
         assert_eq!(best(&pick(&p, &r)), 1);
-        let mut r = req(&deep, true, true);
-        r.adapter = Some(adapter_key("a"));
+        // An adapter request waits for its adapter's pod, whatever its prompt: for the pod
+        // running it, or else its home with a free slot; not when a pod with room has it, nor
+        // when no pod has it (any pod loads it then).
+        let a = adapter_key("a");
+        let mut running = pool(vec![
+            pod(1, 9, 0, 0.5),
+            pod(2, 0, 0, 0.5),
+            pod(3, 9, 0, 0.5),
+        ]);
+        running.pods[2].lora_running = vec![a];
+        let k2 = running.pods[2].key;
+        let mut r = req(&[], true, true);
+        r.adapter = Some(a);
+        r.adapter_home = Some(running.pods[0].key);
+        assert_eq!(
+            pick(&running, &r),
+            Decision::Hold(HoldReason::Affinity { pod: k2 })
+        );
+        r.adapter_home = None;
+        assert_eq!(
+            pick(&running, &r),
+            Decision::Hold(HoldReason::Affinity { pod: k2 })
+        );
+        r.adapter_home = Some(k0);
+        assert_eq!(
+            pick(&p, &r),
+            Decision::Hold(HoldReason::Affinity { pod: k0 })
+        );
+        r.adapter_home = Some(k1);
+        assert_eq!(best(&pick(&p, &r)), 1);
+        r.adapter_home = None;
+        assert!(matches!(pick(&p, &r), Decision::Picked(_)));
+        r.affinity_hold = false;
+        r.adapter_home = Some(k0);
         assert!(matches!(pick(&p, &r), Decision::Picked(_)));
         // A conversation waits for a pod that served it, whatever depth was learned, and not
         // for one that only shares its system prompt.
         let mut r = req(&[], true, true);
         let served = [k0];
         r.conversation_pods = Some(&served);
-        assert_eq!(pick(&p, &r), Decision::Hold(HoldReason::Prefix { pod: k0 }));
+        assert_eq!(
+            pick(&p, &r),
+            Decision::Hold(HoldReason::Affinity { pod: k0 })
+        );
         let mut r = req(&deep, true, true);
         let elsewhere = [pod_key("10.0.0.9:8000")];
         r.conversation_pods = Some(&elsewhere);
@@ -965,7 +1016,7 @@ mod tests {
         ];
         assert_eq!(
             pick(&two, &req(&both, true, true)),
-            Decision::Hold(HoldReason::Prefix { pod: t1 })
+            Decision::Hold(HoldReason::Affinity { pod: t1 })
         );
         // Every pod saturated: held for that, whatever its prefix.
         let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 9, 0, 0.5)]);

@@ -22,8 +22,8 @@
 //! - requests held while their pool is saturated (`hold`) wait in one queue per filter
 //!   configuration, for every worker; the ticker thread, and each request's end, wake the
 //!   first of each pool on its own worker through Envoy's per-stream scheduler (and the
-//!   requests waiting for the pod caching their prompt, `hold.prefix_wait_ms`: on a tick all of
-//!   them, on a request's end those waiting for its pod).
+//!   requests waiting for the pod caching their prompt or adapter, `hold.affinity_wait_ms`: on
+//!   a tick all of them, on a request's end those waiting for its pod).
 //!
 //! The ABI is pinned to Envoy 1.40 (see [`abi`]); a module built for another Envoy version
 //! must not be loaded.
@@ -134,7 +134,7 @@ struct Metrics {
     responses_unpinned: Option<usize>,
     decision_us: Option<usize>,
     picks: Option<usize>,
-    /// `hold` (defined only when it is on): `gpuroute.hold.{held,prefix,released,expired,
+    /// `hold` (defined only when it is on): `gpuroute.hold.{held,affinity,released,expired,
     /// cancelled,full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
     hold: Option<HoldMetrics>,
 }
@@ -210,7 +210,7 @@ impl Metrics {
             picks: d.counter("gpuroute.picks", &["pool", "pod"]),
             hold: config.hold.map(|_| HoldMetrics {
                 held: d.counter("gpuroute.hold.held", &[]),
-                prefix: d.counter("gpuroute.hold.prefix", &[]),
+                prefix: d.counter("gpuroute.hold.affinity", &[]),
                 released: d.counter("gpuroute.hold.released", &[]),
                 expired: d.counter("gpuroute.hold.expired", &[]),
                 cancelled: d.counter("gpuroute.hold.cancelled", &[]),
@@ -352,7 +352,7 @@ struct HeldEntry {
     pool: Arc<str>,
     deadline: Instant,
     /// The key of the pod it waits for, when its last decision held it for the pod that caches
-    /// its prompt (`hold.prefix_wait_ms`); 0 when it waits for its pool to have room. Such a
+    /// its prompt (`hold.affinity_wait_ms`); 0 when it waits for its pool to have room. Such a
     /// request is asked again at each tick and when that pod's request ends, and the requests
     /// behind it may go.
     awaits: AtomicU64,
@@ -465,8 +465,9 @@ impl Config {
 
     /// Asks held requests to decide again, each on its own worker (`on_http_filter_scheduled`):
     /// every one whose wait ran out, the first of each pool that waits for room, and those that
-    /// wait for the pod caching their prompt, all of them on a tick, on a request's end those
-    /// waiting for its pod. One that goes wakes the next. Returns whether any request is held.
+    /// wait for the pod caching their prompt or adapter, all of them on a tick, on a request's end
+    /// those waiting for its pod. One that goes wakes the next. Returns whether any request is
+    /// held.
     fn wake_held(&self, why: Wake) -> bool {
         if self.settings.hold.is_none() {
             return false;
@@ -493,8 +494,8 @@ impl Config {
         !held.is_empty()
     }
 
-    /// Request `id`, held, decided again to wait for the pod `awaits` that caches its prompt
-    /// (0: for its pool to have room): marked so. Waiting for its prompt's pod, it left the
+    /// Request `id`, held, decided again to wait for the pod `awaits` that caches its prompt or
+    /// adapter (0: for its pool to have room): marked so. Waiting for its prompt's pod, it left the
     /// room it was asked about: the first request of its pool that waits for room is asked.
     fn still_held(&self, id: u64, awaits: u64) {
         let held = self.held.lock();
@@ -540,17 +541,17 @@ enum Mode {
     Held,
 }
 
-/// A request held while its pool is saturated, or while the pod caching its prompt is.
+/// A request held while its pool is saturated, or while the pod caching its prompt or adapter is.
 struct Held {
     prep: Box<Prepared>,
     /// Its entry in `Config::held`.
     id: u64,
     since: Instant,
     deadline: Instant,
-    /// Until when it may wait for the pod caching its prompt (`hold.prefix_wait_ms`).
-    prefix_until: Instant,
-    /// It has waited for that pod (counted once, `gpuroute.hold.prefix`).
-    waited_for_prefix: bool,
+    /// Until when it may wait for the pod caching its prompt or adapter (`hold.affinity_wait_ms`).
+    affinity_until: Instant,
+    /// It has waited for that pod (counted once, `gpuroute.hold.affinity`).
+    waited_for_affinity: bool,
 }
 
 /// One HTTP stream (`on_http_filter_new`).
@@ -929,7 +930,7 @@ impl Filter {
         };
         let mut guard = config.router.lock();
         let prep = guard.engine.prepare_read(read);
-        let prefix_hold = cfg.hold.is_some_and(|h| h.prefix_wait() > 0);
+        let affinity_hold = cfg.hold.is_some_and(|h| h.affinity_wait() > 0);
         let dispatched = self.dispatch(
             s,
             guard,
@@ -939,7 +940,7 @@ impl Filter {
             complete,
             t0,
             holdable,
-            prefix_hold,
+            affinity_hold,
         );
         if let Err((prep, reason)) = dispatched {
             self.hold(s, prep, reason, &fleet, now, t0);
@@ -949,8 +950,8 @@ impl Filter {
 
     /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
     /// answer), `guard` held for the decision and the counts. `Err`: the request may be held
-    /// (`holdable`; `prefix_hold`: also for the pod caching its prompt) and is, for the reason
-    /// given: nothing was done or counted.
+    /// (`holdable`; `affinity_hold`: also for the pod caching its prompt or adapter) and is, for
+    /// the reason given: nothing was done or counted.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
@@ -962,7 +963,7 @@ impl Filter {
         complete: bool,
         t0: Instant,
         holdable: bool,
-        prefix_hold: bool,
+        affinity_hold: bool,
     ) -> Result<(), (Box<Prepared>, HoldReason)> {
         let config = Arc::clone(&self.config);
         let cfg = &config.settings;
@@ -982,7 +983,7 @@ impl Filter {
             now_ms: now,
             sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
             holdable,
-            prefix_hold: holdable && prefix_hold,
+            affinity_hold: holdable && affinity_hold,
             debug: cfg.debug_header,
         };
         let mut choice = r
@@ -1134,8 +1135,8 @@ impl Filter {
             id,
             since: t0,
             deadline,
-            prefix_until: t0 + Duration::from_millis(h.prefix_wait()),
-            waited_for_prefix: for_prefix,
+            affinity_until: t0 + Duration::from_millis(h.affinity_wait()),
+            waited_for_affinity: for_prefix,
         });
         self.mode = Mode::Held;
         let m = config.metrics.hold.as_ref();
@@ -1145,8 +1146,8 @@ impl Filter {
         }
     }
 
-    /// Woken on this stream's worker (`Config::wake_held`): a held request decides again, and
-    /// goes if a pod has room (the pod caching its prompt, while it may wait for that) or its
+    /// Woken on this stream's worker (`Config::wake_held`): a held request decides again, and goes
+    /// if a pod has room (the pod caching its prompt or adapter, while it may wait for that) or its
     /// wait ran out.
     fn on_scheduled(&mut self, s: Stream) {
         let Some(held) = self.held.take() else {
@@ -1155,7 +1156,7 @@ impl Filter {
         let config = Arc::clone(&self.config);
         let t0 = Instant::now();
         let expired = t0 >= held.deadline;
-        let prefix_hold = t0 < held.prefix_until;
+        let affinity_hold = t0 < held.affinity_until;
         let fleet = current_fleet();
         let guard = config.router.lock();
         let prep = held.prep;
@@ -1168,18 +1169,18 @@ impl Filter {
             true,
             t0,
             !expired,
-            prefix_hold,
+            affinity_hold,
         ) {
             Err((prep, reason)) => {
                 let awaits = reason.awaited_pod().unwrap_or(0);
                 let for_prefix = awaits != 0;
-                if for_prefix && !held.waited_for_prefix {
+                if for_prefix && !held.waited_for_affinity {
                     config.count(config.metrics.hold.as_ref().and_then(|h| h.prefix));
                 }
                 config.still_held(held.id, awaits);
                 self.held = Some(Held {
                     prep,
-                    waited_for_prefix: held.waited_for_prefix || for_prefix,
+                    waited_for_affinity: held.waited_for_affinity || for_prefix,
                     ..held
                 });
             }

@@ -204,7 +204,7 @@ pub extern "C" fn proxy_on_tick(context_id: u32) {
 /// that now have a pod (or answers them), each through its own context; then makes `current`
 /// the effective context again. A pool found still saturated is not asked again in the pass.
 /// `freed`: the pass follows a request's end on that pod (None: a tick), and a request waiting
-/// for the pod that caches its prompt is asked only if it is that pod.
+/// for the pod that caches its prompt or adapter is asked only if it is that pod.
 fn release_held(worker: &Rc<RefCell<Worker>>, current: u32, freed: Option<u64>) {
     let queue = match worker.try_borrow() {
         Ok(w) if !w.held.is_empty() => w.held.iter().copied().collect::<Vec<_>>(),

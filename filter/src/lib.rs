@@ -709,7 +709,7 @@ impl Root {
     }
 }
 
-/// A request held while its pool is saturated, or while the pod caching its prompt is.
+/// A request held while its pool is saturated, or while the pod caching its prompt or adapter is.
 struct Held {
     prep: Box<Prepared>,
     /// Its body's length (Envoy buffers the body while it is held).
@@ -717,12 +717,13 @@ struct Held {
     /// When it was first held (ns), and when it goes to a saturated pod if none had room (ms).
     since_ns: u64,
     deadline_ms: u64,
-    /// Until when (ms) it may wait for the pod caching its prompt (`hold.prefix_wait_ms`).
-    prefix_until_ms: u64,
-    /// It has waited for that pod (counted once, `gpuroute.hold.prefix`).
-    waited_for_prefix: bool,
-    /// The pod it waits for, when its last decision held it for the pod that caches its prompt:
-    /// only that pod's room, or a tick, makes deciding again worth it.
+    /// Until when (ms) it may wait for the pod caching its prompt or adapter
+    /// (`hold.affinity_wait_ms`).
+    affinity_until_ms: u64,
+    /// It has waited for that pod (counted once, `gpuroute.hold.affinity`).
+    waited_for_affinity: bool,
+    /// The pod it waits for, when its last decision held it for the pod that caches its prompt or
+    /// adapter: only that pod's room, or a tick, makes deciding again worth it.
     awaits: Option<u64>,
 }
 
@@ -732,7 +733,7 @@ pub(crate) enum Release {
     Nothing,
     /// Still held: its pool is still saturated.
     Held(Arc<str>),
-    /// Still held for the pod caching its prompt: other requests of its pool may go.
+    /// Still held for the pod caching its prompt or adapter: other requests of its pool may go.
     Waiting,
     /// Routed: continue the request.
     Continue,
@@ -1030,12 +1031,20 @@ impl Http {
             }
             _ => false,
         };
-        let (max_wait, prefix_wait) = w
+        let (max_wait, affinity_wait) = w
             .engine
             .config
             .hold
-            .map_or((0, 0), |h| (h.max_wait_ms, h.prefix_wait()));
-        match self.dispatch(w, prep, t0, body.len(), complete, holdable, prefix_wait > 0) {
+            .map_or((0, 0), |h| (h.max_wait_ms, h.affinity_wait()));
+        match self.dispatch(
+            w,
+            prep,
+            t0,
+            body.len(),
+            complete,
+            holdable,
+            affinity_wait > 0,
+        ) {
             Ok(action) => Some(action),
             Err((prep, reason)) => {
                 let priority = self.head.priority.unwrap_or(0);
@@ -1049,13 +1058,13 @@ impl Http {
                     size: body.len(),
                     since_ns: t0,
                     deadline_ms: now_ms.saturating_add(max_wait),
-                    prefix_until_ms: now_ms.saturating_add(prefix_wait),
-                    waited_for_prefix: for_prefix,
+                    affinity_until_ms: now_ms.saturating_add(affinity_wait),
+                    waited_for_affinity: for_prefix,
                     awaits,
                 });
                 w.stats.inc("gpuroute.hold.held");
                 if for_prefix {
-                    w.stats.inc("gpuroute.hold.prefix");
+                    w.stats.inc("gpuroute.hold.affinity");
                 }
                 w.stats.gauge_add("gpuroute.held", 1);
                 Some(Action::Pause)
@@ -1064,9 +1073,9 @@ impl Http {
     }
 
     /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
-    /// answer). `t0`: when routing began (ns); `body_len`: the bytes buffered of the body (all
-    /// of it when `complete`). `Err`: the request may be held (`holdable`; `prefix_hold`: also
-    /// for the pod caching its prompt) and is, for the reason given: nothing was done, the
+    /// answer). `t0`: when routing began (ns); `body_len`: the bytes buffered of the body (all of
+    /// it when `complete`). `Err`: the request may be held (`holdable`; `affinity_hold`: also for
+    /// the pod caching its prompt or adapter) and is, for the reason given: nothing was done, the
     /// caller holds it.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
@@ -1077,7 +1086,7 @@ impl Http {
         body_len: usize,
         complete: bool,
         holdable: bool,
-        prefix_hold: bool,
+        affinity_hold: bool,
     ) -> Result<Action, (Box<Prepared>, HoldReason)> {
         let now = t0 / 1_000_000;
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
@@ -1096,7 +1105,7 @@ impl Http {
             now_ms: now,
             sheddable,
             holdable,
-            prefix_hold: holdable && prefix_hold,
+            affinity_hold: holdable && affinity_hold,
             debug,
         };
         let mut choice = w
@@ -1441,10 +1450,10 @@ impl Http {
         freed
     }
 
-    /// Decides again for this request, held while its pool (or the pod caching its prompt) was
-    /// saturated (the host's effective context is this stream's). Pools in `blocked` were found
-    /// still saturated in this pass. `freed`: the pass follows a request's end on that pod (None:
-    /// a tick); a request waiting for another pod is not decided again then.
+    /// Decides again for this request, held while its pool (or the pod caching its prompt or
+    /// adapter) was saturated (the host's effective context is this stream's). Pools in `blocked`
+    /// were found still saturated in this pass. `freed`: the pass follows a request's end on that
+    /// pod (None: a tick); a request waiting for another pod is not decided again then.
     fn release(&mut self, blocked: &[Arc<str>], freed: Option<u64>) -> Release {
         let Some(worker) = self.worker.clone() else {
             return Release::Nothing;
@@ -1462,8 +1471,8 @@ impl Http {
             self.held = Some(held);
             return Release::Held(pool);
         }
-        let prefix_hold = now_ns / 1_000_000 < held.prefix_until_ms;
-        if let (Some(pod), Some(f), true) = (held.awaits, freed, prefix_hold) {
+        let affinity_hold = now_ns / 1_000_000 < held.affinity_until_ms;
+        if let (Some(pod), Some(f), true) = (held.awaits, freed, affinity_hold) {
             if pod != f {
                 self.held = Some(held);
                 return Release::Waiting;
@@ -1478,18 +1487,18 @@ impl Http {
             held.size,
             true,
             !expired,
-            prefix_hold,
+            affinity_hold,
         ) {
             Err((prep, reason)) => {
                 let pool = prep.pool.clone();
                 let awaits = reason.awaited_pod();
-                let first_wait = awaits.is_some() && !held.waited_for_prefix;
+                let first_wait = awaits.is_some() && !held.waited_for_affinity;
                 if first_wait {
-                    w.stats.inc("gpuroute.hold.prefix");
+                    w.stats.inc("gpuroute.hold.affinity");
                 }
                 self.held = Some(Held {
                     prep,
-                    waited_for_prefix: held.waited_for_prefix || first_wait,
+                    waited_for_affinity: held.waited_for_affinity || first_wait,
                     awaits,
                     ..held
                 });

@@ -22,10 +22,10 @@
 //!   that holds their response, and those that could not be)
 //! - `gpuroute.idle_wakes` (counter: a routed request found its worker's tick slowed down by
 //!   idling, `idle_tick_ms`, and restored it)
-//! - `gpuroute.hold.{held,prefix,released,expired,cancelled,full}` (counters: requests held while
-//!   their pool was saturated, or the pod caching their prompt was, `hold`; those that waited
-//!   for that pod; sent when a pod had room; sent after `max_wait_ms` to a saturated pod; whose
-//!   client left while held; not held because the worker held `max_held`),
+//! - `gpuroute.hold.{held,affinity,released,expired,cancelled,full}` (counters: requests held
+//!   while their pool was saturated, or the pod caching their prompt or adapter was, `hold`;
+//!   those that waited for that pod; sent when a pod had room; sent after `max_wait_ms` to a
+//!   saturated pod; whose client left while held; not held because the worker held `max_held`),
 //!   `gpuroute.held` (gauge: requests held now, all workers), `gpuroute.hold_ms` (histogram:
 //!   how long each held request waited)
 //!

@@ -196,9 +196,9 @@ def test_each_worker_holds_and_sends_its_own(pods):
 DOCUMENT = "Summarise the attached contract. " + "Clause %d: the parties agree to the terms. " * 300
 
 
-def prefix_gateway(pods, prefix_wait_ms):
+def prefix_gateway(pods, affinity_wait_ms):
     return Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING, "debug_header": True,
-                                             "hold": {"max_wait_ms": 10_000, "prefix_wait_ms": prefix_wait_ms}})
+                                             "hold": {"max_wait_ms": 10_000, "affinity_wait_ms": affinity_wait_ms}})
 
 
 def cache_on_one_pod(e, pods):
@@ -212,18 +212,18 @@ def cache_on_one_pod(e, pods):
 
 
 def test_a_request_waits_for_the_saturated_pod_that_caches_its_prompt(pods):
-    """`hold.prefix_wait_ms`: the pod that caches a request's prompt is saturated and others are
+    """`hold.affinity_wait_ms`: the pod that caches a request's prompt is saturated and others are
     not; the request waits at the gateway for that pod instead of being prefilled anew elsewhere,
     while requests that have no such pod go at once; when the pod has room, it goes there."""
     e = prefix_gateway(pods, 5_000)
     try:
         home, i, loads = cache_on_one_pod(e, pods)
         push(e, pods, loads)
-        waited = e.stat(STAT_PREFIX + "gpuroute.hold.prefix")
+        waited = e.stat(STAT_PREFIX + "gpuroute.hold.affinity")
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             follow_up = ex.submit(ask_with_headers, e, DOCUMENT % tuple(range(300)) + " Second question?")
             wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the follow-up to be held")
-            assert e.stat(STAT_PREFIX + "gpuroute.hold.prefix") == waited + 1
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == waited + 1
             # Another request of the pool is not held behind it: it goes to a pod with room.
             s, pod, reply, took = ask(e, "an unrelated short question")
             assert s == 200 and pod != home and took < 2, (pod, reply)
@@ -257,7 +257,7 @@ def test_a_pod_that_gets_room_takes_the_held_request_it_suits(pods):
             assert (s, pod) == (200, f"p{other}"), reply
             time.sleep(0.3)
             assert not follow_up.done() and stat(e, "gpuroute.held") == 1
-            assert e.stat(STAT_PREFIX + "gpuroute.hold.prefix") == 1
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 1
             push(e, pods, [{}, {}, {}])
             s, pod, reply, _ = follow_up.result(10)
         assert (s, pod) == (200, home), reply
@@ -265,8 +265,33 @@ def test_a_pod_that_gets_room_takes_the_held_request_it_suits(pods):
         e.stop()
 
 
-def test_a_request_waits_for_its_prompts_pod_at_most_prefix_wait_ms(pods):
-    """Past `hold.prefix_wait_ms` it goes to a pod with room; with the option at 0 it goes there
+def test_an_adapter_request_waits_for_its_adapters_saturated_pod(pods):
+    """An adapter request whose adapter runs only on a saturated pod waits for that pod (any
+    other would load the adapter), while a request for the base model goes at once; when the
+    pod has room, the adapter request goes there."""
+    lora = {"max_loras": 4, "running": ["sql-lora"], "waiting": []}
+    e = Envoy("filter", endpoints(pods), {"pools": [dict(POOLS, adapters=["sql-lora"])], "scoring": SCORING,
+                                          "hold": {"max_wait_ms": 10_000}})
+    try:
+        push(e, pods, [dict(SATURATED, lora=lora), {}, {}])
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            body = {"model": "sql-lora", "messages": [{"role": "user", "content": "count the rows"}]}
+            adapter = ex.submit(e.request, "POST", "/v1/chat/completions", body, {}, timeout=20)
+            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the adapter request to be held")
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 1
+            s, pod, reply, took = ask(e, "a base-model question")
+            assert s == 200 and pod in ("p1", "p2") and took < 2, (pod, reply)
+            time.sleep(0.3)
+            assert not adapter.done()
+            push(e, pods, [{"lora": lora}, {}, {}])
+            s, h, reply, _ = adapter.result(10)
+        assert (s, h.get("x-served-by")) == (200, "p0"), reply
+    finally:
+        e.stop()
+
+
+def test_a_request_waits_for_its_prompts_pod_at_most_affinity_wait_ms(pods):
+    """Past `hold.affinity_wait_ms` it goes to a pod with room; with the option at 0 it goes there
     at once."""
     e = prefix_gateway(pods, 400)
     try:
@@ -275,7 +300,7 @@ def test_a_request_waits_for_its_prompts_pod_at_most_prefix_wait_ms(pods):
         s, pod, reply, took = ask(e, DOCUMENT % tuple(range(300)) + " Second question?")
         assert s == 200 and pod != home, (pod, reply)
         assert 0.4 <= took < 2.5, took
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.prefix") == 1
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 1
         assert e.stat(STAT_PREFIX + "gpuroute.hold.released") == 1
         assert e.stat(STAT_PREFIX + "gpuroute.hold.expired") == 0
     finally:
