@@ -374,6 +374,18 @@ impl HoldConfig {
     pub fn affinity_wait(&self) -> u64 {
         self.affinity_wait_ms.min(self.max_wait_ms)
     }
+
+    /// Whether a request held for `waited_ms` has waited out `max_wait_ms`: it goes to the best
+    /// pod, saturated or not.
+    pub fn expired(&self, waited_ms: u64) -> bool {
+        waited_ms >= self.max_wait_ms
+    }
+
+    /// Whether a request held for `waited_ms` may still wait for the pod that caches its prompt
+    /// or holds its adapter.
+    pub fn may_await(&self, waited_ms: u64) -> bool {
+        waited_ms < self.affinity_wait()
+    }
 }
 
 /// The order of held requests of one priority (`hold.order`).
@@ -795,6 +807,8 @@ mod tests {
         let short = r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"max_wait_ms":300}}"#;
         let c = FilterConfig::from_json(short.as_bytes()).unwrap();
         assert_eq!(c.hold.map(|h| h.affinity_wait()), Some(300));
+        let h = c.hold.unwrap();
+        assert!(h.may_await(299) && !h.may_await(300) && !h.expired(299) && h.expired(300));
     }
 
     #[test]

@@ -141,7 +141,7 @@ struct Metrics {
 
 struct HoldMetrics {
     held: Option<usize>,
-    prefix: Option<usize>,
+    affinity: Option<usize>,
     released: Option<usize>,
     expired: Option<usize>,
     cancelled: Option<usize>,
@@ -210,7 +210,7 @@ impl Metrics {
             picks: d.counter("gpuroute.picks", &["pool", "pod"]),
             hold: config.hold.map(|_| HoldMetrics {
                 held: d.counter("gpuroute.hold.held", &[]),
-                prefix: d.counter("gpuroute.hold.affinity", &[]),
+                affinity: d.counter("gpuroute.hold.affinity", &[]),
                 released: d.counter("gpuroute.hold.released", &[]),
                 expired: d.counter("gpuroute.hold.expired", &[]),
                 cancelled: d.counter("gpuroute.hold.cancelled", &[]),
@@ -546,10 +546,8 @@ struct Held {
     prep: Box<Prepared>,
     /// Its entry in `Config::held`.
     id: u64,
+    /// When it was first held: with `hold`'s limits, how long it may still wait.
     since: Instant,
-    deadline: Instant,
-    /// Until when it may wait for the pod caching its prompt or adapter (`hold.affinity_wait_ms`).
-    affinity_until: Instant,
     /// It has waited for that pod (counted once, `gpuroute.hold.affinity`).
     waited_for_affinity: bool,
 }
@@ -1134,15 +1132,13 @@ impl Filter {
             prep,
             id,
             since: t0,
-            deadline,
-            affinity_until: t0 + Duration::from_millis(h.affinity_wait()),
             waited_for_affinity: for_prefix,
         });
         self.mode = Mode::Held;
         let m = config.metrics.hold.as_ref();
         config.count(m.and_then(|h| h.held));
         if for_prefix {
-            config.count(m.and_then(|h| h.prefix));
+            config.count(m.and_then(|h| h.affinity));
         }
     }
 
@@ -1155,8 +1151,10 @@ impl Filter {
         };
         let config = Arc::clone(&self.config);
         let t0 = Instant::now();
-        let expired = t0 >= held.deadline;
-        let affinity_hold = t0 < held.affinity_until;
+        let limits = config.settings.hold.unwrap_or_default();
+        let waited_ms = t0.duration_since(held.since).as_millis() as u64;
+        let expired = limits.expired(waited_ms);
+        let affinity_hold = limits.may_await(waited_ms);
         let fleet = current_fleet();
         let guard = config.router.lock();
         let prep = held.prep;
@@ -1175,7 +1173,7 @@ impl Filter {
                 let awaits = reason.awaited_pod().unwrap_or(0);
                 let for_prefix = awaits != 0;
                 if for_prefix && !held.waited_for_affinity {
-                    config.count(config.metrics.hold.as_ref().and_then(|h| h.prefix));
+                    config.count(config.metrics.hold.as_ref().and_then(|h| h.affinity));
                 }
                 config.still_held(held.id, awaits);
                 self.held = Some(Held {
@@ -1185,7 +1183,6 @@ impl Filter {
                 });
             }
             Ok(()) => {
-                let waited_ms = t0.duration_since(held.since).as_millis() as u64;
                 config.unhold(held.id);
                 if let Some(h) = &config.metrics.hold {
                     let mut p = config.pending.lock();

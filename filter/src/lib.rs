@@ -714,12 +714,8 @@ struct Held {
     prep: Box<Prepared>,
     /// Its body's length (Envoy buffers the body while it is held).
     size: usize,
-    /// When it was first held (ns), and when it goes to a saturated pod if none had room (ms).
+    /// When it was first held (ns): with `hold`'s limits, how long it may still wait.
     since_ns: u64,
-    deadline_ms: u64,
-    /// Until when (ms) it may wait for the pod caching its prompt or adapter
-    /// (`hold.affinity_wait_ms`).
-    affinity_until_ms: u64,
     /// It has waited for that pod (counted once, `gpuroute.hold.affinity`).
     waited_for_affinity: bool,
     /// The pod it waits for, when its last decision held it for the pod that caches its prompt or
@@ -1021,44 +1017,28 @@ impl Http {
             w.stats.split(split, target, taken.rerouted);
         }
         // Only a whole body is held: a form that streams on cannot wait.
-        let holdable = match w.engine.config.hold {
-            Some(h) if complete => {
-                let room = w.held.len() < h.max_held;
-                if !room {
-                    w.stats.inc("gpuroute.hold.full");
-                }
-                room
+        let hold = w.engine.config.hold.filter(|_| complete);
+        let holdable = hold.is_some_and(|h| {
+            let room = w.held.len() < h.max_held;
+            if !room {
+                w.stats.inc("gpuroute.hold.full");
             }
-            _ => false,
-        };
-        let (max_wait, affinity_wait) = w
-            .engine
-            .config
-            .hold
-            .map_or((0, 0), |h| (h.max_wait_ms, h.affinity_wait()));
-        match self.dispatch(
-            w,
-            prep,
-            t0,
-            body.len(),
-            complete,
-            holdable,
-            affinity_wait > 0,
-        ) {
+            room
+        });
+        let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
+        let len = body.len();
+        match self.dispatch(w, prep, t0, len, complete, holdable, affinity_hold) {
             Ok(action) => Some(action),
             Err((prep, reason)) => {
                 let priority = self.head.priority.unwrap_or(0);
                 let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
                 w.held.push(priority, prefill, self.id);
-                let now_ms = t0 / 1_000_000;
                 let awaits = reason.awaited_pod();
                 let for_prefix = awaits.is_some();
                 self.held = Some(Held {
                     prep,
-                    size: body.len(),
+                    size: len,
                     since_ns: t0,
-                    deadline_ms: now_ms.saturating_add(max_wait),
-                    affinity_until_ms: now_ms.saturating_add(affinity_wait),
                     waited_for_affinity: for_prefix,
                     awaits,
                 });
@@ -1465,13 +1445,15 @@ impl Http {
             return Release::Nothing;
         };
         let now_ns = host::now_nanos();
-        let expired = now_ns / 1_000_000 >= held.deadline_ms;
+        let limits = w.engine.config.hold.unwrap_or_default();
+        let waited_ms = now_ns.saturating_sub(held.since_ns) / 1_000_000;
+        let expired = limits.expired(waited_ms);
         if !expired && blocked.contains(&held.prep.pool) {
             let pool = held.prep.pool.clone();
             self.held = Some(held);
             return Release::Held(pool);
         }
-        let affinity_hold = now_ns / 1_000_000 < held.affinity_until_ms;
+        let affinity_hold = limits.may_await(waited_ms);
         if let (Some(pod), Some(f), true) = (held.awaits, freed, affinity_hold) {
             if pod != f {
                 self.held = Some(held);
@@ -1508,7 +1490,6 @@ impl Http {
                 }
             }
             Ok(action) => {
-                let waited_ms = now_ns.saturating_sub(held.since_ns) / 1_000_000;
                 w.held.remove(|c| *c == self.id);
                 w.stats.gauge_add("gpuroute.held", -1);
                 w.stats.inc(if expired {
