@@ -133,6 +133,7 @@ pub struct ScoringOverrides {
     pub weights: WeightOverrides,
     pub stale_after_ms: Option<u64>,
     pub queue_threshold: Option<f64>,
+    pub lora_queue_threshold: Option<f64>,
     pub kv_threshold: Option<f64>,
     pub queue_horizon: Option<f64>,
     pub running_scale: Option<f64>,
@@ -204,6 +205,10 @@ pub struct ScoringConfig {
     pub stale_after_ms: u64,
     /// Queue length (per unit of capacity) at which a pod counts as saturated.
     pub queue_threshold: f64,
+    /// The same, for an adapter request on a pod that holds its adapter (runs it, or is its
+    /// home with a free slot). Apart from `queue_threshold` so that a low one (what `hold`
+    /// wants) does not send adapter requests to pods that must load their adapter.
+    pub lora_queue_threshold: f64,
     /// KV-cache use at which a pod counts as saturated.
     pub kv_threshold: f64,
     /// Extra expected wait over the best candidate, in average requests of prefill on a
@@ -224,6 +229,7 @@ impl Default for ScoringConfig {
             weights: WeightOverrides::default(),
             stale_after_ms: 1_000,
             queue_threshold: 5.0,
+            lora_queue_threshold: 5.0,
             kv_threshold: 0.8,
             queue_horizon: 4.0,
             running_scale: 32.0,
@@ -248,6 +254,7 @@ impl ScoringConfig {
             },
             stale_after_ms: o.stale_after_ms.unwrap_or(self.stale_after_ms),
             queue_threshold: o.queue_threshold.unwrap_or(self.queue_threshold),
+            lora_queue_threshold: o.lora_queue_threshold.unwrap_or(self.lora_queue_threshold),
             kv_threshold: o.kv_threshold.unwrap_or(self.kv_threshold),
             queue_horizon: o.queue_horizon.unwrap_or(self.queue_horizon),
             running_scale: o.running_scale.unwrap_or(self.running_scale),
@@ -273,6 +280,7 @@ impl ScoringConfig {
         }
         for (name, v) in [
             ("queue_threshold", self.queue_threshold),
+            ("lora_queue_threshold", self.lora_queue_threshold),
             ("queue_horizon", self.queue_horizon),
             ("running_scale", self.running_scale),
         ] {
@@ -828,14 +836,20 @@ mod tests {
         let c = FilterConfig::from_json(
             br#"{"pools":[{"name":"chat","models":["a"]},
                           {"name":"batch","models":["b"],
-                           "scoring":{"preset":"throughput","weights":{"lora":1},"stale_after_ms":5000}}],
-                 "scoring":{"weights":{"prefix":7},"kv_threshold":0.9}}"#,
+                           "scoring":{"preset":"throughput","weights":{"lora":1},"stale_after_ms":5000,
+                                      "lora_queue_threshold":8}}],
+                 "scoring":{"weights":{"prefix":7},"kv_threshold":0.9,"queue_threshold":1}}"#,
         )
         .unwrap();
         let chat = c.pool_scoring(0);
         assert_eq!(chat.preset, Preset::Latency);
         assert_eq!(chat.effective_weights().prefix, 7.0);
         assert_eq!((chat.stale_after_ms, chat.kv_threshold), (1_000, 0.9));
+        // The adapter threshold stays at its own default under a lower queue threshold.
+        assert_eq!(
+            (chat.queue_threshold, chat.lora_queue_threshold),
+            (1.0, 5.0)
+        );
         let batch = c.pool_scoring(1);
         let w = batch.effective_weights();
         // The pool's preset, the top-level prefix override, the pool's own lora override.
@@ -845,6 +859,10 @@ mod tests {
             (Preset::Throughput.weights().queue, 7.0, 1.0)
         );
         assert_eq!((batch.stale_after_ms, batch.kv_threshold), (5_000, 0.9));
+        assert_eq!(
+            (batch.queue_threshold, batch.lora_queue_threshold),
+            (1.0, 8.0)
+        );
     }
 
     #[test]
@@ -880,6 +898,14 @@ mod tests {
             (
                 r#"{"pools":[{"name":"p","models":["m"],"scoring":{"kv_threshold":2}}]}"#,
                 "pools[0].scoring.kv_threshold",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"scoring":{"lora_queue_threshold":0}}]}"#,
+                "pools[0].scoring.lora_queue_threshold",
+            ),
+            (
+                r#"{"pools":[],"scoring":{"lora_queue_threshold":-1}}"#,
+                "scoring.lora_queue_threshold",
             ),
             (
                 r#"{"pools":[{"name":"p","models":["m"],"scoring":{"weights":{"queue":0,"kv_cache":0,"running":0,"lora":0,"prefix":0}}}]}"#,

@@ -330,6 +330,7 @@ impl Picker {
     ) -> Decision {
         let sc = &self.scoring;
         let loads_ok = loads.len() == pool.pods.len();
+        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
 
         // Candidates: healthy, fresh, and (for ramping pods) admitted with probability = weight.
         // (pod index, load, saturated, then, once the candidates are known: expected wait, the
@@ -355,8 +356,14 @@ impl Picker {
                 continue;
             }
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
-            let saturated = l.waiting / l.capacity >= sc.queue_threshold
-                || l.kv.is_some_and(|k| k >= sc.kv_threshold);
+            // An adapter request's own pods count as saturated at their own threshold, so a low
+            // `queue_threshold` does not send it where its adapter must be loaded.
+            let queue_limit = match adapter {
+                Some(a) if holds_adapter(pod, a, req) => sc.lora_queue_threshold,
+                _ => sc.queue_threshold,
+            };
+            let saturated =
+                l.waiting / l.capacity >= queue_limit || l.kv.is_some_and(|k| k >= sc.kv_threshold);
             cands.push((i, l, saturated, 0.0, 0, None));
         }
         if cands.is_empty() {
@@ -381,17 +388,13 @@ impl Picker {
         // LoRA affinity filter: an adapter request stays on the pods that hold its adapter (it
         // runs there, or it is the adapter's home) while any of them is not saturated. Where an
         // overflow last sent it does not count here: once the home has room again, traffic goes
-        // back instead of keeping a second copy that evicts that pod's own adapters. Copying an adapter to another pod takes a slot that pod's own
-        // adapters rely on and starts a cascade of loads; the saturation check above is the
-        // escape valve. (The GIE endpoint picker has the same filter stage.)
-        let adapter = req.adapter.filter(|_| self.weights.lora > 0.0);
+        // back instead of keeping a second copy that evicts that pod's own adapters. Copying an
+        // adapter to another pod takes a slot that pod's own adapters rely on and starts a
+        // cascade of loads; the saturation check above, at `lora_queue_threshold` for these
+        // pods, is the escape valve. (The GIE endpoint picker has the same filter stage, behind
+        // its own queue threshold.)
         if let Some(a) = adapter {
-            let holds = |c: &Cand| {
-                let p = &pool.pods[c.0];
-                let home =
-                    req.adapter_home == Some(p.key) && p.free_lora_slots().is_none_or(|f| f > 0);
-                !c.2 && (p.lora_running.contains(&a) || home)
-            };
+            let holds = |c: &Cand| !c.2 && holds_adapter(&pool.pods[c.0], a, req);
             if cands.iter().any(holds) {
                 if let Some(e) = explain.as_deref_mut() {
                     left_out(e, &cands, holds, LeftOut::AdapterElsewhere);
@@ -584,14 +587,14 @@ impl Picker {
             return None;
         }
         if let Some(a) = req.adapter.filter(|_| self.weights.lora > 0.0) {
-            let running = |c: &&Cand| pool.pods[c.0].lora_running.contains(&a);
-            let home = |c: &&Cand| {
-                let p = &pool.pods[c.0];
-                req.adapter_home == Some(p.key) && p.free_lora_slots().is_none_or(|f| f > 0)
-            };
-            if cands.iter().any(|c| !c.2 && (running(&c) || home(&c))) {
+            if cands
+                .iter()
+                .any(|c| !c.2 && holds_adapter(&pool.pods[c.0], a, req))
+            {
                 return None;
             }
+            let running = |c: &&Cand| pool.pods[c.0].lora_running.contains(&a);
+            let home = |c: &&Cand| home_with_slot(&pool.pods[c.0], req);
             let pod = cands
                 .iter()
                 .find(running)
@@ -652,6 +655,18 @@ fn fmin(a: f64, b: f64) -> f64 {
 /// Prompt tokens a pod must prefill when it holds `depth` leading blocks of the prompt.
 pub fn uncached_tokens(prompt_tokens: u32, depth: u32, block_tokens: u32) -> u32 {
     prompt_tokens.saturating_sub(depth.saturating_mul(block_tokens))
+}
+
+/// Whether the pod holds the request's adapter `adapter`: runs it, or is its home with a slot
+/// free ([`home_with_slot`]). Where else it goes, the adapter must be loaded.
+fn holds_adapter(pod: &PodState, adapter: u64, req: &RequestFeatures<'_>) -> bool {
+    pod.lora_running.contains(&adapter) || home_with_slot(pod, req)
+}
+
+/// Whether the pod is the request's adapter's home and has a slot that no running or queued
+/// adapter claims (so the adapter, idle there, was not evicted; or can load at once).
+fn home_with_slot(pod: &PodState, req: &RequestFeatures<'_>) -> bool {
+    req.adapter_home == Some(pod.key) && pod.free_lora_slots().is_none_or(|f| f > 0)
 }
 
 /// Whether the request's adapter is most likely loaded (idle) on this pod: it is the adapter's
@@ -1186,6 +1201,70 @@ mod tests {
         // Saturated: the escape valve opens and a free slot elsewhere takes it.
         let (p, req) = setup(9);
         assert_ne!(best(&pick(&p, &req)), 0);
+    }
+
+    #[test]
+    fn an_adapters_pods_saturate_for_its_requests_at_lora_queue_threshold() {
+        // The adapter's home (pod 0) with 3 queued requests, two idle pods with free slots.
+        let mut home = lora_pod(1, &["x"], &[], 4);
+        home.waiting = 3;
+        let p = pool(vec![
+            home,
+            lora_pod(2, &[], &[], 4),
+            lora_pod(3, &[], &[], 4),
+        ]);
+        let with = |queue: f64, lora: Option<f64>| {
+            let mut sc = ScoringConfig {
+                queue_threshold: queue,
+                ..Default::default()
+            };
+            if let Some(l) = lora {
+                sc.lora_queue_threshold = l;
+            }
+            Picker::new(sc, 2)
+        };
+        let adapter = RequestFeatures {
+            adapter: Some(adapter_key("sql")),
+            adapter_home: Some(p.pods[0].key),
+            ..Default::default()
+        };
+        let go = |pk: &Picker, r: &RequestFeatures<'_>| {
+            pk.pick(&p, &[], r, 0, &mut SplitMix64::new(1), None)
+        };
+        // A low queue threshold saturates pod 0 for a base-model request, not for the adapter's.
+        let low = with(1.0, None);
+        assert_ne!(best(&go(&low, &RequestFeatures::default())), 0);
+        assert_eq!(go(&low, &adapter), Decision::Picked(vec![0]));
+        // With `hold` and affinity waits on, it goes there too: nothing to wait for.
+        let holding = RequestFeatures {
+            holdable: true,
+            affinity_hold: true,
+            ..adapter.clone()
+        };
+        assert_eq!(go(&low, &holding), Decision::Picked(vec![0]));
+        // The adapter's own threshold is the escape: at 3, pod 0 is saturated for it as well,
+        // and it goes to a free slot elsewhere (or, held, waits for pod 0).
+        let escape = with(1.0, Some(3.0));
+        assert_ne!(best(&go(&escape, &adapter)), 0);
+        assert_eq!(
+            go(&escape, &holding),
+            Decision::Hold(HoldReason::Affinity { pod: p.pods[0].key })
+        );
+        // Below `queue_threshold` as well: it then leaves its pods before other requests do.
+        let early = with(5.0, Some(2.0));
+        assert_ne!(best(&go(&early, &adapter)), 0);
+        // Only the pods that hold the adapter: another adapter's request treats pod 0 as any.
+        let other = RequestFeatures {
+            adapter: Some(adapter_key("chat")),
+            adapter_home: Some(p.pods[1].key),
+            ..Default::default()
+        };
+        assert_eq!(best(&go(&low, &other)), 1);
+        let mut away = p.clone();
+        away.pods[1].snap.waiting = 3;
+        let on = |pk: &Picker| best(&pk.pick(&away, &[], &other, 0, &mut SplitMix64::new(1), None));
+        assert_eq!(on(&low), 1);
+        assert_ne!(on(&escape), 1);
     }
 
     #[test]
