@@ -205,9 +205,10 @@ pub struct ScoringConfig {
     pub stale_after_ms: u64,
     /// Queue length (per unit of capacity) at which a pod counts as saturated.
     pub queue_threshold: f64,
-    /// The same, for an adapter request on a pod that holds its adapter (runs it, or is its
-    /// home with a free slot). Apart from `queue_threshold` so that a low one (what `hold`
-    /// wants) does not send adapter requests to pods that must load their adapter.
+    /// Queue length (per unit of capacity) under which an adapter request keeps to a pod that
+    /// holds its adapter (runs it, or is its home with a free slot), saturated or not. Apart
+    /// from `queue_threshold` so that a low one (what `hold` wants) does not send adapter
+    /// requests to pods that must load their adapter.
     pub lora_queue_threshold: f64,
     /// KV-cache use at which a pod counts as saturated.
     pub kv_threshold: f64,

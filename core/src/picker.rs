@@ -356,51 +356,49 @@ impl Picker {
                 continue;
             }
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
-            // An adapter request's own pods count as saturated at their own threshold, so a low
-            // `queue_threshold` does not send it where its adapter must be loaded.
-            let queue_limit = match adapter {
-                Some(a) if holds_adapter(pod, a, req) => sc.lora_queue_threshold,
-                _ => sc.queue_threshold,
-            };
-            let saturated =
-                l.waiting / l.capacity >= queue_limit || l.kv.is_some_and(|k| k >= sc.kv_threshold);
+            let saturated = over(&l, sc.queue_threshold, sc.kv_threshold);
             cands.push((i, l, saturated, 0.0, 0, None));
         }
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
         }
-        if cands.iter().all(|c| c.2) {
+        let all_saturated = cands.iter().all(|c| c.2);
+        if all_saturated {
             if req.sheddable {
                 return Decision::Shed;
             }
             if req.holdable {
                 return Decision::Hold(HoldReason::Saturated);
             }
-        } else {
+        }
+        // An adapter request keeps to the pods that hold its adapter (it runs there, or it is the
+        // adapter's home) while any of them is under `lora_queue_threshold`, saturated or not:
+        // copying an adapter to another pod takes a slot that pod's own adapters rely on and
+        // starts a cascade of loads. That threshold is the escape valve, apart from the
+        // saturation one, so that a low `queue_threshold` (for `hold`) does not scatter adapters.
+        // (The GIE endpoint picker has the same filter stage, behind its own queue threshold.)
+        // Where an overflow last sent it does not count here: once the home has room again,
+        // traffic goes back instead of keeping a second copy that evicts that pod's own adapters.
+        let keeps = |c: &Cand| {
+            adapter.is_some_and(|a| holds_adapter(&pool.pods[c.0], a, req))
+                && !over(&c.1, sc.lora_queue_threshold, sc.kv_threshold)
+        };
+        if !all_saturated {
+            // With `hold`, a request for a saturated pod's prompt or adapter may wait for it.
             if let Some(pod) = self.awaited_pod_for(pool, req, &cands) {
                 return Decision::Hold(HoldReason::Affinity { pod });
             }
+            let room = |c: &Cand| !c.2 || keeps(c);
             if let Some(e) = explain.as_deref_mut() {
-                left_out(e, &cands, |c| !c.2, LeftOut::Saturated);
+                left_out(e, &cands, room, LeftOut::Saturated);
             }
-            cands.retain(|c| !c.2);
+            cands.retain(room);
         }
-        // LoRA affinity filter: an adapter request stays on the pods that hold its adapter (it
-        // runs there, or it is the adapter's home) while any of them is not saturated. Where an
-        // overflow last sent it does not count here: once the home has room again, traffic goes
-        // back instead of keeping a second copy that evicts that pod's own adapters. Copying an
-        // adapter to another pod takes a slot that pod's own adapters rely on and starts a
-        // cascade of loads; the saturation check above, at `lora_queue_threshold` for these
-        // pods, is the escape valve. (The GIE endpoint picker has the same filter stage, behind
-        // its own queue threshold.)
-        if let Some(a) = adapter {
-            let holds = |c: &Cand| !c.2 && holds_adapter(&pool.pods[c.0], a, req);
-            if cands.iter().any(holds) {
-                if let Some(e) = explain.as_deref_mut() {
-                    left_out(e, &cands, holds, LeftOut::AdapterElsewhere);
-                }
-                cands.retain(holds);
+        if adapter.is_some() && cands.iter().any(keeps) {
+            if let Some(e) = explain.as_deref_mut() {
+                left_out(e, &cands, keeps, LeftOut::AdapterElsewhere);
             }
+            cands.retain(keeps);
         }
 
         // Rendezvous homes over the surviving candidates, so all gateways agree on them.
@@ -655,6 +653,12 @@ fn fmin(a: f64, b: f64) -> f64 {
 /// Prompt tokens a pod must prefill when it holds `depth` leading blocks of the prompt.
 pub fn uncached_tokens(prompt_tokens: u32, depth: u32, block_tokens: u32) -> u32 {
     prompt_tokens.saturating_sub(depth.saturating_mul(block_tokens))
+}
+
+/// Whether a pod with load `l` is over either threshold: waiting requests per unit of speed,
+/// or KV-cache use.
+fn over(l: &Load, queue_threshold: f64, kv_threshold: f64) -> bool {
+    l.waiting / l.capacity >= queue_threshold || l.kv.is_some_and(|k| k >= kv_threshold)
 }
 
 /// Whether the pod holds the request's adapter `adapter`: runs it, or is its home with a slot
@@ -1204,7 +1208,7 @@ mod tests {
     }
 
     #[test]
-    fn an_adapters_pods_saturate_for_its_requests_at_lora_queue_threshold() {
+    fn an_adapter_request_leaves_its_adapters_pods_at_lora_queue_threshold() {
         // The adapter's home (pod 0) with 3 queued requests, two idle pods with free slots.
         let mut home = lora_pod(1, &["x"], &[], 4);
         home.waiting = 3;
@@ -1231,28 +1235,31 @@ mod tests {
         let go = |pk: &Picker, r: &RequestFeatures<'_>| {
             pk.pick(&p, &[], r, 0, &mut SplitMix64::new(1), None)
         };
-        // A low queue threshold saturates pod 0 for a base-model request, not for the adapter's.
+        // A low queue threshold saturates pod 0: a base-model request goes elsewhere, the
+        // adapter's stays (under `lora_queue_threshold`, 5).
         let low = with(1.0, None);
         assert_ne!(best(&go(&low, &RequestFeatures::default())), 0);
         assert_eq!(go(&low, &adapter), Decision::Picked(vec![0]));
-        // With `hold` and affinity waits on, it goes there too: nothing to wait for.
+        // With `hold`, it waits at the gateway for pod 0 as long as it may (as a request for a
+        // saturated pod's prompt does), then goes to pod 0, not to a free slot elsewhere.
         let holding = RequestFeatures {
             holdable: true,
             affinity_hold: true,
             ..adapter.clone()
         };
-        assert_eq!(go(&low, &holding), Decision::Picked(vec![0]));
-        // The adapter's own threshold is the escape: at 3, pod 0 is saturated for it as well,
-        // and it goes to a free slot elsewhere (or, held, waits for pod 0).
+        let waited = RequestFeatures {
+            affinity_hold: false,
+            ..holding.clone()
+        };
+        let awaited = Decision::Hold(HoldReason::Affinity { pod: p.pods[0].key });
+        assert_eq!(go(&low, &holding), awaited);
+        assert_eq!(go(&low, &waited), Decision::Picked(vec![0]));
+        // The adapter's own threshold is the escape: at 3, it leaves pod 0 for a free slot
+        // (having waited for pod 0 first, with `hold`).
         let escape = with(1.0, Some(3.0));
         assert_ne!(best(&go(&escape, &adapter)), 0);
-        assert_eq!(
-            go(&escape, &holding),
-            Decision::Hold(HoldReason::Affinity { pod: p.pods[0].key })
-        );
-        // Below `queue_threshold` as well: it then leaves its pods before other requests do.
-        let early = with(5.0, Some(2.0));
-        assert_ne!(best(&go(&early, &adapter)), 0);
+        assert_eq!(go(&escape, &holding), awaited);
+        assert_ne!(best(&go(&escape, &waited)), 0);
         // Only the pods that hold the adapter: another adapter's request treats pod 0 as any.
         let other = RequestFeatures {
             adapter: Some(adapter_key("chat")),
@@ -1265,6 +1272,17 @@ mod tests {
         let on = |pk: &Picker| best(&pk.pick(&away, &[], &other, 0, &mut SplitMix64::new(1), None));
         assert_eq!(on(&low), 1);
         assert_ne!(on(&escape), 1);
+        // The explanation: a saturated adapter pod kept for its adapter is scored, not left out.
+        let mut e = Explain::default();
+        let d = low.pick(&p, &[], &adapter, 0, &mut SplitMix64::new(1), Some(&mut e));
+        assert_eq!(d, Decision::Picked(vec![0]));
+        assert_eq!(
+            e.left_out,
+            vec![
+                (1, LeftOut::AdapterElsewhere),
+                (2, LeftOut::AdapterElsewhere)
+            ]
+        );
     }
 
     #[test]

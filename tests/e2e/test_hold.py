@@ -290,6 +290,30 @@ def test_an_adapter_request_waits_for_its_adapters_saturated_pod(pods):
         e.stop()
 
 
+def test_past_its_wait_an_adapter_request_goes_to_its_pod_under_lora_queue_threshold(pods):
+    """With a low `queue_threshold` (1), an adapter request whose adapter's pod has 3 waiting
+    waits for it up to `affinity_wait_ms`, then goes there all the same (under
+    `lora_queue_threshold`, 5), not to a pod with room that would load the adapter; at 9 waiting
+    it goes to a pod with room."""
+    lora = {"max_loras": 4, "running": ["sql-lora"], "waiting": []}
+    full = {"max_loras": 4, "running": ["a", "b", "c", "d"], "waiting": []}
+    e = Envoy("filter", endpoints(pods), {"pools": [dict(POOLS, adapters=["sql-lora"])],
+                                          "scoring": dict(SCORING, queue_threshold=1),
+                                          "hold": {"max_wait_ms": 10_000, "affinity_wait_ms": 400}})
+    body = {"model": "sql-lora", "messages": [{"role": "user", "content": "count the rows"}]}
+    try:
+        for waiting, want in [(3, {"p0"}), (9, {"p1", "p2"})]:
+            push(e, pods, [{"waiting": waiting, "lora": lora}, {"lora": full}, {"lora": full}])
+            t0 = time.time()
+            s, h, reply, _ = e.request("POST", "/v1/chat/completions", body, {}, timeout=20)
+            took = time.time() - t0
+            assert s == 200 and h.get("x-served-by") in want, (waiting, h.get("x-served-by"), reply)
+            assert 0.4 <= took < 2.5, (waiting, took)
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 2
+    finally:
+        e.stop()
+
+
 def test_a_request_waits_for_its_prompts_pod_at_most_affinity_wait_ms(pods):
     """Past `hold.affinity_wait_ms` it goes to a pod with room; with the option at 0 it goes there
     at once."""
