@@ -1181,17 +1181,20 @@ mod tests {
         }
     }
 
+    /// Pod 0 running the adapters `running` with `waiting` queued requests (an adapter's home,
+    /// in the tests), then `idle` idle pods with four free slots each.
+    fn busy_and_idle(running: &[&str], waiting: u32, idle: u32) -> PoolState {
+        let mut busy = lora_pod(1, running, &[], 4);
+        busy.waiting = waiting;
+        let idle = (2..2 + idle).map(|i| lora_pod(i, &[], &[], 4));
+        pool(std::iter::once(busy).chain(idle).collect())
+    }
+
     #[test]
     fn adapter_requests_stay_on_their_pods_until_those_saturate() {
         // The adapter's home (pod 0) with `waiting` queued requests, two idle pods with free slots.
         let setup = |waiting| {
-            let mut home = lora_pod(1, &["x"], &[], 4);
-            home.waiting = waiting;
-            let p = pool(vec![
-                home,
-                lora_pod(2, &[], &[], 4),
-                lora_pod(3, &[], &[], 4),
-            ]);
+            let p = busy_and_idle(&["x"], waiting, 2);
             let req = RequestFeatures {
                 adapter: Some(adapter_key("sql")),
                 adapter_home: Some(p.pods[0].key),
@@ -1210,13 +1213,7 @@ mod tests {
     #[test]
     fn an_adapter_request_leaves_its_adapters_pods_at_lora_queue_threshold() {
         // The adapter's home (pod 0) with 3 queued requests, two idle pods with free slots.
-        let mut home = lora_pod(1, &["x"], &[], 4);
-        home.waiting = 3;
-        let p = pool(vec![
-            home,
-            lora_pod(2, &[], &[], 4),
-            lora_pod(3, &[], &[], 4),
-        ]);
+        let p = busy_and_idle(&["x"], 3, 2);
         let with = |queue: f64, lora: Option<f64>| {
             let mut sc = ScoringConfig {
                 queue_threshold: queue,
@@ -1290,14 +1287,7 @@ mod tests {
         // Pod 0 is the adapter's home and saturated; three idle pods with free slots. Prompts
         // differ (each its own prefix home key): the overflow still goes to one pod, so the
         // adapter is loaded once more, not once per pod.
-        let mut home = lora_pod(1, &["sql"], &[], 4);
-        home.waiting = 9;
-        let p = pool(vec![
-            home,
-            lora_pod(2, &[], &[], 4),
-            lora_pod(3, &[], &[], 4),
-            lora_pod(4, &[], &[], 4),
-        ]);
+        let p = busy_and_idle(&["sql"], 9, 3);
         let picks: std::collections::HashSet<usize> = (0..40u64)
             .map(|prompt| {
                 let req = RequestFeatures {
