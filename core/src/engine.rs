@@ -647,11 +647,7 @@ impl Engine {
                 .and_then(|i| pool.pods.get(*i))
                 .map(|p| p.key);
             if let Some(k) = choice.picked_key {
-                let depth = prep
-                    .matches
-                    .iter()
-                    .find(|m| m.pod == k)
-                    .map_or(0, |m| m.depth);
+                let depth = features.depth_on(k);
                 choice.prefill_tokens =
                     uncached_tokens(prep.prompt_tokens, depth, self.config.prefix.block_tokens());
             }

@@ -70,15 +70,21 @@ impl PodState {
 
     /// Free LoRA slots: `max_loras` minus the distinct adapters running or waiting. `None` when
     /// the pod reports no LoRA state.
+    /// Counted in place: the picker asks it for every candidate of an adapter request, and the
+    /// lists are a few adapters long.
     pub fn free_lora_slots(&self) -> Option<u32> {
         let l = self.snap.lora.as_ref()?;
-        let mut used: Vec<u64> = self.lora_running.clone();
-        for w in &self.lora_waiting {
-            if !used.contains(w) {
-                used.push(*w);
-            }
-        }
-        Some(l.max_loras.saturating_sub(used.len() as u32))
+        let waiting = &self.lora_waiting;
+        let new_waiting = waiting
+            .iter()
+            .enumerate()
+            .filter(|(i, w)| !self.lora_running.contains(w) && !waiting[..*i].contains(w))
+            .count();
+        let used = self.lora_running.len() + new_waiting;
+        Some(
+            l.max_loras
+                .saturating_sub(u32::try_from(used).unwrap_or(u32::MAX)),
+        )
     }
 }
 

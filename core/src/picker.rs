@@ -385,7 +385,7 @@ impl Picker {
         };
         if !all_saturated {
             // With `hold`, a request for a saturated pod's prompt or adapter may wait for it.
-            if let Some(pod) = self.awaited_pod_for(pool, req, &cands) {
+            if let Some(pod) = self.awaited_pod_for(pool, req, adapter, &cands) {
                 return Decision::Hold(HoldReason::Affinity { pod });
             }
             let room = |c: &Cand| !c.2 || keeps(c);
@@ -575,16 +575,18 @@ impl Picker {
     /// [`PREFIX_HOLD_MIN`] of the prompt, the most of the saturated, where no pod with room
     /// holds half as much (credited as by the prefix scorer,
     /// [`RequestFeatures::prefix_credit`]).
+    /// `adapter`: the request's adapter, when the LoRA scorer is on.
     fn awaited_pod_for(
         &self,
         pool: &PoolState,
         req: &RequestFeatures<'_>,
+        adapter: Option<u64>,
         cands: &[Cand],
     ) -> Option<u64> {
         if !(req.holdable && req.affinity_hold) {
             return None;
         }
-        if let Some(a) = req.adapter.filter(|_| self.weights.lora > 0.0) {
+        if let Some(a) = adapter {
             if cands
                 .iter()
                 .any(|c| !c.2 && holds_adapter(&pool.pods[c.0], a, req))

@@ -1117,7 +1117,7 @@ impl Filter {
         let id = config.next_held.fetch_add(1, Ordering::Relaxed);
         let deadline = t0 + Duration::from_millis(h.max_wait_ms);
         let awaits = reason.awaited_pod().unwrap_or(0);
-        let for_prefix = awaits != 0;
+        let for_affinity = awaits != 0;
         let entry = HeldEntry {
             id,
             pool: prep.pool.clone(),
@@ -1132,12 +1132,12 @@ impl Filter {
             prep,
             id,
             since: t0,
-            waited_for_affinity: for_prefix,
+            waited_for_affinity: for_affinity,
         });
         self.mode = Mode::Held;
         let m = config.metrics.hold.as_ref();
         config.count(m.and_then(|h| h.held));
-        if for_prefix {
+        if for_affinity {
             config.count(m.and_then(|h| h.affinity));
         }
     }
@@ -1171,14 +1171,14 @@ impl Filter {
         ) {
             Err((prep, reason)) => {
                 let awaits = reason.awaited_pod().unwrap_or(0);
-                let for_prefix = awaits != 0;
-                if for_prefix && !held.waited_for_affinity {
+                let for_affinity = awaits != 0;
+                if for_affinity && !held.waited_for_affinity {
                     config.count(config.metrics.hold.as_ref().and_then(|h| h.affinity));
                 }
                 config.still_held(held.id, awaits);
                 self.held = Some(Held {
                     prep,
-                    waited_for_affinity: held.waited_for_affinity || for_prefix,
+                    waited_for_affinity: held.waited_for_affinity || for_affinity,
                     ..held
                 });
             }

@@ -1034,16 +1034,16 @@ impl Http {
                 let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
                 w.held.push(priority, prefill, self.id);
                 let awaits = reason.awaited_pod();
-                let for_prefix = awaits.is_some();
+                let for_affinity = awaits.is_some();
                 self.held = Some(Held {
                     prep,
                     size: len,
                     since_ns: t0,
-                    waited_for_affinity: for_prefix,
+                    waited_for_affinity: for_affinity,
                     awaits,
                 });
                 w.stats.inc("gpuroute.hold.held");
-                if for_prefix {
+                if for_affinity {
                     w.stats.inc("gpuroute.hold.affinity");
                 }
                 w.stats.gauge_add("gpuroute.held", 1);
