@@ -30,6 +30,11 @@ pub struct FilterConfig {
     pub scoring: ScoringConfig,
     #[serde(default)]
     pub prefix: PrefixConfig,
+    /// Stored responses (Responses API ids) each worker remembers the pod of, apart from the
+    /// prefix index: two generations of half this size, so an id is kept at least this many
+    /// halved newer responses after it was last learned or continued.
+    #[serde(default = "default_response_entries")]
+    pub response_entries: usize,
     /// Snapshot ingest endpoint; absent = this plugin instance accepts no snapshots.
     #[serde(default)]
     pub ingest: Option<IngestConfig>,
@@ -501,6 +506,11 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
 fn default_max_body_bytes() -> usize {
     DEFAULT_MAX_BODY_BYTES
 }
+fn default_response_entries() -> usize {
+    // At least 131,072 newer responses (22 minutes at 100 responses/s across the gateways) at
+    // ~9 MB per worker when full, spent only by gateways that serve Responses API turns.
+    262_144
+}
 fn default_fallbacks() -> usize {
     2
 }
@@ -665,6 +675,9 @@ impl FilterConfig {
                 "prefix.index_entries",
                 "must be between 16 and 16M",
             ));
+        }
+        if !(16..=16 * 1024 * 1024).contains(&self.response_entries) {
+            return Err(cfg_err("response_entries", "must be between 16 and 16M"));
         }
         if let Some(ing) = &self.ingest {
             if ing.token.len() < 8 {
@@ -886,6 +899,7 @@ mod tests {
             (r#"{"pools":[],"default_pool":"z"}"#, "default_pool"),
             (r#"{"pools":[],"max_body_bytes":0}"#, "max_body_bytes"),
             (r#"{"pools":[],"shared_peer_reads":0}"#, "shared_peer_reads"),
+            (r#"{"pools":[],"response_entries":8}"#, "response_entries"),
             (
                 r#"{"pools":[],"scoring":{"weights":{"queue":-1}}}"#,
                 "scoring.weights",

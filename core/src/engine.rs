@@ -21,6 +21,7 @@ use crate::picker::uncached_tokens;
 use crate::picker::{format_breakdown, Decision, Explain, FailOpen, Picker, RequestFeatures};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
 use crate::request::{self, Endpoint, InferenceRequest};
+use crate::responses::{is_response_key, ResponseTable};
 use crate::rng::SplitMix64;
 use crate::routing::{Resolved, RoutingTable, Split, Target};
 use std::collections::HashMap;
@@ -33,18 +34,12 @@ pub const SYNC_RING: usize = 512;
 /// Seed domain of adapter keys in the index.
 const ADAPTER_DOMAIN: u64 = 0x6c6f_7261_6164_6170;
 
-/// Seed domain of stored responses' keys in the index (Responses API ids).
-const RESPONSE_DOMAIN: u64 = 0x7265_7370_6f6e_7365;
-
-/// The index key of a stored response's id.
-pub fn response_key(id: &str) -> u64 {
-    prefix::conversation_key(id.as_bytes(), RESPONSE_DOMAIN)
-}
+pub use crate::responses::response_key;
 
 /// Slots of the table of learned responses that the workers of one Envoy share (proxy-wasm
 /// shared data, one key per slot): a worker that misses a response in its own index looks there
 /// before its tick brings the other workers' records. A newer response takes an older one's
-/// slot; the prefix records still carry every one.
+/// slot; the records between workers still carry every one.
 pub const RESPONSE_SLOTS: u64 = 4096;
 
 /// The shared-data key of `key`'s slot.
@@ -266,6 +261,8 @@ pub struct Engine {
     /// One per pool (its scoring: the top-level one with the pool's changes).
     pickers: Vec<Picker>,
     prefix: PrefixIndex,
+    /// Where each learned stored response lives ([`crate::responses`]).
+    responses: ResponseTable,
     /// `None` when one engine serves every worker (the dynamic module): nobody reads it.
     sync: Option<SyncLog>,
     /// Moving average of prompt tokens per request (the unit of queued work).
@@ -456,6 +453,7 @@ impl Engine {
             .map(|i| Picker::new(config.pool_scoring(i), config.fallback_endpoints))
             .collect();
         let prefix = PrefixIndex::new(config.prefix.index_entries);
+        let responses = ResponseTable::new(config.response_entries);
         let reader = Reader {
             routes,
             prefix: config.prefix.clone(),
@@ -465,6 +463,7 @@ impl Engine {
             reader,
             pickers,
             prefix,
+            responses,
             sync: Some(SyncLog::new(SYNC_RING)),
             avg_prompt_tokens: 0.0,
             recorded: Vec::new(),
@@ -536,9 +535,12 @@ impl Engine {
     }
 
     /// Looks up the pod holding the stored response a turn continues (done by
-    /// [`Engine::prepare_read`]; again after reading other workers' records).
-    pub fn look_up_response(&self, prep: &mut Prepared) {
-        prep.response_pod = prep.response_key.and_then(|k| self.prefix.latest_pod_of(k));
+    /// [`Engine::prepare_read`]; again after reading other workers' records). A response found
+    /// is kept with the newest: its conversation is in use.
+    pub fn look_up_response(&mut self, prep: &mut Prepared) {
+        prep.response_pod = prep
+            .response_key
+            .and_then(|k| self.responses.get_and_keep(k));
     }
 
     /// What reads requests for this engine; a clone reads them apart from it.
@@ -725,17 +727,17 @@ impl Engine {
     /// goes to that pod. Recorded like a routing decision, so the other workers and gateway
     /// replicas learn it too.
     pub fn learn_response(&mut self, id: &str, pod_key: u64) {
-        let key = [response_key(id)];
-        self.prefix.record(&key, pod_key);
+        let key = response_key(id);
+        self.responses.insert(key, pod_key);
         if let Some(sync) = &mut self.sync {
-            sync.push(pod_key, &key);
+            sync.push(pod_key, &[key]);
         }
     }
 
     /// A stored response's pod another worker of this Envoy learned (its shared slot): in this
     /// engine's index, not sent on (that worker's records carry it to the others).
     pub fn note_response(&mut self, key: u64, pod_key: u64) {
-        self.prefix.record(&[key], pod_key);
+        self.responses.insert(key, pod_key);
     }
 
     /// Where a stored response's own calls go (`GET`/`DELETE /v1/responses/{id}`, its `cancel`):
@@ -747,7 +749,7 @@ impl Engine {
         id: &str,
         fleet: &'f FleetState,
     ) -> Option<(&'f str, &'f str)> {
-        let pod = self.prefix.latest_pod_of(response_key(id))?;
+        let pod = self.responses.get(response_key(id))?;
         fleet.pools.iter().find_map(|pool| {
             let p = pool.pods.iter().find(|p| p.key == pod && p.snap.healthy)?;
             Some((pool.name.as_str(), p.snap.address.as_str()))
@@ -795,16 +797,26 @@ impl Engine {
         self.sync.as_ref()
     }
 
-    /// Applies another worker's decisions to the local prefix index.
+    /// Applies another worker's (or gateway replica's) records: its routing decisions to the
+    /// local prefix index, the responses it learned ([`Engine::learn_response`]: one key, a
+    /// response's) to the table of stored responses.
     pub fn apply_sync(&mut self, records: &[SyncRecord]) {
         for r in records {
-            self.prefix.record(&r.anchors, r.pod);
+            match r.anchors[..] {
+                [key] if is_response_key(key) => self.responses.insert(key, r.pod),
+                _ => self.prefix.record(&r.anchors, r.pod),
+            }
         }
     }
 
     /// Entries in the learned prefix index.
     pub fn prefix_entries(&self) -> usize {
         self.prefix.len()
+    }
+
+    /// Stored responses whose pod this engine knows.
+    pub fn response_entries(&self) -> usize {
+        self.responses.len()
     }
 
     /// Picks uniformly among a pool's healthy pods, ignoring freshness: the ORIGINAL_DST data
@@ -1662,6 +1674,74 @@ mod tests {
             Some(("llama", "10.0.0.2:8000"))
         );
         assert!(e.sync_payload(0).len() <= 8, "noted, not sent on");
+    }
+
+    /// Routed prompts do not push a stored response out, on the worker that learned it nor on
+    /// one that has it from the records (another worker, another gateway replica): when its key
+    /// lived in the prefix index, a few thousand unique prompts (a dozen anchors each) did.
+    /// Only newer responses do, and a response a turn continues is kept with the newest.
+    #[test]
+    fn a_stored_response_outlives_any_number_of_prompts() {
+        let f = fleet(4);
+        let (held, other) = {
+            let pool = f.pool("llama").unwrap();
+            (pool.pods[1].key, pool.pods[3].key)
+        };
+        let small = r#"{"pools":[{"name":"llama","models":["llama-3"]}],
+            "prefix":{"index_entries":64},"response_entries":64}"#;
+        let mut a = Engine::new(FilterConfig::from_json(small.as_bytes()).unwrap());
+        let mut b = Engine::new(FilterConfig::from_json(small.as_bytes()).unwrap());
+        a.learn_response("resp_kept", held);
+        let mut recs = Vec::new();
+        SyncLog::decode_after(&a.sync_payload(0), 0, &mut recs);
+        b.apply_sync(&recs);
+        assert_eq!(b.response_entries(), 1);
+        assert_eq!(b.prefix_entries(), 0, "a response is not a prompt");
+        // 500 unique prompts routed by each, six anchors or more each: 3,000 entries or more
+        // against an index of 64.
+        for i in 0..500 {
+            let text = format!("question {i}: ").repeat(60);
+            let body = serde_json::to_vec(&serde_json::json!({"model": "llama-3", "prompt": text}))
+                .unwrap();
+            for e in [&mut a, &mut b] {
+                let p = e.prepare("/v1/completions", &body).unwrap();
+                assert!(p.anchors.len() >= 6);
+                e.commit(&p, other);
+            }
+        }
+        assert!(a.prefix_entries() <= 64);
+        let turn = br#"{"model": "llama-3", "previous_response_id": "resp_kept", "input": "and?"}"#;
+        for e in [&mut a, &mut b] {
+            assert_eq!(
+                e.stored_response_pod("resp_kept", &f),
+                Some(("llama", "10.0.0.2:8000"))
+            );
+            assert_eq!(
+                e.prepare("/v1/responses", turn).unwrap().response_pod,
+                Some(held)
+            );
+        }
+        // Newer responses do push it out, the table's capacity bounding what it holds; one a
+        // turn continues stays.
+        a.learn_response("resp_continued", held);
+        for i in 0..40 {
+            a.learn_response(&format!("resp_{i}"), other);
+        }
+        let continued =
+            br#"{"model": "llama-3", "previous_response_id": "resp_continued", "input": "?"}"#;
+        assert_eq!(
+            a.prepare("/v1/responses", continued).unwrap().response_pod,
+            Some(held)
+        );
+        for i in 40..80 {
+            a.learn_response(&format!("resp_{i}"), other);
+        }
+        assert!(a.response_entries() <= 64);
+        assert_eq!(a.stored_response_pod("resp_kept", &f), None);
+        assert_eq!(
+            a.prepare("/v1/responses", continued).unwrap().response_pod,
+            Some(held)
+        );
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub mod load;
 pub mod picker;
 pub mod prefix;
 pub mod request;
+pub mod responses;
 pub mod rng;
 pub mod routing;
 mod scan;

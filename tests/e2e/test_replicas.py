@@ -68,8 +68,9 @@ def pods():
         yield list(pods.values())
 
 
-def gateway(pods, loads=None):
-    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG, concurrency=2)
+def gateway(pods, loads=None, config=None):
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}],
+               dict(CONFIG, **(config or {})), concurrency=2)
     loads = loads or [{}] * len(pods)
     pusher = Pusher([gw], {"llama": [{"address": p.address, **l} for p, l in zip(pods, loads)]})
     return gw, pusher
@@ -138,6 +139,58 @@ def test_a_replica_learns_where_another_sent_a_conversation(pods):
             p.stop()
         for g in (a, b, c):
             g.stop()
+
+
+def test_a_replica_keeps_a_stored_response_however_many_prompts_follow(pods):
+    """Replica A serves a Responses API answer; B learns its id from A's records, then routes 150
+    unique prompts with a prefix index of 64 entries, which each prompt adds several to. The turn
+    continuing the response still goes to the pod that holds it, the busiest, and so does the
+    response's `GET`: ids have a table of their own (`response_entries`), which prompts do not
+    push them out of. (When ids lived in the prefix index, the prompts flushed this one.)"""
+    small = {"prefix": {"index_entries": 64}}
+    a, pa = gateway(pods, config=small)
+    b = pb = None
+    try:
+        cursor = ask(a)[1]["x-gpuroute-cursor"]
+        s, h, first, _ = a.request("POST", "/v1/responses", {"model": "llama-3-8b", "input": "remember 42"})
+        assert s == 200 and first["id"].startswith("resp_"), first
+        held = next(p for p in pods if p.name == h["x-served-by"])
+        # The answer's id is one record of one key; the request's routing decision another.
+        got, deadline = b"GPX1", time.time() + 3
+        while time.time() < deadline and not any(n == 1 for _, _, n in records(got)):
+            time.sleep(0.06)
+            s, hh, _, raw = ask(a, cursor)
+            got += raw[4:]
+            cursor = hh["x-gpuroute-cursor"]
+        assert any(n == 1 for _, _, n in records(got)), records(got)
+        busy = {"waiting": 6, "running": 30, "kv_cache_usage": 0.7}
+        b, pb = gateway(pods, [busy if p is held else {} for p in pods], config=small)
+        assert give(b, got)[0] == 204
+        for i in range(150):
+            s, _, _, _ = b.request("POST", "/v1/completions",
+                                   {"model": "llama-3-8b", "prompt": f"unrelated request {i}: " * 24})
+            assert s == 200
+        turn = {"model": "llama-3-8b", "previous_response_id": first["id"], "input": "what was it?"}
+        for _ in range(4):
+            s, h, _, _ = b.request("POST", "/v1/responses", turn)
+            assert (s, h["x-served-by"]) == (200, held.name), h
+            assert h["x-gateway-debug"].startswith("previous-response; pool=llama"), h["x-gateway-debug"]
+        s, h, body, _ = b.request("GET", f"/v1/responses/{first['id']}")
+        assert (s, h.get("x-served-by")) == (200, held.name), (s, body)
+        # Without the record, B routes the turn by load: not to the busiest pod.
+        c, pc = gateway(pods, [busy if p is held else {} for p in pods], config=small)
+        try:
+            assert c.request("POST", "/v1/responses", turn)[1]["x-served-by"] != held.name
+        finally:
+            pc.stop()
+            c.stop()
+    finally:
+        for p in (pa, pb):
+            if p is not None:
+                p.stop()
+        for g in (a, b):
+            if g is not None:
+                g.stop()
 
 
 def test_the_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
