@@ -507,8 +507,8 @@ fn default_max_body_bytes() -> usize {
     DEFAULT_MAX_BODY_BYTES
 }
 fn default_response_entries() -> usize {
-    // At least 131,072 newer responses (22 minutes at 100 responses/s across the gateways) at
-    // ~9 MB per worker when full, spent only by gateways that serve Responses API turns.
+    // At least 131,072 newer responses (22 minutes at 100 responses/s across the gateways), at
+    // up to ~11 MB per worker, spent only by gateways that serve Responses API turns.
     262_144
 }
 fn default_fallbacks() -> usize {
