@@ -143,6 +143,7 @@ pub struct ScoringOverrides {
     pub queue_horizon: Option<f64>,
     pub running_scale: Option<f64>,
     pub prefix_home_score: Option<f64>,
+    pub pending_cost: Option<f64>,
 }
 
 /// Which of the published weight sets to start from.
@@ -226,6 +227,11 @@ pub struct ScoringConfig {
     pub running_scale: f64,
     /// Prefix score given to the rendezvous-hash home of a prompt no pod is known to hold.
     pub prefix_home_score: f64,
+    /// What a request's prefill costs the requests already waiting for their first token on a
+    /// pod, per waiting request, as a share of its own prefill time: an engine that batches the
+    /// waiting prefills into one step (vLLM's chunked prefill) gives every one of them its first
+    /// token only when the whole step is done.
+    pub pending_cost: f64,
 }
 
 impl Default for ScoringConfig {
@@ -240,6 +246,7 @@ impl Default for ScoringConfig {
             queue_horizon: 4.0,
             running_scale: 32.0,
             prefix_home_score: 0.3,
+            pending_cost: 1.0,
         }
     }
 }
@@ -265,6 +272,7 @@ impl ScoringConfig {
             queue_horizon: o.queue_horizon.unwrap_or(self.queue_horizon),
             running_scale: o.running_scale.unwrap_or(self.running_scale),
             prefix_home_score: o.prefix_home_score.unwrap_or(self.prefix_home_score),
+            pending_cost: o.pending_cost.unwrap_or(self.pending_cost),
         }
     }
 
@@ -304,6 +312,10 @@ impl ScoringConfig {
                 format!("{at}.prefix_home_score"),
                 "must be in [0, 1]",
             ));
+        }
+        let pc = self.pending_cost;
+        if !(pc.is_finite() && (0.0..=4.0).contains(&pc)) {
+            return Err(cfg_err(format!("{at}.pending_cost"), "must be in [0, 4]"));
         }
         if self.stale_after_ms == 0 {
             return Err(cfg_err(format!("{at}.stale_after_ms"), "must be > 0"));

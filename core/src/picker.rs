@@ -230,6 +230,9 @@ struct Load {
     /// Prefill work queued ahead of a new request, in average requests.
     work: f64,
     waiting: f64,
+    /// Requests waiting for their first token: the snapshot's queue with what was sent since,
+    /// or this gateway's own not yet answered, whichever says more.
+    pending: f64,
     running: f64,
     kv: Option<f64>,
     /// Free KV-cache tokens, when the pod reports its cache geometry.
@@ -243,7 +246,9 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
     let mut work = waiting;
     let mut kv = s.kv_cache_usage;
     let mut backlog = 0.0;
+    let mut unanswered = 0.0;
     if let Some(l) = load {
+        unanswered = f64::from(l.prefill);
         backlog = if avg_tokens > 0.0 {
             f64::from(l.prefill_tokens) / avg_tokens
         } else {
@@ -276,6 +281,7 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
         // backlog (which the snapshot hides inside "running"), whichever says more.
         work: fmax(work, backlog),
         waiting,
+        pending: fmax(waiting, unanswered),
         running,
         kv,
         free_tokens,
@@ -483,6 +489,13 @@ impl Picker {
         // A pod whose free KV cache cannot hold the prompt makes it wait until running requests
         // finish (or preempts one): count that as a full horizon of extra wait.
         let prompt_tokens = f64::from(req.prompt_tokens);
+        // What this request's prefill would cost the requests waiting for their first token on
+        // the pod (`pending_cost`): each gets it only when the step that prefills this one too is
+        // done. That cost never moves a request to a slower pod: a pod slower than the fastest
+        // candidates is charged at least the least they would charge. Else a long prompt would
+        // leave busy fast pods for an idle slow one, lowering the mean TTFT and raising its own.
+        let held_up = |l: &Load, own: f64| sc.pending_cost * l.pending * own / l.capacity;
+        let mut fastest = (0.0f64, f64::INFINITY);
         let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
         for c in &mut cands {
             // Looked up once per candidate: the wait and the prefix score both use them.
@@ -491,8 +504,26 @@ impl Picker {
             c.5 = req.served_by(key);
             let l = &c.1;
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
-            c.3 = (l.work + own(c.4, c.5)) / l.capacity
-                + if no_room { sc.queue_horizon } else { 0.0 };
+            let own = own(c.4, c.5);
+            c.3 = (l.work + own) / l.capacity + if no_room { sc.queue_horizon } else { 0.0 };
+            if sc.pending_cost > 0.0 {
+                let h = held_up(l, own);
+                if l.capacity > fastest.0 {
+                    fastest = (l.capacity, h);
+                } else if l.capacity == fastest.0 {
+                    fastest.1 = fmin(fastest.1, h);
+                }
+            }
+        }
+        for c in &mut cands {
+            if sc.pending_cost > 0.0 {
+                let h = held_up(&c.1, own(c.4, c.5));
+                c.3 += if c.1.capacity < fastest.0 {
+                    fmax(h, fastest.1)
+                } else {
+                    h
+                };
+            }
             w_min = fmin(w_min, c.3);
             w_max = fmax(w_max, c.3);
         }
@@ -1069,6 +1100,72 @@ mod tests {
             table.add(i, 1, 100, Some(100));
         }
         assert!(counts.iter().all(|c| (9..=11).contains(c)), "{counts:?}");
+    }
+
+    /// With `pending_cost`, a long prompt goes where it holds up the fewest requests waiting
+    /// for their first token (an engine that batches the waiting prefills into one step gives
+    /// each its first token only when the step is done), though another pod has less work
+    /// queued; a short prompt, which holds up nobody for long, still goes where the least work
+    /// is queued.
+    #[test]
+    fn a_long_prompt_avoids_the_pod_where_it_would_hold_up_many_short_ones() {
+        let p = pool(vec![pod(1, 0, 0, 0.1), pod(2, 0, 0, 0.1)]);
+        let mut table = LoadTable::default();
+        table.rebase(1, &p.keys);
+        // Pod 0: four short prompts waiting, 400 tokens in all. Pod 1: one long one, 1,500.
+        for _ in 0..4 {
+            table.add(0, 1, 100, Some(100));
+        }
+        table.add(1, 1, 1_500, Some(1_500));
+        let req = |tokens| RequestFeatures {
+            prompt_tokens: tokens,
+            avg_prompt_tokens: 500.0,
+            ..Default::default()
+        };
+        let go = |cost, tokens| {
+            let sc = ScoringConfig {
+                pending_cost: cost,
+                ..ScoringConfig::default()
+            };
+            let d = Picker::new(sc, 0).pick(
+                &p,
+                &table.pods,
+                &req(tokens),
+                10,
+                &mut SplitMix64::new(1),
+                None,
+            );
+            best(&d)
+        };
+        // Without the cost both go to pod 0: 1 average request of work queued against 3.
+        assert_eq!((go(0.0, 4_000), go(0.0, 50)), (0, 0));
+        // With it the long prompt (8 average requests) would hold up four there, one on pod 1.
+        assert_eq!((go(1.0, 4_000), go(1.0, 50)), (1, 0));
+        assert_eq!(go(0.25, 4_000), 1);
+
+        // It never moves a request to a slower pod: an idle pod at a third of the speed would
+        // hold up nobody, but the long prompt's own prefill there takes 8 against 3 here.
+        let mut fast = pod(1, 0, 0, 0.1);
+        fast.capacity = 3.0;
+        let p = pool(vec![fast, pod(2, 0, 0, 0.1)]);
+        let mut table = LoadTable::default();
+        table.rebase(1, &p.keys);
+        for _ in 0..4 {
+            table.add(0, 1, 100, Some(100));
+        }
+        let sc = ScoringConfig {
+            pending_cost: 1.0,
+            ..ScoringConfig::default()
+        };
+        let d = Picker::new(sc, 0).pick(
+            &p,
+            &table.pods,
+            &req(4_000),
+            10,
+            &mut SplitMix64::new(1),
+            None,
+        );
+        assert_eq!(best(&d), 0);
     }
 
     #[test]
