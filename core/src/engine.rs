@@ -735,7 +735,8 @@ impl Engine {
     }
 
     /// A stored response's pod another worker of this Envoy learned (its shared slot): in this
-    /// engine's index, not sent on (that worker's records carry it to the others).
+    /// engine's table of stored responses, not sent on (that worker's records carry it to the
+    /// others).
     pub fn note_response(&mut self, key: u64, pod_key: u64) {
         self.responses.insert(key, pod_key);
     }

@@ -475,7 +475,8 @@ impl Worker {
     }
 
     /// Reads a stored response's shared slot (`engine::response_slot`), written by the worker
-    /// that served it, into this worker's index: whether it held that response's pod.
+    /// that served it, into this worker's table of stored responses: whether it held that
+    /// response's pod.
     fn note_shared_response(&mut self, key: u64) -> bool {
         let pod = host::get_shared(&engine::response_slot_key(key))
             .0
