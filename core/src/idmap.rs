@@ -81,6 +81,57 @@ impl Hasher for NameHasher {
 /// A `HashMap` with [`NameHasher`], for names from the configuration.
 pub type NameMap<K, V> = HashMap<K, V, BuildHasherDefault<NameHasher>>;
 
+/// A bounded map keyed by hashes: two generations of `half` entries each. When the current one
+/// is full and a new key comes, the previous is dropped and the current becomes the previous
+/// (an approximate LRU with O(1) work and no per-entry bookkeeping). Writing a key through
+/// [`Generations::entry`] moves it into the current generation, carrying its value over. The
+/// learned prefix index and the table of stored responses are built on it.
+pub struct Generations<V> {
+    cur: IdMap<u64, V>,
+    prev: IdMap<u64, V>,
+    half: usize,
+}
+
+impl<V: Copy + Default> Generations<V> {
+    /// At most `2 * half` entries. Grows on demand: nothing is allocated until a key is written.
+    pub fn new(half: usize) -> Self {
+        Generations {
+            cur: IdMap::default(),
+            prev: IdMap::default(),
+            half: half.max(1),
+        }
+    }
+
+    pub fn get(&self, key: u64) -> Option<&V> {
+        self.cur.get(&key).or_else(|| self.prev.get(&key))
+    }
+
+    /// The value of `key` in the current generation, to write: carried over from the previous
+    /// generation when it is there, else the default.
+    pub fn entry(&mut self, key: u64) -> &mut V {
+        if self.cur.len() >= self.half && !self.cur.contains_key(&key) {
+            self.prev = std::mem::take(&mut self.cur);
+        }
+        let base = self.prev.get(&key).copied().unwrap_or_default();
+        self.cur.entry(key).or_insert(base)
+    }
+
+    /// Entries held (both generations; a key carried over counts in both until the previous is
+    /// dropped).
+    pub fn len(&self) -> usize {
+        self.cur.len() + self.prev.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether `key` is in the current generation.
+    pub fn is_current(&self, key: u64) -> bool {
+        self.cur.contains_key(&key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -307,8 +307,9 @@ fn kv_tokens(s: &crate::snapshot::PodSnapshot) -> Option<f64> {
 }
 
 /// A candidate in [`Picker::pick`]: pod index, load, saturated, expected wait, the prompt's
-/// matched depth on the pod, whether the pod served the conversation (None: no conversation).
-type Cand = (usize, Load, bool, f64, u32, Option<bool>);
+/// matched depth on the pod, whether the pod served the conversation (None: no conversation),
+/// what the request would hold up the requests waiting there (`pending_cost`).
+type Cand = (usize, Load, bool, f64, u32, Option<bool>, f64);
 
 impl Picker {
     pub fn new(scoring: ScoringConfig, fallbacks: usize) -> Picker {
@@ -363,7 +364,7 @@ impl Picker {
             }
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
             let saturated = over(&l, sc.queue_threshold, sc.kv_threshold);
-            cands.push((i, l, saturated, 0.0, 0, None));
+            cands.push((i, l, saturated, 0.0, 0, None, 0.0));
         }
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
@@ -506,24 +507,19 @@ impl Picker {
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
             let own = own(c.4, c.5);
             c.3 = (l.work + own) / l.capacity + if no_room { sc.queue_horizon } else { 0.0 };
-            if sc.pending_cost > 0.0 {
-                let h = held_up(l, own);
-                if l.capacity > fastest.0 {
-                    fastest = (l.capacity, h);
-                } else if l.capacity == fastest.0 {
-                    fastest.1 = fmin(fastest.1, h);
-                }
+            c.6 = held_up(l, own);
+            if l.capacity > fastest.0 {
+                fastest = (l.capacity, c.6);
+            } else if l.capacity == fastest.0 {
+                fastest.1 = fmin(fastest.1, c.6);
             }
         }
         for c in &mut cands {
-            if sc.pending_cost > 0.0 {
-                let h = held_up(&c.1, own(c.4, c.5));
-                c.3 += if c.1.capacity < fastest.0 {
-                    fmax(h, fastest.1)
-                } else {
-                    h
-                };
-            }
+            c.3 += if c.1.capacity < fastest.0 {
+                fmax(c.6, fastest.1)
+            } else {
+                c.6
+            };
             w_min = fmin(w_min, c.3);
             w_max = fmax(w_max, c.3);
         }
@@ -533,7 +529,7 @@ impl Picker {
         let span = fmax(sc.queue_horizon, w_max - w_min);
 
         let mut scored: Vec<(usize, f64, f64, f64)> = Vec::with_capacity(cands.len());
-        for (i, l, saturated, wait, depth, served) in &cands {
+        for (i, l, saturated, wait, depth, served, _) in &cands {
             let pod = &pool.pods[*i];
             let queue = 1.0 - (wait - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);

@@ -23,7 +23,7 @@
 //! The geometric grid keeps a request's work at ~2 log2(n) map operations instead of n, and loses
 //! at most a third of a match's depth to quantisation.
 
-use crate::idmap::IdMap;
+use crate::idmap::Generations;
 use crate::rng::mix64;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 use xxhash_rust::xxh64::xxh64;
@@ -167,12 +167,9 @@ impl PodSet {
 }
 
 /// Per-worker map from anchor hash to the pods recently sent that prefix. Bounded: two
-/// generations of `capacity / 2` entries; when the current one fills, the previous is dropped
-/// (an approximate LRU with O(1) work and no per-entry bookkeeping).
+/// generations of `capacity / 2` entries ([`Generations`]).
 pub struct PrefixIndex {
-    cur: IdMap<u64, PodSet>,
-    prev: IdMap<u64, PodSet>,
-    half: usize,
+    map: Generations<PodSet>,
     stamp: u64,
 }
 
@@ -186,12 +183,9 @@ pub struct PodMatch {
 
 impl PrefixIndex {
     pub fn new(capacity: usize) -> Self {
-        let half = (capacity / 2).max(8);
         PrefixIndex {
             // Grows on demand: a plugin instance that never routes costs nothing.
-            cur: IdMap::default(),
-            prev: IdMap::default(),
-            half,
+            map: Generations::new((capacity / 2).max(8)),
             stamp: 0,
         }
     }
@@ -200,11 +194,7 @@ impl PrefixIndex {
     pub fn record(&mut self, anchors: &[u64], pod: u64) {
         self.stamp += 1;
         for &a in anchors {
-            if self.cur.len() >= self.half && !self.cur.contains_key(&a) {
-                self.prev = std::mem::take(&mut self.cur);
-            }
-            let base = self.prev.get(&a).copied().unwrap_or_default();
-            self.cur.entry(a).or_insert(base).insert(pod, self.stamp);
+            self.map.entry(a).insert(pod, self.stamp);
         }
     }
 
@@ -213,7 +203,7 @@ impl PrefixIndex {
     pub fn lookup(&self, anchors: &[Anchor], out: &mut Vec<PodMatch>) {
         out.clear();
         for a in anchors.iter().rev() {
-            let Some(set) = self.cur.get(&a.hash).or_else(|| self.prev.get(&a.hash)) else {
+            let Some(set) = self.map.get(a.hash) else {
                 continue;
             };
             for &pod in set.pods.iter().filter(|p| **p != 0) {
@@ -229,16 +219,15 @@ impl PrefixIndex {
 
     /// Pods recorded under one key (e.g. a conversation key).
     pub fn pods_of(&self, key: u64) -> Vec<u64> {
-        self.cur
-            .get(&key)
-            .or_else(|| self.prev.get(&key))
+        self.map
+            .get(key)
             .map(|s| s.pods.iter().copied().filter(|p| *p != 0).collect())
             .unwrap_or_default()
     }
 
     /// The pod most recently recorded under a key.
     pub fn latest_pod_of(&self, key: u64) -> Option<u64> {
-        let set = self.cur.get(&key).or_else(|| self.prev.get(&key))?;
+        let set = self.map.get(key)?;
         (0..PODS_PER_ANCHOR)
             .filter(|i| set.pods[*i] != 0)
             .max_by_key(|i| set.stamps[*i])
@@ -247,7 +236,7 @@ impl PrefixIndex {
 
     /// Entries held (both generations).
     pub fn len(&self) -> usize {
-        self.cur.len() + self.prev.len()
+        self.map.len()
     }
 
     pub fn is_empty(&self) -> bool {

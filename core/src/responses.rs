@@ -13,7 +13,7 @@
 //! ([`response_key`]) so a receiver can tell it from a prompt's. Those bits are neither the ones
 //! that pick a hash-table bucket (the low ones) nor the ones in its control bytes (the top 7).
 
-use crate::idmap::IdMap;
+use crate::idmap::Generations;
 use crate::prefix;
 
 /// Seed domain of stored responses' keys (Responses API ids).
@@ -36,53 +36,45 @@ pub fn is_response_key(key: u64) -> bool {
 }
 
 /// Response key -> the pod that holds the response. Bounded: two generations of
-/// `capacity / 2` entries; when the current one fills, the previous is dropped (as
-/// [`crate::prefix::PrefixIndex`] does). A response named again (a turn continuing it) moves to
-/// the current generation, so a conversation in use is the last to be forgotten: an entry lives
-/// at least `capacity / 2` further responses after it was last learned or named.
+/// `capacity / 2` entries ([`Generations`], as the prefix index). A response named again (a turn
+/// continuing it) moves to the current generation, so a conversation in use is the last to be
+/// forgotten: an entry lives at least `capacity / 2` further responses after it was last
+/// learned or named.
 pub struct ResponseTable {
-    cur: IdMap<u64, u64>,
-    prev: IdMap<u64, u64>,
-    half: usize,
+    map: Generations<u64>,
 }
 
 impl ResponseTable {
     pub fn new(capacity: usize) -> Self {
+        // Grows on demand: a gateway that serves no Responses API turns spends nothing.
         ResponseTable {
-            // Grows on demand: a gateway that serves no Responses API turns spends nothing.
-            cur: IdMap::default(),
-            prev: IdMap::default(),
-            half: (capacity / 2).max(1),
+            map: Generations::new(capacity / 2),
         }
     }
 
     /// Records that the response `key` lives on `pod` (a newer record of the same key wins).
     pub fn insert(&mut self, key: u64, pod: u64) {
-        if self.cur.len() >= self.half && !self.cur.contains_key(&key) {
-            self.prev = std::mem::take(&mut self.cur);
-        }
-        self.cur.insert(key, pod);
+        *self.map.entry(key) = pod;
     }
 
     /// The pod holding the response `key`, if known.
     pub fn get(&self, key: u64) -> Option<u64> {
-        self.cur.get(&key).or_else(|| self.prev.get(&key)).copied()
+        self.map.get(key).copied()
     }
 
     /// [`ResponseTable::get`], moving an entry of the previous generation to the current one:
     /// for a turn that continues the response.
     pub fn get_and_keep(&mut self, key: u64) -> Option<u64> {
-        if let Some(pod) = self.cur.get(&key) {
-            return Some(*pod);
+        if self.map.is_current(key) {
+            return self.get(key);
         }
-        let pod = self.prev.remove(&key)?;
-        self.insert(key, pod);
-        Some(pod)
+        self.get(key)?;
+        Some(*self.map.entry(key))
     }
 
     /// Entries held (both generations).
     pub fn len(&self) -> usize {
-        self.cur.len() + self.prev.len()
+        self.map.len()
     }
 
     pub fn is_empty(&self) -> bool {
