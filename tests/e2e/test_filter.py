@@ -3,6 +3,7 @@ against stub pods that say who served each request."""
 
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import socket
 import threading
@@ -1037,6 +1038,66 @@ def test_burst_within_one_snapshot_spreads(pods):
         e.stop()
         for p in slow.values():
             p.close()
+
+
+def connection_per_worker(e, workers):
+    """One keep-alive connection to each of Envoy's `workers` worker threads (the kernel picks a
+    connection's worker; Envoy's per-worker accept counters say which it picked), by worker."""
+    host, port = e.listen.rsplit(":", 1)
+    conns, spare = {}, []
+    for _ in range(200):
+        before = e.worker_connections()
+        c = http.client.HTTPConnection(host, int(port), timeout=10)
+        c.connect()
+        deadline = time.time() + 5
+        while (after := e.worker_connections()) == before and time.time() < deadline:
+            time.sleep(0.01)
+        worker = next(k for k, v in after.items() if v != before.get(k, 0))
+        (spare if worker in conns else conns.__setitem__(worker, c) or []).append(c)
+        if len(conns) == workers:
+            for s in spare:
+                s.close()
+            return conns
+    raise AssertionError(f"connections did not reach every worker: {e.worker_connections()}")
+
+
+def test_a_request_that_ended_on_one_worker_no_longer_counts_on_the_other(pods):
+    """A request's end reaches the other workers at once when its worker has none left in
+    flight, not at that worker's next tick: a worker that went quiet has nothing later to
+    publish it with. Before, the other worker counted the finished request on its pod for up to
+    a tick and sent the next request (in production, often the next turn of a conversation that
+    pod holds) elsewhere. The tick is made 60 s long here, so the end can reach the other worker
+    only with the request's own end. Each worker routes a request first, so each knows the
+    other (a worker joins the exchange with its first routed request). Then the requests
+    alternate between the two workers on keep-alive connections, each after the one before was
+    answered; the snapshot makes pod 0 the best by a margin that one request in flight there
+    outweighs."""
+    addrs = [pods[f"llama-{i}"].address for i in range(3)]
+    config = dict(CONFIG, tick_ms=60_000, idle_tick_ms=60_000)
+    e = Envoy("filter", pools_of(pods), config, concurrency=2)
+    conns = {}
+    try:
+        assert e.push(snapshot({"llama": [
+            {"address": addrs[0], "running": 2},
+            {"address": addrs[1], "running": 3},
+            {"address": addrs[2], "running": 3},
+        ]}))[0] == 204
+        conns = connection_per_worker(e, 2)
+        served = []
+        for i in range(14):
+            c = list(conns.values())[i % 2]
+            body = json.dumps({"model": "llama-3-8b", "messages": [{"role": "user", "content": f"question {i}"}]})
+            c.request("POST", "/v1/chat/completions", body=body, headers={"content-type": "application/json"})
+            r = c.getresponse()
+            r.read()
+            assert r.status == 200
+            served.append((r.getheader("x-served-by"), r.getheader("x-gateway-debug")))
+        # The first two joined the exchange, one on each worker.
+        assert [s for s, _ in served[2:]] == ["llama-0"] * 12, served
+    finally:
+        for c in conns.values():
+            c.close()
+        e.stop()
 
 
 @contextlib.contextmanager
