@@ -935,6 +935,14 @@ mod tests {
                 "scoring.lora_queue_threshold",
             ),
             (
+                r#"{"pools":[],"scoring":{"pending_cost":4.5}}"#,
+                "scoring.pending_cost",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"scoring":{"pending_cost":-0.1}}]}"#,
+                "pools[0].scoring.pending_cost",
+            ),
+            (
                 r#"{"pools":[{"name":"p","models":["m"],"scoring":{"weights":{"queue":0,"kv_cache":0,"running":0,"lora":0,"prefix":0}}}]}"#,
                 "pools[0].scoring.weights",
             ),
