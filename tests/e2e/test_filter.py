@@ -1045,20 +1045,27 @@ def connection_per_worker(e, workers):
     connection's worker; Envoy's per-worker accept counters say which it picked), by worker."""
     host, port = e.listen.rsplit(":", 1)
     conns, spare = {}, []
-    for _ in range(200):
-        before = e.worker_connections()
-        c = http.client.HTTPConnection(host, int(port), timeout=10)
-        c.connect()
-        deadline = time.time() + 5
-        while (after := e.worker_connections()) == before and time.time() < deadline:
-            time.sleep(0.01)
-        worker = next(k for k, v in after.items() if v != before.get(k, 0))
-        (spare if worker in conns else conns.__setitem__(worker, c) or []).append(c)
-        if len(conns) == workers:
-            for s in spare:
-                s.close()
-            return conns
-    raise AssertionError(f"connections did not reach every worker: {e.worker_connections()}")
+    try:
+        for _ in range(200):
+            before = e.worker_connections()
+            c = http.client.HTTPConnection(host, int(port), timeout=10)
+            c.connect()
+            deadline = time.time() + 5
+            while (after := e.worker_connections()) == before and time.time() < deadline:
+                time.sleep(0.01)
+            worker = next(k for k, v in after.items() if v != before.get(k, 0))
+            if worker in conns:
+                spare.append(c)
+            else:
+                conns[worker] = c
+            if len(conns) == workers:
+                return conns
+        for c in conns.values():
+            c.close()
+        raise AssertionError(f"connections did not reach every worker: {e.worker_connections()}")
+    finally:
+        for c in spare:
+            c.close()
 
 
 def test_a_request_that_ended_on_one_worker_no_longer_counts_on_the_other(pods):
