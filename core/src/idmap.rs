@@ -125,11 +125,6 @@ impl<V: Copy + Default> Generations<V> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Whether `key` is in the current generation.
-    pub fn is_current(&self, key: u64) -> bool {
-        self.cur.contains_key(&key)
-    }
 }
 
 #[cfg(test)]

@@ -306,10 +306,21 @@ fn kv_tokens(s: &crate::snapshot::PodSnapshot) -> Option<f64> {
     (cap > 0.0).then_some(cap)
 }
 
-/// A candidate in [`Picker::pick`]: pod index, load, saturated, expected wait, the prompt's
-/// matched depth on the pod, whether the pod served the conversation (None: no conversation),
-/// what the request would hold up the requests waiting there (`pending_cost`).
-type Cand = (usize, Load, bool, f64, u32, Option<bool>, f64);
+/// A candidate in [`Picker::pick`].
+struct Cand {
+    /// The pod's index in the pool.
+    i: usize,
+    load: Load,
+    saturated: bool,
+    /// Expected wait, in time on a capacity-1 pod.
+    wait: f64,
+    /// The prompt's matched depth on the pod.
+    depth: u32,
+    /// Whether the pod served the conversation (None: no conversation).
+    served: Option<bool>,
+    /// What the request would hold up the requests waiting there (`pending_cost`).
+    held_up: f64,
+}
 
 impl Picker {
     pub fn new(scoring: ScoringConfig, fallbacks: usize) -> Picker {
@@ -364,12 +375,20 @@ impl Picker {
             }
             let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
             let saturated = over(&l, sc.queue_threshold, sc.kv_threshold);
-            cands.push((i, l, saturated, 0.0, 0, None, 0.0));
+            cands.push(Cand {
+                i,
+                load: l,
+                saturated,
+                wait: 0.0,
+                depth: 0,
+                served: None,
+                held_up: 0.0,
+            });
         }
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
         }
-        let all_saturated = cands.iter().all(|c| c.2);
+        let all_saturated = cands.iter().all(|c| c.saturated);
         if all_saturated {
             if req.sheddable {
                 return Decision::Shed;
@@ -387,15 +406,15 @@ impl Picker {
         // Where an overflow last sent it does not count here: once the home has room again,
         // traffic goes back instead of keeping a second copy that evicts that pod's own adapters.
         let keeps = |c: &Cand| {
-            adapter.is_some_and(|a| holds_adapter(&pool.pods[c.0], a, req))
-                && !over(&c.1, sc.lora_queue_threshold, sc.kv_threshold)
+            adapter.is_some_and(|a| holds_adapter(&pool.pods[c.i], a, req))
+                && !over(&c.load, sc.lora_queue_threshold, sc.kv_threshold)
         };
         if !all_saturated {
             // With `hold`, a request for a saturated pod's prompt or adapter may wait for it.
             if let Some(pod) = self.awaited_pod_for(pool, req, adapter, &cands) {
                 return Decision::Hold(HoldReason::Affinity { pod });
             }
-            let room = |c: &Cand| !c.2 || keeps(c);
+            let room = |c: &Cand| !c.saturated || keeps(c);
             if let Some(e) = explain.as_deref_mut() {
                 left_out(e, &cands, room, LeftOut::Saturated);
             }
@@ -414,8 +433,8 @@ impl Picker {
         // conversations (and adapters). The speed class (not the raw estimate) keeps the
         // estimate's jitter between snapshots from moving homes around.
         let hrw = |k: u64, c: &Cand| {
-            let w = c.1.capacity;
-            (weighted_hrw(k, pool.pods[c.0].key, w), c.0)
+            let w = c.load.capacity;
+            (weighted_hrw(k, pool.pods[c.i].key, w), c.i)
         };
         let home = match (prefix_on, adapter, req.home_key) {
             // An adapter request's prompt is homed with its adapter: on the adapter's home pod,
@@ -427,22 +446,24 @@ impl Picker {
             // would move it whenever a pod's estimated speed class flips with load.
             (true, Some(a), _) => cands
                 .iter()
-                .find(|c| req.adapter_home == Some(pool.pods[c.0].key))
+                .find(|c| req.adapter_home == Some(pool.pods[c.i].key))
                 .or_else(|| {
                     cands
                         .iter()
-                        .max_by_key(|c| hrw_weight(a, pool.pods[c.0].key))
+                        .max_by_key(|c| hrw_weight(a, pool.pods[c.i].key))
                 })
-                .map(|c| c.0),
+                .map(|c| c.i),
             // Equal capacities (the usual case): `w / -ln(u)` orders the pods as `u` does, and
             // `u` as the hash's top 53 bits; no logarithm.
             (true, None, Some(k))
-                if cands.windows(2).all(|p| p[0].1.capacity == p[1].1.capacity) =>
+                if cands
+                    .windows(2)
+                    .all(|p| p[0].load.capacity == p[1].load.capacity) =>
             {
                 cands
                     .iter()
-                    .max_by_key(|c| hrw_weight(k, pool.pods[c.0].key) >> 11)
-                    .map(|c| c.0)
+                    .max_by_key(|c| hrw_weight(k, pool.pods[c.i].key) >> 11)
+                    .map(|c| c.i)
             }
             // One weight per candidate (a logarithm each), not two per comparison.
             (true, None, Some(k)) => cands
@@ -452,7 +473,7 @@ impl Picker {
                 .map(|(_, i)| i),
             _ => None,
         };
-        let kv_on = cands.iter().any(|c| c.1.kv.is_some());
+        let kv_on = cands.iter().any(|c| c.load.kv.is_some());
         // This request's own prefill on a pod, in the same unit as the queued work: only what
         // the pod does not already hold in its prefix cache needs computing.
         // For a conversation, only pods that served it get the credit: what conversations merely
@@ -500,28 +521,28 @@ impl Picker {
         let (mut w_min, mut w_max) = (f64::INFINITY, 0.0f64);
         for c in &mut cands {
             // Looked up once per candidate: the wait and the prefix score both use them.
-            let key = pool.pods[c.0].key;
-            c.4 = req.depth_on(key);
-            c.5 = req.served_by(key);
-            let l = &c.1;
+            let key = pool.pods[c.i].key;
+            c.depth = req.depth_on(key);
+            c.served = req.served_by(key);
+            let l = &c.load;
             let no_room = l.free_tokens.is_some_and(|f| f < prompt_tokens);
-            let own = own(c.4, c.5);
-            c.3 = (l.work + own) / l.capacity + if no_room { sc.queue_horizon } else { 0.0 };
-            c.6 = held_up(l, own);
+            let own = own(c.depth, c.served);
+            c.wait = (l.work + own) / l.capacity + if no_room { sc.queue_horizon } else { 0.0 };
+            c.held_up = held_up(l, own);
             if l.capacity > fastest.0 {
-                fastest = (l.capacity, c.6);
+                fastest = (l.capacity, c.held_up);
             } else if l.capacity == fastest.0 {
-                fastest.1 = fmin(fastest.1, c.6);
+                fastest.1 = fmin(fastest.1, c.held_up);
             }
         }
         for c in &mut cands {
-            c.3 += if c.1.capacity < fastest.0 {
-                fmax(c.6, fastest.1)
+            c.wait += if c.load.capacity < fastest.0 {
+                fmax(c.held_up, fastest.1)
             } else {
-                c.6
+                c.held_up
             };
-            w_min = fmin(w_min, c.3);
-            w_max = fmax(w_max, c.3);
+            w_min = fmin(w_min, c.wait);
+            w_max = fmax(w_max, c.wait);
         }
         // Linear in the extra wait over the best candidate, so pods are separated in proportion
         // to the time a request would lose; if the spread exceeds the horizon (overload), it is
@@ -529,7 +550,16 @@ impl Picker {
         let span = fmax(sc.queue_horizon, w_max - w_min);
 
         let mut scored: Vec<(usize, f64, f64, f64)> = Vec::with_capacity(cands.len());
-        for (i, l, saturated, wait, depth, served, _) in &cands {
+        for Cand {
+            i,
+            load: l,
+            saturated,
+            wait,
+            depth,
+            served,
+            ..
+        } in &cands
+        {
             let pod = &pool.pods[*i];
             let queue = 1.0 - (wait - w_min) / span;
             let running = 1.0 / (1.0 + (l.running / l.capacity) / sc.running_scale);
@@ -616,26 +646,26 @@ impl Picker {
         if let Some(a) = adapter {
             if cands
                 .iter()
-                .any(|c| !c.2 && holds_adapter(&pool.pods[c.0], a, req))
+                .any(|c| !c.saturated && holds_adapter(&pool.pods[c.i], a, req))
             {
                 return None;
             }
-            let running = |c: &&Cand| pool.pods[c.0].lora_running.contains(&a);
-            let home = |c: &&Cand| home_with_slot(&pool.pods[c.0], req);
+            let running = |c: &&Cand| pool.pods[c.i].lora_running.contains(&a);
+            let home = |c: &&Cand| home_with_slot(&pool.pods[c.i], req);
             let pod = cands
                 .iter()
                 .find(running)
                 .or_else(|| cands.iter().find(home));
-            return pod.map(|c| pool.pods[c.0].key);
+            return pod.map(|c| pool.pods[c.i].key);
         }
         if req.prefix_blocks == 0 || self.weights.prefix <= 0.0 {
             return None;
         }
         let (mut busy, mut free, mut pod) = (0.0f64, 0.0f64, None);
         for c in cands {
-            let key = pool.pods[c.0].key;
+            let key = pool.pods[c.i].key;
             let credit = req.prefix_credit(req.depth_on(key), req.served_by(key));
-            if !c.2 {
+            if !c.saturated {
                 free = fmax(free, credit);
             } else if credit > busy {
                 (busy, pod) = (credit, Some(key));
@@ -741,7 +771,7 @@ fn lora_score(pod: &PodState, adapter: u64, likely_loaded: bool) -> f64 {
 /// Records the candidates that `keep` drops, before the filter drops them.
 fn left_out(e: &mut Explain, cands: &[Cand], keep: impl Fn(&Cand) -> bool, why: LeftOut) {
     e.left_out
-        .extend(cands.iter().filter(|c| !keep(c)).map(|c| (c.0, why)));
+        .extend(cands.iter().filter(|c| !keep(c)).map(|c| (c.i, why)));
 }
 
 /// The longest `x-gateway-debug` value [`format_breakdown`] writes: room for ~90 scored pods.

@@ -65,9 +65,6 @@ impl ResponseTable {
     /// [`ResponseTable::get`], moving an entry of the previous generation to the current one:
     /// for a turn that continues the response.
     pub fn get_and_keep(&mut self, key: u64) -> Option<u64> {
-        if self.map.is_current(key) {
-            return self.get(key);
-        }
         self.get(key)?;
         Some(*self.map.entry(key))
     }

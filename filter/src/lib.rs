@@ -278,6 +278,15 @@ impl Worker {
         }
     }
 
+    /// [`Worker::publish_loads`] unless this worker published within `shared_refresh_ms`, or
+    /// `force`d.
+    fn publish_loads_throttled(&mut self, now_ns: u64, force: bool) {
+        if force || now_ns.wrapping_sub(self.published_ns) >= self.refresh_ns {
+            self.published_ns = now_ns;
+            self.publish_loads();
+        }
+    }
+
     /// Publishes the tables that changed (no compare-and-swap: this worker is their only writer).
     fn publish_loads(&mut self) {
         for pl in self.loads.values_mut() {
@@ -1130,11 +1139,8 @@ impl Http {
                     pl.open = pl.open.saturating_add(1);
                 }
                 // Published at once unless this worker published within the interval (then
-                // with the next request after it, or the tick).
-                if t0.wrapping_sub(w.published_ns) >= w.refresh_ns {
-                    w.published_ns = t0;
-                    w.publish_loads();
-                }
+                // with the next request or end after it, or the tick).
+                w.publish_loads_throttled(t0, false);
                 w.engine.commit(&prep, pod_key);
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(pool, pod_key, addr);
@@ -1232,11 +1238,7 @@ fn complete(worker: &Option<Rc<RefCell<Worker>>>, pool: &str, op: Completion) {
         // and so may count this request until this worker's next publication or tick).
         return;
     }
-    let now = host::now_nanos();
-    if last || now.wrapping_sub(w.published_ns) >= w.refresh_ns {
-        w.published_ns = now;
-        w.publish_loads();
-    }
+    w.publish_loads_throttled(host::now_nanos(), last);
 }
 
 fn peer_is_loopback() -> bool {
