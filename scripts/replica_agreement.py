@@ -22,7 +22,6 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "e2e"))
 
 import test_affinity  # noqa: E402
-from harness import Envoy  # noqa: E402
 from stubpod import serving  # noqa: E402
 
 
@@ -30,16 +29,9 @@ def agreement(variant, sets):
     """(affinity, pods used) for each of `sets` new sets of pods, two replicas each."""
     out = []
     for _ in range(sets):
-        with serving([f"pod-{i}" for i in range(8)]) as pods:
-            pods = list(pods.values())
-            pools = [{"name": "llama", "endpoints": [p.address for p in pods]}]
+        with serving(test_affinity.POD_NAMES) as pods:
             config = {**test_affinity.CONFIG, **variant}
-            gateways = [Envoy("filter", pools, config) for _ in range(2)]
-            try:
-                out.append(test_affinity.run(gateways, pods))
-            finally:
-                for gw in gateways:
-                    gw.stop()
+            out.append(test_affinity.run_replicas(list(pods.values()), config, replicas=2))
     return out
 
 

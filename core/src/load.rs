@@ -145,6 +145,11 @@ impl LoadTable {
         true
     }
 
+    /// Whether no request of this table's writer is in flight on any of its pods.
+    pub fn is_idle(&self) -> bool {
+        self.pods.iter().all(|p| p.inflight == 0)
+    }
+
     /// A table aligned with snapshot `version` whose pods have these keys, all counts zero.
     pub fn zeroed(version: u64, keys: &[u64]) -> LoadTable {
         LoadTable {
@@ -400,6 +405,19 @@ mod tests {
         assert_eq!(back, t);
         assert_eq!(back.pods[1].delta(), 1);
         assert_eq!(back.pods[1].delta_tokens(), 500);
+    }
+
+    #[test]
+    fn idle_until_a_request_is_counted_and_again_once_it_finished() {
+        let mut t = LoadTable::zeroed(3, &[11, 22]);
+        assert!(t.is_idle());
+        t.add(1, 2, 500, Some(500));
+        assert!(!t.is_idle());
+        // A new snapshot that counts it keeps it in flight: only its end makes the table idle.
+        t.rebase(4, &[11, 22]);
+        assert!(!t.is_idle());
+        assert!(t.finish(22, 2, 500, Some(500)));
+        assert!(t.is_idle());
     }
 
     fn table(version: u64, keys: &[u64], inflight: &[u32]) -> LoadTable {

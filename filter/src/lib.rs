@@ -182,14 +182,6 @@ struct PoolLoad {
     own: LoadTable,
     /// `own` changed since it was last published.
     dirty: bool,
-    /// This worker's requests to the pool from their pick to their end. A request's end is
-    /// published at once when it leaves none (and otherwise when the worker did not publish
-    /// within `shared_refresh_ms`): a worker that went quiet has no later request or end to
-    /// publish it with, and until its tick (`tick_ms`, later on a loaded host) the other workers
-    /// would count the finished request on its pod, and send the next turn of a conversation
-    /// that pod holds elsewhere. With requests still open, a throttled end waits at most for
-    /// the next publication or the tick.
-    open: u32,
     /// The other workers' tables as last read.
     peer_tables: PeerTables,
     /// `peer_tables` of this snapshot (or the one before), summed (see `LoadTable::add_table`).
@@ -327,7 +319,6 @@ impl Worker {
                 key: load_key(pool, self.id),
                 own: LoadTable::zeroed(fleet.version, &p.keys),
                 dirty: false,
-                open: 0,
                 peer_tables: PeerTables::default(),
                 others: LoadTable::zeroed(fleet.version, &p.keys),
             };
@@ -1136,7 +1127,6 @@ impl Http {
                 if let Some(pl) = w.loads.get_mut(pool) {
                     pl.own.count(idx, &flight);
                     pl.dirty = true;
-                    pl.open = pl.open.saturating_add(1);
                 }
                 // Published at once unless this worker published within the interval (then
                 // with the next request or end after it, or the tick).
@@ -1214,31 +1204,34 @@ impl Http {
 }
 
 /// Applies a completion to the worker's table of the pool, and publishes the table at once when
-/// this worker did not publish within `shared_refresh_ms`, or when the pool has no request of
-/// this worker's left in flight (see `PoolLoad::open`).
+/// this worker did not publish within `shared_refresh_ms`, or when the table is left with no
+/// request in flight. A worker that went quiet has no later request or end to publish that end
+/// with, and until its tick (`tick_ms`, later on a loaded host) the other workers would count
+/// the finished request on its pod, and send the next turn of a conversation that pod holds
+/// elsewhere. With requests still in flight, a throttled end waits at most for the next
+/// publication or the tick.
 fn complete(worker: &Option<Rc<RefCell<Worker>>>, pool: &str, op: Completion) {
     // The worker is never borrowed between callbacks (one VM thread, callbacks never nest).
     let Some(mut w) = worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) else {
         return;
     };
+    // No other worker to read the table: it is not published (one that joins later reads it
+    // as published last, and so may count this request until this worker's next publication or
+    // tick).
+    let alone = w.peers.is_empty();
     let Some(pl) = w.loads.get_mut(pool) else {
         return;
     };
-    if let Completion::Finished { .. } = op {
-        pl.open = pl.open.saturating_sub(1);
-    }
-    let last = pl.open == 0;
     // A pod that left the table has nothing to undo.
     if !op.apply(&mut pl.own) {
         return;
     }
     pl.dirty = true;
-    if w.peers.is_empty() {
-        // No other worker to read it (one that joins later reads the table as published last,
-        // and so may count this request until this worker's next publication or tick).
+    if alone {
         return;
     }
-    w.publish_loads_throttled(host::now_nanos(), last);
+    let idle = pl.own.is_idle();
+    w.publish_loads_throttled(host::now_nanos(), idle);
 }
 
 fn peer_is_loopback() -> bool {

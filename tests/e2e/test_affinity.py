@@ -23,10 +23,24 @@ GROUPS = 40
 TURNS = 5
 
 
+POD_NAMES = [f"pod-{i}" for i in range(8)]
+
+
 @pytest.fixture(scope="module")
 def pods():
-    with serving([f"pod-{i}" for i in range(8)]) as pods:
+    with serving(POD_NAMES) as pods:
         yield list(pods.values())
+
+
+def run_replicas(pods, config=CONFIG, replicas=1, concurrency=1):
+    """`run` through `replicas` separate Envoys in front of `pods`, stopped afterwards."""
+    pools = [{"name": "llama", "endpoints": [p.address for p in pods]}]
+    gws = [Envoy("filter", pools, config, concurrency=concurrency) for _ in range(replicas)]
+    try:
+        return run(gws, pods)
+    finally:
+        for gw in gws:
+            gw.stop()
 
 
 def loaded_pools(pods):
@@ -110,15 +124,9 @@ def sidecar_replicas(pods, relay):
 
 
 def test_prefix_affinity_holds_across_workers_and_replicas(pods):
-    pools = [{"name": "llama", "endpoints": [p.address for p in pods]}]
     results = {}
     for label, concurrency, replicas in [("concurrency=1", 1, 1), ("concurrency=2", 2, 1), ("2 replicas", 1, 2)]:
-        gws = [Envoy("filter", pools, CONFIG, concurrency=concurrency) for _ in range(replicas)]
-        try:
-            results[label] = run(gws, pods)
-        finally:
-            for gw in gws:
-                gw.stop()
+        results[label] = run_replicas(pods, replicas=replicas, concurrency=concurrency)
     # Turns 10 ms apart (real follow-ups are seconds apart): the relay's path is a worker's
     # export (<= 50 ms), the sidecar's ask (every 50 ms) and the other replica's next tick.
     for label, relay in [("2 replicas, sidecars", False), ("2 replicas, relayed", True)]:

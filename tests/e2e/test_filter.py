@@ -1053,7 +1053,10 @@ def connection_per_worker(e, workers):
             deadline = time.time() + 5
             while (after := e.worker_connections()) == before and time.time() < deadline:
                 time.sleep(0.01)
-            worker = next(k for k, v in after.items() if v != before.get(k, 0))
+            worker = next((k for k, v in after.items() if v != before.get(k, 0)), None)
+            if worker is None:
+                c.close()
+                break
             if worker in conns:
                 spare.append(c)
             else:
