@@ -207,16 +207,16 @@ pub fn present_percentiles(floors: &[Option<f64>]) -> Option<Percentiles> {
 /// A request as a simulated pod reads it: prompt and output tokens, and the prompt's block
 /// hashes per block size, computed once (empty where the pod does not cache prefixes, as the
 /// pod's HTTP layer passes them).
-struct SimPrompt<'a> {
+pub(crate) struct SimPrompt<'a> {
     req: &'a TimedRequest,
     text: String,
-    tokens: u32,
-    output: u32,
+    pub(crate) tokens: u32,
+    pub(crate) output: u32,
     hashed: HashMap<u32, Vec<u64>>,
 }
 
 impl<'a> SimPrompt<'a> {
-    fn new(req: &'a TimedRequest) -> Self {
+    pub(crate) fn new(req: &'a TimedRequest) -> Self {
         let text = req.prompt.text();
         SimPrompt {
             req,
@@ -227,7 +227,7 @@ impl<'a> SimPrompt<'a> {
         }
     }
 
-    fn hashes(&mut self, cfg: &EngineConfig) -> &[u64] {
+    pub(crate) fn hashes(&mut self, cfg: &EngineConfig) -> &[u64] {
         if !cfg.enable_prefix_caching {
             return &[];
         }
@@ -237,7 +237,7 @@ impl<'a> SimPrompt<'a> {
             .or_insert_with(|| sim_text::block_hashes(text, cfg.block_size, model))
     }
 
-    fn fits(&self, engine: &Engine) -> bool {
+    pub(crate) fn fits(&self, engine: &Engine) -> bool {
         fits(self.tokens, self.output, engine)
     }
 }
@@ -247,7 +247,7 @@ fn fits(tokens: u32, output: u32, engine: &Engine) -> bool {
     u64::from(tokens) + u64::from(output) <= u64::from(engine.max_model_len())
 }
 
-fn serves(pod: &PodConfig, model: &str) -> bool {
+pub(crate) fn serves(pod: &PodConfig, model: &str) -> bool {
     pod.model == model || pod.adapters.iter().any(|a| a == model)
 }
 
@@ -302,7 +302,11 @@ fn idle_ttft_ms(
     Some(first.saturating_sub(now) as f64 / cfg.time_scale / 1e6)
 }
 
-fn request(prompt_tokens: u32, output_tokens: u32, block_hashes: Vec<u64>) -> NewRequest {
+pub(crate) fn request(
+    prompt_tokens: u32,
+    output_tokens: u32,
+    block_hashes: Vec<u64>,
+) -> NewRequest {
     NewRequest {
         prompt_tokens,
         output_tokens,

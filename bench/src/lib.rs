@@ -23,6 +23,7 @@
 pub mod floor;
 pub mod interleave;
 pub mod metrics;
+pub mod replay;
 pub mod report;
 pub mod results;
 pub mod rng;

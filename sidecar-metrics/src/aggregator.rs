@@ -18,7 +18,7 @@ use crate::config::Config;
 use crate::discovery::{Target, Update};
 use crate::engine::Reading;
 use crate::metrics::Histogram;
-use crate::pod::{pool_capacities, stable_capacity, PodState};
+use crate::pod::{pool_snapshot, PodState};
 use crate::scrape::{self, Fetch, ScrapeError};
 use crate::util::{LogGate, WallClock};
 use bytes::Bytes;
@@ -382,18 +382,11 @@ impl Aggregator {
                 .values()
                 .filter_map(|id| self.pods.get(id))
                 .collect();
-            let caps: Vec<f64> =
-                pool_capacities(states.iter().copied(), self.cfg.capacity.estimate)
-                    .into_iter()
-                    .zip(&states)
-                    .map(|(c, p)| stable_capacity(p.published_capacity, c))
-                    .collect();
-            let mut pods = Vec::with_capacity(states.len());
+            let (pods, caps) = pool_snapshot(&states, &weights, self.cfg.capacity.estimate);
             let mut st = Vec::with_capacity(states.len());
-            for ((p, w), c) in states.iter().zip(weights).zip(caps.iter().copied()) {
+            for p in &states {
                 total += 1;
                 healthy += usize::from(p.healthy);
-                pods.push(p.snapshot(w, c));
                 st.push(PodStatus {
                     name: p.target.name.clone(),
                     metrics_url: p.target.metrics_url.clone(),

@@ -320,6 +320,28 @@ pub fn pool_capacities<'a>(
     .collect()
 }
 
+/// A pool's snapshot entries from its pods' states (after [`PodState::evaluate`], which gave
+/// `weights`, in the same order), and the capacity published for each, to keep as its
+/// `published_capacity`.
+pub fn pool_snapshot(
+    states: &[&PodState],
+    weights: &[f64],
+    estimate: bool,
+) -> (Vec<PodSnapshot>, Vec<f64>) {
+    let caps: Vec<f64> = pool_capacities(states.iter().copied(), estimate)
+        .into_iter()
+        .zip(states)
+        .map(|(c, p)| stable_capacity(p.published_capacity, c))
+        .collect();
+    let pods = states
+        .iter()
+        .zip(weights)
+        .zip(&caps)
+        .map(|((p, w), c)| p.snapshot(*w, *c))
+        .collect();
+    (pods, caps)
+}
+
 /// The capacity to publish: the previous one while `estimate` stays within
 /// [`CAPACITY_DEADBAND`] of it, else `estimate`.
 pub fn stable_capacity(previous: Option<f64>, estimate: f64) -> f64 {

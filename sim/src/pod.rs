@@ -349,9 +349,7 @@ impl Pod {
     }
 
     fn names(&self, ids: &[AdapterId]) -> Vec<String> {
-        ids.iter()
-            .filter_map(|&i| self.cfg.adapters.get(usize::from(i)).cloned())
-            .collect()
+        adapter_names(&self.cfg, ids)
     }
 
     /// Adapter names for ids, comma-joined (vLLM's `lora_requests_info` label format).
@@ -411,4 +409,11 @@ impl Pod {
             },
         }
     }
+}
+
+/// The names of adapters `ids` of a pod of configuration `cfg`, in order (unknown ids left out).
+pub fn adapter_names(cfg: &PodConfig, ids: &[AdapterId]) -> Vec<String> {
+    ids.iter()
+        .filter_map(|&i| cfg.adapters.get(usize::from(i)).cloned())
+        .collect()
 }

@@ -4,20 +4,41 @@
 //! `lora_requests_info` follows vLLM PR #13303 (one series per label combination, value = unix
 //! time it was last current). SGLang names and order follow the SGLang production-metrics docs.
 
+use crate::config::PodConfig;
 use crate::engine::EngineKind;
+use crate::lora::AdapterId;
 use crate::metrics::{escape_label, Exposition, Histogram};
-use crate::pod::{MetricsView, Pod};
+use crate::pod::{MetricsView, Pod, SimClock};
 
 /// The page for a pod.
 pub fn render(pod: &Pod) -> String {
-    let view = pod.metrics_view();
+    render_view(&pod.cfg, &pod.clock, &pod.metrics_view())
+}
+
+/// The page of a pod of configuration `cfg` whose engine shows `view`, on `clock`: what
+/// [`render`] serves, for an engine driven without a server (the benchmark's offline replay).
+pub fn render_view(cfg: &PodConfig, clock: &SimClock, view: &MetricsView) -> String {
+    let pod = Page { cfg, clock };
     let mut e = Exposition::new();
-    match pod.cfg.engine.kind {
-        EngineKind::Vllm => vllm(pod, &view, &mut e),
-        EngineKind::Sglang => sglang(pod, &view, &mut e),
+    match cfg.engine.kind {
+        EngineKind::Vllm => vllm(&pod, view, &mut e),
+        EngineKind::Sglang => sglang(&pod, view, &mut e),
     }
-    fleet_sim(pod, &view, &mut e);
+    fleet_sim(&pod, view, &mut e);
     e.finish()
+}
+
+/// What a page is rendered from besides the engine's figures.
+struct Page<'a> {
+    cfg: &'a PodConfig,
+    clock: &'a SimClock,
+}
+
+impl Page<'_> {
+    /// Adapter names for ids, comma-joined (vLLM's `lora_requests_info` label format).
+    fn adapter_list(&self, ids: &[AdapterId]) -> String {
+        crate::pod::adapter_names(self.cfg, ids).join(",")
+    }
 }
 
 fn py_bool(b: bool) -> &'static str {
@@ -28,7 +49,7 @@ fn py_bool(b: bool) -> &'static str {
     }
 }
 
-fn vllm(pod: &Pod, v: &MetricsView, e: &mut Exposition) {
+fn vllm(pod: &Page, v: &MetricsView, e: &mut Exposition) {
     let model = escape_label(&pod.cfg.model);
     let labels = format!("engine=\"0\",model_name=\"{model}\"");
     let created = pod.clock.unix_epoch();
@@ -197,7 +218,7 @@ fn vllm(pod: &Pod, v: &MetricsView, e: &mut Exposition) {
     e.sample("vllm:cache_config_info", &l, 1.0);
 }
 
-fn sglang(pod: &Pod, v: &MetricsView, e: &mut Exposition) {
+fn sglang(pod: &Page, v: &MetricsView, e: &mut Exposition) {
     let labels = format!("model_name=\"{}\"", escape_label(&pod.cfg.model));
     let s = &v.stats;
     let g = &v.gauges;
@@ -297,7 +318,7 @@ fn sglang(pod: &Pod, v: &MetricsView, e: &mut Exposition) {
     e.sample("sglang:cache_config_info", &l, 1.0);
 }
 
-fn fleet_sim(pod: &Pod, v: &MetricsView, e: &mut Exposition) {
+fn fleet_sim(pod: &Page, v: &MetricsView, e: &mut Exposition) {
     let labels = format!(
         "model_name=\"{}\",pod=\"{}\"",
         escape_label(&pod.cfg.model),

@@ -3,13 +3,16 @@
 //! floor, the list of scenarios.
 //!
 //! `bench-scenario fleet mixed-gpu > fleet.json`, `bench-scenario describe mixed-gpu --quick`,
-//! `bench-scenario floor shared-prefix`, `bench-scenario list`.
+//! `bench-scenario floor shared-prefix`, `bench-scenario list`, and the offline replay
+//! (`bench-scenario replay mixed-gpu --configs filter,filter-h5 --filter-variant
+//! 'h5={"scoring":{"prefix_home_score":0.5}}' --workloads 5`; see `gpuroute_bench::replay`).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use gpuroute_bench::floor::{oracle_ttft_ms, present_percentiles, scenario_parts, ttft_floor_ms};
+use gpuroute_bench::replay::{replay, Policy, ReplayOutcome, ReplaySettings};
 use gpuroute_bench::report::Quantiles;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario, SCENARIO_DIR};
 use gpuroute_bench::workload::Workload;
@@ -51,8 +54,266 @@ enum Cmd {
         #[arg(long)]
         per_request: bool,
     },
+    /// Replay the workload offline: the filter's decision code (and the baselines) over
+    /// fleet-sim's engines in simulated time, with the aggregator's own reading of their
+    /// metrics; no Envoy, no wall clock, so a run is exactly reproducible and two routers are
+    /// compared on the very same arrivals. Prints TTFT percentiles per router (mean over the
+    /// runs), and each router against the first, paired run by run.
+    Replay {
+        /// Scenario name or file.
+        scenario: String,
+        /// The quick variant.
+        #[arg(long)]
+        quick: bool,
+        /// Routers, comma-separated: round_robin, least_request, filter, filter-NAME (the
+        /// filter with --filter-variant NAME=JSON).
+        #[arg(long, default_value = "round_robin,least_request,filter")]
+        configs: String,
+        /// NAME=JSON: top-level keys over the filter's configuration for filter-NAME (as
+        /// `scripts/bench.py --filter-variant`).
+        #[arg(long = "filter-variant", value_name = "NAME=JSON")]
+        filter_variant: Vec<String>,
+        /// Workloads to run each router on: the scenario's own, then others of its kind
+        /// (Poisson: seeds 1, 2, ...; a trace: the windows after and before the scenario's,
+        /// alternately).
+        #[arg(long, default_value_t = 1)]
+        workloads: u64,
+        /// Seed of the routers' random choices.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// The aggregator's scrape interval, ms (the benchmark's stack: 100).
+        #[arg(long, default_value_t = 100)]
+        interval_ms: u64,
+        /// From a scrape to the filter holding its snapshot, ms.
+        #[arg(long, default_value_t = 5)]
+        lag_ms: u64,
+        /// Print JSON (every run, and with --per-request each request's TTFT and pod).
+        #[arg(long)]
+        json: bool,
+        /// With --json: each request's TTFT and the pod index it went to.
+        #[arg(long)]
+        per_request: bool,
+    },
     /// List scenario names.
     List,
+}
+
+/// A router of `bench-scenario replay --configs`.
+fn policy(name: &str, variants: &[(String, serde_json::Value)]) -> Result<Policy> {
+    Ok(match name {
+        "round_robin" => Policy::RoundRobin,
+        "least_request" => Policy::LeastRequest,
+        "filter" => Policy::Filter(serde_json::json!({})),
+        _ => {
+            let v = name
+                .strip_prefix("filter-")
+                .and_then(|n| variants.iter().find(|(k, _)| k == n))
+                .with_context(|| {
+                    format!("router {name}: not round_robin, least_request, filter, or filter-NAME with --filter-variant NAME=JSON")
+                })?;
+            Policy::Filter(v.1.clone())
+        }
+    })
+}
+
+fn quantiles(o: &ReplayOutcome) -> Option<Quantiles> {
+    present_percentiles(&o.ttft_ms).map(Quantiles::from)
+}
+
+fn outcome_json(o: &ReplayOutcome, per_request: bool) -> serde_json::Value {
+    let mut v = serde_json::json!({
+        "ttft_ms": quantiles(o),
+        "routed": o.served_by.iter().flatten().count(),
+        "fail_open": o.fail_open,
+        "refused": o.refused,
+        "prefix_hit_rate": o.prefix_hit_rate(),
+        "adapter_loads": o.adapter_loads,
+    });
+    if per_request {
+        v["ttft_per_request_ms"] = serde_json::json!(o.ttft_ms);
+        v["served_by"] = serde_json::json!(o.served_by);
+    }
+    v
+}
+
+/// `mean (min-max)` of `xs`.
+fn spread(xs: &[f64]) -> String {
+    if xs.is_empty() {
+        return "-".into();
+    }
+    let mean = xs.iter().sum::<f64>() / xs.len() as f64;
+    let min = xs.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if xs.len() == 1 {
+        format!("{mean:.3}")
+    } else {
+        format!("{mean:.3} ({min:.3}-{max:.3})")
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_replay(
+    scenario: &str,
+    quick: bool,
+    configs: &str,
+    filter_variant: &[String],
+    workloads: u64,
+    settings: &ReplaySettings,
+    json: bool,
+    per_request: bool,
+) -> Result<()> {
+    let path = find(scenario)?;
+    let s = Scenario::load(&path)?;
+    let (own, fleet) = scenario_parts(&s, &path, quick).map_err(anyhow::Error::msg)?;
+    let variants = filter_variant
+        .iter()
+        .map(|v| {
+            let (name, body) = v
+                .split_once('=')
+                .with_context(|| format!("--filter-variant {v}: not NAME=JSON"))?;
+            let value: serde_json::Value = serde_json::from_str(body)
+                .with_context(|| format!("--filter-variant {name}: not JSON"))?;
+            Ok((name.to_string(), value))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let names: Vec<&str> = configs
+        .split(',')
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    let policies = names
+        .iter()
+        .map(|n| policy(n, &variants))
+        .collect::<Result<Vec<_>>>()?;
+    anyhow::ensure!(!policies.is_empty(), "--configs names no router");
+    // outcomes[config][workload]
+    let mut outcomes: Vec<Vec<ReplayOutcome>> = vec![Vec::new(); policies.len()];
+    let mut runs = Vec::new();
+    let mut requests = Vec::new();
+    // The scenario's workload, then others of its kind: k = 1, -1, 2, -2, ... (a trace's
+    // windows after and before the scenario's), skipping those with no request.
+    let mut k: i64 = 0;
+    while (requests.len() as u64) < workloads {
+        anyhow::ensure!(
+            k.unsigned_abs() <= 4 * workloads + 4,
+            "{}: only {} workloads with requests (a trace too short for more windows)",
+            s.name,
+            requests.len()
+        );
+        let w = k;
+        k = if k > 0 { -k } else { 1 - k };
+        let workload = if w == 0 {
+            own.clone()
+        } else {
+            match s.workload_config(quick).other(w) {
+                Some(cfg) => Workload::build(&cfg, path.parent())?,
+                None => continue,
+            }
+        };
+        if workload.requests.is_empty() {
+            continue;
+        }
+        requests.push(workload.requests.len());
+        for (c, p) in policies.iter().enumerate() {
+            let o = replay(&workload.requests, &fleet, p, settings).map_err(anyhow::Error::msg)?;
+            if json {
+                let mut v = outcome_json(&o, per_request);
+                v["config"] = names[c].into();
+                v["workload"] = w.into();
+                v["requests"] = workload.requests.len().into();
+                runs.push(v);
+            }
+            outcomes[c].push(o);
+        }
+    }
+    if json {
+        let out = serde_json::json!({
+            "scenario": s.name,
+            "quick": quick,
+            "settings": {"interval_ms": settings.interval_ms, "lag_ms": settings.snapshot_lag_ms, "seed": settings.seed},
+            "runs": runs,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "scenario {} ({} workload{} of {} requests, scrape every {} ms, snapshot {} ms later, seed {})",
+        s.name,
+        workloads,
+        if workloads == 1 { "" } else { "s" },
+        requests
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join("/"),
+        settings.interval_ms,
+        settings.snapshot_lag_ms,
+        settings.seed
+    );
+    println!(
+        "{:<18} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7} {:>9}",
+        "router", "p50 ms", "p90 ms", "p95 ms", "p99 ms", "mean ms", "prefix", "loads", "fail-open"
+    );
+    for (c, runs) in outcomes.iter().enumerate() {
+        let qs: Vec<Quantiles> = runs.iter().filter_map(quantiles).collect();
+        let avg = |f: fn(&Quantiles) -> f64| qs.iter().map(f).sum::<f64>() / qs.len().max(1) as f64;
+        let hits: Vec<f64> = runs
+            .iter()
+            .filter_map(ReplayOutcome::prefix_hit_rate)
+            .collect();
+        let hit = if hits.is_empty() {
+            "-".to_string()
+        } else {
+            format!(
+                "{:.1}%",
+                100.0 * hits.iter().sum::<f64>() / hits.len() as f64
+            )
+        };
+        let n = runs.len().max(1) as f64;
+        let loads = runs.iter().map(|o| o.adapter_loads as f64).sum::<f64>() / n;
+        let fail_open = runs.iter().map(|o| o.fail_open as f64).sum::<f64>() / n;
+        println!(
+            "{:<18} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>9} {:>7.1} {:>9.1}",
+            names[c],
+            avg(|q| q.p50),
+            avg(|q| q.p90),
+            avg(|q| q.p95),
+            avg(|q| q.p99),
+            avg(|q| q.mean),
+            hit,
+            loads,
+            fail_open
+        );
+    }
+    if policies.len() > 1 {
+        println!(
+            "\npaired with {} on the same workloads (ratio; mean (min-max) over workloads):",
+            names[0]
+        );
+        for c in 1..outcomes.len() {
+            let mut mean = Vec::new();
+            let mut p90 = Vec::new();
+            let mut p99 = Vec::new();
+            for (a, b) in outcomes[0].iter().zip(&outcomes[c]) {
+                if let (Some(qa), Some(qb)) = (quantiles(a), quantiles(b)) {
+                    mean.push(qb.mean / qa.mean);
+                    p90.push(qb.p90 / qa.p90);
+                    p99.push(qb.p99 / qa.p99);
+                }
+            }
+            let lower = mean.iter().filter(|r| **r < 1.0).count();
+            println!(
+                "  {:<16} mean {}  p90 {}  p99 {}  (mean lower in {} of {})",
+                names[c],
+                spread(&mean),
+                spread(&p90),
+                spread(&p99),
+                lower,
+                mean.len()
+            );
+        }
+    }
+    Ok(())
 }
 
 fn find(spec: &str) -> Result<PathBuf> {
@@ -100,6 +361,34 @@ fn main() -> Result<()> {
                 out["oracle_ms"] = serde_json::json!(oracle);
             }
             println!("{}", serde_json::to_string_pretty(&out)?);
+        }
+        Cmd::Replay {
+            scenario,
+            quick,
+            configs,
+            filter_variant,
+            workloads,
+            seed,
+            interval_ms,
+            lag_ms,
+            json,
+            per_request,
+        } => {
+            let settings = ReplaySettings {
+                interval_ms: interval_ms.max(1),
+                snapshot_lag_ms: lag_ms,
+                seed,
+            };
+            run_replay(
+                &scenario,
+                quick,
+                &configs,
+                &filter_variant,
+                workloads.max(1),
+                &settings,
+                json,
+                per_request,
+            )?;
         }
         Cmd::List => {
             let dir = scenario_candidates("x")

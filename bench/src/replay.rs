@@ -1,0 +1,627 @@
+//! The offline replay: a workload routed by the filter's own decision code over fleet-sim's own
+//! engines, in simulated time, with no Envoy, no HTTP and no wall clock.
+//!
+//! Each request of the workload is read by [`gpuroute_core::engine::Engine`] exactly as the
+//! filter reads its body (the same JSON the load generator sends), decided against the
+//! snapshot and the in-flight table the filter would hold at that moment, and submitted to the
+//! simulated engine of the pod picked. The snapshot comes from the aggregator's own code: every
+//! `interval_ms` each engine's `/metrics` page is rendered (fleet-sim's renderer), read by
+//! `sidecar-metrics` (its parser, its health, ramp and capacity estimate) and installed in the
+//! filter `snapshot_lag_ms` later. The in-flight table is counted as the filter counts it: a
+//! request is in prefill until its first token (the first streamed chunk), in flight until its
+//! last.
+//!
+//! What it leaves out: the proxy's own latency (about a millisecond on the benchmark host),
+//! the network, and the wall-clock jitter of a real run (timers, the scheduler of a 2-core
+//! machine). So one replay is exactly reproducible from its inputs and a seed, and two
+//! policies replayed on one workload differ only by their decisions: the tool for comparing
+//! routing changes, where the live benchmark (`scripts/bench.py`) needs many paired runs to
+//! see a few percent through its noise. The live benchmark stays the measure of the shipped
+//! system; the replay is held to it by `scripts/replay_check.py`-style comparisons in
+//! bench/README.md ("Offline replay").
+//!
+//! One Envoy worker is modelled (the filter's own table is the whole view), and requests the
+//! filter leaves to Envoy (fail-open) go to Envoy's `least_request` fallback (power of two
+//! choices over each pod's open requests).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use fleet_sim::config::FleetConfig;
+use fleet_sim::engine::{Engine as SimEngine, Output, SimNs};
+use fleet_sim::pod::{MetricsView, SimClock};
+use gpuroute_core::config::FilterConfig;
+use gpuroute_core::engine::{DecideOptions, Engine as FilterEngine};
+use gpuroute_core::fleet::FleetState;
+use gpuroute_core::load::{Completion, InFlight, LoadTable};
+use gpuroute_core::picker::Decision;
+use gpuroute_core::rng::SplitMix64;
+use gpuroute_core::snapshot::{PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+use serde_json::{json, Value};
+use sidecar_metrics::config::Config as SidecarConfig;
+use sidecar_metrics::discovery::Target;
+use sidecar_metrics::pod::{pool_snapshot, PodState as ScrapeState};
+
+use crate::floor::{request, serves, SimPrompt};
+use crate::workload::{Api, TimedRequest};
+
+/// How requests are routed in a replay.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Policy {
+    /// The filter, with these top-level keys over the benchmark's filter configuration (as
+    /// `scripts/bench.py --filter-variant` applies them).
+    Filter(Value),
+    /// Each pool's pods in turn (Kubernetes Service / Envoy `ROUND_ROBIN`).
+    RoundRobin,
+    /// Envoy's `LEAST_REQUEST`: the fewer open requests of two pods drawn at random.
+    LeastRequest,
+}
+
+/// Settings of a replay besides the policy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplaySettings {
+    /// The aggregator's scrape interval (the benchmark's stack uses 100 ms).
+    pub interval_ms: u64,
+    /// From a scrape to the filter holding its snapshot (scrape, assembly, push).
+    pub snapshot_lag_ms: u64,
+    /// Seed of the router's random choices (the filter's tie-breaks, `least_request`'s draws).
+    pub seed: u64,
+}
+
+impl Default for ReplaySettings {
+    fn default() -> Self {
+        ReplaySettings {
+            interval_ms: 100,
+            snapshot_lag_ms: 5,
+            seed: 1,
+        }
+    }
+}
+
+/// What a replay measured.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ReplayOutcome {
+    /// Each request's time to first token, ms, in workload order (`None`: no pod served it,
+    /// or it was shed or refused by the filter).
+    pub ttft_ms: Vec<Option<f64>>,
+    /// Index (in the fleet's pod list) of the pod each request went to.
+    pub served_by: Vec<Option<usize>>,
+    /// Requests the filter left to Envoy's own balancing.
+    pub fail_open: u64,
+    /// Requests the filter answered itself (errors, shed, held: a hold is not modelled).
+    pub refused: u64,
+    /// Prompt tokens looked up in the pods' prefix caches, and found there.
+    pub prefix_queries: u64,
+    pub prefix_hits: u64,
+    /// LoRA adapter loads over the fleet.
+    pub adapter_loads: u64,
+}
+
+impl ReplayOutcome {
+    /// Prefix-cache hit rate over the fleet (tokens), if any prompt was looked up.
+    pub fn prefix_hit_rate(&self) -> Option<f64> {
+        (self.prefix_queries > 0).then(|| self.prefix_hits as f64 / self.prefix_queries as f64)
+    }
+}
+
+/// The filter configuration the benchmark's stack writes for `fleet` (`scripts/stack.py`:
+/// one pool per fleet pool, its models and adapters), with `overrides`' top-level keys over it.
+pub fn filter_config(fleet: &FleetConfig, overrides: &Value) -> Result<FilterConfig, String> {
+    let mut pools: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
+    for p in &fleet.pods {
+        let at = match pools.iter().position(|(n, _, _)| *n == p.pool) {
+            Some(i) => i,
+            None => {
+                pools.push((p.pool.clone(), Vec::new(), Vec::new()));
+                pools.len() - 1
+            }
+        };
+        let (_, models, adapters) = &mut pools[at];
+        if !models.contains(&p.model) {
+            models.push(p.model.clone());
+        }
+        for a in &p.adapters {
+            if !adapters.contains(a) {
+                adapters.push(a.clone());
+            }
+        }
+    }
+    let mut cfg = json!({
+        "pools": pools
+            .iter()
+            .map(|(name, models, adapters)| json!({"name": name, "models": models, "adapters": adapters}))
+            .collect::<Vec<_>>(),
+        "ingest": {"token": "offline-replay"},
+    });
+    if let (Some(base), Some(over)) = (cfg.as_object_mut(), overrides.as_object()) {
+        for (k, v) in over {
+            base.insert(k.clone(), v.clone());
+        }
+    } else if !overrides.is_null() {
+        return Err("filter overrides must be a JSON object".into());
+    }
+    let bytes = serde_json::to_vec(&cfg).map_err(|e| e.to_string())?;
+    FilterConfig::from_json(&bytes).map_err(|e| format!("filter configuration: {e}"))
+}
+
+/// A request on its pod: what to undo when it ends, and when it arrived.
+struct Open {
+    request: usize,
+    /// Wall ns of its arrival.
+    at: u64,
+    /// The filter's in-flight entry (None for the baselines and fail-open requests).
+    flight: Option<InFlight>,
+    /// Sequences (choices) not yet finished.
+    sequences: u32,
+}
+
+/// Replays `requests` on `fleet` under `policy`.
+pub fn replay(
+    requests: &[TimedRequest],
+    fleet: &FleetConfig,
+    policy: &Policy,
+    settings: &ReplaySettings,
+) -> Result<ReplayOutcome, String> {
+    let mut r = Replay::new(fleet, policy, settings)?;
+    // The benchmark's stack starts sending once the aggregator pushed its first snapshot.
+    r.scrape(0);
+    r.install(0);
+    r.next_scrape = settings.interval_ms * 1_000_000;
+    for (i, req) in requests.iter().enumerate() {
+        let at = (req.at_s.max(0.0) * 1e9) as u64;
+        r.run_to(at);
+        r.route(i, req, at);
+    }
+    r.drain();
+    Ok(r.finish())
+}
+
+/// A pod's simulated engine and what the aggregator remembers of it.
+struct Pod {
+    engine: SimEngine,
+    scrape: ScrapeState,
+    clock: SimClock,
+    /// Open requests (HTTP streams) on the pod, for `least_request`.
+    open: u32,
+}
+
+struct Filter {
+    engine: FilterEngine,
+    fleet: Option<FleetState>,
+    /// The worker's own in-flight table per pool, by pool name.
+    loads: HashMap<String, LoadTable>,
+    /// Snapshots taken and not yet installed: (wall ns to install at, snapshot).
+    pending: Vec<(u64, Snapshot)>,
+    version: u64,
+    /// The fleet's pod index of each snapshot address.
+    by_address: HashMap<String, usize>,
+}
+
+struct Replay<'a> {
+    fleet: &'a FleetConfig,
+    policy: &'a Policy,
+    settings: &'a ReplaySettings,
+    pods: Vec<Pod>,
+    filter: Option<Filter>,
+    sidecar: SidecarConfig,
+    /// The aggregator's start, and the instant of wall ns 0.
+    started: Instant,
+    /// Unix ms at wall ns 0.
+    epoch_ms: u64,
+    next_scrape: u64,
+    /// (pod, sequence) -> open request.
+    open: HashMap<(usize, u64), usize>,
+    requests: Vec<Open>,
+    rng: SplitMix64,
+    round_robin: HashMap<String, usize>,
+    out: ReplayOutcome,
+    scratch: Vec<Output>,
+}
+
+/// The snapshot address of pod `i` (a stand-in: nothing connects to it).
+fn address(i: usize) -> SocketAddr {
+    let b = |shift: usize| ((i >> shift) & 255) as u8;
+    SocketAddr::from(([10, b(16), b(8), b(0)], 8000))
+}
+
+impl<'a> Replay<'a> {
+    fn new(
+        fleet: &'a FleetConfig,
+        policy: &'a Policy,
+        settings: &'a ReplaySettings,
+    ) -> Result<Replay<'a>, String> {
+        let sidecar: SidecarConfig =
+            serde_json::from_str("{}").map_err(|e| format!("sidecar defaults: {e}"))?;
+        let pods = fleet
+            .pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let addr = address(i);
+                Pod {
+                    engine: SimEngine::new(p.engine.clone()),
+                    scrape: ScrapeState::new(Target {
+                        address: addr,
+                        metrics_url: format!("http://{addr}/metrics"),
+                        engine: None,
+                        capacity: None,
+                        ready: true,
+                        name: Some(p.name.clone()),
+                    }),
+                    clock: SimClock::new(p.engine.time_scale),
+                    open: 0,
+                }
+            })
+            .collect();
+        let filter = match policy {
+            Policy::Filter(over) => {
+                let cfg = filter_config(fleet, over)?;
+                Some(Filter {
+                    engine: FilterEngine::new(cfg).without_sync_log(),
+                    fleet: None,
+                    loads: HashMap::new(),
+                    pending: Vec::new(),
+                    version: 0,
+                    by_address: (0..fleet.pods.len())
+                        .map(|i| (address(i).to_string(), i))
+                        .collect(),
+                })
+            }
+            _ => None,
+        };
+        Ok(Replay {
+            fleet,
+            policy,
+            settings,
+            pods,
+            filter,
+            sidecar,
+            started: Instant::now(),
+            epoch_ms: 1_800_000_000_000,
+            next_scrape: 0,
+            open: HashMap::new(),
+            requests: Vec::new(),
+            rng: SplitMix64::new(settings.seed),
+            round_robin: HashMap::new(),
+            out: ReplayOutcome::default(),
+            scratch: Vec::new(),
+        })
+    }
+
+    fn wall_ms(&self, ns: u64) -> u64 {
+        self.epoch_ms + ns / 1_000_000
+    }
+
+    /// Runs the fleet, the aggregator and the snapshot installs up to wall ns `t`.
+    fn run_to(&mut self, t: u64) {
+        if self.filter.is_none() {
+            self.advance(t);
+            return;
+        }
+        loop {
+            let install = self
+                .filter
+                .as_ref()
+                .and_then(|f| f.pending.first().map(|p| p.0));
+            let next = match install {
+                Some(i) if i <= self.next_scrape => i,
+                _ => self.next_scrape,
+            };
+            if next > t {
+                break;
+            }
+            self.advance(next);
+            if install == Some(next) {
+                self.install(next);
+            } else {
+                self.scrape(next);
+                self.next_scrape += self.settings.interval_ms * 1_000_000;
+            }
+        }
+        self.advance(t);
+    }
+
+    /// Steps every engine to wall ns `t`, recording first tokens and ends.
+    fn advance(&mut self, t: u64) {
+        for i in 0..self.pods.len() {
+            let scale = self.pods[i].engine.config().time_scale;
+            let now = (t as f64 * scale) as SimNs;
+            let mut out = std::mem::take(&mut self.scratch);
+            self.pods[i].engine.advance(now, &mut out);
+            for o in out.drain(..) {
+                self.output(i, &o, scale);
+            }
+            self.scratch = out;
+        }
+    }
+
+    fn output(&mut self, pod: usize, o: &Output, scale: f64) {
+        let Some(&slot) = self.open.get(&(pod, o.seq)) else {
+            return;
+        };
+        let wall = (o.at as f64 / scale) as u64;
+        let open = &mut self.requests[slot];
+        if o.new_tokens > 0 && self.out.ttft_ms[open.request].is_none() {
+            self.out.ttft_ms[open.request] = Some(wall.saturating_sub(open.at) as f64 / 1e6);
+            if let Some(c) = open.flight.as_mut().and_then(InFlight::first_byte) {
+                if let Some(f) = self.filter.as_mut() {
+                    complete(f, &open.flight, c);
+                }
+            }
+        }
+        if o.finish.is_some() {
+            self.open.remove(&(pod, o.seq));
+            open.sequences = open.sequences.saturating_sub(1);
+            if open.sequences == 0 {
+                self.pods[pod].open = self.pods[pod].open.saturating_sub(1);
+                if let (Some(flight), Some(f)) = (&open.flight, self.filter.as_mut()) {
+                    complete(f, &open.flight, flight.finished());
+                }
+            }
+        }
+    }
+
+    /// One scrape round at wall ns `t`: every pod's page rendered, read and folded in, and the
+    /// snapshot assembled, to be installed `snapshot_lag_ms` later.
+    fn scrape(&mut self, t: u64) {
+        let at = self.started + Duration::from_nanos(t);
+        let wall = self.wall_ms(t);
+        for (i, pod) in self.pods.iter_mut().enumerate() {
+            let view = MetricsView {
+                gauges: pod.engine.gauges(),
+                stats: pod.engine.stats().clone(),
+            };
+            let page = fleet_sim::render::render_view(&self.fleet.pods[i], &pod.clock, &view);
+            match sidecar_metrics::engine::read(&page, None, false) {
+                Ok(reading) => pod
+                    .scrape
+                    .on_success(reading, at, wall, &self.sidecar.capacity),
+                Err(e) => pod.scrape.on_failure("parse", e.to_string()),
+            }
+        }
+        let mut names: Vec<&str> = Vec::new();
+        for p in &self.fleet.pods {
+            if !names.contains(&p.pool.as_str()) {
+                names.push(&p.pool);
+            }
+        }
+        let mut pools = Vec::with_capacity(names.len());
+        for name in names {
+            let members: Vec<usize> = (0..self.fleet.pods.len())
+                .filter(|&i| self.fleet.pods[i].pool == name)
+                .collect();
+            let weights: Vec<f64> = members
+                .iter()
+                .map(|&i| {
+                    let (h, r) = (&self.sidecar.health, &self.sidecar.ramp);
+                    self.pods[i].scrape.evaluate(at, self.started, h, r)
+                })
+                .collect();
+            let states: Vec<&ScrapeState> = members.iter().map(|&i| &self.pods[i].scrape).collect();
+            let (pods, caps) = pool_snapshot(&states, &weights, self.sidecar.capacity.estimate);
+            for (&i, c) in members.iter().zip(caps) {
+                self.pods[i].scrape.published_capacity = Some(c);
+            }
+            pools.push(PoolSnapshot {
+                name: name.to_string(),
+                pods,
+            });
+        }
+        let Some(f) = self.filter.as_mut() else {
+            return;
+        };
+        f.version += 1;
+        let snapshot = Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: f.version,
+            source: "replay".into(),
+            generated_at_ms: wall,
+            pools,
+        };
+        f.pending
+            .push((t + self.settings.snapshot_lag_ms * 1_000_000, snapshot));
+    }
+
+    /// Installs the oldest pending snapshot, as the filter's worker does.
+    fn install(&mut self, t: u64) {
+        let wall = self.wall_ms(t);
+        let Some(f) = self.filter.as_mut() else {
+            return;
+        };
+        if f.pending.is_empty() {
+            return;
+        }
+        let (_, snap) = f.pending.remove(0);
+        let fleet = FleetState::new(snap, wall);
+        for pool in &fleet.pools {
+            f.loads
+                .entry(pool.name.clone())
+                .or_default()
+                .rebase(fleet.version, &pool.keys);
+        }
+        f.fleet = Some(fleet);
+    }
+
+    /// Routes request `r` arriving at wall ns `at` and submits it to its pod.
+    fn route(&mut self, r: usize, req: &TimedRequest, at: u64) {
+        self.out.ttft_ms.push(None);
+        self.out.served_by.push(None);
+        let candidates: Vec<usize> = (0..self.fleet.pods.len())
+            .filter(|&i| serves(&self.fleet.pods[i], &req.model))
+            .collect();
+        let mut flight = None;
+        let pod = match self.policy {
+            Policy::RoundRobin => {
+                let n = self.round_robin.entry(req.model.clone()).or_default();
+                let pick = candidates.get(*n % candidates.len().max(1)).copied();
+                *n += 1;
+                pick
+            }
+            Policy::LeastRequest => self.least_request(&candidates),
+            Policy::Filter(_) => match self.filter_pick(req, at) {
+                Picked::Pod(i, f) => {
+                    flight = f;
+                    Some(i)
+                }
+                Picked::FailOpen => {
+                    self.out.fail_open += 1;
+                    self.least_request(&candidates)
+                }
+                Picked::Refused => {
+                    self.out.refused += 1;
+                    None
+                }
+            },
+        };
+        let Some(pod) = pod else {
+            return;
+        };
+        let cfg = &self.fleet.pods[pod];
+        let mut sim = SimPrompt::new(req);
+        if !sim.fits(&self.pods[pod].engine) {
+            return;
+        }
+        let mut new = request(sim.tokens, sim.output, sim.hashes(&cfg.engine).to_vec());
+        new.adapter = cfg
+            .adapters
+            .iter()
+            .position(|a| *a == req.model)
+            .and_then(|a| u16::try_from(a).ok());
+        let scale = cfg.engine.time_scale;
+        let now = (at as f64 * scale) as SimNs;
+        let slot = self.requests.len();
+        let sequences = req.n.max(1);
+        self.requests.push(Open {
+            request: r,
+            at,
+            flight,
+            sequences,
+        });
+        for _ in 0..sequences {
+            let id = self.pods[pod].engine.submit(new.clone(), now);
+            self.open.insert((pod, id), slot);
+        }
+        self.pods[pod].open += 1;
+        self.out.served_by[r] = Some(pod);
+    }
+
+    /// Envoy's `least_request` with its default two choices.
+    fn least_request(&mut self, candidates: &[usize]) -> Option<usize> {
+        match candidates.len() {
+            0 => None,
+            1 => Some(candidates[0]),
+            n => {
+                let a = candidates[(self.rng.next_u64() % n as u64) as usize];
+                let b = candidates[(self.rng.next_u64() % n as u64) as usize];
+                Some(if self.pods[b].open < self.pods[a].open {
+                    b
+                } else {
+                    a
+                })
+            }
+        }
+    }
+
+    /// The filter's decision for `req` at wall ns `at`, counted in its in-flight table and
+    /// recorded in its prefix index as the filter's shell does.
+    fn filter_pick(&mut self, req: &TimedRequest, at: u64) -> Picked {
+        let now_ms = self.wall_ms(at);
+        let Some(f) = self.filter.as_mut() else {
+            return Picked::FailOpen;
+        };
+        let path = match req.api {
+            Api::Chat => "/v1/chat/completions",
+            Api::Completions => "/v1/completions",
+        };
+        let Ok(prep) = f.engine.prepare(path, &req.body()) else {
+            return Picked::Refused;
+        };
+        let loads = f
+            .loads
+            .get(&*prep.pool)
+            .map(|t| t.pods.clone())
+            .unwrap_or_default();
+        let opts = DecideOptions {
+            now_ms,
+            ..DecideOptions::default()
+        };
+        let choice = f
+            .engine
+            .decide(&prep, f.fleet.as_ref(), &loads, opts, &mut self.rng);
+        match choice.decision {
+            Decision::Picked(_) => {
+                let (Some(idx), Some(key)) = (choice.picked_index, choice.picked_key) else {
+                    return Picked::FailOpen;
+                };
+                let pod = f.fleet.as_ref().and_then(|fl| {
+                    let p = fl.pool(&prep.pool)?.pods.get(idx)?;
+                    f.by_address.get(&p.snap.address).copied()
+                });
+                let Some(pod) = pod else {
+                    return Picked::FailOpen;
+                };
+                let flight = prep.in_flight(key, choice.prefill_tokens);
+                if let Some(t) = f.loads.get_mut(&*prep.pool) {
+                    t.count(idx, &flight);
+                }
+                f.engine.commit(&prep, key);
+                Picked::Pod(pod, Some(flight))
+            }
+            Decision::FailOpen(_) => Picked::FailOpen,
+            Decision::Shed | Decision::Hold(_) => Picked::Refused,
+        }
+    }
+
+    /// Runs the engines until every routed request has its first token.
+    fn drain(&mut self) {
+        for _ in 0..10_000_000 {
+            let waiting = self
+                .requests
+                .iter()
+                .any(|o| self.out.ttft_ms[o.request].is_none());
+            if !waiting {
+                return;
+            }
+            let next = self
+                .pods
+                .iter()
+                .filter_map(|p| {
+                    let scale = p.engine.config().time_scale;
+                    p.engine
+                        .next_wakeup()
+                        .map(|t| (t as f64 / scale).ceil() as u64)
+                })
+                .min();
+            let Some(t) = next else {
+                return;
+            };
+            self.run_to(t);
+        }
+    }
+
+    fn finish(mut self) -> ReplayOutcome {
+        for p in &self.pods {
+            let s = p.engine.stats();
+            self.out.prefix_queries += s.prefix_queries;
+            self.out.prefix_hits += s.prefix_hits;
+            self.out.adapter_loads += s.lora_loads;
+        }
+        self.out
+    }
+}
+
+enum Picked {
+    Pod(usize, Option<InFlight>),
+    FailOpen,
+    Refused,
+}
+
+/// Applies a first token or an end to the filter's table of the request's pool.
+fn complete(f: &mut Filter, flight: &Option<InFlight>, c: Completion) {
+    if let Some(t) = flight.as_ref().and_then(|fl| f.loads.get_mut(&*fl.pool)) {
+        c.apply(t);
+    }
+}
