@@ -1,0 +1,150 @@
+//! The offline replay (`gpuroute_bench::replay`): reproducible from its inputs; the filter's
+//! decisions, fed by the aggregator's reading of the simulated pods, beat both baselines on
+//! every scenario and send the faster GPUs more; a snapshot that goes stale leaves requests to
+//! Envoy's balancing and loses none; the benchmark's filter configuration takes overrides.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::path::{Path, PathBuf};
+
+use fleet_sim::config::FleetConfig;
+use gpuroute_bench::floor::{present_percentiles, scenario_parts};
+use gpuroute_bench::replay::{filter_config, replay, Policy, ReplayOutcome, ReplaySettings};
+use gpuroute_bench::scenario::Scenario;
+use gpuroute_bench::workload::TimedRequest;
+use serde_json::json;
+
+const SCENARIOS: [&str; 5] = [
+    "mixed-gpu",
+    "bursty",
+    "shared-prefix",
+    "multi-lora",
+    "uniform-steady",
+];
+
+fn scenario_path(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios")
+        .join(format!("{name}.json"))
+}
+
+fn parts(name: &str, quick: bool) -> (Vec<TimedRequest>, FleetConfig) {
+    let path = scenario_path(name);
+    let s = Scenario::load(&path).unwrap();
+    let (w, fleet) = scenario_parts(&s, &path, quick).unwrap();
+    (w.requests, fleet)
+}
+
+fn run(requests: &[TimedRequest], fleet: &FleetConfig, p: &Policy) -> ReplayOutcome {
+    replay(requests, fleet, p, &ReplaySettings::default()).unwrap()
+}
+
+fn filter() -> Policy {
+    Policy::Filter(json!({}))
+}
+
+/// (mean, p99) TTFT, ms.
+fn ttft(o: &ReplayOutcome) -> (f64, f64) {
+    let p = present_percentiles(&o.ttft_ms).expect("some request has a first token");
+    (p.mean, p.p99)
+}
+
+#[test]
+fn a_replay_is_reproducible_from_its_inputs() {
+    let (requests, fleet) = parts("mixed-gpu", true);
+    let a = run(&requests, &fleet, &filter());
+    let b = run(&requests, &fleet, &filter());
+    assert_eq!(a, b);
+    assert_eq!(a.ttft_ms.len(), requests.len());
+    assert!(
+        a.ttft_ms.iter().all(Option::is_some),
+        "every request answered"
+    );
+}
+
+#[test]
+fn the_filter_beats_both_baselines_on_every_scenario() {
+    for name in SCENARIOS {
+        let (requests, fleet) = parts(name, false);
+        let f = run(&requests, &fleet, &filter());
+        assert_eq!(f.fail_open, 0, "{name}: a snapshot is always fresh");
+        assert_eq!(f.refused, 0, "{name}");
+        let (mean, p99) = ttft(&f);
+        for base in [Policy::RoundRobin, Policy::LeastRequest] {
+            let (bm, bp) = ttft(&run(&requests, &fleet, &base));
+            assert!(
+                mean < bm && p99 < bp,
+                "{name}: filter mean {mean:.0} / p99 {p99:.0} ms against {base:?} {bm:.0} / {bp:.0}"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_filter_sends_the_faster_gpus_more_and_keeps_adapters_in_place() {
+    // mixed-gpu: 2 x H100 then 2 x L40S (about 3x slower); the filter only knows the speeds
+    // from the aggregator's estimate over the pods' metrics.
+    let (requests, fleet) = parts("mixed-gpu", false);
+    let o = run(&requests, &fleet, &filter());
+    let on = |i: usize| o.served_by.iter().filter(|s| **s == Some(i)).count() as f64;
+    assert!(fleet.pods[0].gpu_key.contains("h100") && fleet.pods[2].gpu_key.contains("l40s"));
+    let (fast, slow) = (on(0) + on(1), on(2) + on(3));
+    assert!(fast > 2.0 * slow, "H100s {fast} requests, L40Ss {slow}");
+
+    let (requests, fleet) = parts("multi-lora", false);
+    let f = run(&requests, &fleet, &filter());
+    let rr = run(&requests, &fleet, &Policy::RoundRobin);
+    assert!(
+        f.adapter_loads * 4 < rr.adapter_loads,
+        "adapter loads: filter {}, round robin {}",
+        f.adapter_loads,
+        rr.adapter_loads
+    );
+
+    let (requests, fleet) = parts("shared-prefix", false);
+    let f = run(&requests, &fleet, &filter()).prefix_hit_rate().unwrap();
+    let lr = run(&requests, &fleet, &Policy::LeastRequest)
+        .prefix_hit_rate()
+        .unwrap();
+    assert!(
+        f > 2.0 * lr,
+        "prefix hits: filter {f:.3}, least_request {lr:.3}"
+    );
+}
+
+#[test]
+fn a_stale_snapshot_leaves_requests_to_envoy_and_loses_none() {
+    let (requests, fleet) = parts("mixed-gpu", true);
+    // Scraped every 5 s: the snapshot outlives `stale_after_ms` (1 s by default) between two.
+    let settings = ReplaySettings {
+        interval_ms: 5_000,
+        ..ReplaySettings::default()
+    };
+    let o = replay(&requests, &fleet, &filter(), &settings).unwrap();
+    assert!(o.fail_open > 0);
+    assert!((o.fail_open as usize) < requests.len(), "fresh at first");
+    assert!(
+        o.ttft_ms.iter().all(Option::is_some),
+        "every request answered"
+    );
+    // The same with the staleness limit raised above the interval: none left to Envoy.
+    let lenient = Policy::Filter(json!({"scoring": {"stale_after_ms": 10_000}}));
+    let o = replay(&requests, &fleet, &lenient, &settings).unwrap();
+    assert_eq!(o.fail_open, 0);
+}
+
+#[test]
+fn the_filter_configuration_is_the_benchmarks_with_overrides() {
+    let (_, fleet) = parts("multi-lora", true);
+    let cfg = filter_config(&fleet, &json!({})).unwrap();
+    assert_eq!(cfg.pools.len(), 1);
+    assert!(
+        cfg.pools[0].adapters.len() >= 16,
+        "{:?}",
+        cfg.pools[0].adapters
+    );
+    let cfg = filter_config(&fleet, &json!({"scoring": {"prefix_home_score": 0.5}})).unwrap();
+    assert_eq!(cfg.pool_scoring(0).prefix_home_score, 0.5);
+    assert!(filter_config(&fleet, &json!([1])).is_err());
+    assert!(filter_config(&fleet, &json!({"scoring": {"no_such_key": 1}})).is_err());
+}
