@@ -67,8 +67,14 @@ pub struct ReplaySettings {
     pub interval_ms: u64,
     /// From a scrape to the filter holding its snapshot (scrape, assembly, push).
     pub snapshot_lag_ms: u64,
-    /// Seed of the router's random choices (the filter's tie-breaks, `least_request`'s draws).
+    /// Seed of the router's random choices (the filter's tie-breaks, `least_request`'s draws)
+    /// and of the proxy's delays.
     pub seed: u64,
+    /// The proxy's mean delay each way, ms: a request reaches its pod after a delay drawn
+    /// uniformly from 0 to twice this, and its first token reaches the client this much after
+    /// the pod sent it. 0: none, and a replay of the same inputs is the same whatever the seed
+    /// but for the routers' own draws.
+    pub proxy_ms: f64,
 }
 
 impl Default for ReplaySettings {
@@ -77,6 +83,7 @@ impl Default for ReplaySettings {
             interval_ms: 100,
             snapshot_lag_ms: 5,
             seed: 1,
+            proxy_ms: 0.0,
         }
     }
 }
@@ -216,6 +223,9 @@ struct Replay<'a> {
     open: HashMap<(usize, u64), usize>,
     requests: Vec<Open>,
     rng: SplitMix64,
+    /// Draws of the proxy's delays, apart from the router's so a delay does not change its
+    /// choices' draws.
+    delays: SplitMix64,
     round_robin: HashMap<String, usize>,
     out: ReplayOutcome,
     scratch: Vec<Output>,
@@ -285,6 +295,7 @@ impl<'a> Replay<'a> {
             open: HashMap::new(),
             requests: Vec::new(),
             rng: SplitMix64::new(settings.seed),
+            delays: SplitMix64::new(settings.seed ^ 0x9e37_79b9_7f4a_7c15),
             round_robin: HashMap::new(),
             out: ReplayOutcome::default(),
             scratch: Vec::new(),
@@ -345,7 +356,8 @@ impl<'a> Replay<'a> {
         let wall = (o.at as f64 / scale) as u64;
         let open = &mut self.requests[slot];
         if o.new_tokens > 0 && self.out.ttft_ms[open.request].is_none() {
-            self.out.ttft_ms[open.request] = Some(wall.saturating_sub(open.at) as f64 / 1e6);
+            let ms = wall.saturating_sub(open.at) as f64 / 1e6 + self.settings.proxy_ms;
+            self.out.ttft_ms[open.request] = Some(ms);
             if let Some(c) = open.flight.as_mut().and_then(InFlight::first_byte) {
                 if let Some(f) = self.filter.as_mut() {
                     complete(f, &open.flight, c);
@@ -491,7 +503,10 @@ impl<'a> Replay<'a> {
             .position(|a| *a == req.model)
             .and_then(|a| u16::try_from(a).ok());
         let scale = cfg.engine.time_scale;
-        let now = (at as f64 * scale) as SimNs;
+        let delay = 2.0 * self.settings.proxy_ms * 1e6 * self.delays.next_f64();
+        // An engine takes arrivals in order: one overtaken on the way arrives with the one
+        // before it.
+        let now = ((at as f64 + delay) * scale) as SimNs;
         let slot = self.requests.len();
         let sequences = req.n.max(1);
         self.requests.push(Open {

@@ -377,9 +377,10 @@ impl WorkloadConfig {
     }
 
     /// The `k`-th other workload of the same kind, for measuring over many workloads: a
-    /// Poisson workload with seed `k` (`None` for `k < 0`); a trace replayed from `k` windows
-    /// later, or earlier for `k < 0` (each window the trace time one run replays: `duration_s`
-    /// at its `speedup`, 1 without one), with seed `|k|` for its model choice and filler text;
+    /// Poisson workload with its seed plus `k` (`None` for `k < 0`); a trace replayed from `k`
+    /// windows later, or earlier for `k < 0` (each window the trace time one run replays:
+    /// `duration_s` at its `speedup`, 1 without one), with its seed plus `|k|` for its model
+    /// choice and filler text;
     /// `None` where that window would start before the trace. A trace that ends within the
     /// window gives fewer requests, or none. `k = 0` is this workload.
     pub fn other(self, k: i64) -> Option<Self> {
@@ -390,11 +391,11 @@ impl WorkloadConfig {
             WorkloadConfig::Trace(mut t) => {
                 let window = t.duration_s.unwrap_or(0.0) * t.speedup.unwrap_or(1.0);
                 t.start_s += k as f64 * window;
-                t.seed = k.unsigned_abs();
+                t.seed = t.seed.wrapping_add(k.unsigned_abs());
                 (t.start_s >= 0.0).then_some(WorkloadConfig::Trace(t))
             }
             WorkloadConfig::Poisson(mut p) => {
-                p.seed = u64::try_from(k).ok()?;
+                p.seed = p.seed.wrapping_add(u64::try_from(k).ok()?);
                 Some(WorkloadConfig::Poisson(p))
             }
         }

@@ -87,6 +87,10 @@ enum Cmd {
         /// From a scrape to the filter holding its snapshot, ms.
         #[arg(long, default_value_t = 5)]
         lag_ms: u64,
+        /// The proxy's mean delay each way, ms (a request reaches its pod after 0 to twice
+        /// this, drawn per request; its first token is this much later at the client).
+        #[arg(long, default_value_t = 0.0)]
+        proxy_ms: f64,
         /// Print JSON (every run, and with --per-request each request's TTFT and pod).
         #[arg(long)]
         json: bool,
@@ -230,14 +234,14 @@ fn run_replay(
         let out = serde_json::json!({
             "scenario": s.name,
             "quick": quick,
-            "settings": {"interval_ms": settings.interval_ms, "lag_ms": settings.snapshot_lag_ms, "seed": settings.seed},
+            "settings": {"interval_ms": settings.interval_ms, "lag_ms": settings.snapshot_lag_ms, "seed": settings.seed, "proxy_ms": settings.proxy_ms},
             "runs": runs,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!(
-        "scenario {} ({} workload{} of {} requests, scrape every {} ms, snapshot {} ms later, seed {})",
+        "scenario {} ({} workload{} of {} requests, scrape every {} ms, snapshot {} ms later, proxy {} ms, seed {})",
         s.name,
         workloads,
         if workloads == 1 { "" } else { "s" },
@@ -248,6 +252,7 @@ fn run_replay(
             .join("/"),
         settings.interval_ms,
         settings.snapshot_lag_ms,
+        settings.proxy_ms,
         settings.seed
     );
     println!(
@@ -371,6 +376,7 @@ fn main() -> Result<()> {
             seed,
             interval_ms,
             lag_ms,
+            proxy_ms,
             json,
             per_request,
         } => {
@@ -378,6 +384,11 @@ fn main() -> Result<()> {
                 interval_ms: interval_ms.max(1),
                 snapshot_lag_ms: lag_ms,
                 seed,
+                proxy_ms: if proxy_ms.is_finite() {
+                    proxy_ms.max(0.0)
+                } else {
+                    0.0
+                },
             };
             run_replay(
                 &scenario,
