@@ -494,6 +494,10 @@ impl<'a> Replay<'a> {
         let cfg = &self.fleet.pods[pod];
         let mut sim = SimPrompt::new(req);
         if !sim.fits(&self.pods[pod].engine) {
+            // The pod answers at once with an error: the request's end leaves the table.
+            if let (Some(fl), Some(f)) = (&flight, self.filter.as_mut()) {
+                complete(f, &flight, fl.finished());
+            }
             return;
         }
         let mut new = request(sim.tokens, sim.output, sim.hashes(&cfg.engine).to_vec());
