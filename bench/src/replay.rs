@@ -11,14 +11,13 @@
 //! request is in prefill until its first token (the first streamed chunk), in flight until its
 //! last.
 //!
-//! What it leaves out: the proxy's own latency (about a millisecond on the benchmark host),
-//! the network, and the wall-clock jitter of a real run (timers, the scheduler of a 2-core
-//! machine). So one replay is exactly reproducible from its inputs and a seed, and two
+//! What it leaves out: the proxy's own latency (unless [`ReplaySettings::proxy_ms`] draws
+//! one), the network, and the wall-clock jitter of a real run (timers, the scheduler of a
+//! 2-core machine). So one replay is exactly reproducible from its inputs and a seed, and two
 //! policies replayed on one workload differ only by their decisions: the tool for comparing
 //! routing changes, where the live benchmark (`scripts/bench.py`) needs many paired runs to
 //! see a few percent through its noise. The live benchmark stays the measure of the shipped
-//! system; the replay is held to it by `scripts/replay_check.py`-style comparisons in
-//! bench/README.md ("Offline replay").
+//! system; bench/README.md ("Offline replay") sets the replay's figures beside a live run's.
 //!
 //! One Envoy worker is modelled (the filter's own table is the whole view), and requests the
 //! filter leaves to Envoy (fail-open) go to Envoy's `least_request` fallback (power of two
