@@ -143,6 +143,7 @@ pub struct ScoringOverrides {
     pub queue_horizon: Option<f64>,
     pub running_scale: Option<f64>,
     pub prefix_home_score: Option<f64>,
+    pub prefix_home_reuse: Option<f64>,
     pub pending_cost: Option<f64>,
 }
 
@@ -227,6 +228,11 @@ pub struct ScoringConfig {
     pub running_scale: f64,
     /// Prefix score given to the rendezvous-hash home of a prompt no pod is known to hold.
     pub prefix_home_score: f64,
+    /// Share of the pool's recent requests whose prompt (or conversation) was found on a pod, at
+    /// and above which a new prompt's home gets all of `prefix_home_score`; below it, in
+    /// proportion, none when no prompt is found again ([`crate::engine::home_fade`]). 0: all of
+    /// it always.
+    pub prefix_home_reuse: f64,
     /// What a request's prefill costs the requests already waiting for their first token on a
     /// pod, per waiting request, as a share of its own prefill time: an engine that batches the
     /// waiting prefills into one step (vLLM's chunked prefill) gives every one of them its first
@@ -246,6 +252,7 @@ impl Default for ScoringConfig {
             queue_horizon: 4.0,
             running_scale: 32.0,
             prefix_home_score: 0.3,
+            prefix_home_reuse: 0.25,
             pending_cost: 1.0,
         }
     }
@@ -272,6 +279,7 @@ impl ScoringConfig {
             queue_horizon: o.queue_horizon.unwrap_or(self.queue_horizon),
             running_scale: o.running_scale.unwrap_or(self.running_scale),
             prefix_home_score: o.prefix_home_score.unwrap_or(self.prefix_home_score),
+            prefix_home_reuse: o.prefix_home_reuse.unwrap_or(self.prefix_home_reuse),
             pending_cost: o.pending_cost.unwrap_or(self.pending_cost),
         }
     }
@@ -310,6 +318,13 @@ impl ScoringConfig {
         if !(home.is_finite() && (0.0..=1.0).contains(&home)) {
             return Err(cfg_err(
                 format!("{at}.prefix_home_score"),
+                "must be in [0, 1]",
+            ));
+        }
+        let reuse = self.prefix_home_reuse;
+        if !(reuse.is_finite() && (0.0..=1.0).contains(&reuse)) {
+            return Err(cfg_err(
+                format!("{at}.prefix_home_reuse"),
                 "must be in [0, 1]",
             ));
         }

@@ -267,6 +267,10 @@ pub struct Engine {
     sync: Option<SyncLog>,
     /// Moving average of prompt tokens per request (the unit of queued work).
     avg_prompt_tokens: f64,
+    /// Per pool (configuration order): moving share of requests whose prompt was found, in
+    /// part, on a pod (or whose conversation was): how much a new prompt's rendezvous home is
+    /// worth there ([`home_fade`]).
+    prompt_reuse: Vec<f64>,
     /// Scratch for [`Engine::commit`].
     recorded: Vec<u64>,
     /// Adapter homes per pool, for the snapshot version they were computed from.
@@ -276,6 +280,20 @@ pub struct Engine {
 /// Weight of the newest request in the prompt-size moving average: ~64 requests of memory,
 /// long enough to be stable, short enough to follow a change of workload within seconds.
 const AVG_ALPHA: f64 = 1.0 / 64.0;
+
+/// How much of a new prompt's home bonus is withheld when a share `reuse` of the pool's recent
+/// requests had their prompt found on a pod: none at `full` (`scoring.prefix_home_reuse`) and
+/// above, or when `full` is 0; all of it when none was. The home exists so that a prompt's next
+/// request finds the pod that has it; where prompts are not reused it only moves requests off the
+/// pod the load picks (the offline replay over eight workloads: mixed-gpu's mean TTFT 6-7% lower
+/// with it faded, the other scenarios unchanged; bench/README.md, "Offline replay").
+pub fn home_fade(reuse: f64, full: f64) -> f64 {
+    if full > 0.0 {
+        (1.0 - reuse / full).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
 
 /// How a body is written: what a split keys on without a client key, and how an alias is
 /// rewritten.
@@ -466,6 +484,8 @@ impl Engine {
             responses,
             sync: Some(SyncLog::new(SYNC_RING)),
             avg_prompt_tokens: 0.0,
+            // Until requests say otherwise, prompts are taken as reused (the whole home bonus).
+            prompt_reuse: vec![1.0; config.pools.len()],
             recorded: Vec::new(),
             adapter_homes: HashMap::new(),
             config,
@@ -527,6 +547,13 @@ impl Engine {
             .conversation
             .map(|k| self.prefix.pods_of(k))
             .unwrap_or_default();
+        // Requests with a prompt to match count towards their pool's share of reused prompts.
+        if let Some(r) = self.prompt_reuse.get_mut(prep.target.pool) {
+            if !prep.model_only && prep.prefix_blocks > 0 {
+                let found = !prep.matches.is_empty() || !prep.conversation_pods.is_empty();
+                *r += AVG_ALPHA * (f64::from(u8::from(found)) - *r);
+            }
+        }
         prep.adapter_recent = prep
             .adapter_anchor
             .and_then(|k| self.prefix.latest_pod_of(k));
@@ -602,6 +629,18 @@ impl Engine {
             prefix_blocks: prep.prefix_blocks,
             block_tokens: self.config.prefix.block_tokens(),
             home_key: prep.home_key,
+            // An adapter request's home is its adapter's ([`Picker::pick`]), worth the same
+            // whether prompts are reused or not.
+            home_fade: match (&prep.target.adapter, self.pickers.get(prep.target.pool)) {
+                (None, Some(p)) => home_fade(
+                    self.prompt_reuse
+                        .get(prep.target.pool)
+                        .copied()
+                        .unwrap_or(1.0),
+                    p.scoring.prefix_home_reuse,
+                ),
+                _ => 0.0,
+            },
             matches: &prep.matches,
             conversation_pods: prep.conversation.map(|_| prep.conversation_pods.as_slice()),
             adapter_recent: prep.adapter_recent,
@@ -1550,6 +1589,84 @@ mod tests {
             &mut SplitMix64::new(5),
         );
         assert_eq!(c.picked_key, Some(forced));
+    }
+
+    #[test]
+    fn home_fade_is_none_from_the_configured_share_and_all_at_none() {
+        assert_eq!(home_fade(1.0, 0.25), 0.0);
+        assert_eq!(home_fade(0.25, 0.25), 0.0);
+        assert_eq!(home_fade(0.125, 0.25), 0.5);
+        assert_eq!(home_fade(0.0, 0.25), 1.0);
+        // 0: the whole bonus, whatever the reuse.
+        assert_eq!(home_fade(0.0, 0.0), 0.0);
+    }
+
+    #[test]
+    fn a_new_prompts_home_bonus_fades_while_prompts_are_not_reused() {
+        let f = fleet(4);
+        let mut e = engine();
+        let opts = DecideOptions {
+            now_ms: 1_010,
+            debug: true,
+            ..DecideOptions::default()
+        };
+        // The largest prefix score in a decision's breakdown: the home's, where nothing matches.
+        let best_prefix = |e: &mut Engine, body: &[u8]| {
+            let p = e.prepare("/v1/chat/completions", body).unwrap();
+            let c = e.decide(&p, Some(&f), &[], opts, &mut SplitMix64::new(1));
+            c.debug
+                .unwrap()
+                .split("prefix=")
+                .skip(1)
+                .map(|t| t[..5].parse::<f64>().unwrap())
+                .fold(0.0, f64::max)
+        };
+        // Prompts of a few blocks, each its own from the first block on.
+        let prompt =
+            |m: &str, tag: &str| chat(m, &format!("{tag}: {}", "summarise this. ".repeat(16)));
+        // A new gateway takes prompts as reused: the home has its bonus (0.9 x 0.3).
+        assert_eq!(best_prefix(&mut e, &prompt("llama-3", "first")), 0.27);
+        // Prompts never seen before (none committed, so none is found). After 100 the share
+        // found has fallen to (63/64)^101 = 0.20, under the 0.25 that keeps the whole bonus, and
+        // the bonus to 0.20 / 0.25 of it (0.22); after 400 more, to nearly nothing.
+        let one_offs = |e: &mut Engine, model: &str, n: std::ops::Range<u32>| {
+            for i in n {
+                let body = prompt(model, &format!("one-off {i}"));
+                e.prepare("/v1/chat/completions", &body).unwrap();
+            }
+        };
+        one_offs(&mut e, "llama-3", 0..100);
+        let faded = best_prefix(&mut e, &prompt("llama-3", "second"));
+        assert!(faded > 0.2 && faded < 0.24, "{faded}");
+        one_offs(&mut e, "llama-3", 100..500);
+        let gone = best_prefix(&mut e, &prompt("llama-3", "second"));
+        assert!(gone < 0.005, "{gone}");
+        // An adapter request keeps its adapter's home bonus whatever the reuse.
+        assert_eq!(best_prefix(&mut e, &prompt("sql", "third")), 0.27);
+        // Prompts found again bring it back.
+        let again = chat(
+            "llama-3",
+            &"a shared system prompt, then a question ".repeat(8),
+        );
+        let p = e.prepare("/v1/chat/completions", &again).unwrap();
+        e.commit(&p, f.pool("llama").unwrap().pods[0].key);
+        for _ in 0..100 {
+            e.prepare("/v1/chat/completions", &again).unwrap();
+        }
+        assert_eq!(best_prefix(&mut e, &prompt("llama-3", "fourth")), 0.27);
+
+        // Per pool: one-off prompts to another pool leave this one's bonus whole; and
+        // `prefix_home_reuse: 0` keeps it whole whatever the reuse.
+        let two = r#"{"pools":[{"name":"llama","models":["llama-3"]},
+            {"name":"qwen","models":["qwen-3"]}]}"#;
+        let mut e = Engine::new(FilterConfig::from_json(two.as_bytes()).unwrap());
+        one_offs(&mut e, "qwen-3", 0..500);
+        assert_eq!(best_prefix(&mut e, &prompt("llama-3", "fifth")), 0.27);
+        let whole = r#"{"pools":[{"name":"llama","models":["llama-3"],
+            "scoring":{"prefix_home_reuse":0}}]}"#;
+        let mut e = Engine::new(FilterConfig::from_json(whole.as_bytes()).unwrap());
+        one_offs(&mut e, "llama-3", 0..500);
+        assert_eq!(best_prefix(&mut e, &prompt("llama-3", "sixth")), 0.27);
     }
 
     #[test]

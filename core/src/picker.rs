@@ -34,6 +34,9 @@ pub struct RequestFeatures<'a> {
     pub block_tokens: u32,
     /// Hash that picks the rendezvous home ([`crate::prefix::home_key`]).
     pub home_key: Option<u64>,
+    /// Share of the home's bonus (`scoring.prefix_home_score`) withheld because the pool's
+    /// prompts are seldom found reused ([`crate::engine::home_fade`]); 0 = all of it.
+    pub home_fade: f64,
     /// Pods known to hold part of the prompt ([`crate::prefix::PrefixIndex::lookup`]).
     pub matches: &'a [PodMatch],
     /// For conversations: the pods that served an earlier turn. A match on a pod outside this
@@ -568,7 +571,7 @@ impl Picker {
             let prefix = prefix_on.then(|| {
                 let learned = req.prefix_credit(*depth, *served);
                 let homed = if home == Some(*i) {
-                    sc.prefix_home_score
+                    sc.prefix_home_score * (1.0 - req.home_fade)
                 } else {
                     0.0
                 };
