@@ -95,12 +95,7 @@ pub fn oracle_ttft_ms(requests: &[TimedRequest], fleet: &FleetConfig) -> Vec<Opt
             if !sim.fits(engine) {
                 continue;
             }
-            let mut new = request(sim.tokens, sim.output, sim.hashes(cfg).to_vec());
-            new.adapter = pod
-                .adapters
-                .iter()
-                .position(|a| *a == req.model)
-                .and_then(|a| u16::try_from(a).ok());
+            let new = sim.engine_request(pod);
             // A request for n choices is n requests of the engine (as vLLM runs them); its
             // first token is the first of any.
             let mut probe = engine.clone();
@@ -237,6 +232,18 @@ impl<'a> SimPrompt<'a> {
             .or_insert_with(|| sim_text::block_hashes(text, cfg.block_size, model))
     }
 
+    /// The request as pod `pod` submits it to its engine: its blocks at the pod's block size,
+    /// its adapter's slot in the pod's list when it names one.
+    pub(crate) fn engine_request(&mut self, pod: &PodConfig) -> NewRequest {
+        let mut new = request(self.tokens, self.output, self.hashes(&pod.engine).to_vec());
+        new.adapter = pod
+            .adapters
+            .iter()
+            .position(|a| *a == self.req.model)
+            .and_then(|a| u16::try_from(a).ok());
+        new
+    }
+
     pub(crate) fn fits(&self, engine: &Engine) -> bool {
         fits(self.tokens, self.output, engine)
     }
@@ -302,11 +309,7 @@ fn idle_ttft_ms(
     Some(first.saturating_sub(now) as f64 / cfg.time_scale / 1e6)
 }
 
-pub(crate) fn request(
-    prompt_tokens: u32,
-    output_tokens: u32,
-    block_hashes: Vec<u64>,
-) -> NewRequest {
+fn request(prompt_tokens: u32, output_tokens: u32, block_hashes: Vec<u64>) -> NewRequest {
     NewRequest {
         prompt_tokens,
         output_tokens,

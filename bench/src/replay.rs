@@ -44,7 +44,7 @@ use sidecar_metrics::config::Config as SidecarConfig;
 use sidecar_metrics::discovery::Target;
 use sidecar_metrics::pod::{pool_snapshot, PodState as ScrapeState};
 
-use crate::floor::{request, serves, SimPrompt};
+use crate::floor::{serves, SimPrompt};
 use crate::workload::{Api, TimedRequest};
 
 /// How requests are routed in a replay.
@@ -115,31 +115,30 @@ impl ReplayOutcome {
 
 /// The filter configuration the benchmark's stack writes for `fleet` (`scripts/stack.py`:
 /// one pool per fleet pool, its models and adapters), with `overrides`' top-level keys over it.
-pub fn filter_config(fleet: &FleetConfig, overrides: &Value) -> Result<FilterConfig, String> {
-    let mut pools: Vec<(String, Vec<String>, Vec<String>)> = Vec::new();
-    for p in &fleet.pods {
-        let at = match pools.iter().position(|(n, _, _)| *n == p.pool) {
-            Some(i) => i,
-            None => {
-                pools.push((p.pool.clone(), Vec::new(), Vec::new()));
-                pools.len() - 1
+pub fn filter_config<'a>(
+    fleet: &'a FleetConfig,
+    overrides: &Value,
+) -> Result<FilterConfig, String> {
+    let pools: Vec<Value> = fleet_pools(fleet)
+        .into_iter()
+        .map(|(name, members)| {
+            let (mut models, mut adapters): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+            let add = |list: &mut Vec<&'a str>, name: &'a str| {
+                if !list.contains(&name) {
+                    list.push(name);
+                }
+            };
+            for p in members.iter().map(|&i| &fleet.pods[i]) {
+                add(&mut models, &p.model);
+                for a in &p.adapters {
+                    add(&mut adapters, a);
+                }
             }
-        };
-        let (_, models, adapters) = &mut pools[at];
-        if !models.contains(&p.model) {
-            models.push(p.model.clone());
-        }
-        for a in &p.adapters {
-            if !adapters.contains(a) {
-                adapters.push(a.clone());
-            }
-        }
-    }
+            json!({"name": name, "models": models, "adapters": adapters})
+        })
+        .collect();
     let mut cfg = json!({
-        "pools": pools
-            .iter()
-            .map(|(name, models, adapters)| json!({"name": name, "models": models, "adapters": adapters}))
-            .collect::<Vec<_>>(),
+        "pools": pools,
         "ingest": {"token": "offline-replay"},
     });
     if let (Some(base), Some(over)) = (cfg.as_object_mut(), overrides.as_object()) {
@@ -151,6 +150,18 @@ pub fn filter_config(fleet: &FleetConfig, overrides: &Value) -> Result<FilterCon
     }
     let bytes = serde_json::to_vec(&cfg).map_err(|e| e.to_string())?;
     FilterConfig::from_json(&bytes).map_err(|e| format!("filter configuration: {e}"))
+}
+
+/// The fleet's pools in order of first appearance, each with its pods' indices.
+fn fleet_pools(fleet: &FleetConfig) -> Vec<(String, Vec<usize>)> {
+    let mut pools: Vec<(String, Vec<usize>)> = Vec::new();
+    for (i, p) in fleet.pods.iter().enumerate() {
+        match pools.iter_mut().find(|(n, _)| *n == p.pool) {
+            Some((_, members)) => members.push(i),
+            None => pools.push((p.pool.clone(), vec![i])),
+        }
+    }
+    pools
 }
 
 /// A request on its pod: what to undo when it ends, and when it arrived.
@@ -213,6 +224,8 @@ struct Replay<'a> {
     pods: Vec<Pod>,
     filter: Option<Filter>,
     sidecar: SidecarConfig,
+    /// The fleet's pools and their pods ([`fleet_pools`]).
+    pools: Vec<(String, Vec<usize>)>,
     /// The aggregator's start, and the instant of wall ns 0.
     started: Instant,
     /// Unix ms at wall ns 0.
@@ -288,6 +301,7 @@ impl<'a> Replay<'a> {
             pods,
             filter,
             sidecar,
+            pools: fleet_pools(fleet),
             started: Instant::now(),
             epoch_ms: 1_800_000_000_000,
             next_scrape: 0,
@@ -357,9 +371,9 @@ impl<'a> Replay<'a> {
         if o.new_tokens > 0 && self.out.ttft_ms[open.request].is_none() {
             let ms = wall.saturating_sub(open.at) as f64 / 1e6 + self.settings.proxy_ms;
             self.out.ttft_ms[open.request] = Some(ms);
-            if let Some(c) = open.flight.as_mut().and_then(InFlight::first_byte) {
-                if let Some(f) = self.filter.as_mut() {
-                    complete(f, &open.flight, c);
+            if let Some(fl) = open.flight.as_mut() {
+                if let (Some(c), Some(f)) = (fl.first_byte(), self.filter.as_mut()) {
+                    complete(f, fl, c);
                 }
             }
         }
@@ -368,8 +382,8 @@ impl<'a> Replay<'a> {
             open.sequences = open.sequences.saturating_sub(1);
             if open.sequences == 0 {
                 self.pods[pod].open = self.pods[pod].open.saturating_sub(1);
-                if let (Some(flight), Some(f)) = (&open.flight, self.filter.as_mut()) {
-                    complete(f, &open.flight, flight.finished());
+                if let (Some(fl), Some(f)) = (&open.flight, self.filter.as_mut()) {
+                    complete(f, fl, fl.finished());
                 }
             }
         }
@@ -393,17 +407,8 @@ impl<'a> Replay<'a> {
                 Err(e) => pod.scrape.on_failure("parse", e.to_string()),
             }
         }
-        let mut names: Vec<&str> = Vec::new();
-        for p in &self.fleet.pods {
-            if !names.contains(&p.pool.as_str()) {
-                names.push(&p.pool);
-            }
-        }
-        let mut pools = Vec::with_capacity(names.len());
-        for name in names {
-            let members: Vec<usize> = (0..self.fleet.pods.len())
-                .filter(|&i| self.fleet.pods[i].pool == name)
-                .collect();
+        let mut pools = Vec::with_capacity(self.pools.len());
+        for (name, members) in &self.pools {
             let weights: Vec<f64> = members
                 .iter()
                 .map(|&i| {
@@ -417,7 +422,7 @@ impl<'a> Replay<'a> {
                 self.pods[i].scrape.published_capacity = Some(c);
             }
             pools.push(PoolSnapshot {
-                name: name.to_string(),
+                name: name.clone(),
                 pods,
             });
         }
@@ -495,16 +500,11 @@ impl<'a> Replay<'a> {
         if !sim.fits(&self.pods[pod].engine) {
             // The pod answers at once with an error: the request's end leaves the table.
             if let (Some(fl), Some(f)) = (&flight, self.filter.as_mut()) {
-                complete(f, &flight, fl.finished());
+                complete(f, fl, fl.finished());
             }
             return;
         }
-        let mut new = request(sim.tokens, sim.output, sim.hashes(&cfg.engine).to_vec());
-        new.adapter = cfg
-            .adapters
-            .iter()
-            .position(|a| *a == req.model)
-            .and_then(|a| u16::try_from(a).ok());
+        let new = sim.engine_request(cfg);
         let scale = cfg.engine.time_scale;
         let delay = 2.0 * self.settings.proxy_ms * 1e6 * self.delays.next_f64();
         // An engine takes arrivals in order: one overtaken on the way arrives with the one
@@ -637,9 +637,9 @@ enum Picked {
     Refused,
 }
 
-/// Applies a first token or an end to the filter's table of the request's pool.
-fn complete(f: &mut Filter, flight: &Option<InFlight>, c: Completion) {
-    if let Some(t) = flight.as_ref().and_then(|fl| f.loads.get_mut(&*fl.pool)) {
+/// Applies a first token or an end of the request `flight` to the filter's table of its pool.
+fn complete(f: &mut Filter, flight: &InFlight, c: Completion) {
+    if let Some(t) = f.loads.get_mut(&*flight.pool) {
         c.apply(t);
     }
 }

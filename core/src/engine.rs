@@ -622,6 +622,9 @@ impl Engine {
             Some(a) => self.adapter_home(fleet.version, prep.target.pool, pool, adapter_key(a)),
             None => None,
         };
+        let Some(picker) = self.pickers.get(prep.target.pool) else {
+            return none(Decision::FailOpen(FailOpen::UnknownPool));
+        };
         let features = RequestFeatures {
             adapter: prep.target.adapter.as_deref().map(adapter_key),
             prompt_tokens: prep.prompt_tokens,
@@ -631,14 +634,11 @@ impl Engine {
             home_key: prep.home_key,
             // An adapter request's home is its adapter's ([`Picker::pick`]), worth the same
             // whether prompts are reused or not.
-            home_fade: match (&prep.target.adapter, self.pickers.get(prep.target.pool)) {
-                (None, Some(p)) => home_fade(
-                    self.prompt_reuse
-                        .get(prep.target.pool)
-                        .copied()
-                        .unwrap_or(1.0),
-                    p.scoring.prefix_home_reuse,
-                ),
+            home_fade: match (
+                &prep.target.adapter,
+                self.prompt_reuse.get(prep.target.pool),
+            ) {
+                (None, Some(&reuse)) => home_fade(reuse, picker.scoring.prefix_home_reuse),
                 _ => 0.0,
             },
             matches: &prep.matches,
@@ -650,9 +650,6 @@ impl Engine {
             affinity_hold,
         };
         let mut explain = Explain::default();
-        let Some(picker) = self.pickers.get(prep.target.pool) else {
-            return none(Decision::FailOpen(FailOpen::UnknownPool));
-        };
         let decision = picker.pick(
             pool,
             loads,

@@ -348,15 +348,6 @@ impl Pod {
         }
     }
 
-    fn names(&self, ids: &[AdapterId]) -> Vec<String> {
-        adapter_names(&self.cfg, ids)
-    }
-
-    /// Adapter names for ids, comma-joined (vLLM's `lora_requests_info` label format).
-    pub fn adapter_list(&self, ids: &[AdapterId]) -> String {
-        self.names(ids).join(",")
-    }
-
     /// A copy of gauges and statistics.
     pub fn metrics_view(&self) -> MetricsView {
         let core = self.lock();
@@ -392,9 +383,9 @@ impl Pod {
             cached_blocks: g.cached_blocks,
             max_model_len: max_len,
             max_loras: self.cfg.engine.max_loras,
-            resident_adapters: self.names(&g.resident_adapters),
-            running_adapters: self.names(&g.running_adapters),
-            waiting_adapters: self.names(&g.waiting_adapters),
+            resident_adapters: adapter_names(&self.cfg, &g.resident_adapters),
+            running_adapters: adapter_names(&self.cfg, &g.running_adapters),
+            waiting_adapters: adapter_names(&self.cfg, &g.waiting_adapters),
             counters: PodCounters {
                 requests: self.requests_received(),
                 finished: s.finished_stop + s.finished_length,
