@@ -21,7 +21,7 @@ CARGO       ?= cargo
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck replay clean-venv
+.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck replay replay-gateways clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -121,6 +121,10 @@ bench-quick: setup build ## every scenario briefly (< 3 min, into target/bench/q
 replay: ## the offline replay, every scenario (seconds): the filter's decision code and the baselines over the simulated engines, no Envoy; WORKLOADS=N, ARGS='--configs filter,filter-x --filter-variant x=JSON'
 	$(CARGO) build --release -p gpuroute-bench
 	@for s in $$(target/release/bench-scenario list); do target/release/bench-scenario replay $$s --workloads $(or $(WORKLOADS),1) $(ARGS) || exit 1; echo; done
+
+replay-gateways: ## the offline replay through one engine, workers of one Envoy and gateway replicas, every scenario (~1 min; WORKLOADS=N)
+	$(CARGO) build --release -p gpuroute-bench
+	python3 scripts/replay_gateways.py --workloads $(or $(WORKLOADS),8)
 
 bench-crosscheck: $(VENV)/.ready build ## TTFT cross-check with kubernetes-sigs inference-perf (~10 min; QUICK=1 for 1 min)
 	$(PY) scripts/inference_perf.py $(if $(QUICK),--quick) $(CROSSCHECK_ARGS)

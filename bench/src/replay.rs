@@ -19,12 +19,23 @@
 //! see a few percent through its noise. The live benchmark stays the measure of the shipped
 //! system; bench/README.md ("Offline replay") sets the replay's figures beside a live run's.
 //!
-//! One Envoy worker is modelled (the filter's own table is the whole view), and requests the
-//! filter leaves to Envoy (fail-open) go to Envoy's `least_request` fallback (power of two
-//! choices over each pod's open requests).
+//! Requests the filter leaves to Envoy (fail-open) go to Envoy's `least_request` fallback
+//! (power of two choices over each pod's open requests).
+//!
+//! By default one filter engine routes everything: one Envoy worker, whose own table is the
+//! whole view. [`Gateways`] sets up several: each with its own prefix index and in-flight table
+//! (as each Envoy worker and each gateway replica has), each request reaching one drawn at
+//! random (Envoy's listener spreading connections over workers; a Kubernetes Service spreading
+//! them over replicas). They learn each other's routing decisions and in-flight counts only
+//! through the relays [`Gateways`] names, that long after the fact: the workers of one Envoy
+//! exchange both through shared data within milliseconds; gateway replicas exchange prefix
+//! records through `sidecar-metrics` and in-flight counts not at all. They share the pods and
+//! the aggregator's snapshots (each replica's own sidecar scrapes at its own phase; here every
+//! engine installs the same snapshot at the same time).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -37,6 +48,7 @@ use gpuroute_core::engine::{DecideOptions, Engine as FilterEngine};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::load::{Completion, InFlight, LoadTable};
 use gpuroute_core::picker::Decision;
+use gpuroute_core::prefix::SyncRecord;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::{PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
 use serde_json::{json, Value};
@@ -74,6 +86,62 @@ pub struct ReplaySettings {
     /// the pod sent it. 0: none, and a replay of the same inputs is the same whatever the seed
     /// but for the routers' own draws.
     pub proxy_ms: f64,
+    /// The filter engines requests are spread over, and what they learn of each other.
+    pub gateways: Gateways,
+}
+
+/// Filter engines that decide apart: the workers of one Envoy, or gateway replicas.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gateways {
+    /// Engines, each with its own prefix index and in-flight table; each request reaches one
+    /// drawn at random.
+    pub engines: usize,
+    /// How long after a routing decision the other engines' prefix indexes hold it. `None`:
+    /// never (they agree only through the rendezvous home and the snapshot).
+    pub prefix_relay_ms: Option<u64>,
+    /// How long after a request is counted (sent, its first token, its end) the other engines'
+    /// in-flight views count it. `None`: never (each knows only its own requests).
+    pub load_relay_ms: Option<u64>,
+    /// The engines are workers of one Envoy, so the baselines' `least_request` counts every
+    /// engine's open requests (Envoy's per-host counts are shared by its workers); otherwise
+    /// each engine counts only its own, as separate Envoys do.
+    pub one_envoy: bool,
+}
+
+impl Gateways {
+    /// One engine: one Envoy with one worker.
+    pub fn one() -> Gateways {
+        Gateways {
+            engines: 1,
+            prefix_relay_ms: None,
+            load_relay_ms: None,
+            one_envoy: true,
+        }
+    }
+
+    /// `n` workers of one Envoy (README, "No thundering herd"): another worker's request counts
+    /// ~2 ms after it was sent (`shared_refresh_ms` 1 ms, on the next request), its routing
+    /// decisions arrive with the next tick's exchange (`tick_ms` 20 ms).
+    pub fn workers(n: usize) -> Gateways {
+        Gateways {
+            engines: n.max(1),
+            prefix_relay_ms: Some(20),
+            load_relay_ms: Some(2),
+            one_envoy: true,
+        }
+    }
+
+    /// `n` gateway replicas of one worker each, as the shipped manifests run them: routing
+    /// decisions relayed by `sidecar-metrics` (p50 51-68 ms on loopback, README "Prefix
+    /// affinity"; 60 here), in-flight counts not exchanged.
+    pub fn replicas(n: usize) -> Gateways {
+        Gateways {
+            engines: n.max(1),
+            prefix_relay_ms: Some(60),
+            load_relay_ms: None,
+            one_envoy: false,
+        }
+    }
 }
 
 impl Default for ReplaySettings {
@@ -83,6 +151,7 @@ impl Default for ReplaySettings {
             snapshot_lag_ms: 5,
             seed: 1,
             proxy_ms: 0.0,
+            gateways: Gateways::one(),
         }
     }
 }
@@ -171,6 +240,8 @@ struct Open {
     at: u64,
     /// The filter's in-flight entry (None for the baselines and fail-open requests).
     flight: Option<InFlight>,
+    /// The filter engine that routed it ([`Gateways`]).
+    gateway: usize,
     /// Sequences (choices) not yet finished.
     sequences: u32,
 }
@@ -201,8 +272,9 @@ struct Pod {
     engine: SimEngine,
     scrape: ScrapeState,
     clock: SimClock,
-    /// Open requests (HTTP streams) on the pod, for `least_request`.
-    open: u32,
+    /// Open requests (HTTP streams) on the pod, for `least_request`, per engine that sent
+    /// them.
+    open: Vec<u32>,
 }
 
 struct Filter {
@@ -210,11 +282,24 @@ struct Filter {
     fleet: Option<FleetState>,
     /// The worker's own in-flight table per pool, by pool name.
     loads: HashMap<String, LoadTable>,
-    /// Snapshots taken and not yet installed: (wall ns to install at, snapshot).
-    pending: Vec<(u64, Snapshot)>,
-    version: u64,
-    /// The fleet's pod index of each snapshot address.
-    by_address: HashMap<String, usize>,
+    /// The other engines' in-flight counts as far as relayed, per pool, counted as their own
+    /// tables count them (against the same snapshot's bases).
+    peers: HashMap<String, LoadTable>,
+}
+
+/// What one engine tells the others, on its way: when it happened and when it reaches them
+/// (wall ns), and which engine it comes from.
+struct Relayed<T> {
+    at: u64,
+    due: u64,
+    from: usize,
+    what: T,
+}
+
+/// A change to an engine's in-flight table.
+enum LoadEvent {
+    Sent(InFlight),
+    Done(Arc<str>, Completion),
 }
 
 struct Replay<'a> {
@@ -222,7 +307,19 @@ struct Replay<'a> {
     policy: &'a Policy,
     settings: &'a ReplaySettings,
     pods: Vec<Pod>,
-    filter: Option<Filter>,
+    /// One per engine of [`Gateways`]; none for the baselines.
+    filters: Vec<Filter>,
+    /// Wall ns of the last snapshot install.
+    installed_at: u64,
+    /// Snapshots taken and not yet installed: (wall ns to install at, snapshot).
+    pending: Vec<(u64, Snapshot)>,
+    version: u64,
+    /// The fleet's pod index of each snapshot address.
+    by_address: HashMap<String, usize>,
+    /// Routing decisions and in-flight changes not yet at the other engines, in order of
+    /// arrival there.
+    prefix_relay: VecDeque<Relayed<SyncRecord>>,
+    load_relay: VecDeque<Relayed<LoadEvent>>,
     sidecar: SidecarConfig,
     /// The fleet's pools and their pods ([`fleet_pools`]).
     pools: Vec<(String, Vec<usize>)>,
@@ -238,7 +335,10 @@ struct Replay<'a> {
     /// Draws of the proxy's delays, apart from the router's so a delay does not change its
     /// choices' draws.
     delays: SplitMix64,
-    round_robin: HashMap<String, usize>,
+    /// Draws of the engine each request reaches, apart from the others for the same reason.
+    spread: SplitMix64,
+    /// Each engine's round-robin position per model.
+    round_robin: HashMap<(usize, String), usize>,
     out: ReplayOutcome,
     scratch: Vec<Output>,
 }
@@ -274,32 +374,38 @@ impl<'a> Replay<'a> {
                         name: Some(p.name.clone()),
                     }),
                     clock: SimClock::new(p.engine.time_scale),
-                    open: 0,
+                    open: vec![0; settings.gateways.engines.max(1)],
                 }
             })
             .collect();
-        let filter = match policy {
+        let filters = match policy {
             Policy::Filter(over) => {
                 let cfg = filter_config(fleet, over)?;
-                Some(Filter {
-                    engine: FilterEngine::new(cfg).without_sync_log(),
-                    fleet: None,
-                    loads: HashMap::new(),
-                    pending: Vec::new(),
-                    version: 0,
-                    by_address: (0..fleet.pods.len())
-                        .map(|i| (address(i).to_string(), i))
-                        .collect(),
-                })
+                (0..settings.gateways.engines.max(1))
+                    .map(|_| Filter {
+                        engine: FilterEngine::new(cfg.clone()).without_sync_log(),
+                        fleet: None,
+                        loads: HashMap::new(),
+                        peers: HashMap::new(),
+                    })
+                    .collect()
             }
-            _ => None,
+            _ => Vec::new(),
         };
         Ok(Replay {
             fleet,
             policy,
             settings,
             pods,
-            filter,
+            filters,
+            pending: Vec::new(),
+            version: 0,
+            by_address: (0..fleet.pods.len())
+                .map(|i| (address(i).to_string(), i))
+                .collect(),
+            installed_at: 0,
+            prefix_relay: VecDeque::new(),
+            load_relay: VecDeque::new(),
             sidecar,
             pools: fleet_pools(fleet),
             started: Instant::now(),
@@ -309,6 +415,7 @@ impl<'a> Replay<'a> {
             requests: Vec::new(),
             rng: SplitMix64::new(settings.seed),
             delays: SplitMix64::new(settings.seed ^ 0x9e37_79b9_7f4a_7c15),
+            spread: SplitMix64::new(settings.seed ^ 0x5851_f42d_4c95_7f2d),
             round_robin: HashMap::new(),
             out: ReplayOutcome::default(),
             scratch: Vec::new(),
@@ -321,15 +428,12 @@ impl<'a> Replay<'a> {
 
     /// Runs the fleet, the aggregator and the snapshot installs up to wall ns `t`.
     fn run_to(&mut self, t: u64) {
-        if self.filter.is_none() {
+        if self.filters.is_empty() {
             self.advance(t);
             return;
         }
         loop {
-            let install = self
-                .filter
-                .as_ref()
-                .and_then(|f| f.pending.first().map(|p| p.0));
+            let install = self.pending.first().map(|p| p.0);
             let next = match install {
                 Some(i) if i <= self.next_scrape => i,
                 _ => self.next_scrape,
@@ -368,12 +472,14 @@ impl<'a> Replay<'a> {
         };
         let wall = (o.at as f64 / scale) as u64;
         let open = &mut self.requests[slot];
+        let gateway = open.gateway;
+        let mut done = Vec::new();
         if o.new_tokens > 0 && self.out.ttft_ms[open.request].is_none() {
             let ms = wall.saturating_sub(open.at) as f64 / 1e6 + self.settings.proxy_ms;
             self.out.ttft_ms[open.request] = Some(ms);
             if let Some(fl) = open.flight.as_mut() {
-                if let (Some(c), Some(f)) = (fl.first_byte(), self.filter.as_mut()) {
-                    complete(f, fl, c);
+                if let Some(c) = fl.first_byte() {
+                    done.push(LoadEvent::Done(fl.pool.clone(), c));
                 }
             }
         }
@@ -381,11 +487,16 @@ impl<'a> Replay<'a> {
             self.open.remove(&(pod, o.seq));
             open.sequences = open.sequences.saturating_sub(1);
             if open.sequences == 0 {
-                self.pods[pod].open = self.pods[pod].open.saturating_sub(1);
-                if let (Some(fl), Some(f)) = (&open.flight, self.filter.as_mut()) {
-                    complete(f, fl, fl.finished());
+                if let Some(n) = self.pods[pod].open.get_mut(gateway) {
+                    *n = n.saturating_sub(1);
+                }
+                if let Some(fl) = &open.flight {
+                    done.push(LoadEvent::Done(fl.pool.clone(), fl.finished()));
                 }
             }
+        }
+        for d in done {
+            self.complete(gateway, wall, d);
         }
     }
 
@@ -426,39 +537,43 @@ impl<'a> Replay<'a> {
                 pods,
             });
         }
-        let Some(f) = self.filter.as_mut() else {
+        if self.filters.is_empty() {
             return;
-        };
-        f.version += 1;
+        }
+        self.version += 1;
         let snapshot = Snapshot {
             schema: SNAPSHOT_SCHEMA,
-            version: f.version,
+            version: self.version,
             source: "replay".into(),
             generated_at_ms: wall,
             pools,
         };
-        f.pending
+        self.pending
             .push((t + self.settings.snapshot_lag_ms * 1_000_000, snapshot));
     }
 
-    /// Installs the oldest pending snapshot, as the filter's worker does.
+    /// Installs the oldest pending snapshot in every engine, as the filter's worker does.
     fn install(&mut self, t: u64) {
         let wall = self.wall_ms(t);
-        let Some(f) = self.filter.as_mut() else {
-            return;
-        };
-        if f.pending.is_empty() {
+        if self.pending.is_empty() {
             return;
         }
-        let (_, snap) = f.pending.remove(0);
+        let (_, snap) = self.pending.remove(0);
         let fleet = FleetState::new(snap, wall);
-        for pool in &fleet.pools {
-            f.loads
-                .entry(pool.name.clone())
-                .or_default()
-                .rebase(fleet.version, &pool.keys);
+        for f in &mut self.filters {
+            for pool in &fleet.pools {
+                f.loads
+                    .entry(pool.name.clone())
+                    .or_default()
+                    .rebase(fleet.version, &pool.keys);
+                f.peers
+                    .entry(pool.name.clone())
+                    .or_default()
+                    .rebase(fleet.version, &pool.keys);
+            }
+            f.fleet = Some(fleet.clone());
         }
-        f.fleet = Some(fleet);
+        self.installed_at = t;
     }
 
     /// Routes request `r` arriving at wall ns `at` and submits it to its pod.
@@ -469,22 +584,38 @@ impl<'a> Replay<'a> {
             .filter(|&i| serves(&self.fleet.pods[i], &req.model))
             .collect();
         let mut flight = None;
+        let engines = self.settings.gateways.engines;
+        let gateway = match engines {
+            0 | 1 => 0,
+            n => (self.spread.next_u64() % n as u64) as usize,
+        };
         let pod = match self.policy {
             Policy::RoundRobin => {
-                let n = self.round_robin.entry(req.model.clone()).or_default();
+                let spread = &mut self.spread;
+                // Envoy starts each load balancer's rotation at a random host.
+                let n = self
+                    .round_robin
+                    .entry((gateway, req.model.clone()))
+                    .or_insert_with(|| {
+                        if engines > 1 {
+                            spread.next_u64() as usize % 1024
+                        } else {
+                            0
+                        }
+                    });
                 let pick = candidates.get(*n % candidates.len().max(1)).copied();
                 *n += 1;
                 pick
             }
-            Policy::LeastRequest => self.least_request(&candidates),
-            Policy::Filter(_) => match self.filter_pick(req, at) {
+            Policy::LeastRequest => self.least_request(&candidates, gateway),
+            Policy::Filter(_) => match self.filter_pick(req, at, gateway) {
                 Picked::Pod(i, f) => {
                     flight = f;
                     Some(i)
                 }
                 Picked::FailOpen => {
                     self.out.fail_open += 1;
-                    self.least_request(&candidates)
+                    self.least_request(&candidates, gateway)
                 }
                 Picked::Refused => {
                     self.out.refused += 1;
@@ -499,8 +630,9 @@ impl<'a> Replay<'a> {
         let mut sim = SimPrompt::new(req);
         if !sim.fits(&self.pods[pod].engine) {
             // The pod answers at once with an error: the request's end leaves the table.
-            if let (Some(fl), Some(f)) = (&flight, self.filter.as_mut()) {
-                complete(f, fl, fl.finished());
+            if let Some(fl) = &flight {
+                let done = LoadEvent::Done(fl.pool.clone(), fl.finished());
+                self.complete(gateway, at, done);
             }
             return;
         }
@@ -516,25 +648,36 @@ impl<'a> Replay<'a> {
             request: r,
             at,
             flight,
+            gateway,
             sequences,
         });
         for _ in 0..sequences {
             let id = self.pods[pod].engine.submit(new.clone(), now);
             self.open.insert((pod, id), slot);
         }
-        self.pods[pod].open += 1;
+        if let Some(n) = self.pods[pod].open.get_mut(gateway) {
+            *n += 1;
+        }
         self.out.served_by[r] = Some(pod);
     }
 
-    /// Envoy's `least_request` with its default two choices.
-    fn least_request(&mut self, candidates: &[usize]) -> Option<usize> {
+    /// Envoy's `least_request` with its default two choices, in engine `gateway`'s Envoy.
+    fn least_request(&mut self, candidates: &[usize], gateway: usize) -> Option<usize> {
+        let shared = self.settings.gateways.one_envoy;
+        let open = |p: &Pod| -> u32 {
+            if shared {
+                p.open.iter().sum()
+            } else {
+                p.open.get(gateway).copied().unwrap_or(0)
+            }
+        };
         match candidates.len() {
             0 => None,
             1 => Some(candidates[0]),
             n => {
                 let a = candidates[(self.rng.next_u64() % n as u64) as usize];
                 let b = candidates[(self.rng.next_u64() % n as u64) as usize];
-                Some(if self.pods[b].open < self.pods[a].open {
+                Some(if open(&self.pods[b]) < open(&self.pods[a]) {
                     b
                 } else {
                     a
@@ -543,11 +686,88 @@ impl<'a> Replay<'a> {
         }
     }
 
-    /// The filter's decision for `req` at wall ns `at`, counted in its in-flight table and
-    /// recorded in its prefix index as the filter's shell does.
-    fn filter_pick(&mut self, req: &TimedRequest, at: u64) -> Picked {
+    /// Delivers what the engines relayed, due by wall ns `at`, to the engines that did not
+    /// send it.
+    fn deliver(&mut self, at: u64) {
+        while self.prefix_relay.front().is_some_and(|r| r.due <= at) {
+            let Some(r) = self.prefix_relay.pop_front() else {
+                break;
+            };
+            for (i, f) in self.filters.iter_mut().enumerate() {
+                if i != r.from {
+                    f.engine.apply_sync(std::slice::from_ref(&r.what));
+                }
+            }
+        }
+        while self.load_relay.front().is_some_and(|r| r.due <= at) {
+            let Some(r) = self.load_relay.pop_front() else {
+                break;
+            };
+            // The sender counts against the same snapshot's bases: a change from before the
+            // last install is in its bases too, so it moves no delta, only the totals.
+            let before = r.at < self.installed_at;
+            for (i, f) in self.filters.iter_mut().enumerate() {
+                if i != r.from {
+                    peer_change(f, &r.what, before);
+                }
+            }
+        }
+    }
+
+    /// A first token or end of a request engine `gateway` routed, at wall ns `at`: applied to
+    /// its table, and relayed to the others if [`Gateways::load_relay_ms`] says so.
+    fn complete(&mut self, gateway: usize, at: u64, done: LoadEvent) {
+        let LoadEvent::Done(pool, c) = &done else {
+            return;
+        };
+        if let Some(t) = self
+            .filters
+            .get_mut(gateway)
+            .and_then(|f| f.loads.get_mut(&**pool))
+        {
+            c.apply(t);
+        }
+        self.relay_load(gateway, at, done);
+    }
+
+    fn relay_load(&mut self, from: usize, at: u64, what: LoadEvent) {
+        if let Some(ms) = self
+            .settings
+            .gateways
+            .load_relay_ms
+            .filter(|_| self.filters.len() > 1)
+        {
+            let due = at + ms * 1_000_000;
+            // Ends come in pod by pod, not in time order: keep the queue in order of arrival.
+            let pos = self
+                .load_relay
+                .iter()
+                .rposition(|r| r.due <= due)
+                .map_or(0, |p| p + 1);
+            self.load_relay.insert(
+                pos,
+                Relayed {
+                    at,
+                    due,
+                    from,
+                    what,
+                },
+            );
+        }
+    }
+
+    /// Engine `gateway`'s decision for `req` at wall ns `at`, counted in its in-flight table and
+    /// recorded in its prefix index as the filter's shell does, and relayed to the other
+    /// engines as [`Gateways`] says.
+    fn filter_pick(&mut self, req: &TimedRequest, at: u64, gateway: usize) -> Picked {
         let now_ms = self.wall_ms(at);
-        let Some(f) = self.filter.as_mut() else {
+        self.deliver(at);
+        let prefix_relay = self
+            .settings
+            .gateways
+            .prefix_relay_ms
+            .filter(|_| self.filters.len() > 1);
+        let Some(f) = self.filters.get_mut(gateway) else {
             return Picked::FailOpen;
         };
         let path = match req.api {
@@ -557,11 +777,26 @@ impl<'a> Replay<'a> {
         let Ok(prep) = f.engine.prepare(path, &req.body()) else {
             return Picked::Refused;
         };
-        let loads = f
+        let mut loads = f
             .loads
             .get(&*prep.pool)
             .map(|t| t.pods.clone())
             .unwrap_or_default();
+        // The other engines' tables added to this one's, as a worker adds the other workers'.
+        if let Some(peer) = f
+            .peers
+            .get(&*prep.pool)
+            .filter(|p| p.pods.len() == loads.len())
+        {
+            for (l, p) in loads.iter_mut().zip(&peer.pods) {
+                l.inflight = l.inflight.saturating_add(p.inflight);
+                l.base = l.base.saturating_add(p.base);
+                l.tokens = l.tokens.saturating_add(p.tokens);
+                l.base_tokens = l.base_tokens.saturating_add(p.base_tokens);
+                l.prefill = l.prefill.saturating_add(p.prefill);
+                l.prefill_tokens = l.prefill_tokens.saturating_add(p.prefill_tokens);
+            }
+        }
         let opts = DecideOptions {
             now_ms,
             ..DecideOptions::default()
@@ -576,7 +811,7 @@ impl<'a> Replay<'a> {
                 };
                 let pod = f.fleet.as_ref().and_then(|fl| {
                     let p = fl.pool(&prep.pool)?.pods.get(idx)?;
-                    f.by_address.get(&p.snap.address).copied()
+                    self.by_address.get(&p.snap.address).copied()
                 });
                 let Some(pod) = pod else {
                     return Picked::FailOpen;
@@ -586,6 +821,24 @@ impl<'a> Replay<'a> {
                     t.count(idx, &flight);
                 }
                 f.engine.commit(&prep, key);
+                if let Some(ms) = prefix_relay {
+                    let mut anchors = Vec::new();
+                    prep.anchor_hashes(&mut anchors);
+                    if !anchors.is_empty() {
+                        let record = SyncRecord {
+                            seq: 0,
+                            pod: key,
+                            anchors,
+                        };
+                        self.prefix_relay.push_back(Relayed {
+                            at,
+                            due: at + ms * 1_000_000,
+                            from: gateway,
+                            what: record,
+                        });
+                    }
+                }
+                self.relay_load(gateway, at, LoadEvent::Sent(flight.clone()));
                 Picked::Pod(pod, Some(flight))
             }
             Decision::FailOpen(_) => Picked::FailOpen,
@@ -637,9 +890,44 @@ enum Picked {
     Refused,
 }
 
-/// Applies a first token or an end of the request `flight` to the filter's table of its pool.
-fn complete(f: &mut Filter, flight: &InFlight, c: Completion) {
-    if let Some(t) = f.loads.get_mut(&*flight.pool) {
-        c.apply(t);
+/// Another engine's in-flight change, in `f`'s view of the others' tables; `before`: it
+/// happened before the snapshot both count against was installed.
+fn peer_change(f: &mut Filter, what: &LoadEvent, before: bool) {
+    match what {
+        LoadEvent::Sent(fl) => {
+            let Some(t) = f.peers.get_mut(&*fl.pool) else {
+                return;
+            };
+            let Some(idx) = t.pods.iter().position(|p| p.key == fl.pod_key) else {
+                return;
+            };
+            t.count(idx, fl);
+            if before {
+                let p = &mut t.pods[idx];
+                p.base = p.base.saturating_add(fl.sequences);
+                p.base_tokens = p.base_tokens.saturating_add(fl.tokens);
+            }
+        }
+        LoadEvent::Done(pool, c) => {
+            let Some(t) = f.peers.get_mut(&**pool) else {
+                return;
+            };
+            c.apply(t);
+            if let (
+                true,
+                Completion::Finished {
+                    pod_key,
+                    sequences,
+                    tokens,
+                    ..
+                },
+            ) = (before, c)
+            {
+                if let Some(p) = t.pods.iter_mut().find(|p| p.key == *pod_key) {
+                    p.base = p.base.saturating_sub(*sequences);
+                    p.base_tokens = p.base_tokens.saturating_sub(*tokens);
+                }
+            }
+        }
     }
 }

@@ -1,7 +1,9 @@
 //! The offline replay (`gpuroute_bench::replay`): reproducible from its inputs; the filter's
 //! decisions, fed by the aggregator's reading of the simulated pods, beat both baselines on
 //! every scenario and send the faster GPUs more; a snapshot that goes stale leaves requests to
-//! Envoy's balancing and loses none; the benchmark's filter configuration takes overrides.
+//! Envoy's balancing and loses none; the benchmark's filter configuration takes overrides;
+//! several filter engines (workers of one Envoy, gateway replicas) learn of each other only
+//! through what they exchange.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -9,7 +11,9 @@ use std::path::{Path, PathBuf};
 
 use fleet_sim::config::FleetConfig;
 use gpuroute_bench::floor::{present_percentiles, scenario_parts};
-use gpuroute_bench::replay::{filter_config, replay, Policy, ReplayOutcome, ReplaySettings};
+use gpuroute_bench::replay::{
+    filter_config, replay, Gateways, Policy, ReplayOutcome, ReplaySettings,
+};
 use gpuroute_bench::scenario::Scenario;
 use gpuroute_bench::workload::TimedRequest;
 use serde_json::json;
@@ -147,4 +151,75 @@ fn the_filter_configuration_is_the_benchmarks_with_overrides() {
     assert_eq!(cfg.pool_scoring(0).prefix_home_score, 0.5);
     assert!(filter_config(&fleet, &json!([1])).is_err());
     assert!(filter_config(&fleet, &json!({"scoring": {"no_such_key": 1}})).is_err());
+}
+
+fn run_on(
+    requests: &[TimedRequest],
+    fleet: &FleetConfig,
+    p: &Policy,
+    gateways: Gateways,
+) -> ReplayOutcome {
+    let settings = ReplaySettings {
+        gateways,
+        ..ReplaySettings::default()
+    };
+    let o = replay(requests, fleet, p, &settings).unwrap();
+    assert!(
+        o.ttft_ms.iter().all(Option::is_some),
+        "{p:?} on {gateways:?}: every request answered"
+    );
+    o
+}
+
+/// The filter's edge over the baselines comes from counting what it sent each pod since the
+/// last scrape. Workers of one Envoy share those counts within milliseconds and route about as
+/// one engine; gateway replicas do not share them, and each routes blind to the others'
+/// requests, until an exchange of in-flight counts between them closes the gap.
+#[test]
+fn workers_route_about_as_one_engine_and_replicas_need_each_others_in_flight_counts() {
+    let (requests, fleet) = parts("mixed-gpu", false);
+    let mean = |g: Gateways| ttft(&run_on(&requests, &fleet, &filter(), g)).0;
+    let one = mean(Gateways::one());
+    let workers = mean(Gateways::workers(3));
+    let replicas = mean(Gateways::replicas(3));
+    let exchanged = mean(Gateways {
+        load_relay_ms: Some(5),
+        ..Gateways::replicas(3)
+    });
+    let ctx = format!(
+        "mean TTFT: one engine {one:.1} ms, 3 workers {workers:.1}, 3 replicas {replicas:.1}, \
+         3 replicas exchanging in-flight counts in 5 ms {exchanged:.1}"
+    );
+    assert!(workers < one * 1.10, "{ctx}");
+    assert!(replicas > one * 1.15, "{ctx}");
+    assert!(exchanged < one * 1.10, "{ctx}");
+    // Still ahead of the baselines, each replica with its own Envoy's counts.
+    for base in [Policy::RoundRobin, Policy::LeastRequest] {
+        let b = ttft(&run_on(&requests, &fleet, &base, Gateways::replicas(3))).0;
+        assert!(replicas < b, "{ctx}; {base:?} on 3 replicas {b:.1}");
+    }
+}
+
+/// Without the prefix relay a replica knows only the prompts it routed itself, so a shared
+/// prefix's later requests that reach another replica go where the load says, not to the pod
+/// holding the prefix.
+#[test]
+fn the_prefix_relay_keeps_replicas_on_the_pods_that_hold_the_prompt() {
+    let (requests, fleet) = parts("shared-prefix", false);
+    let hits = |g: Gateways| {
+        run_on(&requests, &fleet, &filter(), g)
+            .prefix_hit_rate()
+            .unwrap()
+    };
+    let one = hits(Gateways::one());
+    let relayed = hits(Gateways::replicas(3));
+    let alone = hits(Gateways {
+        prefix_relay_ms: None,
+        ..Gateways::replicas(3)
+    });
+    let ctx = format!(
+        "prefix hits: one engine {one:.3}, 3 replicas with the relay {relayed:.3}, without {alone:.3}"
+    );
+    assert!(relayed > alone + 0.05, "{ctx}");
+    assert!(relayed > one - 0.02, "{ctx}");
 }

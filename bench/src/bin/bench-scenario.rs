@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use gpuroute_bench::floor::{oracle_ttft_ms, present_percentiles, scenario_parts, ttft_floor_ms};
-use gpuroute_bench::replay::{replay, Policy, ReplayOutcome, ReplaySettings};
+use gpuroute_bench::replay::{replay, Gateways, Policy, ReplayOutcome, ReplaySettings};
 use gpuroute_bench::report::Quantiles;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario, SCENARIO_DIR};
 use gpuroute_bench::workload::Workload;
@@ -91,6 +91,26 @@ enum Cmd {
         /// this, drawn per request; its first token is this much later at the client).
         #[arg(long, default_value_t = 0.0)]
         proxy_ms: f64,
+        /// The filter as N workers of one Envoy: each request reaches one drawn at random;
+        /// each learns the others' in-flight counts 2 ms and routing decisions 20 ms later.
+        #[arg(long, conflicts_with = "replicas")]
+        workers: Option<usize>,
+        /// The filter as N gateway replicas: each request reaches one drawn at random; each
+        /// learns the others' routing decisions 60 ms later (sidecar-metrics' relay), their
+        /// in-flight counts never.
+        #[arg(long)]
+        replicas: Option<usize>,
+        /// With --workers or --replicas: the routing decisions' delay to the other engines, ms.
+        #[arg(long, conflicts_with = "no_prefix_relay")]
+        prefix_relay_ms: Option<u64>,
+        /// With --workers or --replicas: no routing decisions pass between them.
+        #[arg(long)]
+        no_prefix_relay: bool,
+        /// With --workers or --replicas: the in-flight counts' delay to the other engines, ms
+        /// (for replicas, what an exchange of in-flight counts at that delay would give: the
+        /// product has none).
+        #[arg(long)]
+        load_relay_ms: Option<u64>,
         /// Print JSON (every run, and with --per-request each request's TTFT and pod).
         #[arg(long)]
         json: bool,
@@ -100,6 +120,48 @@ enum Cmd {
     },
     /// List scenario names.
     List,
+}
+
+/// The filter engines of `bench-scenario replay` from its options.
+fn gateways(
+    workers: Option<usize>,
+    replicas: Option<usize>,
+    prefix_relay_ms: Option<u64>,
+    no_prefix_relay: bool,
+    load_relay_ms: Option<u64>,
+) -> Gateways {
+    let mut g = match (workers, replicas) {
+        (Some(n), _) => Gateways::workers(n),
+        (None, Some(n)) => Gateways::replicas(n),
+        (None, None) => Gateways::one(),
+    };
+    if prefix_relay_ms.is_some() {
+        g.prefix_relay_ms = prefix_relay_ms;
+    }
+    if no_prefix_relay {
+        g.prefix_relay_ms = None;
+    }
+    if load_relay_ms.is_some() {
+        g.load_relay_ms = load_relay_ms;
+    }
+    g
+}
+
+/// `, N engines, ...` for the replay's heading; empty for one engine.
+fn describe_gateways(g: &Gateways) -> String {
+    if g.engines <= 1 {
+        return String::new();
+    }
+    let when = |ms: Option<u64>| match ms {
+        Some(ms) => format!("{ms} ms later"),
+        None => "never".to_string(),
+    };
+    format!(
+        ", {} filter engines: each other's decisions {}, in-flight counts {}",
+        g.engines,
+        when(g.prefix_relay_ms),
+        when(g.load_relay_ms)
+    )
 }
 
 /// A router of `bench-scenario replay --configs`.
@@ -234,14 +296,14 @@ fn run_replay(
         let out = serde_json::json!({
             "scenario": s.name,
             "quick": quick,
-            "settings": {"interval_ms": settings.interval_ms, "lag_ms": settings.snapshot_lag_ms, "seed": settings.seed, "proxy_ms": settings.proxy_ms},
+            "settings": {"interval_ms": settings.interval_ms, "lag_ms": settings.snapshot_lag_ms, "seed": settings.seed, "proxy_ms": settings.proxy_ms, "engines": settings.gateways.engines, "prefix_relay_ms": settings.gateways.prefix_relay_ms, "load_relay_ms": settings.gateways.load_relay_ms},
             "runs": runs,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(());
     }
     println!(
-        "scenario {} ({} workload{} of {} requests, scrape every {} ms, snapshot {} ms later, proxy {} ms, seed {})",
+"scenario {} ({} workload{} of {} requests, scrape every {} ms, snapshot {} ms later, proxy {} ms, seed {}{})",
         s.name,
         workloads,
         if workloads == 1 { "" } else { "s" },
@@ -253,7 +315,8 @@ fn run_replay(
         settings.interval_ms,
         settings.snapshot_lag_ms,
         settings.proxy_ms,
-        settings.seed
+        settings.seed,
+        describe_gateways(&settings.gateways)
     );
     println!(
         "{:<18} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9} {:>7} {:>9}",
@@ -377,6 +440,11 @@ fn main() -> Result<()> {
             interval_ms,
             lag_ms,
             proxy_ms,
+            workers,
+            replicas,
+            prefix_relay_ms,
+            no_prefix_relay,
+            load_relay_ms,
             json,
             per_request,
         } => {
@@ -389,6 +457,13 @@ fn main() -> Result<()> {
                 } else {
                     0.0
                 },
+                gateways: gateways(
+                    workers,
+                    replicas,
+                    prefix_relay_ms,
+                    no_prefix_relay,
+                    load_relay_ms,
+                ),
             };
             run_replay(
                 &scenario,
