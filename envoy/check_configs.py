@@ -1165,11 +1165,11 @@ def smoke_fragment(envoy, name, frag):
         status, _ = http(addr, "POST", ingest.get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
         if status not in (401, 403):
             raise CheckError(f"snapshot push with a wrong token: {status}, want 401/403 from the filter")
-        # A snapshot, and prefix records, declared over the ingest limit: the filter's own 413s
-        # (snapshot_too_large, prefix_records_too_large), which the traffic listener's 413
-        # mappers must leave alone.
+        # A snapshot, prefix records and in-flight counts declared over the ingest limit: the
+        # filter's own 413s (snapshot_too_large, prefix_records_too_large,
+        # replica_load_too_large), which the traffic listener's 413 mappers must leave alone.
         paths = render.ingest_paths(ingest)
-        for path, want in zip(paths, ["snapshot_too_large", "prefix_records_too_large"]):
+        for path, want in zip(paths, ["snapshot_too_large", "prefix_records_too_large", "replica_load_too_large"]):
             status, body = declared_oversize(addr, path, ingest.get("token", ""),
                                              ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT) + 1)
             code = ((body or {}).get("error") or {}).get("code")

@@ -184,13 +184,16 @@ def form_too_large_message(max_body):
 
 DEFAULT_INGEST_PATH = "/gpuroute/v1/snapshot"  # core/src/config.rs, `default_ingest_path`
 DEFAULT_PREFIX_PATH = "/gpuroute/v1/prefix"  # core/src/config.rs, `default_prefix_path`
+DEFAULT_LOAD_PATH = "/gpuroute/v1/load"  # core/src/config.rs, `default_load_path`
 
 
 def ingest_paths(ingest):
     """The paths of the filter's ingest endpoints for its `ingest` configuration (a dict, or
-    None): the snapshot path and, unless turned off (""), the prefix-record exchange's."""
+    None): the snapshot path and, unless turned off (""), the prefix-record exchange's and the
+    in-flight exchange's."""
     ingest = ingest or {}
-    paths = [ingest.get("path", DEFAULT_INGEST_PATH), ingest.get("prefix_path", DEFAULT_PREFIX_PATH)]
+    paths = [ingest.get("path", DEFAULT_INGEST_PATH), ingest.get("prefix_path", DEFAULT_PREFIX_PATH),
+             ingest.get("load_path", DEFAULT_LOAD_PATH)]
     return [p for p in paths if p]
 
 
@@ -217,7 +220,8 @@ def local_reply_config(max_body, ingest=None):
     same body: no mapper changes them. The 413 mappers leave the ingest endpoints alone (the
     snapshot path and the prefix-record exchange's, `ingest_paths(ingest)`, served on the
     traffic listener where the aggregator talks to them there, as under Istio and Envoy
-    Gateway): the filter's 413 there is `snapshot_too_large` or `prefix_records_too_large`.
+    Gateway): the filter's 413 there is `snapshot_too_large`, `prefix_records_too_large` or
+    `replica_load_too_large`.
     """
     messages = {"header_filter": {"header": {"name": ":path", "string_match": {"safe_regex": {"regex": MESSAGES_PATH_REGEX}}}}}
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The offline replay on several gateway set-ups: one filter engine, workers of one Envoy,
-gateway replicas (with and without the prefix relay, and with an exchange of in-flight counts
-at a given delay, which the product does not have between replicas).
+gateway replicas (as shipped: prefix records and requests in prefill relayed between them; and
+without either relay, and with the requests in prefill relayed later).
 
 Prints, per scenario, the filter's mean / p99 TTFT, its ratios to one engine paired workload by
 workload (mean of the per-workload ratios), its prefix hit rate, and the baselines' mean TTFT
@@ -25,9 +25,10 @@ SETUPS = [
     ("4 workers", ["--workers", "4"]),
     ("2 replicas", ["--replicas", "2"]),
     ("3 replicas", ["--replicas", "3"]),
+    ("3 replicas, prefill counts in 20 ms", ["--replicas", "3", "--load-relay-ms", "20"]),
+    ("2 replicas, no prefill counts", ["--replicas", "2", "--no-load-relay"]),
+    ("3 replicas, no prefill counts", ["--replicas", "3", "--no-load-relay"]),
     ("3 replicas, no prefix relay", ["--replicas", "3", "--no-prefix-relay"]),
-    ("3 replicas, in-flight counts in 5 ms", ["--replicas", "3", "--load-relay-ms", "5"]),
-    ("3 replicas, in-flight counts in 20 ms", ["--replicas", "3", "--load-relay-ms", "20"]),
 ]
 
 

@@ -29,7 +29,7 @@
 //! them over replicas). They learn each other's routing decisions and in-flight counts only
 //! through the relays [`Gateways`] names, that long after the fact: the workers of one Envoy
 //! exchange both through shared data within milliseconds; gateway replicas exchange prefix
-//! records through `sidecar-metrics` and in-flight counts not at all. They share the pods and
+//! records and requests in prefill through `sidecar-metrics`. They share the pods and
 //! the aggregator's snapshots (each replica's own sidecar scrapes at its own phase; here every
 //! engine installs the same snapshot at the same time).
 
@@ -102,6 +102,10 @@ pub struct Gateways {
     /// How long after a request is counted (sent, its first token, its end) the other engines'
     /// in-flight views count it. `None`: never (each knows only its own requests).
     pub load_relay_ms: Option<u64>,
+    /// Only the requests in prefill pass between the engines (gateway replicas: each counts
+    /// the rest against its own aggregator's snapshot, `ingest.load_path`), not whole tables
+    /// (the workers of one Envoy).
+    pub load_relay_prefill_only: bool,
     /// The engines are workers of one Envoy, so the baselines' `least_request` counts every
     /// engine's open requests (Envoy's per-host counts are shared by its workers); otherwise
     /// each engine counts only its own, as separate Envoys do.
@@ -115,6 +119,7 @@ impl Gateways {
             engines: 1,
             prefix_relay_ms: None,
             load_relay_ms: None,
+            load_relay_prefill_only: false,
             one_envoy: true,
         }
     }
@@ -127,18 +132,22 @@ impl Gateways {
             engines: n.max(1),
             prefix_relay_ms: Some(20),
             load_relay_ms: Some(2),
+            load_relay_prefill_only: false,
             one_envoy: true,
         }
     }
 
     /// `n` gateway replicas of one worker each, as the shipped manifests run them: routing
     /// decisions relayed by `sidecar-metrics` (p50 51-68 ms on loopback, README "Prefix
-    /// affinity"; 60 here), in-flight counts not exchanged.
+    /// affinity"; 60 here), requests in prefill relayed every 5 ms (`prefix.load_interval_ms`;
+    /// a body reaches the other replica's Envoy ~2.5 ms after it was read: 5 ms here, half an
+    /// interval's wait on average plus the hops).
     pub fn replicas(n: usize) -> Gateways {
         Gateways {
             engines: n.max(1),
             prefix_relay_ms: Some(60),
-            load_relay_ms: None,
+            load_relay_ms: Some(5),
+            load_relay_prefill_only: true,
             one_envoy: false,
         }
     }
@@ -788,11 +797,14 @@ impl<'a> Replay<'a> {
             .get(&*prep.pool)
             .filter(|p| p.pods.len() == loads.len())
         {
+            let only_prefill = self.settings.gateways.load_relay_prefill_only;
             for (l, p) in loads.iter_mut().zip(&peer.pods) {
-                l.inflight = l.inflight.saturating_add(p.inflight);
-                l.base = l.base.saturating_add(p.base);
-                l.tokens = l.tokens.saturating_add(p.tokens);
-                l.base_tokens = l.base_tokens.saturating_add(p.base_tokens);
+                if !only_prefill {
+                    l.inflight = l.inflight.saturating_add(p.inflight);
+                    l.base = l.base.saturating_add(p.base);
+                    l.tokens = l.tokens.saturating_add(p.tokens);
+                    l.base_tokens = l.base_tokens.saturating_add(p.base_tokens);
+                }
                 l.prefill = l.prefill.saturating_add(p.prefill);
                 l.prefill_tokens = l.prefill_tokens.saturating_add(p.prefill_tokens);
             }

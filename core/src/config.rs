@@ -482,6 +482,17 @@ pub struct IngestConfig {
     /// as snapshots. `sidecar-metrics` relays between replicas. Empty turns it off.
     #[serde(default = "default_prefix_path")]
     pub prefix_path: String,
+    /// Path of the in-flight exchange between gateway replicas ([`crate::replica_load`]):
+    /// `GET` gives this Envoy's requests in prefill per pod, `POST` takes another replica's
+    /// (with `x-gpuroute-replica` naming it); same token and peer rule as snapshots.
+    /// `sidecar-metrics` relays between replicas every few milliseconds. Empty turns it off.
+    #[serde(default = "default_load_path")]
+    pub load_path: String,
+    /// How long another replica's posted counts are counted: each post replaces the one before
+    /// from the same replica, so a replica (or its relay) that stops posting drops out after
+    /// this long.
+    #[serde(default = "default_load_ttl_ms")]
+    pub load_ttl_ms: u64,
 }
 
 /// How the chosen endpoint is handed to Envoy.
@@ -567,6 +578,14 @@ fn default_ingest_path() -> String {
 }
 fn default_prefix_path() -> String {
     "/gpuroute/v1/prefix".to_string()
+}
+fn default_load_path() -> String {
+    "/gpuroute/v1/load".to_string()
+}
+fn default_load_ttl_ms() -> u64 {
+    // Ten of the relay's 5 ms rounds: a late round or two on a loaded host does not drop a
+    // replica's counts, and a replica that is gone stops counting well within a scrape interval.
+    50
 }
 fn default_max_snapshot_bytes() -> usize {
     // MAX_PODS pods at ~400 bytes of JSON each, plus adapters.
@@ -731,6 +750,24 @@ impl FilterConfig {
                     "ingest.prefix_path",
                     "collides with the ingest path or an inference path",
                 ));
+            }
+            let l = &ing.load_path;
+            if !l.is_empty() && !l.starts_with('/') {
+                return Err(cfg_err(
+                    "ingest.load_path",
+                    "must start with '/' (or be empty)",
+                ));
+            }
+            if !l.is_empty()
+                && (*l == ing.path || *l == ing.prefix_path || self.inference_paths.contains(l))
+            {
+                return Err(cfg_err(
+                    "ingest.load_path",
+                    "collides with another ingest path or an inference path",
+                ));
+            }
+            if ing.load_ttl_ms == 0 || ing.load_ttl_ms > 60_000 {
+                return Err(cfg_err("ingest.load_ttl_ms", "must be in 1..=60000"));
             }
         }
         if self.tick_ms == 0 {
@@ -948,6 +985,22 @@ mod tests {
             (
                 r#"{"pools":[],"scoring":{"lora_queue_threshold":-1}}"#,
                 "scoring.lora_queue_threshold",
+            ),
+            (
+                r#"{"pools":[],"ingest":{"token":"token-long-enough","load_path":"x"}}"#,
+                "ingest.load_path",
+            ),
+            (
+                r#"{"pools":[],"ingest":{"token":"token-long-enough","load_path":"/gpuroute/v1/prefix"}}"#,
+                "ingest.load_path",
+            ),
+            (
+                r#"{"pools":[],"ingest":{"token":"token-long-enough","load_path":"/v1/chat/completions"}}"#,
+                "ingest.load_path",
+            ),
+            (
+                r#"{"pools":[],"ingest":{"token":"token-long-enough","load_ttl_ms":0}}"#,
+                "ingest.load_ttl_ms",
             ),
             (
                 r#"{"pools":[],"scoring":{"pending_cost":4.5}}"#,

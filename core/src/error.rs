@@ -231,6 +231,12 @@ impl ApiError {
         ApiError::new(400, "invalid_request_error", message).code("invalid_prefix_records")
     }
 
+    /// 400: another replica's in-flight counts (`ingest.load_path`) do not decode, or the
+    /// header naming the replica is missing or malformed.
+    pub fn bad_replica_load(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", message).code("invalid_replica_load")
+    }
+
     /// 503: an ingest endpoint accepted a body but could not store it (Envoy's shared data
     /// kept changing under the compare-and-swap, or refused the write); the pusher may send it
     /// again.

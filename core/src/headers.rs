@@ -50,6 +50,9 @@ pub struct RequestHead {
     /// `x-gpuroute-cursor`: where a relay is in this Envoy's prefix records
     /// ([`crate::exchange`]).
     pub cursor: Option<String>,
+    /// `x-gpuroute-replica`: the gateway replica whose in-flight counts a `POST` to
+    /// `ingest.load_path` carries ([`crate::replica_load`]).
+    pub replica: Option<String>,
     /// `x-gateway-split-key` ([`SPLIT_KEY`]), when not empty.
     pub split_key: Option<String>,
     /// The boundary of a `multipart/form-data` body (`""` when it has none usable): the body
@@ -75,6 +78,7 @@ impl RequestHead {
                 }
                 b":method" => h.method = owned(text().unwrap_or_default()),
                 b"x-gpuroute-cursor" => h.cursor = text().map(owned),
+                b"x-gpuroute-replica" => h.replica = text().map(owned),
                 b"x-gateway-split-key" => {
                     h.split_key = text().map(str::trim).filter(|t| !t.is_empty()).map(owned);
                 }

@@ -58,10 +58,13 @@ pub enum Endpoint {
     /// `ingest.prefix_path`: the prefix-record exchange between gateway replicas
     /// ([`crate::exchange`]), `GET` and `POST`.
     Prefix,
+    /// `ingest.load_path`: the in-flight exchange between gateway replicas
+    /// ([`crate::replica_load`]), `GET` and `POST`.
+    Load,
 }
 
 impl Endpoint {
-    pub const ALL: [Endpoint; 2] = [Endpoint::Snapshot, Endpoint::Prefix];
+    pub const ALL: [Endpoint; 3] = [Endpoint::Snapshot, Endpoint::Prefix, Endpoint::Load];
 
     /// Which endpoint `path` (without its query) is, if either.
     pub fn of(cfg: &IngestConfig, path: &str) -> Option<Endpoint> {
@@ -69,6 +72,8 @@ impl Endpoint {
             Some(Endpoint::Snapshot)
         } else if !cfg.prefix_path.is_empty() && cfg.prefix_path == path {
             Some(Endpoint::Prefix)
+        } else if !cfg.load_path.is_empty() && cfg.load_path == path {
+            Some(Endpoint::Load)
         } else {
             None
         }
@@ -78,7 +83,7 @@ impl Endpoint {
     fn allowed(self) -> &'static str {
         match self {
             Endpoint::Snapshot => "POST",
-            Endpoint::Prefix => "GET, POST",
+            Endpoint::Prefix | Endpoint::Load => "GET, POST",
         }
     }
 
@@ -87,6 +92,7 @@ impl Endpoint {
         match self {
             Endpoint::Snapshot => "snapshots",
             Endpoint::Prefix => "prefix records",
+            Endpoint::Load => "in-flight counts",
         }
     }
 
@@ -95,6 +101,7 @@ impl Endpoint {
         match self {
             Endpoint::Snapshot => "snapshot_too_large",
             Endpoint::Prefix => "prefix_records_too_large",
+            Endpoint::Load => "replica_load_too_large",
         }
     }
 
@@ -103,6 +110,7 @@ impl Endpoint {
         match self {
             Endpoint::Snapshot => "snapshot",
             Endpoint::Prefix => "prefix",
+            Endpoint::Load => "replica_load",
         }
     }
 }
@@ -263,6 +271,8 @@ mod tests {
             max_snapshot_bytes: 100,
             loopback_only: true,
             prefix_path: "/x".into(),
+            load_path: "/l".into(),
+            load_ttl_ms: 50,
         }
     }
 
@@ -347,27 +357,35 @@ mod tests {
         let mut cfg = config();
         assert_eq!(Endpoint::of(&cfg, "/p"), Some(Endpoint::Snapshot));
         assert_eq!(Endpoint::of(&cfg, "/x"), Some(Endpoint::Prefix));
+        assert_eq!(Endpoint::of(&cfg, "/l"), Some(Endpoint::Load));
         assert_eq!(Endpoint::of(&cfg, "/v1/chat/completions"), None);
         cfg.prefix_path.clear();
-        assert_eq!(Endpoint::of(&cfg, ""), None, "an empty prefix_path is off");
+        cfg.load_path.clear();
+        assert_eq!(
+            Endpoint::of(&cfg, ""),
+            None,
+            "an empty prefix_path or load_path is off"
+        );
         assert_eq!(Endpoint::Prefix.stat(), "prefix");
+        assert_eq!(Endpoint::Load.stat(), "replica_load");
     }
 
     #[test]
-    fn the_prefix_exchange_takes_get_and_post_under_the_same_rules() {
+    fn the_exchanges_between_replicas_take_get_and_post_under_the_same_rules() {
         let (cfg, auth) = (config(), AUTH);
-        use Endpoint::Prefix as P;
-        check_cases(
-            &cfg,
-            &[
-                (P, "GET", true, AUTH, None, None),
-                (P, "POST", true, AUTH, Some(100), None),
-                (P, "PUT", true, AUTH, None, Some(("method", 405))),
-                (P, "GET", false, AUTH, None, Some(("forbidden", 403))),
-                (P, "GET", true, None, None, Some(("unauthorized", 401))),
-                (P, "POST", true, AUTH, Some(101), Some(("too_large", 413))),
-            ],
-        );
+        for p in [Endpoint::Prefix, Endpoint::Load] {
+            check_cases(
+                &cfg,
+                &[
+                    (p, "GET", true, AUTH, None, None),
+                    (p, "POST", true, AUTH, Some(100), None),
+                    (p, "PUT", true, AUTH, None, Some(("method", 405))),
+                    (p, "GET", false, AUTH, None, Some(("forbidden", 403))),
+                    (p, "GET", true, None, None, Some(("unauthorized", 401))),
+                    (p, "POST", true, AUTH, Some(101), Some(("too_large", 413))),
+                ],
+            );
+        }
         // Each endpoint's refusals name what it takes.
         for (ep, what, code) in [
             (Endpoint::Snapshot, "snapshots", "snapshot_too_large"),
@@ -376,6 +394,7 @@ mod tests {
                 "prefix records",
                 "prefix_records_too_large",
             ),
+            (Endpoint::Load, "in-flight counts", "replica_load_too_large"),
         ] {
             let Err((_, e)) = check_request(&cfg, ep, "POST", || false, auth, None) else {
                 panic!("{ep:?}: a non-loopback peer is refused");

@@ -34,6 +34,7 @@ pub mod ingest;
 pub mod load;
 pub mod picker;
 pub mod prefix;
+pub mod replica_load;
 pub mod request;
 pub mod responses;
 pub mod rng;

@@ -42,9 +42,10 @@ use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
-use gpuroute_core::load::{Completion, InFlight, LoadTable};
+use gpuroute_core::load::{Completion, InFlight, LoadTable, PodLoad};
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix;
+use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery};
@@ -124,6 +125,8 @@ struct Metrics {
     ingest_rejected: HashMap<(Endpoint, &'static str), Option<usize>>,
     prefix_exported: Option<usize>,
     prefix_imported: Option<usize>,
+    replica_load_exported: Option<usize>,
+    replica_load_imported: Option<usize>,
     snapshot_accepted: Option<usize>,
     snapshot_age: Option<usize>,
     snapshot_pods: Option<usize>,
@@ -199,6 +202,8 @@ impl Metrics {
                 .collect(),
             prefix_exported: d.counter("gpuroute.prefix.exported", &[]),
             prefix_imported: d.counter("gpuroute.prefix.imported", &[]),
+            replica_load_exported: d.counter("gpuroute.replica_load.exported", &[]),
+            replica_load_imported: d.counter("gpuroute.replica_load.imported", &[]),
             snapshot_accepted: d.counter("gpuroute.snapshot.accepted", &[]),
             snapshot_age: d.gauge("gpuroute.snapshot.age_ms"),
             snapshot_pods: d.gauge("gpuroute.snapshot.pods"),
@@ -322,6 +327,59 @@ struct Router {
     /// In-flight requests per pod, per pool (re-aligned with each new snapshot).
     loads: NameMap<String, LoadTable>,
     rng: SplitMix64,
+    /// Other gateway replicas' requests in prefill (`ingest.load_path`).
+    replicas: ReplicaView,
+}
+
+/// Other gateway replicas' requests in prefill, as this Envoy adds them to its own counts.
+#[derive(Default)]
+struct ReplicaView {
+    held: ReplicaLoads,
+    /// Posts taken: each changes what is added.
+    posts: u64,
+    /// Per pool, the counts aligned with the snapshot's pods.
+    aligned: NameMap<String, replica_load::Aligned>,
+    /// A pool's table with the replicas' counts added: the view a pick reads, kept between
+    /// requests so that filling it allocates nothing.
+    view: Vec<PodLoad>,
+}
+
+impl ReplicaView {
+    /// Fills `self.view` with the pods of `pool`'s table `loads` plus the other replicas'
+    /// requests in prefill (fresh at `now_ms`); `false` (nothing to add): `loads` is the view.
+    fn add(
+        &mut self,
+        pool: &str,
+        loads: &LoadTable,
+        fleet: Option<&FleetState>,
+        now_ms: u64,
+    ) -> bool {
+        if self.held.is_empty() {
+            return false;
+        }
+        let Some((f, p)) = fleet.and_then(|f| Some((f, f.pool(pool)?))) else {
+            return false;
+        };
+        if !self.aligned.contains_key(pool) {
+            self.aligned
+                .insert(pool.to_string(), replica_load::Aligned::default());
+        }
+        let Some(aligned) = self.aligned.get_mut(pool) else {
+            return false;
+        };
+        self.view.clear();
+        self.view.extend_from_slice(&loads.pods);
+        aligned.add_to(
+            &mut self.view,
+            &self.held,
+            self.posts,
+            pool,
+            f.version,
+            &p.keys,
+            now_ms,
+        );
+        true
+    }
 }
 
 /// One filter configuration (`on_http_filter_config_new`).
@@ -377,6 +435,7 @@ impl Config {
                 engine,
                 loads: NameMap::default(),
                 rng: SplitMix64::new(seed),
+                replicas: ReplicaView::default(),
             }),
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
@@ -621,6 +680,8 @@ impl Filter {
                 self.reply_error(s, &e);
             } else if ep == Endpoint::Prefix && method == "GET" {
                 self.export(s);
+            } else if ep == Endpoint::Load && method == "GET" {
+                self.load_answer(s);
             } else {
                 self.mode = Mode::Ingest(ep);
                 if end_of_stream {
@@ -764,7 +825,60 @@ impl Filter {
         match ep {
             Endpoint::Snapshot => self.ingest(s),
             Endpoint::Prefix => self.import(s),
+            Endpoint::Load => self.replica_load(s),
         }
+    }
+
+    /// This Envoy's own requests in prefill per pool and pod (every routing configuration's
+    /// tables), for the other gateway replicas.
+    fn load_answer(&mut self, s: Stream) {
+        let mut tables: Vec<(String, LoadTable)> = Vec::new();
+        for (_, c) in routing_configs() {
+            let r = c.router.lock();
+            for (pool, t) in r.loads.iter() {
+                tables.push((pool.clone(), t.clone()));
+            }
+        }
+        let load = ReplicaLoad::from_tables(tables.iter().map(|(p, t)| (p.as_str(), t)));
+        self.config
+            .pending
+            .lock()
+            .add(self.config.metrics.replica_load_exported, 1);
+        self.mode = Mode::Answered;
+        s.send_response(
+            200,
+            &[("content-type", "application/octet-stream")],
+            &load.encode(),
+        );
+    }
+
+    /// Another gateway replica's requests in prefill, into every routing configuration.
+    fn replica_load(&mut self, s: Stream) {
+        let config = Arc::clone(&self.config);
+        let reject = |me: &mut Self, msg: &str| {
+            config.count(config.metrics.ingest_rejected_id(Endpoint::Load, "invalid"));
+            me.reply_error(s, &ApiError::bad_replica_load(msg));
+        };
+        let replica = match replica_load::replica_key(self.head.replica.as_deref()) {
+            Ok(k) => k,
+            Err(msg) => return reject(self, msg),
+        };
+        let load = match s.with_request_body(ReplicaLoad::decode) {
+            Ok(l) => l,
+            Err(msg) => return reject(self, msg),
+        };
+        let ttl = config.settings.ingest.as_ref().map_or(0, |i| i.load_ttl_ms);
+        let now = now_ms();
+        for (_, c) in routing_configs() {
+            let mut r = c.router.lock();
+            r.replicas.held.put(replica, load.clone(), now, ttl);
+            r.replicas.posts = r.replicas.posts.wrapping_add(1);
+        }
+        config
+            .pending
+            .lock()
+            .add(config.metrics.replica_load_imported, 1);
+        self.reply(s, 204, "", "text/plain");
     }
 
     /// This Envoy's own prefix records newer than the request's cursor: each routing
@@ -984,9 +1098,17 @@ impl Filter {
             affinity_hold: holdable && affinity_hold,
             debug: cfg.debug_header,
         };
+        // The other gateway replicas' requests in prefill, added to a copy of the table (the
+        // table itself counts this Envoy's own only).
+        let with_replicas = r.replicas.add(&prep.pool, table, fleet.as_deref(), now);
+        let pods: &[PodLoad] = if with_replicas {
+            &r.replicas.view
+        } else {
+            &table.pods
+        };
         let mut choice = r
             .engine
-            .decide(&prep, fleet.as_deref(), &table.pods, opts, &mut r.rng);
+            .decide(&prep, fleet.as_deref(), pods, opts, &mut r.rng);
         if let Decision::Hold(reason) = choice.decision {
             return Err((Box::new(prep), reason));
         }

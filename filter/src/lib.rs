@@ -36,6 +36,7 @@ use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
+use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::routing::ModelsQuery;
@@ -166,6 +167,13 @@ struct Worker {
     /// Requests held while their pool is saturated (`hold`): their streams' context ids, in
     /// the order they are to go.
     held: HoldQueue<u32>,
+    /// Other gateway replicas' requests in prefill (`ingest.load_path`), as last read from
+    /// shared data, with the compare-and-swap value it was read at; and whether any were
+    /// there (the request path reads them only then: a gateway without replicas spends
+    /// nothing on it but a read on the tick).
+    replicas: ReplicaLoads,
+    replicas_cas: Option<u32>,
+    replicas_seen: bool,
 }
 
 /// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
@@ -186,6 +194,8 @@ struct PoolLoad {
     peer_tables: PeerTables,
     /// `peer_tables` of this snapshot (or the one before), summed (see `LoadTable::add_table`).
     others: LoadTable,
+    /// The other gateway replicas' requests in prefill on each pod, aligned with `own`.
+    replicas: replica_load::Aligned,
 }
 
 impl PoolLoad {
@@ -260,6 +270,44 @@ impl Worker {
         self.refresh_fleet();
         self.publish_loads();
         self.read_others(tick);
+        if tick || self.replicas_seen {
+            self.read_replicas();
+        }
+    }
+
+    /// Adds the other gateway replicas' requests in prefill on each pod of `pool` (fresh at
+    /// `now_ms`) to `view`, this worker's view of the pool, aligned with the snapshot.
+    fn add_replicas(&mut self, pool: &str, view: &mut LoadTable, now_ms: u64) {
+        if self.replicas.is_empty() {
+            return;
+        }
+        let (Some(fleet), Some(pl)) = (self.fleet.as_ref(), self.loads.get_mut(pool)) else {
+            return;
+        };
+        let Some(p) = fleet.pool(pool) else {
+            return;
+        };
+        let generation = self.replicas_cas.map_or(0, |c| u64::from(c) + 1);
+        pl.replicas.add_to(
+            &mut view.pods,
+            &self.replicas,
+            generation,
+            pool,
+            fleet.version,
+            &p.keys,
+            now_ms,
+        );
+    }
+
+    /// Re-reads the other gateway replicas' requests in prefill (posted to `ingest.load_path`,
+    /// maybe on another listener), decoding only when they changed.
+    fn read_replicas(&mut self) {
+        let (bytes, cas) = host::get_shared(replica_load::STORE_KEY);
+        self.replicas_seen = bytes.is_some();
+        if cas != self.replicas_cas {
+            self.replicas = ReplicaLoads::decode(bytes.as_deref().unwrap_or_default());
+            self.replicas_cas = cas;
+        }
     }
 
     /// [`Worker::refresh_shared`] on the request path, at most every `shared_refresh_ms`.
@@ -321,6 +369,7 @@ impl Worker {
                 dirty: false,
                 peer_tables: PeerTables::default(),
                 others: LoadTable::zeroed(fleet.version, &p.keys),
+                replicas: replica_load::Aligned::default(),
             };
             // Every other worker's table at once: this worker knows nothing of the pool yet.
             let peers = &self.peers;
@@ -675,6 +724,9 @@ impl Root {
             export_checked_ms: 0,
             exported_seq: 0,
             held: HoldQueue::new(hold_order),
+            replicas: ReplicaLoads::default(),
+            replicas_cas: None,
+            replicas_seen: false,
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -838,7 +890,8 @@ impl Http {
         }
         let current = match endpoint {
             Endpoint::Prefix if method == "GET" => return self.export_answer(w),
-            Endpoint::Prefix => None,
+            Endpoint::Load if method == "GET" => return self.load_answer(w),
+            Endpoint::Prefix | Endpoint::Load => None,
             Endpoint::Snapshot => host::get_shared(SNAPSHOT_VERSION_KEY)
                 .0
                 .and_then(|b| StoredHeader::decode(&b))
@@ -862,7 +915,72 @@ impl Http {
         match endpoint {
             Endpoint::Snapshot => self.ingest_body(w, size, current),
             Endpoint::Prefix => self.import_body(w, size),
+            Endpoint::Load => self.replica_load_body(w, size),
         }
+    }
+
+    /// This Envoy's own requests in prefill per pool and pod, summed over every live worker's
+    /// published table (this worker's published first), for the other gateway replicas.
+    fn load_answer(&mut self, w: &mut Worker) -> Action {
+        // The pools' names come from the snapshot, which a worker that routes nothing (the
+        // ingest listener's) has not decoded otherwise.
+        w.refresh_fleet();
+        w.publish_loads();
+        let live = read_shared(WORKERS_KEY, WorkerSet::decode);
+        let mut tables: Vec<(&str, LoadTable)> = Vec::new();
+        if let Some(fleet) = &w.fleet {
+            for pool in &fleet.pools {
+                for id in live.ids() {
+                    if let (Some(b), _) = host::get_shared(&load_key(&pool.name, id)) {
+                        tables.push((pool.name.as_str(), LoadTable::decode(&b)));
+                    }
+                }
+            }
+        }
+        let load = ReplicaLoad::from_tables(tables.iter().map(|(p, t)| (*p, t)));
+        w.stats.inc("gpuroute.replica_load.exported");
+        self.mode = Mode::Answered;
+        let headers = [("content-type", "application/octet-stream")];
+        let _ = host::send_response(200, &headers, &load.encode());
+        Action::Pause
+    }
+
+    /// Another gateway replica's requests in prefill: replaces that replica's entry in shared
+    /// data (a compare-and-swap), where every worker adds them to its view from its next
+    /// exchange.
+    fn replica_load_body(&mut self, w: &mut Worker, size: usize) -> Action {
+        let replica = match replica_load::replica_key(self.head.replica.as_deref()) {
+            Ok(k) => k,
+            Err(msg) => {
+                w.stats.ingest_rejected(Endpoint::Load, "invalid");
+                return self.reply_error(&ApiError::bad_replica_load(msg));
+            }
+        };
+        let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
+        let load = match ReplicaLoad::decode(&body) {
+            Ok(l) => l,
+            Err(msg) => {
+                w.stats.ingest_rejected(Endpoint::Load, "invalid");
+                return self.reply_error(&ApiError::bad_replica_load(msg));
+            }
+        };
+        let ttl = w.engine.config.ingest.as_ref().map_or(0, |i| i.load_ttl_ms);
+        let now = host::now_ms();
+        let stored = update_shared(
+            replica_load::STORE_KEY,
+            ReplicaLoads::decode,
+            ReplicaLoads::encode,
+            |held| {
+                held.put(replica, load.clone(), now, ttl);
+                Some(())
+            },
+        );
+        if stored.is_none() {
+            w.stats.ingest_rejected(Endpoint::Load, "not_stored");
+            return self.reply_error(&ApiError::not_stored("in-flight counts"));
+        }
+        w.stats.inc("gpuroute.replica_load.imported");
+        self.reply(204, "", "text/plain")
     }
 
     /// This Envoy's own prefix records newer than the request's cursor, from every live
@@ -1091,6 +1209,7 @@ impl Http {
             view.pods.extend_from_slice(&pl.own.pods);
             view.add_table(&pl.others, None);
         }
+        w.add_replicas(&prep.pool, &mut view, now);
         let opts = DecideOptions {
             now_ms: now,
             sheddable,

@@ -13,6 +13,9 @@
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
 //! - `gpuroute.prefix.exported`, `gpuroute.prefix.imported`, `gpuroute.prefix.rejected.<reason>`
 //!   (counters: prefix records given to and taken from other gateway replicas)
+//! - `gpuroute.replica_load.exported`, `gpuroute.replica_load.imported`,
+//!   `gpuroute.replica_load.rejected.<reason>` (counters: this Envoy's requests in prefill given
+//!   to the relay, other gateway replicas' taken)
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods`, `gpuroute.workers` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
 //!   worker's first routed request and one in `DECISION_SAMPLE` after it)

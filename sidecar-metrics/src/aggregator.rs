@@ -148,11 +148,7 @@ impl Aggregator {
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let (publish, rx) = watch::channel(None);
         let now = Instant::now();
-        let source = cfg
-            .source
-            .clone()
-            .or_else(|| std::env::var("HOSTNAME").ok())
-            .unwrap_or_else(|| "sidecar-metrics".to_string());
+        let source = cfg.source_name();
         let pools = cfg
             .pools
             .iter()

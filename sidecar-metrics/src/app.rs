@@ -1,6 +1,7 @@
-//! Wiring: binds the HTTP surface, starts discovery, the scrape loop and one push task per
-//! ingest URL, and stops them all on a shared cancellation token. The binary, the tests and the
-//! load harness all start the aggregator through [`start`].
+//! Wiring: binds the HTTP surface, starts discovery, the scrape loop, one push task per ingest
+//! URL and the relays between gateway replicas, and stops them all on a shared cancellation
+//! token. The binary, the tests and the load harness all start the aggregator through
+//! [`start`].
 
 use crate::aggregator::{Aggregator, PublishRx, RoundReport};
 use crate::config::{Config, ConfigError};
@@ -55,6 +56,8 @@ pub struct Running {
     pub push: Arc<Vec<Arc<PushTarget>>>,
     /// The prefix-record relay, when it runs.
     pub relay: Option<Arc<Relay>>,
+    /// The in-flight count relay, when it runs.
+    pub load_relay: Option<Arc<Relay>>,
     /// The bound address of the peers' listener (`prefix.listen`).
     pub peer_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
@@ -139,9 +142,12 @@ pub async fn start(
     } else {
         tracing::warn!("no push URL configured: snapshots are only served at /debug/snapshot");
     }
-    let relay = Relay::from_config(&cfg, push::client()?);
-    if let Some(r) = &relay {
+    let (relay, load_relay) = Relay::pair_from_config(&cfg, push::client()?);
+    for r in relay.iter().chain(load_relay.iter()) {
         tasks.spawn(r.clone().run(shutdown.clone()));
+    }
+    // The two relays share the peers found: one task resolves for both.
+    if let Some(r) = relay.as_ref().or(load_relay.as_ref()) {
         if cfg.prefix.peers_dns.is_some() {
             let resolver =
                 peer_resolver.unwrap_or_else(|| Arc::new(crate::discovery::dns::SystemResolver));
@@ -154,9 +160,11 @@ pub async fn start(
         push: push_targets.clone(),
         ready_policy: cfg.push.ready,
         relay: relay.clone(),
+        load: load_relay.clone(),
     };
     let mut peer_addr = None;
-    if let (Some(addr), Some(_)) = (&cfg.prefix.listen, &relay) {
+    let relaying = relay.is_some() || load_relay.is_some();
+    if let (Some(addr), true) = (&cfg.prefix.listen, relaying) {
         let l = tokio::net::TcpListener::bind(addr)
             .await
             .map_err(|source| StartError::Bind {
@@ -188,6 +196,7 @@ pub async fn start(
         timeout_ms = cfg.timeout_ms,
         push = ?cfg.push.urls,
         prefix_relay = relay.is_some(),
+        load_relay = load_relay.is_some(),
         prefix_peers = ?cfg.prefix.peers,
         prefix_listen = ?peer_addr,
         "sidecar-metrics listening"
@@ -197,6 +206,7 @@ pub async fn start(
         published,
         push: push_targets,
         relay,
+        load_relay,
         peer_addr,
         shutdown,
         tasks,

@@ -57,6 +57,31 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 /// DNS re-resolution period: 5 s follows a headless Service's endpoint changes (its DNS TTL is
 /// typically 5-30 s) without flooding the resolver.
 pub const DEFAULT_DNS_REFRESH_MS: u64 = 5_000;
+/// How often each Envoy's in-flight (prefill) counts are read and relayed to the other gateway
+/// replicas. 5 ms: the offline replay (`make replay-gateways`) found that replicas which share
+/// these counts within ~5 ms win back nearly all the mean TTFT that routing blind to each other
+/// loses (7-29% with 3 replicas), within 20 ms only about half. One small loopback GET per Envoy
+/// each interval (less often while it has nothing in prefill), and a POST per target when the
+/// counts changed or need keeping alive.
+pub const DEFAULT_LOAD_INTERVAL_MS: u64 = 5;
+/// Longest `prefix.load_interval_ms` accepted: slower than a second, the counts say nothing about
+/// requests that are still in prefill.
+pub const MAX_LOAD_INTERVAL_MS: u64 = 1_000;
+/// The filter's in-flight count exchange path, beside the ingest path.
+pub const DEFAULT_LOAD_PATH: &str = "/gpuroute/v1/load";
+/// How long an unchanged (non-empty) body of in-flight counts goes without being posted again
+/// to a target, ms. It must stay below the filters' `ingest.load_ttl_ms` (50 by default), or a
+/// receiving Envoy forgets the counts between two posts. 20 leaves room for a late post on a
+/// loaded node, and posts counts that stand still a quarter as often as every 5 ms would.
+pub const DEFAULT_LOAD_KEEPALIVE_MS: u64 = 20;
+/// Longest `prefix.load_keepalive_ms` accepted.
+pub const MAX_LOAD_KEEPALIVE_MS: u64 = 10_000;
+/// How often an Envoy with nothing in prefill (its last body was empty) is read, ms: an idle
+/// gateway is read a quarter as often as every 5 ms, at the cost of a burst's first requests
+/// reaching the other replicas up to 20 ms later (the rest follow every `load_interval_ms`).
+pub const DEFAULT_LOAD_IDLE_INTERVAL_MS: u64 = 20;
+/// Longest `prefix.load_idle_interval_ms` accepted.
+pub const MAX_LOAD_IDLE_INTERVAL_MS: u64 = 1_000;
 
 /// The whole configuration, as read from the file (every field has a default).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -178,6 +203,14 @@ pub struct PushConfig {
 /// own Envoys. So gateway replicas keep a conversation on the pod that holds its prefix even
 /// when its turns alternate between replicas. It runs when there is someone to relay to: two
 /// or more push URLs, or a peer.
+///
+/// The in-flight count relay shares its peers, their listener and the token: every
+/// `load_interval_ms` each Envoy pushed to is read (`GET {load_path}`: the requests it has in
+/// prefill on each pod), and the answer goes, as it is, to the other Envoys pushed to and to every
+/// peer (`POST /v1/load`), which hands it to its own Envoys; to each target only when it changed
+/// or the target's copy needs keeping alive (`load_keepalive_ms`), and an Envoy with nothing in
+/// prefill is read every `load_idle_interval_ms` instead. So each replica routes knowing the
+/// others' requests still in prefill, not blind to them.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PrefixRelayConfig {
@@ -200,11 +233,31 @@ pub struct PrefixRelayConfig {
     /// out when the `POD_IP` environment variable names it (Kubernetes' downward API).
     #[serde(default)]
     pub peers_dns: Option<DnsConfig>,
-    /// A second listener, `ip:port`, serving only the peers' `POST /v1/prefix`: the peers can
-    /// reach it while `listen` (with `/debug/snapshot`, the whole fleet's view) stays on
-    /// loopback. Unset: peers use `listen`.
+    /// A second listener, `ip:port`, serving only the peers' `POST /v1/prefix` and
+    /// `POST /v1/load`: the peers can reach it while `listen` (with `/debug/snapshot`, the whole
+    /// fleet's view) stays on loopback. Unset: peers use `listen`.
     #[serde(default)]
     pub listen: Option<String>,
+    /// How often each Envoy's in-flight (prefill) counts are read and relayed, ms (1 to 1000);
+    /// 0 turns the in-flight count relay off (neither read the Envoys nor accept peers'
+    /// counts). It runs, like the prefix relay, only with someone to relay to.
+    #[serde(default = "d_load_interval")]
+    pub load_interval_ms: u64,
+    /// The filter's in-flight count exchange path, on each push URL's host and port: `GET`
+    /// answers that Envoy's own counts, `POST` takes another replica's.
+    #[serde(default = "d_load_path")]
+    pub load_path: String,
+    /// The longest an unchanged body of counts goes without being posted again to a target, ms
+    /// (1 to 10000). Keep it below the filters' `ingest.load_ttl_ms`, or the receivers forget
+    /// the counts between posts. An empty body (nothing in prefill) is not kept alive: an
+    /// expired entry means the same.
+    #[serde(default = "d_load_keepalive")]
+    pub load_keepalive_ms: u64,
+    /// How often an Envoy whose last body was empty (nothing in prefill) is read, ms (1 to
+    /// 1000, at least `load_interval_ms`); it is read every `load_interval_ms` again from its
+    /// first non-empty body on.
+    #[serde(default = "d_load_idle_interval")]
+    pub load_idle_interval_ms: u64,
 }
 
 impl Default for PrefixRelayConfig {
@@ -216,6 +269,10 @@ impl Default for PrefixRelayConfig {
             peers: Vec::new(),
             peers_dns: None,
             listen: None,
+            load_interval_ms: d_load_interval(),
+            load_path: d_load_path(),
+            load_keepalive_ms: d_load_keepalive(),
+            load_idle_interval_ms: d_load_idle_interval(),
         }
     }
 }
@@ -228,6 +285,18 @@ fn d_prefix_interval() -> u64 {
 }
 fn d_prefix_path() -> String {
     "/gpuroute/v1/prefix".to_string()
+}
+fn d_load_interval() -> u64 {
+    DEFAULT_LOAD_INTERVAL_MS
+}
+fn d_load_path() -> String {
+    DEFAULT_LOAD_PATH.to_string()
+}
+fn d_load_keepalive() -> u64 {
+    DEFAULT_LOAD_KEEPALIVE_MS
+}
+fn d_load_idle_interval() -> u64 {
+    DEFAULT_LOAD_IDLE_INTERVAL_MS
 }
 
 /// One pool (one model deployment) and the single source of its pods.
@@ -543,6 +612,15 @@ impl Config {
             .max(1)
     }
 
+    /// The producer name in effect: `source`, else `$HOSTNAME`, else `sidecar-metrics`. It names
+    /// the snapshots and, through the relay, this replica's in-flight counts.
+    pub fn source_name(&self) -> String {
+        self.source
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok())
+            .unwrap_or_else(|| "sidecar-metrics".to_string())
+    }
+
     /// The token in effect: `push.token`, else the content of `push.token_file`.
     pub fn resolve_token(&mut self) -> Result<(), ConfigError> {
         if self.push.token.is_none() {
@@ -619,6 +697,30 @@ impl Config {
         }
         if !self.prefix.path.starts_with('/') {
             return Err(field("prefix.path", "must start with '/'"));
+        }
+        if self.prefix.load_interval_ms > MAX_LOAD_INTERVAL_MS {
+            return Err(field(
+                "prefix.load_interval_ms",
+                format!("must be 0 (off) or between 1 and {MAX_LOAD_INTERVAL_MS}"),
+            ));
+        }
+        if !self.prefix.load_path.starts_with('/') {
+            return Err(field("prefix.load_path", "must start with '/'"));
+        }
+        if !(1..=MAX_LOAD_KEEPALIVE_MS).contains(&self.prefix.load_keepalive_ms) {
+            return Err(field(
+                "prefix.load_keepalive_ms",
+                format!("must be between 1 and {MAX_LOAD_KEEPALIVE_MS}"),
+            ));
+        }
+        // Shorter than `load_interval_ms` is taken as `load_interval_ms` (an idle Envoy is never
+        // read more often than a busy one), so raising the interval alone stays valid.
+        let idle = self.prefix.load_idle_interval_ms;
+        if !(1..=MAX_LOAD_IDLE_INTERVAL_MS).contains(&idle) {
+            return Err(field(
+                "prefix.load_idle_interval_ms",
+                format!("must be between 1 and {MAX_LOAD_IDLE_INTERVAL_MS}"),
+            ));
         }
         for (i, u) in self.prefix.peers.iter().enumerate() {
             check_http_url(&format!("prefix.peers[{i}]"), u)?;
@@ -859,6 +961,92 @@ pools:
             let err = parse(&text).unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
+    }
+
+    #[test]
+    fn the_load_relay_defaults_and_limits() {
+        let c = parse(MINIMAL).unwrap();
+        assert_eq!(c.prefix.load_interval_ms, 5);
+        assert_eq!(c.prefix.load_path, "/gpuroute/v1/load");
+        assert_eq!(c.prefix.load_keepalive_ms, 20);
+        assert_eq!(c.prefix.load_idle_interval_ms, 20);
+        let with = |prefix: &str| MINIMAL.replace("pools:", &format!("prefix: {prefix}\npools:"));
+        let c = parse(&with("{load_interval_ms: 0, load_path: /lp}")).unwrap();
+        assert_eq!(
+            (c.prefix.load_interval_ms, c.prefix.load_path.as_str()),
+            (0, "/lp")
+        );
+        // A slower interval alone is valid: an idle interval below it is taken as it.
+        assert_eq!(
+            parse(&with("{load_interval_ms: 1000}"))
+                .unwrap()
+                .prefix
+                .load_interval_ms,
+            1000
+        );
+        assert_eq!(
+            parse(&with("{load_interval_ms: 1}"))
+                .unwrap()
+                .prefix
+                .load_interval_ms,
+            1
+        );
+        let c = parse(&with(
+            "{load_interval_ms: 7, load_keepalive_ms: 10000, load_idle_interval_ms: 7}",
+        ))
+        .unwrap();
+        assert_eq!(
+            (c.prefix.load_keepalive_ms, c.prefix.load_idle_interval_ms),
+            (10000, 7)
+        );
+        let c = parse(&with("{load_keepalive_ms: 1, load_idle_interval_ms: 1000}")).unwrap();
+        assert_eq!(
+            (c.prefix.load_keepalive_ms, c.prefix.load_idle_interval_ms),
+            (1, 1000)
+        );
+        // The relay off: the idle interval need not follow it.
+        let c = parse(&with("{load_interval_ms: 0, load_idle_interval_ms: 1}")).unwrap();
+        assert_eq!(c.prefix.load_idle_interval_ms, 1);
+        for (prefix, needle) in [
+            (
+                "{load_interval_ms: 1001}",
+                "prefix.load_interval_ms: must be 0 (off) or between 1 and 1000",
+            ),
+            ("{load_interval_ms: -1}", "prefix.load_interval_ms"),
+            (
+                "{load_path: gpuroute/v1/load}",
+                "prefix.load_path: must start with '/'",
+            ),
+            ("{load_path: ''}", "prefix.load_path"),
+            (
+                "{load_keepalive_ms: 0}",
+                "prefix.load_keepalive_ms: must be between 1 and 10000",
+            ),
+            ("{load_keepalive_ms: 10001}", "prefix.load_keepalive_ms"),
+            (
+                "{load_idle_interval_ms: 0}",
+                "prefix.load_idle_interval_ms: must be between 1 and 1000",
+            ),
+            (
+                "{load_idle_interval_ms: 1001}",
+                "prefix.load_idle_interval_ms",
+            ),
+        ] {
+            let err = parse(&with(prefix)).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn the_source_name_is_the_configured_one_first() {
+        let mut c = Config {
+            source: Some("gw-a".into()),
+            ..Config::default()
+        };
+        assert_eq!(c.source_name(), "gw-a");
+        c.source = None;
+        let want = std::env::var("HOSTNAME").unwrap_or_else(|_| "sidecar-metrics".into());
+        assert_eq!(c.source_name(), want);
     }
 
     #[test]

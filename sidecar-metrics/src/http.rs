@@ -1,12 +1,15 @@
-//! The aggregator's own HTTP surface: `/healthz`, `/readyz`, `/metrics`, `/debug/snapshot` and
-//! `/`, a status page that refreshes itself every 2 s and shows, per pool, every pod's health,
-//! load, LoRA adapters, ramp-up and last error at a glance.
+//! The aggregator's own HTTP surface: `/healthz`, `/readyz`, `/metrics`, `/debug/snapshot`, the
+//! peers' `POST /v1/prefix` and `POST /v1/load`, and `/`, a status page that refreshes itself
+//! every 2 s and shows, per pool, every pod's health, load, LoRA adapters, ramp-up and last error
+//! at a glance.
 
 use crate::aggregator::{PublishRx, Published};
 use crate::config::ReadyPolicy;
 use crate::metrics;
 use crate::push::PushTarget;
-use crate::relay::{Relay, PEER_PATH};
+use crate::relay::{
+    valid_replica, Relay, LOAD_PEER_PATH, MAX_PEER_BODY, MAX_REPLICA_LEN, PEER_PATH, REPLICA_HEADER,
+};
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -18,10 +21,6 @@ use std::fmt::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// The largest batch of prefix records a peer may send (the filter's default
-/// `ingest.max_snapshot_bytes`).
-const MAX_PEER_BODY: usize = 8 * 1024 * 1024;
-
 /// What the handlers read.
 #[derive(Clone)]
 pub struct AppState {
@@ -30,6 +29,8 @@ pub struct AppState {
     pub ready_policy: ReadyPolicy,
     /// The prefix-record relay, when it runs: `POST /v1/prefix` takes peers' records.
     pub relay: Option<Arc<Relay>>,
+    /// The in-flight count relay, when it runs: `POST /v1/load` takes peers' counts.
+    pub load: Option<Arc<Relay>>,
 }
 
 impl AppState {
@@ -62,15 +63,23 @@ pub fn router(state: AppState) -> Router {
             PEER_PATH,
             post(prefix_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
         )
+        .route(
+            LOAD_PEER_PATH,
+            post(load_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
+        )
         .with_state(state)
 }
 
-/// The peers' listener (`prefix.listen`): `POST /v1/prefix` and nothing else.
+/// The peers' listener (`prefix.listen`): `POST /v1/prefix`, `POST /v1/load` and nothing else.
 pub fn peer_router(state: AppState) -> Router {
     Router::new()
         .route(
             PEER_PATH,
             post(prefix_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
+        )
+        .route(
+            LOAD_PEER_PATH,
+            post(load_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
         )
         .with_state(state)
 }
@@ -117,6 +126,40 @@ async fn prefix_from_peer(State(s): State<AppState>, headers: HeaderMap, body: B
     }
 }
 
+/// A peer's in-flight counts: checked (token, the `x-gpuroute-replica` header naming where they
+/// come from), then handed with that header to this replica's Envoys. The body is the filter's
+/// business: the Envoys check it. 204 when at least one took it, 502 when none did.
+async fn load_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(relay) = s.load else {
+        return (
+            StatusCode::NOT_FOUND,
+            "the in-flight count relay is off here\n",
+        )
+            .into_response();
+    };
+    let auth = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if !gpuroute_core::ingest::authorized(auth, &relay.token) {
+        return (StatusCode::UNAUTHORIZED, "bad or missing bearer token\n").into_response();
+    }
+    let replica = headers
+        .get(REPLICA_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|r| valid_replica(r));
+    let Some(replica) = replica else {
+        let why = format!(
+            "{REPLICA_HEADER} must name the replica: 1 to {MAX_REPLICA_LEN} visible ASCII characters, no space\n"
+        );
+        return (StatusCode::BAD_REQUEST, why).into_response();
+    };
+    if relay.deliver_load(body, replica).await > 0 || relay.envoys.is_empty() {
+        StatusCode::NO_CONTENT.into_response()
+    } else {
+        (StatusCode::BAD_GATEWAY, "no Envoy took the counts\n").into_response()
+    }
+}
+
 async fn metrics_handler(State(s): State<AppState>) -> Response {
     let mut body = metrics::render(s.current().as_deref(), &s.push);
     if let Some(r) = &s.relay {
@@ -139,6 +182,32 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
             st.envoy_failures.load(Ordering::Relaxed),
             st.peer_failures.load(Ordering::Relaxed),
             st.busy_skips.load(Ordering::Relaxed),
+        );
+    }
+    if let Some(r) = &s.load {
+        let st = &r.stats;
+        let _ = write!(
+            body,
+            "# HELP sidecar_replica_load_relayed_total Bodies of in-flight (prefill) counts relayed between gateway replicas: out = read from this replica's Envoys, in = received from peers.\n\
+             # TYPE sidecar_replica_load_relayed_total counter\n\
+             sidecar_replica_load_relayed_total{{direction=\"out\"}} {}\n\
+             sidecar_replica_load_relayed_total{{direction=\"in\"}} {}\n\
+             # HELP sidecar_replica_load_failures_total Failed reads and deliveries of the in-flight count relay, by target.\n\
+             # TYPE sidecar_replica_load_failures_total counter\n\
+             sidecar_replica_load_failures_total{{target=\"envoy\"}} {}\n\
+             sidecar_replica_load_failures_total{{target=\"peer\"}} {}\n\
+             # HELP sidecar_replica_load_busy_skips_total Bodies of in-flight counts not sent to a target still busy with the previous one from the same replica.\n\
+             # TYPE sidecar_replica_load_busy_skips_total counter\n\
+             sidecar_replica_load_busy_skips_total {}\n\
+             # HELP sidecar_replica_load_unchanged_total Bodies of in-flight counts not posted to a target that already has them: unchanged since its last post and the keepalive not due, or empty and already sent.\n\
+             # TYPE sidecar_replica_load_unchanged_total counter\n\
+             sidecar_replica_load_unchanged_total {}\n",
+            st.records_out.load(Ordering::Relaxed),
+            st.records_in.load(Ordering::Relaxed),
+            st.envoy_failures.load(Ordering::Relaxed),
+            st.peer_failures.load(Ordering::Relaxed),
+            st.busy_skips.load(Ordering::Relaxed),
+            st.unchanged.load(Ordering::Relaxed),
         );
     }
     (

@@ -1,4 +1,4 @@
-//! The prefix-record relay between gateway replicas.
+//! The relays between gateway replicas: prefix records, and in-flight (prefill) counts.
 //!
 //! Each gateway replica's filter knows where its own workers sent which prompt prefixes; the
 //! filter's side of the exchange is `gpuroute_core::exchange`. Every `prefix.interval_ms` this
@@ -14,6 +14,17 @@
 //! still busy with the batch before is skipped. An Envoy that
 //! restarted answers with a cursor of its new workers, so asking resumes by itself. The bearer
 //! token is the push token, on both hops.
+//!
+//! The in-flight count relay ([`Kind::Load`], in `relay/load.rs`) is a second [`Relay`] over the
+//! same peers, listener, token and client, with the same failure counting and skip-if-busy:
+//! every `prefix.load_interval_ms` (a few ms; `prefix.load_idle_interval_ms` while an Envoy has
+//! nothing in prefill) it reads each Envoy's requests still in prefill and hands them on the same
+//! way, named by the replica they come from, to each target only when they changed or the
+//! target's copy needs keeping alive.
+
+mod load;
+
+pub use load::{replica_name, valid_replica, LOAD_PEER_PATH, MAX_REPLICA_LEN, REPLICA_HEADER};
 
 use crate::config::{Config, DnsConfig};
 use crate::discovery::dns::Resolver;
@@ -33,29 +44,67 @@ use tokio_util::sync::CancellationToken;
 /// The path of the sidecar's own surface that takes peers' records.
 pub const PEER_PATH: &str = "/v1/prefix";
 
+/// The largest body a peer may send, prefix records or in-flight counts (the filter's default
+/// `ingest.max_snapshot_bytes`).
+pub const MAX_PEER_BODY: usize = 8 * 1024 * 1024;
+
+/// Which exchange a relay carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Prefix records (routing decisions), asked for after a cursor, every `prefix.interval_ms`.
+    Prefix,
+    /// In-flight (prefill) counts, each answer replacing the one before from the same replica,
+    /// every `prefix.load_interval_ms`.
+    Load,
+}
+
+impl Kind {
+    /// The name used in log messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Prefix => "prefix",
+            Kind::Load => "load",
+        }
+    }
+
+    /// The path of the peers' surface for this exchange.
+    pub fn peer_path(self) -> &'static str {
+        match self {
+            Kind::Prefix => PEER_PATH,
+            Kind::Load => LOAD_PEER_PATH,
+        }
+    }
+}
+
 /// Counters, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct RelayStats {
-    /// Records received from this replica's Envoys.
+    /// Records (the load relay: bodies of counts) received from this replica's Envoys.
     pub records_out: AtomicU64,
-    /// Records received from peers.
+    /// Records (the load relay: bodies of counts) received from peers.
     pub records_in: AtomicU64,
     /// Asks and deliveries that failed, to an Envoy and to a peer.
     pub envoy_failures: AtomicU64,
     pub peer_failures: AtomicU64,
     /// Batches not sent to a target still busy with the one before.
     pub busy_skips: AtomicU64,
+    /// The load relay: bodies not posted to a target because it already has them (unchanged
+    /// since the last post and the keepalive not due, or empty and already sent).
+    pub unchanged: AtomicU64,
 }
 
 /// The relay's targets and state.
 #[derive(Debug)]
 pub struct Relay {
-    /// The prefix URL of each Envoy pushed to.
+    /// What this relay carries.
+    pub kind: Kind,
+    /// The prefix URL (the load relay: the load URL) of each Envoy pushed to.
     pub envoys: Vec<String>,
-    /// Each configured peer's `PEER_PATH` URL.
+    /// Each configured peer's `PEER_PATH` (the load relay: `LOAD_PEER_PATH`) URL.
     pub peers: Vec<String>,
-    /// Peers found by DNS (`prefix.peers_dns`), as last resolved.
-    found: Mutex<Vec<String>>,
+    /// Peers found by DNS (`prefix.peers_dns`), as last resolved: `http://ip:port`, shared by the
+    /// two relays so that one task resolves for both.
+    found: Arc<Mutex<Vec<String>>>,
     dns: Option<DnsConfig>,
     /// This pod's address (`POD_IP`), left out of the peers found.
     own_ip: Option<IpAddr>,
@@ -65,8 +114,29 @@ pub struct Relay {
     client: reqwest::Client,
     pub stats: RelayStats,
     gate: Mutex<LogGate>,
-    /// Targets with a delivery under way.
+    /// Targets with a delivery under way (the load relay: target and source replica).
     busy: Mutex<HashSet<String>>,
+    /// The `x-gpuroute-replica` name of each Envoy's in-flight counts (used by the load relay).
+    replicas: Vec<String>,
+    /// The load relay's keepalive, idle interval and what each target was last sent.
+    load: load::LoadState,
+}
+
+/// A delivery under way to one target: the target is busy until this is dropped, whether the
+/// delivery finished or was cancelled.
+struct Claim {
+    relay: Arc<Relay>,
+    key: String,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        self.relay
+            .busy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.key);
+    }
 }
 
 /// `url` with its path replaced by `path` and no query: the prefix URL beside an ingest URL.
@@ -81,37 +151,95 @@ impl Relay {
     /// The relay `cfg` asks for; `None` when it is off or has no one to relay to (one Envoy and
     /// no peer).
     pub fn from_config(cfg: &Config, client: reqwest::Client) -> Option<Arc<Relay>> {
+        Relay::build(cfg, client, Kind::Prefix, Arc::default())
+    }
+
+    /// The in-flight count relay `cfg` asks for; `None` when it is off
+    /// (`prefix.load_interval_ms: 0`) or has no one to relay to (one Envoy and no peer).
+    pub fn load_from_config(cfg: &Config, client: reqwest::Client) -> Option<Arc<Relay>> {
+        Relay::build(cfg, client, Kind::Load, Arc::default())
+    }
+
+    /// Both relays `cfg` asks for, prefix first, sharing the peers found by DNS: run
+    /// [`Relay::find_peers`] on one of them and both see the peers.
+    pub fn pair_from_config(
+        cfg: &Config,
+        client: reqwest::Client,
+    ) -> (Option<Arc<Relay>>, Option<Arc<Relay>>) {
+        let found: Arc<Mutex<Vec<String>>> = Arc::default();
+        (
+            Relay::build(cfg, client.clone(), Kind::Prefix, found.clone()),
+            Relay::build(cfg, client, Kind::Load, found),
+        )
+    }
+
+    fn build(
+        cfg: &Config,
+        client: reqwest::Client,
+        kind: Kind,
+        found: Arc<Mutex<Vec<String>>>,
+    ) -> Option<Arc<Relay>> {
         let p = &cfg.prefix;
-        if !p.enabled || cfg.push.urls.is_empty() {
+        let on = match kind {
+            Kind::Prefix => p.enabled,
+            Kind::Load => p.load_interval_ms > 0,
+        };
+        if !on || cfg.push.urls.is_empty() {
             return None;
         }
         if cfg.push.urls.len() < 2 && p.peers.is_empty() && p.peers_dns.is_none() {
             return None;
         }
-        let envoys = cfg
+        let (path, interval, timeout) = match kind {
+            Kind::Prefix => (
+                &p.path,
+                Duration::from_millis(p.interval_ms),
+                Duration::from_millis(cfg.push.timeout_ms),
+            ),
+            Kind::Load => {
+                let interval = Duration::from_millis(p.load_interval_ms);
+                (&p.load_path, interval, load::timeout(interval))
+            }
+        };
+        let envoys: Vec<String> = cfg
             .push
             .urls
             .iter()
-            .filter_map(|u| beside(u, &p.path))
+            .filter_map(|u| beside(u, path))
             .collect();
         let peers = p
             .peers
             .iter()
-            .filter_map(|u| beside(u, PEER_PATH))
+            .filter_map(|u| beside(u, kind.peer_path()))
             .collect();
+        let source = cfg.source_name();
+        let n = envoys.len();
+        let replicas = (0..n).map(|i| replica_name(&source, i, n)).collect();
+        let load = match kind {
+            Kind::Prefix => load::LoadState::default(),
+            Kind::Load => load::LoadState::new(
+                Duration::from_millis(p.load_keepalive_ms),
+                // At least the interval, even in a configuration that was not validated.
+                Duration::from_millis(p.load_idle_interval_ms).max(interval),
+                n,
+            ),
+        };
         Some(Arc::new(Relay {
+            kind,
             envoys,
             peers,
-            found: Mutex::new(Vec::new()),
+            found,
             dns: p.peers_dns.clone(),
             own_ip: std::env::var("POD_IP").ok().and_then(|v| v.parse().ok()),
             token: cfg.push.token.clone().unwrap_or_default(),
-            interval: Duration::from_millis(p.interval_ms),
-            timeout: Duration::from_millis(cfg.push.timeout_ms),
+            interval,
+            timeout,
             client,
             stats: RelayStats::default(),
             gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
             busy: Mutex::new(HashSet::new()),
+            replicas,
+            load,
         }))
     }
 
@@ -119,8 +247,38 @@ impl Relay {
         counter.fetch_add(1, Ordering::Relaxed);
         let mut gate = self.gate.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(held) = gate.allow(Instant::now()) {
-            tracing::warn!(%url, error = %why, suppressed = held, "prefix relay: {what} failed");
+            tracing::warn!(
+                %url,
+                error = %why,
+                suppressed = held,
+                "{} relay: {what} failed",
+                self.kind.name()
+            );
         }
+    }
+
+    /// Marks `key` (a target) busy with a delivery; `None`, counted in `busy_skips`, when it
+    /// already is.
+    fn claim(self: &Arc<Self>, key: String) -> Option<Claim> {
+        if !self
+            .busy
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key.clone())
+        {
+            self.stats.busy_skips.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(Claim {
+            relay: self.clone(),
+            key,
+        })
+    }
+
+    /// Whether there is anyone to relay to: another Envoy pushed to, or a peer (configured, or
+    /// found by DNS other than this pod).
+    fn has_targets(&self) -> bool {
+        self.envoys.len() >= 2 || !self.all_peers().is_empty()
     }
 
     /// Asks Envoy `i` for its records after `cursor`; on an answer, moves the cursor on and
@@ -162,17 +320,18 @@ impl Relay {
         }
     }
 
-    /// POSTs `body` to `url`; whether it was taken (2xx).
-    async fn post(&self, url: &str, body: Bytes) -> Result<(), String> {
-        let sent = self
+    /// POSTs `body` to `url`, naming the replica it comes from when `replica` is given; whether
+    /// it was taken (2xx).
+    async fn post(&self, url: &str, body: Bytes, replica: Option<&str>) -> Result<(), String> {
+        let mut req = self
             .client
             .post(url)
             .bearer_auth(&self.token)
-            .header("content-type", "application/octet-stream")
-            .body(body)
-            .timeout(self.timeout)
-            .send()
-            .await;
+            .header("content-type", "application/octet-stream");
+        if let Some(r) = replica {
+            req = req.header(REPLICA_HEADER, r);
+        }
+        let sent = req.body(body).timeout(self.timeout).send().await;
         match sent {
             Ok(r) if r.status().is_success() => Ok(()),
             Ok(r) => Err(format!("status {}", r.status())),
@@ -182,8 +341,14 @@ impl Relay {
 
     /// POSTs `body` to `url`, counting a failure against an Envoy or a peer; whether it was
     /// taken.
-    async fn post_counted(self: Arc<Self>, url: String, body: Bytes, peer: bool) -> bool {
-        match self.post(&url, body).await {
+    async fn post_counted(
+        self: Arc<Self>,
+        url: String,
+        body: Bytes,
+        peer: bool,
+        replica: Option<String>,
+    ) -> bool {
+        match self.post(&url, body, replica.as_deref()).await {
             Ok(()) => true,
             Err(why) if peer => {
                 self.failed(&self.stats.peer_failures, "delivering to a peer", &url, why);
@@ -201,11 +366,8 @@ impl Relay {
         }
     }
 
-    /// Hands a batch read from Envoy `from` to the other Envoys and to the peers, without
-    /// waiting: a slow or blackholed target must not hold up the asks. A target still busy with
-    /// an earlier batch is skipped for this one (`busy_skips`): the records are hints, and a
-    /// backlog would only deliver stale ones late.
-    fn fan_out(self: &Arc<Self>, body: Bytes, from: usize) {
+    /// Where what Envoy `from` gave goes: the other Envoys (`false`) and the peers (`true`).
+    fn targets(&self, from: usize) -> Vec<(String, bool)> {
         let envoys = self
             .envoys
             .iter()
@@ -213,24 +375,24 @@ impl Relay {
             .filter(|(j, _)| *j != from)
             .map(|(_, u)| (u.clone(), false));
         let peers = self.all_peers().into_iter().map(|u| (u, true));
-        for (url, peer) in envoys.chain(peers).collect::<Vec<_>>() {
-            if !self
-                .busy
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(url.clone())
-            {
-                self.stats.busy_skips.fetch_add(1, Ordering::Relaxed);
+        envoys.chain(peers).collect()
+    }
+
+    /// Hands a batch read from Envoy `from` to the other Envoys and to the peers, without
+    /// waiting: a slow or blackholed target must not hold up the asks. A target still busy with
+    /// an earlier batch is skipped for this one (`busy_skips`): the records are hints, and a
+    /// backlog would only deliver stale ones late. (The load relay's own is
+    /// [`Relay::send_load`].)
+    fn fan_out(self: &Arc<Self>, body: Bytes, from: usize) {
+        for (url, peer) in self.targets(from) {
+            let Some(claim) = self.claim(url.clone()) else {
                 continue;
-            }
+            };
             let me = self.clone();
             let body = body.clone();
             tokio::spawn(async move {
-                me.clone().post_counted(url.clone(), body, peer).await;
-                me.busy
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .remove(&url);
+                me.post_counted(url, body, peer, None).await;
+                drop(claim);
             });
         }
     }
@@ -239,7 +401,13 @@ impl Relay {
     pub fn all_peers(&self) -> Vec<String> {
         let mut all = self.peers.clone();
         let found = self.found.lock().unwrap_or_else(|e| e.into_inner());
-        all.extend(found.iter().filter(|u| !self.peers.contains(u)).cloned());
+        let path = self.kind.peer_path();
+        all.extend(
+            found
+                .iter()
+                .map(|base| format!("{base}{path}"))
+                .filter(|u| !self.peers.contains(u)),
+        );
         all
     }
 
@@ -265,7 +433,7 @@ impl Relay {
                     let mut urls: Vec<String> = addrs
                         .iter()
                         .filter(|a| Some(a.ip()) != self.own_ip)
-                        .map(|a| format!("http://{a}{PEER_PATH}"))
+                        .map(|a| format!("http://{a}"))
                         .collect();
                     urls.sort();
                     urls.dedup();
@@ -289,7 +457,10 @@ impl Relay {
             .fetch_add(records as u64, Ordering::Relaxed);
         let mut set = JoinSet::new();
         for url in &self.envoys {
-            set.spawn(self.clone().post_counted(url.clone(), body.clone(), false));
+            set.spawn(
+                self.clone()
+                    .post_counted(url.clone(), body.clone(), false, None),
+            );
         }
         let mut taken = 0;
         while let Some(r) = set.join_next().await {
@@ -300,7 +471,7 @@ impl Relay {
 
     /// One round: ask every Envoy, relay what each had.
     pub async fn round(self: &Arc<Self>, cursors: &mut [String]) {
-        if self.envoys.len() < 2 && self.all_peers().is_empty() {
+        if !self.has_targets() {
             // One replica (the peers found by DNS are only this pod): no one to relay to, and
             // not asking leaves the filter's workers without the export's work.
             return;
@@ -332,8 +503,11 @@ impl Relay {
         }
     }
 
-    /// Relays every `interval` until `shutdown`.
+    /// Relays every `interval` until `shutdown` (the load relay: [`Relay::run_load`]).
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
+        if self.kind == Kind::Load {
+            return self.run_load(shutdown).await;
+        }
         let mut cursors = vec![String::new(); self.envoys.len()];
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(MissedTickBehavior::Delay);

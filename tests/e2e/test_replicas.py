@@ -269,3 +269,212 @@ def test_a_decision_reaches_the_other_replica_through_the_relay(pods):
             sc.stop()
         for gw in gws:
             gw.stop()
+
+
+LOAD = "/gpuroute/v1/load"
+
+
+def load_counts(raw):
+    """{pool: sorted list of (requests, tokens) per pod} of a GPL1 body (`ingest.load_path`)."""
+    assert raw[:4] == b"GPL1", raw[:16]
+    (pools,), i, out = struct.unpack_from("<I", raw, 4), 8, {}
+    for _ in range(pools):
+        (n,) = struct.unpack_from("<H", raw, i)
+        name, i = raw[i + 2:i + 2 + n].decode(), i + 2 + n
+        (count,), i = struct.unpack_from("<I", raw, i), i + 4
+        pods = []
+        for _ in range(count):
+            _key, requests, tokens = struct.unpack_from("<QII", raw, i)
+            pods.append((requests, tokens))
+            i += 16
+        out[name] = sorted(pods)
+    assert i == len(raw)
+    return out
+
+
+def ask_load(gw, token=TOKEN):
+    return gw.request("GET", LOAD, None, {"authorization": f"Bearer {token}"}, addr=gw.ingest)
+
+
+def give_load(gw, body, replica="replica-a", token=TOKEN):
+    headers = {"authorization": f"Bearer {token}", "content-type": "application/octet-stream"}
+    if replica is not None:
+        headers["x-gpuroute-replica"] = replica
+    return gw.request("POST", LOAD, body, headers, addr=gw.ingest)
+
+
+def streamed(gw, text, timeout=30):
+    body = {"model": "llama-3-8b", "stream": True, "messages": [{"role": "user", "content": text}]}
+    return gw.request("POST", "/v1/chat/completions", body, timeout=timeout)
+
+
+def start_held_prefills(gw, pods, hold, question, n=9):
+    """Sends `n` streamed chat requests through `gw` from threads; `pods` hold each before its
+    first byte until `hold` is set, so each stays in prefill on the gateway's view. Returns the
+    threads once every request reached its pod."""
+    import threading
+
+    for p in pods:
+        p.hold = hold
+    before = sum(len(p.requests) for p in pods)
+    threads = []
+    for i in range(n):
+        t = threading.Thread(target=streamed, args=(gw, f"{question} ({i})? " * 4), daemon=True)
+        t.start()
+        threads.append(t)
+    deadline = time.time() + 10
+    while sum(len(p.requests) for p in pods) < before + n and time.time() < deadline:
+        time.sleep(0.02)
+    assert sum(len(p.requests) for p in pods) == before + n, [len(p.requests) for p in pods]
+    return threads
+
+
+def test_a_replica_routes_around_the_prefills_another_replica_started(pods):
+    """Replica A, whose pool is pods 0-2, sends nine streamed requests that the pods hold before
+    their first byte: in prefill on A's view. A's `GET ingest.load_path` gives them, per pod;
+    posted to replica B (pods 0-3, every pod idle in its snapshot), B sends four new prompts to
+    the one pod without them, pod-3. Without the post, B knows nothing of them and spreads new
+    prompts over all four; once the post is older than `ingest.load_ttl_ms` it is forgotten."""
+    import threading
+
+    a, pa = gateway(pods[:3])
+    b, pb = gateway(pods)
+    hold = threading.Event()
+    threads = []
+    try:
+        s, h, _, raw = ask_load(a)
+        assert s == 200 and h["content-type"] == "application/octet-stream"
+        assert load_counts(raw) == {}, "nothing in flight yet"
+        threads = start_held_prefills(a, pods[:3], hold, "Does the rear rack fit a bike with disc brakes")
+        time.sleep(0.05)  # every worker's table published
+        s, _, _, raw = ask_load(a)
+        counts = load_counts(raw)
+        print(f"\nA's requests in prefill per pod: {counts}")
+        assert s == 200 and sum(r for r, _ in counts["llama"]) == 9, counts
+        assert all(t > 0 for _, t in counts["llama"]), "their prompt tokens travel with them"
+        assert a.stat(STAT_PREFIX + "gpuroute.replica_load.exported") >= 2
+
+        assert give_load(b, raw)[0] == 204
+        assert b.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 1
+        # Posted again every 5 ms, as the relay does; B's workers take the counts in on their
+        # next tick (`tick_ms`), and from then on at every exchange.
+        posting = threading.Event()
+
+        def post():
+            while not posting.wait(0.005):
+                give_load(b, raw)
+
+        poster = threading.Thread(target=post, daemon=True)
+        poster.start()
+        time.sleep(0.2)
+        served = []
+        for i in range(4):
+            s, h, _, _ = b.chat("llama-3-8b", f"A new question {i} about saddle heights and knee pain.", timeout=5)
+            assert s == 200
+            served.append(h["x-served-by"])
+        posting.set()
+        poster.join()
+        print(f"B's picks with A's prefills known: {served}")
+        assert served == [pods[3].name] * 4, served
+    finally:
+        hold.set()
+        for p in pods[:3]:
+            p.hold = None
+        for t in threads:
+            t.join(timeout=30)
+        pa.stop()
+        a.stop()
+    try:
+        # The post is older than the ttl (50 ms): B goes by what it knows, and its prompts' homes
+        # spread them again.
+        time.sleep(0.2)
+        spread = {b.chat("llama-3-8b", f"Another question {i} about tubeless tyres.")[1]["x-served-by"]
+                  for i in range(12)}
+        print(f"B's picks once the post expired: {sorted(spread)}")
+        assert len(spread) > 1, spread
+    finally:
+        pb.stop()
+        b.stop()
+
+
+def test_the_load_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
+    gw, pusher = gateway(pods)
+    try:
+        assert ask_load(gw, token="wrong-token-123")[0] == 401
+        assert give_load(gw, b"GPL1\x00\x00\x00\x00", token="wrong-token-123")[0] == 401
+        s, h, err, _ = gw.request("PUT", LOAD, b"", {"authorization": f"Bearer {TOKEN}"}, addr=gw.ingest)
+        assert s == 405 and err["error"]["code"] == "method_not_allowed" and h["allow"] == "GET, POST"
+        bad_bodies = (b"", b"GPX1\x00\x00\x00\x00", b"GPL1\x01\x00\x00\x00", b"GPL1\x00\x00\x00\x00\x00")
+        for bad in bad_bodies:
+            s, _, err, _ = give_load(gw, bad)
+            assert s == 400 and err["error"]["code"] == "invalid_replica_load", (bad, s, err)
+        for replica in (None, "", "has space", "x" * 129):
+            s, _, err, _ = give_load(gw, b"GPL1\x00\x00\x00\x00", replica=replica)
+            assert s == 400 and err["error"]["code"] == "invalid_replica_load", (replica, s, err)
+            assert "x-gpuroute-replica" in err["error"]["message"]
+        host, port = gw.ingest.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nauthorization: Bearer %s\r\nx-gpuroute-replica: r\r\n"
+                         b"content-length: %d\r\n\r\n" % (LOAD.encode(), TOKEN.encode(), 9 * 1024 * 1024))
+            answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 413") and b"replica_load_too_large" in answer, answer[:300]
+        assert give_load(gw, b"GPL1\x00\x00\x00\x00")[0] == 204
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.invalid") == len(bad_bodies) + 4
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.unauthorized") == 2
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.too_large") == 1
+        assert turn(gw, "Still serving?")
+    finally:
+        pusher.stop()
+        gw.stop()
+
+
+def test_through_the_relay_a_replica_routes_around_another_replicas_prefills(pods):
+    """Two replicas as deployed: each Envoy with its own sidecar-metrics, the sidecars each
+    other's peers, relaying every 5 ms (`prefix.load_interval_ms`) what each Envoy has in
+    prefill. A (pods 0-2) starts nine streamed requests that the pods hold before their first
+    byte; B (pods 0-3, all idle as its own aggregator scrapes them) then sends four new prompts
+    to pod-3, the one pod A is not prefilling on. Once A's requests are answered its counts are
+    zero, relayed as such, and B spreads new prompts again."""
+    import threading
+
+    from harness import Sidecar, free_port
+
+    a = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods[:3]]}], CONFIG, concurrency=2)
+    b = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG, concurrency=2)
+    ports = [free_port(), free_port()]
+    members = [pods[:3], pods]
+    scs = [Sidecar({"llama": [p.address for p in members[i]]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
+                   interval_ms=100,
+                   extra={"prefix": {"listen": f"127.0.0.1:{ports[i]}", "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}})
+           for i, gw in enumerate((a, b))]
+    hold = threading.Event()
+    threads = []
+    try:
+        deadline = time.time() + 10
+        while not all(sc.ready() for sc in scs) and time.time() < deadline:
+            time.sleep(0.05)
+        assert all(sc.ready() for sc in scs)
+        threads = start_held_prefills(a, pods[:3], hold, "Which chain fits an eleven-speed cassette")
+        time.sleep(0.1)  # a few relay rounds, and B's workers' next exchange
+        served = [b.chat("llama-3-8b", f"New question {i}: how tight should a stem bolt be?", timeout=5)[1]
+                  ["x-served-by"] for i in range(4)]
+        relayed = scs[0].metric('sidecar_replica_load_relayed_total{direction="out"}')
+        taken = b.stat(STAT_PREFIX + "gpuroute.replica_load.imported")
+        print(f"\nB's picks while A prefills on pods 0-2: {served}; A's counts relayed {relayed} times, "
+              f"taken by B {taken} times")
+        assert served == [pods[3].name] * 4, served
+        hold.set()
+        for t in threads:
+            t.join(timeout=30)
+        time.sleep(0.1)
+        spread = {b.chat("llama-3-8b", f"Another question {i} about brake pads.")[1]["x-served-by"] for i in range(12)}
+        print(f"B's picks once A's requests were answered: {sorted(spread)}")
+        assert len(spread) > 1, spread
+    finally:
+        hold.set()
+        for p in pods[:3]:
+            p.hold = None
+        for sc in scs:
+            sc.stop()
+        for gw in (a, b):
+            gw.stop()

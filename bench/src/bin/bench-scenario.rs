@@ -96,8 +96,8 @@ enum Cmd {
         #[arg(long, conflicts_with = "replicas")]
         workers: Option<usize>,
         /// The filter as N gateway replicas: each request reaches one drawn at random; each
-        /// learns the others' routing decisions 60 ms later (sidecar-metrics' relay), their
-        /// in-flight counts never.
+        /// learns the others' routing decisions 60 ms later and their requests in prefill 5 ms
+        /// later (sidecar-metrics' relays).
         #[arg(long)]
         replicas: Option<usize>,
         /// With --workers or --replicas: the routing decisions' delay to the other engines, ms.
@@ -106,11 +106,12 @@ enum Cmd {
         /// With --workers or --replicas: no routing decisions pass between them.
         #[arg(long)]
         no_prefix_relay: bool,
-        /// With --workers or --replicas: the in-flight counts' delay to the other engines, ms
-        /// (for replicas, what an exchange of in-flight counts at that delay would give: the
-        /// product has none).
-        #[arg(long)]
+        /// With --workers or --replicas: the in-flight counts' delay to the other engines, ms.
+        #[arg(long, conflicts_with = "no_load_relay")]
         load_relay_ms: Option<u64>,
+        /// With --workers or --replicas: no in-flight counts pass between them.
+        #[arg(long)]
+        no_load_relay: bool,
         /// Print JSON (every run, and with --per-request each request's TTFT and pod).
         #[arg(long)]
         json: bool,
@@ -129,6 +130,7 @@ fn gateways(
     prefix_relay_ms: Option<u64>,
     no_prefix_relay: bool,
     load_relay_ms: Option<u64>,
+    no_load_relay: bool,
 ) -> Gateways {
     let mut g = match (workers, replicas) {
         (Some(n), _) => Gateways::workers(n),
@@ -143,6 +145,9 @@ fn gateways(
     }
     if load_relay_ms.is_some() {
         g.load_relay_ms = load_relay_ms;
+    }
+    if no_load_relay {
+        g.load_relay_ms = None;
     }
     g
 }
@@ -445,6 +450,7 @@ fn main() -> Result<()> {
             prefix_relay_ms,
             no_prefix_relay,
             load_relay_ms,
+            no_load_relay,
             json,
             per_request,
         } => {
@@ -463,6 +469,7 @@ fn main() -> Result<()> {
                     prefix_relay_ms,
                     no_prefix_relay,
                     load_relay_ms,
+                    no_load_relay,
                 ),
             };
             run_replay(

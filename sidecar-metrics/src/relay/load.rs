@@ -1,0 +1,347 @@
+//! The in-flight (prefill) count relay between gateway replicas.
+//!
+//! Each replica's filter knows which of its own requests are still in prefill on which pod;
+//! replicas that do not share this route blind to each other's load (the offline replay: 7-29%
+//! more mean TTFT with three replicas, nearly all of it won back when the counts are exchanged
+//! within ~5 ms, about half within 20 ms). So every `prefix.load_interval_ms` (default 5) this
+//! relay reads each Envoy it pushes to (`GET {load_path}`, an opaque body) and posts the body as
+//! it came, naming where it came from in `x-gpuroute-replica`, to:
+//! - the other Envoys it pushes to (`POST {load_path}`), and
+//! - every peer (`POST {peer}/v1/load`), which hands it to its own Envoys as it comes
+//!   ([`Relay::deliver_load`], behind the HTTP surface).
+//!
+//! A receiving Envoy keeps one entry per replica name for its `ingest.load_ttl_ms` (50 ms by
+//! default) and replaces it with each newer post, so only the newest body matters: nothing is
+//! queued, a failed read or post is counted and dropped, and a target still busy with the
+//! previous body from the same replica is skipped.
+//!
+//! Most bodies are the same as the one before (an idle gateway's always are), so each target is
+//! posted a body only when it needs it ([`LoadState`], per Envoy read and target):
+//! - a body that differs from the last one the target took, at the next round;
+//! - an unchanged body again once `prefix.load_keepalive_ms` (default 20) has passed since the
+//!   target took it, so that its copy never outlives the receiver's ttl (the keepalive must stay
+//!   below `ingest.load_ttl_ms`);
+//! - the empty body (nothing in prefill) once, and not again until a non-empty one went in
+//!   between: an expired entry means the same, so it needs no keepalive.
+//!
+//! A post that failed counts as not sent, so the next round posts again; the skipped ones are
+//! counted in `unchanged`. A peer that took a body took it, even if one of its Envoys skipped it
+//! as busy: that Envoy gets the next change or keepalive (an empty body: its entry expires). And an Envoy whose last body was empty is read every
+//! `prefix.load_idle_interval_ms` (default 20) instead, back to every `load_interval_ms` from its
+//! first non-empty body on: an idle gateway costs a GET per Envoy every 20 ms and no post, and a
+//! burst's first requests reach the other replicas up to that much later. Each Envoy is read on
+//! its own clock, so a slow one delays only its own counts, and reads missed meanwhile are
+//! skipped, never caught up in a burst.
+
+use super::{Relay, MAX_PEER_BODY};
+use bytes::Bytes;
+use gpuroute_core::replica_load::ReplicaLoad;
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// The path of the sidecar's own surface that takes peers' in-flight counts.
+pub const LOAD_PEER_PATH: &str = "/v1/load";
+
+/// The header naming the replica (one Envoy) a body of in-flight counts comes from.
+pub use gpuroute_core::replica_load::REPLICA_HEADER;
+
+/// The longest replica name the filter takes.
+pub use gpuroute_core::replica_load::MAX_REPLICA_NAME as MAX_REPLICA_LEN;
+
+/// The filter's body for "nothing in prefill": the magic and a pool count of zero.
+const NO_PREFILL: &[u8] = b"GPL1\0\0\0\0";
+
+/// Whether `body` says that nothing is in prefill: the filter's counts without a single pod
+/// (what it answers while idle is exactly [`NO_PREFILL`]). Any other body, even one the filter
+/// would refuse, is passed on as counts.
+pub(super) fn no_prefill(body: &[u8]) -> bool {
+    body == NO_PREFILL
+        || ReplicaLoad::decode(body).is_ok_and(|l| l.pools.iter().all(|(_, pods)| pods.is_empty()))
+}
+
+/// The load relay's pacing and memory: how long an unchanged body may go without a post, how
+/// often an idle Envoy is read, and what each target last took from each Envoy.
+#[derive(Debug, Default)]
+pub(super) struct LoadState {
+    /// `prefix.load_keepalive_ms`.
+    keepalive: Duration,
+    /// `prefix.load_idle_interval_ms`, at least the relay's interval.
+    pub(super) idle_interval: Duration,
+    /// For each Envoy read (by index), the last body each target (by URL) took from it.
+    sent: Vec<Mutex<HashMap<String, Sent>>>,
+}
+
+/// The last body one target took from one Envoy.
+#[derive(Debug, Clone)]
+struct Sent {
+    body: Bytes,
+    /// Whether it said nothing is in prefill ([`no_prefill`]).
+    empty: bool,
+    /// When its post began: the target's copy is at least this fresh.
+    at: Instant,
+}
+
+impl LoadState {
+    /// The state of a relay reading `envoys` Envoys.
+    pub(super) fn new(keepalive: Duration, idle_interval: Duration, envoys: usize) -> LoadState {
+        LoadState {
+            keepalive,
+            idle_interval,
+            sent: (0..envoys).map(|_| Mutex::default()).collect(),
+        }
+    }
+
+    /// What the targets took from Envoy `from`; `None` for an Envoy this relay does not read.
+    fn sent(&self, from: usize) -> Option<std::sync::MutexGuard<'_, HashMap<String, Sent>>> {
+        let m = self.sent.get(from)?;
+        Some(m.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Whether `url` needs `body` (read from Envoy `from`; `empty` if it says nothing is in
+    /// prefill) at `now`: it took nothing from that Envoy yet, or something else, or the same
+    /// non-empty body a keepalive ago or longer.
+    fn due(&self, from: usize, url: &str, body: &Bytes, empty: bool, now: Instant) -> bool {
+        let Some(sent) = self.sent(from) else {
+            return true;
+        };
+        match sent.get(url) {
+            None => true,
+            Some(last) if empty && last.empty => false,
+            Some(last) => {
+                last.body != *body || now.saturating_duration_since(last.at) >= self.keepalive
+            }
+        }
+    }
+
+    /// Notes that `url` took `body` from Envoy `from`, posted at `at`.
+    fn took(&self, from: usize, url: String, body: Bytes, empty: bool, at: Instant) {
+        if let Some(mut sent) = self.sent(from) {
+            sent.insert(url, Sent { body, empty, at });
+        }
+    }
+
+    /// Forgets the targets of Envoy `from` that are no longer among `targets` (peers DNS no
+    /// longer finds), so that the memory follows the targets.
+    fn keep_only(&self, from: usize, targets: &[(String, bool)]) {
+        if let Some(mut sent) = self.sent(from) {
+            if sent.len() > targets.len() {
+                sent.retain(|url, _| targets.iter().any(|(t, _)| t == url));
+            }
+        }
+    }
+}
+
+/// When to read next, the read before having been due at `last`: `step` later, or, when that
+/// has passed already (the read took longer), the first instant on the same beat still ahead,
+/// so that missed reads are skipped rather than caught up in a burst.
+pub(super) fn next_read(last: Instant, step: Duration, now: Instant) -> Instant {
+    let next = last + step;
+    if next > now || step.is_zero() {
+        return next;
+    }
+    let into = now.duration_since(next).as_nanos() % step.as_nanos();
+    now + step.saturating_sub(Duration::from_nanos(u64::try_from(into).unwrap_or(0)))
+}
+
+/// The shortest timeout of a read or a post: the Envoys are on loopback or in the cluster, but a
+/// loaded node can take a few tens of ms to schedule an answer.
+const MIN_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// The timeout of one read or post at `interval`: ten intervals, at least [`MIN_TIMEOUT`]. A
+/// body older than that is stale anyway, and newer ones follow.
+pub(super) fn timeout(interval: Duration) -> Duration {
+    (interval * 10).max(MIN_TIMEOUT)
+}
+
+/// The replica name of Envoy `i` of the `n` this sidecar pushes to: the snapshots' `source`
+/// with every character but visible ASCII (a space, a control or a non-ASCII character) made
+/// `_`, plus `/i` when it pushes to more than one, at most [`MAX_REPLICA_LEN`] characters.
+pub fn replica_name(source: &str, i: usize, n: usize) -> String {
+    let suffix = if n > 1 {
+        format!("/{i}")
+    } else {
+        String::new()
+    };
+    let mut name: String = source
+        .chars()
+        .map(|c| if c.is_ascii_graphic() { c } else { '_' })
+        .collect();
+    if name.is_empty() {
+        name = "sidecar-metrics".to_string();
+    }
+    // Only ASCII is left, so any byte length is a character boundary.
+    name.truncate(MAX_REPLICA_LEN.saturating_sub(suffix.len()));
+    name + &suffix
+}
+
+/// Whether `name` is a replica name the filter takes: 1 to [`MAX_REPLICA_LEN`] visible ASCII
+/// characters, no space.
+pub fn valid_replica(name: &str) -> bool {
+    gpuroute_core::replica_load::replica_key(Some(name)).is_ok()
+}
+
+impl Relay {
+    /// Reads Envoy `i`'s in-flight counts: the body of a 200 answer to `GET {load_path}`.
+    async fn read_load(&self, i: usize) -> Option<Bytes> {
+        let url = self.envoys.get(i)?;
+        let read = async {
+            let resp = self
+                .client
+                .get(url)
+                .bearer_auth(&self.token)
+                .timeout(self.timeout)
+                .send()
+                .await
+                .map_err(|e| e.to_string())?;
+            match resp.status().as_u16() {
+                200 => {}
+                404 => {
+                    return Err(
+                        "status 404 Not Found (is the filter's in-flight count exchange off?)"
+                            .to_string(),
+                    )
+                }
+                _ => return Err(format!("status {}", resp.status())),
+            }
+            let body = resp.bytes().await.map_err(|e| e.to_string())?;
+            if body.len() > MAX_PEER_BODY {
+                return Err(format!(
+                    "{} bytes, more than a peer takes ({MAX_PEER_BODY})",
+                    body.len()
+                ));
+            }
+            Ok(body)
+        };
+        match read.await {
+            Ok(body) => Some(body),
+            Err(why) => {
+                self.failed(
+                    &self.stats.envoy_failures,
+                    "reading an Envoy's in-flight counts",
+                    url,
+                    why,
+                );
+                None
+            }
+        }
+    }
+
+    /// Reads Envoy `i`'s in-flight counts and hands them, named by its replica name, to the
+    /// other Envoys and to the peers that need them ([`LoadState`]) without waiting for them;
+    /// nothing, not even the read, when there is no one to hand them to. Whether the body read
+    /// said nothing is in prefill; `None` when nothing was read.
+    pub async fn relay_load(self: &Arc<Self>, i: usize) -> Option<bool> {
+        if !self.has_targets() {
+            return None;
+        }
+        let body = self.read_load(i).await?;
+        self.stats.records_out.fetch_add(1, Ordering::Relaxed);
+        let empty = no_prefill(&body);
+        self.send_load(body, i, empty);
+        Some(empty)
+    }
+
+    /// Posts `body`, read from Envoy `from` (`empty`: it says nothing is in prefill), to each
+    /// target that needs it, without waiting: a slow or blackholed target must not hold up the
+    /// reads. A target that already has it is skipped (`unchanged`), and so is one still busy
+    /// with the previous body from the same replica (`busy_skips`). What a target takes is
+    /// noted when it answers; a failed post notes nothing, so the next round posts again.
+    fn send_load(self: &Arc<Self>, body: Bytes, from: usize, empty: bool) {
+        let Some(replica) = self.replicas.get(from) else {
+            return;
+        };
+        let targets = self.targets(from);
+        self.load.keep_only(from, &targets);
+        let now = Instant::now();
+        for (url, peer) in targets {
+            if !self.load.due(from, &url, &body, empty, now) {
+                self.stats.unchanged.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let Some(claim) = self.claim(format!("{url} {replica}")) else {
+                continue;
+            };
+            let (me, body, replica) = (self.clone(), body.clone(), replica.clone());
+            tokio::spawn(async move {
+                let at = Instant::now();
+                let post = me
+                    .clone()
+                    .post_counted(url.clone(), body.clone(), peer, Some(replica));
+                if post.await {
+                    me.load.took(from, url, body, empty, at);
+                }
+                drop(claim);
+            });
+        }
+    }
+
+    /// One round: every Envoy read at once, each one's counts relayed as soon as they come.
+    pub async fn load_round(self: &Arc<Self>) {
+        futures::future::join_all((0..self.envoys.len()).map(|i| self.relay_load(i))).await;
+    }
+
+    /// Relays each Envoy's counts until `shutdown`, each Envoy on its own clock so that a slow
+    /// one holds up no other: every `interval`, or every `idle_interval` while its last body
+    /// said nothing is in prefill (a failed read keeps the pace it had). A read missed while
+    /// the one before was under way is skipped.
+    pub async fn run_load(self: Arc<Self>, shutdown: CancellationToken) {
+        let mut set = JoinSet::new();
+        for i in 0..self.envoys.len() {
+            let (me, stop) = (self.clone(), shutdown.clone());
+            set.spawn(async move {
+                let mut due = Instant::now();
+                let mut step = me.interval;
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep_until(due) => {}
+                    }
+                    let read = tokio::select! {
+                        _ = stop.cancelled() => return,
+                        read = me.relay_load(i) => read,
+                    };
+                    match read {
+                        Some(true) => step = me.load.idle_interval,
+                        Some(false) => step = me.interval,
+                        None => {}
+                    }
+                    due = next_read(due, step, Instant::now());
+                }
+            });
+        }
+        while set.join_next().await.is_some() {}
+    }
+
+    /// A peer's in-flight counts from replica `replica` (both checked by the caller) to every
+    /// Envoy of this replica at once; how many took them. An Envoy still busy with the previous
+    /// body from the same replica is skipped (`busy_skips`): this one would only queue behind it.
+    pub async fn deliver_load(self: &Arc<Self>, body: Bytes, replica: &str) -> usize {
+        self.stats.records_in.fetch_add(1, Ordering::Relaxed);
+        let mut set = JoinSet::new();
+        for url in &self.envoys {
+            let Some(claim) = self.claim(format!("{url} {replica}")) else {
+                continue;
+            };
+            let (me, url, body) = (self.clone(), url.clone(), body.clone());
+            let replica = Some(replica.to_string());
+            set.spawn(async move {
+                let taken = me.post_counted(url, body, false, replica).await;
+                drop(claim);
+                taken
+            });
+        }
+        let mut taken = 0;
+        while let Some(r) = set.join_next().await {
+            taken += usize::from(r.unwrap_or(false));
+        }
+        taken
+    }
+}
+
+#[cfg(test)]
+mod tests;

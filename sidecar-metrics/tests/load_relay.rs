@@ -1,0 +1,288 @@
+//! The in-flight count relay through the whole sidecar: its peers' surface (`POST /v1/load` on
+//! `prefix.listen` and on `listen`) and two sidecars relaying one Envoy's counts to another's,
+//! against fake Envoys on 127.0.0.1.
+
+// Test helpers outside #[test] functions: a failed setup should fail the test loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use common::eventually;
+use sidecar_metrics::app::{self, RunOptions, Running};
+use sidecar_metrics::config::{Config, Overrides};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+/// One POST of counts an Envoy received: (authorization, x-gpuroute-replica, body).
+type Post = (String, String, Vec<u8>);
+
+/// An Envoy as the sidecar sees it: takes snapshots, answers its own in-flight counts (404 when
+/// `None`), records the counts posted to it.
+#[derive(Clone, Default)]
+struct FakeEnvoy {
+    counts: Arc<Mutex<Option<Vec<u8>>>>,
+    got: Arc<Mutex<Vec<Post>>>,
+    refuse: Arc<Mutex<bool>>,
+}
+
+impl FakeEnvoy {
+    /// Serves on a fresh port; the Envoy and its push URL.
+    async fn start(counts: Option<&[u8]>) -> (FakeEnvoy, String) {
+        let f = FakeEnvoy::default();
+        *f.counts.lock().unwrap() = counts.map(<[u8]>::to_vec);
+        let app = axum::Router::new()
+            .route(
+                "/gpuroute/v1/snapshot",
+                post(|| async { StatusCode::NO_CONTENT }),
+            )
+            .route("/gpuroute/v1/load", get(counts_get).post(counts_post))
+            .with_state(f.clone());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        (f, format!("http://{addr}/gpuroute/v1/snapshot"))
+    }
+
+    /// Bodies received from `replica`.
+    fn from(&self, replica: &str) -> Vec<Vec<u8>> {
+        self.got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, r, _)| r == replica)
+            .map(|(_, _, b)| b.clone())
+            .collect()
+    }
+}
+
+async fn counts_get(State(f): State<FakeEnvoy>) -> Response {
+    match f.counts.lock().unwrap().clone() {
+        Some(b) => b.into_response(),
+        None => StatusCode::NOT_FOUND.into_response(),
+    }
+}
+
+async fn counts_post(State(f): State<FakeEnvoy>, h: HeaderMap, body: Bytes) -> StatusCode {
+    let header = |name: &str| {
+        h.get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string()
+    };
+    let post = (
+        header("authorization"),
+        header("x-gpuroute-replica"),
+        body.to_vec(),
+    );
+    f.got.lock().unwrap().push(post);
+    if *f.refuse.lock().unwrap() {
+        StatusCode::BAD_REQUEST
+    } else {
+        StatusCode::NO_CONTENT
+    }
+}
+
+/// A sidecar named `source` pushing to `push`, relaying to `peers`, with a peers' listener.
+fn config(source: &str, push: Vec<String>, peers: Vec<String>) -> Config {
+    let mut c = Config::default();
+    c.apply(Overrides {
+        listen: Some("127.0.0.1:0".into()),
+        ingest_urls: push,
+        token: Some("tok".into()),
+        // A pod nobody serves: scraping fails, which the relay does not care about.
+        pools: vec!["llama=127.0.0.1:1".into()],
+        prefix_peers: peers,
+        ..Overrides::default()
+    })
+    .unwrap();
+    c.source = Some(source.into());
+    c.prefix.listen = Some("127.0.0.1:0".into());
+    c
+}
+
+async fn start(cfg: Config) -> Running {
+    app::start(cfg, RunOptions::default(), CancellationToken::new())
+        .await
+        .unwrap()
+}
+
+/// A port nobody listens on.
+fn closed_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", l.local_addr().unwrap())
+}
+
+/// POSTs `body` to `addr`'s `/v1/load` with these headers; the status.
+async fn post_load(addr: SocketAddr, headers: &[(&str, &str)], body: &'static [u8]) -> u16 {
+    let mut req = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap()
+        .post(format!("http://{addr}/v1/load"))
+        .body(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.unwrap().status().as_u16()
+}
+
+async fn metrics(addr: SocketAddr) -> String {
+    reqwest::get(format!("http://{addr}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_load_surface_checks_the_token_and_the_replica_and_hands_the_counts_to_every_envoy() {
+    let ((a, ua), (b, ub)) = (
+        FakeEnvoy::start(Some(b"own counts")).await,
+        FakeEnvoy::start(Some(b"own counts")).await,
+    );
+    let run = start(config("gw-1", vec![ua, ub], vec![])).await;
+    let peer = run.peer_addr.unwrap();
+    let auth = ("authorization", "Bearer tok");
+    let replica = ("x-gpuroute-replica", "gw-2/0");
+
+    assert_eq!(post_load(peer, &[replica], b"c").await, 401);
+    let wrong = ("authorization", "Bearer nope");
+    assert_eq!(post_load(peer, &[wrong, replica], b"c").await, 401);
+    assert_eq!(post_load(peer, &[auth], b"c").await, 400);
+    let spaced = ("x-gpuroute-replica", "gw 2");
+    assert_eq!(post_load(peer, &[auth, spaced], b"c").await, 400);
+    let long = "x".repeat(129);
+    let long = ("x-gpuroute-replica", long.as_str());
+    assert_eq!(post_load(peer, &[auth, long], b"c").await, 400);
+    assert!(a.from("gw-2/0").is_empty() && b.from("gw-2/0").is_empty());
+
+    let counts: &'static [u8] = &[7, 0, 0, 255, b'\n'];
+    assert_eq!(post_load(peer, &[auth, replica], counts).await, 204);
+    for envoy in [&a, &b] {
+        assert_eq!(envoy.from("gw-2/0"), vec![counts.to_vec()]);
+        let posts = envoy.got.lock().unwrap().clone();
+        assert!(posts.iter().all(|(auth, _, _)| auth == "Bearer tok"));
+    }
+    // The main surface serves it too.
+    assert_eq!(post_load(run.local_addr, &[auth, replica], b"d").await, 204);
+    assert_eq!(a.from("gw-2/0").len(), 2);
+
+    // Meanwhile the sidecar's own relay hands each Envoy's counts to the other.
+    assert!(eventually(Duration::from_secs(5), || !b.from("gw-1/0").is_empty()).await);
+    assert_eq!(b.from("gw-1/0")[0], b"own counts".to_vec());
+    assert!(eventually(Duration::from_secs(5), || !a.from("gw-1/1").is_empty()).await);
+    let m = metrics(run.local_addr).await;
+    assert!(
+        m.contains("sidecar_replica_load_relayed_total{direction=\"in\"} 2\n"),
+        "{m}"
+    );
+    for line in [
+        "sidecar_replica_load_relayed_total{direction=\"out\"} ",
+        "sidecar_replica_load_failures_total{target=\"envoy\"} ",
+        "sidecar_replica_load_failures_total{target=\"peer\"} 0\n",
+        "sidecar_replica_load_busy_skips_total ",
+        "sidecar_replica_load_unchanged_total ",
+    ] {
+        assert!(m.contains(line), "{line} in {m}");
+    }
+
+    // No Envoy takes them: 502.
+    *a.refuse.lock().unwrap() = true;
+    *b.refuse.lock().unwrap() = true;
+    assert_eq!(post_load(peer, &[auth, replica], b"e").await, 502);
+    run.shutdown();
+    run.wait(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn the_load_surface_is_404_with_the_load_relay_off() {
+    let ((_a, ua), (_b, ub)) = (FakeEnvoy::start(None).await, FakeEnvoy::start(None).await);
+    let mut cfg = config("gw-1", vec![ua, ub], vec![]);
+    cfg.prefix.load_interval_ms = 0;
+    let run = start(cfg).await;
+    assert!(run.load_relay.is_none() && run.relay.is_some());
+    let auth = ("authorization", "Bearer tok");
+    let replica = ("x-gpuroute-replica", "gw-2");
+    for addr in [run.peer_addr.unwrap(), run.local_addr] {
+        assert_eq!(post_load(addr, &[auth, replica], b"c").await, 404);
+    }
+    assert!(!metrics(run.local_addr)
+        .await
+        .contains("sidecar_replica_load"));
+    run.shutdown();
+    run.wait(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn the_peers_listener_runs_for_the_load_relay_alone() {
+    let (a, ua) = FakeEnvoy::start(None).await;
+    let mut cfg = config("gw-1", vec![ua], vec![closed_port()]);
+    cfg.prefix.enabled = false;
+    let run = start(cfg).await;
+    assert!(run.relay.is_none() && run.load_relay.is_some());
+    let auth = ("authorization", "Bearer tok");
+    let replica = ("x-gpuroute-replica", "gw-2");
+    assert_eq!(
+        post_load(run.peer_addr.unwrap(), &[auth, replica], b"c").await,
+        204
+    );
+    assert_eq!(a.from("gw-2"), vec![b"c".to_vec()]);
+    run.shutdown();
+    run.wait(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn one_replicas_counts_reach_another_replicas_envoy_within_100_ms() {
+    // Replica 2: Envoy B, its sidecar's peer a dead address (replica 1 is not known to it).
+    let (b, ub) = FakeEnvoy::start(None).await;
+    let two = start(config("gw-2", vec![ub], vec![closed_port()])).await;
+    // Replica 1: Envoy A, relaying to replica 2's sidecar.
+    let (a, ua) = FakeEnvoy::start(Some(b"first")).await;
+    let peer = format!("http://{}", two.peer_addr.unwrap());
+    let one = start(config("gw-1", vec![ua], vec![peer])).await;
+
+    assert!(eventually(Duration::from_secs(5), || !b.from("gw-1").is_empty()).await);
+    // A change on A reaches B through both sidecars within 100 ms (a few ms on an idle machine:
+    // one 5 ms tick and two loopback hops; the margin is for a loaded CI machine).
+    *a.counts.lock().unwrap() = Some(b"second".to_vec());
+    let t0 = Instant::now();
+    let mut took = None;
+    while t0.elapsed() < Duration::from_secs(5) {
+        if b.from("gw-1").last().is_some_and(|c| c == b"second") {
+            took = Some(t0.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(
+        took.is_some_and(|t| t < Duration::from_millis(100)),
+        "{took:?}"
+    );
+    // The body now stands still: it is kept alive every `prefix.load_keepalive_ms` (20 ms: ~10
+    // bodies in 200 ms, well inside the filter's 50 ms ttl), not posted every 5 ms (~40).
+    let before = b.from("gw-1").len();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let sent = b.from("gw-1").len() - before;
+    assert!((3..=15).contains(&sent), "{sent} bodies in 200 ms");
+    let m = metrics(one.local_addr).await;
+    let unchanged = m
+        .lines()
+        .find_map(|l| l.strip_prefix("sidecar_replica_load_unchanged_total "))
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(unchanged.is_some_and(|n| n > 0), "{m}");
+    // Nothing goes back: B's sidecar reads B (404 here), and A hears nothing from replica 2.
+    assert!(a.got.lock().unwrap().is_empty());
+    for run in [one, two] {
+        run.shutdown();
+        run.wait(Duration::from_secs(5)).await;
+    }
+}
