@@ -14,6 +14,10 @@ let bench-report print one table and write target/bench/<scenario>.json and the 
                                         a scenario file outside bench/scenarios (an experiment,
                                         with no targets), and another build of the filter beside
                                         this tree's, as configuration `filter-before`
+  scripts/bench.py --scenario mixed-gpu --replicas 2 --configs filter,filter-blind \
+      --filter-variant 'blind={"ingest": {"token": "dev-token-change-me", "load_path": ""}}'
+                                        two gateway replicas taking the requests in turn, with and
+                                        without the relay of their requests in prefill
   scripts/bench.py --trace FILE [--speedup N]
                                         replay any Azure-conv CSV or Mooncake JSONL trace through
                                         every configuration for 40 s (fleet: the shared-prefix
@@ -43,7 +47,7 @@ def scenario_names():
 
 
 def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False,
-                 filter_config=None, filter_wasm=None, filter_variants=None):
+                 filter_config=None, filter_wasm=None, filter_variants=None, replicas=1):
     """`filter_wasm`: {name: path} of other builds of the filter, run as configuration
     `filter-<name>`; `filter_variants`: {name: options} merged into this build's configuration,
     run as configuration `filter-<name>`."""
@@ -64,10 +68,10 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
             raise SystemExit(f"configuration {label}: no --filter-wasm {build}=PATH or --filter-variant {build}=JSON")
         stack = Stack(fleet=fleet, router="filter" if build else label, workdir=work / label,
                       concurrency=concurrency, filter_overrides=overrides,
-                      wasm=filter_wasm.get(build)).start()
+                      wasm=filter_wasm.get(build), replicas=replicas).start()
         try:
             out = work / f"{label}.json"
-            args = [str(LOADGEN), "--target", f"http://{stack.listen}", "--workload", str(scenario_file),
+            args = [str(LOADGEN), "--target", stack.targets(), "--workload", str(scenario_file),
                     "--out", str(out), "--pods-file", str(stack.dir / "fleet-ports.json"), "--label", label,
                     "--fleet-file", str(stack.dir / "fleet.json")]
             if quick:
@@ -104,6 +108,9 @@ def main():
     ap.add_argument("--trace", help="replay this trace file instead of the scenarios")
     ap.add_argument("--speedup", type=float, help="trace seconds per wall second")
     ap.add_argument("--concurrency", type=int, default=1, help="Envoy worker threads")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="gateway replicas (Envoys, each with its own sidecar-metrics, the sidecars relaying "
+                    "to each other), taking the requests in turn")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="comma-separated router configurations (default: all three)")
     ap.add_argument("--debug-header", action="store_true",
@@ -147,7 +154,7 @@ def main():
         if mooncake:
             extra += ["--token-scale", "0.125"]  # 512-token blocks -> 64 tokens, as shared-prefix
         run_scenario(f"trace-{trace.stem}", trace, fleet, False, extra, out_dir, args.concurrency, configs,
-                     args.debug_header, args.filter_config, filter_wasm, filter_variants)
+                     args.debug_header, args.filter_config, filter_wasm, filter_variants, args.replicas)
     else:
         files = [ROOT / "bench" / "scenarios" / f"{name}.json" for name in args.scenario or []]
         files += [Path(f).resolve() for f in args.scenario_file]
@@ -156,7 +163,7 @@ def main():
         for f in files:
             fleet = json.loads(f.read_text())["fleet"]
             run_scenario(f.stem, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header,
-                         args.filter_config, filter_wasm, filter_variants)
+                         args.filter_config, filter_wasm, filter_variants, args.replicas)
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

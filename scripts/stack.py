@@ -43,9 +43,12 @@ def http_ok(url):
 class Stack:
     def __init__(self, fleet=None, preset=None, router="filter", listen=None, admin=None, ingest=None,
                  sidecar_listen=None, concurrency=1, interval_ms=100, filter_overrides=None, workdir=None,
-                 time_scale=None, quiet=True, access_log=None, fleet_args=(), wasm=None):
+                 time_scale=None, quiet=True, access_log=None, fleet_args=(), wasm=None, replicas=1):
         """`access_log`: a file for Envoy's access log of the OpenAI listener (envoy/render.py's
-        `access_log`), written every second; none by default (the benchmarks run without)."""
+        `access_log`), written every second; none by default (the benchmarks run without).
+        `replicas`: gateway replicas, each an Envoy with (for the filter) its own sidecar-metrics,
+        the sidecars each other's peers as the shipped manifests run them; `targets()` lists
+        their OpenAI listeners. The first is `envoy` / `listen`."""
         self.access_log = access_log
         self.fleet_args = list(fleet_args)
         # The .wasm the filter gateway loads (None: this tree's build); benchmarks compare builds.
@@ -64,6 +67,8 @@ class Stack:
         self.quiet = quiet
         self.procs = []
         self.envoy = None
+        self.envoys = []
+        self.replicas = max(1, replicas)
         self.pods = []
 
     # --- processes ------------------------------------------------------------------------
@@ -127,29 +132,50 @@ class Stack:
         if self.access_log:
             logging = {"extra": {"access_log": str(self.access_log)},
                        "envoy_args": ("--file-flush-interval-msec", "1000")}
-        self.envoy = Envoy(self.router, [{"name": p["name"], "endpoints": p["endpoints"]} for p in self.pools],
-                           filter_config, concurrency=self.concurrency, listen=self.listen, admin=self.admin,
-                           ingest=self.ingest, workdir=self.dir / "envoy", wasm=self.wasm, **logging)
+        for r in range(self.replicas):
+            first = r == 0
+            self.envoys.append(Envoy(
+                self.router, [{"name": p["name"], "endpoints": p["endpoints"]} for p in self.pools],
+                filter_config, concurrency=self.concurrency, listen=self.listen if first else None,
+                admin=self.admin if first else None, ingest=self.ingest if first else None,
+                workdir=self.dir / ("envoy" if first else f"envoy-{r}"), wasm=self.wasm, **logging))
+        self.envoy = self.envoys[0]
         self.listen, self.admin, self.ingest = self.envoy.listen, self.envoy.admin, self.envoy.ingest
 
         if self.router.startswith("filter"):
-            sidecar_cfg = {
-                "interval_ms": self.interval_ms,
-                "listen": self.sidecar_listen,
-                "push": {"urls": [f"http://{self.ingest}/gpuroute/v1/snapshot"], "token": TOKEN},
-                "pools": [{"name": p["name"], "pods": p["pods"]} for p in self.pools],
-            }
-            cfg_file = self.dir / "sidecar.json"
-            cfg_file.write_text(json.dumps(sidecar_cfg, indent=1))
-            sc = self._spawn([str(SIDECAR), "run", "--config", str(cfg_file)], "sidecar-metrics.log")
-            wait_for(lambda: http_ok(f"http://{self.sidecar_listen}/readyz") or sc.poll() is not None, 30,
-                     "sidecar-metrics to push its first snapshot")
-            if sc.poll() is not None:
-                raise RuntimeError("sidecar-metrics exited: " + (self.dir / "sidecar-metrics.log").read_text()[-2000:])
+            listens = [self.sidecar_listen] + [f"127.0.0.1:{free_port()}" for _ in self.envoys[1:]]
+            peer_ports = [free_port() for _ in self.envoys]
+            for r, envoy in enumerate(self.envoys):
+                sidecar_cfg = {
+                    "interval_ms": self.interval_ms,
+                    "listen": listens[r],
+                    "push": {"urls": [f"http://{envoy.ingest}/gpuroute/v1/snapshot"], "token": TOKEN},
+                    "pools": [{"name": p["name"], "pods": p["pods"]} for p in self.pools],
+                }
+                if self.replicas > 1:
+                    # Each replica by its own name (they share a host, so $HOSTNAME would not do).
+                    sidecar_cfg["source"] = f"gateway-{r}"
+                    sidecar_cfg["prefix"] = {
+                        "listen": f"127.0.0.1:{peer_ports[r]}",
+                        "peers": [f"http://127.0.0.1:{port}" for i, port in enumerate(peer_ports) if i != r],
+                    }
+                suffix = "" if r == 0 else f"-{r}"
+                cfg_file = self.dir / f"sidecar{suffix}.json"
+                cfg_file.write_text(json.dumps(sidecar_cfg, indent=1))
+                log = f"sidecar-metrics{suffix}.log"
+                sc = self._spawn([str(SIDECAR), "run", "--config", str(cfg_file)], log)
+                wait_for(lambda: http_ok(f"http://{listens[r]}/readyz") or sc.poll() is not None, 30,
+                         "sidecar-metrics to push its first snapshot")
+                if sc.poll() is not None:
+                    raise RuntimeError("sidecar-metrics exited: " + (self.dir / log).read_text()[-2000:])
+
+    def targets(self):
+        """The OpenAI base URLs of the gateway replicas, comma-separated (loadgen's --target)."""
+        return ",".join(f"http://{e.listen}" for e in self.envoys)
 
     def stop(self):
-        if self.envoy:
-            self.envoy.stop()
+        for e in self.envoys:
+            e.stop()
         for p in reversed(self.procs):
             if p.poll() is None:
                 try:

@@ -30,7 +30,8 @@ pub const GATEWAY_DEBUG_HEADER: &str = "x-gateway-debug";
 /// Settings of a run.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
-    /// Base URL, e.g. `http://127.0.0.1:8080` (the request path is appended).
+    /// Base URL, e.g. `http://127.0.0.1:8080` (the request path is appended); several,
+    /// comma-separated, take the requests in turn (gateway replicas behind a Service).
     pub target: String,
     /// Whole-request timeout, from send to the end of the stream.
     pub request_timeout: Duration,
@@ -151,7 +152,12 @@ pub async fn run(workload: Arc<Workload>, client: reqwest::Client, cfg: &RunConf
         .checked_add(cfg.start_delay)
         .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
         .map_or(0, |d| d.as_millis() as u64);
-    let base = cfg.target.trim_end_matches('/').to_string();
+    let bases: Vec<String> = cfg
+        .target
+        .split(',')
+        .map(|t| t.trim().trim_end_matches('/').to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
     let last_at = workload.requests.last().map_or(0.0, |r| r.at_s.max(0.0));
     let run_deadline = cfg
         .max_drain
@@ -162,6 +168,9 @@ pub async fn run(workload: Arc<Workload>, client: reqwest::Client, cfg: &RunConf
         let due = t0 + p.at;
         tokio::time::sleep_until(due).await;
         let client = client.clone();
+        let base = bases
+            .get(p.index % bases.len().max(1))
+            .map_or("", String::as_str);
         let url = format!("{base}{}", p.path);
         let in_flight = Arc::clone(&in_flight);
         let timeout = cfg.request_timeout;

@@ -306,3 +306,30 @@ async fn pod_counters_are_scraped_around_a_run() {
     assert_eq!(d.total_delta["vllm:request_success_total"], 5.0);
     assert_eq!(d.adapter_loads(), Some(0.0));
 }
+
+/// Several targets, comma-separated (gateway replicas behind a Service), take the requests in
+/// turn: request k goes to target k mod n.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_targets_take_the_requests_in_turn() {
+    let stub = |name: &str| StubConfig {
+        pod_names: vec![name.into()],
+        ..StubConfig::default()
+    };
+    let a = spawn("127.0.0.1:0", stub("gateway-a")).await.unwrap();
+    let b = spawn("127.0.0.1:0", stub("gateway-b")).await.unwrap();
+    let cfg = RunConfig {
+        target: format!("http://{a}/, http://{b}"),
+        start_delay: Duration::from_millis(50),
+        ..RunConfig::default()
+    };
+    let client = build_client(&cfg).unwrap();
+    let times: Vec<f64> = (0..6).map(|i| f64::from(i) * 0.01).collect();
+    let out = run(workload(&times, Api::Chat, 4), client, &cfg).await;
+    let served: Vec<Option<&str>> = out.records.iter().map(|r| r.served_by.as_deref()).collect();
+    assert_eq!(
+        served,
+        [Some("gateway-a"), Some("gateway-b")].repeat(3),
+        "{:?}",
+        out.records
+    );
+}

@@ -65,32 +65,44 @@ impl ReplicaLoad {
     /// The prefill counts of `tables` (a pool's name with one worker's table each), summed per
     /// pool and pod; pods with nothing in prefill are left out.
     pub fn from_tables<'a>(tables: impl IntoIterator<Item = (&'a str, &'a LoadTable)>) -> Self {
+        // Per pool, each pod's place in its list: a large pool's tables sum in linear time.
+        let mut at: Vec<std::collections::HashMap<u64, usize>> = Vec::new();
         let mut out = ReplicaLoad::default();
         for (pool, table) in tables {
-            let at = match out.pools.iter().position(|(n, _)| n == pool) {
+            let i = match out.pools.iter().position(|(n, _)| n == pool) {
                 Some(i) => i,
                 None => {
                     out.pools.push((pool.to_string(), Vec::new()));
+                    at.push(std::collections::HashMap::new());
                     out.pools.len() - 1
                 }
             };
-            let pods = &mut out.pools[at].1;
+            let (pods, index) = (&mut out.pools[i].1, &mut at[i]);
             for p in table.pods.iter().filter(|p| p.prefill > 0) {
-                match pods.iter_mut().find(|q| q.key == p.key) {
-                    Some(q) => {
+                match index.get(&p.key) {
+                    Some(&j) => {
+                        let q = &mut pods[j];
                         q.requests = q.requests.saturating_add(p.prefill);
                         q.tokens = q.tokens.saturating_add(p.prefill_tokens);
                     }
-                    None => pods.push(PodPrefill {
-                        key: p.key,
-                        requests: p.prefill,
-                        tokens: p.prefill_tokens,
-                    }),
+                    None => {
+                        index.insert(p.key, pods.len());
+                        pods.push(PodPrefill {
+                            key: p.key,
+                            requests: p.prefill,
+                            tokens: p.prefill_tokens,
+                        });
+                    }
                 }
             }
         }
         out.pools.retain(|(_, pods)| !pods.is_empty());
         out
+    }
+
+    /// Pods over all pools.
+    fn pods(&self) -> usize {
+        self.pools.iter().map(|(_, pods)| pods.len()).sum()
     }
 
     /// The body of a `GET` answer (and of the `POST` that carries it on).
@@ -204,11 +216,22 @@ impl ReplicaLoads {
             expires_ms: now_ms.saturating_add(ttl_ms),
             load,
         });
-        if self.entries.len() > MAX_REPLICAS {
-            self.entries
-                .sort_by_key(|e| std::cmp::Reverse(e.expires_ms));
-            self.entries.truncate(MAX_REPLICAS);
-        }
+        // Newest first; beyond MAX_REPLICAS entries, or MAX_PODS pods over all of them (what
+        // every worker decodes at each change), the oldest go.
+        self.entries
+            .sort_by_key(|e| std::cmp::Reverse(e.expires_ms));
+        let mut pods = 0usize;
+        let keep = self
+            .entries
+            .iter()
+            .take(MAX_REPLICAS)
+            .take_while(|e| {
+                pods = pods.saturating_add(e.load.pods());
+                pods <= MAX_PODS
+            })
+            .count()
+            .max(1);
+        self.entries.truncate(keep);
     }
 
     /// Replicas held (fresh or not).
@@ -579,6 +602,32 @@ mod tests {
         let mut short = vec![PodLoad::default()];
         a.add_to(&mut short, &held, 3, "chat", 8, &keys, 1_020);
         assert_eq!(short[0].prefill, 0);
+    }
+
+    #[test]
+    fn the_entries_held_stay_under_max_pods_newest_first() {
+        let big = |n: u64| ReplicaLoad {
+            pools: vec![(
+                "p".to_string(),
+                (0..n)
+                    .map(|key| PodPrefill {
+                        key,
+                        requests: 1,
+                        tokens: 1,
+                    })
+                    .collect(),
+            )],
+        };
+        let mut held = ReplicaLoads::default();
+        let third = MAX_PODS as u64 / 3;
+        for r in 0..5 {
+            held.put(r, big(third), 1_000 + r, 60_000);
+        }
+        assert_eq!(held.len(), 3, "three thirds fit, the two oldest went");
+        assert_eq!(held.aligned("p", &[0], 2_000), vec![(3, 3)]);
+        // One replica alone at the limit is kept.
+        held.put(9, big(MAX_PODS as u64), 3_000, 60_000);
+        assert_eq!(held.len(), 1);
     }
 
     proptest! {

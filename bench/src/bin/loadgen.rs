@@ -23,7 +23,8 @@ use gpuroute_bench::workload::{Overrides, Workload};
 #[derive(Parser, Debug)]
 #[command(version)]
 struct Args {
-    /// Base URL of the OpenAI-compatible endpoint (an Envoy, or any server).
+    /// Base URL of the OpenAI-compatible endpoint (an Envoy, or any server); several,
+    /// comma-separated, take the requests in turn (gateway replicas behind a Service).
     #[arg(long, default_value = "http://127.0.0.1:8080")]
     target: String,
     /// What to replay: a scenario name or file, a workload JSON file or inline JSON,
