@@ -799,14 +799,11 @@ impl<'a> Replay<'a> {
         {
             let only_prefill = self.settings.gateways.load_relay_prefill_only;
             for (l, p) in loads.iter_mut().zip(&peer.pods) {
-                if !only_prefill {
-                    l.inflight = l.inflight.saturating_add(p.inflight);
-                    l.base = l.base.saturating_add(p.base);
-                    l.tokens = l.tokens.saturating_add(p.tokens);
-                    l.base_tokens = l.base_tokens.saturating_add(p.base_tokens);
+                if only_prefill {
+                    l.add_prefill(p.prefill, p.prefill_tokens);
+                } else {
+                    l.add(p);
                 }
-                l.prefill = l.prefill.saturating_add(p.prefill);
-                l.prefill_tokens = l.prefill_tokens.saturating_add(p.prefill_tokens);
             }
         }
         let opts = DecideOptions {

@@ -49,6 +49,21 @@ impl PodLoad {
     pub fn delta_tokens(&self) -> i64 {
         i64::from(self.tokens) - i64::from(self.base_tokens)
     }
+
+    /// Adds another table's counts of the same pod (another worker's, another engine's).
+    pub fn add(&mut self, o: &PodLoad) {
+        self.inflight = self.inflight.saturating_add(o.inflight);
+        self.base = self.base.saturating_add(o.base);
+        self.tokens = self.tokens.saturating_add(o.tokens);
+        self.base_tokens = self.base_tokens.saturating_add(o.base_tokens);
+        self.add_prefill(o.prefill, o.prefill_tokens);
+    }
+
+    /// Adds `requests` in prefill with `tokens` of prompt (another gateway replica's).
+    pub fn add_prefill(&mut self, requests: u32, tokens: u32) {
+        self.prefill = self.prefill.saturating_add(requests);
+        self.prefill_tokens = self.prefill_tokens.saturating_add(tokens);
+    }
 }
 
 /// The per-pool table, in the snapshot's pod order once [`LoadTable::rebase`] ran.
@@ -185,12 +200,7 @@ impl LoadTable {
                 _ => self.pods.iter().position(|p| p.key == o.key),
             };
             if let Some(p) = at.and_then(|j| self.pods.get_mut(j)) {
-                p.inflight = p.inflight.saturating_add(o.inflight);
-                p.base = p.base.saturating_add(o.base);
-                p.tokens = p.tokens.saturating_add(o.tokens);
-                p.base_tokens = p.base_tokens.saturating_add(o.base_tokens);
-                p.prefill = p.prefill.saturating_add(o.prefill);
-                p.prefill_tokens = p.prefill_tokens.saturating_add(o.prefill_tokens);
+                p.add(o);
             }
         }
         true
@@ -205,8 +215,7 @@ impl LoadTable {
             p.inflight = p.inflight.saturating_add(sequences);
             p.tokens = p.tokens.saturating_add(tokens);
             if let Some(pt) = prefill_tokens {
-                p.prefill = p.prefill.saturating_add(1);
-                p.prefill_tokens = p.prefill_tokens.saturating_add(pt);
+                p.add_prefill(1, pt);
             }
         }
     }

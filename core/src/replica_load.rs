@@ -359,8 +359,7 @@ impl Aligned {
             return;
         }
         for (p, &(requests, tokens)) in pods.iter_mut().zip(&self.counts) {
-            p.prefill = p.prefill.saturating_add(requests);
-            p.prefill_tokens = p.prefill_tokens.saturating_add(tokens);
+            p.add_prefill(requests, tokens);
         }
     }
 }

@@ -224,6 +224,21 @@ def test_the_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
         gw.stop()
 
 
+def relaying_replicas(members, concurrency=1):
+    """Gateway replicas as deployed: one Envoy per list of pods in `members`, each with its own
+    sidecar-metrics scraping those pods, the sidecars each other's peers (two replicas)."""
+    from harness import Sidecar, free_port
+
+    gws = [Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in m]}], CONFIG, concurrency=concurrency)
+           for m in members]
+    ports = [free_port(), free_port()]
+    scs = [Sidecar({"llama": [p.address for p in members[i]]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
+                   interval_ms=100,
+                   extra={"prefix": {"listen": f"127.0.0.1:{ports[i]}", "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}})
+           for i, gw in enumerate(gws)]
+    return gws, scs
+
+
 def test_a_decision_reaches_the_other_replica_through_the_relay(pods):
     """Two replicas as deployed, each Envoy with its own sidecar-metrics, the sidecars each
     other's peers. Measured (printed with -s): the time from a request routed on A until B's
@@ -233,14 +248,7 @@ def test_a_decision_reaches_the_other_replica_through_the_relay(pods):
     (`tick_ms`, 20 ms)."""
     import statistics
 
-    from harness import Sidecar, free_port
-
-    gws = [Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG) for _ in range(2)]
-    ports = [free_port(), free_port()]
-    scs = [Sidecar({"llama": [p.address for p in pods]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
-                   interval_ms=100,
-                   extra={"prefix": {"listen": f"127.0.0.1:{ports[i]}", "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}})
-           for i, gw in enumerate(gws)]
+    gws, scs = relaying_replicas([pods, pods])
     a, b = gws
     name = STAT_PREFIX + "gpuroute.prefix.imported"
     try:
@@ -462,16 +470,7 @@ def test_through_the_relay_a_replica_routes_around_another_replicas_prefills(pod
     zero, relayed as such, and B counts nothing on any pod again."""
     import threading
 
-    from harness import Sidecar, free_port
-
-    a = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods[:3]]}], CONFIG, concurrency=2)
-    b = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG, concurrency=2)
-    ports = [free_port(), free_port()]
-    members = [pods[:3], pods]
-    scs = [Sidecar({"llama": [p.address for p in members[i]]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
-                   interval_ms=100,
-                   extra={"prefix": {"listen": f"127.0.0.1:{ports[i]}", "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}})
-           for i, gw in enumerate((a, b))]
+    (a, b), scs = relaying_replicas([pods[:3], pods], concurrency=2)
     hold = threading.Event()
     threads = []
     try:
