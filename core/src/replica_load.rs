@@ -32,6 +32,7 @@ pub const STORE_KEY: &str = "gpuroute.replica_load";
 
 const LOAD_MAGIC: &[u8; 4] = b"GPL1";
 const STORE_MAGIC: &[u8; 4] = b"GPR1";
+const BUNDLE_MAGIC: &[u8; 4] = b"GPB1";
 
 /// Most pools in one replica's counts.
 pub const MAX_POOLS: usize = 1_024;
@@ -177,6 +178,94 @@ impl ReplicaLoad {
     }
 }
 
+/// Several replicas' counts in one `POST` ([`decode_post`] reads it): what `sidecar-metrics`
+/// hands an Envoy when several peers' counts came in since its last post to it, so that an
+/// Envoy takes a bounded number of posts however many replicas there are (each post is a
+/// request through the Envoy and a rewrite of the shared store). `entries` are replica names
+/// (checked by [`replica_key`]) with the body each posted ([`ReplicaLoad::encode`]).
+///
+/// The layout: `GPB1`, the number of entries (u16), then per entry the name's length (u8), the
+/// name, the body's length (u32) and the body. Entries past the first [`MAX_REPLICAS`], or whose
+/// name or body is too long for the layout, are left out (the filter would refuse them).
+pub fn encode_bundle<'a>(entries: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Vec<u8> {
+    let mut b = BUNDLE_MAGIC.to_vec();
+    b.extend_from_slice(&[0, 0]);
+    let mut n = 0u16;
+    for (name, body) in entries {
+        let (Ok(name_len), Ok(body_len)) = (u8::try_from(name.len()), u32::try_from(body.len()))
+        else {
+            continue;
+        };
+        if usize::from(n) >= MAX_REPLICAS {
+            break;
+        }
+        b.push(name_len);
+        b.extend_from_slice(name.as_bytes());
+        b.extend_from_slice(&body_len.to_le_bytes());
+        b.extend_from_slice(body);
+        n = n.saturating_add(1);
+    }
+    b[4..6].copy_from_slice(&n.to_le_bytes());
+    b
+}
+
+/// What a `POST` to `ingest.load_path` carries, as (replica key, counts): one replica's counts
+/// named by its [`REPLICA_HEADER`] value `header`, or a bundle ([`encode_bundle`]) whose
+/// entries name themselves (the header is then not needed, and not used). Anything wrong
+/// refuses the whole post, with the reason: a bad name, a bad body, more than [`MAX_REPLICAS`]
+/// entries or [`MAX_PODS`] pods over all of them.
+pub fn decode_post(
+    header: Option<&str>,
+    body: &[u8],
+) -> Result<Vec<(u64, ReplicaLoad)>, &'static str> {
+    let Some(entries) = bundle_entries(body) else {
+        let replica = replica_key(header)?;
+        return Ok(vec![(replica, ReplicaLoad::decode(body)?)]);
+    };
+    let entries = entries?;
+    let mut out = Vec::with_capacity(entries.len());
+    let mut pods = 0usize;
+    for (name, body) in entries {
+        let replica = replica_key(Some(name))?;
+        let load = ReplicaLoad::decode(body)?;
+        pods = pods.saturating_add(load.pods());
+        if pods > MAX_PODS {
+            return Err("too many pods");
+        }
+        out.push((replica, load));
+    }
+    Ok(out)
+}
+
+/// A bundle's entries: (replica name, body).
+pub type BundleEntries<'a> = Vec<(&'a str, &'a [u8])>;
+
+/// The entries of a bundle ([`encode_bundle`]), not checked further; `None` when `body` is not
+/// a bundle.
+pub fn bundle_entries(body: &[u8]) -> Option<Result<BundleEntries<'_>, &'static str>> {
+    let rest = body.strip_prefix(BUNDLE_MAGIC.as_slice())?;
+    let read = || {
+        let mut r = Reader { b: rest, at: 0 };
+        let n = usize::from(r.u16()?);
+        if n > MAX_REPLICAS {
+            return Err("too many replicas in the bundle");
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name_len = usize::from(r.take(1)?[0]);
+            let name =
+                std::str::from_utf8(r.take(name_len)?).map_err(|_| "replica name not ASCII")?;
+            let len = r.u32()? as usize;
+            out.push((name, r.take(len)?));
+        }
+        if r.at != rest.len() {
+            return Err("trailing bytes after the bundle");
+        }
+        Ok(out)
+    };
+    Some(read())
+}
+
 /// Checks a [`REPLICA_HEADER`] value (1 to [`MAX_REPLICA_NAME`] visible ASCII characters) and
 /// gives the replica's key.
 pub fn replica_key(header: Option<&str>) -> Result<u64, &'static str> {
@@ -209,13 +298,23 @@ impl ReplicaLoads {
     /// Replaces `replica`'s counts with `load`, received at `now_ms` and counted for `ttl_ms`;
     /// forgets every entry no longer counted (and the oldest beyond [`MAX_REPLICAS`]).
     pub fn put(&mut self, replica: u64, load: ReplicaLoad, now_ms: u64, ttl_ms: u64) {
+        self.put_all(vec![(replica, load)], now_ms, ttl_ms);
+    }
+
+    /// [`ReplicaLoads::put`] for each of `loads` ([`decode_post`]'s), in one pass; of two
+    /// entries for the same replica, the later counts.
+    pub fn put_all(&mut self, loads: Vec<(u64, ReplicaLoad)>, now_ms: u64, ttl_ms: u64) {
         self.entries
-            .retain(|e| e.replica != replica && fresh(e, now_ms));
-        self.entries.push(Entry {
-            replica,
-            expires_ms: now_ms.saturating_add(ttl_ms),
-            load,
-        });
+            .retain(|e| !loads.iter().any(|(r, _)| *r == e.replica) && fresh(e, now_ms));
+        let expires_ms = now_ms.saturating_add(ttl_ms);
+        for (replica, load) in loads {
+            self.entries.retain(|e| e.replica != replica);
+            self.entries.push(Entry {
+                replica,
+                expires_ms,
+                load,
+            });
+        }
         // Newest first; beyond MAX_REPLICAS entries, or MAX_PODS pods over all of them (what
         // every worker decodes at each change), the oldest go.
         self.entries
@@ -540,6 +639,81 @@ mod tests {
     }
 
     #[test]
+    fn a_bundle_carries_several_replicas_counts_in_one_post() {
+        let (a, b) = (one("chat", &[(1, 2, 200)]), one("chat", &[(2, 1, 10)]));
+        let (ea, eb) = (a.encode(), b.encode());
+        let bundle = encode_bundle([("gw-a", ea.as_slice()), ("gw-b", eb.as_slice())]);
+        // The entries name themselves: a header, if any, is not used.
+        for header in [None, Some("gw-c"), Some("bad name")] {
+            let got = decode_post(header, &bundle).unwrap();
+            assert_eq!(
+                got,
+                vec![
+                    (replica_key(Some("gw-a")).unwrap(), a.clone()),
+                    (replica_key(Some("gw-b")).unwrap(), b.clone())
+                ]
+            );
+        }
+        // A plain body needs its header.
+        assert_eq!(
+            decode_post(Some("gw-a"), &ea),
+            Ok(vec![(replica_key(Some("gw-a")).unwrap(), a.clone())])
+        );
+        assert!(decode_post(None, &ea).is_err());
+        assert_eq!(decode_post(None, &encode_bundle([])), Ok(vec![]));
+        // Only what the filter would take is written: at most MAX_REPLICAS entries.
+        let names: Vec<String> = (0..=MAX_REPLICAS).map(|i| format!("gw-{i}")).collect();
+        let full = encode_bundle(names.iter().map(|n| (n.as_str(), ea.as_slice())));
+        assert_eq!(decode_post(None, &full).map(|l| l.len()), Ok(MAX_REPLICAS));
+
+        // One bad entry refuses the whole post.
+        let bad_name = encode_bundle([("gw-a", ea.as_slice()), ("sp ace", eb.as_slice())]);
+        assert!(decode_post(None, &bad_name).is_err());
+        let bad_body = encode_bundle([("gw-a", ea.as_slice()), ("gw-b", b"GPL1junk".as_slice())]);
+        assert!(decode_post(None, &bad_body).is_err());
+        let mut trailing = bundle.clone();
+        trailing.push(0);
+        assert_eq!(
+            decode_post(None, &trailing),
+            Err("trailing bytes after the bundle")
+        );
+        assert_eq!(decode_post(None, &bundle[..bundle.len() - 1]), Err("truncated"));
+        let mut many = b"GPB1".to_vec();
+        many.extend_from_slice(&(MAX_REPLICAS as u16 + 1).to_le_bytes());
+        assert_eq!(
+            decode_post(None, &many),
+            Err("too many replicas in the bundle")
+        );
+        // Over MAX_PODS pods in all, though each entry is under it.
+        let half: Vec<(u64, u32, u32)> = (1..=(MAX_PODS as u64 / 2 + 1)).map(|k| (k, 1, 1)).collect();
+        let big = one("p", &half).encode();
+        let too_big = encode_bundle([("a", big.as_slice()), ("b", big.as_slice())]);
+        assert_eq!(decode_post(None, &too_big), Err("too many pods"));
+    }
+
+    #[test]
+    fn a_bundles_entries_are_held_like_posts_of_their_own() {
+        let mut held = ReplicaLoads::default();
+        held.put(10, one("chat", &[(1, 5, 500)]), 1_000, 50);
+        held.put(20, one("chat", &[(2, 5, 500)]), 1_000, 50);
+        // Replica 10 again and a new one, 30, in one post; of two entries for 30 the later counts.
+        held.put_all(
+            vec![
+                (10, one("chat", &[(1, 1, 10)])),
+                (30, one("chat", &[(2, 9, 9)])),
+                (30, one("chat", &[(2, 2, 20)])),
+            ],
+            1_020,
+            50,
+        );
+        assert_eq!(held.len(), 3);
+        assert_eq!(held.aligned("chat", &[1, 2], 1_040), vec![(1, 10), (7, 520)]);
+        // Replica 20's entry expires on its own clock; the bundle's later.
+        assert_eq!(held.aligned("chat", &[1, 2], 1_060), vec![(1, 10), (2, 20)]);
+        assert_eq!(held.next_expiry(1_060), Some(1_070));
+    }
+
+    #[test]
     fn at_most_max_replicas_are_held_newest_first() {
         let mut held = ReplicaLoads::default();
         for r in 0..(MAX_REPLICAS as u64 + 10) {
@@ -639,6 +813,9 @@ mod tests {
             let mut stored = b"GPR1".to_vec();
             stored.extend_from_slice(&bytes);
             let _ = ReplicaLoads::decode(&stored);
+            let mut bundle = b"GPB1".to_vec();
+            bundle.extend_from_slice(&bytes);
+            let _ = decode_post(None, &bundle);
         }
 
         #[test]

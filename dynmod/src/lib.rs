@@ -852,32 +852,32 @@ impl Filter {
         );
     }
 
-    /// Another gateway replica's requests in prefill, into every routing configuration.
+    /// Other gateway replicas' requests in prefill (one replica's, or a bundle of several), into
+    /// every routing configuration.
     fn replica_load(&mut self, s: Stream) {
         let config = Arc::clone(&self.config);
         let reject = |me: &mut Self, msg: &str| {
             config.count(config.metrics.ingest_rejected_id(Endpoint::Load, "invalid"));
             me.reply_error(s, &ApiError::bad_replica_load(msg));
         };
-        let replica = match replica_load::replica_key(self.head.replica.as_deref()) {
-            Ok(k) => k,
-            Err(msg) => return reject(self, msg),
-        };
-        let load = match s.with_request_body(ReplicaLoad::decode) {
-            Ok(l) => l,
-            Err(msg) => return reject(self, msg),
-        };
+        let replica = self.head.replica.clone();
+        let loads =
+            match s.with_request_body(|b| replica_load::decode_post(replica.as_deref(), b)) {
+                Ok(l) => l,
+                Err(msg) => return reject(self, msg),
+            };
+        let taken = loads.len() as u64;
         let ttl = config.settings.ingest.as_ref().map_or(0, |i| i.load_ttl_ms);
         let now = now_ms();
         for (_, c) in routing_configs() {
             let mut r = c.router.lock();
-            r.replicas.held.put(replica, load.clone(), now, ttl);
+            r.replicas.held.put_all(loads.clone(), now, ttl);
             r.replicas.posts = r.replicas.posts.wrapping_add(1);
         }
         config
             .pending
             .lock()
-            .add(config.metrics.replica_load_imported, 1);
+            .add(config.metrics.replica_load_imported, taken);
         self.reply(s, 204, "", "text/plain");
     }
 

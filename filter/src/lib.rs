@@ -945,25 +945,19 @@ impl Http {
         Action::Pause
     }
 
-    /// Another gateway replica's requests in prefill: replaces that replica's entry in shared
-    /// data (a compare-and-swap), where every worker adds them to its view from its next
-    /// exchange.
+    /// Other gateway replicas' requests in prefill (one replica's, or a bundle of several):
+    /// replaces each one's entry in shared data (one compare-and-swap), where every worker adds
+    /// them to its view from its next exchange.
     fn replica_load_body(&mut self, w: &mut Worker, size: usize) -> Action {
-        let replica = match replica_load::replica_key(self.head.replica.as_deref()) {
-            Ok(k) => k,
-            Err(msg) => {
-                w.stats.ingest_rejected(Endpoint::Load, "invalid");
-                return self.reply_error(&ApiError::bad_replica_load(msg));
-            }
-        };
         let body = host::get_buffer(BufferType::HttpRequestBody, 0, size).unwrap_or_default();
-        let load = match ReplicaLoad::decode(&body) {
+        let loads = match replica_load::decode_post(self.head.replica.as_deref(), &body) {
             Ok(l) => l,
             Err(msg) => {
                 w.stats.ingest_rejected(Endpoint::Load, "invalid");
                 return self.reply_error(&ApiError::bad_replica_load(msg));
             }
         };
+        let taken = loads.len() as u64;
         let ttl = w.engine.config.ingest.as_ref().map_or(0, |i| i.load_ttl_ms);
         let now = host::now_ms();
         let stored = update_shared(
@@ -971,7 +965,7 @@ impl Http {
             ReplicaLoads::decode,
             ReplicaLoads::encode,
             |held| {
-                held.put(replica, load.clone(), now, ttl);
+                held.put_all(loads.clone(), now, ttl);
                 Some(())
             },
         );
@@ -979,7 +973,7 @@ impl Http {
             w.stats.ingest_rejected(Endpoint::Load, "not_stored");
             return self.reply_error(&ApiError::not_stored("in-flight counts"));
         }
-        w.stats.inc("gpuroute.replica_load.imported");
+        w.stats.add("gpuroute.replica_load.imported", taken);
         self.reply(204, "", "text/plain")
     }
 

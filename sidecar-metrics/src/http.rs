@@ -127,8 +127,9 @@ async fn prefix_from_peer(State(s): State<AppState>, headers: HeaderMap, body: B
 }
 
 /// A peer's in-flight counts: checked (token, the `x-gpuroute-replica` header naming where they
-/// come from), then handed with that header to this replica's Envoys. The body is the filter's
-/// business: the Envoys check it. 204 when at least one took it, 502 when none did.
+/// come from, a body of counts as the filter writes them: a bad one would spoil the bundle it
+/// could go in), then handed to this replica's Envoys under that name. 204 when at least one
+/// took them, 502 when none did.
 async fn load_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     let Some(relay) = s.load else {
         return (
@@ -153,6 +154,13 @@ async fn load_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Byt
         );
         return (StatusCode::BAD_REQUEST, why).into_response();
     };
+    if let Err(why) = gpuroute_core::replica_load::ReplicaLoad::decode(&body) {
+        return (
+            StatusCode::BAD_REQUEST,
+            format!("not in-flight counts: {why}\n"),
+        )
+            .into_response();
+    }
     if relay.deliver_load(body, replica).await > 0 || relay.envoys.is_empty() {
         StatusCode::NO_CONTENT.into_response()
     } else {
@@ -196,18 +204,22 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
              # TYPE sidecar_replica_load_failures_total counter\n\
              sidecar_replica_load_failures_total{{target=\"envoy\"}} {}\n\
              sidecar_replica_load_failures_total{{target=\"peer\"}} {}\n\
-             # HELP sidecar_replica_load_busy_skips_total Bodies of in-flight counts not sent to a target still busy with the previous one from the same replica.\n\
+             # HELP sidecar_replica_load_busy_skips_total Bodies of in-flight counts not sent: to a target still busy with the previous one from the same replica, or to an Envoy with 256 replicas' bodies waiting.\n\
              # TYPE sidecar_replica_load_busy_skips_total counter\n\
              sidecar_replica_load_busy_skips_total {}\n\
              # HELP sidecar_replica_load_unchanged_total Bodies of in-flight counts not posted to a target that already has them: unchanged since its last post and the keepalive not due, or empty and already sent.\n\
              # TYPE sidecar_replica_load_unchanged_total counter\n\
-             sidecar_replica_load_unchanged_total {}\n",
+             sidecar_replica_load_unchanged_total {}\n\
+             # HELP sidecar_replica_load_bundled_total Peers' bodies of in-flight counts posted to an Envoy in one post with other replicas' (they came within half a load interval of the post before).\n\
+             # TYPE sidecar_replica_load_bundled_total counter\n\
+             sidecar_replica_load_bundled_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),
             st.peer_failures.load(Ordering::Relaxed),
             st.busy_skips.load(Ordering::Relaxed),
             st.unchanged.load(Ordering::Relaxed),
+            st.bundled.load(Ordering::Relaxed),
         );
     }
     (

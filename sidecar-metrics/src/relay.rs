@@ -20,7 +20,8 @@
 //! every `prefix.load_interval_ms` (a few ms; `prefix.load_idle_interval_ms` while an Envoy has
 //! nothing in prefill) it reads each Envoy's requests still in prefill and hands them on the same
 //! way, named by the replica they come from, to each target only when they changed or the
-//! target's copy needs keeping alive.
+//! target's copy needs keeping alive. What peers send goes to this replica's Envoys one post at
+//! a time per Envoy, at most four an interval, what came meanwhile bundled into the next.
 
 mod load;
 
@@ -91,6 +92,9 @@ pub struct RelayStats {
     /// The load relay: bodies not posted to a target because it already has them (unchanged
     /// since the last post and the keepalive not due, or empty and already sent).
     pub unchanged: AtomicU64,
+    /// The load relay: peers' bodies posted to an Envoy together with other replicas' (in a
+    /// bundle), because they came within the gap after the post before.
+    pub bundled: AtomicU64,
 }
 
 /// The relay's targets and state.
@@ -222,6 +226,7 @@ impl Relay {
                 // At least the interval, even in a configuration that was not validated.
                 Duration::from_millis(p.load_idle_interval_ms).max(interval),
                 n,
+                interval,
             ),
         };
         Some(Arc::new(Relay {

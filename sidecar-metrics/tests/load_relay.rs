@@ -121,17 +121,31 @@ fn closed_port() -> String {
 }
 
 /// POSTs `body` to `addr`'s `/v1/load` with these headers; the status.
-async fn post_load(addr: SocketAddr, headers: &[(&str, &str)], body: &'static [u8]) -> u16 {
+async fn post_load(addr: SocketAddr, headers: &[(&str, &str)], body: impl AsRef<[u8]>) -> u16 {
     let mut req = reqwest::Client::builder()
         .no_proxy()
         .build()
         .unwrap()
         .post(format!("http://{addr}/v1/load"))
-        .body(body);
+        .body(body.as_ref().to_vec());
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
     req.send().await.unwrap().status().as_u16()
+}
+
+/// Counts with `requests` in prefill on one pod, as the filter writes them.
+fn counts(requests: u32) -> Vec<u8> {
+    use gpuroute_core::replica_load::{PodPrefill, ReplicaLoad};
+    let pod = PodPrefill {
+        key: 7,
+        requests,
+        tokens: 100 * requests,
+    };
+    ReplicaLoad {
+        pools: vec![("llama".into(), vec![pod])],
+    }
+    .encode()
 }
 
 async fn metrics(addr: SocketAddr) -> String {
@@ -163,17 +177,19 @@ async fn the_load_surface_checks_the_token_and_the_replica_and_hands_the_counts_
     let long = "x".repeat(129);
     let long = ("x-gpuroute-replica", long.as_str());
     assert_eq!(post_load(peer, &[auth, long], b"c").await, 400);
+    // Not counts as the filter writes them: refused here, not bundled with other replicas'.
+    assert_eq!(post_load(peer, &[auth, replica], b"c").await, 400);
+    assert_eq!(post_load(peer, &[auth, replica], b"GPL1\x01").await, 400);
     assert!(a.from("gw-2/0").is_empty() && b.from("gw-2/0").is_empty());
 
-    let counts: &'static [u8] = &[7, 0, 0, 255, b'\n'];
-    assert_eq!(post_load(peer, &[auth, replica], counts).await, 204);
+    assert_eq!(post_load(peer, &[auth, replica], counts(1)).await, 204);
     for envoy in [&a, &b] {
-        assert_eq!(envoy.from("gw-2/0"), vec![counts.to_vec()]);
+        assert_eq!(envoy.from("gw-2/0"), vec![counts(1)]);
         let posts = envoy.got.lock().unwrap().clone();
         assert!(posts.iter().all(|(auth, _, _)| auth == "Bearer tok"));
     }
     // The main surface serves it too.
-    assert_eq!(post_load(run.local_addr, &[auth, replica], b"d").await, 204);
+    assert_eq!(post_load(run.local_addr, &[auth, replica], counts(2)).await, 204);
     assert_eq!(a.from("gw-2/0").len(), 2);
 
     // Meanwhile the sidecar's own relay hands each Envoy's counts to the other.
@@ -191,6 +207,7 @@ async fn the_load_surface_checks_the_token_and_the_replica_and_hands_the_counts_
         "sidecar_replica_load_failures_total{target=\"peer\"} 0\n",
         "sidecar_replica_load_busy_skips_total ",
         "sidecar_replica_load_unchanged_total ",
+        "sidecar_replica_load_bundled_total 0\n",
     ] {
         assert!(m.contains(line), "{line} in {m}");
     }
@@ -198,7 +215,7 @@ async fn the_load_surface_checks_the_token_and_the_replica_and_hands_the_counts_
     // No Envoy takes them: 502.
     *a.refuse.lock().unwrap() = true;
     *b.refuse.lock().unwrap() = true;
-    assert_eq!(post_load(peer, &[auth, replica], b"e").await, 502);
+    assert_eq!(post_load(peer, &[auth, replica], counts(3)).await, 502);
     run.shutdown();
     run.wait(Duration::from_secs(5)).await;
 }
@@ -232,10 +249,10 @@ async fn the_peers_listener_runs_for_the_load_relay_alone() {
     let auth = ("authorization", "Bearer tok");
     let replica = ("x-gpuroute-replica", "gw-2");
     assert_eq!(
-        post_load(run.peer_addr.unwrap(), &[auth, replica], b"c").await,
+        post_load(run.peer_addr.unwrap(), &[auth, replica], counts(1)).await,
         204
     );
-    assert_eq!(a.from("gw-2"), vec![b"c".to_vec()]);
+    assert_eq!(a.from("gw-2"), vec![counts(1)]);
     run.shutdown();
     run.wait(Duration::from_secs(5)).await;
 }
@@ -246,18 +263,18 @@ async fn one_replicas_counts_reach_another_replicas_envoy_within_100_ms() {
     let (b, ub) = FakeEnvoy::start(None).await;
     let two = start(config("gw-2", vec![ub], vec![closed_port()])).await;
     // Replica 1: Envoy A, relaying to replica 2's sidecar.
-    let (a, ua) = FakeEnvoy::start(Some(b"first")).await;
+    let (a, ua) = FakeEnvoy::start(Some(&counts(1))).await;
     let peer = format!("http://{}", two.peer_addr.unwrap());
     let one = start(config("gw-1", vec![ua], vec![peer])).await;
 
     assert!(eventually(Duration::from_secs(5), || !b.from("gw-1").is_empty()).await);
     // A change on A reaches B through both sidecars within 100 ms (a few ms on an idle machine:
     // one 5 ms tick and two loopback hops; the margin is for a loaded CI machine).
-    *a.counts.lock().unwrap() = Some(b"second".to_vec());
+    *a.counts.lock().unwrap() = Some(counts(2));
     let t0 = Instant::now();
     let mut took = None;
     while t0.elapsed() < Duration::from_secs(5) {
-        if b.from("gw-1").last().is_some_and(|c| c == b"second") {
+        if b.from("gw-1").last().is_some_and(|c| *c == counts(2)) {
             took = Some(t0.elapsed());
             break;
         }

@@ -311,6 +311,18 @@ def give_load(gw, body, replica="replica-a", token=TOKEN):
     return gw.request("POST", LOAD, body, headers, addr=gw.ingest)
 
 
+EMPTY_COUNTS = b"GPL1\x00\x00\x00\x00"
+
+
+def bundle(entries):
+    """Several replicas' counts in one body (GPB1), as sidecar-metrics bundles them:
+    `entries` are (replica name, GPL1 body) pairs."""
+    out = b"GPB1" + struct.pack("<H", len(entries))
+    for name, body in entries:
+        out += struct.pack("<B", len(name)) + name.encode() + struct.pack("<I", len(body)) + body
+    return out
+
+
 def streamed(gw, text, timeout=30):
     body = {"model": "llama-3-8b", "stream": True, "messages": [{"role": "user", "content": text}]}
     return gw.request("POST", "/v1/chat/completions", body, timeout=timeout)
@@ -391,13 +403,18 @@ def test_a_replica_routes_around_the_prefills_another_replica_started(pods):
 
         assert give_load(b, raw)[0] == 204
         assert b.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 1
-        # Posted again every 5 ms, as the relay does; B's workers take the counts in on their
-        # next tick (`tick_ms`), and from then on at every exchange.
+        # Posted again every 5 ms, as the relay does, now in a bundle with another replica's
+        # (empty) counts, as a sidecar with several peers posts them: each entry counts on its
+        # own. B's workers take the counts in on their next tick (`tick_ms`), and from then on at
+        # every exchange.
+        both = bundle([("replica-a", raw), ("replica-c", EMPTY_COUNTS)])
+        assert give_load(b, both, replica=None)[0] == 204
+        assert b.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 3
         posting = threading.Event()
 
         def post():
             while not posting.wait(0.005):
-                give_load(b, raw)
+                give_load(b, both, replica=None)
 
         poster = threading.Thread(target=post, daemon=True)
         poster.start()
@@ -442,17 +459,27 @@ def test_the_load_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
             s, _, err, _ = give_load(gw, bad)
             assert s == 400 and err["error"]["code"] == "invalid_replica_load", (bad, s, err)
         for replica in (None, "", "has space", "x" * 129):
-            s, _, err, _ = give_load(gw, b"GPL1\x00\x00\x00\x00", replica=replica)
+            s, _, err, _ = give_load(gw, EMPTY_COUNTS, replica=replica)
             assert s == 400 and err["error"]["code"] == "invalid_replica_load", (replica, s, err)
             assert "x-gpuroute-replica" in err["error"]["message"]
+        # A bundle is taken or refused whole: one bad entry, and none of it counts.
+        good = ("replica-b", EMPTY_COUNTS)
+        bad_bundles = (bundle([good, ("has space", EMPTY_COUNTS)]), bundle([good, ("replica-c", b"GPL1")]),
+                       bundle([good]) + b"\x00", bundle([good])[:-1], b"GPB1" + struct.pack("<H", 257))
+        for bad in bad_bundles:
+            s, _, err, _ = give_load(gw, bad, replica=None)
+            assert s == 400 and err["error"]["code"] == "invalid_replica_load", (bad, s, err)
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 0
+        assert give_load(gw, bundle([good, ("replica-c", EMPTY_COUNTS)]), replica=None)[0] == 204
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 2
         host, port = gw.ingest.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nauthorization: Bearer %s\r\nx-gpuroute-replica: r\r\n"
                          b"content-length: %d\r\n\r\n" % (LOAD.encode(), TOKEN.encode(), 9 * 1024 * 1024))
             answer = sock.recv(65536)
         assert answer.startswith(b"HTTP/1.1 413") and b"replica_load_too_large" in answer, answer[:300]
-        assert give_load(gw, b"GPL1\x00\x00\x00\x00")[0] == 204
-        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.invalid") == len(bad_bodies) + 4
+        assert give_load(gw, EMPTY_COUNTS)[0] == 204
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.invalid") == len(bad_bodies) + 4 + len(bad_bundles)
         assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.unauthorized") == 2
         assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.rejected.too_large") == 1
         assert turn(gw, "Still serving?")
@@ -503,3 +530,60 @@ def test_through_the_relay_a_replica_routes_around_another_replicas_prefills(pod
             sc.stop()
         for gw in (a, b):
             gw.stop()
+
+
+def test_a_sidecar_hands_its_envoy_at_most_four_posts_of_peers_counts_an_interval(pods):
+    """One replica as deployed (an Envoy and its sidecar-metrics) and six other replicas'
+    sidecars, played by this test, posting their counts to the sidecar's `POST /v1/load`. The
+    sidecar posts its Envoy the peers' counts as they come, but at most four posts in any
+    `prefix.load_interval_ms` (1 s here): the first four replicas' counts go at once, the next
+    two wait until the first post is an interval old and go together, in one bundle, and the
+    Envoy takes each replica's entry. Counts the filter would refuse are refused at the
+    sidecar, not bundled."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from harness import Sidecar, free_port
+
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG)
+    listen = f"127.0.0.1:{free_port()}"
+    sc = Sidecar({"llama": [p.address for p in pods]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
+                 interval_ms=100,
+                 extra={"prefix": {"listen": listen, "peers": [f"http://127.0.0.1:{free_port()}"],
+                                   "load_interval_ms": 1000}})
+
+    def post(replica, body=EMPTY_COUNTS):
+        req = urllib.request.Request(f"http://{listen}/v1/load", data=body, method="POST",
+                                     headers={"authorization": f"Bearer {TOKEN}", "x-gpuroute-replica": replica})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    try:
+        time.sleep(1)  # the sidecar's own first reads and pushes are done
+        assert post("replica-x", b"GPL1 not counts") == 400
+        t0 = time.time()
+        took = []
+        for r in range(1, 5):
+            assert post(f"replica-{r}") == 204
+            took.append(time.time() - t0)
+        statuses = []
+        posters = [threading.Thread(target=lambda r=r: statuses.append(post(r))) for r in ("replica-5", "replica-6")]
+        for t in posters:
+            t.start()
+        for t in posters:
+            t.join()
+        together = time.time() - t0
+        print(f"\nfour replicas' counts taken after {', '.join(f'{t * 1000:.1f}' for t in took)} ms, the next two's "
+              f"after {together * 1000:.1f} ms")
+        assert took[-1] < 0.5 and statuses == [204, 204] and together >= 0.9, (took, statuses, together)
+        # The Envoy took six replicas' counts; the last two came in one bundle.
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 6
+        assert sc.metric("sidecar_replica_load_bundled_total") == 2
+        assert sc.metric('sidecar_replica_load_relayed_total{direction="in"}') == 6
+    finally:
+        sc.stop()
+        gw.stop()

@@ -7,8 +7,19 @@
 //! relay reads each Envoy it pushes to (`GET {load_path}`, an opaque body) and posts the body as
 //! it came, naming where it came from in `x-gpuroute-replica`, to:
 //! - the other Envoys it pushes to (`POST {load_path}`), and
-//! - every peer (`POST {peer}/v1/load`), which hands it to its own Envoys as it comes
+//! - every peer (`POST {peer}/v1/load`), which hands it to its own Envoys
 //!   ([`Relay::deliver_load`], behind the HTTP surface).
+//!
+//! A receiving sidecar posts its peers' counts to each of its Envoys as they come, one post at a
+//! time per Envoy and at most [`POSTS_PER_INTERVAL`] in any `prefix.load_interval_ms`: what
+//! comes while a post is under way, or once the budget is spent, waits (the newest body of each
+//! replica) and goes in the next post, together ([`Outbox`]; several replicas' in one body, a
+//! bundle: `gpuroute_core::replica_load::encode_bundle`). Each post costs the Envoy a request
+//! through its ingest listener and a rewrite of its shared store (~77 us of its CPU on the
+//! benchmark host, `scripts/replica_fanin_cost.py`), so
+//! without this an Envoy would take one post per peer per interval: with 15 peers, 3,000 a
+//! second. Up to four peers' counts go as they come; beyond that an Envoy takes at most 800
+//! posts a second (at 5 ms), however many replicas there are.
 //!
 //! A receiving Envoy keeps one entry per replica name for its `ingest.load_ttl_ms` (50 ms by
 //! default) and replaces it with each newer post, so only the newest body matters: nothing is
@@ -25,8 +36,10 @@
 //!   between: an expired entry means the same, so it needs no keepalive.
 //!
 //! A post that failed counts as not sent, so the next round posts again; the skipped ones are
-//! counted in `unchanged`. A peer that took a body took it, even if one of its Envoys skipped it
-//! as busy: that Envoy gets the next change or keepalive (an empty body: its entry expires). And an Envoy whose last body was empty is read every
+//! counted in `unchanged`. A peer that took a body took it, even if one of its Envoys did not
+//! (refused it, or had [`MAX_REPLICAS`] replicas' bodies waiting): that Envoy gets the next
+//! change or keepalive (an empty body: its entry expires). And an Envoy whose last body was
+//! empty is read every
 //! `prefix.load_idle_interval_ms` (default 20) instead, back to every `load_interval_ms` from its
 //! first non-empty body on: an idle gateway costs a GET per Envoy every 20 ms and no post, and a
 //! burst's first requests reach the other replicas up to that much later. Each Envoy is read on
@@ -35,11 +48,12 @@
 
 use super::{Relay, MAX_PEER_BODY};
 use bytes::Bytes;
-use gpuroute_core::replica_load::ReplicaLoad;
+use gpuroute_core::replica_load::{encode_bundle, ReplicaLoad, MAX_REPLICAS};
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -52,6 +66,12 @@ pub use gpuroute_core::replica_load::REPLICA_HEADER;
 
 /// The longest replica name the filter takes.
 pub use gpuroute_core::replica_load::MAX_REPLICA_NAME as MAX_REPLICA_LEN;
+
+/// The most posts of peers' counts one Envoy takes in any `prefix.load_interval_ms`: one per
+/// peer up to four peers (their counts go as they come, unless a post to that Envoy is under
+/// way), and beyond, what comes once they are spent waits for the next (a quarter interval
+/// apart while it lasts), all in one post.
+pub const POSTS_PER_INTERVAL: usize = 4;
 
 /// The filter's body for "nothing in prefill": the magic and a pool count of zero.
 const NO_PREFILL: &[u8] = b"GPL1\0\0\0\0";
@@ -74,6 +94,43 @@ pub(super) struct LoadState {
     pub(super) idle_interval: Duration,
     /// For each Envoy read (by index), the last body each target (by URL) took from it.
     sent: Vec<Mutex<HashMap<String, Sent>>>,
+    /// For each Envoy (by index), the peers' counts waiting for a post to it.
+    outboxes: Vec<Outbox>,
+    /// The window in which one Envoy takes at most [`POSTS_PER_INTERVAL`] posts of peers' counts.
+    window: Duration,
+}
+
+/// The peers' counts waiting for a post to one Envoy, and the post that will carry them.
+#[derive(Debug)]
+pub(super) struct Outbox(Mutex<Waiting>);
+
+#[derive(Debug)]
+struct Waiting {
+    /// The newest body of each replica that came since the last post began, by replica name.
+    bodies: Vec<(String, Bytes)>,
+    /// Tells whether the post that takes `bodies` was taken.
+    taken: watch::Sender<Option<bool>>,
+    /// A task is posting, and takes what comes meanwhile.
+    draining: bool,
+    /// When the latest posts began, oldest first (at most [`POSTS_PER_INTERVAL`]).
+    began: std::collections::VecDeque<Instant>,
+}
+
+impl Default for Outbox {
+    fn default() -> Self {
+        Outbox(Mutex::new(Waiting {
+            bodies: Vec::new(),
+            taken: watch::channel(None).0,
+            draining: false,
+            began: std::collections::VecDeque::new(),
+        }))
+    }
+}
+
+impl Outbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Waiting> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// The last body one target took from one Envoy.
@@ -87,12 +144,19 @@ struct Sent {
 }
 
 impl LoadState {
-    /// The state of a relay reading `envoys` Envoys.
-    pub(super) fn new(keepalive: Duration, idle_interval: Duration, envoys: usize) -> LoadState {
+    /// The state of a relay reading `envoys` Envoys every `interval`.
+    pub(super) fn new(
+        keepalive: Duration,
+        idle_interval: Duration,
+        envoys: usize,
+        interval: Duration,
+    ) -> LoadState {
         LoadState {
             keepalive,
             idle_interval,
             sent: (0..envoys).map(|_| Mutex::default()).collect(),
+            outboxes: (0..envoys).map(|_| Outbox::default()).collect(),
+            window: interval,
         }
     }
 
@@ -232,7 +296,7 @@ impl Relay {
     }
 
     /// Reads Envoy `i`'s in-flight counts and hands them, named by its replica name, to the
-    /// other Envoys and to the peers that need them ([`LoadState`]) without waiting for them;
+    /// other Envoys and to the peers that need them (`LoadState`) without waiting for them;
     /// nothing, not even the read, when there is no one to hand them to. Whether the body read
     /// said nothing is in prefill; `None` when nothing was read.
     pub async fn relay_load(self: &Arc<Self>, i: usize) -> Option<bool> {
@@ -318,28 +382,100 @@ impl Relay {
     }
 
     /// A peer's in-flight counts from replica `replica` (both checked by the caller) to every
-    /// Envoy of this replica at once; how many took them. An Envoy still busy with the previous
-    /// body from the same replica is skipped (`busy_skips`): this one would only queue behind it.
+    /// Envoy of this replica; how many took them (or the newer body of the same replica that
+    /// replaced them while they waited). Each Envoy takes one post at a time, at most
+    /// `POSTS_PER_INTERVAL` an interval, each carrying everything that came meanwhile (its
+    /// `Outbox`).
     pub async fn deliver_load(self: &Arc<Self>, body: Bytes, replica: &str) -> usize {
         self.stats.records_in.fetch_add(1, Ordering::Relaxed);
-        let mut set = JoinSet::new();
-        for url in &self.envoys {
-            let Some(claim) = self.claim(format!("{url} {replica}")) else {
-                continue;
-            };
-            let (me, url, body) = (self.clone(), url.clone(), body.clone());
-            let replica = Some(replica.to_string());
-            set.spawn(async move {
-                let taken = me.post_counted(url, body, false, replica).await;
-                drop(claim);
-                taken
-            });
-        }
+        let waits: Vec<_> = (0..self.envoys.len())
+            .filter_map(|i| self.enqueue(i, replica, body.clone()))
+            .collect();
         let mut taken = 0;
-        while let Some(r) = set.join_next().await {
-            taken += usize::from(r.unwrap_or(false));
+        for mut w in waits {
+            let done = w.wait_for(Option::is_some).await;
+            taken += usize::from(done.is_ok_and(|t| *t == Some(true)));
         }
         taken
+    }
+
+    /// Puts `body` from `replica` into Envoy `i`'s outbox, in place of an earlier one from the
+    /// same replica, and starts a task posting it unless one is under way; what tells whether
+    /// it was taken. `None` for an Envoy this relay does not post to, or a full outbox
+    /// ([`MAX_REPLICAS`] replicas waiting, counted in `busy_skips`).
+    fn enqueue(
+        self: &Arc<Self>,
+        i: usize,
+        replica: &str,
+        body: Bytes,
+    ) -> Option<watch::Receiver<Option<bool>>> {
+        let mut w = self.load.outboxes.get(i)?.lock();
+        if let Some(slot) = w.bodies.iter_mut().find(|(r, _)| r == replica) {
+            slot.1 = body;
+        } else if w.bodies.len() >= MAX_REPLICAS {
+            self.stats.busy_skips.fetch_add(1, Ordering::Relaxed);
+            return None;
+        } else {
+            w.bodies.push((replica.to_string(), body));
+        }
+        let taken = w.taken.subscribe();
+        if !w.draining {
+            w.draining = true;
+            tokio::spawn(self.clone().drain(i));
+        }
+        Some(taken)
+    }
+
+    /// Posts Envoy `i`'s outbox until it is empty: one replica's body as it came, several in
+    /// one bundle; once [`POSTS_PER_INTERVAL`] posts began within the last interval, the next
+    /// waits until the oldest of them is an interval old.
+    async fn drain(self: Arc<Self>, i: usize) {
+        let (Some(url), Some(outbox)) = (self.envoys.get(i), self.load.outboxes.get(i)) else {
+            return;
+        };
+        loop {
+            let wait = {
+                let w = outbox.lock();
+                let full = w.began.len() >= POSTS_PER_INTERVAL;
+                w.began.front().filter(|_| full).map(|t| *t + self.load.window)
+            };
+            if let Some(until) = wait {
+                tokio::time::sleep_until(until).await;
+            }
+            let (bodies, taken) = {
+                let mut w = outbox.lock();
+                if w.bodies.is_empty() {
+                    w.draining = false;
+                    return;
+                }
+                let now = Instant::now();
+                let window = self.load.window;
+                w.began.retain(|t| now.saturating_duration_since(*t) < window);
+                if w.began.len() >= POSTS_PER_INTERVAL {
+                    w.began.pop_front();
+                }
+                w.began.push_back(now);
+                let next = watch::channel(None).0;
+                (
+                    std::mem::take(&mut w.bodies),
+                    std::mem::replace(&mut w.taken, next),
+                )
+            };
+            let (body, replica) = match bodies.as_slice() {
+                [(replica, body)] => (body.clone(), Some(replica.clone())),
+                _ => {
+                    let n = bodies.len() as u64;
+                    self.stats.bundled.fetch_add(n, Ordering::Relaxed);
+                    let entries = bodies.iter().map(|(r, b)| (r.as_str(), b.as_ref()));
+                    (Bytes::from(encode_bundle(entries)), None)
+                }
+            };
+            let ok = self
+                .clone()
+                .post_counted(url.clone(), body, false, replica)
+                .await;
+            taken.send_replace(Some(ok));
+        }
     }
 }
 

@@ -24,8 +24,10 @@ struct Fake {
     counts: Arc<Mutex<Option<Vec<u8>>>>,
     /// `GET`s received.
     reads: Arc<AtomicUsize>,
-    /// `POST`s received, in order.
+    /// `POST`s received, in order, a bundle's entries each on its own.
     got: Arc<Mutex<Vec<Post>>>,
+    /// `POST` requests received (a bundle is one), and when.
+    posts: Arc<Mutex<Vec<Instant>>>,
     /// When set, `POST` answers this instead of 204.
     refuse: Arc<Mutex<Option<StatusCode>>>,
 }
@@ -73,12 +75,17 @@ async fn fake_post(State(f): State<Fake>, h: HeaderMap, body: Bytes) -> StatusCo
             .unwrap_or_default()
             .to_string()
     };
-    let post = (
-        header("authorization"),
-        header(REPLICA_HEADER),
-        body.to_vec(),
-    );
-    f.got.lock().unwrap().push(post);
+    f.posts.lock().unwrap().push(Instant::now());
+    let auth = header("authorization");
+    let posted = match gpuroute_core::replica_load::bundle_entries(&body) {
+        None => vec![(auth, header(REPLICA_HEADER), body.to_vec())],
+        Some(Ok(entries)) => entries
+            .into_iter()
+            .map(|(name, b)| (auth.clone(), name.to_string(), b.to_vec()))
+            .collect(),
+        Some(Err(_)) => return StatusCode::BAD_REQUEST,
+    };
+    f.got.lock().unwrap().extend(posted);
     f.refuse.lock().unwrap().unwrap_or(StatusCode::NO_CONTENT)
 }
 
@@ -385,40 +392,87 @@ async fn with_a_5_ms_interval_the_counts_reach_a_peer_within_100_ms_again_and_ag
 }
 
 #[tokio::test]
-async fn a_peers_counts_reach_every_envoy_but_one_still_busy_with_that_replica() {
+async fn a_peers_counts_reach_every_envoy_and_those_that_come_meanwhile_go_in_one_post() {
     let (a, b) = (Fake::default(), Fake::default());
     let (ua, ub) = (serve(a.clone()).await, serve(b.clone()).await);
     let relay = relay(&config(&[&ua, &ub], &[]));
-    assert_eq!(
-        relay.deliver_load(Bytes::from_static(b"c"), "gw-2").await,
-        2
+    let [c, d, e, f] = [1, 2, 3, 4].map(busy_counts);
+    assert_eq!(relay.deliver_load(c.clone().into(), "gw-2").await, 2);
+    for envoy in [&a, &b] {
+        assert_eq!(envoy.got(), vec![("Bearer secret-token".into(), "gw-2".into(), c.clone())]);
+    }
+    // Three at once: the post that takes them carries gw-3's and gw-2's newest, together.
+    let (x, y, z) = tokio::join!(
+        relay.deliver_load(d.into(), "gw-2"),
+        relay.deliver_load(e.clone().into(), "gw-3"),
+        relay.deliver_load(f.clone().into(), "gw-2"),
     );
-    assert_eq!(a.from("gw-2"), vec![b"c".to_vec()]);
-    assert_eq!(b.from("gw-2"), vec![b"c".to_vec()]);
-    assert_eq!(a.got()[0].0, "Bearer secret-token");
-    // A is still busy with gw-2's counts before: skipped for gw-2, not for gw-3.
-    let claim = relay.claim(format!("{} gw-2", relay.envoys[0]));
-    assert!(claim.is_some());
-    assert_eq!(
-        relay.deliver_load(Bytes::from_static(b"d"), "gw-2").await,
-        1
-    );
-    assert_eq!(
-        relay.deliver_load(Bytes::from_static(b"e"), "gw-3").await,
-        2
-    );
-    drop(claim);
-    assert_eq!(a.from("gw-2").len(), 1);
-    assert_eq!(relay.stats.busy_skips.load(Ordering::Relaxed), 1);
-    assert_eq!(relay.stats.records_in.load(Ordering::Relaxed), 3);
+    assert_eq!((x, y, z), (2, 2, 2));
+    for envoy in [&a, &b] {
+        assert_eq!(envoy.posts.lock().unwrap().len(), 2);
+        assert_eq!(envoy.from("gw-2"), vec![c.clone(), f.clone()]);
+        assert_eq!(envoy.from("gw-3"), vec![e.clone()]);
+        assert!(envoy.got().iter().all(|(auth, _, _)| auth == "Bearer secret-token"));
+    }
+    assert_eq!(relay.stats.bundled.load(Ordering::Relaxed), 4);
+    assert_eq!(relay.stats.records_in.load(Ordering::Relaxed), 4);
     *a.refuse.lock().unwrap() = Some(StatusCode::BAD_REQUEST);
+    assert_eq!(relay.deliver_load(busy_counts(5).into(), "gw-2").await, 1);
     *b.refuse.lock().unwrap() = Some(StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(
-        relay.deliver_load(Bytes::from_static(b"f"), "gw-2").await,
-        0
+    assert_eq!(relay.deliver_load(busy_counts(6).into(), "gw-2").await, 0);
+    assert_eq!(relay.stats.envoy_failures.load(Ordering::Relaxed), 3);
+}
+
+#[tokio::test]
+async fn an_envoy_takes_at_most_four_posts_an_interval_and_the_rest_waits_for_the_window() {
+    let a = Fake::default();
+    let ua = serve(a.clone()).await;
+    let mut cfg = config(&[&ua], &["http://127.0.0.1:1"]);
+    cfg.prefix.load_interval_ms = 200;
+    let relay = relay(&cfg);
+    // Four replicas' counts one after the other: each goes at once.
+    let t0 = Instant::now();
+    for r in 1..=POSTS_PER_INTERVAL {
+        let before = Instant::now();
+        assert_eq!(relay.deliver_load(busy_counts(1).into(), &format!("gw-{r}")).await, 1);
+        let took = before.elapsed();
+        assert!(took < Duration::from_millis(150), "post {r}: {took:?}");
+    }
+    // The fifth and sixth within the same interval wait until the first post is an interval old,
+    // and then go together.
+    let (x, y) = tokio::join!(
+        relay.deliver_load(busy_counts(2).into(), "gw-5"),
+        relay.deliver_load(busy_counts(2).into(), "gw-6"),
     );
-    assert_eq!(relay.stats.envoy_failures.load(Ordering::Relaxed), 2);
-    assert!(relay.busy.lock().unwrap().is_empty());
+    assert_eq!((x, y), (1, 1));
+    let posts = a.posts.lock().unwrap().clone();
+    assert_eq!(posts.len(), POSTS_PER_INTERVAL + 1);
+    let waited = posts[POSTS_PER_INTERVAL].duration_since(posts[0]);
+    assert!(waited >= Duration::from_millis(180), "{waited:?}");
+    assert!(t0.elapsed() >= Duration::from_millis(190));
+    assert_eq!(relay.stats.bundled.load(Ordering::Relaxed), 2);
+    // After an interval without posts: at once again.
+    tokio::time::sleep(Duration::from_millis(220)).await;
+    let t1 = Instant::now();
+    assert_eq!(relay.deliver_load(busy_counts(3).into(), "gw-1").await, 1);
+    let again = t1.elapsed();
+    assert!(again < Duration::from_millis(150), "{again:?}");
+}
+
+#[tokio::test]
+async fn an_envoys_waiting_counts_are_bounded_to_max_replicas() {
+    let a = Fake::default();
+    let ua = serve(a.clone()).await;
+    let relay = relay(&config(&[&ua], &["http://127.0.0.1:1"]));
+    let body = Bytes::from(busy_counts(1));
+    let names: Vec<String> = (0..=MAX_REPLICAS).map(|i| format!("gw-{i}")).collect();
+    let taken =
+        futures::future::join_all(names.iter().map(|n| relay.deliver_load(body.clone(), n))).await;
+    assert_eq!(taken.iter().sum::<usize>(), MAX_REPLICAS);
+    assert_eq!(taken.last(), Some(&0));
+    assert_eq!(relay.stats.busy_skips.load(Ordering::Relaxed), 1);
+    assert_eq!(a.posts.lock().unwrap().len(), 1);
+    assert_eq!(a.got().len(), MAX_REPLICAS);
 }
 
 #[test]

@@ -1,0 +1,172 @@
+//! relay-peers: `--peers` gateway replicas' requests in prefill, posted to one target the way
+//! their sidecars would, for measuring what the fan-in of the load relay costs the receiving
+//! side (`scripts/replica_fanin_cost.py`).
+//!
+//! Each peer posts every `--interval-ms` a body of in-flight counts (`GPL1`, the filter's
+//! format) naming itself `peer-<i>` in `x-gpuroute-replica`, to `--target`: a sidecar's
+//! `POST /v1/load`, or an Envoy's `ingest.load_path` directly. Every body differs from the one
+//! before (a busy replica's counts change at every read), so nothing is skipped as unchanged.
+//! The peers start spread over one interval, as independent replicas would be.
+//!
+//! Output: one JSON object on stdout: posts sent, taken (2xx), refused, failed, the rate, and
+//! the taken posts' latency percentiles. A sidecar answers once its Envoy has taken the counts,
+//! so through a sidecar that latency is how long the counts took to reach the Envoy.
+
+use anyhow::{bail, Result};
+use clap::Parser;
+use gpuroute_core::prefix::pod_key;
+use gpuroute_core::replica_load::{PodPrefill, ReplicaLoad, REPLICA_HEADER};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::{Instant, MissedTickBehavior};
+
+#[derive(Parser)]
+struct Args {
+    /// URL the peers post to.
+    #[arg(long)]
+    target: String,
+    /// Bearer token.
+    #[arg(long, default_value = "dev-token-change-me")]
+    token: String,
+    /// Number of peers (other gateway replicas).
+    #[arg(long, default_value_t = 1)]
+    peers: usize,
+    /// Each peer posts every this many milliseconds (sidecar-metrics' `prefix.load_interval_ms`).
+    #[arg(long, default_value_t = 5.0)]
+    interval_ms: f64,
+    /// How long to post, seconds.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// The pool the counts are for.
+    #[arg(long, default_value = "llama")]
+    pool: String,
+    /// The pods' addresses (host:port), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pods: Vec<String>,
+}
+
+#[derive(Default)]
+struct Counts {
+    sent: AtomicU64,
+    taken: AtomicU64,
+    refused: AtomicU64,
+    failed: AtomicU64,
+    /// Each taken post's latency, microseconds.
+    latency_us: std::sync::Mutex<Vec<u64>>,
+}
+
+/// The `q` quantile of sorted `v` (nearest rank), in milliseconds; 0 when empty.
+fn quantile_ms(v: &[u64], q: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
+    v[i] as f64 / 1e3
+}
+
+/// Peer `peer`'s counts at its `n`th post: every pod has 1-4 requests in prefill, shifted at
+/// every post so that no two bodies in a row are the same.
+fn counts(pool: &str, keys: &[u64], peer: usize, n: u64) -> ReplicaLoad {
+    let pods = keys
+        .iter()
+        .enumerate()
+        .map(|(j, &key)| {
+            let requests = u32::try_from((n + (peer + j) as u64) % 4 + 1).unwrap_or(1);
+            PodPrefill {
+                key,
+                requests,
+                tokens: requests * 700,
+            }
+        })
+        .collect();
+    ReplicaLoad {
+        pools: vec![(pool.to_string(), pods)],
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let a = Args::parse();
+    if !(a.interval_ms > 0.0 && a.seconds > 0.0) || a.peers == 0 {
+        bail!("--interval-ms, --seconds and --peers must be positive");
+    }
+    let keys: Arc<Vec<u64>> = Arc::new(a.pods.iter().map(|p| pod_key(p)).collect());
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(a.peers * 2)
+        .build()?;
+    let counted = Arc::new(Counts::default());
+    let interval = Duration::from_secs_f64(a.interval_ms / 1e3);
+    let start = Instant::now();
+    let end = start + Duration::from_secs_f64(a.seconds);
+    let mut tasks = Vec::new();
+    for peer in 0..a.peers {
+        let (client, counted, keys) = (client.clone(), counted.clone(), keys.clone());
+        let (target, token, pool) = (a.target.clone(), a.token.clone(), a.pool.clone());
+        let offset = interval.mul_f64(peer as f64 / a.peers as f64);
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(start + offset, interval);
+            tick.set_missed_tick_behavior(MissedTickBehavior::Skip);
+            let mut n = 0u64;
+            loop {
+                tick.tick().await;
+                if Instant::now() >= end {
+                    return;
+                }
+                n += 1;
+                let body = counts(&pool, &keys, peer, n).encode();
+                counted.sent.fetch_add(1, Ordering::Relaxed);
+                let t0 = Instant::now();
+                let sent = client
+                    .post(&target)
+                    .bearer_auth(&token)
+                    .header(REPLICA_HEADER, format!("peer-{peer}"))
+                    .header("content-type", "application/octet-stream")
+                    .body(body)
+                    .timeout(Duration::from_millis(500))
+                    .send()
+                    .await;
+                let slot = match sent {
+                    Ok(r) if r.status().is_success() => {
+                        let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+                        if let Ok(mut l) = counted.latency_us.lock() {
+                            l.push(us);
+                        }
+                        &counted.taken
+                    }
+                    Ok(_) => &counted.refused,
+                    Err(_) => &counted.failed,
+                };
+                slot.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+    let mut lat = counted
+        .latency_us
+        .lock()
+        .map(|l| l.clone())
+        .unwrap_or_default();
+    lat.sort_unstable();
+    let out = serde_json::json!({
+        "peers": a.peers,
+        "interval_ms": a.interval_ms,
+        "seconds": secs,
+        "sent": get(&counted.sent),
+        "taken": get(&counted.taken),
+        "refused": get(&counted.refused),
+        "failed": get(&counted.failed),
+        "taken_per_s": get(&counted.taken) as f64 / secs,
+        "latency_ms": {
+            "p50": quantile_ms(&lat, 0.5),
+            "p90": quantile_ms(&lat, 0.9),
+            "p99": quantile_ms(&lat, 0.99),
+        },
+    });
+    println!("{out}");
+    Ok(())
+}
