@@ -677,7 +677,10 @@ mod tests {
             decode_post(None, &trailing),
             Err("trailing bytes after the bundle")
         );
-        assert_eq!(decode_post(None, &bundle[..bundle.len() - 1]), Err("truncated"));
+        assert_eq!(
+            decode_post(None, &bundle[..bundle.len() - 1]),
+            Err("truncated")
+        );
         let mut many = b"GPB1".to_vec();
         many.extend_from_slice(&(MAX_REPLICAS as u16 + 1).to_le_bytes());
         assert_eq!(
@@ -685,7 +688,8 @@ mod tests {
             Err("too many replicas in the bundle")
         );
         // Over MAX_PODS pods in all, though each entry is under it.
-        let half: Vec<(u64, u32, u32)> = (1..=(MAX_PODS as u64 / 2 + 1)).map(|k| (k, 1, 1)).collect();
+        let half: Vec<(u64, u32, u32)> =
+            (1..=(MAX_PODS as u64 / 2 + 1)).map(|k| (k, 1, 1)).collect();
         let big = one("p", &half).encode();
         let too_big = encode_bundle([("a", big.as_slice()), ("b", big.as_slice())]);
         assert_eq!(decode_post(None, &too_big), Err("too many pods"));
@@ -707,7 +711,10 @@ mod tests {
             50,
         );
         assert_eq!(held.len(), 3);
-        assert_eq!(held.aligned("chat", &[1, 2], 1_040), vec![(1, 10), (7, 520)]);
+        assert_eq!(
+            held.aligned("chat", &[1, 2], 1_040),
+            vec![(1, 10), (7, 520)]
+        );
         // Replica 20's entry expires on its own clock; the bundle's later.
         assert_eq!(held.aligned("chat", &[1, 2], 1_060), vec![(1, 10), (2, 20)]);
         assert_eq!(held.next_expiry(1_060), Some(1_070));

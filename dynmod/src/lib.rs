@@ -861,11 +861,11 @@ impl Filter {
             me.reply_error(s, &ApiError::bad_replica_load(msg));
         };
         let replica = self.head.replica.clone();
-        let loads =
-            match s.with_request_body(|b| replica_load::decode_post(replica.as_deref(), b)) {
-                Ok(l) => l,
-                Err(msg) => return reject(self, msg),
-            };
+        let loads = match s.with_request_body(|b| replica_load::decode_post(replica.as_deref(), b))
+        {
+            Ok(l) => l,
+            Err(msg) => return reject(self, msg),
+        };
         let taken = loads.len() as u64;
         let ttl = config.settings.ingest.as_ref().map_or(0, |i| i.load_ttl_ms);
         let now = now_ms();

@@ -189,7 +189,10 @@ async fn the_load_surface_checks_the_token_and_the_replica_and_hands_the_counts_
         assert!(posts.iter().all(|(auth, _, _)| auth == "Bearer tok"));
     }
     // The main surface serves it too.
-    assert_eq!(post_load(run.local_addr, &[auth, replica], counts(2)).await, 204);
+    assert_eq!(
+        post_load(run.local_addr, &[auth, replica], counts(2)).await,
+        204
+    );
     assert_eq!(a.from("gw-2/0").len(), 2);
 
     // Meanwhile the sidecar's own relay hands each Envoy's counts to the other.

@@ -437,7 +437,10 @@ impl Relay {
             let wait = {
                 let w = outbox.lock();
                 let full = w.began.len() >= POSTS_PER_INTERVAL;
-                w.began.front().filter(|_| full).map(|t| *t + self.load.window)
+                w.began
+                    .front()
+                    .filter(|_| full)
+                    .map(|t| *t + self.load.window)
             };
             if let Some(until) = wait {
                 tokio::time::sleep_until(until).await;
@@ -450,7 +453,8 @@ impl Relay {
                 }
                 let now = Instant::now();
                 let window = self.load.window;
-                w.began.retain(|t| now.saturating_duration_since(*t) < window);
+                w.began
+                    .retain(|t| now.saturating_duration_since(*t) < window);
                 if w.began.len() >= POSTS_PER_INTERVAL {
                     w.began.pop_front();
                 }

@@ -399,7 +399,10 @@ async fn a_peers_counts_reach_every_envoy_and_those_that_come_meanwhile_go_in_on
     let [c, d, e, f] = [1, 2, 3, 4].map(busy_counts);
     assert_eq!(relay.deliver_load(c.clone().into(), "gw-2").await, 2);
     for envoy in [&a, &b] {
-        assert_eq!(envoy.got(), vec![("Bearer secret-token".into(), "gw-2".into(), c.clone())]);
+        assert_eq!(
+            envoy.got(),
+            vec![("Bearer secret-token".into(), "gw-2".into(), c.clone())]
+        );
     }
     // Three at once: the post that takes them carries gw-3's and gw-2's newest, together.
     let (x, y, z) = tokio::join!(
@@ -412,7 +415,10 @@ async fn a_peers_counts_reach_every_envoy_and_those_that_come_meanwhile_go_in_on
         assert_eq!(envoy.posts.lock().unwrap().len(), 2);
         assert_eq!(envoy.from("gw-2"), vec![c.clone(), f.clone()]);
         assert_eq!(envoy.from("gw-3"), vec![e.clone()]);
-        assert!(envoy.got().iter().all(|(auth, _, _)| auth == "Bearer secret-token"));
+        assert!(envoy
+            .got()
+            .iter()
+            .all(|(auth, _, _)| auth == "Bearer secret-token"));
     }
     assert_eq!(relay.stats.bundled.load(Ordering::Relaxed), 4);
     assert_eq!(relay.stats.records_in.load(Ordering::Relaxed), 4);
@@ -434,7 +440,12 @@ async fn an_envoy_takes_at_most_four_posts_an_interval_and_the_rest_waits_for_th
     let t0 = Instant::now();
     for r in 1..=POSTS_PER_INTERVAL {
         let before = Instant::now();
-        assert_eq!(relay.deliver_load(busy_counts(1).into(), &format!("gw-{r}")).await, 1);
+        assert_eq!(
+            relay
+                .deliver_load(busy_counts(1).into(), &format!("gw-{r}"))
+                .await,
+            1
+        );
         let took = before.elapsed();
         assert!(took < Duration::from_millis(150), "post {r}: {took:?}");
     }
