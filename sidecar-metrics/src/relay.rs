@@ -21,7 +21,7 @@
 //! nothing in prefill) it reads each Envoy's requests still in prefill and hands them on the same
 //! way, named by the replica they come from, to each target only when they changed or the
 //! target's copy needs keeping alive. What peers send goes to this replica's Envoys one post at
-//! a time per Envoy, at most four an interval, what came meanwhile bundled into the next.
+//! a time per Envoy, at most six an interval, what came meanwhile bundled into the next.
 
 mod load;
 

@@ -532,11 +532,11 @@ def test_through_the_relay_a_replica_routes_around_another_replicas_prefills(pod
             gw.stop()
 
 
-def test_a_sidecar_hands_its_envoy_at_most_four_posts_of_peers_counts_an_interval(pods):
-    """One replica as deployed (an Envoy and its sidecar-metrics) and six other replicas'
+def test_a_sidecar_hands_its_envoy_at_most_six_posts_of_peers_counts_an_interval(pods):
+    """One replica as deployed (an Envoy and its sidecar-metrics) and eight other replicas'
     sidecars, played by this test, posting their counts to the sidecar's `POST /v1/load`. The
-    sidecar posts its Envoy the peers' counts as they come, but at most four posts in any
-    `prefix.load_interval_ms` (1 s here): the first four replicas' counts go at once, the next
+    sidecar posts its Envoy the peers' counts as they come, but at most six posts in any
+    `prefix.load_interval_ms` (1 s here): the first six replicas' counts go at once, the next
     two wait until the first post is an interval old and go together, in one bundle, and the
     Envoy takes each replica's entry. Counts the filter would refuse are refused at the
     sidecar, not bundled."""
@@ -567,23 +567,23 @@ def test_a_sidecar_hands_its_envoy_at_most_four_posts_of_peers_counts_an_interva
         assert post("replica-x", b"GPL1 not counts") == 400
         t0 = time.time()
         took = []
-        for r in range(1, 5):
+        for r in range(1, 7):
             assert post(f"replica-{r}") == 204
             took.append(time.time() - t0)
         statuses = []
-        posters = [threading.Thread(target=lambda r=r: statuses.append(post(r))) for r in ("replica-5", "replica-6")]
+        posters = [threading.Thread(target=lambda r=r: statuses.append(post(r))) for r in ("replica-7", "replica-8")]
         for t in posters:
             t.start()
         for t in posters:
             t.join()
         together = time.time() - t0
-        print(f"\nfour replicas' counts taken after {', '.join(f'{t * 1000:.1f}' for t in took)} ms, the next two's "
+        print(f"\nsix replicas' counts taken after {', '.join(f'{t * 1000:.1f}' for t in took)} ms, the next two's "
               f"after {together * 1000:.1f} ms")
         assert took[-1] < 0.5 and statuses == [204, 204] and together >= 0.9, (took, statuses, together)
-        # The Envoy took six replicas' counts; the last two came in one bundle.
-        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 6
+        # The Envoy took eight replicas' counts; the last two came in one bundle.
+        assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 8
         assert sc.metric("sidecar_replica_load_bundled_total") == 2
-        assert sc.metric('sidecar_replica_load_relayed_total{direction="in"}') == 6
+        assert sc.metric('sidecar_replica_load_relayed_total{direction="in"}') == 8
     finally:
         sc.stop()
         gw.stop()

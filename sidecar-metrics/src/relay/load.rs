@@ -18,8 +18,9 @@
 //! through its ingest listener and a rewrite of its shared store (~77 us of its CPU on the
 //! benchmark host, `scripts/replica_fanin_cost.py`), so
 //! without this an Envoy would take one post per peer per interval: with 15 peers, 3,000 a
-//! second. Up to four peers' counts go as they come; beyond that an Envoy takes at most 800
-//! posts a second (at 5 ms), however many replicas there are.
+//! second. With up to four peers their counts go as they come (a budget of six leaves room for
+//! their timing to wander); from five or so on an Envoy takes at most 1,200 posts a second (at
+//! 5 ms), however many replicas there are.
 //!
 //! A receiving Envoy keeps one entry per replica name for its `ingest.load_ttl_ms` (50 ms by
 //! default) and replaces it with each newer post, so only the newest body matters: nothing is
@@ -67,11 +68,14 @@ pub use gpuroute_core::replica_load::REPLICA_HEADER;
 /// The longest replica name the filter takes.
 pub use gpuroute_core::replica_load::MAX_REPLICA_NAME as MAX_REPLICA_LEN;
 
-/// The most posts of peers' counts one Envoy takes in any `prefix.load_interval_ms`: one per
-/// peer up to four peers (their counts go as they come, unless a post to that Envoy is under
-/// way), and beyond, what comes once they are spent waits for the next (a quarter interval
-/// apart while it lasts), all in one post.
-pub const POSTS_PER_INTERVAL: usize = 4;
+/// The most posts of peers' counts one Envoy takes in any `prefix.load_interval_ms`. Four peers
+/// post four times an interval; six leaves room for their timing to wander, so up to four
+/// their counts go as they come (unless a post to that Envoy is under way). With more, what
+/// comes once the six are spent waits for the next, all in one post. Against four and eight
+/// (`scripts/replica_fanin_cost.py`, one run each): four made the counts of four and five peers
+/// wait (median 0.6-1.5 ms from a peer's post, against 0.4 with six) for little of the Envoy's
+/// CPU; with fifteen peers eight left the Envoy at 179 ms/s of CPU, six at 127.
+pub const POSTS_PER_INTERVAL: usize = 6;
 
 /// The filter's body for "nothing in prefill": the magic and a pool count of zero.
 const NO_PREFILL: &[u8] = b"GPL1\0\0\0\0";

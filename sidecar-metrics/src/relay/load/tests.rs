@@ -430,13 +430,13 @@ async fn a_peers_counts_reach_every_envoy_and_those_that_come_meanwhile_go_in_on
 }
 
 #[tokio::test]
-async fn an_envoy_takes_at_most_four_posts_an_interval_and_the_rest_waits_for_the_window() {
+async fn an_envoy_takes_at_most_six_posts_an_interval_and_the_rest_waits_for_the_window() {
     let a = Fake::default();
     let ua = serve(a.clone()).await;
     let mut cfg = config(&[&ua], &["http://127.0.0.1:1"]);
-    cfg.prefix.load_interval_ms = 200;
+    cfg.prefix.load_interval_ms = 500;
     let relay = relay(&cfg);
-    // Four replicas' counts one after the other: each goes at once.
+    // Six replicas' counts one after the other: each goes at once.
     let t0 = Instant::now();
     for r in 1..=POSTS_PER_INTERVAL {
         let before = Instant::now();
@@ -449,21 +449,22 @@ async fn an_envoy_takes_at_most_four_posts_an_interval_and_the_rest_waits_for_th
         let took = before.elapsed();
         assert!(took < Duration::from_millis(150), "post {r}: {took:?}");
     }
-    // The fifth and sixth within the same interval wait until the first post is an interval old,
-    // and then go together.
+    // Two more within the same interval wait until the first post is an interval old, and then
+    // go together.
     let (x, y) = tokio::join!(
-        relay.deliver_load(busy_counts(2).into(), "gw-5"),
-        relay.deliver_load(busy_counts(2).into(), "gw-6"),
+        relay.deliver_load(busy_counts(2).into(), "gw-7"),
+        relay.deliver_load(busy_counts(2).into(), "gw-8"),
     );
     assert_eq!((x, y), (1, 1));
     let posts = a.posts.lock().unwrap().clone();
     assert_eq!(posts.len(), POSTS_PER_INTERVAL + 1);
     let waited = posts[POSTS_PER_INTERVAL].duration_since(posts[0]);
-    assert!(waited >= Duration::from_millis(180), "{waited:?}");
-    assert!(t0.elapsed() >= Duration::from_millis(190));
+    assert!(waited >= Duration::from_millis(480), "{waited:?}");
+    assert!(t0.elapsed() >= Duration::from_millis(490));
     assert_eq!(relay.stats.bundled.load(Ordering::Relaxed), 2);
+    assert_eq!(a.from("gw-7").len() + a.from("gw-8").len(), 2);
     // After an interval without posts: at once again.
-    tokio::time::sleep(Duration::from_millis(220)).await;
+    tokio::time::sleep(Duration::from_millis(520)).await;
     let t1 = Instant::now();
     assert_eq!(relay.deliver_load(busy_counts(3).into(), "gw-1").await, 1);
     let again = t1.elapsed();
