@@ -210,7 +210,7 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
              # HELP sidecar_replica_load_unchanged_total Bodies of in-flight counts not posted to a target that already has them: unchanged since its last post and the keepalive not due, or empty and already sent.\n\
              # TYPE sidecar_replica_load_unchanged_total counter\n\
              sidecar_replica_load_unchanged_total {}\n\
-             # HELP sidecar_replica_load_bundled_total Peers' bodies of in-flight counts posted to an Envoy in one post with other replicas' (they came within half a load interval of the post before).\n\
+             # HELP sidecar_replica_load_bundled_total Peers' bodies of in-flight counts posted to an Envoy in one post with other replicas' (they came while a post to it was under way, or once its six posts a load interval were spent).\n\
              # TYPE sidecar_replica_load_bundled_total counter\n\
              sidecar_replica_load_bundled_total {}\n",
             st.records_out.load(Ordering::Relaxed),

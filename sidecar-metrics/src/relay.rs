@@ -93,7 +93,7 @@ pub struct RelayStats {
     /// since the last post and the keepalive not due, or empty and already sent).
     pub unchanged: AtomicU64,
     /// The load relay: peers' bodies posted to an Envoy together with other replicas' (in a
-    /// bundle), because they came within the gap after the post before.
+    /// bundle), because they came while a post to it was under way or its budget was spent.
     pub bundled: AtomicU64,
 }
 
