@@ -24,7 +24,6 @@ Writes target/bench/envoy-streaming.json.
 import argparse
 import hashlib
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -33,17 +32,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import envoy_overhead as eo  # noqa: E402
-from harness import BUILDS, Envoy, Pusher, free_port, scratch  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
+from harness import BUILDS, Envoy, Pusher, cpu_seconds, free_port, scratch  # noqa: E402  (tests/e2e, on the path via envoy_overhead)
 
 ROOT = eo.ROOT
 RELEASE = ROOT / "target" / "release"
 SHORT, LONG = 8, 128
 
 
-def cpu_seconds(pid):
-    """user + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_stubs(n):

@@ -35,16 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
 import harness  # noqa: E402
-from harness import STAT_PREFIX, TOKEN, Envoy, Sidecar, free_port  # noqa: E402
+from harness import STAT_PREFIX, TOKEN, Envoy, Sidecar, cpu_seconds, free_port  # noqa: E402
 from stubpod import serving  # noqa: E402
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
 PEERS = ROOT / "target" / "release" / "relay-peers"
 
 
-def cpu_s(pid):
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def ingest_requests(gw):
@@ -56,7 +53,7 @@ def ingest_requests(gw):
 
 def step(gw, sc, target, pods, peers, seconds):
     imported0, answered0 = gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") or 0, ingest_requests(gw)
-    e0, s0 = cpu_s(gw.proc.pid), cpu_s(sc.proc.pid)
+    e0, s0 = cpu_seconds(gw.proc.pid), cpu_seconds(sc.proc.pid)
     poster = subprocess.Popen([str(PEERS), "--target", target, "--token", TOKEN, "--peers", str(peers),
                                "--seconds", str(seconds), "--pods", ",".join(pods)], stdout=subprocess.PIPE)
     out = poster.stdout.read()
@@ -64,7 +61,7 @@ def step(gw, sc, target, pods, peers, seconds):
     if status != 0:
         raise RuntimeError(f"relay-peers failed ({status})")
     posted = json.loads(out)
-    e1, s1 = cpu_s(gw.proc.pid), cpu_s(sc.proc.pid)
+    e1, s1 = cpu_seconds(gw.proc.pid), cpu_seconds(sc.proc.pid)
     secs = posted["seconds"]
     imported = (gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") or 0) - imported0
     return {

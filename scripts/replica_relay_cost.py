@@ -14,7 +14,6 @@ the requests in prefill" and "Limitations and next work".
 """
 
 import argparse
-import os
 import sys
 import threading
 import time
@@ -23,15 +22,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from harness import Envoy, Sidecar, free_port  # noqa: E402
+from harness import Envoy, Sidecar, cpu_seconds, free_port  # noqa: E402
 from stubpod import serving  # noqa: E402
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}]}
 
 
-def cpu_s(pid):
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def measure(interval_ms, load, seconds):
@@ -68,9 +64,9 @@ def measure(interval_ms, load, seconds):
             for t in threads:
                 t.start()
             time.sleep(0.5)
-            n0, e0, s0 = sent[0], [cpu_s(g.proc.pid) for g in gws], [cpu_s(s.proc.pid) for s in scs]
+            n0, e0, s0 = sent[0], [cpu_seconds(g.proc.pid) for g in gws], [cpu_seconds(s.proc.pid) for s in scs]
             time.sleep(seconds)
-            n1, e1, s1 = sent[0], [cpu_s(g.proc.pid) for g in gws], [cpu_s(s.proc.pid) for s in scs]
+            n1, e1, s1 = sent[0], [cpu_seconds(g.proc.pid) for g in gws], [cpu_seconds(s.proc.pid) for s in scs]
             stop.set()
             for t in threads:
                 t.join()

@@ -304,8 +304,6 @@ impl ReplicaLoads {
     /// [`ReplicaLoads::put`] for each of `loads` ([`decode_post`]'s), in one pass; of two
     /// entries for the same replica, the later counts.
     pub fn put_all(&mut self, loads: Vec<(u64, ReplicaLoad)>, now_ms: u64, ttl_ms: u64) {
-        self.entries
-            .retain(|e| !loads.iter().any(|(r, _)| *r == e.replica) && fresh(e, now_ms));
         let expires_ms = now_ms.saturating_add(ttl_ms);
         for (replica, load) in loads {
             self.entries.retain(|e| e.replica != replica);
@@ -315,6 +313,8 @@ impl ReplicaLoads {
                 load,
             });
         }
+        // The new entries are fresh: this forgets the old ones no longer counted.
+        self.entries.retain(|e| fresh(e, now_ms));
         // Newest first; beyond MAX_REPLICAS entries, or MAX_PODS pods over all of them (what
         // every worker decodes at each change), the oldest go.
         self.entries

@@ -226,7 +226,6 @@ impl Relay {
                 // At least the interval, even in a configuration that was not validated.
                 Duration::from_millis(p.load_idle_interval_ms).max(interval),
                 n,
-                interval,
             ),
         };
         Some(Arc::new(Relay {

@@ -79,6 +79,12 @@ def envoy_binary():
     return Path(out.stdout.strip())
 
 
+def cpu_seconds(pid):
+    """User + system CPU time of a process so far (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def now_ms():
     return int(time.time() * 1000)
 

@@ -14,6 +14,7 @@
 
 use anyhow::{bail, Result};
 use clap::Parser;
+use gpuroute_bench::results::Percentiles;
 use gpuroute_core::prefix::pod_key;
 use gpuroute_core::replica_load::{PodPrefill, ReplicaLoad, REPLICA_HEADER};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,17 +53,8 @@ struct Counts {
     taken: AtomicU64,
     refused: AtomicU64,
     failed: AtomicU64,
-    /// Each taken post's latency, microseconds.
-    latency_us: std::sync::Mutex<Vec<u64>>,
-}
-
-/// The `q` quantile of sorted `v` (nearest rank), in milliseconds; 0 when empty.
-fn quantile_ms(v: &[u64], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let i = ((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1;
-    v[i] as f64 / 1e3
+    /// Each taken post's latency, milliseconds.
+    latency_ms: std::sync::Mutex<Vec<f64>>,
 }
 
 /// Peer `peer`'s counts at its `n`th post: every pod has 1-4 requests in prefill, shifted at
@@ -128,9 +120,8 @@ async fn main() -> Result<()> {
                     .await;
                 let slot = match sent {
                     Ok(r) if r.status().is_success() => {
-                        let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
-                        if let Ok(mut l) = counted.latency_us.lock() {
-                            l.push(us);
+                        if let Ok(mut l) = counted.latency_ms.lock() {
+                            l.push(t0.elapsed().as_secs_f64() * 1e3);
                         }
                         &counted.taken
                     }
@@ -146,12 +137,11 @@ async fn main() -> Result<()> {
     }
     let secs = start.elapsed().as_secs_f64();
     let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
-    let mut lat = counted
-        .latency_us
+    let latency = counted
+        .latency_ms
         .lock()
-        .map(|l| l.clone())
+        .map(|l| Percentiles::of(l.iter().copied()))
         .unwrap_or_default();
-    lat.sort_unstable();
     let out = serde_json::json!({
         "peers": a.peers,
         "interval_ms": a.interval_ms,
@@ -161,11 +151,7 @@ async fn main() -> Result<()> {
         "refused": get(&counted.refused),
         "failed": get(&counted.failed),
         "taken_per_s": get(&counted.taken) as f64 / secs,
-        "latency_ms": {
-            "p50": quantile_ms(&lat, 0.5),
-            "p90": quantile_ms(&lat, 0.9),
-            "p99": quantile_ms(&lat, 0.99),
-        },
+        "latency_ms": latency,
     });
     println!("{out}");
     Ok(())

@@ -98,10 +98,9 @@ pub(super) struct LoadState {
     pub(super) idle_interval: Duration,
     /// For each Envoy read (by index), the last body each target (by URL) took from it.
     sent: Vec<Mutex<HashMap<String, Sent>>>,
-    /// For each Envoy (by index), the peers' counts waiting for a post to it.
+    /// For each Envoy (by index), the peers' counts waiting for a post to it (at most
+    /// [`POSTS_PER_INTERVAL`] posts in any relay interval).
     outboxes: Vec<Outbox>,
-    /// The window in which one Envoy takes at most [`POSTS_PER_INTERVAL`] posts of peers' counts.
-    window: Duration,
 }
 
 /// The peers' counts waiting for a post to one Envoy, and the post that will carry them.
@@ -148,19 +147,13 @@ struct Sent {
 }
 
 impl LoadState {
-    /// The state of a relay reading `envoys` Envoys every `interval`.
-    pub(super) fn new(
-        keepalive: Duration,
-        idle_interval: Duration,
-        envoys: usize,
-        interval: Duration,
-    ) -> LoadState {
+    /// The state of a relay reading `envoys` Envoys.
+    pub(super) fn new(keepalive: Duration, idle_interval: Duration, envoys: usize) -> LoadState {
         LoadState {
             keepalive,
             idle_interval,
             sent: (0..envoys).map(|_| Mutex::default()).collect(),
             outboxes: (0..envoys).map(|_| Outbox::default()).collect(),
-            window: interval,
         }
     }
 
@@ -441,10 +434,7 @@ impl Relay {
             let wait = {
                 let w = outbox.lock();
                 let full = w.began.len() >= POSTS_PER_INTERVAL;
-                w.began
-                    .front()
-                    .filter(|_| full)
-                    .map(|t| *t + self.load.window)
+                w.began.front().filter(|_| full).map(|t| *t + self.interval)
             };
             if let Some(until) = wait {
                 tokio::time::sleep_until(until).await;
@@ -456,7 +446,7 @@ impl Relay {
                     return;
                 }
                 let now = Instant::now();
-                let window = self.load.window;
+                let window = self.interval;
                 w.began
                     .retain(|t| now.saturating_duration_since(*t) < window);
                 if w.began.len() >= POSTS_PER_INTERVAL {
