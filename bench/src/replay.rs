@@ -88,6 +88,13 @@ pub struct ReplaySettings {
     pub proxy_ms: f64,
     /// The filter engines requests are spread over, and what they learn of each other.
     pub gateways: Gateways,
+    /// Each pod's capacity, in the fleet's pod order, as `capacity` configured per pod in
+    /// sidecar-metrics (the hardware known); `None`: estimated from the pods' metrics, as by
+    /// default. A list shorter than the fleet leaves the rest estimated.
+    pub capacities: Option<Vec<f64>>,
+    /// Requests (workload order, inclusive) whose routing the filter explains on stderr: its
+    /// score breakdown beside each pod's true state and the in-flight table it decided on.
+    pub explain: Option<(usize, usize)>,
 }
 
 /// Filter engines that decide apart: the workers of one Envoy, or gateway replicas.
@@ -161,6 +168,8 @@ impl Default for ReplaySettings {
             seed: 1,
             proxy_ms: 0.0,
             gateways: Gateways::one(),
+            capacities: None,
+            explain: None,
         }
     }
 }
@@ -378,7 +387,7 @@ impl<'a> Replay<'a> {
                         address: addr,
                         metrics_url: format!("http://{addr}/metrics"),
                         engine: None,
-                        capacity: None,
+                        capacity: settings.capacities.as_ref().and_then(|c| c.get(i).copied()),
                         ready: true,
                         name: Some(p.name.clone()),
                     }),
@@ -617,7 +626,7 @@ impl<'a> Replay<'a> {
                 pick
             }
             Policy::LeastRequest => self.least_request(&candidates, gateway),
-            Policy::Filter(_) => match self.filter_pick(req, at, gateway) {
+            Policy::Filter(_) => match self.filter_pick(r, req, at, gateway) {
                 Picked::Pod(i, f) => {
                     flight = f;
                     Some(i)
@@ -768,7 +777,7 @@ impl<'a> Replay<'a> {
     /// Engine `gateway`'s decision for `req` at wall ns `at`, counted in its in-flight table and
     /// recorded in its prefix index as the filter's shell does, and relayed to the other
     /// engines as [`Gateways`] says.
-    fn filter_pick(&mut self, req: &TimedRequest, at: u64, gateway: usize) -> Picked {
+    fn filter_pick(&mut self, r: usize, req: &TimedRequest, at: u64, gateway: usize) -> Picked {
         let now_ms = self.wall_ms(at);
         self.deliver(at);
         let prefix_relay = self
@@ -806,13 +815,52 @@ impl<'a> Replay<'a> {
                 }
             }
         }
+        let explain = self
+            .settings
+            .explain
+            .is_some_and(|(from, to)| (from..=to).contains(&r));
         let opts = DecideOptions {
             now_ms,
+            debug: explain,
             ..DecideOptions::default()
         };
         let choice = f
             .engine
             .decide(&prep, f.fleet.as_ref(), &loads, opts, &mut self.rng);
+        if explain {
+            let pool = f.fleet.as_ref().and_then(|fl| fl.pool(&prep.pool));
+            let mut lines = vec![format!(
+                "request {r} at {:.1} s, gateway {gateway}, {} prompt tokens: {}",
+                (now_ms - self.epoch_ms) as f64 / 1000.0,
+                prep.prompt_tokens,
+                choice.debug.as_deref().unwrap_or("no decision")
+            )];
+            for (idx, l) in loads.iter().enumerate() {
+                let Some(p) = pool.and_then(|pl| pl.pods.get(idx)) else {
+                    continue;
+                };
+                let Some(&pod) = self.by_address.get(&p.snap.address) else {
+                    continue;
+                };
+                let g = self.pods[pod].engine.gauges();
+                lines.push(format!(
+                    "  {}: true running {} waiting {} kv {:.2}; snapshot running {} waiting {} capacity {:.2} (class {:.2}); in flight {} (+{} since), in prefill {} ({} tokens)",
+                    p.snap.address,
+                    g.running,
+                    g.waiting,
+                    g.kv_usage,
+                    p.snap.running,
+                    p.snap.waiting,
+                    p.snap.capacity,
+                    p.speed,
+                    l.inflight,
+                    l.delta(),
+                    l.prefill,
+                    l.prefill_tokens
+                ));
+            }
+            eprintln!("{}", lines.join("\n"));
+        }
         match choice.decision {
             Decision::Picked(_) => {
                 let (Some(idx), Some(key)) = (choice.picked_index, choice.picked_key) else {

@@ -85,6 +85,23 @@ fn the_filter_beats_both_baselines_on_every_scenario() {
 }
 
 #[test]
+fn configured_capacities_replace_the_estimate() {
+    // mixed-gpu's pods configured as four equal GPUs: the filter decides differently than on
+    // the estimate (H100s ~3x faster); an empty list leaves every pod estimated, as by default.
+    let (requests, fleet) = parts("mixed-gpu", true);
+    let with = |capacities: Option<Vec<f64>>| {
+        let settings = ReplaySettings {
+            capacities,
+            ..ReplaySettings::default()
+        };
+        replay(&requests, &fleet, &filter(), &settings).unwrap()
+    };
+    let estimated = with(None);
+    assert_ne!(with(Some(vec![1.0; 4])).served_by, estimated.served_by);
+    assert_eq!(with(Some(Vec::new())), estimated);
+}
+
+#[test]
 fn the_filter_sends_the_faster_gpus_more_and_keeps_adapters_in_place() {
     // mixed-gpu: 2 x H100 then 2 x L40S (about 3x slower); the filter only knows the speeds
     // from the aggregator's estimate over the pods' metrics.

@@ -117,6 +117,45 @@ pub struct FleetState {
     by_name: NameMap<String, usize>,
 }
 
+/// The widest ratio of capacities one speed group spans: sqrt(2), one step of
+/// [`speed_class`]. Identical GPUs' estimates differ by up to about that with the batch each
+/// runs; GPU generations are 1.4x (H200 over H100) to 4x (H100 over L40S) apart in memory
+/// bandwidth, what decoding is bound by.
+const GROUP_SPAN: f64 = std::f64::consts::SQRT_2;
+
+/// Speed classes of a pool's pods from their capacities, in order: pods whose capacities lie
+/// within [`GROUP_SPAN`] of the slowest of their group share one class, the [`speed_class`] of
+/// their geometric mean. Rounding each pod's capacity alone would split two identical GPUs
+/// whose estimates straddle a class boundary (2.30 and 2.53 against the boundary at 2.38: two
+/// H100s of the mixed-gpu benchmark, 2 and 2.83), and the one read as 41% faster would get
+/// the other's share of long prompts.
+pub fn pool_speed_classes(capacities: &[f64]) -> Vec<f64> {
+    let valid = |c: f64| c.is_finite() && c > 0.0;
+    let mut order: Vec<usize> = (0..capacities.len())
+        .filter(|&i| valid(capacities[i]))
+        .collect();
+    order.sort_by(|&a, &b| capacities[a].total_cmp(&capacities[b]));
+    // Unknown capacities read as 1, as [`speed_class`] reads them.
+    let mut out = vec![1.0; capacities.len()];
+    let mut start = 0;
+    while start < order.len() {
+        let floor = capacities[order[start]];
+        let end = start
+            + order[start..]
+                .iter()
+                .take_while(|&&i| capacities[i] <= floor * GROUP_SPAN)
+                .count();
+        let group = &order[start..end];
+        let mean_log = group.iter().map(|&i| capacities[i].ln()).sum::<f64>() / group.len() as f64;
+        let class = speed_class(mean_log.exp());
+        for &i in group {
+            out[i] = class;
+        }
+        start = end;
+    }
+    out
+}
+
 impl FleetState {
     pub fn new(snapshot: Snapshot, received_at_ms: u64) -> FleetState {
         let generated = snapshot.generated_at_ms;
@@ -124,11 +163,15 @@ impl FleetState {
             .pools
             .into_iter()
             .map(|p| {
-                let pods: Vec<PodState> = p
+                let mut pods: Vec<PodState> = p
                     .pods
                     .into_iter()
                     .map(|s| PodState::new(s, generated))
                     .collect();
+                let caps: Vec<f64> = pods.iter().map(|x| x.snap.capacity).collect();
+                for (pod, speed) in pods.iter_mut().zip(pool_speed_classes(&caps)) {
+                    pod.speed = speed;
+                }
                 PoolState {
                     name: p.name,
                     keys: pods.iter().map(|x| x.key).collect(),
@@ -198,5 +241,65 @@ mod tests {
         assert_eq!(p.pods[1].free_lora_slots(), None);
         assert_eq!(f.age_ms(5_250), 250);
         assert!(f.pool("q").is_none());
+    }
+
+    #[test]
+    fn identical_gpus_share_a_speed_class_and_generations_keep_theirs() {
+        let sqrt2 = std::f64::consts::SQRT_2;
+        // Two H100s whose estimates straddle the boundary at 2.38 (alone: classes 2 and 2.83),
+        // two L40Ss: one class each, the generations ~4x apart.
+        let c = pool_speed_classes(&[2.30, 2.53, 0.55, 0.64]);
+        assert_eq!((speed_class(2.30), speed_class(2.53)), (2.0, 2.0 * sqrt2));
+        assert_eq!(c[0], c[1]);
+        assert_eq!(c[2], c[3]);
+        assert!(c[0] / c[2] >= 2.0 * sqrt2, "{c:?}");
+        // The group's class is its geometric mean's, whatever the order.
+        assert_eq!(c[0], speed_class((2.30f64 * 2.53).sqrt()));
+        assert_eq!(
+            pool_speed_classes(&[0.64, 2.53, 0.55, 2.30]),
+            [c[3], c[1], c[2], c[0]]
+        );
+        // One pod: its own class. Unknown capacities read as 1, and stay out of the groups.
+        assert_eq!(pool_speed_classes(&[3.1]), [speed_class(3.1)]);
+        assert_eq!(
+            pool_speed_classes(&[f64::NAN, 0.0, 1.9, 2.1]),
+            [1.0, 1.0, 2.0, 2.0]
+        );
+        assert!(pool_speed_classes(&[]).is_empty());
+        // A group spans sqrt(2) from its slowest: 1.0, 1.3 together; 1.5 starts the next.
+        let c = pool_speed_classes(&[1.0, 1.3, 1.5, 2.0]);
+        assert_eq!(c[0], c[1]);
+        assert_eq!(c[2], c[3]);
+        assert!(c[2] > c[1]);
+    }
+
+    #[test]
+    fn the_decoded_pool_carries_the_groups_classes() {
+        let pods = [
+            ("10.0.0.1:8000", 2.30),
+            ("10.0.0.2:8000", 2.53),
+            ("10.0.0.3:8000", 0.6),
+        ]
+        .into_iter()
+        .map(|(a, c)| {
+            let mut p = PodSnapshot::new(a, 1_000);
+            p.capacity = c;
+            p
+        })
+        .collect();
+        let snap = Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 1,
+            source: String::new(),
+            generated_at_ms: 1_000,
+            pools: vec![PoolSnapshot {
+                name: "p".into(),
+                pods,
+            }],
+        };
+        let f = FleetState::new(snap, 1_000);
+        let speeds: Vec<f64> = f.pool("p").unwrap().pods.iter().map(|p| p.speed).collect();
+        assert_eq!(speeds, pool_speed_classes(&[2.30, 2.53, 0.6]));
+        assert_eq!(speeds[0], speeds[1]);
     }
 }

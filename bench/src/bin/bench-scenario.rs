@@ -59,68 +59,82 @@ enum Cmd {
     /// metrics; no Envoy, no wall clock, so a run is exactly reproducible and two routers are
     /// compared on the very same arrivals. Prints TTFT percentiles per router (mean over the
     /// runs), and each router against the first, paired run by run.
-    Replay {
-        /// Scenario name or file.
-        scenario: String,
-        /// The quick variant.
-        #[arg(long)]
-        quick: bool,
-        /// Routers, comma-separated: round_robin, least_request, filter, filter-NAME (the
-        /// filter with --filter-variant NAME=JSON).
-        #[arg(long, default_value = "round_robin,least_request,filter")]
-        configs: String,
-        /// NAME=JSON: top-level keys over the filter's configuration for filter-NAME (as
-        /// `scripts/bench.py --filter-variant`).
-        #[arg(long = "filter-variant", value_name = "NAME=JSON")]
-        filter_variant: Vec<String>,
-        /// Workloads to run each router on: the scenario's own, then others of its kind
-        /// (Poisson: seeds 1, 2, ...; a trace: the windows after and before the scenario's,
-        /// alternately).
-        #[arg(long, default_value_t = 1)]
-        workloads: u64,
-        /// Seed of the routers' random choices.
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
-        /// The aggregator's scrape interval, ms (the benchmark's stack: 100).
-        #[arg(long, default_value_t = 100)]
-        interval_ms: u64,
-        /// From a scrape to the filter holding its snapshot, ms.
-        #[arg(long, default_value_t = 5)]
-        lag_ms: u64,
-        /// The proxy's mean delay each way, ms (a request reaches its pod after 0 to twice
-        /// this, drawn per request; its first token is this much later at the client).
-        #[arg(long, default_value_t = 0.0)]
-        proxy_ms: f64,
-        /// The filter as N workers of one Envoy: each request reaches one drawn at random;
-        /// each learns the others' in-flight counts 2 ms and routing decisions 20 ms later.
-        #[arg(long, conflicts_with = "replicas")]
-        workers: Option<usize>,
-        /// The filter as N gateway replicas: each request reaches one drawn at random; each
-        /// learns the others' routing decisions 60 ms later and their requests in prefill 5 ms
-        /// later (sidecar-metrics' relays).
-        #[arg(long)]
-        replicas: Option<usize>,
-        /// With --workers or --replicas: the routing decisions' delay to the other engines, ms.
-        #[arg(long, conflicts_with = "no_prefix_relay")]
-        prefix_relay_ms: Option<u64>,
-        /// With --workers or --replicas: no routing decisions pass between them.
-        #[arg(long)]
-        no_prefix_relay: bool,
-        /// With --workers or --replicas: the in-flight counts' delay to the other engines, ms.
-        #[arg(long, conflicts_with = "no_load_relay")]
-        load_relay_ms: Option<u64>,
-        /// With --workers or --replicas: no in-flight counts pass between them.
-        #[arg(long)]
-        no_load_relay: bool,
-        /// Print JSON (every run, and with --per-request each request's TTFT and pod).
-        #[arg(long)]
-        json: bool,
-        /// With --json: each request's TTFT and the pod index it went to.
-        #[arg(long)]
-        per_request: bool,
-    },
+    Replay(Box<ReplayArgs>),
     /// List scenario names.
     List,
+}
+
+/// `bench-scenario replay`'s options.
+#[derive(clap::Args, Debug)]
+struct ReplayArgs {
+    /// Scenario name or file.
+    scenario: String,
+    /// The quick variant.
+    #[arg(long)]
+    quick: bool,
+    /// Routers, comma-separated: round_robin, least_request, filter, filter-NAME (the
+    /// filter with --filter-variant NAME=JSON).
+    #[arg(long, default_value = "round_robin,least_request,filter")]
+    configs: String,
+    /// NAME=JSON: top-level keys over the filter's configuration for filter-NAME (as
+    /// `scripts/bench.py --filter-variant`).
+    #[arg(long = "filter-variant", value_name = "NAME=JSON")]
+    filter_variant: Vec<String>,
+    /// Workloads to run each router on: the scenario's own, then others of its kind
+    /// (Poisson: seeds 1, 2, ...; a trace: the windows after and before the scenario's,
+    /// alternately).
+    #[arg(long, default_value_t = 1)]
+    workloads: u64,
+    /// Seed of the routers' random choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The aggregator's scrape interval, ms (the benchmark's stack: 100).
+    #[arg(long, default_value_t = 100)]
+    interval_ms: u64,
+    /// From a scrape to the filter holding its snapshot, ms.
+    #[arg(long, default_value_t = 5)]
+    lag_ms: u64,
+    /// The proxy's mean delay each way, ms (a request reaches its pod after 0 to twice
+    /// this, drawn per request; its first token is this much later at the client).
+    #[arg(long, default_value_t = 0.0)]
+    proxy_ms: f64,
+    /// The filter as N workers of one Envoy: each request reaches one drawn at random;
+    /// each learns the others' in-flight counts 2 ms and routing decisions 20 ms later.
+    #[arg(long, conflicts_with = "replicas")]
+    workers: Option<usize>,
+    /// The filter as N gateway replicas: each request reaches one drawn at random; each
+    /// learns the others' routing decisions 60 ms later and their requests in prefill 5 ms
+    /// later (sidecar-metrics' relays).
+    #[arg(long)]
+    replicas: Option<usize>,
+    /// With --workers or --replicas: the routing decisions' delay to the other engines, ms.
+    #[arg(long, conflicts_with = "no_prefix_relay")]
+    prefix_relay_ms: Option<u64>,
+    /// With --workers or --replicas: no routing decisions pass between them.
+    #[arg(long)]
+    no_prefix_relay: bool,
+    /// With --workers or --replicas: the in-flight counts' delay to the other engines, ms.
+    #[arg(long, conflicts_with = "no_load_relay")]
+    load_relay_ms: Option<u64>,
+    /// With --workers or --replicas: no in-flight counts pass between them.
+    #[arg(long)]
+    no_load_relay: bool,
+    /// Print JSON (every run, and with --per-request each request's TTFT and pod).
+    #[arg(long)]
+    json: bool,
+    /// With --json: each request's TTFT and the pod index it went to.
+    #[arg(long)]
+    per_request: bool,
+    /// Each pod's capacity, comma-separated in the fleet's pod order (`bench-scenario fleet
+    /// S`), as `capacity` configured per pod in sidecar-metrics: the hardware known instead
+    /// of estimated from the metrics (e.g. 2.7,2.7,1,1 for mixed-gpu's H100s and L40Ss).
+    #[arg(long, value_delimiter = ',')]
+    capacities: Option<Vec<f64>>,
+    /// Print the filter's decision for requests FROM-TO (workload order, the indices of
+    /// --per-request; or one request, N) on stderr: its score breakdown, and each pod's true
+    /// state beside the snapshot and in-flight counts it decided on.
+    #[arg(long, value_name = "FROM-TO")]
+    explain: Option<String>,
 }
 
 /// The filter engines of `bench-scenario replay` from its options.
@@ -167,6 +181,17 @@ fn describe_gateways(g: &Gateways) -> String {
         when(g.prefix_relay_ms),
         when(g.load_relay_ms)
     )
+}
+
+/// `--explain FROM-TO` (or one request, `N`): the requests' range, inclusive.
+fn parse_range(s: &str) -> Result<(usize, usize)> {
+    let (from, to) = s.split_once('-').unwrap_or((s, s));
+    let (from, to) = (from.trim().parse()?, to.trim().parse()?);
+    anyhow::ensure!(
+        from <= to,
+        "--explain {s}: the first request is after the last"
+    );
+    Ok((from, to))
 }
 
 /// A router of `bench-scenario replay --configs`.
@@ -222,17 +247,36 @@ fn spread(xs: &[f64]) -> String {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn run_replay(
-    scenario: &str,
-    quick: bool,
-    configs: &str,
-    filter_variant: &[String],
-    workloads: u64,
-    settings: &ReplaySettings,
-    json: bool,
-    per_request: bool,
-) -> Result<()> {
+fn run_replay(a: &ReplayArgs) -> Result<()> {
+    let settings = ReplaySettings {
+        interval_ms: a.interval_ms.max(1),
+        snapshot_lag_ms: a.lag_ms,
+        seed: a.seed,
+        proxy_ms: if a.proxy_ms.is_finite() {
+            a.proxy_ms.max(0.0)
+        } else {
+            0.0
+        },
+        gateways: gateways(
+            a.workers,
+            a.replicas,
+            a.prefix_relay_ms,
+            a.no_prefix_relay,
+            a.load_relay_ms,
+            a.no_load_relay,
+        ),
+        capacities: a.capacities.clone(),
+        explain: a.explain.as_deref().map(parse_range).transpose()?,
+    };
+    let settings = &settings;
+    let ReplayArgs {
+        scenario,
+        configs,
+        filter_variant,
+        ..
+    } = a;
+    let (quick, json, per_request) = (a.quick, a.json, a.per_request);
+    let workloads = a.workloads.max(1);
     let path = find(scenario)?;
     let s = Scenario::load(&path)?;
     let (own, fleet) = scenario_parts(&s, &path, quick).map_err(anyhow::Error::msg)?;
@@ -435,54 +479,7 @@ fn main() -> Result<()> {
             }
             println!("{}", serde_json::to_string_pretty(&out)?);
         }
-        Cmd::Replay {
-            scenario,
-            quick,
-            configs,
-            filter_variant,
-            workloads,
-            seed,
-            interval_ms,
-            lag_ms,
-            proxy_ms,
-            workers,
-            replicas,
-            prefix_relay_ms,
-            no_prefix_relay,
-            load_relay_ms,
-            no_load_relay,
-            json,
-            per_request,
-        } => {
-            let settings = ReplaySettings {
-                interval_ms: interval_ms.max(1),
-                snapshot_lag_ms: lag_ms,
-                seed,
-                proxy_ms: if proxy_ms.is_finite() {
-                    proxy_ms.max(0.0)
-                } else {
-                    0.0
-                },
-                gateways: gateways(
-                    workers,
-                    replicas,
-                    prefix_relay_ms,
-                    no_prefix_relay,
-                    load_relay_ms,
-                    no_load_relay,
-                ),
-            };
-            run_replay(
-                &scenario,
-                quick,
-                &configs,
-                &filter_variant,
-                workloads.max(1),
-                &settings,
-                json,
-                per_request,
-            )?;
-        }
+        Cmd::Replay(args) => run_replay(&args)?,
         Cmd::List => {
             let dir = scenario_candidates("x")
                 .into_iter()
