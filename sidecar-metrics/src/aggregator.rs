@@ -75,6 +75,8 @@ pub struct Published {
     pub round_latency: Histogram,
     pub rounds_incomplete: u64,
     pub invalid_snapshots: u64,
+    /// Pods scraped whole after a filtered scrape found nothing (`filter_metrics`).
+    pub filter_fallbacks: u64,
 }
 
 /// How long the aggregator waits for every pool's discovery to report before it publishes
@@ -92,6 +94,8 @@ struct Done {
     at: Instant,
     latency: Duration,
     result: Result<Reading, ScrapeError>,
+    /// Asked for only what is read (`filter_metrics`).
+    filtered: bool,
 }
 
 struct Pool {
@@ -108,6 +112,12 @@ struct Round {
     launched: usize,
     failed: usize,
     last_answer: Instant,
+}
+
+/// The URL a new target is scraped at first: filtered while `filter_metrics` is on.
+fn filtered_url(cfg: &Config, t: &Target) -> Option<String> {
+    cfg.filter_metrics
+        .then(|| crate::engine::filtered_url(&t.metrics_url))
 }
 
 /// The scrape loop's state. Build with [`Aggregator::new`], drive with [`Aggregator::run`].
@@ -134,6 +144,8 @@ pub struct Aggregator {
     invalid_snapshots: u64,
     invalid_gate: LogGate,
     failure_gate: LogGate,
+    /// Pods that fell back to whole scrapes (`filter_metrics`).
+    unfiltered_pods: u64,
 }
 
 impl Aggregator {
@@ -188,6 +200,7 @@ impl Aggregator {
             invalid_snapshots: 0,
             invalid_gate: LogGate::new(Duration::from_secs(10)),
             failure_gate: LogGate::new(Duration::from_secs(10)),
+            unfiltered_pods: 0,
         };
         (agg, rx)
     }
@@ -252,6 +265,9 @@ impl Aggregator {
                 Some(id) => {
                     if let Some(p) = self.pods.get_mut(&id) {
                         if p.target != t {
+                            if p.target.metrics_url != t.metrics_url {
+                                p.filtered_url = filtered_url(&self.cfg, &t);
+                            }
                             p.target = t.clone();
                         }
                     }
@@ -260,7 +276,9 @@ impl Aggregator {
                 None => {
                     let id = self.next_id;
                     self.next_id += 1;
-                    self.pods.insert(id, PodState::new(t.clone()));
+                    let mut p = PodState::new(t.clone());
+                    p.filtered_url = filtered_url(&self.cfg, &t);
+                    self.pods.insert(id, p);
                     id
                 }
             };
@@ -294,7 +312,11 @@ impl Aggregator {
             self.round.launched += 1;
             let (id, round) = (*id, self.round.index);
             let fetcher = self.fetcher.clone();
-            let url = pod.target.metrics_url.clone();
+            let filtered = pod.filtered_url.is_some();
+            let url = pod
+                .filtered_url
+                .clone()
+                .unwrap_or_else(|| pod.target.metrics_url.clone());
             let engine = pod.target.engine;
             let tx = self.done_tx.clone();
             tokio::spawn(async move {
@@ -308,6 +330,7 @@ impl Aggregator {
                     at,
                     latency: at - begin,
                     result,
+                    filtered,
                 });
             });
         }
@@ -329,6 +352,14 @@ impl Aggregator {
             Ok(reading) => {
                 let wall = self.clock.ms_at(d.at);
                 pod.on_success(reading, d.at, wall, &self.cfg.capacity);
+            }
+            // Asked for only what it reads, the pod refused or had none of it: scraped whole from
+            // the next round on; not a failure.
+            Err(e) if d.filtered && e.drops_filter() => {
+                pod.filtered_url = None;
+                self.unfiltered_pods += 1;
+                tracing::info!(pod = %pod.target.address, url = %pod.target.metrics_url, error = %e,
+                    "the pod answers no metrics when asked for only the ones read; scraping it whole");
             }
             Err(e) => {
                 if current {
@@ -455,6 +486,7 @@ impl Aggregator {
             round_latency: self.round_latency.clone(),
             rounds_incomplete: self.rounds_incomplete,
             invalid_snapshots: self.invalid_snapshots,
+            filter_fallbacks: self.unfiltered_pods,
         };
         self.publish.send_replace(Some(Arc::new(published)));
     }
@@ -472,6 +504,8 @@ mod tests {
     use std::sync::Mutex;
 
     /// Pods scripted per URL: each answers after its delay with its text, or fails to connect.
+    /// A URL with a query not scripted itself is answered as the URL without it (a server that
+    /// ignores the filter); calls are counted per URL as asked.
     #[derive(Default)]
     struct FakeFleet {
         pods: Mutex<HashMap<String, (Duration, Option<String>)>>,
@@ -485,7 +519,18 @@ mod tests {
                 (Duration::from_millis(delay_ms), body.map(str::to_string)),
             );
         }
+        /// Calls of `url`, with or without a query.
         fn calls(&self, url: &str) -> usize {
+            self.calls
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|(u, _)| u.split('?').next() == Some(url))
+                .map(|(_, n)| n)
+                .sum()
+        }
+        /// Calls of exactly `url`.
+        fn calls_exactly(&self, url: &str) -> usize {
             self.calls.lock().unwrap().get(url).copied().unwrap_or(0)
         }
     }
@@ -498,11 +543,10 @@ mod tests {
                 .unwrap()
                 .entry(url.to_string())
                 .or_default() += 1;
-            let (delay, body) = self
-                .pods
-                .lock()
-                .unwrap()
+            let pods = self.pods.lock().unwrap();
+            let (delay, body) = pods
                 .get(url)
+                .or_else(|| pods.get(url.split('?').next().unwrap_or(url)))
                 .cloned()
                 .unwrap_or((Duration::ZERO, None));
             Box::pin(async move {
@@ -603,6 +647,97 @@ mod tests {
             "slow but in time is healthy"
         );
         assert_eq!(pod(&p, 1).waiting, 2);
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pods_are_asked_for_only_what_is_read_and_scraped_whole_when_that_finds_nothing() {
+        let mut h = start(config(), &[1, 2, 3, 4]);
+        let whole = |p: u16| format!("http://127.0.0.1:{p}/metrics");
+        let filtered = |p: u16| crate::engine::filtered_url(&whole(p));
+        // 1 takes the filter (answers its metrics); 2 ignores it (the same whole body); 3
+        // answers it with a broken line of a metric it reads; 4 with nothing the aggregator
+        // reads (an exporter whose metric names the filter misses).
+        for p in [1, 2, 3, 4] {
+            h.fleet.set(&whole(p), 1, Some(BODY));
+        }
+        h.fleet.set(&filtered(1), 1, Some(BODY));
+        h.fleet.set(
+            &filtered(3),
+            1,
+            Some("vllm:num_requests_waiting{broken 1\n"),
+        );
+        h.fleet.set(&filtered(4), 1, Some("other_metric 1\n"));
+        for _ in 0..6 {
+            h.rounds.recv().await.unwrap();
+        }
+        let p = h.rx.borrow().clone().unwrap();
+        for port in [1, 2, 4] {
+            assert!(pod(&p, port).healthy, "pod {port}");
+            assert_eq!(pod(&p, port).waiting, 2, "pod {port}");
+        }
+        // 1 and 2 are always asked through the filter; 4 once, then whole.
+        assert_eq!(h.fleet.calls_exactly(&whole(1)), 0);
+        assert_eq!(h.fleet.calls_exactly(&whole(2)), 0);
+        assert!(h.fleet.calls_exactly(&filtered(1)) >= 6);
+        assert_eq!(h.fleet.calls_exactly(&filtered(4)), 1);
+        assert!(h.fleet.calls_exactly(&whole(4)) >= 4);
+        // A malformed answer is a failed scrape like any other, not a reason to give up the
+        // filter: 3 stays on it, and out of the pool.
+        assert!(!pod(&p, 3).healthy);
+        assert!(h.fleet.calls_exactly(&filtered(3)) >= 6);
+        assert_eq!(h.fleet.calls_exactly(&whole(3)), 0);
+        assert_eq!(p.filter_fallbacks, 1);
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_refusing_the_filtered_url_is_scraped_whole() {
+        struct Refuses(FakeFleet);
+        impl Fetch for Refuses {
+            fn fetch(&self, url: &str) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
+                if url.contains('?') {
+                    *self
+                        .0
+                        .calls
+                        .lock()
+                        .unwrap()
+                        .entry(url.to_string())
+                        .or_default() += 1;
+                    return Box::pin(async { Err(ScrapeError::Status(400)) });
+                }
+                self.0.fetch(url)
+            }
+        }
+        let fleet = Arc::new(Refuses(FakeFleet::default()));
+        fleet.0.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
+        let (obs_tx, mut rounds) = mpsc::unbounded_channel();
+        let (agg, rx) = Aggregator::new(config(), fleet.clone(), WallClock::system(), Some(obs_tx));
+        let (updates, up_rx) = mpsc::unbounded_channel();
+        updates.send(static_update(0, vec![target(1)])).unwrap();
+        let stop = CancellationToken::new();
+        tokio::spawn(agg.run(up_rx, stop.clone()));
+        for _ in 0..3 {
+            rounds.recv().await.unwrap();
+        }
+        let p = rx.borrow().clone().unwrap();
+        assert!(pod(&p, 1).healthy);
+        assert_eq!(fleet.0.calls("http://127.0.0.1:1/metrics"), 3);
+        assert_eq!(fleet.0.calls_exactly("http://127.0.0.1:1/metrics"), 2);
+        assert_eq!(p.filter_fallbacks, 1);
+        stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn filter_metrics_off_scrapes_whole() {
+        let mut c = (*config()).clone();
+        c.filter_metrics = false;
+        let mut h = start(Arc::new(c), &[1]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
+        for _ in 0..3 {
+            h.rounds.recv().await.unwrap();
+        }
+        assert_eq!(h.fleet.calls_exactly("http://127.0.0.1:1/metrics"), 3);
         h.stop.cancel();
     }
 

@@ -113,6 +113,11 @@ pub struct Config {
     /// "Measured"). One thread is the cheapest for small fleets.
     #[serde(default = "d_workers")]
     pub worker_threads: usize,
+    /// Ask each pod for only the metrics the aggregator reads (`?name[]=...`, which
+    /// prometheus_client honours: vLLM and SGLang). A pod that answers such a scrape with a
+    /// 4xx or with none of them is scraped whole from then on.
+    #[serde(default = "d_true")]
+    pub filter_metrics: bool,
     #[serde(default)]
     pub health: HealthConfig,
     #[serde(default)]
@@ -470,6 +475,7 @@ impl Default for Config {
             source: None,
             max_body_bytes: d_max_body(),
             worker_threads: d_workers(),
+            filter_metrics: true,
             health: HealthConfig::default(),
             ramp: RampConfig::default(),
             capacity: CapacityConfig::default(),

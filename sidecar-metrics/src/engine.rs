@@ -14,6 +14,7 @@
 use crate::prom::{self, ParseError, Sample};
 use gpuroute_core::snapshot::{Engine, LoraState, MAX_ADAPTERS_PER_POD, MAX_NAME_LEN};
 use std::cell::Cell;
+use std::sync::LazyLock;
 use thiserror::Error;
 
 /// What one successful scrape says about a pod, before deltas against the previous scrape.
@@ -226,48 +227,148 @@ enum Slot {
     TritonPending,
 }
 
-/// The one table of metric names per engine (see `shared/DESIGN.md`).
+/// The one table of metric names per engine (see `shared/DESIGN.md`): what [`read`] takes from
+/// an exposition, and, as [`FILTER_QUERY`], all a pod is asked for.
+const SLOTS: &[(Engine, &str, Slot)] = &[
+    (Engine::Vllm, "vllm:num_requests_waiting", Slot::Waiting),
+    (Engine::Sglang, "sglang:num_queue_reqs", Slot::Waiting),
+    (Engine::Trtllm, "trtllm_num_requests_waiting", Slot::Waiting),
+    (Engine::Tgi, "tgi_queue_size", Slot::Waiting),
+    (Engine::Vllm, "vllm:num_requests_running", Slot::Running),
+    (Engine::Sglang, "sglang:num_running_reqs", Slot::Running),
+    (Engine::Trtllm, "trtllm_num_requests_running", Slot::Running),
+    (Engine::Tgi, "tgi_batch_current_size", Slot::Running),
+    (Engine::Vllm, "vllm:kv_cache_usage_perc", Slot::Kv),
+    (Engine::Sglang, "sglang:token_usage", Slot::Kv),
+    (Engine::Trtllm, "trtllm_kv_cache_utilization", Slot::Kv),
+    // vLLM V0 and V1 before 0.10 name it this way.
+    (Engine::Vllm, "vllm:gpu_cache_usage_perc", Slot::KvFallback),
+    (Engine::Vllm, "vllm:prefix_cache_hits_total", Slot::Hits),
+    (
+        Engine::Vllm,
+        "vllm:prefix_cache_queries_total",
+        Slot::Queries,
+    ),
+    (
+        Engine::Vllm,
+        "vllm:gpu_prefix_cache_hit_rate",
+        Slot::HitRate,
+    ),
+    (Engine::Sglang, "sglang:cache_hit_rate", Slot::HitRate),
+    (
+        Engine::Vllm,
+        "vllm:cache_config_info",
+        Slot::VllmCacheConfig,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:cache_config_info",
+        Slot::SglangCacheConfig,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_kv_cache_tokens_per_block",
+        Slot::BlockSize,
+    ),
+    (
+        Engine::Trtllm,
+        "trtllm_kv_cache_max_blocks",
+        Slot::MaxBlocks,
+    ),
+    (Engine::Vllm, "vllm:lora_requests_info", Slot::Lora),
+    (
+        Engine::Vllm,
+        "vllm:inter_token_latency_seconds_sum",
+        Slot::ItlSum,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:inter_token_latency_seconds_sum",
+        Slot::ItlSum,
+    ),
+    (
+        Engine::Tgi,
+        "tgi_request_mean_time_per_token_duration_sum",
+        Slot::ItlSum,
+    ),
+    (
+        Engine::Vllm,
+        "vllm:inter_token_latency_seconds_count",
+        Slot::ItlCount,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:inter_token_latency_seconds_count",
+        Slot::ItlCount,
+    ),
+    (
+        Engine::Tgi,
+        "tgi_request_mean_time_per_token_duration_count",
+        Slot::ItlCount,
+    ),
+    // Older names of the same histogram (vLLM before 0.11; SGLang's per-request TPOT).
+    (
+        Engine::Vllm,
+        "vllm:time_per_output_token_seconds_sum",
+        Slot::ItlSumFallback,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:time_per_output_token_seconds_sum",
+        Slot::ItlSumFallback,
+    ),
+    (
+        Engine::Vllm,
+        "vllm:time_per_output_token_seconds_count",
+        Slot::ItlCountFallback,
+    ),
+    (
+        Engine::Sglang,
+        "sglang:time_per_output_token_seconds_count",
+        Slot::ItlCountFallback,
+    ),
+    (
+        Engine::Triton,
+        "nv_trt_llm_request_metrics",
+        Slot::TritonRequests,
+    ),
+    (
+        Engine::Triton,
+        "nv_trt_llm_kv_cache_block_metrics",
+        Slot::TritonKvBlocks,
+    ),
+    // Triton core: requests accepted but not yet executing, for any backend.
+    (
+        Engine::Triton,
+        "nv_inference_pending_request_count",
+        Slot::TritonPending,
+    ),
+];
+
+/// The query that asks a pod for only the samples in [`SLOTS`], every engine's:
+/// `name[]=vllm%3Anum_requests_waiting&name[]=...`. prometheus_client, which vLLM and SGLang
+/// serve their metrics with, then renders just those (its `restricted_registry`, by sample
+/// name: ~2 KB of vLLM's ~45 KB); servers that do not read the parameter (TGI, Triton) ignore it
+/// and serve everything, which is read as before.
+pub static FILTER_QUERY: LazyLock<String> = LazyLock::new(|| {
+    SLOTS
+        .iter()
+        .map(|(_, n, _)| format!("name%5B%5D={}", n.replace(':', "%3A")))
+        .collect::<Vec<_>>()
+        .join("&")
+});
+
+/// `url` with [`FILTER_QUERY`] added to its query.
+pub fn filtered_url(url: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{}", *FILTER_QUERY)
+}
+
 fn slot(engine: Engine, name: &str) -> Option<Slot> {
-    Some(match (engine, name) {
-        (Engine::Vllm, "vllm:num_requests_waiting")
-        | (Engine::Sglang, "sglang:num_queue_reqs")
-        | (Engine::Trtllm, "trtllm_num_requests_waiting")
-        | (Engine::Tgi, "tgi_queue_size") => Slot::Waiting,
-        (Engine::Vllm, "vllm:num_requests_running")
-        | (Engine::Sglang, "sglang:num_running_reqs")
-        | (Engine::Trtllm, "trtllm_num_requests_running")
-        | (Engine::Tgi, "tgi_batch_current_size") => Slot::Running,
-        (Engine::Vllm, "vllm:kv_cache_usage_perc")
-        | (Engine::Sglang, "sglang:token_usage")
-        | (Engine::Trtllm, "trtllm_kv_cache_utilization") => Slot::Kv,
-        // vLLM V0 and V1 before 0.10 name it this way.
-        (Engine::Vllm, "vllm:gpu_cache_usage_perc") => Slot::KvFallback,
-        (Engine::Vllm, "vllm:prefix_cache_hits_total") => Slot::Hits,
-        (Engine::Vllm, "vllm:prefix_cache_queries_total") => Slot::Queries,
-        (Engine::Vllm, "vllm:gpu_prefix_cache_hit_rate")
-        | (Engine::Sglang, "sglang:cache_hit_rate") => Slot::HitRate,
-        (Engine::Vllm, "vllm:cache_config_info") => Slot::VllmCacheConfig,
-        (Engine::Sglang, "sglang:cache_config_info") => Slot::SglangCacheConfig,
-        (Engine::Trtllm, "trtllm_kv_cache_tokens_per_block") => Slot::BlockSize,
-        (Engine::Trtllm, "trtllm_kv_cache_max_blocks") => Slot::MaxBlocks,
-        (Engine::Vllm, "vllm:lora_requests_info") => Slot::Lora,
-        (Engine::Vllm, "vllm:inter_token_latency_seconds_sum")
-        | (Engine::Sglang, "sglang:inter_token_latency_seconds_sum")
-        | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_sum") => Slot::ItlSum,
-        (Engine::Vllm, "vllm:inter_token_latency_seconds_count")
-        | (Engine::Sglang, "sglang:inter_token_latency_seconds_count")
-        | (Engine::Tgi, "tgi_request_mean_time_per_token_duration_count") => Slot::ItlCount,
-        // Older names of the same histogram (vLLM before 0.11; SGLang's per-request TPOT).
-        (Engine::Vllm, "vllm:time_per_output_token_seconds_sum")
-        | (Engine::Sglang, "sglang:time_per_output_token_seconds_sum") => Slot::ItlSumFallback,
-        (Engine::Vllm, "vllm:time_per_output_token_seconds_count")
-        | (Engine::Sglang, "sglang:time_per_output_token_seconds_count") => Slot::ItlCountFallback,
-        (Engine::Triton, "nv_trt_llm_request_metrics") => Slot::TritonRequests,
-        (Engine::Triton, "nv_trt_llm_kv_cache_block_metrics") => Slot::TritonKvBlocks,
-        // Triton core: requests accepted but not yet executing, for any backend.
-        (Engine::Triton, "nv_inference_pending_request_count") => Slot::TritonPending,
-        _ => return None,
-    })
+    SLOTS
+        .iter()
+        .find(|(e, n, _)| *e == engine && *n == name)
+        .map(|&(_, _, s)| s)
 }
 
 /// Folds one sample into the accumulators; returns whether it was used.

@@ -103,6 +103,10 @@ struct ScrapeOnceArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Ask for the whole exposition, not only the metrics the aggregator reads (the
+    /// aggregator's `filter_metrics: false`).
+    #[arg(long)]
+    whole: bool,
 }
 
 fn parse_engine(s: &str) -> Result<Engine, String> {
@@ -250,6 +254,20 @@ async fn wait_for_signal() {
     }
 }
 
+/// One scrape as the aggregator reads it, and the body's size.
+async fn fetch_and_read(
+    fetcher: &HttpFetcher,
+    url: &str,
+    engine: Option<Engine>,
+    timeout: Duration,
+) -> Result<(sidecar_metrics::engine::Reading, usize), scrape::ScrapeError> {
+    use sidecar_metrics::scrape::Fetch;
+    let body = tokio::time::timeout(timeout, fetcher.fetch(url))
+        .await
+        .map_err(|_| scrape::ScrapeError::Timeout(timeout))??;
+    Ok((scrape::read_body(&body, engine, true)?, body.len()))
+}
+
 async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
     let fetcher = HttpFetcher::new(sidecar_metrics::config::DEFAULT_MAX_BODY_BYTES)?;
     let timeout = Duration::from_millis(args.timeout_ms);
@@ -283,15 +301,27 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
     let started = Instant::now();
     let mut raw = Vec::new();
     let mut fetch_ms = Vec::new();
+    let mut body_bytes = Vec::new();
+    let mut filtered = (!args.whole).then(|| sidecar_metrics::engine::filtered_url(&args.url));
     let scrapes = if args.delta_ms == 0 { 1 } else { 2 };
     for i in 0..scrapes {
         if i > 0 {
             tokio::time::sleep(Duration::from_millis(args.delta_ms)).await;
         }
         let begin = Instant::now();
-        match scrape::scrape(&fetcher, &args.url, args.engine, timeout, true).await {
-            Ok(reading) => {
+        // As the aggregator scrapes: the filtered URL while the pod takes it.
+        let url = filtered.as_deref().unwrap_or(&args.url);
+        let got = match fetch_and_read(&fetcher, url, args.engine, timeout).await {
+            Err(e) if filtered.is_some() && e.drops_filter() => {
+                filtered = None;
+                fetch_and_read(&fetcher, &args.url, args.engine, timeout).await
+            }
+            got => got,
+        };
+        match got {
+            Ok((reading, bytes)) => {
                 fetch_ms.push(begin.elapsed().as_secs_f64() * 1000.0);
+                body_bytes.push(bytes);
                 raw = reading.used.clone();
                 let wall = sidecar_metrics::util::WallClock::system().ms_at(Instant::now());
                 pod.on_success(reading, Instant::now(), wall, &cap);
@@ -311,8 +341,10 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
     if args.json {
         let out = serde_json::json!({
             "url": args.url,
+            "filtered": filtered.is_some(),
             "engine_detected": detected,
             "fetch_ms": fetch_ms,
+            "body_bytes": body_bytes,
             "pod": snap,
             "itl_estimate_seconds": pod.itl_estimate,
             "raw": raw,
@@ -331,12 +363,24 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
         }
     );
     println!(
-        "fetch:   {}",
+        "fetch:   {} ({} bytes; {})",
         fetch_ms
             .iter()
             .map(|m| format!("{m:.1} ms"))
             .collect::<Vec<_>>()
-            .join(", ")
+            .join(", "),
+        body_bytes
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        if filtered.is_some() {
+            "asked for only the metrics read"
+        } else if args.whole {
+            "asked for everything"
+        } else {
+            "the pod answered nothing when asked for only the metrics read: asked for everything"
+        }
     );
     println!();
     println!(

@@ -101,6 +101,17 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
         );
         header(
             &mut out,
+            "sidecar_scrape_filter_fallbacks_total",
+            "counter",
+            "Pods scraped whole after asking for only the metrics read found none (filter_metrics).",
+        );
+        let _ = writeln!(
+            out,
+            "sidecar_scrape_filter_fallbacks_total {}",
+            p.filter_fallbacks
+        );
+        header(
+            &mut out,
             "sidecar_scrape_failures_total",
             "counter",
             "Failed scrapes per pod and kind (connect, timeout, status, body, parse, no_metrics).",

@@ -90,6 +90,9 @@ pub struct PodState {
     pub failures_by_kind: Vec<(FailureKind, u64)>,
     /// Duration of the last finished scrape.
     pub last_latency: Duration,
+    /// The metrics URL asking for only what is read (`filter_metrics`), while the pod takes
+    /// it; `None`: scraped whole.
+    pub filtered_url: Option<String>,
 }
 
 impl PodState {
@@ -115,6 +118,7 @@ impl PodState {
             failures_total: 0,
             failures_by_kind: Vec::new(),
             last_latency: Duration::ZERO,
+            filtered_url: None,
         }
     }
 

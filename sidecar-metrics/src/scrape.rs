@@ -48,6 +48,20 @@ impl ScrapeError {
     }
 }
 
+impl ScrapeError {
+    /// Whether a scrape that asked for only the metrics read (`filter_metrics`) failed in a
+    /// way that says the pod does not take that: a 4xx, or an answer with none of them
+    /// (prometheus_client leaves out unknown names, so vLLM and SGLang answer it). Scraped
+    /// whole from then on. A timeout, a refused connection or a malformed line is a failed
+    /// scrape like any other.
+    pub fn drops_filter(&self) -> bool {
+        matches!(
+            self,
+            ScrapeError::Status(400..=499) | ScrapeError::Read(ReadError::NoMetrics { .. })
+        )
+    }
+}
+
 /// Fetches the body of a metrics URL.
 pub trait Fetch: Send + Sync + 'static {
     /// GET `url`; the body on a 2xx answer.

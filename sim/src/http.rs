@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
-use axum::extract::{DefaultBodyLimit, Multipart, Request, State};
+use axum::extract::{DefaultBodyLimit, Multipart, RawQuery, Request, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -143,14 +143,27 @@ async fn version() -> Response {
     json_response(StatusCode::OK, format!(r#"{{"version":"{VLLM_VERSION}"}}"#))
 }
 
-async fn metrics(State(pod): State<Arc<Pod>>) -> Response {
+async fn metrics(State(pod): State<Arc<Pod>>, RawQuery(query): RawQuery) -> Response {
+    let page = crate::render::render(&pod);
+    // `?name[]=...` (repeated): only those samples, as prometheus_client serves vLLM's and
+    // SGLang's metrics.
+    let names: Vec<String> =
+        form_urlencoded::parse(query.as_deref().unwrap_or_default().as_bytes())
+            .filter(|(k, _)| k == "name[]")
+            .map(|(_, v)| v.into_owned())
+            .collect();
+    let body = if names.is_empty() {
+        page
+    } else {
+        crate::metrics::restrict(&page, &names)
+    };
     (
         StatusCode::OK,
         [(
             header::CONTENT_TYPE,
             HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
         )],
-        crate::render::render(&pod),
+        body,
     )
         .into_response()
 }

@@ -248,6 +248,34 @@ impl Exposition {
     }
 }
 
+/// The samples of `page` whose name is one of `names`, with their families' `# HELP` and
+/// `# TYPE` lines: what prometheus_client serves for `/metrics?name[]=a&name[]=b` (its
+/// `restricted_registry`, by sample name, so a histogram's `_sum` can be asked for alone). A
+/// family none of whose samples is asked for is left out whole.
+pub fn restrict(page: &str, names: &[String]) -> String {
+    let mut out = String::new();
+    let mut comments = String::new();
+    for line in page.lines() {
+        if line.starts_with("# HELP ") {
+            // A new family: the comments buffered for the one before had no sample asked for.
+            comments.clear();
+        }
+        if line.starts_with('#') {
+            comments.push_str(line);
+            comments.push('\n');
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or_default();
+        if names.iter().any(|n| n == name) {
+            out.push_str(&comments);
+            comments.clear();
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -279,5 +307,26 @@ mod tests {
         let text = e.finish();
         assert!(text.contains("x_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 5.0"));
         assert!(text.ends_with("x_count{engine=\"0\",model_name=\"m\"} 5.0\nx_sum{engine=\"0\",model_name=\"m\"} 15.6\n"));
+    }
+
+    #[test]
+    fn a_restricted_page_has_the_named_samples_and_their_families_comments_only() {
+        let mut h = Histogram::new(&[0.1]);
+        h.observe(0.05);
+        let mut e = Exposition::new();
+        e.family("g", "a gauge", "gauge");
+        e.sample("g", "", 2.0);
+        e.family("other", "not asked for", "gauge");
+        e.sample("other", "", 3.0);
+        e.family("x", "a histogram", "histogram");
+        e.histogram("x", "", "", &h, false);
+        let page = e.finish();
+        let names = |n: &[&str]| n.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let got = restrict(&page, &names(&["g", "x_sum"]));
+        assert_eq!(
+            got,
+            "# HELP g a gauge\n# TYPE g gauge\ng 2.0\n# HELP x a histogram\n# TYPE x histogram\nx_sum 0.05\n"
+        );
+        assert_eq!(restrict(&page, &names(&["nothing"])), "");
     }
 }

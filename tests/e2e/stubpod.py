@@ -101,7 +101,9 @@ class StubPod:
                 self.wfile.write(out)
 
             def do_GET(self):
-                if self.path == "/metrics":
+                # By path, as every model server routes it: sidecar-metrics asks for
+                # `/metrics?name[]=...`, which this exposition (all of it read) ignores.
+                if self.path.split("?")[0] == "/metrics":
                     return self._send(200, "text/plain; version=0.0.4", VLLM_METRICS.format(**pod.load).encode())
                 self._answer()
 
