@@ -942,19 +942,7 @@ mod tests {
                 p
             })
             .collect();
-        FleetState::new(
-            Snapshot {
-                schema: SNAPSHOT_SCHEMA,
-                version: 1,
-                source: String::new(),
-                generated_at_ms: 1_000,
-                pools: vec![PoolSnapshot {
-                    name: "llama".into(),
-                    pods,
-                }],
-            },
-            1_000,
-        )
+        FleetState::new(Snapshot::of_pool("llama", pods), 1_000)
     }
 
     fn ctx(fleet: &FleetState, now_ms: u64) -> RequestContext<'_> {

@@ -215,7 +215,7 @@ impl FleetState {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::snapshot::{LoraState, PoolSnapshot, SNAPSHOT_SCHEMA};
+    use crate::snapshot::LoraState;
 
     #[test]
     fn stat_segment_removes_separators() {
@@ -232,16 +232,7 @@ mod tests {
             running: vec!["a".into(), "b".into()],
             waiting: vec!["b".into(), "c".into()],
         });
-        let snap = Snapshot {
-            schema: SNAPSHOT_SCHEMA,
-            version: 1,
-            source: String::new(),
-            generated_at_ms: 1_000,
-            pools: vec![PoolSnapshot {
-                name: "p".into(),
-                pods: vec![pod, PodSnapshot::new("10.0.0.2:8000", 1_000)],
-            }],
-        };
+        let snap = Snapshot::of_pool("p", vec![pod, PodSnapshot::new("10.0.0.2:8000", 1_000)]);
         let f = FleetState::new(snap, 5_000);
         let p = f.pool("p").unwrap();
         assert_eq!(p.pods[0].age_at_generation_ms, 100);
@@ -296,17 +287,7 @@ mod tests {
             p
         })
         .collect();
-        let snap = Snapshot {
-            schema: SNAPSHOT_SCHEMA,
-            version: 1,
-            source: String::new(),
-            generated_at_ms: 1_000,
-            pools: vec![PoolSnapshot {
-                name: "p".into(),
-                pods,
-            }],
-        };
-        let f = FleetState::new(snap, 1_000);
+        let f = FleetState::new(Snapshot::of_pool("p", pods), 1_000);
         let speeds: Vec<f64> = f.pool("p").unwrap().pods.iter().map(|p| p.speed).collect();
         assert_eq!(speeds, pool_speed_classes(&[2.30, 2.53, 0.6]));
         assert_eq!(speeds[0], speeds[1]);

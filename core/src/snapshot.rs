@@ -168,6 +168,23 @@ fn field_err(field: impl Into<String>, reason: impl Into<String>) -> SnapshotErr
     }
 }
 
+#[cfg(test)]
+impl Snapshot {
+    /// A snapshot of one pool, version 1, generated at 1,000 ms: the unit tests' fleet.
+    pub(crate) fn of_pool(name: &str, pods: Vec<PodSnapshot>) -> Snapshot {
+        Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 1,
+            source: String::new(),
+            generated_at_ms: 1_000,
+            pools: vec![PoolSnapshot {
+                name: name.into(),
+                pods,
+            }],
+        }
+    }
+}
+
 impl Snapshot {
     /// Parses and validates a snapshot received over the wire.
     pub fn from_json(bytes: &[u8], max_bytes: usize) -> Result<Snapshot, SnapshotError> {

@@ -114,7 +114,7 @@ pub struct Config {
     #[serde(default = "d_workers")]
     pub worker_threads: usize,
     /// Ask each pod for only the metrics the aggregator reads (`?name[]=...`, which
-    /// prometheus_client honours: vLLM and SGLang). A pod that answers such a scrape with a
+    /// prometheus_client honours: vLLM). A pod that answers such a scrape with a
     /// 4xx or with none of them is scraped whole from then on.
     #[serde(default = "d_true")]
     pub filter_metrics: bool,

@@ -346,10 +346,11 @@ const SLOTS: &[(Engine, &str, Slot)] = &[
 ];
 
 /// The query that asks a pod for only the samples in [`SLOTS`], every engine's:
-/// `name[]=vllm%3Anum_requests_waiting&name[]=...`. prometheus_client, which vLLM and SGLang
-/// serve their metrics with, then renders just those (its `restricted_registry`, by sample
-/// name: ~2 KB of vLLM's ~45 KB); servers that do not read the parameter (TGI, Triton) ignore it
-/// and serve everything, which is read as before.
+/// `name[]=vllm%3Anum_requests_waiting&name[]=...`. prometheus_client, which vLLM serves its
+/// metrics with, then renders just those (its `restricted_registry`, by sample name: ~2 KB of
+/// vLLM's ~45 KB). A multiprocess registry (SGLang's, vLLM's with `PROMETHEUS_MULTIPROC_DIR`)
+/// cannot restrict and answers nothing, which makes the aggregator scrape that pod whole;
+/// servers that do not read the parameter (TGI, Triton) ignore it and serve everything.
 pub static FILTER_QUERY: LazyLock<String> = LazyLock::new(|| {
     SLOTS
         .iter()

@@ -51,7 +51,8 @@ impl ScrapeError {
 impl ScrapeError {
     /// Whether a scrape that asked for only the metrics read (`filter_metrics`) failed in a
     /// way that says the pod does not take that: a 4xx, or an answer with none of them
-    /// (prometheus_client leaves out unknown names, so vLLM and SGLang answer it). Scraped
+    /// (prometheus_client leaves out unknown names, so a vLLM pod answers it; a multiprocess
+    /// registry, SGLang's and vLLM's with `PROMETHEUS_MULTIPROC_DIR`, answers nothing). Scraped
     /// whole from then on. A timeout, a refused connection or a malformed line is a failed
     /// scrape like any other.
     pub fn drops_filter(&self) -> bool {

@@ -1,7 +1,8 @@
 """sidecar-metrics asks a pod for only the metrics it reads (`filter_metrics`, `?name[]=...`),
 against the real prometheus_client, the library vLLM and SGLang serve /metrics with: the same
 reading from a body a twentieth the size, and a whole scrape where the registry cannot restrict
-(vLLM's multiprocess mode collects without names). No Envoy here: run in the proxy-wasm pass
+(a multiprocess registry, SGLang's always and vLLM's with PROMETHEUS_MULTIPROC_DIR, collects
+without names). No Envoy here: run in the proxy-wasm pass
 only."""
 
 import sys
