@@ -145,17 +145,17 @@ async fn version() -> Response {
 
 async fn metrics(State(pod): State<Arc<Pod>>, RawQuery(query): RawQuery) -> Response {
     let page = crate::render::render(&pod);
-    // `?name[]=...` (repeated): only those samples, as prometheus_client serves vLLM's and
-    // SGLang's metrics.
+    // `?name[]=...` (repeated): only those samples, as prometheus_client serves vLLM's; SGLang
+    // serves a multiprocess registry, which cannot restrict and answers none.
     let names: Vec<String> =
         form_urlencoded::parse(query.as_deref().unwrap_or_default().as_bytes())
             .filter(|(k, _)| k == "name[]")
             .map(|(_, v)| v.into_owned())
             .collect();
-    let body = if names.is_empty() {
-        page
-    } else {
-        crate::metrics::restrict(&page, &names)
+    let body = match (names.is_empty(), pod.cfg.engine.kind) {
+        (true, _) => page,
+        (false, crate::engine::EngineKind::Vllm) => crate::metrics::restrict(&page, &names),
+        (false, crate::engine::EngineKind::Sglang) => String::new(),
     };
     (
         StatusCode::OK,

@@ -372,6 +372,31 @@ async fn metrics_use_exact_engine_names() {
         );
     }
     assert!(!sg.contains("vllm:"));
+
+    // `?name[]=...`: the vLLM pod answers only those samples, with their families' comments,
+    // as prometheus_client does; the SGLang pod nothing, as its multiprocess registry does.
+    let q = "name%5B%5D=vllm%3Anum_requests_waiting&name%5B%5D=vllm%3Ainter_token_latency_seconds_sum&name%5B%5D=sglang%3Anum_queue_reqs";
+    let get = |pod: &str| {
+        let url = format!("http://{}/metrics?{q}", addr(&fleet, pod));
+        let c = c.clone();
+        async move { c.get(url).send().await.unwrap().text().await.unwrap() }
+    };
+    let samples = |text: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#'))
+            .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+            .collect()
+    };
+    let v = get("fast").await;
+    assert_eq!(
+        samples(&v),
+        [
+            "vllm:num_requests_waiting",
+            "vllm:inter_token_latency_seconds_sum"
+        ]
+    );
+    assert!(v.starts_with("# HELP vllm:num_requests_waiting "));
+    assert_eq!(get("sg").await, "");
 }
 
 #[tokio::test]
