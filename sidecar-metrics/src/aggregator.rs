@@ -60,6 +60,8 @@ pub struct PodStatus {
     /// Decode step time estimate, seconds (the capacity estimate's input).
     pub itl_estimate: Option<f64>,
     pub in_flight: bool,
+    /// Scraped asking for only the metrics read (`filter_metrics`).
+    pub filtered: bool,
 }
 
 /// What one round publishes: the snapshot, its JSON, and everything the HTTP surface shows.
@@ -424,6 +426,7 @@ impl Aggregator {
                     last_latency: p.last_latency,
                     itl_estimate: p.itl_estimate,
                     in_flight: p.in_flight,
+                    filtered: p.filtered_url.is_some(),
                 });
             }
             // The same pods in the same order as `states`.

@@ -317,7 +317,7 @@ pub fn render_status(p: Option<&Published>, push: &[Arc<PushTarget>], ready: boo
             "<h2>{} <small>{healthy}/{} healthy</small></h2><table><tr><th class=\"l\">pod</th><th class=\"l\">engine</th>\
              <th>health</th><th>waiting</th><th>running</th><th class=\"l\">KV cache</th><th>prefix hit</th>\
              <th class=\"l\">LoRA running / waiting (slots)</th><th>capacity</th><th>ramp</th><th>age ms</th>\
-             <th>scrape ms</th><th class=\"l\">last error</th></tr>",
+             <th title=\"whole: asked for the whole exposition, not only the metrics read\">scrape ms</th><th class=\"l\">last error</th></tr>",
             esc(&pool.name),
             pool.pods.len()
         );
@@ -343,6 +343,12 @@ pub fn render_status(p: Option<&Published>, push: &[Arc<PushTarget>], ready: boo
                     )
                 },
             );
+            // Scraped whole: `filter_metrics` off, or the pod answered nothing filtered.
+            let whole = if st.filtered {
+                ""
+            } else {
+                " <small>whole</small>"
+            };
             let age = if pod.last_scrape_ms == 0 {
                 "never".to_string()
             } else {
@@ -358,7 +364,7 @@ pub fn render_status(p: Option<&Published>, push: &[Arc<PushTarget>], ready: boo
                 h,
                 "<tr><td class=\"l\"><a href=\"{}\">{}</a>{name}</td><td class=\"l\">{}</td><td class=\"{}\">{}</td>\
                  <td>{}</td><td>{}</td><td class=\"l\">{kv}</td><td>{}</td><td class=\"l\">{lora}</td><td>{:.2}</td>\
-                 <td>{:.2}</td><td>{age}</td><td>{:.1}</td><td class=\"l err\" title=\"{}\">{}</td></tr>",
+                 <td>{:.2}</td><td>{age}</td><td>{:.1}{whole}</td><td class=\"l err\" title=\"{}\">{}</td></tr>",
                 esc(&st.metrics_url),
                 esc(&pod.address),
                 pod.engine.as_str(),

@@ -1,5 +1,6 @@
 //! Pushing against a local fake of the filter's ingest endpoint: Envoy down then back, a wrong
-//! token, and a slow Envoy that must not build a backlog.
+//! token, and a slow Envoy that must not build a backlog; and what the status page and
+//! `/metrics` say of a pod that answers nothing when asked for only the metrics read.
 
 // Test helpers outside #[test] functions: a failed setup should fail the test loudly.
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -171,5 +172,71 @@ async fn a_slow_envoy_gets_the_newest_snapshot_without_a_backlog() {
             .all(|w| w[1] - w[0] >= 5 * round_version_step),
         "{versions:?}"
     );
+    run.shutdown();
+}
+
+#[tokio::test]
+async fn a_pod_that_answers_nothing_filtered_is_scraped_whole_and_shown_so() {
+    // A multiprocess prometheus_client registry (SGLang's): asked for names, it answers none.
+    let body = vllm_body(4);
+    let router = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move |axum::extract::RawQuery(q): axum::extract::RawQuery| {
+            let body = body.clone();
+            async move {
+                if q.is_some() {
+                    String::new()
+                } else {
+                    body
+                }
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let pod_addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    // The same body for every query: a server that ignores the filter stays asked through it.
+    let ignoring = FakePod::start(&vllm_body(1)).await;
+    let ingest = FakeIngest::new("tok");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let ingest_addr = listener.local_addr().unwrap();
+    ingest.serve(listener);
+    let mut cfg = config(&ignoring, &ingest_addr.to_string(), "tok", 50);
+    cfg.apply(Overrides {
+        pools: vec![format!("llama={},{pod_addr}", ignoring.addr)],
+        ..Overrides::default()
+    })
+    .unwrap();
+    let run = app::start(cfg, RunOptions::default(), CancellationToken::new())
+        .await
+        .unwrap();
+    let healthy = eventually(Duration::from_secs(3), || {
+        run.published.borrow().as_ref().is_some_and(|p| {
+            p.snapshot.pools[0]
+                .pods
+                .iter()
+                .all(|d| d.healthy && d.waiting > 0)
+        })
+    })
+    .await;
+    assert!(healthy, "both pods read");
+    let (_, metrics) = get(run.local_addr, "/metrics").await;
+    assert!(
+        metrics.contains("\nsidecar_scrape_filter_fallbacks_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        !metrics.contains("kind=\"no_metrics\""),
+        "not a failed scrape: {metrics}"
+    );
+    let (_, page) = get(run.local_addr, "/").await;
+    let row = |addr: std::net::SocketAddr| {
+        page.split("<tr>")
+            .find(|r| r.contains(&format!(">{addr}<")))
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(row(pod_addr).contains("whole"), "{page}");
+    assert!(!row(ignoring.addr).contains("whole"), "{page}");
     run.shutdown();
 }
