@@ -146,8 +146,10 @@ pub struct Aggregator {
     invalid_snapshots: u64,
     invalid_gate: LogGate,
     failure_gate: LogGate,
-    /// Pods that fell back to whole scrapes (`filter_metrics`).
-    unfiltered_pods: u64,
+    /// Pods that fell back to whole scrapes (`filter_metrics`), and their log lines' limit (a
+    /// fleet of SGLang pods falls back all at once).
+    filter_fallbacks: u64,
+    fallback_gate: LogGate,
 }
 
 impl Aggregator {
@@ -202,7 +204,8 @@ impl Aggregator {
             invalid_snapshots: 0,
             invalid_gate: LogGate::new(Duration::from_secs(10)),
             failure_gate: LogGate::new(Duration::from_secs(10)),
-            unfiltered_pods: 0,
+            filter_fallbacks: 0,
+            fallback_gate: LogGate::new(Duration::from_secs(10)),
         };
         (agg, rx)
     }
@@ -359,9 +362,11 @@ impl Aggregator {
             // the next round on; not a failure.
             Err(e) if d.filtered && e.drops_filter() => {
                 pod.filtered_url = None;
-                self.unfiltered_pods += 1;
-                tracing::info!(pod = %pod.target.address, url = %pod.target.metrics_url, error = %e,
-                    "the pod answers no metrics when asked for only the ones read; scraping it whole");
+                self.filter_fallbacks += 1;
+                if let Some(held) = self.fallback_gate.allow(d.at) {
+                    tracing::info!(pod = %pod.target.address, url = %pod.target.metrics_url, error = %e,
+                        suppressed = held, "the pod answers no metrics when asked for only the ones read; scraping it whole");
+                }
             }
             Err(e) => {
                 if current {
@@ -489,7 +494,7 @@ impl Aggregator {
             round_latency: self.round_latency.clone(),
             rounds_incomplete: self.rounds_incomplete,
             invalid_snapshots: self.invalid_snapshots,
-            filter_fallbacks: self.unfiltered_pods,
+            filter_fallbacks: self.filter_fallbacks,
         };
         self.publish.send_replace(Some(Arc::new(published)));
     }
