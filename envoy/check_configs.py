@@ -588,7 +588,9 @@ def jsonpath_pointers(doc, expr):
 
 
 def json_patch(doc, op):
-    """Applies one operation the way Envoy Gateway does (EnsurePathExistsOnAdd, jsonPath)."""
+    """Applies one operation the way Envoy Gateway does: `jsonPath` selects the nodes `path` is
+    relative to, and `add` creates missing parents (EnsurePathExistsOnAdd); each operation is
+    then RFC 6902's ([`rfc6902`])."""
     kind = op["op"]
     if kind not in ("add", "replace", "remove", "test"):
         raise CheckError(f"unsupported JSON patch op {kind!r}: teach check_configs.py")
@@ -601,40 +603,11 @@ def json_patch(doc, op):
     else:
         ptrs = [op["path"]]
     for ptr in ptrs:
-        toks = _ptr_tokens(ptr)
-        if not toks:
-            raise CheckError("patching the whole resource is not supported here")
-        parent = doc
-        for t in toks[:-1]:
-            if isinstance(parent, list):
-                parent = parent[int(t)]
-            elif t in parent:
-                parent = parent[t]
-            elif kind == "add":
-                parent[t] = {}
-                parent = parent[t]
-            else:
-                raise CheckError(f"{kind} {ptr}: {t!r} does not exist")
-        last = toks[-1]
-        if isinstance(parent, list):
-            idx = len(parent) if last == "-" else int(last)
-            if kind == "add":
-                parent.insert(idx, op["value"])
-            elif kind == "replace":
-                parent[idx] = op["value"]
-            elif kind == "remove":
-                del parent[idx]
-            elif parent[idx] != op["value"]:
-                raise CheckError(f"test {ptr} failed")
-        else:
-            if kind in ("replace", "remove", "test") and last not in parent:
-                raise CheckError(f"{kind} {ptr}: {last!r} does not exist")
-            if kind in ("add", "replace"):
-                parent[last] = op["value"]
-            elif kind == "remove":
-                del parent[last]
-            elif parent[last] != op["value"]:
-                raise CheckError(f"test {ptr} failed")
+        if kind == "add":
+            node = doc
+            for t in _ptr_tokens(ptr)[:-1]:
+                node = node[int(t)] if isinstance(node, list) else node.setdefault(t, {})
+        rfc6902(doc, {"op": kind, "path": ptr, "value": op.get("value")})
 
 
 # ---- Kustomize ---------------------------------------------------------------------------------

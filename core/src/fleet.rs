@@ -36,8 +36,8 @@ pub struct PodState {
     pub age_at_generation_ms: u64,
     pub lora_running: Vec<u64>,
     pub lora_waiting: Vec<u64>,
-    /// [`speed_class`] of the pod's capacity: per snapshot, not per request (a logarithm, a
-    /// rounding and a power each time otherwise).
+    /// The pod's speed class, [`pool_speed_classes`] of its pool: per snapshot, not per
+    /// request (a logarithm, a rounding and a power each time otherwise).
     pub speed: f64,
 }
 
@@ -50,7 +50,7 @@ impl PodState {
             && snapshot_age_ms.saturating_add(self.age_at_generation_ms) <= stale_after_ms
     }
 
-    fn new(snap: PodSnapshot, generated_at_ms: u64) -> PodState {
+    fn new(snap: PodSnapshot, generated_at_ms: u64, speed: f64) -> PodState {
         let (lora_running, lora_waiting) = match &snap.lora {
             Some(l) => (
                 l.running.iter().map(|a| adapter_key(a)).collect(),
@@ -60,7 +60,7 @@ impl PodState {
         };
         PodState {
             key: pod_key(&snap.address),
-            speed: speed_class(snap.capacity),
+            speed,
             age_at_generation_ms: generated_at_ms.saturating_sub(snap.last_scrape_ms),
             snap,
             lora_running,
@@ -172,15 +172,13 @@ impl FleetState {
             .pools
             .into_iter()
             .map(|p| {
-                let mut pods: Vec<PodState> = p
+                let caps: Vec<f64> = p.pods.iter().map(|x| x.capacity).collect();
+                let pods: Vec<PodState> = p
                     .pods
                     .into_iter()
-                    .map(|s| PodState::new(s, generated))
+                    .zip(pool_speed_classes(&caps))
+                    .map(|(s, speed)| PodState::new(s, generated, speed))
                     .collect();
-                let caps: Vec<f64> = pods.iter().map(|x| x.snap.capacity).collect();
-                for (pod, speed) in pods.iter_mut().zip(pool_speed_classes(&caps)) {
-                    pod.speed = speed;
-                }
                 PoolState {
                     name: p.name,
                     keys: pods.iter().map(|x| x.key).collect(),

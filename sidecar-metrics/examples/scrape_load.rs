@@ -473,34 +473,22 @@ mod fleet {
         out
     }
 
-    /// The lines of `t` a prometheus_client registry restricted to `names` renders (the named
-    /// samples and their families' comments), so that a filtered page costs the fake pod what it
-    /// costs prometheus_client: rendering what is asked for, not everything.
+    /// The lines of `t` a prometheus_client registry restricted to `names` renders, so that a
+    /// filtered page costs the fake pod what it costs prometheus_client: rendering what is
+    /// asked for, not everything.
     fn restricted(t: &Template, names: &[String]) -> Template {
-        let mut lines = Vec::new();
-        let mut comments = Vec::new();
-        for (head, v) in &t.lines {
-            if head.starts_with("# HELP ") {
-                comments.clear();
-            }
-            if head.starts_with('#') {
-                comments.push((head.clone(), *v));
-                continue;
-            }
-            let name = head.split(['{', ' ']).next().unwrap_or_default();
-            if names.iter().any(|n| n == name) {
-                lines.append(&mut comments);
-                lines.push((head.clone(), *v));
-            }
+        let lines = t
+            .lines
+            .iter()
+            .map(|(head, v)| (head.as_str(), (head.clone(), *v)));
+        Template {
+            lines: fleet_sim::metrics::restricted(lines, names),
         }
-        Template { lines }
     }
 
     /// The names `filter_metrics` asks for.
     fn filter_names() -> Vec<String> {
-        form_urlencoded::parse(sidecar_metrics::engine::FILTER_QUERY.as_bytes())
-            .map(|(_, v)| v.into_owned())
-            .collect()
+        fleet_sim::metrics::names_asked(Some(&sidecar_metrics::engine::FILTER_QUERY))
     }
 
     struct Shared {
@@ -534,11 +522,7 @@ mod fleet {
                             // `?name[]=...`: only those samples, as prometheus_client serves
                             // vLLM's metrics; the aggregator's names from a template of just
                             // those lines, any others cut from the whole page.
-                            let names: Vec<String> =
-                                form_urlencoded::parse(q.as_deref().unwrap_or_default().as_bytes())
-                                    .filter(|(k, _)| k == "name[]")
-                                    .map(|(_, v)| v.into_owned())
-                                    .collect();
+                            let names = fleet_sim::metrics::names_asked(q.as_deref());
                             if names.is_empty() {
                                 render(&s.template, i as u64, s.start)
                             } else if names == s.names {

@@ -261,10 +261,7 @@ async fn fetch_and_read(
     engine: Option<Engine>,
     timeout: Duration,
 ) -> Result<(sidecar_metrics::engine::Reading, usize), scrape::ScrapeError> {
-    use sidecar_metrics::scrape::Fetch;
-    let body = tokio::time::timeout(timeout, fetcher.fetch(url))
-        .await
-        .map_err(|_| scrape::ScrapeError::Timeout(timeout))??;
+    let body = scrape::fetch_within(fetcher, url, timeout).await?;
     Ok((scrape::read_body(&body, engine, true)?, body.len()))
 }
 

@@ -170,10 +170,22 @@ pub async fn scrape(
     timeout: Duration,
     keep_raw: bool,
 ) -> Result<Reading, ScrapeError> {
-    let body = tokio::time::timeout(timeout, fetcher.fetch(url))
+    read_body(
+        &fetch_within(fetcher, url, timeout).await?,
+        engine,
+        keep_raw,
+    )
+}
+
+/// The body of `url`, fetched within `timeout` (connect, headers and body).
+pub async fn fetch_within(
+    fetcher: &dyn Fetch,
+    url: &str,
+    timeout: Duration,
+) -> Result<Bytes, ScrapeError> {
+    tokio::time::timeout(timeout, fetcher.fetch(url))
         .await
-        .map_err(|_| ScrapeError::Timeout(timeout))??;
-    read_body(&body, engine, keep_raw)
+        .map_err(|_| ScrapeError::Timeout(timeout))?
 }
 
 #[cfg(test)]

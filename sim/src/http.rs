@@ -147,11 +147,7 @@ async fn metrics(State(pod): State<Arc<Pod>>, RawQuery(query): RawQuery) -> Resp
     let page = crate::render::render(&pod);
     // `?name[]=...` (repeated): only those samples, as prometheus_client serves vLLM's; SGLang
     // serves a multiprocess registry, which cannot restrict and answers none.
-    let names: Vec<String> =
-        form_urlencoded::parse(query.as_deref().unwrap_or_default().as_bytes())
-            .filter(|(k, _)| k == "name[]")
-            .map(|(_, v)| v.into_owned())
-            .collect();
+    let names = crate::metrics::names_asked(query.as_deref());
     let body = match (names.is_empty(), pod.cfg.engine.kind) {
         (true, _) => page,
         (false, crate::engine::EngineKind::Vllm) => crate::metrics::restrict(&page, &names),

@@ -248,32 +248,53 @@ impl Exposition {
     }
 }
 
-/// The samples of `page` whose name is one of `names`, with their families' `# HELP` and
-/// `# TYPE` lines: what prometheus_client serves for `/metrics?name[]=a&name[]=b` (its
-/// `restricted_registry`, by sample name, so a histogram's `_sum` can be asked for alone). A
-/// family none of whose samples is asked for is left out whole.
-pub fn restrict(page: &str, names: &[String]) -> String {
-    let mut out = String::new();
-    let mut comments = String::new();
-    for line in page.lines() {
+/// The names a `/metrics` query asks for (`?name[]=a&name[]=b`, percent-encoded or not); empty
+/// when it asks for none (everything).
+pub fn names_asked(query: Option<&str>) -> Vec<String> {
+    form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+        .filter(|(k, _)| k == "name[]")
+        .map(|(_, v)| v.into_owned())
+        .collect()
+}
+
+/// The items of an exposition's `lines` (each line's text with what stands for it) that
+/// prometheus_client serves for `?name[]=...`: the samples whose name is one of `names` (its
+/// `restricted_registry` goes by sample name, so a histogram's `_sum` can be asked for alone),
+/// with their families' `# HELP` and `# TYPE` lines. A family none of whose samples is asked
+/// for is left out whole.
+pub fn restricted<'a, T>(
+    lines: impl IntoIterator<Item = (&'a str, T)>,
+    names: &[String],
+) -> Vec<T> {
+    let mut out = Vec::new();
+    let mut comments = Vec::new();
+    for (line, item) in lines {
         if line.starts_with("# HELP ") {
-            // A new family: the comments buffered for the one before had no sample asked for.
+            // A new family: the comments held for the one before had no sample asked for.
             comments.clear();
         }
         if line.starts_with('#') {
-            comments.push_str(line);
-            comments.push('\n');
+            comments.push(item);
             continue;
         }
         let name = line.split(['{', ' ']).next().unwrap_or_default();
         if names.iter().any(|n| n == name) {
-            out.push_str(&comments);
-            comments.clear();
-            out.push_str(line);
-            out.push('\n');
+            out.append(&mut comments);
+            out.push(item);
         }
     }
     out
+}
+
+/// [`restricted`] of a page of text.
+pub fn restrict(page: &str, names: &[String]) -> String {
+    restricted(page.lines().map(|l| (l, l)), names)
+        .into_iter()
+        .fold(String::new(), |mut out, l| {
+            out.push_str(l);
+            out.push('\n');
+            out
+        })
 }
 
 #[cfg(test)]
