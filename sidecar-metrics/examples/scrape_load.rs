@@ -15,7 +15,7 @@
 //! from `/proc/self/stat` over the measurement window and collects every round's duration.
 
 use anyhow::{bail, Context, Result};
-use gpuroute_core::snapshot::Snapshot;
+use gpuroute_core::snapshot::{Engine, Snapshot};
 use sidecar_metrics::app::{self, RunOptions};
 use sidecar_metrics::config::{Config, PodConfig, PoolConfig};
 use std::fmt::Write as _;
@@ -43,6 +43,9 @@ struct Opts {
     pools: usize,
     full: bool,
     whole: bool,
+    /// The pools' engine (`--engine vllm`, what the fake pods serve); detected from the metric
+    /// names when not given.
+    engine: Option<Engine>,
     serve_fleet: bool,
 }
 
@@ -56,6 +59,7 @@ fn opts() -> Result<Opts> {
         pools: 4,
         full: false,
         whole: false,
+        engine: None,
         serve_fleet: false,
     };
     let mut args = std::env::args().skip(1);
@@ -75,8 +79,13 @@ fn opts() -> Result<Opts> {
             "--pools" => o.pools = (num("--pools")? as usize).max(1),
             "--full" => o.full = true,
             "--whole" => o.whole = true,
+            // The fake pods serve vLLM's metrics: the one engine to configure.
+            "--engine" => match args.next().as_deref() {
+                Some("vllm") => o.engine = Some(Engine::Vllm),
+                other => bail!("--engine {other:?}: the fake pods are vLLM's (--engine vllm)"),
+            },
             "--serve-fleet" => o.serve_fleet = true,
-            other => bail!("unknown argument {other:?} (--pods N --seconds S --warmup S --interval-ms N --workers N --pools N --full --whole)"),
+            other => bail!("unknown argument {other:?} (--pods N --seconds S --warmup S --interval-ms N --workers N --pools N --full --whole --engine vllm)"),
         }
     }
     Ok(o)
@@ -155,13 +164,19 @@ async fn measure(o: Opts) -> Result<()> {
     }
     let ingest_port: u16 = words.next().context("no ingest port")?.parse()?;
     let ports: Vec<u16> = words.map(|w| w.parse()).collect::<Result<_, _>>()?;
-    // The whole body, and the one asked for only what is read (`filter_metrics`).
+    // The whole body, and the ones asked for only what is read (`filter_metrics`), for a
+    // detected engine and for vLLM.
     let (whole_bytes, filtered_bytes): (usize, usize) = {
         let mut s = String::new();
         stdout.read_line(&mut s)?;
-        let mut n = s.trim().trim_start_matches("BODY ").split(' ');
-        let mut next = || n.next().and_then(|x| x.parse().ok()).unwrap_or(0);
-        (next(), next())
+        let n: Vec<usize> = s
+            .trim()
+            .trim_start_matches("BODY ")
+            .split(' ')
+            .map(|x| x.parse().unwrap_or(0))
+            .collect();
+        let at = |i: usize| n.get(i).copied().unwrap_or(0);
+        (at(0), at(if o.engine.is_some() { 2 } else { 1 }))
     };
     let body_bytes = if o.whole { whole_bytes } else { filtered_bytes };
 
@@ -180,7 +195,7 @@ async fn measure(o: Opts) -> Result<()> {
     for (i, chunk) in ports.chunks(per_pool.max(1)).enumerate() {
         cfg.pools.push(PoolConfig {
             name: format!("pool-{i}"),
-            engine: None,
+            engine: o.engine,
             metrics_path: None,
             pods: Some(
                 chunk
@@ -486,16 +501,15 @@ mod fleet {
         }
     }
 
-    /// The names `filter_metrics` asks for.
-    fn filter_names() -> Vec<String> {
-        fleet_sim::metrics::names_asked(Some(&sidecar_metrics::engine::FILTER_QUERY))
+    /// The names `filter_metrics` asks a pod of `engine` for.
+    fn filter_names(engine: Option<Engine>) -> Vec<String> {
+        fleet_sim::metrics::names_asked(Some(&sidecar_metrics::engine::filter_query(engine)))
     }
 
     struct Shared {
         template: Template,
-        /// `template` restricted to [`filter_names`].
-        filtered: Template,
-        names: Vec<String>,
+        /// `template` restricted to [`filter_names`], for a detected engine and for vLLM.
+        filtered: Vec<(Vec<String>, Template)>,
         start: Instant,
         accepted: AtomicU64,
     }
@@ -503,8 +517,9 @@ mod fleet {
     pub async fn serve(pods: usize, full: bool) -> Result<()> {
         let template = template(full)?;
         let shared = Arc::new(Shared {
-            filtered: restricted(&template, &filter_names()),
-            names: filter_names(),
+            filtered: [None, Some(Engine::Vllm)]
+                .map(|e| (filter_names(e), restricted(&template, &filter_names(e))))
+                .into(),
             template,
             start: Instant::now(),
             accepted: AtomicU64::new(0),
@@ -525,8 +540,10 @@ mod fleet {
                             let names = fleet_sim::metrics::names_asked(q.as_deref());
                             if names.is_empty() {
                                 render(&s.template, i as u64, s.start)
-                            } else if names == s.names {
-                                render(&s.filtered, i as u64, s.start)
+                            } else if let Some((_, t)) =
+                                s.filtered.iter().find(|(n, _)| *n == names)
+                            {
+                                render(t, i as u64, s.start)
                             } else {
                                 let page = render(&s.template, i as u64, s.start);
                                 fleet_sim::metrics::restrict(&page, &names)
@@ -560,11 +577,11 @@ mod fleet {
             )
             .with_state(shared.clone());
         tokio::spawn(async move { axum::serve(ingest, router).await });
-        let body = format!(
-            "{} {}",
-            render(&shared.template, 0, shared.start).len(),
-            render(&shared.filtered, 0, shared.start).len()
-        );
+        // The whole body, then the filtered one for each engine in `filtered`.
+        let mut body = render(&shared.template, 0, shared.start).len().to_string();
+        for (_, t) in &shared.filtered {
+            write!(body, " {}", render(t, 0, shared.start).len())?;
+        }
         println!(
             "READY {ingest_port} {}",
             ports

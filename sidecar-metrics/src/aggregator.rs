@@ -116,12 +116,6 @@ struct Round {
     last_answer: Instant,
 }
 
-/// The URL a new target is scraped at first: filtered while `filter_metrics` is on.
-fn filtered_url(cfg: &Config, t: &Target) -> Option<String> {
-    cfg.filter_metrics
-        .then(|| crate::engine::filtered_url(&t.metrics_url))
-}
-
 /// The scrape loop's state. Build with [`Aggregator::new`], drive with [`Aggregator::run`].
 pub struct Aggregator {
     cfg: Arc<Config>,
@@ -270,10 +264,7 @@ impl Aggregator {
                 Some(id) => {
                     if let Some(p) = self.pods.get_mut(&id) {
                         if p.target != t {
-                            if p.target.metrics_url != t.metrics_url {
-                                p.filtered_url = filtered_url(&self.cfg, &t);
-                            }
-                            p.target = t.clone();
+                            p.set_target(t.clone(), self.cfg.filter_metrics);
                         }
                     }
                     id
@@ -281,9 +272,8 @@ impl Aggregator {
                 None => {
                     let id = self.next_id;
                     self.next_id += 1;
-                    let mut p = PodState::new(t.clone());
-                    p.filtered_url = filtered_url(&self.cfg, &t);
-                    self.pods.insert(id, p);
+                    self.pods
+                        .insert(id, PodState::scraped(t.clone(), self.cfg.filter_metrics));
                     id
                 }
             };
@@ -317,16 +307,16 @@ impl Aggregator {
             self.round.launched += 1;
             let (id, round) = (*id, self.round.index);
             let fetcher = self.fetcher.clone();
-            let filtered = pod.filtered_url.is_some();
-            let url = pod
-                .filtered_url
-                .clone()
-                .unwrap_or_else(|| pod.target.metrics_url.clone());
+            let url = pod.url.current();
+            let filtered = url.as_ref().is_ok_and(|(_, f)| *f);
             let engine = pod.target.engine;
             let tx = self.done_tx.clone();
             tokio::spawn(async move {
                 let begin = Instant::now();
-                let result = scrape::scrape(&*fetcher, &url, engine, timeout, false).await;
+                let result = match url {
+                    Ok((url, _)) => scrape::scrape(&*fetcher, &url, engine, timeout, false).await,
+                    Err(e) => Err(e),
+                };
                 let at = Instant::now();
                 // The receiver is gone only at shutdown.
                 let _ = tx.send(Done {
@@ -361,7 +351,7 @@ impl Aggregator {
             // Asked for only what it reads, the pod refused or had none of it: scraped whole from
             // the next round on; not a failure.
             Err(e) if d.filtered && e.drops_filter() => {
-                pod.filtered_url = None;
+                pod.url.drop_filter();
                 self.filter_fallbacks += 1;
                 if let Some(held) = self.fallback_gate.allow(d.at) {
                     tracing::info!(pod = %pod.target.address, url = %pod.target.metrics_url, error = %e,
@@ -431,7 +421,7 @@ impl Aggregator {
                     last_latency: p.last_latency,
                     itl_estimate: p.itl_estimate,
                     in_flight: p.in_flight,
-                    filtered: p.filtered_url.is_some(),
+                    filtered: p.url.filtered(),
                 });
             }
             // The same pods in the same order as `states`.
@@ -544,7 +534,8 @@ mod tests {
     }
 
     impl Fetch for FakeFleet {
-        fn fetch(&self, url: &str) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
+        fn fetch(&self, url: &http::Uri) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
+            let url = &url.to_string();
             *self
                 .calls
                 .lock()
@@ -662,7 +653,10 @@ mod tests {
     async fn pods_are_asked_for_only_what_is_read_and_scraped_whole_when_that_finds_nothing() {
         let mut h = start(config(), &[1, 2, 3, 4]);
         let whole = |p: u16| format!("http://127.0.0.1:{p}/metrics");
-        let filtered = |p: u16| crate::engine::filtered_url(&whole(p));
+        let filtered = |p: u16| {
+            let url = reqwest::Url::parse(&whole(p)).unwrap();
+            crate::engine::filtered_url(&url, None).to_string()
+        };
         // 1 takes the filter (answers its metrics); 2 ignores it (the same whole body); 3
         // answers it with a broken line of a metric it reads; 4 with nothing the aggregator
         // reads (an exporter whose metric names the filter misses).
@@ -703,8 +697,8 @@ mod tests {
     async fn a_pod_refusing_the_filtered_url_is_scraped_whole() {
         struct Refuses(FakeFleet);
         impl Fetch for Refuses {
-            fn fetch(&self, url: &str) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
-                if url.contains('?') {
+            fn fetch(&self, url: &http::Uri) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
+                if url.query().is_some() {
                     *self
                         .0
                         .calls

@@ -101,7 +101,7 @@ pub async fn start(
 
     let fetcher: Arc<dyn Fetch> = match opts.fetcher {
         Some(f) => f,
-        None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)?),
+        None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)),
     };
     let (agg, published) = Aggregator::new(
         cfg.clone(),

@@ -13,8 +13,8 @@
 
 use crate::prom::{self, ParseError, Sample};
 use gpuroute_core::snapshot::{Engine, LoraState, MAX_ADAPTERS_PER_POD, MAX_NAME_LEN};
+use reqwest::Url;
 use std::cell::Cell;
-use std::sync::LazyLock;
 use thiserror::Error;
 
 /// What one successful scrape says about a pod, before deltas against the previous scrape.
@@ -228,7 +228,7 @@ enum Slot {
 }
 
 /// The one table of metric names per engine (see `shared/DESIGN.md`): what [`read`] takes from
-/// an exposition, and, as [`FILTER_QUERY`], all a pod is asked for.
+/// an exposition, and, as [`filter_query`], all a pod is asked for.
 const SLOTS: &[(Engine, &str, Slot)] = &[
     (Engine::Vllm, "vllm:num_requests_waiting", Slot::Waiting),
     (Engine::Sglang, "sglang:num_queue_reqs", Slot::Waiting),
@@ -345,24 +345,31 @@ const SLOTS: &[(Engine, &str, Slot)] = &[
     ),
 ];
 
-/// The query that asks a pod for only the samples in [`SLOTS`], every engine's:
-/// `name[]=vllm%3Anum_requests_waiting&name[]=...`. prometheus_client, which vLLM serves its
-/// metrics with, then renders just those (its `restricted_registry`, by sample name: ~2 KB of
-/// vLLM's ~45 KB). A multiprocess registry (SGLang's, vLLM's with `PROMETHEUS_MULTIPROC_DIR`)
-/// cannot restrict and answers nothing, which makes the aggregator scrape that pod whole;
-/// servers that do not read the parameter (TGI, Triton) ignore it and serve everything.
-pub static FILTER_QUERY: LazyLock<String> = LazyLock::new(|| {
+/// The query that asks a pod of `engine` for only the samples it is read for in [`SLOTS`]
+/// (every engine's when the engine is detected, `None`): `name[]=vllm%3Anum_requests_waiting&
+/// name[]=...`. prometheus_client, which vLLM serves its metrics with, then renders just those
+/// (its `restricted_registry`, by sample name: ~2 KB of vLLM's ~45 KB). A multiprocess registry
+/// (SGLang's, vLLM's with `PROMETHEUS_MULTIPROC_DIR`) cannot restrict and answers nothing, which
+/// makes the aggregator scrape that pod whole; servers that do not read the parameter (TGI,
+/// Triton) ignore it and serve everything.
+pub fn filter_query(engine: Option<Engine>) -> String {
     SLOTS
         .iter()
+        .filter(|(e, _, _)| engine.is_none_or(|want| want == *e))
         .map(|(_, n, _)| format!("name%5B%5D={}", n.replace(':', "%3A")))
         .collect::<Vec<_>>()
         .join("&")
-});
+}
 
-/// `url` with [`FILTER_QUERY`] added to its query.
-pub fn filtered_url(url: &str) -> String {
-    let sep = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{sep}{}", *FILTER_QUERY)
+/// `url` with [`filter_query`] for `engine` added to its query.
+pub fn filtered_url(url: &Url, engine: Option<Engine>) -> Url {
+    let mut filtered = url.clone();
+    let ask = filter_query(engine);
+    match url.query() {
+        Some(q) if !q.is_empty() => filtered.set_query(Some(&format!("{q}&{ask}"))),
+        _ => filtered.set_query(Some(&ask)),
+    }
+    filtered
 }
 
 fn slot(engine: Engine, name: &str) -> Option<Slot> {

@@ -257,7 +257,7 @@ async fn wait_for_signal() {
 /// One scrape as the aggregator reads it, and the body's size.
 async fn fetch_and_read(
     fetcher: &HttpFetcher,
-    url: &str,
+    url: &http::Uri,
     engine: Option<Engine>,
     timeout: Duration,
 ) -> Result<(sidecar_metrics::engine::Reading, usize), scrape::ScrapeError> {
@@ -266,7 +266,7 @@ async fn fetch_and_read(
 }
 
 async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
-    let fetcher = HttpFetcher::new(sidecar_metrics::config::DEFAULT_MAX_BODY_BYTES)?;
+    let fetcher = HttpFetcher::new(sidecar_metrics::config::DEFAULT_MAX_BODY_BYTES);
     let timeout = Duration::from_millis(args.timeout_ms);
     let url =
         reqwest::Url::parse(&args.url).with_context(|| format!("{:?} is not a URL", args.url))?;
@@ -290,7 +290,8 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
         ready: true,
         name: None,
     };
-    let mut pod = PodState::new(target);
+    // As the aggregator scrapes: the filtered URL while the pod takes it.
+    let mut pod = PodState::scraped(target, !args.whole);
     let cap = CapacityConfig {
         min_tokens: 1,
         ..CapacityConfig::default()
@@ -299,19 +300,17 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
     let mut raw = Vec::new();
     let mut fetch_ms = Vec::new();
     let mut body_bytes = Vec::new();
-    let mut filtered = (!args.whole).then(|| sidecar_metrics::engine::filtered_url(&args.url));
     let scrapes = if args.delta_ms == 0 { 1 } else { 2 };
     for i in 0..scrapes {
         if i > 0 {
             tokio::time::sleep(Duration::from_millis(args.delta_ms)).await;
         }
         let begin = Instant::now();
-        // As the aggregator scrapes: the filtered URL while the pod takes it.
-        let url = filtered.as_deref().unwrap_or(&args.url);
-        let got = match fetch_and_read(&fetcher, url, args.engine, timeout).await {
-            Err(e) if filtered.is_some() && e.drops_filter() => {
-                filtered = None;
-                fetch_and_read(&fetcher, &args.url, args.engine, timeout).await
+        let (url, filtered) = pod.url.current()?;
+        let got = match fetch_and_read(&fetcher, &url, args.engine, timeout).await {
+            Err(e) if filtered && e.drops_filter() => {
+                pod.url.drop_filter();
+                fetch_and_read(&fetcher, &pod.url.current()?.0, args.engine, timeout).await
             }
             got => got,
         };
@@ -338,7 +337,7 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
     if args.json {
         let out = serde_json::json!({
             "url": args.url,
-            "filtered": filtered.is_some(),
+            "filtered": pod.url.filtered(),
             "engine_detected": detected,
             "fetch_ms": fetch_ms,
             "body_bytes": body_bytes,
@@ -371,7 +370,7 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
             .map(usize::to_string)
             .collect::<Vec<_>>()
             .join(", "),
-        if filtered.is_some() {
+        if pod.url.filtered() {
             "asked for only the metrics read"
         } else if args.whole {
             "asked for everything"

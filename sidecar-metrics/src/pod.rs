@@ -19,6 +19,7 @@
 use crate::config::{CapacityConfig, HealthConfig, RampConfig};
 use crate::discovery::Target;
 use crate::engine::Reading;
+use crate::scrape::ScrapeUrl;
 use gpuroute_core::snapshot::{Engine, PodSnapshot};
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -90,15 +91,21 @@ pub struct PodState {
     pub failures_by_kind: Vec<(FailureKind, u64)>,
     /// Duration of the last finished scrape.
     pub last_latency: Duration,
-    /// The metrics URL asking for only what is read (`filter_metrics`), while the pod takes
-    /// it; `None`: scraped whole.
-    pub filtered_url: Option<String>,
+    /// Where the pod is scraped: its metrics URL, and while the pod takes it, the same asking
+    /// for only what is read (`filter_metrics`).
+    pub url: ScrapeUrl,
 }
 
 impl PodState {
-    /// A pod just discovered: unhealthy until its first good scrape.
+    /// A pod just discovered, scraped whole: unhealthy until its first good scrape.
     pub fn new(target: Target) -> PodState {
+        PodState::scraped(target, false)
+    }
+
+    /// A pod just discovered; `filter` asks it for only the metrics read.
+    pub fn scraped(target: Target, filter: bool) -> PodState {
         PodState {
+            url: ScrapeUrl::new(&target.metrics_url, target.engine, filter),
             target,
             in_flight: false,
             consecutive_failures: 0,
@@ -118,8 +125,16 @@ impl PodState {
             failures_total: 0,
             failures_by_kind: Vec::new(),
             last_latency: Duration::ZERO,
-            filtered_url: None,
         }
+    }
+
+    /// The pod's target as discovered again; its URLs are made anew only when the metrics URL
+    /// or the engine changed, so a pod that stopped taking the filter is not asked again.
+    pub fn set_target(&mut self, target: Target, filter: bool) {
+        if target.metrics_url != self.target.metrics_url || target.engine != self.target.engine {
+            self.url = ScrapeUrl::new(&target.metrics_url, target.engine, filter);
+        }
+        self.target = target;
     }
 
     /// Folds in a good scrape taken at `at` (`wall_ms` on the wall clock).
