@@ -96,8 +96,9 @@ def same_reading(a, b):
     return pod(a) == pod(b) and sorted(a["raw"]) == sorted(b["raw"])
 
 
-def scrape_once(sidecar, url, whole):
+def scrape_once(sidecar, url, whole, engine=None):
     cmd = [str(sidecar), "scrape-once", url, "--delta-ms", "0", "--json"] + (["--whole"] if whole else [])
+    cmd += ["--engine", engine] if engine else []
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
 

@@ -42,6 +42,11 @@ def test_a_vllm_registry_answers_only_what_is_read_and_it_reads_the_same(served)
     assert len(filtered["raw"]) >= 8
     assert filtered["pod"]["block_size"] == 16
     assert filtered["body_bytes"][0] * 10 < whole["body_bytes"][0], (filtered["body_bytes"], whole["body_bytes"])
+    # Configured as vLLM, the pod is asked for vLLM's names only: the same reading again.
+    as_vllm = m.scrape_once(SIDECAR, url, False, engine="vllm")
+    assert as_vllm["filtered"] and not as_vllm["engine_detected"]
+    assert m.same_reading(as_vllm, whole)
+    assert as_vllm["body_bytes"][0] <= filtered["body_bytes"][0]
 
 
 def test_a_registry_that_cannot_restrict_is_read_whole(served):
