@@ -12,6 +12,7 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use gpuroute_core::config::FilterConfig;
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::fleet::FleetState;
+use gpuroute_core::ingest::{self, StoredHeader};
 use gpuroute_core::load::LoadTable;
 use gpuroute_core::request::Endpoint;
 use gpuroute_core::rng::SplitMix64;
@@ -22,6 +23,11 @@ use std::time::Instant;
 const NOW: u64 = 1_700_000_000_000;
 
 fn fleet(pods: usize) -> FleetState {
+    FleetState::new(snapshot(pods), NOW - 10)
+}
+
+/// A snapshot of one pool of `pods` busy pods, as sidecar-metrics publishes it.
+fn snapshot(pods: usize) -> Snapshot {
     let mut rng = SplitMix64::new(7);
     let pods = (0..pods)
         .map(|i| {
@@ -43,19 +49,16 @@ fn fleet(pods: usize) -> FleetState {
             p
         })
         .collect();
-    FleetState::new(
-        Snapshot {
-            schema: SNAPSHOT_SCHEMA,
-            version: 1,
-            source: "bench".into(),
-            generated_at_ms: NOW - 20,
-            pools: vec![PoolSnapshot {
-                name: "llama".into(),
-                pods,
-            }],
-        },
-        NOW - 10,
-    )
+    Snapshot {
+        schema: SNAPSHOT_SCHEMA,
+        version: 1,
+        source: "bench".into(),
+        generated_at_ms: NOW - 20,
+        pools: vec![PoolSnapshot {
+            name: "llama".into(),
+            pods,
+        }],
+    }
 }
 
 /// A realistic 4 KB chat body: system prompt, a few turns, the new question.
@@ -409,5 +412,31 @@ impl Shared {
     }
 }
 
-criterion_group!(benches, bench, shared_engine);
+/// What a new snapshot costs the filter: the ingest listener's validation of the pushed JSON
+/// (once per push), and each worker's decode of the stored value and building of its pools'
+/// state from it (once per push on every worker that routes).
+fn snapshot_install(c: &mut Criterion) {
+    let mut group = c.benchmark_group("snapshot");
+    for pods in [64usize, 1_000] {
+        let json = serde_json::to_vec(&snapshot(pods)).unwrap_or_default();
+        let header = StoredHeader {
+            received_at_ms: NOW - 10,
+            version: 1,
+        };
+        let stored = ingest::encode_stored(header, &json);
+        group.bench_with_input(BenchmarkId::new("accept", pods), &pods, |b, _| {
+            b.iter(|| black_box(ingest::accept(&json, 8 << 20, None).is_ok()))
+        });
+        group.bench_with_input(BenchmarkId::new("install", pods), &pods, |b, _| {
+            b.iter(|| {
+                let (h, snap) = ingest::decode_stored(&stored).unwrap_or_else(|| panic!("stored"));
+                black_box(FleetState::new(snap, h.received_at_ms))
+            })
+        });
+        eprintln!("snapshot of {pods} pods: {} bytes of JSON", json.len());
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, shared_engine, snapshot_install);
 criterion_main!(benches);

@@ -194,17 +194,26 @@ impl Snapshot {
                 limit: max_bytes,
             });
         }
-        // The path names the field at fault ("pools[0].pods[3].waiting: invalid type ...").
-        let de = &mut serde_json::Deserializer::from_slice(bytes);
-        let snap: Snapshot = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
-            SnapshotError::Json(if path == "." {
-                inner.to_string()
-            } else {
-                format!("{path}: {inner}")
-            })
-        })?;
+        // Read without tracking the path (a 1,000-pod snapshot in about half the time); only a
+        // snapshot that fails is read again with it, for the message to name the field at fault
+        // ("pools[0].pods[3].waiting: invalid type ...").
+        let snap: Snapshot = match serde_json::from_slice(bytes) {
+            Ok(snap) => snap,
+            Err(plain) => {
+                let de = &mut serde_json::Deserializer::from_slice(bytes);
+                let e = match serde_path_to_error::deserialize::<_, Snapshot>(de) {
+                    Err(e) => e,
+                    Ok(_) => return Err(SnapshotError::Json(plain.to_string())),
+                };
+                let path = e.path().to_string();
+                let inner = e.into_inner();
+                return Err(SnapshotError::Json(if path == "." {
+                    inner.to_string()
+                } else {
+                    format!("{path}: {inner}")
+                }));
+            }
+        };
         snap.validate()?;
         Ok(snap)
     }
@@ -217,12 +226,13 @@ impl Snapshot {
         }
         let mut pool_names = HashSet::new();
         let mut total_pods = 0usize;
+        // Field names are written out only for a snapshot that fails: a valid one is checked
+        // without an allocation per pod.
         for (pi, pool) in self.pools.iter().enumerate() {
-            let pf = format!("pools[{pi}]");
-            check_name(&format!("{pf}.name"), &pool.name)?;
+            check_name(|| format!("pools[{pi}].name"), &pool.name)?;
             if !pool_names.insert(pool.name.as_str()) {
                 return Err(field_err(
-                    format!("{pf}.name"),
+                    format!("pools[{pi}].name"),
                     format!("duplicate pool {:?}", pool.name),
                 ));
             }
@@ -230,13 +240,13 @@ impl Snapshot {
             if total_pods > MAX_PODS {
                 return Err(field_err("pools", format!("more than {MAX_PODS} pods")));
             }
-            let mut addrs = HashSet::new();
+            let mut addrs = HashSet::with_capacity(pool.pods.len());
             for (i, pod) in pool.pods.iter().enumerate() {
-                let f = format!("{pf}.pods[{i}]");
-                pod.validate(&f)?;
+                let f = || format!("pools[{pi}].pods[{i}]");
+                pod.validate(f)?;
                 if !addrs.insert(pod.address.as_str()) {
                     return Err(field_err(
-                        format!("{f}.address"),
+                        format!("{}.address", f()),
                         format!("duplicate pod {}", pod.address),
                     ));
                 }
@@ -271,45 +281,50 @@ impl PodSnapshot {
         }
     }
 
-    fn validate(&self, f: &str) -> Result<(), SnapshotError> {
+    /// Checks the pod's fields; `f` names the pod in an error ("pools[0].pods[3]").
+    fn validate(&self, f: impl Fn() -> String) -> Result<(), SnapshotError> {
         if self.address.parse::<SocketAddr>().is_err() {
             return Err(field_err(
-                format!("{f}.address"),
+                format!("{}.address", f()),
                 format!("{:?} is not ip:port", self.address),
             ));
         }
         // Engines report KV use as a fraction; allow a rounding hair above 1.
-        check_unit(&format!("{f}.kv_cache_usage"), self.kv_cache_usage, 1.01)?;
         check_unit(
-            &format!("{f}.prefix_cache_hit_rate"),
+            || format!("{}.kv_cache_usage", f()),
+            self.kv_cache_usage,
+            1.01,
+        )?;
+        check_unit(
+            || format!("{}.prefix_cache_hit_rate", f()),
             self.prefix_cache_hit_rate,
             1.0,
         )?;
         if !(self.capacity.is_finite() && self.capacity > 0.0 && self.capacity <= 1_000.0) {
             return Err(field_err(
-                format!("{f}.capacity"),
+                format!("{}.capacity", f()),
                 format!("{} is not in (0, 1000]", self.capacity),
             ));
         }
         if !(self.ramp_weight.is_finite() && (0.0..=1.0).contains(&self.ramp_weight)) {
             return Err(field_err(
-                format!("{f}.ramp_weight"),
+                format!("{}.ramp_weight", f()),
                 format!("{} is not in [0, 1]", self.ramp_weight),
             ));
         }
         if self.block_size == Some(0) {
-            return Err(field_err(format!("{f}.block_size"), "must be positive"));
+            return Err(field_err(format!("{}.block_size", f()), "must be positive"));
         }
         if let Some(lora) = &self.lora {
             for (kind, list) in [("running", &lora.running), ("waiting", &lora.waiting)] {
                 if list.len() > MAX_ADAPTERS_PER_POD {
                     return Err(field_err(
-                        format!("{f}.lora.{kind}"),
+                        format!("{}.lora.{kind}", f()),
                         format!("more than {MAX_ADAPTERS_PER_POD} adapters"),
                     ));
                 }
                 for (j, name) in list.iter().enumerate() {
-                    check_name(&format!("{f}.lora.{kind}[{j}]"), name)?;
+                    check_name(|| format!("{}.lora.{kind}[{j}]", f()), name)?;
                 }
             }
         }
@@ -317,23 +332,29 @@ impl PodSnapshot {
     }
 }
 
-fn check_name(field: &str, name: &str) -> Result<(), SnapshotError> {
+/// A name is 1 to [`MAX_NAME_LEN`] bytes; `field` names it in the error.
+fn check_name(field: impl FnOnce() -> String, name: &str) -> Result<(), SnapshotError> {
     if name.is_empty() {
-        return Err(field_err(field, "must not be empty"));
+        return Err(field_err(field(), "must not be empty"));
     }
     if name.len() > MAX_NAME_LEN {
         return Err(field_err(
-            field,
+            field(),
             format!("longer than {MAX_NAME_LEN} bytes"),
         ));
     }
     Ok(())
 }
 
-fn check_unit(field: &str, v: Option<f64>, max: f64) -> Result<(), SnapshotError> {
+/// A fraction, when given, is in [0, max]; `field` names it in the error.
+fn check_unit(
+    field: impl FnOnce() -> String,
+    v: Option<f64>,
+    max: f64,
+) -> Result<(), SnapshotError> {
     match v {
         Some(x) if !(x.is_finite() && (0.0..=max).contains(&x)) => {
-            Err(field_err(field, format!("{x} is not in [0, {max}]")))
+            Err(field_err(field(), format!("{x} is not in [0, {max}]")))
         }
         _ => Ok(()),
     }
@@ -396,16 +417,35 @@ mod tests {
             ),
             (
                 Box::new(|s| s.pools[0].pods[1].address = "10.0.0.1:8000".into()),
-                "duplicate pod",
+                "pools[0].pods[1].address: duplicate pod",
             ),
             (
                 Box::new(|s| s.pools[0].pods[0].kv_cache_usage = Some(f64::NAN)),
-                "kv_cache_usage",
+                "pools[0].pods[0].kv_cache_usage",
             ),
-            (Box::new(|s| s.pools[0].pods[0].capacity = 0.0), "capacity"),
+            (
+                Box::new(|s| s.pools[0].pods[1].prefix_cache_hit_rate = Some(1.5)),
+                "pools[0].pods[1].prefix_cache_hit_rate",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].capacity = 0.0),
+                "pools[0].pods[0].capacity",
+            ),
             (
                 Box::new(|s| s.pools[0].pods[0].ramp_weight = 1.5),
-                "ramp_weight",
+                "pools[0].pods[0].ramp_weight",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[1].block_size = Some(0)),
+                "pools[0].pods[1].block_size",
+            ),
+            (
+                Box::new(|s| {
+                    if let Some(l) = s.pools[0].pods[0].lora.as_mut() {
+                        l.waiting = vec!["a".into(), String::new()];
+                    }
+                }),
+                "pools[0].pods[0].lora.waiting[1]: must not be empty",
             ),
             (Box::new(|s| s.pools[0].name.clear()), "pools[0].name"),
             (
@@ -422,6 +462,23 @@ mod tests {
             let err = s.validate().unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
+    }
+
+    #[test]
+    fn a_json_error_names_the_field_at_fault() {
+        let json = br#"{"schema":1,"version":1,"generated_at_ms":5,"pools":[{"name":"p","pods":[
+            {"address":"127.0.0.1:1","healthy":true,"last_scrape_ms":5},
+            {"address":"127.0.0.1:2","healthy":true,"last_scrape_ms":5,"waiting":"many"}]}]}"#;
+        let err = Snapshot::from_json(json, 1 << 20).unwrap_err().to_string();
+        assert!(
+            err.contains("pools[0].pods[1].waiting: invalid type"),
+            "{err}"
+        );
+        // Not JSON at all: no path to name.
+        let err = Snapshot::from_json(b"{nope", 1 << 20)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("key must be a string"), "{err}");
     }
 
     #[test]
