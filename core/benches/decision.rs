@@ -413,8 +413,9 @@ impl Shared {
 }
 
 /// What a new snapshot costs the filter: the ingest listener's validation of the pushed JSON
-/// (once per push), and each worker's decode of the stored value and building of its pools'
-/// state from it (once per push on every worker that routes).
+/// and its encoding of the binary form (once per push), and each worker's decode of the binary
+/// form and building of its pools' state from it (once per push on every worker that routes;
+/// `install_json`: the same from the JSON, as before the binary form).
 fn snapshot_install(c: &mut Criterion) {
     let mut group = c.benchmark_group("snapshot");
     for pods in [64usize, 1_000] {
@@ -427,13 +428,29 @@ fn snapshot_install(c: &mut Criterion) {
         group.bench_with_input(BenchmarkId::new("accept", pods), &pods, |b, _| {
             b.iter(|| black_box(ingest::accept(&json, 8 << 20, None).is_ok()))
         });
-        group.bench_with_input(BenchmarkId::new("install", pods), &pods, |b, _| {
+        group.bench_with_input(BenchmarkId::new("install_json", pods), &pods, |b, _| {
             b.iter(|| {
                 let (h, snap) = ingest::decode_stored(&stored).unwrap_or_else(|| panic!("stored"));
                 black_box(FleetState::new(snap, h.received_at_ms))
             })
         });
-        eprintln!("snapshot of {pods} pods: {} bytes of JSON", json.len());
+        let accepted = ingest::accept(&json, 8 << 20, None).unwrap_or_else(|e| panic!("{e:?}"));
+        group.bench_with_input(BenchmarkId::new("encode_binary", pods), &pods, |b, _| {
+            b.iter(|| black_box(ingest::encode_stored_binary(header, &accepted)))
+        });
+        let binary = ingest::encode_stored_binary(header, &accepted);
+        group.bench_with_input(BenchmarkId::new("install", pods), &pods, |b, _| {
+            b.iter(|| {
+                let snap = ingest::decode_stored_binary(&binary, header)
+                    .unwrap_or_else(|| panic!("binary"));
+                black_box(FleetState::new(snap, header.received_at_ms))
+            })
+        });
+        eprintln!(
+            "snapshot of {pods} pods: {} bytes of JSON, {} in binary",
+            json.len(),
+            binary.len()
+        );
     }
     group.finish();
 }

@@ -188,6 +188,69 @@ pub fn compare(a: &[u8], b: &[u8]) -> i32 {
     }
 }
 
+/// A cursor over bytes this crate encoded (shared-data values, relayed bodies); every read
+/// checks the length, so a truncated or corrupt value is an error, never a panic.
+pub struct ByteReader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> ByteReader<'a> {
+    pub fn new(b: &'a [u8]) -> ByteReader<'a> {
+        ByteReader { b, at: 0 }
+    }
+
+    /// Bytes not read yet.
+    pub fn left(&self) -> usize {
+        self.b.len().saturating_sub(self.at)
+    }
+
+    pub fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+        let end = self.at.checked_add(n).ok_or("truncated")?;
+        let s = self.b.get(self.at..end).ok_or("truncated")?;
+        self.at = end;
+        Ok(s)
+    }
+
+    pub fn u8(&mut self) -> Result<u8, &'static str> {
+        Ok(self.take(1)?[0])
+    }
+
+    pub fn u16(&mut self) -> Result<u16, &'static str> {
+        let mut a = [0u8; 2];
+        a.copy_from_slice(self.take(2)?);
+        Ok(u16::from_le_bytes(a))
+    }
+
+    pub fn u32(&mut self) -> Result<u32, &'static str> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+
+    pub fn u64(&mut self) -> Result<u64, &'static str> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    pub fn f64(&mut self) -> Result<f64, &'static str> {
+        Ok(f64::from_bits(self.u64()?))
+    }
+
+    /// A string written by [`put_str`]: its length (u32), then its UTF-8 bytes.
+    pub fn str(&mut self) -> Result<&'a str, &'static str> {
+        let n = self.u32()? as usize;
+        std::str::from_utf8(self.take(n)?).map_err(|_| "not UTF-8")
+    }
+}
+
+/// Writes `s` as [`ByteReader::str`] reads it.
+pub fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

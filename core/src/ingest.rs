@@ -1,11 +1,15 @@
 //! The snapshot ingest endpoint's rules (authentication, validation, versioning) and the layout
 //! of the snapshot in Envoy shared data. Pure functions; the filter calls them and does the I/O.
 //!
-//! Shared data holds two keys per VM id:
+//! Shared data holds three keys per VM id:
 //! - [`SNAPSHOT_KEY`]: [`StoredHeader`] (received-at and version) followed by the snapshot JSON
 //!   as accepted;
+//! - [`SNAPSHOT_BINARY_KEY`]: the same header followed by the snapshot's binary form
+//!   ([`Snapshot::encode_binary`]), which workers decode in a fraction of the JSON's time. The
+//!   JSON stays for a build without it (during a change of the filter, an old and a new VM share
+//!   the keys), and is read when the binary form is not of the current version;
 //! - [`SNAPSHOT_VERSION_KEY`]: the 16-byte header alone. Workers read this small key per request
-//!   and decode the big one only when the version changed.
+//!   and decode a big one only when the version changed.
 
 use crate::config::IngestConfig;
 use crate::error::ApiError;
@@ -13,6 +17,8 @@ use crate::snapshot::{Snapshot, SnapshotError};
 
 /// Shared-data key of the stored snapshot.
 pub const SNAPSHOT_KEY: &str = "gpuroute.snapshot";
+/// Shared-data key of the stored snapshot's binary form.
+pub const SNAPSHOT_BINARY_KEY: &str = "gpuroute.snapshot.binary";
 /// Shared-data key of its version header.
 pub const SNAPSHOT_VERSION_KEY: &str = "gpuroute.snapshot.version";
 
@@ -206,6 +212,54 @@ pub fn decode_stored(bytes: &[u8]) -> Option<(StoredHeader, Snapshot)> {
     Some((header, snap))
 }
 
+/// What a worker finds in shared data for a new version header.
+#[derive(Debug, PartialEq)]
+pub enum Stored {
+    /// The snapshot, when it was received (unix ms), and whether it was read from the JSON.
+    Found(Snapshot, u64, bool),
+    /// No snapshot stored.
+    Missing,
+    /// A stored value that does not decode: corruption (it was validated when accepted).
+    Unreadable,
+}
+
+/// The snapshot for version header `want`: the binary form (`binary`, the value under
+/// [`SNAPSHOT_BINARY_KEY`]) when it is of that version, the JSON otherwise (`json` reads the value
+/// under [`SNAPSHOT_KEY`], only then): after a racing push, or a push a build before the binary
+/// form took.
+pub fn read_stored(
+    want: StoredHeader,
+    binary: Option<&[u8]>,
+    json: impl FnOnce() -> Option<Vec<u8>>,
+) -> Stored {
+    if let Some(snap) = binary.and_then(|b| decode_stored_binary(b, want)) {
+        return Stored::Found(snap, want.received_at_ms, false);
+    }
+    match json() {
+        None => Stored::Missing,
+        Some(stored) => match decode_stored(&stored) {
+            Some((h, snap)) => Stored::Found(snap, h.received_at_ms, true),
+            None => Stored::Unreadable,
+        },
+    }
+}
+
+/// The value stored under [`SNAPSHOT_BINARY_KEY`].
+pub fn encode_stored_binary(header: StoredHeader, snap: &Snapshot) -> Vec<u8> {
+    let mut v = header.encode().to_vec();
+    v.extend_from_slice(&snap.encode_binary());
+    v
+}
+
+/// Decodes the value stored under [`SNAPSHOT_BINARY_KEY`] if it is of version `want` (a racing
+/// push may have left another there); `None` otherwise, and for a value that does not decode.
+pub fn decode_stored_binary(bytes: &[u8], want: StoredHeader) -> Option<Snapshot> {
+    if StoredHeader::decode(bytes)? != want {
+        return None;
+    }
+    Snapshot::decode_binary(bytes.get(StoredHeader::LEN..)?).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -262,6 +316,55 @@ mod tests {
         assert_eq!(s.version, 9);
         assert_eq!(StoredHeader::decode(&h.encode()), Some(h));
         assert!(decode_stored(b"short").is_none());
+
+        let snap = Snapshot::from_json(&snap(9), 1 << 20).unwrap();
+        let binary = encode_stored_binary(h, &snap);
+        assert_eq!(decode_stored_binary(&binary, h), Some(snap.clone()));
+        // Another version's binary form (a racing push) is not taken for this one.
+        let newer = StoredHeader { version: 10, ..h };
+        assert_eq!(decode_stored_binary(&binary, newer), None);
+        assert_eq!(decode_stored_binary(&binary[..20], h), None);
+        assert_eq!(
+            decode_stored_binary(&stored, h),
+            None,
+            "JSON is not the binary form"
+        );
+    }
+
+    #[test]
+    fn a_worker_reads_the_binary_form_of_its_version_and_the_json_otherwise() {
+        let h = |version| StoredHeader {
+            received_at_ms: 100 + version,
+            version,
+        };
+        let parsed = |v| Snapshot::from_json(&snap(v), 1 << 20).unwrap();
+        let json = encode_stored(h(9), &snap(9));
+        let binary = encode_stored_binary(h(9), &parsed(9));
+        let no_json = || -> Option<Vec<u8>> {
+            panic!("the JSON is not read when the binary form is current")
+        };
+        assert_eq!(
+            read_stored(h(9), Some(&binary), no_json),
+            Stored::Found(parsed(9), 109, false)
+        );
+        // A newer push stored its JSON and header, and an older one's binary form is left (a
+        // race), or a build without the binary form took the push: the JSON.
+        let json10 = encode_stored(h(10), &snap(10));
+        assert_eq!(
+            read_stored(h(10), Some(&binary), || Some(json10.clone())),
+            Stored::Found(parsed(10), 110, true)
+        );
+        assert_eq!(
+            read_stored(h(9), None, || Some(json.clone())),
+            Stored::Found(parsed(9), 109, true)
+        );
+        assert_eq!(read_stored(h(9), None, || None), Stored::Missing);
+        assert_eq!(
+            read_stored(h(9), Some(&binary[..30]), || Some(
+                b"0123456789abcdef{".to_vec()
+            )),
+            Stored::Unreadable
+        );
     }
 
     fn config() -> IngestConfig {

@@ -21,6 +21,7 @@
 //! moment; the prefill backlog is absolute, and it is what no scrape shows (which pods are
 //! prefilling how much right now). In the replay, exchanging the whole table gained no more.
 
+use crate::bytes::ByteReader;
 use crate::load::{LoadTable, PodLoad};
 use crate::prefix::pod_key;
 
@@ -134,15 +135,15 @@ impl ReplicaLoad {
         let rest = bytes
             .strip_prefix(LOAD_MAGIC.as_slice())
             .ok_or("not in-flight counts (GPL1)")?;
-        let mut r = Reader { b: rest, at: 0 };
+        let mut r = ByteReader::new(rest);
         let load = Self::decode_pools(&mut r)?;
-        if r.at != rest.len() {
+        if r.left() != 0 {
             return Err("trailing bytes after the counts");
         }
         Ok(load)
     }
 
-    fn decode_pools(r: &mut Reader<'_>) -> Result<ReplicaLoad, &'static str> {
+    fn decode_pools(r: &mut ByteReader<'_>) -> Result<ReplicaLoad, &'static str> {
         let n = r.u32()? as usize;
         if n > MAX_POOLS {
             return Err("too many pools");
@@ -245,7 +246,7 @@ pub type BundleEntries<'a> = Vec<(&'a str, &'a [u8])>;
 pub fn bundle_entries(body: &[u8]) -> Option<Result<BundleEntries<'_>, &'static str>> {
     let rest = body.strip_prefix(BUNDLE_MAGIC.as_slice())?;
     let read = || {
-        let mut r = Reader { b: rest, at: 0 };
+        let mut r = ByteReader::new(rest);
         let n = usize::from(r.u16()?);
         if n > MAX_REPLICAS {
             return Err("too many replicas in the bundle");
@@ -258,7 +259,7 @@ pub fn bundle_entries(body: &[u8]) -> Option<Result<BundleEntries<'_>, &'static 
             let len = r.u32()? as usize;
             out.push((name, r.take(len)?));
         }
-        if r.at != rest.len() {
+        if r.left() != 0 {
             return Err("trailing bytes after the bundle");
         }
         Ok(out)
@@ -400,7 +401,7 @@ impl ReplicaLoads {
 
     fn try_decode(bytes: &[u8]) -> Result<ReplicaLoads, &'static str> {
         let rest = bytes.strip_prefix(STORE_MAGIC.as_slice()).ok_or("magic")?;
-        let mut r = Reader { b: rest, at: 0 };
+        let mut r = ByteReader::new(rest);
         let n = r.u32()? as usize;
         if n > MAX_REPLICAS {
             return Err("too many replicas");
@@ -413,7 +414,7 @@ impl ReplicaLoads {
                 load: ReplicaLoad::decode_pools(&mut r)?,
             });
         }
-        if r.at != rest.len() {
+        if r.left() != 0 {
             return Err("trailing bytes");
         }
         Ok(ReplicaLoads { entries })
@@ -465,43 +466,6 @@ impl Aligned {
 
 fn fresh(e: &Entry, now_ms: u64) -> bool {
     now_ms <= e.expires_ms
-}
-
-/// A cursor over a body; every read checks the length.
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn left(&self) -> usize {
-        self.b.len().saturating_sub(self.at)
-    }
-
-    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
-        let end = self.at.checked_add(n).ok_or("truncated")?;
-        let s = self.b.get(self.at..end).ok_or("truncated")?;
-        self.at = end;
-        Ok(s)
-    }
-
-    fn u16(&mut self) -> Result<u16, &'static str> {
-        let mut a = [0u8; 2];
-        a.copy_from_slice(self.take(2)?);
-        Ok(u16::from_le_bytes(a))
-    }
-
-    fn u32(&mut self) -> Result<u32, &'static str> {
-        let mut a = [0u8; 4];
-        a.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(a))
-    }
-
-    fn u64(&mut self) -> Result<u64, &'static str> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
-    }
 }
 
 #[cfg(test)]

@@ -32,7 +32,9 @@ use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::NameMap;
-use gpuroute_core::ingest::{self, Endpoint, StoredHeader, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY};
+use gpuroute_core::ingest::{
+    self, Endpoint, Stored, StoredHeader, SNAPSHOT_BINARY_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY,
+};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
@@ -236,10 +238,17 @@ impl Worker {
             return;
         }
         self.seen_header = Some(hdr);
-        if let (Some(stored), _) = host::get_shared(SNAPSHOT_KEY) {
-            match ingest::decode_stored(&stored) {
-                Some((h, snap)) => self.install_fleet(snap, h.received_at_ms),
-                None => host::log(LogLevel::Error, "gpuroute: stored snapshot is unreadable"),
+        let binary = host::get_shared(SNAPSHOT_BINARY_KEY).0;
+        match ingest::read_stored(hdr, binary.as_deref(), || host::get_shared(SNAPSHOT_KEY).0) {
+            Stored::Found(snap, received_at_ms, json) => {
+                if json {
+                    self.stats.inc("gpuroute.snapshot.read_json");
+                }
+                self.install_fleet(snap, received_at_ms)
+            }
+            Stored::Missing => {}
+            Stored::Unreadable => {
+                host::log(LogLevel::Error, "gpuroute: stored snapshot is unreadable")
             }
         }
     }
@@ -1084,6 +1093,12 @@ impl Http {
                 stored_ok = true;
                 break;
             }
+        }
+        // The binary form before the version that announces it. Not storing it would cost the
+        // other workers the JSON's decode, nothing else.
+        if stored_ok {
+            let binary = ingest::encode_stored_binary(header, &snap);
+            let _ = host::set_shared(SNAPSHOT_BINARY_KEY, &binary, None);
         }
         if !stored_ok || host::set_shared(SNAPSHOT_VERSION_KEY, &header.encode(), None).is_err() {
             w.stats.ingest_rejected(Endpoint::Snapshot, "not_stored");

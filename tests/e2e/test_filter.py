@@ -480,6 +480,28 @@ def test_a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it(pods)
         e.stop()
 
 
+def test_every_worker_takes_each_new_snapshot_and_reads_it_in_binary(pods):
+    """The worker that takes a push stores the snapshot as JSON and in a binary form, which the
+    other workers decode in a fraction of the JSON's time (README, "A new snapshot"). Each push
+    here moves the one idle pod; requests on new connections, which the kernel spreads over
+    Envoy's two workers, all go to it, so both workers took every snapshot; and (proxy-wasm) none
+    read the JSON. The dynamic module keeps one engine for all workers: the routing part only."""
+    e = Envoy("filter", pools_of(pods), CONFIG, concurrency=2)
+    try:
+        for n in range(6):
+            idle = f"llama-{n % 3}"
+            assert e.push(fresh(pods, [{"waiting": 0 if f"llama-{i}" == idle else 6} for i in range(3)]))[0] == 204
+            got = [served_by(e.chat("llama-3-8b", text=f"push {n} request {r}")) for r in range(8)]
+            assert got == [idle] * 8, (n, got)
+        workers = e.worker_connections()
+        assert len([c for c in workers.values() if c > 0]) == 2, workers
+        assert e.stat(STAT_PREFIX + "gpuroute.snapshot.accepted") == 6
+        if RUNTIME == "wasm":
+            assert e.stat(STAT_PREFIX + "gpuroute.snapshot.read_json") == 0
+    finally:
+        e.stop()
+
+
 def test_fail_open_without_fresh_metrics(envoy, pods):
     before = envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
     stale = fresh(pods)
