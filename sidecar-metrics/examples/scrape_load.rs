@@ -34,6 +34,12 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const TOKEN: &str = "load-test-token";
 
+const USAGE: &str = "usage: scrape_load [--pods N] [--seconds S] [--warmup S] [--interval-ms N] \
+[--workers N] [--pools N] [--full] [--whole] [--engine vllm]
+  --full         serve the whole real 45 KB vLLM page (default: a ~10 KB one)
+  --whole        the aggregator asks for everything (filter_metrics: false)
+  --engine vllm  the pools configured as vLLM (default: detected from the metric names)";
+
 struct Opts {
     pods: usize,
     seconds: u64,
@@ -85,7 +91,11 @@ fn opts() -> Result<Opts> {
                 other => bail!("--engine {other:?}: the fake pods are vLLM's (--engine vllm)"),
             },
             "--serve-fleet" => o.serve_fleet = true,
-            other => bail!("unknown argument {other:?} (--pods N --seconds S --warmup S --interval-ms N --workers N --pools N --full --whole --engine vllm)"),
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}\n{USAGE}"),
         }
     }
     Ok(o)
