@@ -654,7 +654,7 @@ mod tests {
         let mut h = start(config(), &[1, 2, 3, 4]);
         let whole = |p: u16| format!("http://127.0.0.1:{p}/metrics");
         let filtered = |p: u16| {
-            let url = reqwest::Url::parse(&whole(p)).unwrap();
+            let url = url::Url::parse(&whole(p)).unwrap();
             crate::engine::filtered_url(&url, None).to_string()
         };
         // 1 takes the filter (answers its metrics); 2 ignores it (the same whole body); 3

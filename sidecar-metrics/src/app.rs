@@ -40,8 +40,6 @@ pub enum StartError {
         addr: String,
         source: std::io::Error,
     },
-    #[error("cannot build the HTTP client: {0}")]
-    Client(#[from] reqwest::Error),
     #[error(transparent)]
     Kube(#[from] KubeError),
 }
@@ -127,7 +125,7 @@ pub async fn start(
             .collect(),
     );
     if !push_targets.is_empty() {
-        let client = push::client()?;
+        let client = push::client();
         let token = cfg.push.token.clone().unwrap_or_default();
         for t in push_targets.iter() {
             tasks.spawn(push::run(
@@ -142,7 +140,7 @@ pub async fn start(
     } else {
         tracing::warn!("no push URL configured: snapshots are only served at /debug/snapshot");
     }
-    let (relay, load_relay) = Relay::pair_from_config(&cfg, push::client()?);
+    let (relay, load_relay) = Relay::pair_from_config(&cfg, push::client());
     for r in relay.iter().chain(load_relay.iter()) {
         tasks.spawn(r.clone().run(shutdown.clone()));
     }

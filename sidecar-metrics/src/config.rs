@@ -880,7 +880,7 @@ impl PoolConfig {
 }
 
 fn check_http_url(f: &str, u: &str) -> Result<(), ConfigError> {
-    let url = reqwest::Url::parse(u).map_err(|e| field(f, format!("{u:?}: {e}")))?;
+    let url = url::Url::parse(u).map_err(|e| field(f, format!("{u:?}: {e}")))?;
     if url.scheme() != "http" {
         return Err(field(
             f,

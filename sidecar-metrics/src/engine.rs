@@ -13,9 +13,9 @@
 
 use crate::prom::{self, ParseError, Sample};
 use gpuroute_core::snapshot::{Engine, LoraState, MAX_ADAPTERS_PER_POD, MAX_NAME_LEN};
-use reqwest::Url;
 use std::cell::Cell;
 use thiserror::Error;
+use url::Url;
 
 /// What one successful scrape says about a pod, before deltas against the previous scrape.
 #[derive(Debug, Clone, Default, PartialEq)]

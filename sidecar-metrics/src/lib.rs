@@ -6,6 +6,7 @@
 
 pub mod aggregator;
 pub mod app;
+pub mod client;
 pub mod config;
 pub mod discovery;
 pub mod engine;

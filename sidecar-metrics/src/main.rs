@@ -268,8 +268,7 @@ async fn fetch_and_read(
 async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
     let fetcher = HttpFetcher::new(sidecar_metrics::config::DEFAULT_MAX_BODY_BYTES);
     let timeout = Duration::from_millis(args.timeout_ms);
-    let url =
-        reqwest::Url::parse(&args.url).with_context(|| format!("{:?} is not a URL", args.url))?;
+    let url = url::Url::parse(&args.url).with_context(|| format!("{:?} is not a URL", args.url))?;
     // The snapshot needs ip:port; for a host name show the first address it resolves to.
     let host = url
         .host_str()

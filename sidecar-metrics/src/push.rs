@@ -13,13 +13,20 @@
 //! later, which is also how pushing resumes as soon as Envoy is back.
 
 use crate::aggregator::PublishRx;
+use crate::client::{self, HttpClient, HttpError};
 use crate::metrics::Histogram;
 use crate::util::LogGate;
+use http::{HeaderValue, Method};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+
+static JSON: HeaderValue = HeaderValue::from_static("application/json");
+
+/// The largest answer read from the ingest listener (its errors are a few hundred bytes).
+const MAX_ANSWER: usize = 64 * 1024;
 
 /// Counters of one ingest URL.
 #[derive(Debug, Clone, Default)]
@@ -83,7 +90,7 @@ enum Outcome {
 /// Pushes every new snapshot from `rx` to `target` until `shutdown`.
 pub async fn run(
     target: Arc<PushTarget>,
-    client: reqwest::Client,
+    client: HttpClient,
     token: String,
     timeout: Duration,
     mut rx: PublishRx,
@@ -91,6 +98,7 @@ pub async fn run(
 ) {
     let mut gate = LogGate::new(Duration::from_secs(10));
     let mut auth_gate = LogGate::new(Duration::from_secs(10));
+    let auth = client::bearer(&token);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -100,20 +108,18 @@ pub async fn run(
             continue;
         };
         let begin = Instant::now();
-        let request = client
-            .post(&target.url)
-            .bearer_auth(&token)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(published.json.clone())
-            .timeout(timeout)
-            .send();
-        let outcome = match request.await {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
+        let headers = [(client::AUTH, &auth), ("content-type", &JSON)];
+        let sent = async {
+            let req = client::request(Method::POST, &target.url, &headers, published.json.clone())?;
+            client.send(req, MAX_ANSWER).await
+        };
+        let outcome = match tokio::time::timeout(timeout, sent).await {
+            Ok(Ok(resp)) => {
+                let status = resp.status.as_u16();
                 match status {
                     200..=299 => Outcome::Accepted,
                     400 => {
-                        let body = resp.text().await.unwrap_or_default();
+                        let body = String::from_utf8_lossy(&resp.body).into_owned();
                         let message = serde_json::from_str::<serde_json::Value>(&body)
                             .ok()
                             .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
@@ -140,13 +146,16 @@ pub async fn run(
                     },
                 }
             }
-            Err(e) if e.is_timeout() => Outcome::Failed {
+            Err(_) => Outcome::Failed {
                 reason: "timeout",
                 message: format!("no answer within {timeout:?}"),
             },
-            Err(e) => Outcome::Failed {
+            Ok(Err(e)) => Outcome::Failed {
                 reason: "unreachable",
-                message: crate_root_cause(&e),
+                message: match e {
+                    HttpError::Connect(why) | HttpError::Failed(why) => why,
+                    too_large => too_large.to_string(),
+                },
             },
         };
         let elapsed = begin.elapsed();
@@ -205,24 +214,8 @@ pub async fn run(
     }
 }
 
-fn crate_root_cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut cur = e;
-    while let Some(next) = cur.source() {
-        cur = next;
-    }
-    cur.to_string()
-}
-
-/// The HTTP client used for pushing: keep-alive to the loopback ingest listener, no proxy.
-pub fn client() -> Result<reqwest::Client, reqwest::Error> {
-    reqwest::Client::builder()
-        .no_proxy()
-        .tcp_nodelay(true)
-        .pool_idle_timeout(Duration::from_secs(60))
-        .redirect(reqwest::redirect::Policy::none())
-        .user_agent(concat!(
-            "gpuroute-sidecar-metrics/",
-            env!("CARGO_PKG_VERSION")
-        ))
-        .build()
+/// The HTTP client for pushing and relaying: keep-alive to the loopback ingest listeners and the
+/// peers (a few connections each: a relay's posts to one target may overlap).
+pub fn client() -> HttpClient {
+    HttpClient::new(4, Duration::from_secs(60))
 }

@@ -27,12 +27,14 @@ mod load;
 
 pub use load::{replica_name, valid_replica, LOAD_PEER_PATH, MAX_REPLICA_LEN, REPLICA_HEADER};
 
+use crate::client::{self, HttpClient};
 use crate::config::{Config, DnsConfig};
 use crate::discovery::dns::Resolver;
 use crate::util::LogGate;
 use bytes::Bytes;
 use gpuroute_core::exchange::{CURSOR_HEADER, MAX_IMPORT_RECORDS};
 use gpuroute_core::prefix::decode_records;
+use http::{HeaderValue, Method};
 use std::collections::HashSet;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +43,9 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
+
+/// The content type of what the relays post (the filter's binary record and count formats).
+static OCTETS: HeaderValue = HeaderValue::from_static("application/octet-stream");
 
 /// The path of the sidecar's own surface that takes peers' records.
 pub const PEER_PATH: &str = "/v1/prefix";
@@ -113,9 +118,11 @@ pub struct Relay {
     /// This pod's address (`POD_IP`), left out of the peers found.
     own_ip: Option<IpAddr>,
     pub token: String,
+    /// `Authorization: Bearer <token>`, for every request.
+    auth: HeaderValue,
     interval: Duration,
     timeout: Duration,
-    client: reqwest::Client,
+    client: HttpClient,
     pub stats: RelayStats,
     gate: Mutex<LogGate>,
     /// Targets with a delivery under way (the load relay: target and source replica).
@@ -145,7 +152,7 @@ impl Drop for Claim {
 
 /// `url` with its path replaced by `path` and no query: the prefix URL beside an ingest URL.
 pub fn beside(url: &str, path: &str) -> Option<String> {
-    let mut u = reqwest::Url::parse(url).ok()?;
+    let mut u = url::Url::parse(url).ok()?;
     u.set_path(path);
     u.set_query(None);
     Some(u.to_string())
@@ -154,13 +161,13 @@ pub fn beside(url: &str, path: &str) -> Option<String> {
 impl Relay {
     /// The relay `cfg` asks for; `None` when it is off or has no one to relay to (one Envoy and
     /// no peer).
-    pub fn from_config(cfg: &Config, client: reqwest::Client) -> Option<Arc<Relay>> {
+    pub fn from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
         Relay::build(cfg, client, Kind::Prefix, Arc::default())
     }
 
     /// The in-flight count relay `cfg` asks for; `None` when it is off
     /// (`prefix.load_interval_ms: 0`) or has no one to relay to (one Envoy and no peer).
-    pub fn load_from_config(cfg: &Config, client: reqwest::Client) -> Option<Arc<Relay>> {
+    pub fn load_from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
         Relay::build(cfg, client, Kind::Load, Arc::default())
     }
 
@@ -168,7 +175,7 @@ impl Relay {
     /// [`Relay::find_peers`] on one of them and both see the peers.
     pub fn pair_from_config(
         cfg: &Config,
-        client: reqwest::Client,
+        client: HttpClient,
     ) -> (Option<Arc<Relay>>, Option<Arc<Relay>>) {
         let found: Arc<Mutex<Vec<String>>> = Arc::default();
         (
@@ -179,7 +186,7 @@ impl Relay {
 
     fn build(
         cfg: &Config,
-        client: reqwest::Client,
+        client: HttpClient,
         kind: Kind,
         found: Arc<Mutex<Vec<String>>>,
     ) -> Option<Arc<Relay>> {
@@ -236,6 +243,7 @@ impl Relay {
             dns: p.peers_dns.clone(),
             own_ip: std::env::var("POD_IP").ok().and_then(|v| v.parse().ok()),
             token: cfg.push.token.clone().unwrap_or_default(),
+            auth: client::bearer(cfg.push.token.as_deref().unwrap_or_default()),
             interval,
             timeout,
             client,
@@ -290,25 +298,20 @@ impl Relay {
     async fn ask(&self, i: usize, cursor: &mut String) -> Option<Bytes> {
         let url = self.envoys.get(i)?;
         let asked = async {
-            let resp = self
-                .client
-                .get(url)
-                .header(CURSOR_HEADER, cursor.as_str())
-                .bearer_auth(&self.token)
-                .timeout(self.timeout)
-                .send()
-                .await
+            let at = HeaderValue::from_str(cursor).map_err(|e| e.to_string())?;
+            let headers = [(CURSOR_HEADER, &at), (client::AUTH, &self.auth)];
+            let req = client::request(Method::GET, url, &headers, Bytes::new())
                 .map_err(|e| e.to_string())?;
-            if resp.status().as_u16() != 200 {
-                return Err(format!("status {}", resp.status()));
+            let resp = self.exchange(req).await?;
+            if resp.status != 200 {
+                return Err(format!("status {}", resp.status));
             }
             let next = resp
-                .headers()
+                .headers
                 .get(CURSOR_HEADER)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
-            let body = resp.bytes().await.map_err(|e| e.to_string())?;
-            Ok((body, next))
+            Ok((resp.body, next))
         };
         match asked.await {
             Ok((body, next)) => {
@@ -327,19 +330,29 @@ impl Relay {
     /// POSTs `body` to `url`, naming the replica it comes from when `replica` is given; whether
     /// it was taken (2xx).
     async fn post(&self, url: &str, body: Bytes, replica: Option<&str>) -> Result<(), String> {
-        let mut req = self
-            .client
-            .post(url)
-            .bearer_auth(&self.token)
-            .header("content-type", "application/octet-stream");
-        if let Some(r) = replica {
-            req = req.header(REPLICA_HEADER, r);
+        let from = match replica {
+            Some(r) => Some(HeaderValue::from_str(r).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let mut headers = vec![(client::AUTH, &self.auth), ("content-type", &OCTETS)];
+        if let Some(from) = &from {
+            headers.push((REPLICA_HEADER, from));
         }
-        let sent = req.body(body).timeout(self.timeout).send().await;
-        match sent {
-            Ok(r) if r.status().is_success() => Ok(()),
-            Ok(r) => Err(format!("status {}", r.status())),
-            Err(e) => Err(e.to_string()),
+        let req = client::request(Method::POST, url, &headers, body).map_err(|e| e.to_string())?;
+        let resp = self.exchange(req).await?;
+        if resp.status.is_success() {
+            Ok(())
+        } else {
+            Err(format!("status {}", resp.status))
+        }
+    }
+
+    /// Sends `req` and reads the answer (a body up to [`MAX_PEER_BODY`]) within the relay's
+    /// timeout; why not, as text for the log.
+    pub(crate) async fn exchange(&self, req: client::Req) -> Result<client::Answer, String> {
+        match tokio::time::timeout(self.timeout, self.client.send(req, MAX_PEER_BODY)).await {
+            Ok(answer) => answer.map_err(|e| e.to_string()),
+            Err(_) => Err(format!("no answer within {:?}", self.timeout)),
         }
     }
 
@@ -620,7 +633,7 @@ mod tests {
         cfg.push.timeout_ms = 2_000;
         cfg.push.urls = vec![format!("{ua}/s"), format!("{ub}/s")];
         cfg.prefix.peers = vec![format!("http://{hole_addr}")];
-        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
         let mut cursors = vec![String::new(); 2];
         let t0 = Instant::now();
         for pod in 1..=3 {
@@ -664,7 +677,7 @@ mod tests {
             format!("{ub}/gpuroute/v1/snapshot"),
         ];
         cfg.prefix.peers = vec![up];
-        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
         let mut cursors = vec![String::new(); 2];
 
         relay.round(&mut cursors).await;
@@ -724,7 +737,7 @@ mod tests {
             port: 9100,
             refresh_ms: 20,
         });
-        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
         // Stand-in for POD_IP (the test does not set process-wide environment variables).
         let relay = Arc::new(Relay {
             own_ip: Some("10.0.0.1".parse().unwrap()),
@@ -768,7 +781,7 @@ mod tests {
         cfg.push.timeout_ms = 500;
         cfg.push.urls = vec![format!("{ua}/s"), format!("{dead}/s"), format!("{ub}/s")];
         cfg.prefix.peers = vec![dead];
-        let relay = Relay::from_config(&cfg, reqwest::Client::new()).unwrap();
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
         let mut cursors = vec![String::new(); 3];
         relay.round(&mut cursors).await;
         settle(&relay).await;
@@ -794,7 +807,7 @@ mod tests {
 
     #[test]
     fn the_relay_runs_only_with_someone_to_relay_to() {
-        let client = reqwest::Client::new();
+        let client = crate::push::client();
         let mut cfg = Config::default();
         cfg.push.token = Some("secret-token".into());
         cfg.push.urls = vec!["http://127.0.0.1:1/s".into()];

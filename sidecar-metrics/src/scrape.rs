@@ -5,26 +5,23 @@
 //! is applied by the caller around the whole fetch (connect, headers and body), so a pod that
 //! trickles its body is cut off like one that never answers.
 //!
-//! The client is hyper's own (hyper-util's pooled client), not reqwest, which the rest of the
-//! aggregator uses: a scrape is a GET of a URL parsed once, and reqwest parsed that URL again on
-//! every response (its redirect layer's) and turned it into an `http::Uri` on every request.
-//! At 1,000 pods every 100 ms that, and its layers, was about a third of the aggregator's CPU.
+//! The client is the aggregator's own ([`crate::client`]), and each pod's URL is parsed once
+//! ([`ScrapeUrl`]).
 //!
 //! Fetching sits behind the [`Fetch`] trait so the aggregator loop is tested with scripted pods
 //! under tokio's paused clock.
 
+use crate::client::{HttpClient, HttpError};
 use crate::engine::{self, ReadError, Reading};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use gpuroute_core::snapshot::Engine;
-use http::header::{ACCEPT, CONTENT_LENGTH, USER_AGENT};
+use http::header::ACCEPT;
 use http::{HeaderValue, Uri};
-use http_body_util::{BodyExt, Empty, LengthLimitError, Limited};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
-use reqwest::Url;
+use http_body_util::Full;
 use std::time::Duration;
 use thiserror::Error;
+use url::Url;
 
 /// A failed scrape.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -129,84 +126,43 @@ impl ScrapeUrl {
     }
 }
 
-/// The real fetcher: a shared keep-alive HTTP/1.1 client, plain HTTP.
+/// The real fetcher: the aggregator's keep-alive client ([`HttpClient`]).
 #[derive(Clone)]
 pub struct HttpFetcher {
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: HttpClient,
     max_body: usize,
 }
 
 const ACCEPT_TEXT: HeaderValue = HeaderValue::from_static("text/plain;version=0.0.4");
-const AGENT: HeaderValue = HeaderValue::from_static(concat!(
-    "gpuroute-sidecar-metrics/",
-    env!("CARGO_PKG_VERSION")
-));
 
 impl HttpFetcher {
     /// A fetcher refusing bodies above `max_body` bytes.
     pub fn new(max_body: usize) -> HttpFetcher {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new())
-            // One idle connection per pod; kept across polls (idle timeout far above the
-            // interval), dropped when a pod leaves. The timer is what expires them.
-            .pool_max_idle_per_host(1)
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_timer(TokioTimer::new())
-            .build(connector);
+        // One idle connection per pod; kept across polls (idle timeout far above the
+        // interval), dropped when a pod leaves.
+        let client = HttpClient::new(1, Duration::from_secs(90));
         HttpFetcher { client, max_body }
     }
 }
 
 impl Fetch for HttpFetcher {
     fn fetch(&self, url: &Uri) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
-        let mut req = http::Request::new(Empty::new());
+        let mut req = http::Request::new(Full::new(Bytes::new()));
         *req.uri_mut() = url.clone();
         req.headers_mut().insert(ACCEPT, ACCEPT_TEXT);
-        req.headers_mut().insert(USER_AGENT, AGENT);
-        let max = self.max_body;
-        let sent = self.client.request(req);
+        let (client, max) = (self.client.clone(), self.max_body);
         Box::pin(async move {
-            let resp = sent.await.map_err(|e| {
-                if e.is_connect() {
-                    ScrapeError::Connect(root_cause(&e))
-                } else {
-                    ScrapeError::Body(root_cause(&e))
-                }
+            let answer = client.send(req, max).await.map_err(|e| match e {
+                HttpError::Connect(why) => ScrapeError::Connect(why),
+                HttpError::Failed(why) => ScrapeError::Body(why),
+                HttpError::TooLarge(n) => ScrapeError::TooLarge(n),
             })?;
-            if !resp.status().is_success() {
-                return Err(ScrapeError::Status(resp.status().as_u16()));
+            if !answer.status.is_success() {
+                return Err(ScrapeError::Status(answer.status.as_u16()));
             }
-            let declared = resp
-                .headers()
-                .get(CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-            if declared.is_some_and(|n| n > max) {
-                return Err(ScrapeError::TooLarge(max));
-            }
-            // A body that arrived in one piece is taken as it is, without a copy.
-            let body = Limited::new(resp.into_body(), max)
-                .collect()
-                .await
-                .map_err(|e| {
-                    if e.is::<LengthLimitError>() {
-                        ScrapeError::TooLarge(max)
-                    } else {
-                        ScrapeError::Body(root_cause(&*e))
-                    }
-                })?;
-            Ok(body.to_bytes())
+            Ok(answer.body)
         })
     }
-}
-
-/// The innermost error message (reqwest's own is "error sending request for url (...)").
-fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut cur = e;
-    while let Some(next) = cur.source() {
-        cur = next;
-    }
-    cur.to_string()
 }
 
 /// Reads a fetched body as `engine` (or detects it).

@@ -47,9 +47,11 @@
 //! its own clock, so a slow one delays only its own counts, and reads missed meanwhile are
 //! skipped, never caught up in a burst.
 
-use super::{Relay, MAX_PEER_BODY};
+use super::Relay;
+use crate::client;
 use bytes::Bytes;
 use gpuroute_core::replica_load::{encode_bundle, ReplicaLoad, MAX_REPLICAS};
+use http::Method;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -251,15 +253,16 @@ impl Relay {
     async fn read_load(&self, i: usize) -> Option<Bytes> {
         let url = self.envoys.get(i)?;
         let read = async {
-            let resp = self
-                .client
-                .get(url)
-                .bearer_auth(&self.token)
-                .timeout(self.timeout)
-                .send()
-                .await
-                .map_err(|e| e.to_string())?;
-            match resp.status().as_u16() {
+            let req = client::request(
+                Method::GET,
+                url,
+                &[(client::AUTH, &self.auth)],
+                Bytes::new(),
+            )
+            .map_err(|e| e.to_string())?;
+            // A body over MAX_PEER_BODY, more than a peer takes, fails here.
+            let resp = self.exchange(req).await?;
+            match resp.status.as_u16() {
                 200 => {}
                 404 => {
                     return Err(
@@ -267,16 +270,9 @@ impl Relay {
                             .to_string(),
                     )
                 }
-                _ => return Err(format!("status {}", resp.status())),
+                _ => return Err(format!("status {}", resp.status)),
             }
-            let body = resp.bytes().await.map_err(|e| e.to_string())?;
-            if body.len() > MAX_PEER_BODY {
-                return Err(format!(
-                    "{} bytes, more than a peer takes ({MAX_PEER_BODY})",
-                    body.len()
-                ));
-            }
-            Ok(body)
+            Ok(resp.body)
         };
         match read.await {
             Ok(body) => Some(body),

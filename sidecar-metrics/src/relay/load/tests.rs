@@ -136,7 +136,7 @@ fn config(envoys: &[&str], peers: &[&str]) -> Config {
 }
 
 fn relay(cfg: &Config) -> Arc<Relay> {
-    Relay::load_from_config(cfg, reqwest::Client::new()).unwrap()
+    Relay::load_from_config(cfg, crate::push::client()).unwrap()
 }
 
 /// Waits until no delivery is under way (at most 5 s).
@@ -239,7 +239,7 @@ async fn nothing_is_read_when_there_is_no_one_to_send_to() {
     let a = Fake::serving(b"x");
     let ua = serve(a.clone()).await;
     // One Envoy and no peer: no relay at all.
-    assert!(Relay::load_from_config(&config(&[&ua], &[]), reqwest::Client::new()).is_none());
+    assert!(Relay::load_from_config(&config(&[&ua], &[]), crate::push::client()).is_none());
     // One Envoy and peers by DNS that found none (or only this pod): it runs, but reads nothing.
     let mut cfg = config(&[&ua], &[]);
     cfg.prefix.peers_dns = Some(DnsConfig {
@@ -489,7 +489,7 @@ async fn an_envoys_waiting_counts_are_bounded_to_max_replicas() {
 
 #[test]
 fn the_load_relay_follows_its_own_switch_and_the_prefix_relays_peers() {
-    let client = reqwest::Client::new();
+    let client = crate::push::client();
     let mut cfg = config(&["http://127.0.0.1:1"], &["http://10.0.0.2:9100"]);
     cfg.prefix.load_path = "/lp".into();
     let (prefix, load) = Relay::pair_from_config(&cfg, client.clone());
@@ -567,7 +567,7 @@ async fn the_peers_found_by_dns_serve_both_relays() {
         port: 9100,
         refresh_ms: 10,
     });
-    let (prefix, load) = Relay::pair_from_config(&cfg, reqwest::Client::new());
+    let (prefix, load) = Relay::pair_from_config(&cfg, crate::push::client());
     let (prefix, load) = (prefix.unwrap(), load.unwrap());
     let stop = CancellationToken::new();
     let task = tokio::spawn(prefix.clone().find_peers(Arc::new(OneAddr), stop.clone()));
