@@ -196,11 +196,12 @@ pub fn accept(body: &[u8], max_bytes: usize, current: Option<u64>) -> Result<Sna
     Ok(snap)
 }
 
-/// The value stored under [`SNAPSHOT_KEY`].
-pub fn encode_stored(header: StoredHeader, json: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(StoredHeader::LEN + json.len());
+/// A stored value: `header`, then `payload` (the JSON under [`SNAPSHOT_KEY`], the binary form
+/// under [`SNAPSHOT_BINARY_KEY`]).
+pub fn encode_stored(header: StoredHeader, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(StoredHeader::LEN + payload.len());
     v.extend_from_slice(&header.encode());
-    v.extend_from_slice(json);
+    v.extend_from_slice(payload);
     v
 }
 
@@ -246,9 +247,7 @@ pub fn read_stored(
 
 /// The value stored under [`SNAPSHOT_BINARY_KEY`].
 pub fn encode_stored_binary(header: StoredHeader, snap: &Snapshot) -> Vec<u8> {
-    let mut v = header.encode().to_vec();
-    v.extend_from_slice(&snap.encode_binary());
-    v
+    encode_stored(header, &snap.encode_binary())
 }
 
 /// Decodes the value stored under [`SNAPSHOT_BINARY_KEY`] if it is of version `want` (a racing

@@ -101,8 +101,7 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|n| {
             cpu_of(n, || {
                 rt.block_on(async {
-                    let mut req = http::Request::new(http_body_util::Full::new(Bytes::new()));
-                    *req.uri_mut() = uri.clone();
+                    let req = ok(client::request(Method::GET, uri.clone(), &[], Bytes::new()));
                     black_box(ok(ours.send(req, 1 << 20).await).body.len())
                 });
             })

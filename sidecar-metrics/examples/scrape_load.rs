@@ -528,7 +528,11 @@ mod fleet {
         let template = template(full)?;
         let shared = Arc::new(Shared {
             filtered: [None, Some(Engine::Vllm)]
-                .map(|e| (filter_names(e), restricted(&template, &filter_names(e))))
+                .map(|e| {
+                    let names = filter_names(e);
+                    let t = restricted(&template, &names);
+                    (names, t)
+                })
                 .into(),
             template,
             start: Instant::now(),

@@ -12,7 +12,7 @@
 
 use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, USER_AGENT};
-use http::{HeaderMap, HeaderValue, Request, StatusCode};
+use http::{HeaderMap, HeaderValue, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -37,6 +37,9 @@ pub enum HttpError {
     /// The answer's body is larger than the caller takes.
     #[error("body larger than {0} bytes")]
     TooLarge(usize),
+    /// No whole answer within the time given ([`HttpClient::send_within`]).
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
 }
 
 /// A whole answer.
@@ -109,21 +112,38 @@ impl HttpClient {
             body,
         })
     }
+
+    /// [`HttpClient::send`] within `timeout` (connect, headers and body).
+    pub async fn send_within(
+        &self,
+        req: Req,
+        max_body: usize,
+        timeout: Duration,
+    ) -> Result<Answer, HttpError> {
+        tokio::time::timeout(timeout, self.send(req, max_body))
+            .await
+            .map_err(|_| HttpError::Timeout(timeout))?
+    }
 }
 
-/// A request of `method` to `url` with `body`; [`HttpError::Failed`] when `url` is not one.
-pub fn request(
+/// A request of `method` to `url` (text, or a `Uri` parsed once) with `body`;
+/// [`HttpError::Failed`] when `url` is not one.
+pub fn request<U>(
     method: http::Method,
-    url: &str,
+    url: U,
     headers: &[(&str, &HeaderValue)],
     body: Bytes,
-) -> Result<Req, HttpError> {
+) -> Result<Req, HttpError>
+where
+    Uri: TryFrom<U>,
+    <Uri as TryFrom<U>>::Error: Into<http::Error>,
+{
     let mut b = Request::builder().method(method).uri(url);
     for (name, value) in headers {
         b = b.header(*name, *value);
     }
     b.body(Full::new(body))
-        .map_err(|e| HttpError::Failed(format!("{url:?}: {e}")))
+        .map_err(|e| HttpError::Failed(format!("not a request: {e}")))
 }
 
 /// `Authorization: Bearer <token>`, marked sensitive (kept out of debug output).
@@ -138,7 +158,7 @@ pub fn bearer(token: &str) -> HeaderValue {
 pub const AUTH: &str = "authorization";
 
 /// The innermost error message (hyper's own is "client error (Connect)").
-pub fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
     let mut cur = e;
     while let Some(next) = cur.source() {
         cur = next;

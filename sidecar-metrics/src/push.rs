@@ -110,11 +110,12 @@ pub async fn run(
         let begin = Instant::now();
         let headers = [(client::AUTH, &auth), ("content-type", &JSON)];
         let sent = async {
-            let req = client::request(Method::POST, &target.url, &headers, published.json.clone())?;
-            client.send(req, MAX_ANSWER).await
+            let url = target.url.as_str();
+            let req = client::request(Method::POST, url, &headers, published.json.clone())?;
+            client.send_within(req, MAX_ANSWER, timeout).await
         };
-        let outcome = match tokio::time::timeout(timeout, sent).await {
-            Ok(Ok(resp)) => {
+        let outcome = match sent.await {
+            Ok(resp) => {
                 let status = resp.status.as_u16();
                 match status {
                     200..=299 => Outcome::Accepted,
@@ -146,15 +147,15 @@ pub async fn run(
                     },
                 }
             }
-            Err(_) => Outcome::Failed {
+            Err(e @ HttpError::Timeout(_)) => Outcome::Failed {
                 reason: "timeout",
-                message: format!("no answer within {timeout:?}"),
+                message: e.to_string(),
             },
-            Ok(Err(e)) => Outcome::Failed {
+            Err(e) => Outcome::Failed {
                 reason: "unreachable",
                 message: match e {
                     HttpError::Connect(why) | HttpError::Failed(why) => why,
-                    too_large => too_large.to_string(),
+                    other => other.to_string(),
                 },
             },
         };

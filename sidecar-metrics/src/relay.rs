@@ -350,10 +350,10 @@ impl Relay {
     /// Sends `req` and reads the answer (a body up to [`MAX_PEER_BODY`]) within the relay's
     /// timeout; why not, as text for the log.
     pub(crate) async fn exchange(&self, req: client::Req) -> Result<client::Answer, String> {
-        match tokio::time::timeout(self.timeout, self.client.send(req, MAX_PEER_BODY)).await {
-            Ok(answer) => answer.map_err(|e| e.to_string()),
-            Err(_) => Err(format!("no answer within {:?}", self.timeout)),
-        }
+        self.client
+            .send_within(req, MAX_PEER_BODY, self.timeout)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// POSTs `body` to `url`, counting a failure against an Envoy or a peer; whether it was

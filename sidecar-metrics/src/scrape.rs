@@ -11,14 +11,12 @@
 //! Fetching sits behind the [`Fetch`] trait so the aggregator loop is tested with scripted pods
 //! under tokio's paused clock.
 
-use crate::client::{HttpClient, HttpError};
+use crate::client::{self, HttpClient, HttpError};
 use crate::engine::{self, ReadError, Reading};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use gpuroute_core::snapshot::Engine;
-use http::header::ACCEPT;
-use http::{HeaderValue, Uri};
-use http_body_util::Full;
+use http::{HeaderValue, Method, Uri};
 use std::time::Duration;
 use thiserror::Error;
 use url::Url;
@@ -133,7 +131,7 @@ pub struct HttpFetcher {
     max_body: usize,
 }
 
-const ACCEPT_TEXT: HeaderValue = HeaderValue::from_static("text/plain;version=0.0.4");
+static ACCEPT_TEXT: HeaderValue = HeaderValue::from_static("text/plain;version=0.0.4");
 
 impl HttpFetcher {
     /// A fetcher refusing bodies above `max_body` bytes.
@@ -147,15 +145,21 @@ impl HttpFetcher {
 
 impl Fetch for HttpFetcher {
     fn fetch(&self, url: &Uri) -> BoxFuture<'static, Result<Bytes, ScrapeError>> {
-        let mut req = http::Request::new(Full::new(Bytes::new()));
-        *req.uri_mut() = url.clone();
-        req.headers_mut().insert(ACCEPT, ACCEPT_TEXT);
+        let req = client::request(
+            Method::GET,
+            url.clone(),
+            &[("accept", &ACCEPT_TEXT)],
+            Bytes::new(),
+        );
         let (client, max) = (self.client.clone(), self.max_body);
         Box::pin(async move {
-            let answer = client.send(req, max).await.map_err(|e| match e {
+            let sent = async { client.send(req?, max).await };
+            let answer = sent.await.map_err(|e| match e {
                 HttpError::Connect(why) => ScrapeError::Connect(why),
                 HttpError::Failed(why) => ScrapeError::Body(why),
                 HttpError::TooLarge(n) => ScrapeError::TooLarge(n),
+                // The caller times the whole scrape (`fetch_within`).
+                HttpError::Timeout(t) => ScrapeError::Timeout(t),
             })?;
             if !answer.status.is_success() {
                 return Err(ScrapeError::Status(answer.status.as_u16()));
