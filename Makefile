@@ -15,13 +15,16 @@ ENVOY       := $(VENV)/bin/envoy
 WASM_TARGET := wasm32-wasip1
 WASM        := target/$(WASM_TARGET)/wasm-release/gpuroute_filter.wasm
 NATIVE_BINS := target/release/sidecar-metrics target/release/fleet-sim
+# The earlier build the upgrade tests run beside this one (tests/e2e/upgrade_base.txt says why).
+UPGRADE_BASE := $(shell grep -v '^\#' tests/e2e/upgrade_base.txt)
+BASE_WASM   := target/upgrade-base/$(UPGRADE_BASE)/gpuroute_filter.wasm
 WASI_RUNNER := node --no-warnings $(CURDIR)/scripts/wasi-run.mjs
 CARGO       ?= cargo
 # Benchmarks: TRACE=FILE replays any Azure-conv CSV or Mooncake JSONL trace; SPEEDUP=N compresses it.
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck replay replay-gateways clean-venv
+.PHONY: help setup build wasm wasm-base native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck replay replay-gateways clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -43,6 +46,12 @@ wasm: ## build the filter (.wasm)
 	$(CARGO) build -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-callbacks
 	$(CARGO) build -p gpuroute-wasm-floor --features experiments --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-experiments
 	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
+
+wasm-base: $(BASE_WASM) ## build the filter at the upgrade tests' base commit (tests/e2e/upgrade_base.txt)
+
+$(BASE_WASM): tests/e2e/upgrade_base.txt
+	rustup target add $(WASM_TARGET) >/dev/null 2>&1 || true
+	scripts/build-base-wasm.sh $(UPGRADE_BASE) target/upgrade-base
 
 native: ## build the native binaries (aggregator, simulator, benchmark tools, the dynamic-module filter)
 	$(CARGO) build --release -p sidecar-metrics -p fleet-sim -p gpuroute-bench -p gpuroute-dynmod
@@ -70,7 +79,7 @@ lint: ## rustfmt, clippy -D warnings (native and wasm32)
 validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)
 
-e2e: $(VENV)/.ready build ## end-to-end tests: real Envoy + the built .wasm
+e2e: $(VENV)/.ready build wasm-base ## end-to-end tests: real Envoy + the built .wasm (and an earlier build beside it)
 	cd tests/e2e && ../../$(VENV)/bin/pytest -q
 
 e2e-dynamic: $(VENV)/.ready build ## the same end-to-end suite with the dynamic-module build (libgpuroute.so)

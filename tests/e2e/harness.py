@@ -27,6 +27,10 @@ FLOOR_WASM = ROOT / "target" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm
 # "TRAP" (what the shipped configuration does with a failed VM). Its configuration needs
 # `floor_endpoints`.
 TRAP_WASM = ROOT / "target" / "wasm-trap" / "wasm32-wasip1" / "wasm-release" / "gpuroute_wasm_floor.wasm"
+# The earlier build the upgrade tests run beside this one (`make wasm-base`; upgrade_base.txt).
+UPGRADE_BASE = next(line.strip() for line in (ROOT / "tests" / "e2e" / "upgrade_base.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith("#"))
+BASE_WASM = ROOT / "target" / "upgrade-base" / UPGRADE_BASE / "gpuroute_filter.wasm"
 sys.path.insert(0, str(ROOT / "envoy"))
 import render  # noqa: E402
 
@@ -282,55 +286,68 @@ class Envoy:
 
 
 class LdsListener:
-    """Serves an Envoy's gateway listener ("openai") from a file (LDS), so that the filter's
-    configuration can change while Envoy runs, as an xDS update changes it. Start the Envoy with
-    `patch=lds.patch, envoy_args=lds.envoy_args`; `change(envoy, **options)` then rewrites the
-    filter's configuration with `options` and returns once Envoy has taken the new listener. The
-    old filter chain drains for one second, then Envoy deletes its plugin instances."""
+    """Serves some of an Envoy's listeners from a file (LDS), so that the filter's configuration
+    or its .wasm can change while Envoy runs, as an xDS update changes them. By default the
+    gateway's listener ("openai"); `names` may add the ingest listener ("gpuroute_ingest"). Start
+    the Envoy with `patch=lds.patch, envoy_args=lds.envoy_args`; `change(envoy, wasm=..., **options)`
+    then rewrites the filter's configuration with `options` (and its .wasm, if given) in every one
+    of them and returns once Envoy has taken the new listeners. The old filter chains drain for
+    one second, then Envoy deletes their plugin instances."""
 
     envoy_args = ["--drain-time-s", "1", "--drain-strategy", "immediate"]
 
-    def __init__(self, directory):
+    def __init__(self, directory, names=("openai",)):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "lds.json"
-        self.listener = None
+        self.names = tuple(names)
+        self.listeners = []
 
     def patch(self, config):
         listeners = config["static_resources"]["listeners"]
-        self.listener = next(lst for lst in listeners if lst["name"] == "openai")
-        listeners.remove(self.listener)
-        self._write(self.listener)
+        self.listeners = [lst for lst in listeners if lst["name"] in self.names]
+        if len(self.listeners) != len(self.names):
+            raise ValueError(f"listeners {self.names} not all in the configuration")
+        for lst in self.listeners:
+            listeners.remove(lst)
+        self._write()
         config["node"] = {"id": "gpuroute", "cluster": "gpuroute"}  # required with dynamic resources
         config["dynamic_resources"] = {
             "lds_config": {"path_config_source": {"path": str(self.path)}, "resource_api_version": "V3"}
         }
 
-    def _write(self, listener):
+    def _write(self):
         tmp = self.dir / "lds.tmp"
-        resource = dict(listener, **{"@type": "type.googleapis.com/envoy.config.listener.v3.Listener"})
-        tmp.write_text(json.dumps({"resources": [resource]}))
+        kind = {"@type": "type.googleapis.com/envoy.config.listener.v3.Listener"}
+        tmp.write_text(json.dumps({"resources": [dict(lst, **kind) for lst in self.listeners]}))
         tmp.rename(self.path)  # Envoy watches for the file being moved into place
 
-    def change(self, envoy, timeout_s=60, **options):
+    def change(self, envoy, timeout_s=60, wasm=None, **options):
         stat = "listener_manager.lds.update_success"
 
         def updates():
             return envoy.stats(stat.replace(".", r"\.")).get(stat, 0)
 
         before = updates()
-        listener = json.loads(json.dumps(self.listener))
-        hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
-        wasm = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
-        plugin = wasm["typed_config"]["config"]["configuration"]
-        plugin["value"] = json.dumps(dict(json.loads(plugin["value"]), **options), separators=(",", ":"))
-        self.listener = listener
-        self._write(listener)
+        self.listeners = json.loads(json.dumps(self.listeners))
+        for listener in self.listeners:
+            config = wasm_filter(listener)["typed_config"]["config"]
+            plugin = config["configuration"]
+            plugin["value"] = json.dumps(dict(json.loads(plugin["value"]), **options), separators=(",", ":"))
+            if wasm is not None:
+                config["vm_config"]["code"]["local"]["filename"] = str(wasm)
+        self._write()
         deadline = time.time() + timeout_s
         while updates() <= before:
             if time.time() > deadline:
-                raise RuntimeError("Envoy did not take the new listener")
+                raise RuntimeError("Envoy did not take the new listeners")
             time.sleep(0.05)
+
+
+def wasm_filter(listener):
+    """The proxy-wasm HTTP filter of a rendered listener."""
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    return next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.wasm")
 
 
 _version = [now_ms() * 1000]
