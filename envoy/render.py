@@ -13,7 +13,10 @@ Description fields:
   runtime         "wasm" (default) or "dynamic": the same filter as an Envoy dynamic module
                   (libgpuroute.so, found through ENVOY_DYNAMIC_MODULES_SEARCH_PATH)
   filter_config   the plugin configuration (pools, ingest token, scoring, ...)
-  pools           [{"name": "llama-8b", "endpoints": ["127.0.0.1:18001", ...]}]
+  pools           [{"name": "llama-8b", "endpoints": ["127.0.0.1:18001", ...]}]; a pool whose pods
+                  serve HTTPS adds "tls": {"ca_file", and optionally "sni", "san" (names the
+                  pods' certificates must carry; unset: any the CA signed), "cert_file" and
+                  "key_file" (a client certificate, for pods that ask for one)}
   route_timeout_s 0 = none (streams can be long)
   access_log      optional: a file (e.g. /dev/stdout) for one JSON line per request on the
                   OpenAI listener, with the filter's routing decision (ACCESS_LOG_FORMAT)
@@ -272,6 +275,27 @@ def openai_404():
     return openai_error(404, "no route: use an OpenAI inference path or /v1/models", "invalid_request_error", "not_found")
 
 
+def upstream_tls(tls):
+    """The transport socket of a pool whose pods serve HTTPS (`pool["tls"]`, above)."""
+    validation = {"trusted_ca": {"filename": tls["ca_file"]}}
+    if tls.get("san"):
+        validation["match_typed_subject_alt_names"] = [
+            {"san_type": "DNS", "matcher": {"exact": name}} for name in tls["san"]
+        ]
+    common = {"validation_context": validation}
+    if tls.get("cert_file"):
+        common["tls_certificates"] = [
+            {"certificate_chain": {"filename": tls["cert_file"]}, "private_key": {"filename": tls["key_file"]}}
+        ]
+    ctx = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": common,
+    }
+    if tls.get("sni"):
+        ctx["sni"] = tls["sni"]
+    return {"name": "envoy.transport_sockets.tls", "typed_config": ctx}
+
+
 def cluster(pool, mode, connect_timeout="1s"):
     c = {
         "name": "pool_" + pool["name"],
@@ -291,6 +315,8 @@ def cluster(pool, mode, connect_timeout="1s"):
             ],
         },
     }
+    if pool.get("tls"):
+        c["transport_socket"] = upstream_tls(pool["tls"])
     least_request = {
         "typed_extension_config": {
             "name": "envoy.load_balancing_policies.least_request",

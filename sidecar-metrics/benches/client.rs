@@ -4,6 +4,11 @@
 //! loopback connection to the same local server, one after another, so the server's work and the
 //! kernel's are the same on both sides and the difference is the clients'.
 //!
+//! Then the cost of TLS (`tls/`): the same scrape over a kept-alive connection to one pod, plain
+//! and over TLS, against the same minimal server (tests/common/tls_pod.rs, rustls on its side
+//! too), so the difference is both ends' TLS work on each request and its answer (the handshake
+//! comes once per connection).
+//!
 //! The time reported is the process's CPU time (all threads, user and system), not the wall
 //! clock: a request's wall time here is mostly threads handing work to each other, which varies
 //! from run to run on a shared machine far more than the work does.
@@ -17,6 +22,9 @@ use http::{HeaderValue, Method};
 use sidecar_metrics::client::{self, HttpClient};
 use std::net::SocketAddr;
 use std::time::Duration;
+
+#[path = "../tests/common/tls_pod.rs"]
+mod tls_pod;
 
 /// The value, or a panic naming the error: a benchmark's setup either works or stops here.
 fn ok<T, E: std::fmt::Debug>(r: Result<T, E>) -> T {
@@ -141,6 +149,51 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
+
+    // TLS against plain: one pod, the scrape's 2.4 KB answer.
+    let page = "vllm:num_requests_waiting{model_name=\"m\"} 1\n".repeat(50);
+    let (plain, _) = rt.block_on(tls_pod::serve(None, page.clone()));
+    let (tls_addr, handshakes) = rt.block_on(tls_pod::serve(
+        Some(tls_pod::server_config("pod", false)),
+        page,
+    ));
+    let tls = ok(
+        sidecar_metrics::tls::client_tls(&sidecar_metrics::config::ScrapeTlsConfig {
+            ca_file: Some(tls_pod::file("ca.pem")),
+            ..Default::default()
+        })
+        .map_err(|(f, why)| format!("{f}: {why}")),
+    );
+    let https = HttpClient::with_tls(1, Duration::from_secs(90), &tls);
+    let query = sidecar_metrics::engine::filter_query(None);
+    let mut g = c.benchmark_group("tls");
+    for (name, client, url) in [
+        (
+            "scrape/plain",
+            &ours,
+            format!("http://{plain}/metrics?{query}"),
+        ),
+        (
+            "scrape/tls",
+            &https,
+            format!("https://{tls_addr}/metrics?{query}"),
+        ),
+    ] {
+        let uri: http::Uri = ok(url.parse());
+        g.bench_function(name, |b| {
+            b.iter_custom(|n| {
+                cpu_of(n, || {
+                    rt.block_on(async {
+                        let req = ok(client::request(Method::GET, uri.clone(), &[], Bytes::new()));
+                        black_box(ok(client.send(req, 1 << 20).await).body.len())
+                    });
+                })
+            })
+        });
+    }
+    g.finish();
+    // Kept alive: one handshake for every TLS scrape of the run.
+    assert_eq!(handshakes.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
 criterion_group!(benches, bench);

@@ -207,6 +207,7 @@ async fn measure(o: Opts) -> Result<()> {
             name: format!("pool-{i}"),
             engine: o.engine,
             metrics_path: None,
+            metrics_scheme: Default::default(),
             pods: Some(
                 chunk
                     .iter()

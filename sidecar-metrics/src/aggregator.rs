@@ -573,6 +573,7 @@ mod tests {
             name: "p".into(),
             engine: None,
             metrics_path: None,
+            metrics_scheme: Default::default(),
             pods: Some(vec![]),
             dns: None,
             kubernetes: None,

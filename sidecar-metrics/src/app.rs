@@ -44,6 +44,9 @@ pub enum StartError {
     Kube(#[from] KubeError),
 }
 
+/// How often the scrape TLS files are looked at for a change (a renewed certificate).
+const TLS_RELOAD: Duration = Duration::from_secs(10);
+
 /// A started aggregator.
 pub struct Running {
     /// The bound address of the HTTP surface (useful with `listen: 127.0.0.1:0`).
@@ -99,7 +102,21 @@ pub async fn start(
 
     let fetcher: Arc<dyn Fetch> = match opts.fetcher {
         Some(f) => f,
-        None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)),
+        None => match cfg.scrape_client_tls()? {
+            None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)),
+            Some(_) => Arc::new(
+                HttpFetcher::reloading(
+                    cfg.max_body_bytes,
+                    cfg.scrape_tls.clone(),
+                    TLS_RELOAD,
+                    shutdown.clone(),
+                )
+                .map_err(|(f, why)| crate::config::ConfigError::Field {
+                    field: f.to_string(),
+                    reason: why,
+                })?,
+            ),
+        },
     };
     let (agg, published) = Aggregator::new(
         cfg.clone(),

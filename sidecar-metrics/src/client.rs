@@ -5,15 +5,19 @@
 //! reqwest parsed a request's URL as text, turned it into an `http::Uri`, and parsed it again
 //! from the response (its redirect layer's, with redirects off), on every request. At 1,000 pods
 //! scraped every 100 ms that was about a third of the aggregator's CPU (sidecar-metrics/README.md,
-//! "Measured"). Plain HTTP/1.1 only (pods and the ingest listener are plain HTTP: `config.rs`
-//! refuses other schemes), keep-alive, no proxy from the environment, no redirects followed.
+//! "Measured"). HTTP/1.1, keep-alive, no proxy from the environment, no redirects followed.
+//! Plain HTTP, and HTTPS for a client made [`HttpClient::with_tls`] (scrapes of pods that serve
+//! their metrics over TLS: [`crate::tls`]); the pushes and the relays are plain HTTP (`config.rs`
+//! refuses other schemes for them).
 //! Timeouts are the caller's, around the whole exchange (connect, headers and body), so a peer
 //! that trickles its body is cut off like one that never answers.
 
+use crate::tls::ClientTls;
 use bytes::Bytes;
 use http::header::{CONTENT_LENGTH, USER_AGENT};
 use http::{HeaderMap, HeaderValue, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use hyper_rustls::{FixedServerNameResolver, HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use std::time::Duration;
@@ -56,22 +60,43 @@ pub type Req = Request<Full<Bytes>>;
 /// A shared keep-alive client; a clone shares its pool.
 #[derive(Clone, Debug)]
 pub struct HttpClient {
-    inner: Client<HttpConnector, Full<Bytes>>,
+    inner: Inner,
+}
+
+#[derive(Clone, Debug)]
+enum Inner {
+    Plain(Client<HttpConnector, Full<Bytes>>),
+    Tls(Client<HttpsConnector<HttpConnector>, Full<Bytes>>),
 }
 
 impl HttpClient {
-    /// A client keeping up to `idle_per_host` idle connections to each host (a pod scraped every
-    /// interval needs one) for `idle_timeout`.
+    /// A plain-HTTP client keeping up to `idle_per_host` idle connections to each host (a pod
+    /// scraped every interval needs one) for `idle_timeout`. An `https://` URL fails to connect
+    /// ("scheme is not http").
     pub fn new(idle_per_host: usize, idle_timeout: Duration) -> HttpClient {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        let inner = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(idle_per_host)
-            .pool_idle_timeout(idle_timeout)
-            // What expires idle connections.
-            .pool_timer(TokioTimer::new())
-            .build(connector);
-        HttpClient { inner }
+        HttpClient {
+            inner: Inner::Plain(pooled(idle_per_host, idle_timeout).build(connector())),
+        }
+    }
+
+    /// The same, speaking HTTPS too, with `tls`.
+    pub fn with_tls(idle_per_host: usize, idle_timeout: Duration, tls: &ClientTls) -> HttpClient {
+        let mut http = connector();
+        // Let `https://` through to the TLS layer.
+        http.enforce_http(false);
+        let builder = HttpsConnectorBuilder::new()
+            .with_tls_config((*tls.config).clone())
+            .https_or_http();
+        let builder = match &tls.server_name {
+            Some(name) => {
+                builder.with_server_name_resolver(FixedServerNameResolver::new(name.clone()))
+            }
+            None => builder,
+        };
+        let https = builder.enable_http1().wrap_connector(http);
+        HttpClient {
+            inner: Inner::Tls(pooled(idle_per_host, idle_timeout).build(https)),
+        }
     }
 
     /// Sends `req` (with this client's `User-Agent`) and reads the whole answer, its body up to
@@ -79,8 +104,14 @@ impl HttpClient {
     /// (refused before reading) or streams.
     pub async fn send(&self, mut req: Req, max_body: usize) -> Result<Answer, HttpError> {
         req.headers_mut().insert(USER_AGENT, AGENT);
-        let resp = self.inner.request(req).await.map_err(|e| {
-            if e.is_connect() {
+        let sent = match &self.inner {
+            Inner::Plain(c) => c.request(req),
+            Inner::Tls(c) => c.request(req),
+        };
+        let resp = sent.await.map_err(|e| {
+            // A TLS failure after the handshake's last client message (TLS 1.3: a refused
+            // client certificate) is still no connection, not a broken answer.
+            if e.is_connect() || tls_failure(&e) {
                 HttpError::Connect(root_cause(&e))
             } else {
                 HttpError::Failed(root_cause(&e))
@@ -126,6 +157,21 @@ impl HttpClient {
     }
 }
 
+fn connector() -> HttpConnector {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http
+}
+
+fn pooled(idle_per_host: usize, idle_timeout: Duration) -> hyper_util::client::legacy::Builder {
+    let mut b = Client::builder(TokioExecutor::new());
+    b.pool_max_idle_per_host(idle_per_host)
+        .pool_idle_timeout(idle_timeout)
+        // What expires idle connections.
+        .pool_timer(TokioTimer::new());
+    b
+}
+
 /// A request of `method` to `url` (text, or a `Uri` parsed once) with `body`;
 /// [`HttpError::Failed`] when `url` is not one.
 pub fn request<U>(
@@ -156,6 +202,23 @@ pub fn bearer(token: &str) -> HeaderValue {
 
 /// The `Authorization` header's name, for [`request`]'s header lists.
 pub const AUTH: &str = "authorization";
+
+/// Whether a TLS error is among `e`'s causes.
+fn tls_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if err.is::<rustls::Error>()
+            || err
+                .downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .is_some_and(|inner| inner.is::<rustls::Error>())
+        {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
 
 /// The innermost error message (hyper's own is "client error (Connect)").
 fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {

@@ -129,9 +129,48 @@ pub struct Config {
     /// The prefix-record relay between gateway replicas.
     #[serde(default)]
     pub prefix: PrefixRelayConfig,
+    /// TLS for scrapes of `https://` metrics URLs (`pools[].metrics_scheme: https`, or a pod's
+    /// own `metrics_url`). Left at its defaults, such scrapes check the pods against the
+    /// system's certificate authorities.
+    #[serde(default)]
+    pub scrape_tls: ScrapeTlsConfig,
     /// The pools and how to find their pods.
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
+}
+
+/// How pods serving their metrics over HTTPS are scraped (`crate::tls`).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScrapeTlsConfig {
+    /// PEM file of the certificate authorities the pods' certificates are checked against.
+    /// Unset: the system's.
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// PEM certificate chain shown to pods that ask for one (mutual TLS), with `key_file`.
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of `cert_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// The name the pods' certificates must be issued for. Unset: the URL's host, for
+    /// discovered pods their IP address, which their certificates must then list.
+    #[serde(default)]
+    pub server_name: Option<String>,
+    /// Take any certificate (the connection is still encrypted). For meshes whose workload
+    /// certificates name an identity, not a host (Istio's SPIFFE ids): Istio's own Prometheus
+    /// integration scrapes with its workload certificate and this set.
+    #[serde(default)]
+    pub insecure_skip_verify: bool,
+}
+
+/// The scheme of discovered pods' metrics URLs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricsScheme {
+    #[default]
+    Http,
+    Https,
 }
 
 /// When a pod stops being a candidate.
@@ -317,6 +356,9 @@ pub struct PoolConfig {
     /// (`/prometheus/metrics` for `trtllm`).
     #[serde(default)]
     pub metrics_path: Option<String>,
+    /// `https` for pods that serve their metrics over TLS (`scrape_tls`).
+    #[serde(default)]
+    pub metrics_scheme: MetricsScheme,
     /// Static list of pods.
     #[serde(default)]
     pub pods: Option<Vec<PodConfig>>,
@@ -336,7 +378,7 @@ pub struct PodConfig {
     pub address: String,
     #[serde(default)]
     pub engine: Option<Engine>,
-    /// Default `http://{address}{metrics_path}`.
+    /// Default `{metrics_scheme}://{address}{metrics_path}`; `http://` or `https://`.
     #[serde(default)]
     pub metrics_url: Option<String>,
     /// Relative serving speed; overrides the estimate.
@@ -481,6 +523,7 @@ impl Default for Config {
             capacity: CapacityConfig::default(),
             push: PushConfig::default(),
             prefix: PrefixRelayConfig::default(),
+            scrape_tls: ScrapeTlsConfig::default(),
             pools: Vec::new(),
         }
     }
@@ -599,6 +642,7 @@ impl Config {
                 name: name.trim().to_string(),
                 engine: None,
                 metrics_path: None,
+                metrics_scheme: Default::default(),
                 pods: Some(pods),
                 dns: None,
                 kubernetes: None,
@@ -767,7 +811,22 @@ impl Config {
                 ));
             }
         }
+        // Its files are read now, so a missing or unreadable one stops the start.
+        self.scrape_client_tls()?;
         Ok(())
+    }
+
+    /// The scrapes' TLS, from `scrape_tls`, when a pod is scraped over HTTPS or `scrape_tls` is
+    /// set (its files are then read even if nothing uses them yet: a mistake shows at start-up);
+    /// `None` otherwise.
+    pub fn scrape_client_tls(&self) -> Result<Option<crate::tls::ClientTls>, ConfigError> {
+        let set = self.scrape_tls != ScrapeTlsConfig::default();
+        if !set && !self.pools.iter().any(PoolConfig::scrapes_https) {
+            return Ok(None);
+        }
+        crate::tls::client_tls(&self.scrape_tls)
+            .map(Some)
+            .map_err(|(f, reason)| field(f, reason))
     }
 }
 
@@ -815,7 +874,7 @@ impl PoolConfig {
                     ));
                 }
                 if let Some(u) = &pod.metrics_url {
-                    check_http_url(&format!("{pf}.metrics_url"), u)?;
+                    check_url(&format!("{pf}.metrics_url"), u, &["http", "https"])?;
                 }
                 if let Some(c) = pod.capacity {
                     if !(c.is_finite() && c > 0.0 && c <= 1_000.0) {
@@ -869,6 +928,26 @@ impl PoolConfig {
     }
 
     /// Path of the metrics endpoint for pods of this pool that do not set `metrics_url`.
+    /// Whether any pod's metrics URL is `https://`.
+    pub fn scrapes_https(&self) -> bool {
+        let https = |u: &String| url::Url::parse(u).is_ok_and(|u| u.scheme() == "https");
+        self.metrics_scheme == MetricsScheme::Https
+            || self
+                .pods
+                .iter()
+                .flatten()
+                .any(|p| p.metrics_url.as_ref().is_some_and(https))
+    }
+
+    /// The metrics URL of a discovered pod at `address`.
+    pub fn metrics_url_for(&self, address: SocketAddr, engine: Option<Engine>) -> String {
+        let scheme = match self.metrics_scheme {
+            MetricsScheme::Http => "http",
+            MetricsScheme::Https => "https",
+        };
+        format!("{scheme}://{address}{}", self.metrics_path_for(engine))
+    }
+
     pub fn metrics_path_for(&self, engine: Option<Engine>) -> String {
         match (&self.metrics_path, engine.or(self.engine)) {
             (Some(p), _) => p.clone(),
@@ -880,14 +959,19 @@ impl PoolConfig {
 }
 
 fn check_http_url(f: &str, u: &str) -> Result<(), ConfigError> {
+    check_url(f, u, &["http"])
+}
+
+/// `u` is a URL of one of `schemes`, with a host.
+fn check_url(f: &str, u: &str, schemes: &[&str]) -> Result<(), ConfigError> {
     let url = url::Url::parse(u).map_err(|e| field(f, format!("{u:?}: {e}")))?;
-    if url.scheme() != "http" {
-        return Err(field(
-            f,
-            format!(
-                "{u:?}: only http:// is supported (pods and the ingest listener are plain HTTP)"
-            ),
-        ));
+    if !schemes.contains(&url.scheme()) {
+        let why = if schemes.contains(&"https") {
+            "only http:// and https:// are supported"
+        } else {
+            "only http:// is supported (the ingest listeners and the peers are plain HTTP)"
+        };
+        return Err(field(f, format!("{u:?}: {why}")));
     }
     if url.host().is_none() {
         return Err(field(f, format!("{u:?}: no host")));
@@ -1103,6 +1187,7 @@ pools:
             name: "p".into(),
             engine: None,
             metrics_path: None,
+            metrics_scheme: Default::default(),
             pods: Some(vec![]),
             dns: None,
             kubernetes: None,
@@ -1114,5 +1199,64 @@ pools:
         );
         p.metrics_path = Some("/m".into());
         assert_eq!(p.metrics_path_for(Some(Engine::Trtllm)), "/m");
+    }
+
+    #[test]
+    fn pods_serving_https_are_scraped_with_scrape_tls() {
+        let ca = format!("{}/../testdata/tls/ca.pem", env!("CARGO_MANIFEST_DIR"));
+        let text = format!(
+            r#"
+scrape_tls: {{ ca_file: {ca}, server_name: pod.test }}
+pools:
+  - name: a
+    metrics_scheme: https
+    pods:
+      - {{ address: 10.0.0.1:8000 }}
+  - name: b
+    pods:
+      - {{ address: 10.0.0.2:8000, metrics_url: 'https://10.0.0.2:8443/metrics' }}
+      - {{ address: 10.0.0.3:8000 }}
+push: {{ token: t }}
+"#
+        );
+        let c = parse(&text).unwrap();
+        let a: SocketAddr = "10.0.0.1:8000".parse().unwrap();
+        assert_eq!(
+            c.pools[0].metrics_url_for(a, None),
+            "https://10.0.0.1:8000/metrics"
+        );
+        assert_eq!(
+            c.pools[1].metrics_url_for(a, None),
+            "http://10.0.0.1:8000/metrics"
+        );
+        assert!(c.pools[0].scrapes_https() && c.pools[1].scrapes_https());
+        let t = c.scrape_client_tls().unwrap().unwrap();
+        assert_eq!(t.server_name.unwrap().to_str(), "pod.test");
+        // Nothing over HTTPS and no scrape_tls: no TLS at all (no certificate store read).
+        assert!(parse(MINIMAL)
+            .unwrap()
+            .scrape_client_tls()
+            .unwrap()
+            .is_none());
+        // A file that is not there stops the start, naming the field.
+        let missing = text.replace("ca.pem", "no-such.pem");
+        let err = parse(&missing).unwrap_err().to_string();
+        assert!(
+            err.contains("scrape_tls.ca_file") && err.contains("no-such.pem"),
+            "{err}"
+        );
+        // The ingest listeners and the peers stay plain HTTP.
+        let err = parse(&MINIMAL.replace("http://127.0.0.1:9002", "https://127.0.0.1:9002"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("only http:// is supported"), "{err}");
+        let err = parse(&text.replace("'https://10.0.0.2", "'ftp://10.0.0.2"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("pools[1].pods[0].metrics_url"), "{err}");
+        let err = parse(&text.replace("metrics_scheme: https", "metrics_scheme: tls"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("metrics_scheme"), "{err}");
     }
 }

@@ -17,4 +17,5 @@ pub mod prom;
 pub mod push;
 pub mod relay;
 pub mod scrape;
+pub mod tls;
 pub mod util;

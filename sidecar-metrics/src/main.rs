@@ -107,6 +107,10 @@ struct ScrapeOnceArgs {
     /// aggregator's `filter_metrics: false`).
     #[arg(long)]
     whole: bool,
+    /// The aggregator's configuration file: an `https://` URL is scraped with its `scrape_tls`
+    /// (without it, against the system's certificate authorities).
+    #[arg(long)]
+    config: Option<std::path::PathBuf>,
 }
 
 fn parse_engine(s: &str) -> Result<Engine, String> {
@@ -266,9 +270,23 @@ async fn fetch_and_read(
 }
 
 async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
-    let fetcher = HttpFetcher::new(sidecar_metrics::config::DEFAULT_MAX_BODY_BYTES);
     let timeout = Duration::from_millis(args.timeout_ms);
     let url = url::Url::parse(&args.url).with_context(|| format!("{:?} is not a URL", args.url))?;
+    let tls = if url.scheme() == "https" {
+        let c = match &args.config {
+            Some(path) => Config::from_file(path)?.scrape_tls,
+            None => Default::default(),
+        };
+        let tls = sidecar_metrics::tls::client_tls(&c)
+            .map_err(|(f, why)| anyhow::anyhow!("config {f}: {why}"))?;
+        Some(tls)
+    } else {
+        None
+    };
+    let fetcher = HttpFetcher::with_tls(
+        sidecar_metrics::config::DEFAULT_MAX_BODY_BYTES,
+        tls.as_ref(),
+    );
     // The snapshot needs ip:port; for a host name show the first address it resolves to.
     let host = url
         .host_str()

@@ -1,4 +1,4 @@
-//! Fetching one pod's `/metrics` over HTTP, and reading it.
+//! Fetching one pod's `/metrics` over HTTP or HTTPS, and reading it.
 //!
 //! The HTTP client keeps connections alive (one idle connection per pod is all a 100 ms poll
 //! needs) and never uses a proxy from the environment: pods are reached directly. The timeout
@@ -12,13 +12,17 @@
 //! under tokio's paused clock.
 
 use crate::client::{self, HttpClient, HttpError};
+use crate::config::ScrapeTlsConfig;
 use crate::engine::{self, ReadError, Reading};
+use crate::tls::{self, ClientTls, TlsError};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use gpuroute_core::snapshot::Engine;
 use http::{HeaderValue, Method, Uri};
 use std::time::Duration;
 use thiserror::Error;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use url::Url;
 
 /// A failed scrape.
@@ -124,22 +128,83 @@ impl ScrapeUrl {
     }
 }
 
-/// The real fetcher: the aggregator's keep-alive client ([`HttpClient`]).
+/// The real fetcher: the aggregator's keep-alive client ([`HttpClient`]). With TLS whose files
+/// are watched ([`HttpFetcher::reloading`]), the client is replaced when they change.
 #[derive(Clone)]
 pub struct HttpFetcher {
-    client: HttpClient,
+    client: watch::Receiver<HttpClient>,
     max_body: usize,
 }
 
 static ACCEPT_TEXT: HeaderValue = HeaderValue::from_static("text/plain;version=0.0.4");
 
+/// One idle connection per pod; kept across polls (idle timeout far above the interval),
+/// dropped when a pod leaves.
+const IDLE_PER_POD: usize = 1;
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
 impl HttpFetcher {
-    /// A fetcher refusing bodies above `max_body` bytes.
+    /// A plain-HTTP fetcher refusing bodies above `max_body` bytes.
     pub fn new(max_body: usize) -> HttpFetcher {
-        // One idle connection per pod; kept across polls (idle timeout far above the
-        // interval), dropped when a pod leaves.
-        let client = HttpClient::new(1, Duration::from_secs(90));
+        HttpFetcher::of(HttpClient::new(IDLE_PER_POD, IDLE_TIMEOUT), max_body)
+    }
+
+    /// The same, scraping `https://` URLs too, with `tls` (plain HTTP without it).
+    pub fn with_tls(max_body: usize, tls: Option<&ClientTls>) -> HttpFetcher {
+        match tls {
+            Some(tls) => HttpFetcher::of(
+                HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, tls),
+                max_body,
+            ),
+            None => HttpFetcher::new(max_body),
+        }
+    }
+
+    fn of(client: HttpClient, max_body: usize) -> HttpFetcher {
+        // The sender goes: the receiver keeps the one value.
+        let (_, client) = watch::channel(client);
         HttpFetcher { client, max_body }
+    }
+
+    /// A fetcher with the TLS `cfg` describes, whose files are looked at every `every` until
+    /// `shutdown`: when one changed (a renewed certificate: Istio's are renewed daily, a
+    /// mounted Secret when it is updated), the next scrapes use a new client, with connections
+    /// of its own. A change that does not load (a file half written) keeps the client in use
+    /// and is tried again at the next look.
+    pub fn reloading(
+        max_body: usize,
+        cfg: ScrapeTlsConfig,
+        every: Duration,
+        shutdown: CancellationToken,
+    ) -> Result<HttpFetcher, TlsError> {
+        let mut stamp = tls::files_stamp(&cfg);
+        let first = HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &tls::client_tls(&cfg)?);
+        let (tx, client) = watch::channel(first);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let now = tls::files_stamp(&cfg);
+                if now == stamp {
+                    continue;
+                }
+                match tls::client_tls(&cfg) {
+                    Ok(t) => {
+                        tracing::info!("scrape TLS files changed: new connections use them");
+                        tx.send_replace(HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &t));
+                        stamp = now;
+                    }
+                    Err((field, why)) => {
+                        tracing::warn!(field, error = %why, "scrape TLS files changed but do not load; keeping the ones in use");
+                    }
+                }
+            }
+        });
+        Ok(HttpFetcher { client, max_body })
     }
 }
 
@@ -151,7 +216,7 @@ impl Fetch for HttpFetcher {
             &[("accept", &ACCEPT_TEXT)],
             Bytes::new(),
         );
-        let (client, max) = (self.client.clone(), self.max_body);
+        let (client, max) = (self.client.borrow().clone(), self.max_body);
         Box::pin(async move {
             let sent = async { client.send(req?, max).await };
             let answer = sent.await.map_err(|e| match e {

@@ -232,6 +232,7 @@ fn pool(k: KubernetesConfig) -> PoolConfig {
         name: "llama".into(),
         engine: None,
         metrics_path: None,
+        metrics_scheme: Default::default(),
         pods: None,
         dns: None,
         kubernetes: Some(k),

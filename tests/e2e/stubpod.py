@@ -1,7 +1,8 @@
 """Small stub model-server pods for the end-to-end tests: each answers every request with a JSON
 echo of what it received (method, path, headers, body) and says who served it in
 `x-served-by`. `GET /metrics` answers vLLM v1 exposition text whose load values the test sets
-(`set_load`). They bind 127.0.0.1 (an OS-chosen port, or a given one to come back on)."""
+(`set_load`). They bind 127.0.0.1 (an OS-chosen port, or a given one to come back on), and serve
+plain HTTP or, given `tls`, HTTPS (every path, `/metrics` too)."""
 
 import contextlib
 import email.parser
@@ -9,6 +10,7 @@ import email.policy
 import hashlib
 import json
 import socket
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,9 +46,38 @@ def form_fields(content_type, body):
     return fields
 
 
+class _Server(ThreadingHTTPServer):
+    """With `ssl_context`, each connection's TLS handshake runs in its own thread, so a client
+    that fails it holds up no other."""
+
+    daemon_threads = True
+    ssl_context = None
+
+    def finish_request(self, request, client_address):
+        if self.ssl_context is not None:
+            try:
+                request = self.ssl_context.wrap_socket(request, server_side=True)
+            except (ssl.SSLError, OSError):
+                return
+        super().finish_request(request, client_address)
+
+
+def tls_context(cert, key, client_ca=None):
+    """A server TLS context with the PEM files `cert` and `key`; with `client_ca`, clients must
+    show a certificate that authority signed (mutual TLS)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(str(cert), str(key))
+    if client_ca is not None:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(str(client_ca))
+    return ctx
+
+
 class StubPod:
-    def __init__(self, name, delay_s=0.0, port=0):
+    def __init__(self, name, delay_s=0.0, port=0, tls=None):
+        """`tls`: an `ssl.SSLContext` (`tls_context`) to serve HTTPS with."""
         self.name = name
+        self.tls = tls
         self.delay_s = delay_s
         # A threading.Event, or None: while set to an Event that is not set, every request the
         # pod answers waits for it (at most 60 s), so a test holds requests in flight for as
@@ -157,8 +188,8 @@ class StubPod:
         return Handler
 
     def _serve(self, port):
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), self.handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", port), self.handler)
+        self.server.ssl_context = self.tls
         self.address = f"127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

@@ -7,11 +7,12 @@ by the change, and how long until a dead pod stops being picked.
 
 import statistics
 import time
+import urllib.request
 
 import pytest
 
-from harness import STAT_PREFIX, Envoy, Sidecar, free_port
-from stubpod import StubPod
+from harness import ROOT, STAT_PREFIX, Envoy, Sidecar, free_port
+from stubpod import StubPod, tls_context
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
 INTERVAL_MS = 100
@@ -177,5 +178,48 @@ def test_push_keeps_trying_while_envoy_is_down_and_resumes_when_it_is_back():
         sc.stop()
         if gw:
             gw.stop()
+        for p in pods:
+            p.close()
+
+
+def test_pods_serving_https_with_mutual_tls_are_scraped_and_routed_to():
+    """Pods that serve HTTPS only and want a client certificate (vLLM with `--ssl-certfile` and
+    `--ssl-ca-certs`, or what a mesh with strict mutual TLS asks): sidecar-metrics scrapes them
+    with `scrape_tls`, Envoy connects with the pool's upstream TLS (envoy/render.py), and the
+    filter routes by what was scraped. The test certificates are testdata/tls/'s."""
+    tls = ROOT / "testdata" / "tls"
+    pods = [StubPod(f"pod-{i}", tls=tls_context(tls / "pod.pem", tls / "pod.key", client_ca=tls / "ca.pem"))
+            for i in range(3)]
+    for p in pods:
+        p.set_load(**BUSY)
+    pods[1].set_load(**IDLE)
+    client = {"cert_file": str(tls / "client.pem"), "key_file": str(tls / "client.key")}
+    pools = [{"name": "llama", "endpoints": [p.address for p in pods],
+              "tls": {"ca_file": str(tls / "ca.pem"), "san": ["pod.test"], **client}}]
+    gw = Envoy("filter", pools, CONFIG)
+    sc = Sidecar({}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"], interval_ms=INTERVAL_MS, extra={
+        "pools": [{"name": "llama", "metrics_scheme": "https", "pods": [{"address": p.address} for p in pods]}],
+        "scrape_tls": {"ca_file": str(tls / "ca.pem"), **client},
+    })
+    try:
+        # Plain HTTP gets nowhere: the pods speak TLS only.
+        with pytest.raises(Exception):
+            urllib.request.urlopen(f"http://{pods[0].address}/metrics", timeout=2).read()
+        deadline = time.time() + 10
+        while not sc.ready() and time.time() < deadline:
+            time.sleep(0.05)
+        assert sc.ready(), sc.log_path.read_text()[-2000:]
+        # The first snapshots may come before the first scrapes have answered (pods unhealthy).
+        wait_until_picked(gw, pods[1].address)
+        r = chat(gw)
+        assert r[0] == 200 and r[1]["x-served-by"] == "pod-1", r[1].get("x-gateway-debug")
+        # Scraped on, over TLS: the routing follows the next load change.
+        pods[1].set_load(**BUSY)
+        pods[2].set_load(**IDLE)
+        wait_until_picked(gw, pods[2].address)
+        assert chat(gw)[1]["x-served-by"] == "pod-2"
+    finally:
+        sc.stop()
+        gw.stop()
         for p in pods:
             p.close()

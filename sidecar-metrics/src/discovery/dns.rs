@@ -131,6 +131,7 @@ mod tests {
             name: "p".into(),
             engine: None,
             metrics_path: None,
+            metrics_scheme: Default::default(),
             pods: None,
             dns: None,
             kubernetes: None,

@@ -421,6 +421,7 @@ mod tests {
             name: "p".into(),
             engine: None,
             metrics_path: Some("/m".into()),
+            metrics_scheme: Default::default(),
             pods: None,
             dns: None,
             kubernetes: None,

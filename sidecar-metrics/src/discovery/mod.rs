@@ -41,7 +41,7 @@ impl Target {
     pub fn for_pool(pool: &PoolConfig, address: SocketAddr) -> Target {
         Target {
             address,
-            metrics_url: format!("http://{address}{}", pool.metrics_path_for(None)),
+            metrics_url: pool.metrics_url_for(address, None),
             engine: pool.engine,
             capacity: None,
             ready: true,
@@ -56,7 +56,7 @@ impl Target {
             metrics_url: pod
                 .metrics_url
                 .clone()
-                .unwrap_or_else(|| format!("http://{address}{}", pool.metrics_path_for(engine))),
+                .unwrap_or_else(|| pool.metrics_url_for(address, engine)),
             engine,
             capacity: pod.capacity,
             ready: true,
