@@ -13,11 +13,13 @@
 //! counted against the aggregator, which runs in this process exactly as the binary runs it
 //! (`app::start`, same runtime size). After a warm-up, the harness reads this process's CPU time
 //! from `/proc/self/stat` over the measurement window and collects every round's duration.
+//! With `--tls` every pod serves HTTPS (the test certificate of `testdata/tls/`) and the
+//! aggregator scrapes over TLS, checking it against the test authority.
 
 use anyhow::{bail, Context, Result};
 use gpuroute_core::snapshot::{Engine, Snapshot};
 use sidecar_metrics::app::{self, RunOptions};
-use sidecar_metrics::config::{Config, PodConfig, PoolConfig};
+use sidecar_metrics::config::{Config, MetricsScheme, PodConfig, PoolConfig};
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
@@ -34,11 +36,15 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const TOKEN: &str = "load-test-token";
 
+#[path = "../tests/common/tls_pod.rs"]
+mod tls_pod;
+
 const USAGE: &str = "usage: scrape_load [--pods N] [--seconds S] [--warmup S] [--interval-ms N] \
-[--workers N] [--pools N] [--full] [--whole] [--engine vllm]
+[--workers N] [--pools N] [--full] [--whole] [--engine vllm] [--tls]
   --full         serve the whole real 45 KB vLLM page (default: a ~10 KB one)
   --whole        the aggregator asks for everything (filter_metrics: false)
-  --engine vllm  the pools configured as vLLM (default: detected from the metric names)";
+  --engine vllm  the pools configured as vLLM (default: detected from the metric names)
+  --tls          the pods serve HTTPS, scraped over TLS (testdata/tls/ certificates)";
 
 struct Opts {
     pods: usize,
@@ -52,6 +58,7 @@ struct Opts {
     /// The pools' engine (`--engine vllm`, what the fake pods serve); detected from the metric
     /// names when not given.
     engine: Option<Engine>,
+    tls: bool,
     serve_fleet: bool,
 }
 
@@ -66,6 +73,7 @@ fn opts() -> Result<Opts> {
         full: false,
         whole: false,
         engine: None,
+        tls: false,
         serve_fleet: false,
     };
     let mut args = std::env::args().skip(1);
@@ -90,6 +98,7 @@ fn opts() -> Result<Opts> {
                 Some("vllm") => o.engine = Some(Engine::Vllm),
                 other => bail!("--engine {other:?}: the fake pods are vLLM's (--engine vllm)"),
             },
+            "--tls" => o.tls = true,
             "--serve-fleet" => o.serve_fleet = true,
             "--help" | "-h" => {
                 println!("{USAGE}");
@@ -109,7 +118,7 @@ fn main() -> Result<()> {
             .worker_threads(2)
             .enable_all()
             .build()?;
-        return rt.block_on(fleet::serve(o.pods, o.full));
+        return rt.block_on(fleet::serve(o.pods, o.full, o.tls));
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(o.workers)
@@ -158,6 +167,9 @@ async fn measure(o: Opts) -> Result<()> {
     if o.full {
         args.push("--full".into());
     }
+    if o.tls {
+        args.push("--tls".into());
+    }
     let mut child = Command::new(exe)
         .args(&args)
         .stdin(Stdio::piped())
@@ -201,13 +213,20 @@ async fn measure(o: Opts) -> Result<()> {
         "http://127.0.0.1:{ingest_port}/gpuroute/v1/snapshot"
     )];
     cfg.push.token = Some(TOKEN.into());
+    if o.tls {
+        cfg.scrape_tls.ca_file = Some(tls_pod::file("ca.pem"));
+    }
     let per_pool = ports.len().div_ceil(o.pools);
     for (i, chunk) in ports.chunks(per_pool.max(1)).enumerate() {
         cfg.pools.push(PoolConfig {
             name: format!("pool-{i}"),
             engine: o.engine,
             metrics_path: None,
-            metrics_scheme: Default::default(),
+            metrics_scheme: if o.tls {
+                MetricsScheme::Https
+            } else {
+                MetricsScheme::Http
+            },
             pods: Some(
                 chunk
                     .iter()
@@ -237,8 +256,8 @@ async fn measure(o: Opts) -> Result<()> {
 
     let ticks = clock_ticks();
     eprintln!(
-        "fleet: {} pods, {body_bytes} bytes per /metrics body; aggregator: interval {} ms, {} worker threads; warm-up {} s, measuring {} s",
-        ports.len(), o.interval_ms, o.workers, o.warmup, o.seconds
+        "fleet: {} pods{}, {body_bytes} bytes per /metrics body; aggregator: interval {} ms, {} worker threads; warm-up {} s, measuring {} s",
+        ports.len(), if o.tls { " serving HTTPS" } else { "" }, o.interval_ms, o.workers, o.warmup, o.seconds
     );
     tokio::time::sleep(Duration::from_secs(o.warmup)).await;
     while obs_rx.try_recv().is_ok() {}
@@ -525,7 +544,9 @@ mod fleet {
         accepted: AtomicU64,
     }
 
-    pub async fn serve(pods: usize, full: bool) -> Result<()> {
+    pub async fn serve(pods: usize, full: bool, tls: bool) -> Result<()> {
+        let acceptor = tls
+            .then(|| tokio_rustls::TlsAcceptor::from(super::tls_pod::server_config("pod", false)));
         let template = template(full)?;
         let shared = Arc::new(Shared {
             filtered: [None, Some(Engine::Vllm)]
@@ -567,7 +588,14 @@ mod fleet {
                     ),
                 )
                 .with_state(s);
-            tokio::spawn(async move { axum::serve(listener, router).await });
+            match acceptor.clone() {
+                None => {
+                    tokio::spawn(async move { axum::serve(listener, router).await });
+                }
+                Some(acceptor) => {
+                    tokio::spawn(serve_tls(listener, acceptor, router));
+                }
+            }
         }
         let ingest = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let ingest_port = ingest.local_addr()?.port();
@@ -614,5 +642,28 @@ mod fleet {
         })
         .await?;
         Ok(())
+    }
+
+    /// Serves `router` over TLS on `listener`: each connection's handshake, then HTTP/1.1 with
+    /// keep-alive, as axum serves plain connections.
+    async fn serve_tls(
+        listener: tokio::net::TcpListener,
+        acceptor: tokio_rustls::TlsAcceptor,
+        router: axum::Router,
+    ) {
+        use hyper_util::rt::{TokioExecutor, TokioIo};
+        use hyper_util::server::conn::auto;
+        use hyper_util::service::TowerToHyperService;
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (acceptor, router) = (acceptor.clone(), router.clone());
+            tokio::spawn(async move {
+                let _ = tcp.set_nodelay(true);
+                if let Ok(tls) = acceptor.accept(tcp).await {
+                    let _ = auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(tls), TowerToHyperService::new(router))
+                        .await;
+                }
+            });
+        }
     }
 }
