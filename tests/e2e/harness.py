@@ -248,14 +248,15 @@ class Envoy:
         body = {"model": model, "messages": [{"role": "user", "content": text}]}
         return self.request("POST", path, body, headers, timeout=timeout)
 
-    def push(self, snapshot, token=TOKEN, raw=None):
+    def push(self, snapshot, token=TOKEN, raw=None, addr=None):
+        """POSTs a snapshot to the ingest listener (or to another one, `addr`)."""
         body = raw if raw is not None else json.dumps(snapshot).encode()
         return self.request(
             "POST",
             "/gpuroute/v1/snapshot",
             body,
             {"authorization": f"Bearer {token}"},
-            addr=self.ingest,
+            addr=addr or self.ingest,
         )
 
     def worker_connections(self):

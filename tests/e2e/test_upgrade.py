@@ -20,14 +20,17 @@ from collections import Counter
 
 import pytest
 
-from harness import (BASE_WASM, RUNTIME, STAT_PREFIX, TOKEN, UPGRADE_BASE, WASM, Envoy, LdsListener, free_port,
-                     snapshot, wasm_filter)
+from harness import (BASE_WASM, RUNTIME, STAT_PREFIX, UPGRADE_BASE, WASM, Envoy, LdsListener, free_port, snapshot,
+                     wasm_filter)
 from stubpod import serving
 
 pytestmark = pytest.mark.skipif(
     RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module keeps its state in the process, not in shared data")
 
-CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
+# Snapshots stay fresh for a minute: a listener change can take seconds on a loaded machine,
+# and a pod gone stale in between would fail open for a reason the test is not about.
+CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True,
+          "scoring": {"stale_after_ms": 60_000}}
 READ_JSON = STAT_PREFIX + "gpuroute.snapshot.read_json"
 NAMES = ["llama-0", "llama-1", "llama-2"]
 
@@ -75,11 +78,6 @@ def chat(e, addr, text="hello", messages=None):
     return e.request("POST", "/v1/chat/completions", body, addr=addr, timeout=30)
 
 
-def push(e, addr, snap):
-    return e.request("POST", "/gpuroute/v1/snapshot", json.dumps(snap).encode(),
-                     {"authorization": f"Bearer {TOKEN}"}, addr=addr)[0]
-
-
 def entry(debug, address):
     """One candidate's scores in an `x-gateway-debug` header: {"total": .., "queue": .., ...}."""
     for part in debug.split("; "):
@@ -109,7 +107,7 @@ def test_each_build_routes_by_the_snapshot_the_other_took(beside, pods):
     # Pushed to each build's ingest in turn, and back: both gateways follow every push.
     for k, (pusher, idle) in enumerate([("this", 1), ("earlier", 2), ("this", 0), ("earlier", 1)]):
         json_reads = e.stat(READ_JSON)
-        assert push(e, builds[pusher][1], loads(pods, idle)) == 204
+        assert e.push(loads(pods, idle), addr=builds[pusher][1])[0] == 204
         for name, (listen, _) in builds.items():
             got = Counter(picked(chat(e, listen, f"push {k} via {name}, request {i}")) for i in range(8))
             assert got == {NAMES[idle]: 8}, (pusher, name, got)
@@ -129,7 +127,7 @@ def test_each_build_counts_the_others_requests_in_flight(beside, pods, holder, p
     target = pods["llama-0"]
     quiet = {"running": 12, "waiting": 2}
     snap = snapshot({"llama": [{"address": pods[n].address, **({} if n == "llama-0" else quiet)} for n in NAMES]})
-    assert push(e, e.ingest, snap) == 204
+    assert e.push(snap)[0] == 204
     before = entry(chat(e, addr[prober], "probe before")[1]["x-gateway-debug"], target.address)
     target.hold = threading.Event()
     threads = []
@@ -170,7 +168,7 @@ def test_a_conversation_keeps_its_pod_across_builds(beside, pods, first, second)
     to: the builds read each other's prefix records."""
     e = beside
     addr = {"earlier": e.base_listen, "this": e.listen}
-    assert push(e, e.ingest, snapshot({"llama": [{"address": pods[n].address} for n in NAMES]})) == 204
+    assert e.push(snapshot({"llama": [{"address": pods[n].address} for n in NAMES]}))[0] == 204
     system = f"You answer questions about parcels for the {first}-{second} depot. " * 30
     turn = [{"role": "system", "content": system}, {"role": "user", "content": "Where is parcel 5521?"}]
     pod = picked(chat(e, addr[first], messages=turn))
@@ -195,9 +193,11 @@ def test_upgrading_and_rolling_back_the_filter_keeps_routing_by_the_stored_snaps
     try:
         def routes_to(idle, label):
             # Fresh connections: each reaches the listener's current filter chain.
-            got = Counter(picked(e.request("POST", "/v1/chat/completions",
-                                           {"model": "llama-3-8b", "messages": [{"role": "user", "content": f"{label} {i}"}]},
-                                           {"connection": "close"})) for i in range(8))
+            def body(i):
+                return {"model": "llama-3-8b", "messages": [{"role": "user", "content": f"{label} {i}"}]}
+
+            got = Counter(picked(e.request("POST", "/v1/chat/completions", body(i), {"connection": "close"}))
+                          for i in range(8))
             assert got == {NAMES[idle]: 8}, (label, got)
 
         assert e.push(loads(pods, 1))[0] == 204
