@@ -157,13 +157,12 @@ fn bench(c: &mut Criterion) {
         Some(tls_pod::server_config("pod", false)),
         page,
     ));
-    let tls = ok(
-        sidecar_metrics::tls::client_tls(&sidecar_metrics::config::ScrapeTlsConfig {
+    let tls = ok(sidecar_metrics::tls::client_tls(
+        &sidecar_metrics::config::ScrapeTlsConfig {
             ca_file: Some(tls_pod::file("ca.pem")),
             ..Default::default()
-        })
-        .map_err(|(f, why)| format!("{f}: {why}")),
-    );
+        },
+    ));
     let https = HttpClient::with_tls(1, Duration::from_secs(90), &tls);
     let query = sidecar_metrics::engine::filter_query(None);
     let mut g = c.benchmark_group("tls");

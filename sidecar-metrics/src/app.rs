@@ -102,21 +102,13 @@ pub async fn start(
 
     let fetcher: Arc<dyn Fetch> = match opts.fetcher {
         Some(f) => f,
-        None => match cfg.scrape_client_tls()? {
-            None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)),
-            Some(_) => Arc::new(
-                HttpFetcher::reloading(
-                    cfg.max_body_bytes,
-                    cfg.scrape_tls.clone(),
-                    TLS_RELOAD,
-                    shutdown.clone(),
-                )
-                .map_err(|(f, why)| crate::config::ConfigError::Field {
-                    field: f.to_string(),
-                    reason: why,
-                })?,
-            ),
-        },
+        None if cfg.scrapes_over_tls() => Arc::new(HttpFetcher::reloading(
+            cfg.max_body_bytes,
+            cfg.scrape_tls.clone(),
+            TLS_RELOAD,
+            shutdown.clone(),
+        )?),
+        None => Arc::new(HttpFetcher::new(cfg.max_body_bytes)),
     };
     let (agg, published) = Aggregator::new(
         cfg.clone(),

@@ -816,17 +816,19 @@ impl Config {
         Ok(())
     }
 
-    /// The scrapes' TLS, from `scrape_tls`, when a pod is scraped over HTTPS or `scrape_tls` is
-    /// set (its files are then read even if nothing uses them yet: a mistake shows at start-up);
-    /// `None` otherwise.
+    /// Whether the scrapes need TLS: a pod is scraped over HTTPS, or `scrape_tls` is set (its
+    /// files are then read even if nothing uses them yet, so a mistake shows at start-up).
+    pub fn scrapes_over_tls(&self) -> bool {
+        self.scrape_tls != ScrapeTlsConfig::default()
+            || self.pools.iter().any(PoolConfig::scrapes_https)
+    }
+
+    /// The scrapes' TLS, from `scrape_tls`, when they need it ([`Config::scrapes_over_tls`]).
     pub fn scrape_client_tls(&self) -> Result<Option<crate::tls::ClientTls>, ConfigError> {
-        let set = self.scrape_tls != ScrapeTlsConfig::default();
-        if !set && !self.pools.iter().any(PoolConfig::scrapes_https) {
+        if !self.scrapes_over_tls() {
             return Ok(None);
         }
-        crate::tls::client_tls(&self.scrape_tls)
-            .map(Some)
-            .map_err(|(f, reason)| field(f, reason))
+        crate::tls::client_tls(&self.scrape_tls).map(Some)
     }
 }
 

@@ -277,9 +277,7 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
             Some(path) => Config::from_file(path)?.scrape_tls,
             None => Default::default(),
         };
-        let tls = sidecar_metrics::tls::client_tls(&c)
-            .map_err(|(f, why)| anyhow::anyhow!("config {f}: {why}"))?;
-        Some(tls)
+        Some(sidecar_metrics::tls::client_tls(&c)?)
     } else {
         None
     };

@@ -12,9 +12,9 @@
 //! under tokio's paused clock.
 
 use crate::client::{self, HttpClient, HttpError};
-use crate::config::ScrapeTlsConfig;
+use crate::config::{ConfigError, ScrapeTlsConfig};
 use crate::engine::{self, ReadError, Reading};
-use crate::tls::{self, ClientTls, TlsError};
+use crate::tls::{self, ClientTls};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use gpuroute_core::snapshot::Engine;
@@ -176,7 +176,7 @@ impl HttpFetcher {
         cfg: ScrapeTlsConfig,
         every: Duration,
         shutdown: CancellationToken,
-    ) -> Result<HttpFetcher, TlsError> {
+    ) -> Result<HttpFetcher, ConfigError> {
         let mut stamp = tls::files_stamp(&cfg);
         let first = HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &tls::client_tls(&cfg)?);
         let (tx, client) = watch::channel(first);
@@ -198,8 +198,8 @@ impl HttpFetcher {
                         tx.send_replace(HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &t));
                         stamp = now;
                     }
-                    Err((field, why)) => {
-                        tracing::warn!(field, error = %why, "scrape TLS files changed but do not load; keeping the ones in use");
+                    Err(e) => {
+                        tracing::warn!(error = %e, "scrape TLS files changed but do not load; keeping the ones in use");
                     }
                 }
             }

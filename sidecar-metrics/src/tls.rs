@@ -5,7 +5,7 @@
 //!
 //! rustls with ring, the stack kube-rs already brings: no OpenSSL, no second TLS library.
 
-use crate::config::ScrapeTlsConfig;
+use crate::config::{ConfigError, ScrapeTlsConfig};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
 use rustls::pki_types::pem::PemObject;
@@ -26,14 +26,19 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// What is wrong with a `scrape_tls`: the field (`scrape_tls.ca_file`, ...) and why.
-pub type TlsError = (&'static str, String);
+/// What is wrong with a `scrape_tls`, naming the field (`scrape_tls.ca_file`, ...).
+fn bad(field: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Field {
+        field: field.into(),
+        reason: reason.into(),
+    }
+}
 
 /// The client TLS `c` describes, or what is wrong with it.
-pub fn client_tls(c: &ScrapeTlsConfig) -> Result<ClientTls, TlsError> {
+pub fn client_tls(c: &ScrapeTlsConfig) -> Result<ClientTls, ConfigError> {
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| ("scrape_tls", e.to_string()))?;
+        .map_err(|e| bad("scrape_tls", e.to_string()))?;
     let builder = if c.insecure_skip_verify {
         builder
             .dangerous()
@@ -45,31 +50,26 @@ pub fn client_tls(c: &ScrapeTlsConfig) -> Result<ClientTls, TlsError> {
         (Some(cert), Some(key)) => {
             let chain = certificates("scrape_tls.cert_file", cert)?;
             let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
-                (
+                bad(
                     "scrape_tls.key_file",
                     format!("{}: no private key read: {e}", key.display()),
                 )
             })?;
             builder.with_client_auth_cert(chain, key).map_err(|e| {
-                (
+                bad(
                     "scrape_tls.key_file",
                     format!("not the certificate's key: {e}"),
                 )
             })?
         }
         (None, None) => builder.with_no_client_auth(),
-        _ => {
-            return Err((
-                "scrape_tls",
-                "cert_file and key_file go together".to_string(),
-            ))
-        }
+        _ => return Err(bad("scrape_tls", "cert_file and key_file go together")),
     };
     let server_name = match &c.server_name {
         None => None,
         Some(name) => Some(
             ServerName::try_from(name.clone())
-                .map_err(|e| ("scrape_tls.server_name", format!("{name:?}: {e}")))?,
+                .map_err(|e| bad("scrape_tls.server_name", format!("{name:?}: {e}")))?,
         ),
     };
     Ok(ClientTls {
@@ -91,13 +91,13 @@ pub fn files_stamp(c: &ScrapeTlsConfig) -> Vec<Option<(std::time::SystemTime, u6
 }
 
 /// The certificate authorities in `ca_file`, or the system's.
-fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
+fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, ConfigError> {
     let mut roots = RootCertStore::empty();
     match ca_file {
         Some(path) => {
             for cert in certificates("scrape_tls.ca_file", path)? {
                 roots.add(cert).map_err(|e| {
-                    (
+                    bad(
                         "scrape_tls.ca_file",
                         format!("{}: a certificate rustls refuses: {e}", path.display()),
                     )
@@ -113,7 +113,7 @@ fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
                     .errors
                     .first()
                     .map_or("none installed".to_string(), |e| e.to_string());
-                return Err((
+                return Err(bad(
                     "scrape_tls.ca_file",
                     format!("unset, and no certificate authority found on this system ({why})"),
                 ));
@@ -124,15 +124,12 @@ fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, TlsError> {
 }
 
 /// Every certificate in the PEM file at `path` (at least one).
-fn certificates(
-    field: &'static str,
-    path: &Path,
-) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+fn certificates(field: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| (field, format!("{}: {e}", path.display())))?;
+        .map_err(|e| bad(field, format!("{}: {e}", path.display())))?;
     if certs.is_empty() {
-        return Err((
+        return Err(bad(
             field,
             format!("{}: no PEM certificate in it", path.display()),
         ));
@@ -362,7 +359,10 @@ mod tests {
 
     #[test]
     fn what_is_wrong_with_a_configuration_names_its_field() {
-        let err = |c: ScrapeTlsConfig| client_tls(&c).unwrap_err();
+        let err = |c: ScrapeTlsConfig| match client_tls(&c).unwrap_err() {
+            ConfigError::Field { field, reason } => (field, reason),
+            other => panic!("{other}"),
+        };
         assert_eq!(err(cfg(Some("no-such.pem"))).0, "scrape_tls.ca_file");
         // A key is not a certificate.
         let (f, why) = err(cfg(Some("client.key")));
@@ -379,6 +379,15 @@ mod tests {
             ..cfg(Some("ca.pem"))
         };
         assert_eq!(err(no_key).0, "scrape_tls.key_file");
+        // Another certificate's key (a renewal caught between its two files) is refused too.
+        let mismatched = ScrapeTlsConfig {
+            cert_file: Some(file("client.pem")),
+            key_file: Some(file("pod.key")),
+            ..cfg(Some("ca.pem"))
+        };
+        let (f, why) = err(mismatched);
+        assert_eq!(f, "scrape_tls.key_file");
+        assert!(why.contains("not the certificate's key"), "{why}");
         let bad_name = ScrapeTlsConfig {
             server_name: Some("not a name".into()),
             ..cfg(Some("ca.pem"))
