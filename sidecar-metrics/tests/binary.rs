@@ -186,3 +186,50 @@ async fn scrape_once_prints_the_normalised_pod() {
         "{stderr}"
     );
 }
+
+#[path = "common/tls_pod.rs"]
+mod tls_pod;
+
+#[tokio::test]
+async fn scrape_once_reads_a_pod_serving_https_with_the_configs_scrape_tls() {
+    let (addr, _) = tls_pod::serve(Some(tls_pod::server_config("pod", true)), vllm_body(5)).await;
+    let url = format!("https://{addr}/metrics");
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("sidecar.yaml");
+    let tls = |name: &str| tls_pod::file(name).display().to_string();
+    std::fs::write(
+        &config,
+        format!(
+            "scrape_tls: {{ ca_file: {}, cert_file: {}, key_file: {} }}\n",
+            tls("ca.pem"),
+            tls("client.pem"),
+            tls("client.key")
+        ),
+    )
+    .unwrap();
+    let run = |with_config: bool| {
+        let mut c = tokio::process::Command::new(BIN);
+        c.args(["scrape-once", &url, "--delta-ms", "0", "--json"]);
+        if with_config {
+            c.arg("--config").arg(&config);
+        }
+        c.output()
+    };
+    let out = run(true).await.unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["pod"]["waiting"], 5);
+    // Without it: the system's authorities, which do not know the test one (or, on a machine
+    // with none installed, none at all).
+    let out = run(false).await.unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("UnknownIssuer") || stderr.contains("no certificate authority found"),
+        "{stderr}"
+    );
+}
