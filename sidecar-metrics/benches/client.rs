@@ -158,10 +158,11 @@ fn bench(c: &mut Criterion) {
         page,
     ));
     let tls = ok(sidecar_metrics::tls::client_tls(
-        &sidecar_metrics::config::ScrapeTlsConfig {
+        &sidecar_metrics::config::TlsConfig {
             ca_file: Some(tls_pod::file("ca.pem")),
             ..Default::default()
         },
+        "scrape_tls",
     ));
     let https = HttpClient::with_tls(1, Duration::from_secs(90), &tls);
     let query = sidecar_metrics::engine::filter_query(None);

@@ -44,7 +44,8 @@ pub enum StartError {
     Kube(#[from] KubeError),
 }
 
-/// How often the scrape TLS files are looked at for a change (a renewed certificate).
+/// How often the TLS files (`scrape_tls`, `prefix.tls`) are looked at for a change (a renewed
+/// certificate).
 const TLS_RELOAD: Duration = Duration::from_secs(10);
 
 /// A started aggregator.
@@ -149,7 +150,14 @@ pub async fn start(
     } else {
         tracing::warn!("no push URL configured: snapshots are only served at /debug/snapshot");
     }
-    let (relay, load_relay) = Relay::pair_from_config(&cfg, push::client());
+    let relay_client = if cfg.prefix.tls_set() {
+        crate::tls::watch(cfg.prefix.tls.clone(), TLS_RELOAD, shutdown.clone(), |c| {
+            Ok(push::tls_client(&crate::tls::client_tls(c, "prefix.tls")?))
+        })?
+    } else {
+        crate::tls::fixed(push::client())
+    };
+    let (relay, load_relay) = Relay::pair_from_config(&cfg, relay_client);
     for r in relay.iter().chain(load_relay.iter()) {
         tasks.spawn(r.clone().run(shutdown.clone()));
     }
@@ -180,13 +188,21 @@ pub async fn start(
             })?;
         peer_addr = l.local_addr().ok();
         let (stop, app) = (shutdown.clone(), http::peer_router(state.clone()));
-        tasks.spawn(async move {
-            let serve =
-                axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "peers' HTTP server failed");
-            }
-        });
+        if cfg.prefix.tls_set() {
+            let acceptor =
+                crate::tls::watch(cfg.prefix.tls.clone(), TLS_RELOAD, shutdown.clone(), |c| {
+                    crate::tls::server_tls(c, "prefix.tls").map(tokio_rustls::TlsAcceptor::from)
+                })?;
+            tasks.spawn(http::serve_tls(l, acceptor, app, stop));
+        } else {
+            tasks.spawn(async move {
+                let serve = axum::serve(l, app)
+                    .with_graceful_shutdown(async move { stop.cancelled().await });
+                if let Err(e) = serve.await {
+                    tracing::error!(error = %e, "peers' HTTP server failed");
+                }
+            });
+        }
     }
     let stop = shutdown.clone();
     tasks.spawn(async move {

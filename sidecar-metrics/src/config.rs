@@ -133,7 +133,7 @@ pub struct Config {
     /// own `metrics_url`). Left at its defaults, such scrapes check the pods against the
     /// system's certificate authorities.
     #[serde(default)]
-    pub scrape_tls: ScrapeTlsConfig,
+    pub scrape_tls: TlsConfig,
     /// The pools and how to find their pods.
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
@@ -142,7 +142,7 @@ pub struct Config {
 /// How pods serving their metrics over HTTPS are scraped (`crate::tls`).
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ScrapeTlsConfig {
+pub struct TlsConfig {
     /// PEM file of the certificate authorities the pods' certificates are checked against.
     /// Unset: the system's.
     #[serde(default)]
@@ -277,6 +277,12 @@ pub struct PrefixRelayConfig {
     /// out when the `POD_IP` environment variable names it (Kubernetes' downward API).
     #[serde(default)]
     pub peers_dns: Option<DnsConfig>,
+    /// Mutual TLS between the sidecars: `listen` serves `cert_file` and takes only peers whose
+    /// certificate `ca_file` signed; posts to the peers (`https://`) show the same certificate
+    /// and check theirs against `ca_file` and `server_name` (peers are reached by IP). Unset:
+    /// plain HTTP, the token the only check.
+    #[serde(default)]
+    pub tls: TlsConfig,
     /// A second listener, `ip:port`, serving only the peers' `POST /v1/prefix` and
     /// `POST /v1/load`: the peers can reach it while `listen` (with `/debug/snapshot`, the whole
     /// fleet's view) stays on loopback. Unset: peers use `listen`.
@@ -304,6 +310,13 @@ pub struct PrefixRelayConfig {
     pub load_idle_interval_ms: u64,
 }
 
+impl PrefixRelayConfig {
+    /// Whether the peers speak TLS (`tls` set).
+    pub fn tls_set(&self) -> bool {
+        self.tls != TlsConfig::default()
+    }
+}
+
 impl Default for PrefixRelayConfig {
     fn default() -> Self {
         PrefixRelayConfig {
@@ -312,6 +325,7 @@ impl Default for PrefixRelayConfig {
             path: d_prefix_path(),
             peers: Vec::new(),
             peers_dns: None,
+            tls: TlsConfig::default(),
             listen: None,
             load_interval_ms: d_load_interval(),
             load_path: d_load_path(),
@@ -523,7 +537,7 @@ impl Default for Config {
             capacity: CapacityConfig::default(),
             push: PushConfig::default(),
             prefix: PrefixRelayConfig::default(),
-            scrape_tls: ScrapeTlsConfig::default(),
+            scrape_tls: TlsConfig::default(),
             pools: Vec::new(),
         }
     }
@@ -772,13 +786,30 @@ impl Config {
                 format!("must be between 1 and {MAX_LOAD_IDLE_INTERVAL_MS}"),
             ));
         }
+        let peer_tls = self.prefix.tls_set();
         for (i, u) in self.prefix.peers.iter().enumerate() {
-            check_http_url(&format!("prefix.peers[{i}]"), u)?;
+            let f = format!("prefix.peers[{i}]");
+            if peer_tls {
+                check_url(&f, u, &["https"])?;
+            } else {
+                check_http_url(&f, u)?;
+            }
         }
         if let Some(l) = &self.prefix.listen {
             if l.parse::<SocketAddr>().is_err() {
                 return Err(field("prefix.listen", format!("{l:?} is not ip:port")));
             }
+        }
+        if peer_tls {
+            if self.prefix.listen.is_none() {
+                return Err(field(
+                    "prefix.listen",
+                    "required with prefix.tls: the listener the peers reach over TLS",
+                ));
+            }
+            // Read now: a missing or mismatched file stops the start.
+            crate::tls::server_tls(&self.prefix.tls, "prefix.tls")?;
+            crate::tls::client_tls(&self.prefix.tls, "prefix.tls")?;
         }
         if let Some(d) = &self.prefix.peers_dns {
             if d.name.is_empty() || d.port == 0 || d.refresh_ms == 0 {
@@ -819,8 +850,7 @@ impl Config {
     /// Whether the scrapes need TLS: a pod is scraped over HTTPS, or `scrape_tls` is set (its
     /// files are then read even if nothing uses them yet, so a mistake shows at start-up).
     pub fn scrapes_over_tls(&self) -> bool {
-        self.scrape_tls != ScrapeTlsConfig::default()
-            || self.pools.iter().any(PoolConfig::scrapes_https)
+        self.scrape_tls != TlsConfig::default() || self.pools.iter().any(PoolConfig::scrapes_https)
     }
 
     /// The scrapes' TLS, from `scrape_tls`, when they need it ([`Config::scrapes_over_tls`]).
@@ -828,7 +858,7 @@ impl Config {
         if !self.scrapes_over_tls() {
             return Ok(None);
         }
-        crate::tls::client_tls(&self.scrape_tls).map(Some)
+        crate::tls::client_tls(&self.scrape_tls, "scrape_tls").map(Some)
     }
 }
 
@@ -968,10 +998,13 @@ fn check_http_url(f: &str, u: &str) -> Result<(), ConfigError> {
 fn check_url(f: &str, u: &str, schemes: &[&str]) -> Result<(), ConfigError> {
     let url = url::Url::parse(u).map_err(|e| field(f, format!("{u:?}: {e}")))?;
     if !schemes.contains(&url.scheme()) {
-        let why = if schemes.contains(&"https") {
-            "only http:// and https:// are supported"
-        } else {
-            "only http:// is supported (the ingest listeners and the peers are plain HTTP)"
+        let why = match schemes {
+            ["https"] => "only https:// (with prefix.tls the peers speak TLS)",
+            ["http"] => {
+                "only http:// is supported (the ingest listeners are plain HTTP, and the peers \
+                 without prefix.tls)"
+            }
+            _ => "only http:// and https:// are supported",
         };
         return Err(field(f, format!("{u:?}: {why}")));
     }
@@ -1260,5 +1293,49 @@ push: {{ token: t }}
             .unwrap_err()
             .to_string();
         assert!(err.contains("metrics_scheme"), "{err}");
+    }
+
+    #[test]
+    fn the_peers_tls_needs_its_listener_its_three_files_and_https_peers() {
+        let dir = format!("{}/../testdata/tls", env!("CARGO_MANIFEST_DIR"));
+        let with = |prefix: &str| {
+            parse(&format!(
+                "pools: [{{name: a, pods: [{{address: 127.0.0.1:1}}]}}]\npush: {{token: t}}\nprefix: {prefix}\n"
+            ))
+        };
+        let files = |key: &str| {
+            format!("{{ca_file: {dir}/ca.pem, cert_file: {dir}/peer.pem, key_file: {dir}/{key}}}")
+        };
+        let tls = files("peer.key");
+        let https = "peers: ['https://10.0.0.2:9101']";
+        let good = with(&format!("{{listen: '127.0.0.1:0', {https}, tls: {tls}}}")).unwrap();
+        assert!(good.prefix.tls_set());
+        let err = |prefix: String| with(&prefix).unwrap_err().to_string();
+        let e = err(format!("{{{https}, tls: {tls}}}"));
+        assert!(e.contains("prefix.listen"), "{e}");
+        let e = err(format!(
+            "{{listen: '127.0.0.1:0', peers: ['http://10.0.0.2:9101'], tls: {tls}}}"
+        ));
+        assert!(
+            e.contains("prefix.peers[0]") && e.contains("only https://"),
+            "{e}"
+        );
+        let e = err(format!("{{{https}}}"));
+        assert!(
+            e.contains("prefix.peers[0]") && e.contains("only http://"),
+            "{e}"
+        );
+        let no_ca = format!("{{cert_file: {dir}/peer.pem, key_file: {dir}/peer.key}}");
+        let e = err(format!("{{listen: '127.0.0.1:0', {https}, tls: {no_ca}}}"));
+        assert!(
+            e.contains("prefix.tls.ca_file") && e.contains("required"),
+            "{e}"
+        );
+        // Another certificate's key.
+        let e = err(format!(
+            "{{listen: '127.0.0.1:0', {https}, tls: {}}}",
+            files("pod.key")
+        ));
+        assert!(e.contains("prefix.tls.key_file"), "{e}");
     }
 }

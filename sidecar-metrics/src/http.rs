@@ -71,6 +71,58 @@ pub fn router(state: AppState) -> Router {
 }
 
 /// The peers' listener (`prefix.listen`): `POST /v1/prefix`, `POST /v1/load` and nothing else.
+/// How long a peer has to finish its TLS handshake before its connection is closed.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves `app` over TLS on `listener` until `shutdown` (`prefix.listen` with `prefix.tls`):
+/// each connection is taken with the acceptor current when it arrives, so renewed files apply
+/// to the next connections. A peer whose certificate the authorities did not sign (or that
+/// shows none) is refused in the handshake and never reaches `app`.
+pub async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio::sync::watch::Receiver<tokio_rustls::TlsAcceptor>,
+    app: Router,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::server::conn::auto;
+    use hyper_util::service::TowerToHyperService;
+    loop {
+        let tcp = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of descriptors, say: wait a little rather than spin.
+                    tracing::warn!(error = %e, "peers' TLS listener: accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let acceptor = acceptor.borrow().clone();
+        let (app, stop) = (app.clone(), shutdown.clone());
+        tokio::spawn(async move {
+            let _ = tcp.set_nodelay(true);
+            let peer = tcp.peer_addr().ok();
+            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                Ok(Ok(tls)) => tls,
+                Ok(Err(e)) => {
+                    tracing::debug!(?peer, error = %e, "peers' TLS listener: handshake refused");
+                    return;
+                }
+                Err(_) => return,
+            };
+            let builder = auto::Builder::new(TokioExecutor::new());
+            let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
+            tokio::select! {
+                _ = conn => {}
+                _ = stop.cancelled() => {}
+            }
+        });
+    }
+}
+
 pub fn peer_router(state: AppState) -> Router {
     Router::new()
         .route(

@@ -277,7 +277,7 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
             Some(path) => Config::from_file(path)?.scrape_tls,
             None => Default::default(),
         };
-        Some(sidecar_metrics::tls::client_tls(&c)?)
+        Some(sidecar_metrics::tls::client_tls(&c, "scrape_tls")?)
     } else {
         None
     };

@@ -218,5 +218,13 @@ pub async fn run(
 /// The HTTP client for pushing and relaying: keep-alive to the loopback ingest listeners and the
 /// peers (a few connections each: a relay's posts to one target may overlap).
 pub fn client() -> HttpClient {
-    HttpClient::new(4, Duration::from_secs(60))
+    HttpClient::new(IDLE_PER_TARGET, IDLE_TIMEOUT)
 }
+
+/// The same, speaking TLS to the peers too (`prefix.tls`); plain HTTP to the Envoys.
+pub fn tls_client(tls: &crate::tls::ClientTls) -> HttpClient {
+    HttpClient::with_tls(IDLE_PER_TARGET, IDLE_TIMEOUT, tls)
+}
+
+const IDLE_PER_TARGET: usize = 4;
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);

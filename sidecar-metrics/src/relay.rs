@@ -30,6 +30,7 @@ pub use load::{replica_name, valid_replica, LOAD_PEER_PATH, MAX_REPLICA_LEN, REP
 use crate::client::{self, HttpClient};
 use crate::config::{Config, DnsConfig};
 use crate::discovery::dns::Resolver;
+use crate::tls;
 use crate::util::LogGate;
 use bytes::Bytes;
 use gpuroute_core::exchange::{CURSOR_HEADER, MAX_IMPORT_RECORDS};
@@ -40,6 +41,7 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 use tokio_util::sync::CancellationToken;
@@ -111,7 +113,8 @@ pub struct Relay {
     pub envoys: Vec<String>,
     /// Each configured peer's `PEER_PATH` (the load relay: `LOAD_PEER_PATH`) URL.
     pub peers: Vec<String>,
-    /// Peers found by DNS (`prefix.peers_dns`), as last resolved: `http://ip:port`, shared by the
+    /// Peers found by DNS (`prefix.peers_dns`), as last resolved: `http://ip:port` (`https://`
+    /// with `prefix.tls`), shared by the
     /// two relays so that one task resolves for both.
     found: Arc<Mutex<Vec<String>>>,
     dns: Option<DnsConfig>,
@@ -122,7 +125,11 @@ pub struct Relay {
     auth: HeaderValue,
     interval: Duration,
     timeout: Duration,
-    client: HttpClient,
+    /// The client (with `prefix.tls`, one speaking TLS to the peers, replaced when its files
+    /// change).
+    client: watch::Receiver<HttpClient>,
+    /// `https` with `prefix.tls`, for the peers found by DNS.
+    peer_scheme: &'static str,
     pub stats: RelayStats,
     gate: Mutex<LogGate>,
     /// Targets with a delivery under way (the load relay: target and source replica).
@@ -162,20 +169,21 @@ impl Relay {
     /// The relay `cfg` asks for; `None` when it is off or has no one to relay to (one Envoy and
     /// no peer).
     pub fn from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
-        Relay::build(cfg, client, Kind::Prefix, Arc::default())
+        Relay::build(cfg, tls::fixed(client), Kind::Prefix, Arc::default())
     }
 
     /// The in-flight count relay `cfg` asks for; `None` when it is off
     /// (`prefix.load_interval_ms: 0`) or has no one to relay to (one Envoy and no peer).
     pub fn load_from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
-        Relay::build(cfg, client, Kind::Load, Arc::default())
+        Relay::build(cfg, tls::fixed(client), Kind::Load, Arc::default())
     }
 
     /// Both relays `cfg` asks for, prefix first, sharing the peers found by DNS: run
-    /// [`Relay::find_peers`] on one of them and both see the peers.
+    /// [`Relay::find_peers`] on one of them and both see the peers. `client` may change (a
+    /// [`tls::watch`]ed one).
     pub fn pair_from_config(
         cfg: &Config,
-        client: HttpClient,
+        client: watch::Receiver<HttpClient>,
     ) -> (Option<Arc<Relay>>, Option<Arc<Relay>>) {
         let found: Arc<Mutex<Vec<String>>> = Arc::default();
         (
@@ -186,7 +194,7 @@ impl Relay {
 
     fn build(
         cfg: &Config,
-        client: HttpClient,
+        client: watch::Receiver<HttpClient>,
         kind: Kind,
         found: Arc<Mutex<Vec<String>>>,
     ) -> Option<Arc<Relay>> {
@@ -247,6 +255,7 @@ impl Relay {
             interval,
             timeout,
             client,
+            peer_scheme: if p.tls_set() { "https" } else { "http" },
             stats: RelayStats::default(),
             gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
             busy: Mutex::new(HashSet::new()),
@@ -350,7 +359,8 @@ impl Relay {
     /// Sends `req` and reads the answer (a body up to [`MAX_PEER_BODY`]) within the relay's
     /// timeout; why not, as text for the log.
     pub(crate) async fn exchange(&self, req: client::Req) -> Result<client::Answer, String> {
-        self.client
+        let client = self.client.borrow().clone();
+        client
             .send_within(req, MAX_PEER_BODY, self.timeout)
             .await
             .map_err(|e| e.to_string())
@@ -450,7 +460,7 @@ impl Relay {
                     let mut urls: Vec<String> = addrs
                         .iter()
                         .filter(|a| Some(a.ip()) != self.own_ip)
-                        .map(|a| format!("http://{a}"))
+                        .map(|a| format!("{}://{a}", self.peer_scheme))
                         .collect();
                     urls.sort();
                     urls.dedup();

@@ -12,7 +12,7 @@
 //! under tokio's paused clock.
 
 use crate::client::{self, HttpClient, HttpError};
-use crate::config::{ConfigError, ScrapeTlsConfig};
+use crate::config::{ConfigError, TlsConfig};
 use crate::engine::{self, ReadError, Reading};
 use crate::tls::{self, ClientTls};
 use bytes::Bytes;
@@ -161,49 +161,25 @@ impl HttpFetcher {
     }
 
     fn of(client: HttpClient, max_body: usize) -> HttpFetcher {
-        // The sender goes: the receiver keeps the one value.
-        let (_, client) = watch::channel(client);
-        HttpFetcher { client, max_body }
+        HttpFetcher {
+            client: tls::fixed(client),
+            max_body,
+        }
     }
 
-    /// A fetcher with the TLS `cfg` describes, whose files are looked at every `every` until
-    /// `shutdown`: when one changed (a renewed certificate: Istio's are renewed daily, a
-    /// mounted Secret when it is updated), the next scrapes use a new client, with connections
-    /// of its own. A change that does not load (a file half written) keeps the client in use
-    /// and is tried again at the next look.
+    /// A fetcher with the TLS `cfg` (`scrape_tls`) describes, its files looked at every
+    /// `every` until `shutdown` ([`tls::watch`]): after a change the next scrapes use a new
+    /// client, with connections of its own.
     pub fn reloading(
         max_body: usize,
-        cfg: ScrapeTlsConfig,
+        cfg: TlsConfig,
         every: Duration,
         shutdown: CancellationToken,
     ) -> Result<HttpFetcher, ConfigError> {
-        let mut stamp = tls::files_stamp(&cfg);
-        let first = HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &tls::client_tls(&cfg)?);
-        let (tx, client) = watch::channel(first);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tick.tick() => {}
-                }
-                let now = tls::files_stamp(&cfg);
-                if now == stamp {
-                    continue;
-                }
-                match tls::client_tls(&cfg) {
-                    Ok(t) => {
-                        tracing::info!("scrape TLS files changed: new connections use them");
-                        tx.send_replace(HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &t));
-                        stamp = now;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "scrape TLS files changed but do not load; keeping the ones in use");
-                    }
-                }
-            }
-        });
+        let client = tls::watch(cfg, every, shutdown, |c| {
+            let t = tls::client_tls(c, "scrape_tls")?;
+            Ok(HttpClient::with_tls(IDLE_PER_POD, IDLE_TIMEOUT, &t))
+        })?;
         Ok(HttpFetcher { client, max_body })
     }
 }

@@ -1,21 +1,32 @@
-//! TLS for scrapes of pods that serve their metrics over HTTPS (vLLM's `--ssl-certfile`, or a
-//! mesh with strict mutual TLS, scraped with the mesh's workload certificate as Istio's own
-//! Prometheus integration does): the certificate authorities to check the pods against, an
-//! optional client certificate, the name to check, or no check at all.
+//! TLS for the connections the aggregator makes to other pods, and takes from them:
 //!
-//! rustls with ring, the stack kube-rs already brings: no OpenSSL, no second TLS library.
+//! - scrapes of pods that serve their metrics over HTTPS (`scrape_tls`: vLLM's `--ssl-certfile`,
+//!   or a mesh with strict mutual TLS, scraped with the mesh's workload certificate as Istio's
+//!   own Prometheus integration does): the certificate authorities to check the pods against, an
+//!   optional client certificate, the name to check, or no check at all;
+//! - the relays between gateway replicas (`prefix.tls`): mutual TLS, each sidecar serving its
+//!   certificate on `prefix.listen` and showing it to the peers it posts to, each checking the
+//!   other's against the same authorities.
+//!
+//! The files are looked at every few seconds ([`watch`]) and taken again when they change, so a
+//! renewed certificate needs no restart. rustls with ring, the stack kube-rs already brings: no
+//! OpenSSL, no second TLS library.
 
-use crate::config::{ConfigError, ScrapeTlsConfig};
+use crate::config::{ConfigError, TlsConfig};
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::{verify_tls12_signature, verify_tls13_signature, CryptoProvider};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, ServerConfig, SignatureScheme};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
-/// A scrape client's TLS: its rustls configuration, and the name pods' certificates are checked
-/// against when it is not the URL's host.
+/// A client's TLS: its rustls configuration, and the name the other side's certificate is
+/// checked against when it is not the URL's host.
 #[derive(Clone, Debug)]
 pub struct ClientTls {
     pub config: Arc<ClientConfig>,
@@ -26,50 +37,42 @@ fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// What is wrong with a `scrape_tls`, naming the field (`scrape_tls.ca_file`, ...).
-fn bad(field: &str, reason: impl Into<String>) -> ConfigError {
+/// What is wrong with a TLS section, naming the field (`scrape_tls.ca_file`, ...).
+fn bad(field: String, reason: impl Into<String>) -> ConfigError {
     ConfigError::Field {
-        field: field.into(),
+        field,
         reason: reason.into(),
     }
 }
 
-/// The client TLS `c` describes, or what is wrong with it.
-pub fn client_tls(c: &ScrapeTlsConfig) -> Result<ClientTls, ConfigError> {
+/// The client TLS `c` (the section at `at`: `scrape_tls`, `prefix.tls`) describes, or what is
+/// wrong with it.
+pub fn client_tls(c: &TlsConfig, at: &str) -> Result<ClientTls, ConfigError> {
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| bad("scrape_tls", e.to_string()))?;
+        .map_err(|e| bad(at.into(), e.to_string()))?;
     let builder = if c.insecure_skip_verify {
         builder
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(AnyCertificate(provider())))
     } else {
-        builder.with_root_certificates(roots(c.ca_file.as_deref())?)
+        builder.with_root_certificates(roots(c.ca_file.as_deref(), at)?)
     };
     let config = match (&c.cert_file, &c.key_file) {
         (Some(cert), Some(key)) => {
-            let chain = certificates("scrape_tls.cert_file", cert)?;
-            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
-                bad(
-                    "scrape_tls.key_file",
-                    format!("{}: no private key read: {e}", key.display()),
-                )
-            })?;
-            builder.with_client_auth_cert(chain, key).map_err(|e| {
-                bad(
-                    "scrape_tls.key_file",
-                    format!("not the certificate's key: {e}"),
-                )
-            })?
+            let (chain, key) = certified(cert, key, at)?;
+            builder
+                .with_client_auth_cert(chain, key)
+                .map_err(|e| mismatch(at, e))?
         }
         (None, None) => builder.with_no_client_auth(),
-        _ => return Err(bad("scrape_tls", "cert_file and key_file go together")),
+        _ => return Err(bad(at.into(), "cert_file and key_file go together")),
     };
     let server_name = match &c.server_name {
         None => None,
         Some(name) => Some(
             ServerName::try_from(name.clone())
-                .map_err(|e| bad("scrape_tls.server_name", format!("{name:?}: {e}")))?,
+                .map_err(|e| bad(format!("{at}.server_name"), format!("{name:?}: {e}")))?,
         ),
     };
     Ok(ClientTls {
@@ -78,9 +81,62 @@ pub fn client_tls(c: &ScrapeTlsConfig) -> Result<ClientTls, ConfigError> {
     })
 }
 
+/// The server TLS `c` (at `at`) describes: its certificate, and clients must show one that its
+/// `ca_file` signed (mutual TLS). All three files are required.
+pub fn server_tls(c: &TlsConfig, at: &str) -> Result<Arc<ServerConfig>, ConfigError> {
+    let need = |f: &Option<std::path::PathBuf>, name: &str| {
+        f.clone().ok_or_else(|| {
+            bad(
+                format!("{at}.{name}"),
+                "required (mutual TLS between the sidecars)",
+            )
+        })
+    };
+    let (cert, key, ca) = (
+        need(&c.cert_file, "cert_file")?,
+        need(&c.key_file, "key_file")?,
+        need(&c.ca_file, "ca_file")?,
+    );
+    let verifier =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(Some(&ca), at)?), provider())
+            .build()
+            .map_err(|e| bad(format!("{at}.ca_file"), e.to_string()))?;
+    let (chain, key) = certified(&cert, &key, at)?;
+    let config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(at.into(), e.to_string()))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(chain, key)
+        .map_err(|e| mismatch(at, e))?;
+    Ok(Arc::new(config))
+}
+
+/// A certificate chain and its key, read from their PEM files.
+fn certified(
+    cert: &Path,
+    key: &Path,
+    at: &str,
+) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), ConfigError> {
+    let chain = certificates(&format!("{at}.cert_file"), cert)?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+        bad(
+            format!("{at}.key_file"),
+            format!("{}: no private key read: {e}", key.display()),
+        )
+    })?;
+    Ok((chain, key))
+}
+
+fn mismatch(at: &str, e: rustls::Error) -> ConfigError {
+    bad(
+        format!("{at}.key_file"),
+        format!("not the certificate's key: {e}"),
+    )
+}
+
 /// What the files `c` names look like now (modification time and length, following symbolic
 /// links, as a mounted Secret's are): a change in any of them is a change of the TLS.
-pub fn files_stamp(c: &ScrapeTlsConfig) -> Vec<Option<(std::time::SystemTime, u64)>> {
+pub fn files_stamp(c: &TlsConfig) -> Vec<Option<(std::time::SystemTime, u64)>> {
     [&c.ca_file, &c.cert_file, &c.key_file]
         .into_iter()
         .map(|f| {
@@ -90,15 +146,66 @@ pub fn files_stamp(c: &ScrapeTlsConfig) -> Vec<Option<(std::time::SystemTime, u6
         .collect()
 }
 
+/// What `build` makes of the TLS files `c` names, made again whenever they change (looked at
+/// every `every`, until `shutdown`): renewed certificates (Istio's daily, a mounted Secret when
+/// cert-manager renews it) are taken without a restart. A change that does not build (a file
+/// half written, a certificate with the old key) keeps the value in use and is tried again at
+/// the next look. The first build's error is returned: it stops the start.
+pub fn watch<T, F>(
+    c: TlsConfig,
+    every: Duration,
+    shutdown: CancellationToken,
+    build: F,
+) -> Result<watch::Receiver<T>, ConfigError>
+where
+    T: Send + Sync + 'static,
+    F: Fn(&TlsConfig) -> Result<T, ConfigError> + Send + 'static,
+{
+    let mut stamp = files_stamp(&c);
+    let (tx, rx) = watch::channel(build(&c)?);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tick.tick() => {}
+            }
+            let now = files_stamp(&c);
+            if now == stamp {
+                continue;
+            }
+            match build(&c) {
+                Ok(v) => {
+                    tracing::info!("TLS files changed: new connections use them");
+                    tx.send_replace(v);
+                    stamp = now;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "TLS files changed but do not load; keeping the ones in use");
+                }
+            }
+        }
+    });
+    Ok(rx)
+}
+
+/// A value that never changes, where a [`watch`]ed one may be given.
+pub fn fixed<T: Send + Sync + 'static>(value: T) -> watch::Receiver<T> {
+    // The sender goes: the receiver keeps the one value.
+    watch::channel(value).1
+}
+
 /// The certificate authorities in `ca_file`, or the system's.
-fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, ConfigError> {
+fn roots(ca_file: Option<&Path>, at: &str) -> Result<RootCertStore, ConfigError> {
+    let field = format!("{at}.ca_file");
     let mut roots = RootCertStore::empty();
     match ca_file {
         Some(path) => {
-            for cert in certificates("scrape_tls.ca_file", path)? {
+            for cert in certificates(&field, path)? {
                 roots.add(cert).map_err(|e| {
                     bad(
-                        "scrape_tls.ca_file",
+                        field.clone(),
                         format!("{}: a certificate rustls refuses: {e}", path.display()),
                     )
                 })?;
@@ -114,7 +221,7 @@ fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, ConfigError> {
                     .first()
                     .map_or("none installed".to_string(), |e| e.to_string());
                 return Err(bad(
-                    "scrape_tls.ca_file",
+                    field,
                     format!("unset, and no certificate authority found on this system ({why})"),
                 ));
             }
@@ -127,10 +234,10 @@ fn roots(ca_file: Option<&Path>) -> Result<RootCertStore, ConfigError> {
 fn certificates(field: &str, path: &Path) -> Result<Vec<CertificateDer<'static>>, ConfigError> {
     let certs = CertificateDer::pem_file_iter(path)
         .and_then(|it| it.collect::<Result<Vec<_>, _>>())
-        .map_err(|e| bad(field, format!("{}: {e}", path.display())))?;
+        .map_err(|e| bad(field.into(), format!("{}: {e}", path.display())))?;
     if certs.is_empty() {
         return Err(bad(
-            field,
+            field.into(),
             format!("{}: no PEM certificate in it", path.display()),
         ));
     }
@@ -208,15 +315,15 @@ mod tests {
         serve(Some(server_config(cert, client_auth)), BODY.to_string()).await
     }
 
-    fn cfg(ca: Option<&str>) -> ScrapeTlsConfig {
-        ScrapeTlsConfig {
+    fn cfg(ca: Option<&str>) -> TlsConfig {
+        TlsConfig {
             ca_file: ca.map(file),
-            ..ScrapeTlsConfig::default()
+            ..TlsConfig::default()
         }
     }
 
-    async fn scrape(c: &ScrapeTlsConfig, url: String) -> Result<String, ScrapeError> {
-        let tls = client_tls(c).unwrap();
+    async fn scrape(c: &TlsConfig, url: String) -> Result<String, ScrapeError> {
+        let tls = client_tls(c, "scrape_tls").unwrap();
         let f = HttpFetcher::with_tls(1 << 20, Some(&tls));
         let body = fetch_within(&f, &url.parse().unwrap(), Duration::from_secs(5)).await?;
         Ok(String::from_utf8(body.to_vec()).unwrap())
@@ -225,7 +332,7 @@ mod tests {
     #[tokio::test]
     async fn a_pod_serving_https_is_scraped_and_its_connection_kept() {
         let (addr, sessions) = pod("pod", false).await;
-        let tls = client_tls(&cfg(Some("ca.pem"))).unwrap();
+        let tls = client_tls(&cfg(Some("ca.pem")), "scrape_tls").unwrap();
         let f = HttpFetcher::with_tls(1 << 20, Some(&tls));
         let url = format!("https://{addr}/metrics").parse().unwrap();
         for _ in 0..3 {
@@ -263,7 +370,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(err.kind(), "connect");
         assert!(err.to_string().contains("UnknownIssuer"), "{err}");
-        let skip = ScrapeTlsConfig {
+        let skip = TlsConfig {
             insecure_skip_verify: true,
             ..cfg(Some("other-ca.pem"))
         };
@@ -277,12 +384,12 @@ mod tests {
         let url = format!("https://{addr}/metrics");
         let err = scrape(&cfg(Some("ca.pem")), url.clone()).await.unwrap_err();
         assert!(err.to_string().contains("not valid for name"), "{err}");
-        let named = ScrapeTlsConfig {
+        let named = TlsConfig {
             server_name: Some("pod.test".into()),
             ..cfg(Some("ca.pem"))
         };
         assert_eq!(scrape(&named, url.clone()).await.unwrap(), BODY);
-        let wrong = ScrapeTlsConfig {
+        let wrong = TlsConfig {
             server_name: Some("other.test".into()),
             ..cfg(Some("ca.pem"))
         };
@@ -297,7 +404,7 @@ mod tests {
         // the refusal shows while the request is read or written): no connection all the same.
         let err = scrape(&cfg(Some("ca.pem")), url.clone()).await.unwrap_err();
         assert_eq!(err.kind(), "connect", "{err}");
-        let mutual = ScrapeTlsConfig {
+        let mutual = TlsConfig {
             cert_file: Some(file("client.pem")),
             key_file: Some(file("client.key")),
             ..cfg(Some("ca.pem"))
@@ -330,9 +437,9 @@ mod tests {
             std::fs::rename(&tmp, &ca).unwrap();
         };
         put(&std::fs::read(file("ca.pem")).unwrap());
-        let c = ScrapeTlsConfig {
+        let c = TlsConfig {
             ca_file: Some(ca.clone()),
-            ..ScrapeTlsConfig::default()
+            ..TlsConfig::default()
         };
         let stop = tokio_util::sync::CancellationToken::new();
         let f =
@@ -359,7 +466,7 @@ mod tests {
 
     #[test]
     fn what_is_wrong_with_a_configuration_names_its_field() {
-        let err = |c: ScrapeTlsConfig| match client_tls(&c).unwrap_err() {
+        let err = |c: TlsConfig| match client_tls(&c, "scrape_tls").unwrap_err() {
             ConfigError::Field { field, reason } => (field, reason),
             other => panic!("{other}"),
         };
@@ -368,19 +475,19 @@ mod tests {
         let (f, why) = err(cfg(Some("client.key")));
         assert_eq!(f, "scrape_tls.ca_file");
         assert!(why.contains("no PEM certificate"), "{why}");
-        let half = ScrapeTlsConfig {
+        let half = TlsConfig {
             cert_file: Some(file("client.pem")),
             ..cfg(Some("ca.pem"))
         };
         assert_eq!(err(half).0, "scrape_tls");
-        let no_key = ScrapeTlsConfig {
+        let no_key = TlsConfig {
             cert_file: Some(file("client.pem")),
             key_file: Some(file("client.pem")),
             ..cfg(Some("ca.pem"))
         };
         assert_eq!(err(no_key).0, "scrape_tls.key_file");
         // Another certificate's key (a renewal caught between its two files) is refused too.
-        let mismatched = ScrapeTlsConfig {
+        let mismatched = TlsConfig {
             cert_file: Some(file("client.pem")),
             key_file: Some(file("pod.key")),
             ..cfg(Some("ca.pem"))
@@ -388,7 +495,7 @@ mod tests {
         let (f, why) = err(mismatched);
         assert_eq!(f, "scrape_tls.key_file");
         assert!(why.contains("not the certificate's key"), "{why}");
-        let bad_name = ScrapeTlsConfig {
+        let bad_name = TlsConfig {
             server_name: Some("not a name".into()),
             ..cfg(Some("ca.pem"))
         };

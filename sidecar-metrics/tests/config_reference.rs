@@ -23,11 +23,12 @@ const REFERENCE: &str = "## Configuration reference";
 const BIN: &str = env!("CARGO_BIN_EXE_sidecar-metrics");
 
 /// Sections documented as one row each, their fields named in the row's text.
-const INLINE: [&str; 4] = [
+const INLINE: [&str; 5] = [
     "pools[].pods",
     "pools[].dns",
     "pools[].kubernetes",
     "prefix.peers_dns",
+    "prefix.tls",
 ];
 
 fn base() -> Value {

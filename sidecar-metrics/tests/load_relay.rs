@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use common::eventually;
 use sidecar_metrics::app::{self, RunOptions, Running};
-use sidecar_metrics::config::{Config, Overrides};
+use sidecar_metrics::config::{Config, Overrides, TlsConfig};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -120,7 +120,8 @@ fn closed_port() -> String {
     format!("http://{}", l.local_addr().unwrap())
 }
 
-/// POSTs `body` to `addr`'s `/v1/load` with these headers; the status.
+/// POSTs `body` to `addr`'s `/v1/load` over plain HTTP with these headers; the status, 0 for
+/// no answer.
 async fn post_load(addr: SocketAddr, headers: &[(&str, &str)], body: impl AsRef<[u8]>) -> u16 {
     let mut req = reqwest::Client::builder()
         .no_proxy()
@@ -131,7 +132,7 @@ async fn post_load(addr: SocketAddr, headers: &[(&str, &str)], body: impl AsRef<
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    req.send().await.unwrap().status().as_u16()
+    req.send().await.map_or(0, |r| r.status().as_u16())
 }
 
 /// Counts with `requests` in prefill on one pod, as the filter writes them.
@@ -301,6 +302,86 @@ async fn one_replicas_counts_reach_another_replicas_envoy_within_100_ms() {
     assert!(unchanged.is_some_and(|n| n > 0), "{m}");
     // Nothing goes back: B's sidecar reads B (404 here), and A hears nothing from replica 2.
     assert!(a.got.lock().unwrap().is_empty());
+    for run in [one, two] {
+        run.shutdown();
+        run.wait(Duration::from_secs(5)).await;
+    }
+}
+
+/// `testdata/tls/{name}`.
+fn tls_file(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../testdata/tls")
+        .join(name)
+}
+
+/// The sidecars' mutual TLS: the test authority's `peer` certificate, for `gpuroute-peers`.
+fn peer_tls() -> TlsConfig {
+    TlsConfig {
+        ca_file: Some(tls_file("ca.pem")),
+        cert_file: Some(tls_file("peer.pem")),
+        key_file: Some(tls_file("peer.key")),
+        // Peers are reached by IP; their certificate names the Service.
+        server_name: Some("gpuroute-peers".into()),
+        insecure_skip_verify: false,
+    }
+}
+
+#[tokio::test]
+async fn replicas_relay_over_mutual_tls_and_the_peers_listener_takes_no_one_else() {
+    let (b, ub) = FakeEnvoy::start(None).await;
+    let mut cfg_two = config("gw-2", vec![ub], vec![]);
+    cfg_two.prefix.peers = vec![closed_port().replace("http:", "https:")];
+    cfg_two.prefix.tls = peer_tls();
+    cfg_two.validate().unwrap();
+    let two = start(cfg_two).await;
+    let (_a, ua) = FakeEnvoy::start(Some(&counts(1))).await;
+    let peer = two.peer_addr.unwrap();
+    let mut cfg_one = config("gw-1", vec![ua], vec![]);
+    cfg_one.prefix.peers = vec![format!("https://{peer}")];
+    cfg_one.prefix.tls = peer_tls();
+    cfg_one.validate().unwrap();
+    let one = start(cfg_one).await;
+
+    // Replica 1's Envoy's counts reach replica 2's Envoy, sidecar to sidecar over TLS.
+    assert!(
+        eventually(Duration::from_secs(5), || b.from("gw-1").last()
+            == Some(&counts(1)))
+        .await
+    );
+
+    // Plain HTTP to the peers' listener gets nowhere, token or not.
+    let auth = ("authorization", "Bearer tok");
+    let replica = ("x-gpuroute-replica", "intruder");
+    let before = b.from("intruder").len();
+    assert_eq!(post_load(peer, &[auth, replica], counts(3)).await, 0);
+    // Nor does TLS without a certificate of the authority: the handshake refuses it.
+    let no_cert = TlsConfig {
+        cert_file: None,
+        key_file: None,
+        ..peer_tls()
+    };
+    let tls = sidecar_metrics::tls::client_tls(&no_cert, "prefix.tls").unwrap();
+    let client = sidecar_metrics::client::HttpClient::with_tls(1, Duration::from_secs(5), &tls);
+    let auth_value = sidecar_metrics::client::bearer("tok");
+    let replica_value = http::HeaderValue::from_static("intruder");
+    let req = sidecar_metrics::client::request(
+        http::Method::POST,
+        format!("https://{peer}/v1/load"),
+        &[
+            (sidecar_metrics::client::AUTH, &auth_value),
+            ("x-gpuroute-replica", &replica_value),
+        ],
+        counts(3).into(),
+    )
+    .unwrap();
+    let refused = client.send(req, 1 << 16).await;
+    assert!(
+        matches!(refused, Err(sidecar_metrics::client::HttpError::Connect(_))),
+        "{refused:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(b.from("intruder").len(), before);
     for run in [one, two] {
         run.shutdown();
         run.wait(Duration::from_secs(5)).await;

@@ -25,4 +25,5 @@ rm -f other-ca.key
 leaf pod "pod.test" "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:pod.test\n"
 leaf pod-by-name "pod.test" "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\nsubjectAltName=DNS:pod.test\n"
 leaf client "sidecar-metrics" "basicConstraints=CA:FALSE\nextendedKeyUsage=clientAuth\n"
+leaf peer "gpuroute-peers" "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=DNS:gpuroute-peers\n"
 rm -f ca.key ca.srl

@@ -492,7 +492,7 @@ fn the_load_relay_follows_its_own_switch_and_the_prefix_relays_peers() {
     let client = crate::push::client();
     let mut cfg = config(&["http://127.0.0.1:1"], &["http://10.0.0.2:9100"]);
     cfg.prefix.load_path = "/lp".into();
-    let (prefix, load) = Relay::pair_from_config(&cfg, client.clone());
+    let (prefix, load) = Relay::pair_from_config(&cfg, crate::tls::fixed(client.clone()));
     let load = load.unwrap();
     assert_eq!(load.envoys, vec!["http://127.0.0.1:1/lp".to_string()]);
     assert_eq!(load.peers, vec!["http://10.0.0.2:9100/v1/load".to_string()]);
@@ -511,7 +511,7 @@ fn the_load_relay_follows_its_own_switch_and_the_prefix_relays_peers() {
     assert_eq!(prefix.map(|p| p.kind), Some(Kind::Prefix));
     // Its own switch: the prefix relay's does not turn it off, 0 does.
     cfg.prefix.enabled = false;
-    let (prefix, load) = Relay::pair_from_config(&cfg, client.clone());
+    let (prefix, load) = Relay::pair_from_config(&cfg, crate::tls::fixed(client.clone()));
     assert!(prefix.is_none() && load.is_some());
     cfg.prefix.load_interval_ms = 0;
     assert!(Relay::load_from_config(&cfg, client).is_none());
@@ -567,7 +567,7 @@ async fn the_peers_found_by_dns_serve_both_relays() {
         port: 9100,
         refresh_ms: 10,
     });
-    let (prefix, load) = Relay::pair_from_config(&cfg, crate::push::client());
+    let (prefix, load) = Relay::pair_from_config(&cfg, crate::tls::fixed(crate::push::client()));
     let (prefix, load) = (prefix.unwrap(), load.unwrap());
     let stop = CancellationToken::new();
     let task = tokio::spawn(prefix.clone().find_peers(Arc::new(OneAddr), stop.clone()));
