@@ -224,31 +224,42 @@ def test_the_exchange_refuses_what_it_cannot_use_and_keeps_serving(pods):
         gw.stop()
 
 
-def relaying_replicas(members, concurrency=1):
+def relaying_replicas(members, concurrency=1, tls=False):
     """Gateway replicas as deployed: one Envoy per list of pods in `members`, each with its own
-    sidecar-metrics scraping those pods, the sidecars each other's peers (two replicas)."""
-    from harness import Sidecar, free_port
+    sidecar-metrics scraping those pods, the sidecars each other's peers (two replicas); with
+    `tls`, over mutual TLS (`prefix.tls`, testdata/tls/'s peer certificate)."""
+    from harness import ROOT, Sidecar, free_port
 
     gws = [Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in m]}], CONFIG, concurrency=concurrency)
            for m in members]
     ports = [free_port(), free_port()]
+    scheme = "https" if tls else "http"
+    files = ROOT / "testdata" / "tls"
+
+    def prefix(i):
+        p = {"listen": f"127.0.0.1:{ports[i]}", "peers": [f"{scheme}://127.0.0.1:{ports[1 - i]}"]}
+        if tls:
+            p["tls"] = {"ca_file": str(files / "ca.pem"), "cert_file": str(files / "peer.pem"),
+                        "key_file": str(files / "peer.key"), "server_name": "gpuroute-peers"}
+        return p
+
     scs = [Sidecar({"llama": [p.address for p in members[i]]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"],
-                   interval_ms=100,
-                   extra={"prefix": {"listen": f"127.0.0.1:{ports[i]}", "peers": [f"http://127.0.0.1:{ports[1 - i]}"]}})
+                   interval_ms=100, extra={"prefix": prefix(i)})
            for i, gw in enumerate(gws)]
     return gws, scs
 
 
-def test_a_decision_reaches_the_other_replica_through_the_relay(pods):
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "mutual-tls"])
+def test_a_decision_reaches_the_other_replica_through_the_relay(pods, tls):
     """Two replicas as deployed, each Envoy with its own sidecar-metrics, the sidecars each
-    other's peers. Measured (printed with -s): the time from a request routed on A until B's
-    Envoy has taken its record (`gpuroute.prefix.imported`). The path: A's worker writes its
-    records for the exchange (at most every 50 ms), A's sidecar asks (every 50 ms) and posts to
-    B's sidecar, which posts to B's Envoy; B's workers then apply it on their next tick
-    (`tick_ms`, 20 ms)."""
+    other's peers (plain HTTP, or mutual TLS: `prefix.tls`). Measured (printed with -s): the
+    time from a request routed on A until B's Envoy has taken its record
+    (`gpuroute.prefix.imported`). The path: A's worker writes its records for the exchange (at
+    most every 50 ms), A's sidecar asks (every 50 ms) and posts to B's sidecar, which posts to
+    B's Envoy; B's workers then apply it on their next tick (`tick_ms`, 20 ms)."""
     import statistics
 
-    gws, scs = relaying_replicas([pods, pods])
+    gws, scs = relaying_replicas([pods, pods], tls=tls)
     a, b = gws
     name = STAT_PREFIX + "gpuroute.prefix.imported"
     try:
@@ -268,7 +279,8 @@ def test_a_decision_reaches_the_other_replica_through_the_relay(pods):
             time.sleep(0.13)  # out of step with the 50 ms periods
         waits.sort()
         p50, p90 = statistics.median(waits), waits[int(0.9 * len(waits)) - 1]
-        print(f"\nrelay: routed on A -> taken by B's Envoy, ms: p50 {p50:.0f}, p90 {p90:.0f}, max {waits[-1]:.0f}")
+        print(f"\nrelay ({'mutual TLS' if tls else 'plain'}): routed on A -> taken by B's Envoy, ms: "
+              f"p50 {p50:.0f}, p90 {p90:.0f}, max {waits[-1]:.0f}")
         # Two 50 ms periods in series, plus two HTTP hops on loopback; 3 s means never.
         assert waits[-1] < 1000, waits
         assert p50 < 250, waits
