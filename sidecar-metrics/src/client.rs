@@ -6,9 +6,9 @@
 //! from the response (its redirect layer's, with redirects off), on every request. At 1,000 pods
 //! scraped every 100 ms that was about a third of the aggregator's CPU (sidecar-metrics/README.md,
 //! "Measured"). HTTP/1.1, keep-alive, no proxy from the environment, no redirects followed.
-//! Plain HTTP, and HTTPS for a client made [`HttpClient::with_tls`] (scrapes of pods that serve
-//! their metrics over TLS: [`crate::tls`]); the pushes and the relays are plain HTTP (`config.rs`
-//! refuses other schemes for them).
+//! Plain HTTP, and HTTPS for a client made [`HttpClient::with_tls`] ([`crate::tls`]: scrapes of
+//! pods that serve their metrics over TLS, and the relays' posts to peers with `prefix.tls`); the
+//! pushes to the loopback ingest listeners are plain HTTP (`config.rs` refuses other schemes).
 //! Timeouts are the caller's, around the whole exchange (connect, headers and body), so a peer
 //! that trickles its body is cut off like one that never answers.
 
