@@ -260,7 +260,13 @@ async fn measure(o: Opts) -> Result<()> {
         ports.len(), if o.tls { " serving HTTPS" } else { "" }, o.interval_ms, o.workers, o.warmup, o.seconds
     );
     tokio::time::sleep(Duration::from_secs(o.warmup)).await;
-    while obs_rx.try_recv().is_ok() {}
+    // The warm-up's first rounds open every connection (with --tls, one handshake per pod).
+    let mut opening = Vec::new();
+    while let Ok(r) = obs_rx.try_recv() {
+        if opening.len() < 3 {
+            opening.push(r);
+        }
+    }
     let cpu0 = cpu_seconds("self", ticks)?;
     let fleet0 = cpu_seconds(&child_pid, ticks).unwrap_or(0.0);
     let t0 = Instant::now();
@@ -338,6 +344,19 @@ async fn measure(o: Opts) -> Result<()> {
     let _ = writeln!(
         out,
         "rounds incomplete    {incomplete} (published at the deadline)"
+    );
+    let _ = writeln!(
+        out,
+        "first rounds         {} (warm-up: every connection opened)",
+        opening
+            .iter()
+            .map(|r| format!(
+                "{:.1} ms{}",
+                ms(r.duration),
+                if r.complete { "" } else { " (at the deadline)" }
+            ))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     if let Some(p) = last {
         let healthy: usize = p
