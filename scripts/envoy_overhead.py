@@ -51,9 +51,8 @@ Usage: scripts/envoy_overhead.py [--rounds 9] [--seconds 4] [--no-copy] [--compa
   --compare-wasm adds another build of the proxy-wasm filter (same configuration, same pushes)
   to the interleaved rounds, e.g. the build before a change: builds compared within one run agree
   far better than runs of different days on this shared machine. To build an earlier revision:
-    git worktree add /tmp/prev REV && (cd /tmp/prev && cargo build -p gpuroute-filter \
-      --target wasm32-wasip1 --profile wasm-release --target-dir /tmp/prev-target)
-    scripts/envoy_overhead.py --compare-wasm prev=/tmp/prev-target/wasm32-wasip1/wasm-release/gpuroute_filter.wasm
+    scripts/build-base-wasm.sh REV /tmp/prev
+    scripts/envoy_overhead.py --compare-wasm prev=/tmp/prev/REV/gpuroute_filter.wasm
   --compare-config NAME=JSON adds the filter's own .wasm with its configuration changed by JSON
   (keys of the plugin configuration, e.g. '{"tick_ms": 1000}'), measured like a --compare-wasm
   build: what one option costs, in the same rounds as the filter as shipped.

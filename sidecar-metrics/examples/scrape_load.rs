@@ -612,7 +612,13 @@ mod fleet {
                     tokio::spawn(async move { axum::serve(listener, router).await });
                 }
                 Some(acceptor) => {
-                    tokio::spawn(serve_tls(listener, acceptor, router));
+                    // The aggregator's own TLS listener (its peers'), with a fixed certificate.
+                    tokio::spawn(sidecar_metrics::http::serve_tls(
+                        listener,
+                        sidecar_metrics::tls::fixed(acceptor),
+                        router,
+                        CancellationToken::new(),
+                    ));
                 }
             }
         }
@@ -661,28 +667,5 @@ mod fleet {
         })
         .await?;
         Ok(())
-    }
-
-    /// Serves `router` over TLS on `listener`: each connection's handshake, then HTTP/1.1 with
-    /// keep-alive, as axum serves plain connections.
-    async fn serve_tls(
-        listener: tokio::net::TcpListener,
-        acceptor: tokio_rustls::TlsAcceptor,
-        router: axum::Router,
-    ) {
-        use hyper_util::rt::{TokioExecutor, TokioIo};
-        use hyper_util::server::conn::auto;
-        use hyper_util::service::TowerToHyperService;
-        while let Ok((tcp, _)) = listener.accept().await {
-            let (acceptor, router) = (acceptor.clone(), router.clone());
-            tokio::spawn(async move {
-                let _ = tcp.set_nodelay(true);
-                if let Ok(tls) = acceptor.accept(tcp).await {
-                    let _ = auto::Builder::new(TokioExecutor::new())
-                        .serve_connection(TokioIo::new(tls), TowerToHyperService::new(router))
-                        .await;
-                }
-            });
-        }
     }
 }

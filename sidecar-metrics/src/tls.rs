@@ -136,7 +136,7 @@ fn mismatch(at: &str, e: rustls::Error) -> ConfigError {
 
 /// What the files `c` names look like now (modification time and length, following symbolic
 /// links, as a mounted Secret's are): a change in any of them is a change of the TLS.
-pub fn files_stamp(c: &TlsConfig) -> Vec<Option<(std::time::SystemTime, u64)>> {
+fn files_stamp(c: &TlsConfig) -> Vec<Option<(std::time::SystemTime, u64)>> {
     [&c.ca_file, &c.cert_file, &c.key_file]
         .into_iter()
         .map(|f| {
