@@ -18,13 +18,15 @@ NATIVE_BINS := target/release/sidecar-metrics target/release/fleet-sim
 # The earlier build the upgrade tests run beside this one (tests/e2e/upgrade_base.txt says why).
 UPGRADE_BASE := $(shell grep -v '^\#' tests/e2e/upgrade_base.txt)
 BASE_WASM   := target/upgrade-base/$(UPGRADE_BASE)/gpuroute_filter.wasm
+# Prometheus and promtool (Debian 12's build) for the monitoring tests (deploy/monitoring).
+PROMTOOL    := $(VENV)/prometheus/promtool
 WASI_RUNNER := node --no-warnings $(CURDIR)/scripts/wasi-run.mjs
 CARGO       ?= cargo
 # Benchmarks: TRACE=FILE replays any Azure-conv CSV or Mooncake JSONL trace; SPEEDUP=N compresses it.
 SCENARIO    ?= mixed-gpu
 ROUTER      ?= filter
 
-.PHONY: help setup build wasm wasm-base native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck replay replay-gateways clean-venv
+.PHONY: help setup build wasm wasm-base prometheus native test unit wasm-test e2e lint validate run stack bench bench-quick bench-core e2e-dynamic bench-envoy bench-envoy-instr profile-wasm profile-wasm-instr profile-envoy bench-envoy-streaming bench-sidecar bench-crosscheck replay replay-gateways clean-venv
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-17s %s\n", $$1, $$2}'
@@ -46,6 +48,11 @@ wasm: ## build the filter (.wasm)
 	$(CARGO) build -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-callbacks
 	$(CARGO) build -p gpuroute-wasm-floor --features experiments --target $(WASM_TARGET) --profile wasm-release --target-dir target/wasm-floor-experiments
 	@ls -l $(WASM) | awk '{print "filter: " $$9 " (" $$5 " bytes)"}'
+
+prometheus: $(PROMTOOL) ## fetch Prometheus and promtool into .venv/prometheus (for the monitoring tests)
+
+$(PROMTOOL): scripts/fetch-prometheus.sh
+	scripts/fetch-prometheus.sh $(VENV)/prometheus
 
 wasm-base: $(BASE_WASM) ## build the filter at the upgrade tests' base commit (tests/e2e/upgrade_base.txt)
 
@@ -79,10 +86,10 @@ lint: ## rustfmt, clippy -D warnings (native and wasm32)
 validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)
 
-e2e: $(VENV)/.ready build wasm-base ## end-to-end tests: real Envoy + the built .wasm (and an earlier build beside it)
+e2e: $(VENV)/.ready build wasm-base $(PROMTOOL) ## end-to-end tests: real Envoy + the built .wasm (and an earlier build beside it; deploy/monitoring's rules and dashboard against a real Prometheus)
 	cd tests/e2e && ../../$(VENV)/bin/pytest -q
 
-e2e-dynamic: $(VENV)/.ready build ## the same end-to-end suite with the dynamic-module build (libgpuroute.so)
+e2e-dynamic: $(VENV)/.ready build $(PROMTOOL) ## the same end-to-end suite with the dynamic-module build (libgpuroute.so)
 	cd tests/e2e && GPUROUTE_RUNTIME=dynamic ../../$(VENV)/bin/pytest -q
 
 test: setup lint unit wasm-test validate e2e e2e-dynamic ## everything CI runs

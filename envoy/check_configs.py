@@ -469,6 +469,17 @@ def check_peers(plugin, sidecar_cm, service, gateway_labels):
         raise CheckError(f"prefix.path {side.get('path')} is not the filter's ingest.prefix_path {path}")
 
 
+def check_metrics_port(sidecar_cm, container):
+    """Prometheus can reach sidecar-metrics' /metrics: `metrics_listen` on all addresses, at the
+    port the sidecar container names gpuroute-metrics (what deploy/monitoring's README scrapes)."""
+    listen = sidecar_config(sidecar_cm).get("metrics_listen") or ""
+    host, _, port = listen.rpartition(":")
+    ports = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+    if host != "0.0.0.0" or not port.isdigit() or ports.get("gpuroute-metrics") != int(port):
+        raise CheckError(f"metrics_listen {listen!r} and the sidecar container's gpuroute-metrics port "
+                         f"{ports.get('gpuroute-metrics')} disagree (want 0.0.0.0:<that port>)")
+
+
 def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_pools, local_replies):
     """What must agree between the filter configuration, the aggregator and the routing."""
     pools = [p["name"] for p in plugin.get("pools", [])]
@@ -749,6 +760,16 @@ def check_against_kubectl(directory):
     return f"the same {len(ours)} documents as kubectl kustomize"
 
 
+def check_stats_tags(doc, where):
+    """`doc`'s stats_config labels the filter's stats as the local bootstraps do
+    (render.STATS_TAGS): the same families and labels for deploy/monitoring's rules and
+    dashboard, whichever way the gateway is deployed."""
+    tags = (doc.get("stats_config") or {}).get("stats_tags")
+    if tags != render.STATS_TAGS:
+        names = [t.get("tag_name") for t in tags or []]
+        raise CheckError(f"{where}: stats_config.stats_tags must be envoy/render.py's STATS_TAGS (the tags here: {names})")
+
+
 def proto_merge(dst, src):
     """Istio's MERGE (protobuf merge): messages merge, repeated fields append, scalars replace."""
     for k, v in src.items():
@@ -841,8 +862,10 @@ def eg_fragment(manifests, wasm, prefix="envoy-gateway", module=None):
     if ns(proxy) != ns(gw):
         raise CheckError("the EnvoyProxy must be in the Gateway's namespace")
     containers = proxy["spec"]["provider"]["kubernetes"]["envoyDeployment"]["patch"]["value"]["spec"]["template"]["spec"]["containers"]
-    if not any(c["name"] == "sidecar-metrics" for c in containers):
+    sidecar = next((c for c in containers if c["name"] == "sidecar-metrics"), None)
+    if sidecar is None:
         raise CheckError("the EnvoyProxy adds no sidecar-metrics container")
+    check_metrics_port(o.one("ConfigMap", "gpuroute-sidecar"), sidecar)
 
     eep = o.one("EnvoyExtensionPolicy")
     if {(t["kind"], t["name"]) for t in eep["spec"]["targetRefs"]} != {("Gateway", gw["metadata"]["name"])}:
@@ -965,8 +988,14 @@ def eg_fragment(manifests, wasm, prefix="envoy-gateway", module=None):
         hcm["typed_config"].get("local_reply_config"),
     )
     check_access_log(hcm["typed_config"])
-    return bootstrap([listener], clusters), {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters,
-                                             "runtime": runtime}
+    config = bootstrap([listener], clusters)
+    merge = proxy["spec"].get("bootstrap") or {}
+    if merge.get("type") != "Merge":
+        raise CheckError("the EnvoyProxy's bootstrap must be a Merge (of the stats' labels)")
+    value = yaml.safe_load(merge["value"])
+    check_stats_tags(value, "the EnvoyProxy's bootstrap")
+    proto_merge(config, value)
+    return config, {"listener": listener_name, "plugin": plugin, "pool_clusters": pool_clusters, "runtime": runtime}
 
 
 def eg_extension_filter(eep, proxy, wasm, module):
@@ -1191,7 +1220,7 @@ def istio_fragment(manifests, wasm):
         ],
     }
 
-    plugin = None
+    plugin, bootstrap_patches = None, []
     for p in ef["spec"]["configPatches"]:
         match, patch = p["match"], p["patch"]
         if match.get("context") != "GATEWAY":
@@ -1227,6 +1256,9 @@ def istio_fragment(manifests, wasm):
             if match["listener"].get("portNumber") != port:
                 raise CheckError(f"LISTENER patch matches port {match['listener'].get('portNumber')}")
             proto_merge(listener, patch["value"])
+        elif where == "BOOTSTRAP" and op == "MERGE":
+            check_stats_tags(patch["value"], "the EnvoyFilter's BOOTSTRAP patch")
+            bootstrap_patches.append(patch["value"])
         elif where == "CLUSTER" and op == "MERGE":
             cm = match["cluster"]
             cname = f"outbound|{cm['portNumber']}||{cm['service']}"
@@ -1275,7 +1307,18 @@ def istio_fragment(manifests, wasm):
     filename = ef_wasm_filename(ef)
     if os.path.dirname(filename) not in mounts or "sidecar-metrics" not in containers:
         raise CheckError("patches/ingressgateway.yaml must mount the module's directory and add sidecar-metrics")
-    return bootstrap([listener], list(clusters.values())), {
+    check_metrics_port(o.one("ConfigMap", "gpuroute-sidecar"), containers["sidecar-metrics"])
+    if not bootstrap_patches:
+        raise CheckError("the EnvoyFilter has no BOOTSTRAP patch (the labels of the filter's stats)")
+    proxy_config = yaml.safe_load(deploy["spec"]["template"].get("metadata", {}).get("annotations", {})
+                                  .get("proxy.istio.io/config", "")) or {}
+    if (proxy_config.get("proxyMetadata") or {}).get("BOOTSTRAP_XDS_AGENT") != "true":
+        raise CheckError("patches/ingressgateway.yaml must set BOOTSTRAP_XDS_AGENT: \"true\" in the proxy's "
+                         "proxy.istio.io/config, or Istio ignores the EnvoyFilter's BOOTSTRAP patch")
+    config = bootstrap([listener], list(clusters.values()))
+    for value in bootstrap_patches:
+        proto_merge(config, value)
+    return config, {
         "listener": listener["name"],
         "plugin": plugin,
         "pool_clusters": pool_clusters,
@@ -1347,6 +1390,13 @@ def smoke_fragment(envoy, name, frag):
         want = {"pool": pool["name"], "model": model, "destination": None, "status": 503}
         if {k: line.get(k) for k in want} != want or not line.get("upstream_host"):
             raise CheckError(f"the access log line for the chat is {line}, want {want} and the pod tried")
+        # The fail-open counted, labelled in Prometheus's format as deploy/monitoring reads it.
+        family = prometheus_family(e, "envoy_gpuroute_pool_requests", {"gpuroute_pool": pool["name"],
+                                                                       "gpuroute_outcome": "fail_open"})
+        if family is None:
+            raise CheckError("/stats/prometheus has no envoy_gpuroute_pool_requests{gpuroute_pool=\"%s\", "
+                             "gpuroute_outcome=\"fail_open\"} after the chat: the stats' labels are missing"
+                             % pool["name"])
         ingest = plugin.get("ingest", {})
         status, _ = http(addr, "POST", ingest.get("path", INGEST_PATH), {}, {"authorization": "Bearer wrong-token"})
         if status not in (401, 403):
@@ -1364,7 +1414,24 @@ def smoke_fragment(envoy, name, frag):
         if e.proc.poll() is not None:
             raise CheckError("envoy exited:\n" + error_lines(e.log_text()))
     return (f"/v1/models lists the pools' models; a chat for {pool['name']} reached its cluster in {ms:.0f} ms "
-            "(Envoy's 503 in OpenAI's shape, its access log line naming the pool); the filter answers ingest")
+            "(Envoy's 503 in OpenAI's shape, its access log line naming the pool, its fail-open counted with "
+            "the pool as a label); the filter answers ingest")
+
+
+def prometheus_family(e, name, labels, timeout_s=2.0):
+    """The value of the sample of `name` with `labels` (among others) in the Envoy's
+    /stats/prometheus, once it is there (the dynamic module hands its counts over every tick);
+    None if it does not come."""
+    deadline = time.time() + timeout_s
+    while True:
+        with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=2) as r:
+            for line in r.read().decode().splitlines():
+                head, _, value = line.rpartition(" ")
+                if head.startswith(name + "{") and all(f'{k}="{v}"' in head for k, v in labels.items()):
+                    return float(value)
+        if time.time() > deadline:
+            return None
+        time.sleep(0.1)
 
 
 def logged_line(path, request_path, timeout_s=5.0):

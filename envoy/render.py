@@ -63,6 +63,30 @@ ACCESS_LOG_FORMAT = {
 }
 
 
+# Labels for the filter's stats in Prometheus. Its stat names carry the pool, the endpoint, the
+# outcome or the reason as segments (`gpuroute.pool.llama-8b.requests.picked`); Envoy's tag
+# extraction takes each out of the name into a label, so /stats/prometheus has one family per
+# kind of count (`gpuroute_pool_requests{gpuroute_pool="llama-8b",gpuroute_outcome="picked"}`)
+# that a dashboard can sum and filter, as deploy/monitoring's rules and dashboard do. In each
+# regex the first group is the part taken out of the name, the second the label's value. Label
+# names start with `gpuroute_`: Prometheus's Kubernetes discovery adds `pod`, `endpoint` and
+# `namespace` of its own, which a scraped label of that name would be renamed away from. Both
+# builds' prefixes; the dynamic module labels its pick counter itself, with the same names.
+# `/stats` keeps the full names.
+STAT_NAME = r"^(?:wasmcustom|dynamicmodulescustom)\.gpuroute\."
+SEGMENT = r"[\w-]+"
+STATS_TAGS = [
+    {"tag_name": "gpuroute_runtime", "regex": r"^((wasm|dynamicmodules)custom\.)gpuroute\."},
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"pool(\.({SEGMENT}))\.(?:requests|pod)\."},
+    {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
+    {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.({SEGMENT}))\.picks$"},
+    {"tag_name": "gpuroute_reason", "regex": STAT_NAME + rf"(?:fail_open|{SEGMENT}\.rejected)(\.({SEGMENT}))$"},
+    {"tag_name": "gpuroute_code", "regex": STAT_NAME + rf"rejected(\.({SEGMENT}))$"},
+    {"tag_name": "gpuroute_split", "regex": STAT_NAME + rf"split(\.({SEGMENT}))\.(?:to\.{SEGMENT}|rerouted)$"},
+    {"tag_name": "gpuroute_target", "regex": STAT_NAME + rf"split\.{SEGMENT}\.to(\.({SEGMENT}))$"},
+]
+
+
 FILE_ACCESS_LOG = "envoy.access_loggers.file"
 FILE_ACCESS_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
 
@@ -511,6 +535,7 @@ def render(desc):
         )
     return {
         "admin": {"address": addr(desc.get("admin", "127.0.0.1:9901"))},
+        "stats_config": {"stats_tags": STATS_TAGS},
         "static_resources": {"listeners": listeners, "clusters": [cluster(p, mode) for p in pools]},
     }
 

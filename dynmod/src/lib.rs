@@ -16,7 +16,8 @@
 //!   hash the prompt) needs none of that and runs before the lock, in parallel across workers;
 //! - metrics are defined when the configuration loads (Envoy freezes definitions after that),
 //!   so per-pool counters exist for the configured pools, and per-pod picks are one counter
-//!   labelled by pool and pod; requests only add to a local tally, which a ticker thread has
+//!   labelled by pool and endpoint (`gpuroute_pool`, `gpuroute_endpoint`: the labels
+//!   envoy/render.py's tag extraction gives the wasm filter's per-pod counters); requests only add to a local tally, which a ticker thread has
 //!   Envoy's main thread hand over every `tick_ms` (Envoy's own metric calls cost more per
 //!   request than the decision);
 //! - requests held while their pool is saturated (`hold`) wait in one queue per filter
@@ -212,7 +213,10 @@ impl Metrics {
             responses_pinned: d.counter("gpuroute.responses.pinned", &[]),
             responses_unpinned: d.counter("gpuroute.responses.unpinned", &[]),
             decision_us: d.histogram("gpuroute.decision_us"),
-            picks: d.counter("gpuroute.picks", &["pool", "pod"]),
+            picks: d.counter(
+                "gpuroute.pool.picks",
+                &["gpuroute_pool", "gpuroute_endpoint"],
+            ),
             hold: config.hold.map(|_| HoldMetrics {
                 held: d.counter("gpuroute.hold.held", &[]),
                 affinity: d.counter("gpuroute.hold.affinity", &[]),

@@ -62,6 +62,8 @@ pub struct Running {
     pub load_relay: Option<Arc<Relay>>,
     /// The bound address of the peers' listener (`prefix.listen`).
     pub peer_addr: Option<SocketAddr>,
+    /// The bound address of the metrics listener (`metrics_listen`).
+    pub metrics_addr: Option<SocketAddr>,
     shutdown: CancellationToken,
     tasks: JoinSet<()>,
 }
@@ -204,6 +206,24 @@ pub async fn start(
             });
         }
     }
+    let mut metrics_addr = None;
+    if let Some(addr) = &cfg.metrics_listen {
+        let l = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Bind {
+                addr: addr.clone(),
+                source,
+            })?;
+        metrics_addr = l.local_addr().ok();
+        let (stop, app) = (shutdown.clone(), http::metrics_router(state.clone()));
+        tasks.spawn(async move {
+            let serve =
+                axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "metrics HTTP server failed");
+            }
+        });
+    }
     let stop = shutdown.clone();
     tasks.spawn(async move {
         let serve = axum::serve(listener, http::router(state))
@@ -222,6 +242,7 @@ pub async fn start(
         load_relay = load_relay.is_some(),
         prefix_peers = ?cfg.prefix.peers,
         prefix_listen = ?peer_addr,
+        metrics_listen = ?metrics_addr,
         "sidecar-metrics listening"
     );
     Ok(Running {
@@ -231,6 +252,7 @@ pub async fn start(
         relay,
         load_relay,
         peer_addr,
+        metrics_addr,
         shutdown,
         tasks,
     })

@@ -101,6 +101,11 @@ pub struct Config {
     /// logged).
     #[serde(default = "d_listen")]
     pub listen: String,
+    /// A second listener, `ip:port`, serving only `/metrics` (and `/healthz`): Prometheus can
+    /// scrape it from outside the pod while `listen` (with `/debug/snapshot`, the whole
+    /// fleet's view) stays on loopback. Unset: `/metrics` only on `listen`.
+    #[serde(default)]
+    pub metrics_listen: Option<String>,
     /// Producer name written into snapshots. Default: `$HOSTNAME`, else `sidecar-metrics`.
     #[serde(default)]
     pub source: Option<String>,
@@ -528,6 +533,7 @@ impl Default for Config {
             timeout_ms: d_timeout(),
             publish_deadline_ms: None,
             listen: d_listen(),
+            metrics_listen: None,
             source: None,
             max_body_bytes: d_max_body(),
             worker_threads: d_workers(),
@@ -719,6 +725,11 @@ impl Config {
         }
         if self.listen.parse::<SocketAddr>().is_err() {
             return Err(field("listen", format!("{:?} is not ip:port", self.listen)));
+        }
+        if let Some(m) = &self.metrics_listen {
+            if m.parse::<SocketAddr>().is_err() {
+                return Err(field("metrics_listen", format!("{m:?} is not ip:port")));
+            }
         }
         if self.max_body_bytes < 1024 {
             return Err(field("max_body_bytes", "must be at least 1024"));

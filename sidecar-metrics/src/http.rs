@@ -123,6 +123,15 @@ pub async fn serve_tls(
     }
 }
 
+/// The metrics listener's routes (`metrics_listen`): what Prometheus needs and nothing of the
+/// fleet's detail.
+pub fn metrics_router(state: AppState) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/metrics", get(metrics_handler))
+        .with_state(state)
+}
+
 pub fn peer_router(state: AppState) -> Router {
     Router::new()
         .route(

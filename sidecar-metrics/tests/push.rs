@@ -240,3 +240,51 @@ async fn a_pod_that_answers_nothing_filtered_is_scraped_whole_and_shown_so() {
     assert!(!row(ignoring.addr).contains("whole"), "{page}");
     run.shutdown();
 }
+
+#[tokio::test]
+async fn the_metrics_listener_serves_metrics_and_nothing_of_the_fleet() {
+    let pod = FakePod::start(&vllm_body(0)).await;
+    let ingest = FakeIngest::new("tok");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    ingest.serve(listener);
+    let mut cfg = config(&pod, &addr.to_string(), "tok", 50);
+    cfg.metrics_listen = Some("127.0.0.1:0".into());
+    let run = app::start(cfg, RunOptions::default(), CancellationToken::new())
+        .await
+        .unwrap();
+    let metrics_addr = run.metrics_addr.expect("metrics_listen bound");
+    assert_ne!(metrics_addr, run.local_addr);
+    // The same families as /metrics on `listen`, once a round and a push are in.
+    assert!(
+        eventually(Duration::from_secs(3), || run.push[0].stats().accepted >= 1).await,
+        "no push accepted"
+    );
+    let (status, metrics) = get(metrics_addr, "/metrics").await;
+    assert_eq!(status, 200);
+    for family in [
+        "sidecar_pods{pool=\"llama\",healthy=\"true\"} 1",
+        "sidecar_push_accepted_total{url=",
+    ] {
+        assert!(metrics.contains(family), "{family} missing from {metrics}");
+    }
+    assert_eq!(get(metrics_addr, "/healthz").await, (200, "ok\n".into()));
+    // The fleet's detail stays on `listen`.
+    for path in ["/debug/snapshot", "/", "/readyz"] {
+        assert_eq!(get(metrics_addr, path).await.0, 404, "{path}");
+        assert_eq!(get(run.local_addr, path).await.0, 200, "{path}");
+    }
+    run.shutdown();
+}
+
+#[tokio::test]
+async fn a_metrics_listen_that_is_not_an_address_stops_the_start() {
+    let pod = FakePod::start(&vllm_body(0)).await;
+    let mut cfg = config(&pod, "127.0.0.1:1", "tok", 50);
+    cfg.metrics_listen = Some("everywhere:9102".into());
+    let err = app::start(cfg, RunOptions::default(), CancellationToken::new())
+        .await
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("metrics_listen"), "{err}");
+}

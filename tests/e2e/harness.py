@@ -50,9 +50,10 @@ TOKEN = "e2e-ingest-token"
 def pod_picks_stat(pool, address):
     """Name of the counter of picks of one pod. The wasm filter defines one counter per pod when
     it is first picked; the dynamic module must define its metrics up front, so it has one
-    counter labelled by pool and pod (a Prometheus label each, on /stats/prometheus)."""
+    counter labelled by pool and endpoint (a Prometheus label each, on /stats/prometheus, named
+    as the wasm filter's are by envoy/render.py's tag extraction)."""
     if RUNTIME == "dynamic":
-        return f"{STAT_PREFIX}gpuroute.picks.pool.{pool}.pod.{address}"
+        return f"{STAT_PREFIX}gpuroute.pool.picks.gpuroute_pool.{pool}.gpuroute_endpoint.{address}"
     return f"{STAT_PREFIX}gpuroute.pool.{pool}.pod." + address.replace(".", "_").replace(":", "_") + ".picks"
 
 

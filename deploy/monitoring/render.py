@@ -1,0 +1,353 @@
+#!/usr/bin/env python3
+"""Writes deploy/monitoring's generated files from gpuroute-rules.yaml and the specs below:
+
+  prometheusrule.yaml     the rules as a Prometheus Operator PrometheusRule (same groups)
+  rules-test.yaml         promtool unit tests of every alert (`promtool test rules`)
+  grafana-dashboard.json  the Grafana dashboard
+
+  render.py            rewrite them
+  render.py --check    exit 1 if any differs from what it would write (the test suite runs this)
+
+The dashboard's queries and the rules' expressions are also run against a real Prometheus
+scraping a real Envoy and sidecar-metrics (tests/e2e/test_monitoring.py).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+HERE = Path(__file__).resolve().parent
+RULES = HERE / "gpuroute-rules.yaml"
+
+# ---------------------------------------------------------------------------------------------
+# The dashboard. Each panel: title, unit, queries as (expr, legend). `$pool` is the dashboard's
+# pool selector (a regex; all pools by default), `$__rate_interval` Grafana's rate window.
+
+PICKS = 'envoy_(dynamicmodulescustom_)?gpuroute_pool_picks'
+ROWS = [
+    ("Routing", [
+        ("Requests by pool and outcome", "reqps", [
+            ('sum by (gpuroute_pool, gpuroute_outcome) (rate(envoy_gpuroute_pool_requests{gpuroute_pool=~"$pool"}[$__rate_interval]))',
+             "{{gpuroute_pool}} {{gpuroute_outcome}}"),
+        ]),
+        ("Fail-open share by pool", "percentunit", [
+            ('sum by (gpuroute_pool) (rate(envoy_gpuroute_pool_requests{gpuroute_pool=~"$pool", gpuroute_outcome="fail_open"}[$__rate_interval]))'
+             ' / sum by (gpuroute_pool) (rate(envoy_gpuroute_pool_requests{gpuroute_pool=~"$pool", gpuroute_outcome!="routed"}[$__rate_interval]))',
+             "{{gpuroute_pool}}"),
+        ]),
+        ("Fail-opens by reason", "reqps", [
+            ("sum by (gpuroute_reason) (rate(envoy_gpuroute_fail_open[$__rate_interval]))", "{{gpuroute_reason}}"),
+        ]),
+        ("Picks by pod", "reqps", [
+            (f'sum by (gpuroute_pool, gpuroute_endpoint) (rate({{__name__=~"{PICKS}", gpuroute_pool=~"$pool"}}[$__rate_interval]))',
+             "{{gpuroute_pool}} {{gpuroute_endpoint}}"),
+        ]),
+        ("Requests the filter refused, by error code", "reqps", [
+            ("sum by (gpuroute_code) (rate(envoy_gpuroute_rejected[$__rate_interval]))", "{{gpuroute_code}}"),
+        ]),
+        ("Decision time", "µs", [
+            ("histogram_quantile(0.5, sum by (le) (rate(envoy_gpuroute_decision_us_bucket[$__rate_interval])))", "p50"),
+            ("histogram_quantile(0.99, sum by (le) (rate(envoy_gpuroute_decision_us_bucket[$__rate_interval])))", "p99"),
+        ]),
+        ("Weighted splits, by version taken", "reqps", [
+            ("sum by (gpuroute_split, gpuroute_target) (rate(envoy_gpuroute_split_to[$__rate_interval]))",
+             "{{gpuroute_split}} -> {{gpuroute_target}}"),
+            ("sum by (gpuroute_split) (rate(envoy_gpuroute_split_rerouted[$__rate_interval]))", "{{gpuroute_split}} rerouted"),
+        ]),
+        ("Held requests (hold)", "short", [
+            ("sum(max_over_time(envoy_gpuroute_held[$__rate_interval]))", "held (the most at once)"),
+            ("histogram_quantile(0.99, sum by (le) (rate(envoy_gpuroute_hold_ms_bucket[$__rate_interval])))", "p99 wait (ms)"),
+        ]),
+    ]),
+    ("Snapshot", [
+        ("Snapshot age", "ms", [
+            ("max by (instance) (envoy_gpuroute_snapshot_age_ms)", "{{instance}}"),
+        ]),
+        ("Snapshots taken and rejected", "ops", [
+            ("sum by (instance) (rate(envoy_gpuroute_snapshot_accepted[$__rate_interval]))", "{{instance}} accepted"),
+            ("sum by (instance, gpuroute_reason) (rate(envoy_gpuroute_snapshot_rejected[$__rate_interval]))",
+             "{{instance}} rejected: {{gpuroute_reason}}"),
+        ]),
+        ("Pods in the snapshot", "short", [
+            ("max by (instance) (envoy_gpuroute_snapshot_pods)", "{{instance}}"),
+        ]),
+    ]),
+    ("Aggregator (sidecar-metrics)", [
+        ("Pods by health", "short", [
+            ('max by (pool, healthy) (sidecar_pods{pool=~"$pool"})', "{{pool}} healthy={{healthy}}"),
+        ]),
+        ("Failed scrapes by pool and kind", "ops", [
+            ('sum by (pool, kind) (rate(sidecar_scrape_failures_total{pool=~"$pool"}[$__rate_interval]))', "{{pool}} {{kind}}"),
+        ]),
+        ("Scrape and round time, p99", "s", [
+            ("histogram_quantile(0.99, sum by (le) (rate(sidecar_scrape_duration_seconds_bucket[$__rate_interval])))", "scrape"),
+            ("histogram_quantile(0.99, sum by (le) (rate(sidecar_round_duration_seconds_bucket[$__rate_interval])))", "round"),
+        ]),
+        ("Snapshot pushes", "ops", [
+            ("sum by (url) (rate(sidecar_push_accepted_total[$__rate_interval]))", "{{url}} accepted"),
+            ("sum by (url, reason) (rate(sidecar_push_failures_total[$__rate_interval]))", "{{url}} failed: {{reason}}"),
+        ]),
+        ("Push time, p99", "s", [
+            ("histogram_quantile(0.99, sum by (le, url) (rate(sidecar_push_duration_seconds_bucket[$__rate_interval])))", "{{url}}"),
+        ]),
+        ("Between gateway replicas (relay)", "ops", [
+            ("sum by (direction) (rate(sidecar_prefix_records_total[$__rate_interval]))", "prefix records {{direction}}"),
+            ("sum by (direction) (rate(sidecar_replica_load_relayed_total[$__rate_interval]))", "prefill counts {{direction}}"),
+        ]),
+    ]),
+]
+
+
+def dashboard():
+    ds = {"type": "prometheus", "uid": "${datasource}"}
+    panels, y, pid = [], 0, 1
+    for row_title, row_panels in ROWS:
+        panels.append({"type": "row", "id": pid, "title": row_title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
+        pid, y = pid + 1, y + 1
+        for i, (title, unit, queries) in enumerate(row_panels):
+            panels.append({
+                "type": "timeseries",
+                "id": pid,
+                "title": title,
+                "datasource": ds,
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": y + 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+                "targets": [{"datasource": ds, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + j)}
+                            for j, (expr, legend) in enumerate(queries)],
+            })
+            pid += 1
+        y += 8 * ((len(row_panels) + 1) // 2)
+    return {
+        "title": "gpuroute",
+        "uid": "gpuroute",
+        "description": "GPU-aware routing inside Envoy: the filter's decisions and sidecar-metrics' scrapes and pushes.",
+        "tags": ["gpuroute", "envoy", "llm"],
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "templating": {"list": [
+            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+             "current": {}, "hide": 0},
+            {"name": "pool", "label": "Pool", "type": "query", "datasource": ds,
+             "query": {"query": "label_values(envoy_gpuroute_pool_requests, gpuroute_pool)", "refId": "pools"},
+             "definition": "label_values(envoy_gpuroute_pool_requests, gpuroute_pool)",
+             "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "hide": 0, "sort": 1},
+        ]},
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# promtool unit tests. Each: a name, input series (promtool's expanding notation, one sample a
+# minute), and per alert the times to evaluate with the alerts expected then (labels and the
+# summary as rendered; the description, static text, is taken from the rules).
+
+def series(name, labels, values):
+    inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": values}
+
+
+GW = {"instance": "gw-0"}
+SC = {"instance": "sc-0"}
+URL = "http://127.0.0.1:9002/gpuroute/v1/snapshot"
+
+
+def requests(pool, outcome, values):
+    return series("envoy_gpuroute_pool_requests", {**GW, "gpuroute_runtime": "wasm", "gpuroute_pool": pool,
+                                                   "gpuroute_outcome": outcome}, values)
+
+
+TESTS = [
+    ("10% of llama fails open for 5 minutes, qwen 2%: llama alone, and only once it lasted 5 minutes", [
+        requests("llama", "picked", "0+90x30"), requests("llama", "fail_open", "0+10x30"),
+        requests("qwen", "picked", "0+98x30"), requests("qwen", "fail_open", "0+2x30"),
+        # Routed by model by design: not counted against the pool.
+        requests("qwen", "routed", "0+500x30"),
+    ], [
+        ("GpurouteFailingOpen", "4m", []),
+        ("GpurouteFailingOpen", "15m", [({"gpuroute_pool": "llama"}, "Pool llama: 10% of requests fail open")]),
+    ]),
+    ("A snapshot 6 s old for 2 minutes; another gateway's fresh", [
+        series("envoy_gpuroute_snapshot_age_ms", GW, "6000x5"),
+        series("envoy_gpuroute_snapshot_age_ms", {"instance": "gw-1"}, "80x5"),
+    ], [
+        ("GpurouteSnapshotStale", "30s", []),
+        ("GpurouteSnapshotStale", "2m", [(GW, "The gateway's metrics snapshot is 6k ms old")]),
+    ]),
+    ("Requests fail open for want of any snapshot", [
+        series("envoy_gpuroute_fail_open", {**GW, "gpuroute_reason": "no_snapshot"}, "0+60x20"),
+        series("envoy_gpuroute_fail_open", {"instance": "gw-1", "gpuroute_reason": "no_fresh_pod"}, "0+60x20"),
+    ], [
+        ("GpurouteNeverGotASnapshot", "10m", [(GW, "gw-0 routes without ever having had a snapshot")]),
+    ]),
+    ("A snapshot rejected for a bad token, then none for 10 minutes", [
+        series("envoy_gpuroute_snapshot_rejected", {**GW, "gpuroute_reason": "unauthorized"}, "0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1"),
+    ], [
+        ("GpurouteSnapshotsRejected", "1m", []),
+        ("GpurouteSnapshotsRejected", "5m", [({**GW, "gpuroute_reason": "unauthorized"}, "gw-0 rejects snapshots (unauthorized)")]),
+        ("GpurouteSnapshotsRejected", "15m", []),
+    ]),
+    ("Pool llama loses all its pods; qwen has one of three; an empty pool is no alarm", [
+        series("sidecar_pods", {**SC, "pool": "llama", "healthy": "true"}, "4 4 0 0 0 0 0 0 0 0 0 0 0 0 0"),
+        series("sidecar_pods", {**SC, "pool": "llama", "healthy": "false"}, "0 0 4 4 4 4 4 4 4 4 4 4 4 4 4"),
+        series("sidecar_pods", {**SC, "pool": "qwen", "healthy": "true"}, "1x14"),
+        series("sidecar_pods", {**SC, "pool": "qwen", "healthy": "false"}, "2x14"),
+        series("sidecar_pods", {**SC, "pool": "empty", "healthy": "true"}, "0x14"),
+        series("sidecar_pods", {**SC, "pool": "empty", "healthy": "false"}, "0x14"),
+    ], [
+        ("GpuroutePoolWithoutHealthyPods", "2m", []),
+        ("GpuroutePoolWithoutHealthyPods", "4m", [({"pool": "llama"}, "Pool llama has no healthy pod")]),
+        ("GpuroutePoolDegraded", "12m", [({"pool": "llama"}, "Pool llama: only 0% of pods healthy"),
+                                         ({"pool": "qwen"}, "Pool qwen: only 33.33% of pods healthy")]),
+    ]),
+    ("A fifth of the scrapes fail", [
+        series("sidecar_scrape_failures_total", {**SC, "pool": "llama", "pod": "10.0.0.1:8000", "kind": "timeout"}, "0+120x30"),
+        series("sidecar_scrape_duration_seconds_count", SC, "0+600x30"),
+    ], [
+        ("GpurouteScrapesFailing", "8m", []),
+        ("GpurouteScrapesFailing", "20m", [({}, "20% of sidecar-metrics' scrapes fail")]),
+    ]),
+    ("Pushes to one Envoy all fail; to another they go through, a few failing", [
+        # Accepted until minute 5 (a new token rolled out to the Envoy, not to the sidecar).
+        series("sidecar_push_accepted_total", {**SC, "url": URL}, "0+600x5 3000x15"),
+        series("sidecar_push_failures_total", {**SC, "url": URL, "reason": "unauthorized_401"}, "0x5 0+600x15"),
+        series("sidecar_push_accepted_total", {**SC, "url": "http://127.0.0.1:9003/gpuroute/v1/snapshot"}, "0+600x20"),
+        series("sidecar_push_failures_total", {**SC, "url": "http://127.0.0.1:9003/gpuroute/v1/snapshot",
+                                               "reason": "timeout"}, "0+1x20"),
+    ], [
+        # The last accepted push still inside the 5-minute window, then the 2 minutes' `for`.
+        ("GpuroutePushesFailing", "9m", []),
+        ("GpuroutePushesFailing", "13m", [({**SC, "url": URL}, f"sidecar-metrics cannot push to {URL}")]),
+    ]),
+    ("Half the rounds miss their deadline", [
+        series("sidecar_rounds_incomplete_total", SC, "0+300x30"),
+        series("sidecar_round_duration_seconds_count", SC, "0+600x30"),
+    ], [
+        ("GpurouteRoundsIncomplete", "20m", [(SC, "50% of scrape rounds miss their publish deadline")]),
+    ]),
+    ("Pool llama sheds", [
+        requests("llama", "shed", "0+30x15"),
+        requests("qwen", "picked", "0+30x15"),
+    ], [
+        ("GpurouteShedding", "10m", [({"gpuroute_pool": "llama"}, "Pool llama sheds 0.50 requests/s")]),
+    ]),
+    ("Held requests run out their wait", [
+        series("envoy_gpuroute_hold_expired", GW, "0+6x15"),
+    ], [
+        ("GpurouteHoldExpiring", "10m", [(GW, "Held requests wait out hold.max_wait_ms on gw-0")]),
+    ]),
+    ("A quarter of the turns by stored response miss their pod", [
+        series("envoy_gpuroute_responses_pinned", GW, "0+30x40"),
+        series("envoy_gpuroute_responses_unpinned", GW, "0+10x40"),
+    ], [
+        ("GpurouteResponsesUnpinned", "10m", []),
+        ("GpurouteResponsesUnpinned", "35m", [(GW, "25% of stored-response turns cannot reach their pod")]),
+    ]),
+    ("Decisions take 2.5 ms at p99", [
+        series("envoy_gpuroute_decision_us_bucket", {**GW, "le": "1000"}, "0+0x20"),
+        series("envoy_gpuroute_decision_us_bucket", {**GW, "le": "2500"}, "0+60x20"),
+        series("envoy_gpuroute_decision_us_bucket", {**GW, "le": "+Inf"}, "0+60x20"),
+    ], [
+        ("GpurouteDecisionSlow", "15m", [({}, "The filter's routing decision takes 2.485k us at p99")]),
+    ]),
+    ("The Wasm VM is reloaded once", [
+        series("envoy_wasm_gpuroute_vm_reload", GW, "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1"),
+    ], [
+        ("GpurouteWasmVmReloaded", "5m", [(GW, "The filter's Wasm VM was reloaded on gw-0")]),
+        ("GpurouteWasmVmReloaded", "22m", []),
+    ]),
+]
+
+# Recording rules checked by value (promtool's promql_expr_test).
+EXPR_TESTS = [
+    ("Picks per pod, from either build's counter", [
+        series("envoy_gpuroute_pool_picks", {**GW, "gpuroute_pool": "llama", "gpuroute_endpoint": "10_0_0_1_8000"}, "0+60x10"),
+        series("envoy_dynamicmodulescustom_gpuroute_pool_picks",
+               {"instance": "gw-1", "gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.2:8000"}, "0+120x10"),
+    ], "5m", "gpuroute:endpoint_picks:rate5m", [
+        ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10_0_0_1_8000"}, 1),
+        ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.2:8000"}, 2),
+    ]),
+]
+
+
+def rules_test(rules):
+    described = {r["alert"]: r["annotations"]["description"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    severity = {r["alert"]: r["labels"]["severity"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    untested = set(described) - {alert for _, _, checks in TESTS for alert, _, _ in checks}
+    if untested:
+        raise SystemExit(f"render.py: alerts without a unit test: {sorted(untested)}")
+    tests = []
+    for name, inputs, checks in TESTS:
+        tests.append({
+            "name": name,
+            "interval": "1m",
+            "input_series": inputs,
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": alert, "exp_alerts": [
+                    {"exp_labels": {"severity": severity[alert], **labels},
+                     "exp_annotations": {"summary": summary, "description": described[alert]}}
+                    for labels, summary in expected]}
+                for alert, at, expected in checks
+            ],
+        })
+    for name, inputs, at, expr, expected in EXPR_TESTS:
+        tests.append({
+            "name": name,
+            "interval": "1m",
+            "input_series": inputs,
+            "promql_expr_test": [{"expr": expr, "eval_time": at, "exp_samples": [
+                {"labels": expr + "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}", "value": value}
+                for labels, value in expected]}],
+        })
+    return {"rule_files": [RULES.name], "evaluation_interval": "1m", "tests": tests}
+
+
+def prometheus_rule(rules):
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": "gpuroute", "labels": {"app.kubernetes.io/name": "gpuroute"}},
+        "spec": rules,
+    }
+
+
+HEADER = "# GENERATED by deploy/monitoring/render.py from {source}. Do not edit: edit the source, then run\n# `.venv/bin/python deploy/monitoring/render.py`.\n"
+
+
+def outputs():
+    rules = yaml.safe_load(RULES.read_text())
+    dump = lambda doc: yaml.safe_dump(doc, sort_keys=False, width=120, allow_unicode=True)  # noqa: E731
+    return {
+        "prometheusrule.yaml": HEADER.format(source="gpuroute-rules.yaml") + dump(prometheus_rule(rules)),
+        "rules-test.yaml": HEADER.format(source="its TESTS") + dump(rules_test(rules)),
+        "grafana-dashboard.json": json.dumps(dashboard(), indent=2, ensure_ascii=False) + "\n",
+    }
+
+
+def main(argv):
+    check = "--check" in argv
+    stale = []
+    for name, text in outputs().items():
+        path = HERE / name
+        if check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+    if stale:
+        print(f"deploy/monitoring: {', '.join(stale)} out of date; run .venv/bin/python deploy/monitoring/render.py",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

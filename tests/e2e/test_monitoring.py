@@ -1,0 +1,238 @@
+"""deploy/monitoring's rules and dashboard, checked against what the filter and sidecar-metrics
+really export: promtool checks and unit-tests the rules, then a real Prometheus scrapes a real
+Envoy (with the build under test) and a real sidecar-metrics in front of stub pods, while the
+stack goes through what the alerts are about (a pool with no healthy pod, fail-opens, a
+snapshot with a bad token, a saturated pool holding and shedding, a weighted split whose
+target cannot serve), and finally loses its aggregator. Every dashboard query and every
+recording rule must return data from that, every rule must evaluate without error, and the
+alerts about those situations, and only those, must be pending or firing."""
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from harness import RUNTIME, ROOT, STAT_PREFIX, Envoy, Sidecar, free_port, stop_process, wait_for, work_dir
+from stubpod import StubPod
+
+MONITORING = ROOT / "deploy" / "monitoring"
+PROM_DIR = ROOT / ".venv" / "prometheus"
+PROMETHEUS, PROMTOOL = PROM_DIR / "prometheus", PROM_DIR / "promtool"
+# What `$__rate_interval` stands for here: Prometheus scrapes every second, so a few seconds of
+# samples make a rate.
+RATE_WINDOW = "10s"
+
+CONFIG = {
+    "pools": [
+        {"name": "llama", "models": ["llama-3-8b"]},
+        {"name": "qwen", "models": ["qwen-7b"]},
+        {"name": "mistral", "models": ["mistral-7b"]},
+    ],
+    # Half of the split's conversations belong to mistral, which cannot serve (below): they
+    # are rerouted to llama.
+    "splits": {"chat": [{"model": "llama-3-8b", "weight": 50}, {"model": "mistral-7b", "weight": 50}]},
+    "hold": {"max_wait_ms": 100},
+}
+
+# Alerts this scenario brings about (pending, for those with a `for`, or firing), with the
+# labels that must be on them; and every other alert must stay quiet.
+EXPECTED_ALERTS = {
+    "GpuroutePoolWithoutHealthyPods": {"pool": "mistral"},
+    "GpurouteFailingOpen": {"gpuroute_pool": "mistral"},
+    "GpurouteSnapshotsRejected": {"gpuroute_reason": "unauthorized"},
+    "GpurouteShedding": {"gpuroute_pool": "llama"},
+    "GpurouteHoldExpiring": {},
+    "GpurouteScrapesFailing": {},
+    "GpuroutePoolDegraded": {"pool": "mistral"},
+}
+# ... and the one about the ingest URL where no Envoy listens (the fixture's `nowhere`).
+PUSHES_FAILING = "GpuroutePushesFailing"
+
+
+def test_generated_files_are_up_to_date():
+    """prometheusrule.yaml, rules-test.yaml and the dashboard are what render.py makes of the
+    rules and its specs (the PrometheusRule's groups are the rule file's)."""
+    proc = subprocess.run([sys.executable, str(MONITORING / "render.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_promtool_checks_the_rules_and_their_unit_tests_pass():
+    for args in (["check", "rules", "gpuroute-rules.yaml"], ["test", "rules", "rules-test.yaml"]):
+        proc = subprocess.run([str(PROMTOOL), *args], cwd=MONITORING, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+
+
+class Prometheus:
+    """A real Prometheus scraping `targets` ({job: (address, path)}) every second and
+    evaluating the shipped rules every second."""
+
+    def __init__(self, targets):
+        self.dir = work_dir("gpuroute-prometheus-")
+        self.address = f"127.0.0.1:{free_port()}"
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(MONITORING / "gpuroute-rules.yaml")],
+            "scrape_configs": [
+                {"job_name": job, "metrics_path": path, "static_configs": [{"targets": [address]}]}
+                for job, (address, path) in targets.items()
+            ],
+        }
+        (self.dir / "prometheus.yml").write_text(json.dumps(config))
+        self.log = open(self.dir / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [str(PROMETHEUS), "--config.file", str(self.dir / "prometheus.yml"), "--storage.tsdb.path",
+             str(self.dir / "data"), "--web.listen-address", self.address],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        wait_for(self._ready, timeout=30, what="Prometheus ready")
+
+    def _ready(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError("prometheus exited: " + (self.dir / "prometheus.log").read_text()[-2000:])
+        try:
+            with urllib.request.urlopen(f"http://{self.address}/-/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def api(self, path, **params):
+        url = f"http://{self.address}/api/v1/{path}"
+        if params:
+            url += "?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=10) as r:
+            body = json.loads(r.read())
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, expr):
+        return self.api("query", query=expr)["result"]
+
+    def active_alerts(self):
+        return [a for a in self.api("alerts")["alerts"] if a["state"] in ("pending", "firing")]
+
+    def stop(self):
+        stop_process(self.proc)
+        self.log.close()
+
+
+def dashboard_queries():
+    dash = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    for panel in dash["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"].replace("$__rate_interval", RATE_WINDOW).replace('=~"$pool"', '=~".*"')
+            assert "$" not in expr, expr
+            yield panel["title"], expr
+
+
+@pytest.fixture(scope="module")
+def stack():
+    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0")}
+    dead = f"127.0.0.1:{free_port()}"  # mistral's only pod: nothing listens there
+    pools = [
+        {"name": "llama", "endpoints": [pods["llama-0"].address, pods["llama-1"].address]},
+        {"name": "qwen", "endpoints": [pods["qwen-0"].address]},
+        {"name": "mistral", "endpoints": [dead]},
+    ]
+    gw = Envoy("filter", pools, CONFIG)
+    # Pushes to a second ingest URL, where no Envoy listens, fail.
+    nowhere = f"http://127.0.0.1:{free_port()}/gpuroute/v1/snapshot"
+    sc = Sidecar({p["name"]: p["endpoints"] for p in pools}, [f"http://{gw.ingest}/gpuroute/v1/snapshot", nowhere])
+    prom = Prometheus({"envoy": (gw.admin, "/stats/prometheus"), "sidecar": (sc.listen, "/metrics")})
+    yield pods, gw, sc, prom, nowhere
+    prom.stop()
+    sc.stop()
+    gw.stop()
+    for p in pods.values():
+        p.close()
+
+
+def drive(gw, seconds, saturated):
+    """Requests of every kind for `seconds`: picks in two pools, fail-opens in mistral, a split
+    half rerouted, refusals, snapshots with a bad token, and, with llama saturated, held
+    requests that run out their wait and sheddable ones that are shed."""
+    end, i = time.time() + seconds, 0
+    while time.time() < end:
+        i += 1
+        assert gw.chat("llama-3-8b", f"plain {i}")[0] == 200
+        assert gw.chat("qwen-7b", f"plain {i}")[0] == 200
+        gw.chat("mistral-7b", f"fails open {i}")  # to a dead pod: Envoy's 503
+        assert gw.chat("chat", f"conversation {i}")[0] in (200, 503)
+        assert gw.chat("no-such-model")[0] == 404
+        assert gw.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
+        assert gw.push({"version": 1}, token="not-the-token")[0] == 401
+        if saturated and i % 4 == 0:
+            assert gw.chat("llama-3-8b", f"sheddable {i}", headers={"x-gateway-priority": "-1"})[0] == 429
+        time.sleep(0.05)
+
+
+def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
+    pods, gw, sc, prom, nowhere = stack
+    wait_for(lambda: gw.stats().get(STAT_PREFIX + "gpuroute.snapshot.accepted", 0) > 0, timeout=10,
+             what="a snapshot from sidecar-metrics")
+    drive(gw, 3, saturated=False)
+    for p in ("llama-0", "llama-1"):
+        pods[p].set_load(waiting=40, running=60, kv=0.9)  # saturated: held, then shed
+    # Once a snapshot says so (the next scrape and its push), sheddable requests are shed.
+    wait_for(lambda: gw.chat("llama-3-8b", "sheddable?", headers={"x-gateway-priority": "-1"})[0] == 429,
+             timeout=10, what="llama saturated", every=0.05)
+    # Meanwhile one client after another is held, so that Prometheus's scrapes find some held.
+    stop = threading.Event()
+    held = threading.Thread(target=lambda: [gw.chat("llama-3-8b", "held") for _ in iter(stop.is_set, True)])
+    held.start()
+    try:
+        drive(gw, 9, saturated=True)
+    finally:
+        stop.set()
+        held.join(10)
+
+    # Every dashboard query has a non-zero value (one series at least). The relay's panel too:
+    # with two ingest URLs sidecar-metrics relays prefix records between them.
+    def nonzero(expr):
+        return [s for s in prom.query(expr) if float(s["value"][1]) != 0]
+
+    dead = [(title, expr) for title, expr in dashboard_queries() if not nonzero(expr)]
+    assert not dead, f"dashboard queries without data: {dead}"
+    # The queries the scenario was built to reach have the values it caused.
+    picks = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_endpoint"])
+             for s in prom.query('sum by (gpuroute_pool, gpuroute_endpoint) (rate({__name__=~"envoy_(dynamicmodulescustom_)?gpuroute_pool_picks"}[1m]))')}
+    assert {pool for pool, _ in picks} == {"llama", "qwen"}, picks
+    assert len(picks) == 3, picks
+    outcomes = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_outcome"]) for s in prom.query("gpuroute:requests:rate5m")
+                if float(s["value"][1]) > 0}
+    assert {("llama", "picked"), ("llama", "shed"), ("qwen", "picked"), ("mistral", "fail_open")} <= outcomes, outcomes
+    reasons = {s["metric"]["gpuroute_reason"] for s in prom.query("rate(envoy_gpuroute_fail_open[1m]) > 0")}
+    assert reasons == {"no_fresh_pod"}, reasons
+    rerouted = prom.query('sum by (gpuroute_split) (increase(envoy_gpuroute_split_rerouted[1m])) > 0')
+    assert [s["metric"]["gpuroute_split"] for s in rerouted] == ["chat"], rerouted
+    assert set(prom.api("label/gpuroute_pool/values")) >= {"llama", "qwen", "mistral"}
+
+    # Every recording rule has a value, every rule evaluates without error.
+    groups = prom.api("rules")["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) == len(re.findall(r"^\s+- (?:record|alert):", (MONITORING / "gpuroute-rules.yaml").read_text(), re.M))
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+    for r in rules:
+        if r["type"] == "recording":
+            assert prom.query(r["name"]), f"recording rule {r['name']} has no data"
+
+    # The alerts this scenario brings about, with their labels; no other.
+    expected = dict(EXPECTED_ALERTS, **{PUSHES_FAILING: {"url": nowhere}})
+    active = prom.active_alerts()
+    for name, labels in expected.items():
+        matching = [a for a in active if a["labels"]["alertname"] == name
+                    and all(a["labels"].get(k) == v for k, v in labels.items())]
+        assert matching, f"{name} {labels} not active; active: {[a['labels'] for a in active]}"
+    others = sorted({a["labels"]["alertname"] for a in active} - set(expected))
+    assert others == [], [a["labels"] for a in active if a["labels"]["alertname"] in others]
+
+    # The aggregator stops: the snapshot ages past 5 s, and GpurouteSnapshotStale comes up.
+    sc.stop()
+    wait_for(lambda: any(a["labels"]["alertname"] == "GpurouteSnapshotStale" for a in prom.active_alerts()),
+             timeout=20, what="GpurouteSnapshotStale pending", every=0.5)
+    print(f"runtime {RUNTIME}: {len(list(dashboard_queries()))} dashboard queries, {len(rules)} rules checked")
