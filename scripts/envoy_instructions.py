@@ -247,6 +247,15 @@ def change_config(gw, lds, n, body, tick_ms):
         time.sleep(3)
 
 
+
+def without_stats_tags(patch):
+    """A configuration patch that drops the bootstrap's stats_config, then applies `patch`."""
+    def apply(config):
+        config.pop("stats_config", None)
+        if patch:
+            patch(config)
+    return apply
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=1000)
@@ -281,6 +290,9 @@ def main():
                          "several lines (newline escapes); with non-ASCII text and emoji as Python writes "
                          "them (\\u escapes, surrogate pairs); or the same conversation as a Messages API "
                          "body with content blocks (filter builds only: the floor reads chat)")
+    ap.add_argument("--no-stats-tags", action="store_true",
+                    help="every gateway without render.py's STATS_TAGS (the tag extraction that labels the "
+                         "filter's stats for Prometheus), as before 2026-12-06's thirtieth session")
     args = ap.parse_args()
     global PATH
     PATH, make_body, body_label = BODIES[args.body]
@@ -308,6 +320,8 @@ def main():
             if args.config_changes and spec.get("runtime") == "wasm" and name not in REFERENCES:
                 lds = LdsListener(out_dir / f"lds-{name}")
                 spec = dict(spec, patch=lds.patch, envoy_args=lds.envoy_args)
+            if args.no_stats_tags:
+                spec = dict(spec, patch=without_stats_tags(spec.get("patch")))
             gw = Envoy(**spec, concurrency=args.workers, wrap=callgrind(out_dir, args.sim, args.serving_thread, args.ll), ready_timeout=600)
             pushed = name not in REFERENCES
             try:
@@ -349,6 +363,7 @@ def main():
     changes += f", shared_refresh_ms {args.shared_refresh_ms}" if args.shared_refresh_ms else ""
     changes += ", the serving thread only" if args.serving_thread else ""
     changes += ", each request written to the access log" if args.access_log else ""
+    changes += ", without the stats' tag extraction" if args.no_stats_tags else ""
     print(f"\n{body_label}, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():

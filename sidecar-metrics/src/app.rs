@@ -84,6 +84,28 @@ impl Running {
     }
 }
 
+async fn bind(addr: &str) -> Result<tokio::net::TcpListener, StartError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind {
+            addr: addr.to_string(),
+            source,
+        })
+}
+
+/// Serves `app` on `l` over plain HTTP until `stop`; `what` names the listener in the log.
+async fn serve(
+    l: tokio::net::TcpListener,
+    app: axum::Router,
+    stop: CancellationToken,
+    what: &'static str,
+) {
+    let serve = axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await });
+    if let Err(e) = serve.await {
+        tracing::error!(error = %e, "{what} HTTP server failed");
+    }
+}
+
 /// Validates `cfg` and starts everything. Returns once the HTTP surface is bound.
 pub async fn start(
     cfg: Config,
@@ -92,12 +114,7 @@ pub async fn start(
 ) -> Result<Running, StartError> {
     cfg.validate()?;
     let cfg = Arc::new(cfg);
-    let listener = tokio::net::TcpListener::bind(&cfg.listen)
-        .await
-        .map_err(|source| StartError::Bind {
-            addr: cfg.listen.clone(),
-            source,
-        })?;
+    let listener = bind(&cfg.listen).await?;
     let local_addr = listener.local_addr().map_err(|source| StartError::Bind {
         addr: cfg.listen.clone(),
         source,
@@ -182,12 +199,7 @@ pub async fn start(
     let mut peer_addr = None;
     let relaying = relay.is_some() || load_relay.is_some();
     if let (Some(addr), true) = (&cfg.prefix.listen, relaying) {
-        let l = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: addr.clone(),
-                source,
-            })?;
+        let l = bind(addr).await?;
         peer_addr = l.local_addr().ok();
         let (stop, app) = (shutdown.clone(), http::peer_router(state.clone()));
         if cfg.prefix.tls_set() {
@@ -197,41 +209,22 @@ pub async fn start(
                 })?;
             tasks.spawn(http::serve_tls(l, acceptor, app, stop));
         } else {
-            tasks.spawn(async move {
-                let serve = axum::serve(l, app)
-                    .with_graceful_shutdown(async move { stop.cancelled().await });
-                if let Err(e) = serve.await {
-                    tracing::error!(error = %e, "peers' HTTP server failed");
-                }
-            });
+            tasks.spawn(serve(l, app, stop, "peers'"));
         }
     }
     let mut metrics_addr = None;
     if let Some(addr) = &cfg.metrics_listen {
-        let l = tokio::net::TcpListener::bind(addr)
-            .await
-            .map_err(|source| StartError::Bind {
-                addr: addr.clone(),
-                source,
-            })?;
+        let l = bind(addr).await?;
         metrics_addr = l.local_addr().ok();
-        let (stop, app) = (shutdown.clone(), http::metrics_router(state.clone()));
-        tasks.spawn(async move {
-            let serve =
-                axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "metrics HTTP server failed");
-            }
-        });
+        let app = http::metrics_router(state.clone());
+        tasks.spawn(serve(l, app, shutdown.clone(), "metrics"));
     }
-    let stop = shutdown.clone();
-    tasks.spawn(async move {
-        let serve = axum::serve(listener, http::router(state))
-            .with_graceful_shutdown(async move { stop.cancelled().await });
-        if let Err(e) = serve.await {
-            tracing::error!(error = %e, "HTTP server failed");
-        }
-    });
+    tasks.spawn(serve(
+        listener,
+        http::router(state),
+        shutdown.clone(),
+        "the main",
+    ));
     tracing::info!(
         listen = %local_addr,
         pools = cfg.pools.len(),

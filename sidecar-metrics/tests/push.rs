@@ -39,6 +39,14 @@ async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     (r.status().as_u16(), r.text().await.unwrap())
 }
 
+/// Serves `ingest` on a free loopback port; its address.
+async fn serve_on_any_port(ingest: &FakeIngest) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    ingest.serve(listener);
+    addr
+}
+
 #[tokio::test]
 async fn envoy_down_then_back_up() {
     let pod = FakePod::start(&vllm_body(2)).await;
@@ -101,9 +109,7 @@ async fn envoy_down_then_back_up() {
 async fn a_wrong_token_is_reported_and_never_ready() {
     let pod = FakePod::start(&vllm_body(0)).await;
     let ingest = FakeIngest::new("right");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    ingest.serve(listener);
+    let addr = serve_on_any_port(&ingest).await;
     let run = app::start(
         config(&pod, &addr.to_string(), "wrong", 50),
         RunOptions::default(),
@@ -137,9 +143,7 @@ async fn a_slow_envoy_gets_the_newest_snapshot_without_a_backlog() {
     let pod = FakePod::start(&vllm_body(1)).await;
     let ingest = FakeIngest::new("tok");
     *ingest.delay.lock().unwrap() = Duration::from_millis(200);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    ingest.serve(listener);
+    let addr = serve_on_any_port(&ingest).await;
     let run = app::start(
         config(&pod, &addr.to_string(), "tok", 20),
         RunOptions::default(),
@@ -198,9 +202,7 @@ async fn a_pod_that_answers_nothing_filtered_is_scraped_whole_and_shown_so() {
     // The same body for every query: a server that ignores the filter stays asked through it.
     let ignoring = FakePod::start(&vllm_body(1)).await;
     let ingest = FakeIngest::new("tok");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let ingest_addr = listener.local_addr().unwrap();
-    ingest.serve(listener);
+    let ingest_addr = serve_on_any_port(&ingest).await;
     let mut cfg = config(&ignoring, &ingest_addr.to_string(), "tok", 50);
     cfg.apply(Overrides {
         pools: vec![format!("llama={},{pod_addr}", ignoring.addr)],
@@ -245,9 +247,7 @@ async fn a_pod_that_answers_nothing_filtered_is_scraped_whole_and_shown_so() {
 async fn the_metrics_listener_serves_metrics_and_nothing_of_the_fleet() {
     let pod = FakePod::start(&vllm_body(0)).await;
     let ingest = FakeIngest::new("tok");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    ingest.serve(listener);
+    let addr = serve_on_any_port(&ingest).await;
     let mut cfg = config(&pod, &addr.to_string(), "tok", 50);
     cfg.metrics_listen = Some("127.0.0.1:0".into());
     let run = app::start(cfg, RunOptions::default(), CancellationToken::new())
