@@ -281,6 +281,9 @@ def main():
                   f"other pods, left out as adapter-elsewhere):\n")
             print(f"  curl -s http://{stack.listen}/v1/chat/completions -H 'content-type: application/json' \\\n"
                   f"    -d '{{\"model\": \"{adapters[0]}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}' -i\n")
+        print("The filter's counts as Prometheus reads them, by pool and outcome (deploy/monitoring/ has\n"
+              "alerts and a Grafana dashboard over these):\n")
+        print(f"  curl -s http://{stack.admin}/stats/prometheus | grep '^envoy_gpuroute_pool_requests'\n")
         print("The x-served-by response header names the pod; x-gateway-debug shows why it was picked,\n"
               "and which pods were left out and why.")
         print("Ctrl-C stops everything.", flush=True)

@@ -49,12 +49,17 @@ def test_every_command_make_run_prints_works_as_printed(tmp_path):
         assert "gpuroute is up" in text, text[-3000:]
         commands = printed_commands(text)
         curls = [c for c in commands if c.startswith("curl")]
-        # Chat, Messages, the models list, the split, the audio upload, the adapter.
-        assert len(curls) == 6 and any("transcriptions" in c for c in curls), commands
+        # Chat, Messages, the models list, the split, the audio upload, the adapter, the stats.
+        assert len(curls) == 7 and any("transcriptions" in c for c in curls), commands
         for c in commands:
             run = subprocess.run(["bash", "-c", c], capture_output=True, text=True, timeout=60, cwd=tmp_path)
             assert run.returncode == 0, (c, run.stderr)
             if not c.startswith("curl"):
+                continue
+            if "/stats/prometheus" in c:
+                # The requests above, counted with the pool and the outcome as labels.
+                assert re.search(r'(?m)^envoy_gpuroute_pool_requests\{.*gpuroute_pool="llama-8b".*'
+                                 r'gpuroute_outcome="picked".*\} [1-9]', run.stdout), (c, run.stdout[:1000])
                 continue
             if " -i" not in c:
                 assert '"object":"list"' in run.stdout, (c, run.stdout[:300])
