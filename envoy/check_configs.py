@@ -10,9 +10,11 @@ Checks, one line each (exit status 1 if any fails):
                module one with ENVOY_DYNAMIC_MODULES_SEARCH_PATH at --module-dir) and on
                render.py's output for every mode. Validation instantiates the Wasm plugin, so
                the filter also judges each plugin configuration.
-  manifests    every YAML document under envoy-gateway/ and istio/ parses and has apiVersion,
-               kind and metadata.name; the references between them resolve and agree (names,
-               ports, tokens, pools, buffer limit), and the Wasm filter replaces a failed VM
+  manifests    every YAML document under envoy-gateway/, istio/ and deploy/kubernetes/ parses
+               and has apiVersion, kind and metadata.name; the references between them resolve
+               and agree (names, ports, tokens, pools, buffer limit, the stats' labels, the
+               sidecar's metrics port; for deploy/kubernetes also probes, RBAC and the push to
+               the local bootstrap's ingest listener), and the Wasm filter replaces a failed VM
                (failure_policy FAIL_RELOAD, as the local files).
   kustomize    envoy-gateway/kustomization.yaml lists every manifest beside it; this script's
                build of each kustomization equals `kubectl kustomize`'s (skipped without
@@ -429,11 +431,11 @@ def ns(doc):
     return doc["metadata"].get("namespace", "default")
 
 
-def sidecar_config(configmap):
+def sidecar_config(configmap, key="sidecar.yaml"):
     try:
-        cfg = yaml.safe_load(configmap["data"]["sidecar.yaml"])
+        cfg = yaml.safe_load(configmap["data"][key])
     except (KeyError, yaml.YAMLError) as e:
-        raise CheckError(f"ConfigMap/{configmap['metadata']['name']}: no readable sidecar.yaml ({e})") from None
+        raise CheckError(f"ConfigMap/{configmap['metadata']['name']}: no readable {key} ({e})") from None
     return cfg
 
 
@@ -444,10 +446,10 @@ def port_of(url):
     return int(m.group(1)), m.group(2) or "/"
 
 
-def check_peers(plugin, sidecar_cm, service, gateway_labels):
+def check_peers(plugin, sidecar_cm, service, gateway_labels, key="sidecar.yaml"):
     """The prefix relay between gateway replicas: the sidecars' peers' Service selects the
     gateway pods, by DNS name and port as the sidecar configuration names them."""
-    side = sidecar_config(sidecar_cm).get("prefix") or {}
+    side = sidecar_config(sidecar_cm, key).get("prefix") or {}
     dns, listen = side.get("peers_dns"), side.get("listen")
     if not dns or not listen:
         raise CheckError("the sidecar configuration has no prefix.peers_dns and prefix.listen")
@@ -469,10 +471,10 @@ def check_peers(plugin, sidecar_cm, service, gateway_labels):
         raise CheckError(f"prefix.path {side.get('path')} is not the filter's ingest.prefix_path {path}")
 
 
-def check_metrics_port(sidecar_cm, container):
+def check_metrics_port(sidecar_cm, container, key="sidecar.yaml"):
     """Prometheus can reach sidecar-metrics' /metrics: `metrics_listen` on all addresses, at the
     port the sidecar container names gpuroute-metrics (what deploy/monitoring's README scrapes)."""
-    listen = sidecar_config(sidecar_cm).get("metrics_listen") or ""
+    listen = sidecar_config(sidecar_cm, key).get("metrics_listen") or ""
     host, _, port = listen.rpartition(":")
     ports = {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
     if host != "0.0.0.0" or not port.isdigit() or ports.get("gpuroute-metrics") != int(port):
@@ -844,6 +846,83 @@ def bootstrap(listeners, clusters):
 def loopback_any_port(listener):
     listener["address"] = {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
     return listener
+
+
+# ---- deploy/kubernetes -------------------------------------------------------------------------
+
+K8S = ROOT / "deploy" / "kubernetes"
+K8S_SIDECAR_KEY = "config.yaml"
+
+
+def k8s_manifests():
+    """deploy/kubernetes's documents, {path from the repository's root: [documents]}."""
+    out = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        rel = str(path.relative_to(ROOT))
+        try:
+            out[rel] = [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+        except yaml.YAMLError as e:
+            raise CheckError(f"{rel}: not valid YAML: {e}") from None
+    return out
+
+
+def k8s_consistency(manifests):
+    """The example gateway Deployment, sidecar-metrics' ConfigMap, the token Secret, the RBAC
+    and the peers' Service agree with each other and with the local Envoy bootstrap the
+    Deployment's Envoy runs (envoy/local/stack.json: its ingest port)."""
+    o = Objects(manifests, "deploy/kubernetes")
+    deploy = o.one("Deployment", "gpuroute-gateway")
+    pod = deploy["spec"]["template"]
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    side = containers.get("sidecar-metrics")
+    if side is None or "envoy" not in containers:
+        raise CheckError("the gateway Deployment must run envoy and sidecar-metrics in one pod")
+    cm = o.one("ConfigMap", "gpuroute-sidecar-metrics")
+    cfg = sidecar_config(cm, K8S_SIDECAR_KEY)
+    volumes = {v["name"]: v for v in pod["spec"].get("volumes", [])}
+    mounts = {m["mountPath"]: volumes.get(m["name"], {}) for m in side.get("volumeMounts", [])}
+    config_arg = side["args"][side["args"].index("--config") + 1]
+    if mounts.get(os.path.dirname(config_arg), {}).get("configMap", {}).get("name") != cm["metadata"]["name"] \
+            or os.path.basename(config_arg) != K8S_SIDECAR_KEY:
+        raise CheckError(f"sidecar-metrics reads {config_arg}, which is not {cm['metadata']['name']}'s {K8S_SIDECAR_KEY}")
+    secret = o.one("Secret", "gpuroute-ingest-token")
+    token_file = cfg["push"]["token_file"]
+    token_volume = mounts.get(os.path.dirname(token_file), {})
+    if token_volume.get("secret", {}).get("secretName") != secret["metadata"]["name"] \
+            or os.path.basename(token_file) not in secret.get("stringData", secret.get("data", {})):
+        raise CheckError(f"push.token_file {token_file} is not a key of Secret {secret['metadata']['name']} mounted there")
+    # The probes reach `listen`, where /readyz and /healthz are.
+    listen_port = int(cfg["listen"].rsplit(":", 1)[1])
+    ports = {p["name"]: p["containerPort"] for p in side.get("ports", [])}
+    for probe, path in (("readinessProbe", "/readyz"), ("livenessProbe", "/healthz")):
+        get = side.get(probe, {}).get("httpGet", {})
+        if get.get("path") != path or ports.get(get.get("port")) != listen_port:
+            raise CheckError(f"{probe} asks {get}, not {path} on listen's port {listen_port}")
+    check_metrics_port(cm, side, K8S_SIDECAR_KEY)
+    # Pushes go to the Envoy in the pod, at the ingest listener of the bootstrap it runs.
+    stack = load_stack()
+    want = int(stack["ingest"].rsplit(":", 1)[1])
+    for url in cfg["push"]["urls"]:
+        port, path = port_of(url)
+        if not url.startswith("http://127.0.0.1:") or port != want or path != INGEST_PATH:
+            raise CheckError(f"push URL {url}: want http://127.0.0.1:{want}{INGEST_PATH} (envoy/local/stack.json's ingest)")
+    # RBAC: the pod's ServiceAccount may read pods and InferencePools.
+    sa = o.one("ServiceAccount")
+    if pod["spec"].get("serviceAccountName") != sa["metadata"]["name"]:
+        raise CheckError(f"the Deployment runs as {pod['spec'].get('serviceAccountName')}, the RBAC binds {sa['metadata']['name']}")
+    binding, role = o.one("RoleBinding"), o.one("Role")
+    if binding["roleRef"]["name"] != role["metadata"]["name"] or \
+            {(s["kind"], s["name"]) for s in binding["subjects"]} != {("ServiceAccount", sa["metadata"]["name"])}:
+        raise CheckError("the RoleBinding must bind the Role to the gateway's ServiceAccount")
+    granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    needed = {(g, r, v) for g, r in (("", "pods"), ("inference.networking.k8s.io", "inferencepools"))
+              for v in ("get", "list", "watch")}
+    if needed - granted:
+        raise CheckError(f"the Role lacks {sorted(needed - granted)}")
+    if any(v not in ("get", "list", "watch") for _, _, v in granted):
+        raise CheckError("the Role grants more than reading")
+    check_peers({}, cm, o.one("Service", "gpuroute-gateway-peers"), pod["metadata"]["labels"], K8S_SIDECAR_KEY)
+    return "the Deployment, the sidecar's configuration, token, probes, RBAC and peers' Service agree"
 
 
 # ---- Envoy Gateway ---------------------------------------------------------------------------
@@ -1490,12 +1569,12 @@ def _content_length(data):
     return 0
 
 
-def sidecar_config_accepted(binary, workdir, label, configmap):
+def sidecar_config_accepted(binary, workdir, label, configmap, key="sidecar.yaml"):
     """The aggregator's own parser on the ConfigMap's configuration: it validates everything
     before it builds a Kubernetes client, so "cannot build a Kubernetes client" means accepted."""
     if not binary or not os.access(binary, os.X_OK):
         raise Skipped("no sidecar-metrics binary (cargo build --release -p sidecar-metrics)")
-    text = configmap["data"]["sidecar.yaml"]
+    text = configmap["data"][key]
     cfg = yaml.safe_load(text) or {}
     token = Path(workdir) / f"sidecar-{label}.token"
     token.write_text("t" * 32)
@@ -1616,6 +1695,17 @@ def main():
         checks.append(("manifests parse", fail(manifest_error)))
     for rel, docs in manifests.items():
         checks.append((f"manifest  {rel}", lambda r=rel, d=docs: check_structure(r, d)))
+
+    try:
+        k8s = k8s_manifests()
+        for rel, docs in k8s.items():
+            checks.append((f"manifest  {rel}", lambda r=rel, d=docs: check_structure(r, d)))
+        checks.append(("consistency deploy/kubernetes", lambda: k8s_consistency(k8s)))
+        k8s_cm = Objects(k8s, "deploy/kubernetes").one("ConfigMap", "gpuroute-sidecar-metrics")
+        checks.append(("sidecar   deploy/kubernetes configuration",
+                       lambda c=k8s_cm: sidecar_config_accepted(args.sidecar, workdir, "kubernetes", c, K8S_SIDECAR_KEY)))
+    except CheckError as e:
+        checks.append(("manifests deploy/kubernetes", fail(str(e))))
 
     checks.append((f"kustomize envoy-gateway/{KUSTOMIZATION}", lambda: check_kustomization_lists_all(EG_BASE)))
     for d in (EG_BASE, EG_DYNAMIC):
