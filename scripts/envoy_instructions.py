@@ -159,6 +159,14 @@ def chat_cjk_body():
 
 
 # --body: the request's path and body.
+def streamed(body):
+    """The same request asking for a streamed answer: the filter then counts it in prefill until
+    the answer's first byte, and times that (`gpuroute.pool.<pool>.ttft_ms`)."""
+    doc = json.loads(body)
+    doc["stream"] = True
+    return json.dumps(doc).encode()
+
+
 BODIES = {
     "chat": ("/v1/chat/completions", chat_body, "4 KB chat body"),
     "chat-lines": ("/v1/chat/completions", chat_lines_body, "4 KB chat body, contents on several lines"),
@@ -167,6 +175,7 @@ BODIES = {
     "chat-cjk": ("/v1/chat/completions", chat_cjk_body,
                  "4 KB chat body in Japanese, every character a \\u escape as Python writes it"),
     "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
+    "chat-stream": ("/v1/chat/completions", lambda: streamed(chat_body()), "4 KB chat body, streamed (\"stream\": true)"),
 }
 PATH = BODIES["chat"][0]
 

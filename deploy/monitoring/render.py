@@ -44,6 +44,12 @@ ROWS = [
             (f'sum by (gpuroute_pool, gpuroute_endpoint) (rate({{__name__=~"{PICKS}", gpuroute_pool=~"$pool"}}[$__rate_interval]))',
              "{{gpuroute_pool}} {{gpuroute_endpoint}}"),
         ]),
+        ("Time to first token by pool (streamed requests, from the routing decision)", "ms", [
+            ('histogram_quantile(0.5, sum by (le, gpuroute_pool) (rate(envoy_gpuroute_pool_ttft_ms_bucket{gpuroute_pool=~"$pool"}[$__rate_interval])))',
+             "{{gpuroute_pool}} p50"),
+            ('histogram_quantile(0.99, sum by (le, gpuroute_pool) (rate(envoy_gpuroute_pool_ttft_ms_bucket{gpuroute_pool=~"$pool"}[$__rate_interval])))',
+             "{{gpuroute_pool}} p99"),
+        ]),
         ("Requests the filter refused, by error code", "reqps", [
             ("sum by (gpuroute_code) (rate(envoy_gpuroute_rejected[$__rate_interval]))", "{{gpuroute_code}}"),
         ]),
@@ -267,6 +273,15 @@ TESTS = [
 
 # Recording rules checked by value (promtool's promql_expr_test).
 EXPR_TESTS = [
+    ("Time to first token per pool: the 99th percentile of the last 5 minutes", [
+        series("envoy_gpuroute_pool_ttft_ms_bucket", {**GW, "gpuroute_pool": "llama", "le": "100"}, "0+54x10"),
+        series("envoy_gpuroute_pool_ttft_ms_bucket", {**GW, "gpuroute_pool": "llama", "le": "250"}, "0+60x10"),
+        series("envoy_gpuroute_pool_ttft_ms_bucket", {**GW, "gpuroute_pool": "llama", "le": "+Inf"}, "0+60x10"),
+    ], "5m", "gpuroute:ttft_ms:p99_5m", [
+        # One in ten over 100 ms, none over 250: the 99th percentile is 9/10 of the way through
+        # (100, 250].
+        ({"gpuroute_pool": "llama"}, 235),
+    ]),
     ("Picks per pod, from either build's counter", [
         series("envoy_gpuroute_pool_picks", {**GW, "gpuroute_pool": "llama", "gpuroute_endpoint": "10_0_0_1_8000"}, "0+60x10"),
         series("envoy_dynamicmodulescustom_gpuroute_pool_picks",

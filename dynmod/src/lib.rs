@@ -137,6 +137,8 @@ struct Metrics {
     responses_pinned: Option<usize>,
     responses_unpinned: Option<usize>,
     decision_us: Option<usize>,
+    /// Per pool: `gpuroute.pool.<pool>.ttft_ms`.
+    ttft: NameMap<String, Option<usize>>,
     picks: Option<usize>,
     /// `hold` (defined only when it is on): `gpuroute.hold.{held,affinity,released,expired,
     /// cancelled,full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
@@ -213,6 +215,14 @@ impl Metrics {
             responses_pinned: d.counter("gpuroute.responses.pinned", &[]),
             responses_unpinned: d.counter("gpuroute.responses.unpinned", &[]),
             decision_us: d.histogram("gpuroute.decision_us"),
+            ttft: config
+                .pools
+                .iter()
+                .map(|p| {
+                    let name = format!("gpuroute.pool.{}.ttft_ms", stat_segment(&p.name));
+                    (p.name.clone(), d.histogram(&name))
+                })
+                .collect(),
             picks: d.counter(
                 "gpuroute.pool.picks",
                 &["gpuroute_pool", "gpuroute_endpoint"],
@@ -271,6 +281,9 @@ struct Pending {
     /// Picks per pool, per pod (by pod key): the pod's address and the count.
     picks: NameMap<String, IdMap<u64, (String, u64)>>,
     decision_us: Vec<u64>,
+    /// Streamed requests' times from their decision to their first response byte: each pool's
+    /// `ttft_ms` histogram and the value, ms.
+    first_token_ms: Vec<(usize, u64)>,
     snapshot_pods: Option<u64>,
     /// How long each request released from `hold` since the last flush waited, ms.
     hold_ms: Vec<u64>,
@@ -306,23 +319,36 @@ impl Pending {
     }
 
     fn decision_time(&mut self, us: u64) {
-        if self.decision_us.len() >= MAX_PENDING_TIMES {
-            let mut keep = false;
-            self.decision_us.retain(|_| {
-                keep = !keep;
-                keep
-            });
+        push_bounded(&mut self.decision_us, us);
+    }
+
+    fn first_token(&mut self, histogram: Option<usize>, ms: u64) {
+        if let Some(id) = histogram {
+            push_bounded(&mut self.first_token_ms, (id, ms));
         }
-        self.decision_us.push(us);
     }
 
     fn is_empty(&self) -> bool {
         self.counts.is_empty()
             && self.picks.is_empty()
             && self.decision_us.is_empty()
+            && self.first_token_ms.is_empty()
             && self.snapshot_pods.is_none()
             && self.hold_ms.is_empty()
     }
+}
+
+/// Appends `x`; at `MAX_PENDING_TIMES` one value in two is dropped first (a histogram's values
+/// stay representative and memory bounded).
+fn push_bounded<T>(values: &mut Vec<T>, x: T) {
+    if values.len() >= MAX_PENDING_TIMES {
+        let mut keep = false;
+        values.retain(|_| {
+            keep = !keep;
+            keep
+        });
+    }
+    values.push(x);
 }
 
 /// Routing state of one filter configuration, shared by all workers.
@@ -467,6 +493,9 @@ impl Config {
         }
         for us in p.decision_us {
             stats.histogram(m.decision_us, us);
+        }
+        for (id, ms) in p.first_token_ms {
+            stats.histogram(Some(id), ms);
         }
         if let Some(h) = &m.hold {
             for ms in p.hold_ms {
@@ -623,6 +652,9 @@ struct Filter {
     /// A form's bytes buffered when it was last read for its fields before its end.
     form_scanned: usize,
     picked: Option<InFlight>,
+    /// When a streamed request was routed: its time to the first response byte goes to its
+    /// pool's `ttft_ms`.
+    ttft_from: Option<Instant>,
     /// A Responses API request's pod and its answer's first bytes, until they give the answer's
     /// id.
     learn_response: Option<(u64, request::ResponseHead)>,
@@ -1125,6 +1157,7 @@ impl Filter {
                 let flight = prep.in_flight(pod_key, choice.prefill_tokens);
                 table.count(idx, &flight);
                 r.engine.commit(&prep, pod_key);
+                self.ttft_from = flight.in_prefill.then_some(t0);
                 self.picked = Some(flight);
                 self.learn_response = prep
                     .learns_response
@@ -1351,6 +1384,11 @@ impl Filter {
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 self.config.complete(&p.pool, op);
+                if let Some(t0) = self.ttft_from.take() {
+                    let histogram = self.config.metrics.ttft.get(&*p.pool).copied().flatten();
+                    let ms = t0.elapsed().as_millis() as u64;
+                    self.config.pending.lock().first_token(histogram, ms);
+                }
             }
         }
     }
@@ -1488,6 +1526,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         head: RequestHead::default(),
         form_scanned: 0,
         picked: None,
+        ttft_from: None,
         learn_response: None,
         debug: None,
         held: None,

@@ -775,6 +775,7 @@ impl Root {
             form_scanned: 0,
             learn_response: None,
             picked: None,
+            ttft_from: None,
             debug: None,
         }
     }
@@ -837,6 +838,9 @@ struct Http {
     /// id.
     learn_response: Option<(u64, request::ResponseHead)>,
     picked: Option<InFlight>,
+    /// When a streamed request whose decision time is sampled was routed (ns): its time to the
+    /// first response byte goes to its pool's `ttft_ms`.
+    ttft_from: Option<u64>,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
 }
@@ -1263,6 +1267,9 @@ impl Http {
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(pool, pod_key, addr);
                 }
+                if flight.in_prefill && w.routed.is_multiple_of(DECISION_SAMPLE) {
+                    self.ttft_from = Some(t0);
+                }
                 self.picked = Some(flight);
                 self.learn_response = prep
                     .learns_response
@@ -1561,6 +1568,13 @@ impl Http {
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 complete(&self.worker, &p.pool, op);
+                if let Some(t0) = self.ttft_from.take() {
+                    let ms = host::now_nanos().saturating_sub(t0) / 1_000_000;
+                    if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok())
+                    {
+                        w.stats.first_token(&p.pool, ms);
+                    }
+                }
             }
         }
         Action::Continue

@@ -19,6 +19,8 @@
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods`, `gpuroute.workers` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
 //!   worker's first routed request and one in `DECISION_SAMPLE` after it)
+//! - `gpuroute.pool.<pool>.ttft_ms` (histogram: a streamed request's time from its routing
+//!   decision to the first byte of its answer, ms; the requests whose decision time is sampled)
 //! - `gpuroute.models_list` (counter: `GET` under `models_path` answered, the list or one model)
 //! - `gpuroute.responses.learned`, `gpuroute.responses.pinned`, `gpuroute.responses.unpinned`
 //!   (counters: stored-response ids learned from answers; turns and calls by id sent to the pod
@@ -113,6 +115,11 @@ impl Stats {
     /// A refused request to an ingest endpoint: `gpuroute.<endpoint>.rejected.<reason>`.
     pub fn ingest_rejected(&mut self, endpoint: Endpoint, reason: &str) {
         self.inc(&format!("gpuroute.{}.rejected.{reason}", endpoint.stat()));
+    }
+
+    /// A streamed request's time from its routing decision to its first response byte, ms.
+    pub fn first_token(&mut self, pool: &str, ms: u64) {
+        self.histogram(&format!("gpuroute.pool.{}.ttft_ms", sanitize(pool)), ms);
     }
 
     pub fn pool_outcome(&mut self, pool: &str, outcome: &str) {

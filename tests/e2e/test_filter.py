@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 from collections import Counter
 
 import pytest
@@ -500,6 +501,48 @@ def test_every_worker_takes_each_new_snapshot_and_reads_it_in_binary(pods):
             assert e.stat(STAT_PREFIX + "gpuroute.snapshot.read_json") == 0
     finally:
         e.stop()
+
+
+def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
+    """`gpuroute.pool.<pool>.ttft_ms`: a streamed request's time from its routing decision to
+    the first byte of its answer (the pod's queue and prefill), for the requests whose decision
+    time is sampled (proxy-wasm: the worker's first and one in 8 after it; the dynamic module:
+    every one). Not for a buffered answer, whose first byte is its last. Checked in Prometheus's
+    format, as deploy/monitoring reads it: the pool a label, the count and the sum."""
+    slow = StubPod("slow-0", delay_s=0.15)
+    # One push for the whole test, which takes longer than the default staleness (1 s).
+    config = {"pools": [{"name": "slow", "models": ["m"]}], "scoring": {"stale_after_ms": 60_000}}
+    e = Envoy("filter", [{"name": "slow", "endpoints": [slow.address]}], config)
+    try:
+        assert e.push(snapshot({"slow": [{"address": slow.address}]}))[0] == 204
+        streamed = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        for _ in range(16):
+            assert e.request("POST", "/v1/chat/completions", streamed)[0] == 200
+        for _ in range(8):  # the 17th is sampled too: buffered, so not recorded
+            assert e.chat("m")[0] == 200
+        want = 2 if RUNTIME == "wasm" else 16
+
+        def family():
+            with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+                lines = r.read().decode().splitlines()
+            got = {}
+            for line in lines:
+                for part in ("count", "sum"):
+                    if line.startswith(f"envoy_gpuroute_pool_ttft_ms_{part}{{") and 'gpuroute_pool="slow"' in line:
+                        got[part] = float(line.rsplit(" ", 1)[1])
+            return got
+
+        # Envoy publishes histogram values on its stats flush (every 5 s by default).
+        deadline = time.time() + 8
+        while family().get("count") != want and time.time() < deadline:
+            time.sleep(0.2)
+        got = family()
+        assert got.get("count") == want, got
+        mean_ms = got["sum"] / got["count"]
+        assert 150 <= mean_ms < 1000, got
+    finally:
+        e.stop()
+        slow.close()
 
 
 def test_fail_open_without_fresh_metrics(envoy, pods):

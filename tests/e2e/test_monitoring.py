@@ -153,13 +153,15 @@ def stack():
 
 
 def drive(gw, seconds, saturated):
-    """Requests of every kind for `seconds`: picks in two pools, fail-opens in mistral, a split
+    """Requests of every kind for `seconds`: picks in two pools (qwen's streamed), fail-opens in mistral, a split
     half rerouted, refusals, snapshots with a bad token, and, with llama saturated, held
     requests that run out their wait and sheddable ones that are shed."""
     end, i = time.time() + seconds, 0
     while time.time() < end:
         i += 1
         assert gw.chat("llama-3-8b", f"plain {i}")[0] == 200
+        streamed = {"model": "qwen-7b", "stream": True, "messages": [{"role": "user", "content": f"streamed {i}"}]}
+        assert gw.request("POST", "/v1/chat/completions", streamed)[0] == 200
         assert gw.chat("qwen-7b", f"plain {i}")[0] == 200
         gw.chat("mistral-7b", f"fails open {i}")  # to a dead pod: Envoy's 503
         assert gw.chat("chat", f"conversation {i}")[0] in (200, 503)
