@@ -64,15 +64,18 @@ ACCESS_LOG_FORMAT = {
 
 
 # Labels for the filter's stats in Prometheus. Its stat names carry the pool, the endpoint, the
-# outcome or the reason as segments (`gpuroute.pool.llama-8b.requests.picked`); Envoy's tag
-# extraction takes each out of the name into a label, so /stats/prometheus has one family per
-# kind of count (`gpuroute_pool_requests{gpuroute_pool="llama-8b",gpuroute_outcome="picked"}`)
-# that a dashboard can sum and filter, as deploy/monitoring's rules and dashboard do. In each
-# regex the first group is the part taken out of the name, the second the label's value. Label
-# names start with `gpuroute_`: Prometheus's Kubernetes discovery adds `pod`, `endpoint` and
-# `namespace` of its own, which a scraped label of that name would be renamed away from. Both
-# builds' prefixes; the dynamic module labels its pick counter itself, with the same names.
-# `/stats` keeps the full names.
+# outcome or the reason as segments (`wasmcustom.gpuroute.pool.llama-8b.requests.picked`);
+# Envoy's tag extraction takes each out of the name into a label, so /stats/prometheus has one
+# family per kind of count
+# (`envoy_gpuroute_pool_requests{gpuroute_pool="llama-8b",gpuroute_outcome="picked"}`) that a
+# dashboard can sum and filter, as deploy/monitoring's rules and dashboard do. In each regex the
+# first group is the part taken out of the name, the second the label's value. The first takes
+# out the build's prefix (`wasmcustom.`, `dynamicmodulescustom.`) into `gpuroute_runtime`, so
+# both builds give the same families. Label names start with `gpuroute_`: Prometheus's
+# Kubernetes discovery adds `pod`, `endpoint` and `namespace` of its own, which a scraped label
+# of that name would be renamed away from. The dynamic module labels its pick counter itself,
+# with the same names (Envoy extracts no tags from a labelled counter, so that family keeps the
+# module's prefix). `/stats` keeps the full names.
 STAT_NAME = r"^(?:wasmcustom|dynamicmodulescustom)\.gpuroute\."
 SEGMENT = r"[\w-]+"
 STATS_TAGS = [

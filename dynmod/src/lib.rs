@@ -17,9 +17,9 @@
 //! - metrics are defined when the configuration loads (Envoy freezes definitions after that),
 //!   so per-pool counters exist for the configured pools, and per-pod picks are one counter
 //!   labelled by pool and endpoint (`gpuroute_pool`, `gpuroute_endpoint`: the labels
-//!   envoy/render.py's tag extraction gives the wasm filter's per-pod counters); requests only add to a local tally, which a ticker thread has
-//!   Envoy's main thread hand over every `tick_ms` (Envoy's own metric calls cost more per
-//!   request than the decision);
+//!   envoy/render.py's tag extraction gives the wasm filter's per-pod counters); requests only
+//!   add to a local tally, which a ticker thread has Envoy's main thread hand over every
+//!   `tick_ms` (Envoy's own metric calls cost more per request than the decision);
 //! - requests held while their pool is saturated (`hold`) wait in one queue per filter
 //!   configuration, for every worker; the ticker thread, and each request's end, wake the
 //!   first of each pool on its own worker through Envoy's per-stream scheduler (and the
