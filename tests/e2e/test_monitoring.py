@@ -3,8 +3,9 @@ really export: promtool checks and unit-tests the rules, then a real Prometheus 
 Envoy (with the build under test) and a real sidecar-metrics in front of stub pods, while the
 stack goes through what the alerts are about (a pool with no healthy pod, fail-opens, a
 snapshot with a bad token, a saturated pool holding and shedding, a weighted split whose
-target cannot serve), and finally loses its aggregator. Every dashboard query and every
-recording rule must return data from that, every rule must evaluate without error, and the
+target cannot serve, streamed requests, Responses API turns), and finally loses its
+aggregator. Every series the rules and the dashboard name must exist, every dashboard query and
+every recording rule must return data from that, every rule must evaluate without error, and the
 alerts about those situations, and only those, must be pending or firing."""
 
 import json
@@ -50,6 +51,7 @@ EXPECTED_ALERTS = {
     "GpurouteHoldExpiring": {},
     "GpurouteScrapesFailing": {},
     "GpuroutePoolDegraded": {"pool": "mistral"},
+    "GpurouteResponsesUnpinned": {},  # half the turns name an id the gateway never saw
 }
 # ... and the one about the ingest URL where no Envoy listens (the fixture's `nowhere`).
 PUSHES_FAILING = "GpuroutePushesFailing"
@@ -121,6 +123,10 @@ class Prometheus:
         self.log.close()
 
 
+def rules_text():
+    return (MONITORING / "gpuroute-rules.yaml").read_text()
+
+
 def dashboard_queries():
     dash = json.loads((MONITORING / "grafana-dashboard.json").read_text())
     for panel in dash["panels"]:
@@ -153,9 +159,10 @@ def stack():
 
 
 def drive(gw, seconds, saturated):
-    """Requests of every kind for `seconds`: picks in two pools (qwen's streamed), fail-opens in mistral, a split
-    half rerouted, refusals, snapshots with a bad token, and, with llama saturated, held
-    requests that run out their wait and sheddable ones that are shed."""
+    """Requests of every kind for `seconds`: picks in two pools (qwen's streamed, and Responses
+    API turns), fail-opens in mistral, a split half rerouted, refusals, snapshots with a bad
+    token, and, with llama saturated, held requests that run out their wait and sheddable ones
+    that are shed."""
     end, i = time.time() + seconds, 0
     while time.time() < end:
         i += 1
@@ -168,6 +175,13 @@ def drive(gw, seconds, saturated):
         assert gw.chat("no-such-model")[0] == 404
         assert gw.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
         assert gw.push({"version": 1}, token="not-the-token")[0] == 401
+        # Responses API turns: one continuing an answer the gateway saw (pinned to its pod),
+        # one an id it never saw (unpinned).
+        s, _, first, _ = gw.request("POST", "/v1/responses", {"model": "qwen-7b", "input": f"remember {i}"})
+        assert s == 200, first
+        for rid in (first["id"], "resp_unknown"):
+            turn = {"model": "qwen-7b", "previous_response_id": rid, "input": "what was it?"}
+            assert gw.request("POST", "/v1/responses", turn)[0] == 200
         if saturated and i % 4 == 0:
             assert gw.chat("llama-3-8b", f"sheddable {i}", headers={"x-gateway-priority": "-1"})[0] == 429
         time.sleep(0.05)
@@ -214,10 +228,23 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     assert [s["metric"]["gpuroute_split"] for s in rerouted] == ["chat"], rerouted
     assert set(prom.api("label/gpuroute_pool/values")) >= {"llama", "qwen", "mistral"}
 
+    # Every series the rules and the dashboard name exists here: a renamed stat would leave an
+    # expression quietly empty, an alert that can never fire. But the Wasm VM's reload counter,
+    # which the dynamic module has no VM for.
+    names = set()
+    for expr in [e for _, e in dashboard_queries()] + re.findall(r"expr: (.+(?:\n {10,}.+)*)", rules_text()):
+        names |= {("=~", n) for n in re.findall(r'__name__=~"([^"]+)"', expr)}
+        plain = re.sub(r'__name__=~"[^"]+"', "", expr)
+        names |= {("=", n) for n in re.findall(r"\b((?:envoy|sidecar)_[a-z0-9_]+)\b", plain)}
+    missing = [n for op, n in sorted(names)
+               if not prom.query(f'count({{__name__{op}"{n}"}})')
+               and not (RUNTIME == "dynamic" and n == "envoy_wasm_.+_vm_reload")]
+    assert len(names) >= 25 and missing == [], (len(names), missing)
+
     # Every recording rule has a value, every rule evaluates without error.
     groups = prom.api("rules")["groups"]
     rules = [r for g in groups for r in g["rules"]]
-    assert len(rules) == len(re.findall(r"^\s+- (?:record|alert):", (MONITORING / "gpuroute-rules.yaml").read_text(), re.M))
+    assert len(rules) == len(re.findall(r"^\s+- (?:record|alert):", rules_text(), re.M))
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
     for r in rules:
         if r["type"] == "recording":
