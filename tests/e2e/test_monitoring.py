@@ -57,6 +57,11 @@ EXPECTED_ALERTS = {
 PUSHES_FAILING = "GpuroutePushesFailing"
 
 
+def need_prometheus():
+    if not (PROMETHEUS.exists() and PROMTOOL.exists()):
+        pytest.fail(f"no Prometheus in {PROM_DIR}: `make prometheus` fetches it (make e2e does)")
+
+
 def test_generated_files_are_up_to_date():
     """prometheusrule.yaml, rules-test.yaml and the dashboard are what render.py makes of the
     rules and its specs (the PrometheusRule's groups are the rule file's)."""
@@ -65,6 +70,7 @@ def test_generated_files_are_up_to_date():
 
 
 def test_promtool_checks_the_rules_and_their_unit_tests_pass():
+    need_prometheus()
     for args in (["check", "rules", "gpuroute-rules.yaml"], ["test", "rules", "rules-test.yaml"]):
         proc = subprocess.run([str(PROMTOOL), *args], cwd=MONITORING, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -138,6 +144,7 @@ def dashboard_queries():
 
 @pytest.fixture(scope="module")
 def stack():
+    need_prometheus()
     pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0")}
     dead = f"127.0.0.1:{free_port()}"  # mistral's only pod: nothing listens there
     pools = [
