@@ -144,6 +144,10 @@ def header(mode, stack, runtime="wasm"):
         "other machines), admin on %s and snapshot ingest on %s (keep both on loopback)."
         % (stack["admin"], stack["ingest"]),
     ]
+    if stack.get("metrics"):
+        lines.append("Prometheus reads the stats at http://%s/stats/prometheus, which is all that listener"
+                     % stack["metrics"])
+        lines.append("serves (deploy/monitoring/ has alerts and a dashboard).")
     if runtime == "dynamic":
         lines.append("Filter: the Envoy dynamic-module build (libgpuroute.so, built for Envoy 1.40 exactly),")
         lines.append("the same decisions as the proxy-wasm filter, run natively: about half its added cost.")

@@ -20,6 +20,9 @@ Description fields:
   route_timeout_s 0 = none (streams can be long)
   access_log      optional: a file (e.g. /dev/stdout) for one JSON line per request on the
                   OpenAI listener, with the filter's routing decision (ACCESS_LOG_FORMAT)
+  metrics         optional: "ip:port" of a listener that serves only the admin's
+                  /stats/prometheus (for Prometheus, while the admin port, which can stop
+                  Envoy, stays on loopback); every other path gets a 404
 
 Baselines (round_robin, least_request) still run the filter for body-based routing when there
 is more than one pool (with pick_endpoints false, so the pod is Envoy's choice); with one pool
@@ -536,10 +539,49 @@ def render(desc):
                 ],
             }
         )
+    clusters = [cluster(p, mode) for p in pools]
+    admin = desc.get("admin", "127.0.0.1:9901")
+    if desc.get("metrics"):
+        listeners.append(metrics_listener(desc["metrics"], hcm))
+        clusters.append(admin_cluster(admin))
     return {
-        "admin": {"address": addr(desc.get("admin", "127.0.0.1:9901"))},
+        "admin": {"address": addr(admin)},
         "stats_config": {"stats_tags": STATS_TAGS},
-        "static_resources": {"listeners": listeners, "clusters": [cluster(p, mode) for p in pools]},
+        "static_resources": {"listeners": listeners, "clusters": clusters},
+    }
+
+
+# The metrics listener's way to the admin interface (`metrics`).
+ADMIN_CLUSTER = "envoy_admin"
+
+
+def metrics_listener(address, hcm):
+    """A listener that passes GET /stats/prometheus (any query) to the admin interface and
+    answers everything else with a 404: Prometheus reads the stats from the pod's address, and
+    nothing else of the admin (which can stop Envoy or dump its configuration) is reachable."""
+    routes = [
+        {"match": {"path": "/stats/prometheus", "headers": [{"name": ":method", "string_match": {"exact": "GET"}}]},
+         "route": {"cluster": ADMIN_CLUSTER, "timeout": "10s"}},
+        {"match": {"prefix": "/"}, "direct_response": {"status": 404}},
+    ]
+    router = {
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+    }
+    return {
+        "name": "gpuroute_metrics",
+        "address": addr(address),
+        "filter_chains": [{"filters": [hcm("gpuroute_metrics", routes, [router])]}],
+    }
+
+
+def admin_cluster(admin):
+    return {
+        "name": ADMIN_CLUSTER,
+        "connect_timeout": "1s",
+        "type": "STATIC",
+        "load_assignment": {"cluster_name": ADMIN_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": addr(admin)}}]}]},
     }
 
 

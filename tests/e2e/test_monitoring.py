@@ -8,6 +8,7 @@ aggregator. Every series the rules and the dashboard name must exist, every dash
 every recording rule must return data from that, every rule must evaluate without error, and the
 alerts about those situations, and only those, must be pending or firing."""
 
+import http.client
 import json
 import re
 import subprocess
@@ -152,17 +153,49 @@ def stack():
         {"name": "qwen", "endpoints": [pods["qwen-0"].address]},
         {"name": "mistral", "endpoints": [dead]},
     ]
-    gw = Envoy("filter", pools, CONFIG)
+    # Prometheus reads the gateway's stats through its metrics listener (render.py's
+    # `metrics`), as it would from outside the pod, not through the admin port.
+    metrics = f"127.0.0.1:{free_port()}"
+    gw = Envoy("filter", pools, CONFIG, extra={"metrics": metrics})
     # Pushes to a second ingest URL, where no Envoy listens, fail.
     nowhere = f"http://127.0.0.1:{free_port()}/gpuroute/v1/snapshot"
-    sc = Sidecar({p["name"]: p["endpoints"] for p in pools}, [f"http://{gw.ingest}/gpuroute/v1/snapshot", nowhere])
-    prom = Prometheus({"envoy": (gw.admin, "/stats/prometheus"), "sidecar": (sc.listen, "/metrics")})
-    yield pods, gw, sc, prom, nowhere
+    sc = Sidecar({p["name"]: p["endpoints"] for p in pools}, [f"http://{gw.ingest}/gpuroute/v1/snapshot", nowhere],
+                 extra={"metrics_listen": f"127.0.0.1:{free_port()}"})
+    sc.metrics_listen = json.loads(sc.config_path.read_text())["metrics_listen"]
+    # And sidecar-metrics' through its metrics_listen, which serves nothing of the fleet.
+    sc_metrics = sc.metrics_listen
+    prom = Prometheus({"envoy": (metrics, "/stats/prometheus"), "sidecar": (sc_metrics, "/metrics")})
+    yield pods, gw, sc, prom, nowhere, metrics
     prom.stop()
     sc.stop()
     gw.stop()
     for p in pods.values():
         p.close()
+
+
+def test_the_metrics_listener_serves_the_stats_and_nothing_else_of_the_admin(stack):
+    """render.py's `metrics` listener: GET /stats/prometheus (with a query too) reaches the
+    admin interface; any other path or method gets a 404, and Envoy keeps running."""
+    _, gw, _, _, _, metrics = stack
+
+    def ask(method, path):
+        conn = http.client.HTTPConnection(metrics, timeout=5)
+        try:
+            conn.request(method, path)
+            r = conn.getresponse()
+            return r.status, r.read().decode("utf-8", "replace")
+        finally:
+            conn.close()
+
+    for path in ("/stats/prometheus", "/stats/prometheus?usedonly"):
+        status, body = ask("GET", path)
+        assert status == 200 and "envoy_gpuroute_" in body, (path, status, body[:300])
+    for method, path in [("POST", "/quitquitquit"), ("POST", "/healthcheck/fail"), ("GET", "/config_dump"),
+                         ("GET", "/stats"), ("GET", "/clusters"), ("POST", "/stats/prometheus"),
+                         ("GET", "/stats/prometheus/../config_dump"), ("POST", "/logging?level=trace")]:
+        assert ask(method, path)[0] == 404, (method, path)
+    assert gw.alive()
+    assert gw.chat("llama-3-8b")[0] == 200
 
 
 def drive(gw, seconds, saturated):
@@ -195,7 +228,7 @@ def drive(gw, seconds, saturated):
 
 
 def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
-    pods, gw, sc, prom, nowhere = stack
+    pods, gw, sc, prom, nowhere, _ = stack
     wait_for(lambda: gw.stats().get(STAT_PREFIX + "gpuroute.snapshot.accepted", 0) > 0, timeout=10,
              what="a snapshot from sidecar-metrics")
     drive(gw, 3, saturated=False)
