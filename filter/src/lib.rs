@@ -1244,6 +1244,9 @@ impl Http {
             });
         }
         self.debug = choice.debug.take();
+        // The worker's first routed request and one in DECISION_SAMPLE after it: its decision
+        // time is recorded, and, streamed, its time to the first byte.
+        let sampled = w.routed.is_multiple_of(DECISION_SAMPLE);
 
         let pool = &*prep.pool;
         match &choice.decision {
@@ -1267,7 +1270,7 @@ impl Http {
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(pool, pod_key, addr);
                 }
-                if flight.in_prefill && w.routed.is_multiple_of(DECISION_SAMPLE) {
+                if flight.in_prefill && sampled {
                     self.ttft_from = Some(t0);
                 }
                 self.picked = Some(flight);
@@ -1310,7 +1313,7 @@ impl Http {
             Decision::Hold(_) => {}
         }
         self.set_routing_headers(&prep, body_len, complete);
-        if w.routed.is_multiple_of(DECISION_SAMPLE) {
+        if sampled {
             let t1 = host::now_nanos();
             w.stats
                 .histogram("gpuroute.decision_us", t1.saturating_sub(t0) / 1_000);

@@ -40,6 +40,16 @@ fn bad_config_exits_with_status_2_naming_the_field() {
     assert!(stderr.contains("pools[0].pods[0].address"), "{stderr}");
 }
 
+/// The JSON a command printed, once it is known to have succeeded (its stderr otherwise).
+fn succeeded_json(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[tokio::test]
 async fn starts_on_port_zero_logs_the_address_and_stops_on_sigterm() {
     let pod = FakePod::start(&vllm_body(6)).await;
@@ -142,12 +152,7 @@ async fn scrape_once_prints_the_normalised_pod() {
         .output()
         .await
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = succeeded_json(&out);
     assert_eq!(v["pod"]["waiting"], 7);
     assert_eq!(v["pod"]["engine"], "vllm");
     assert_eq!(v["raw"].as_array().unwrap().len(), 3);
@@ -216,12 +221,7 @@ async fn scrape_once_reads_a_pod_serving_https_with_the_configs_scrape_tls() {
         c.output()
     };
     let out = run(true).await.unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = succeeded_json(&out);
     assert_eq!(v["pod"]["waiting"], 5);
     // Without it: the system's authorities, which do not know the test one (or, on a machine
     // with none installed, none at all).

@@ -159,11 +159,10 @@ def stack():
     gw = Envoy("filter", pools, CONFIG, extra={"metrics": metrics})
     # Pushes to a second ingest URL, where no Envoy listens, fail.
     nowhere = f"http://127.0.0.1:{free_port()}/gpuroute/v1/snapshot"
-    sc = Sidecar({p["name"]: p["endpoints"] for p in pools}, [f"http://{gw.ingest}/gpuroute/v1/snapshot", nowhere],
-                 extra={"metrics_listen": f"127.0.0.1:{free_port()}"})
-    sc.metrics_listen = json.loads(sc.config_path.read_text())["metrics_listen"]
     # And sidecar-metrics' through its metrics_listen, which serves nothing of the fleet.
-    sc_metrics = sc.metrics_listen
+    sc_metrics = f"127.0.0.1:{free_port()}"
+    sc = Sidecar({p["name"]: p["endpoints"] for p in pools}, [f"http://{gw.ingest}/gpuroute/v1/snapshot", nowhere],
+                 extra={"metrics_listen": sc_metrics})
     prom = Prometheus({"envoy": (metrics, "/stats/prometheus"), "sidecar": (sc_metrics, "/metrics")})
     yield pods, gw, sc, prom, nowhere, metrics
     prom.stop()
