@@ -85,7 +85,7 @@ STATS_TAGS = [
     {"tag_name": "gpuroute_runtime", "regex": r"^((wasm|dynamicmodules)custom\.)gpuroute\."},
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"pool(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$)"},
     {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
-    {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.({SEGMENT}))\.picks$"},
+    {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.(.+))\.picks$"},
     {"tag_name": "gpuroute_reason", "regex": STAT_NAME + rf"(?:fail_open|{SEGMENT}\.rejected)(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_code", "regex": STAT_NAME + rf"rejected(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_split", "regex": STAT_NAME + rf"split(\.({SEGMENT}))\.(?:to\.{SEGMENT}|rerouted)$"},

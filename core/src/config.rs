@@ -47,6 +47,13 @@ pub struct FilterConfig {
     /// Add `x-gateway-debug` to responses: chosen pod and every candidate's score breakdown.
     #[serde(default)]
     pub debug_header: bool,
+    /// The most pods that get a picks counter of their own (`gpuroute.pool.<pool>.pod.<ip:port>.
+    /// picks`), per proxy-wasm worker or per dynamic-module configuration; picks of pods past
+    /// it are counted as pod `other` ([`crate::fleet::PodStats`]). Envoy never removes a stat,
+    /// so without a bound a fleet whose pods come and go would add a series per pod for as long
+    /// as Envoy runs. `0`: no per-pod counters.
+    #[serde(default = "default_max_pod_stats")]
+    pub max_pod_stats: usize,
     /// Reject requests with `x-gateway-priority` below zero with 429 when every pod of their
     /// pool is saturated.
     #[serde(default = "yes")]
@@ -552,6 +559,12 @@ fn default_response_entries() -> usize {
 fn default_fallbacks() -> usize {
     2
 }
+fn default_max_pod_stats() -> usize {
+    // Every pod of a 1,000-pod fleet through three full replacements (rollouts, autoscaling)
+    // before pods share `other`; ~1 MB of Envoy stats at most, 4,096 series per gateway.
+    4096
+}
+
 fn default_tick_ms() -> u64 {
     // Prefix-index sync between workers: well under a chat turn's think time, cheap to run.
     20

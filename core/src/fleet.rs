@@ -26,6 +26,35 @@ pub fn stat_segment(s: &str) -> String {
         .collect()
 }
 
+/// The endpoint under which picks of pods past `max_pod_stats` are counted.
+pub const OTHER_POD: &str = "other";
+
+/// Which pods get a picks counter of their own: the first `max_pod_stats` distinct pods picked
+/// (per pool and address), for as long as the counters live. Envoy has no way to remove a
+/// counter, so a pod that left keeps its series until Envoy restarts; past the limit, a new
+/// pod's picks go to [`OTHER_POD`]. The caller keeps the pods it admitted (with their metric
+/// ids) and asks only about pods it has not seen, so the pods refused are not remembered and
+/// memory stays bounded too.
+#[derive(Debug, Clone)]
+pub struct PodStats {
+    limit: usize,
+    admitted: usize,
+}
+
+impl PodStats {
+    pub fn new(limit: usize) -> PodStats {
+        PodStats { limit, admitted: 0 }
+    }
+
+    /// A pod not admitted before was picked: whether it gets its own counter (it then counts
+    /// against the limit).
+    pub fn admit(&mut self) -> bool {
+        let room = self.admitted < self.limit;
+        self.admitted += usize::from(room);
+        room
+    }
+}
+
 /// One pod, ready for scoring.
 #[derive(Debug, Clone)]
 pub struct PodState {
@@ -214,6 +243,16 @@ impl FleetState {
 mod tests {
     use super::*;
     use crate::snapshot::LoraState;
+
+    #[test]
+    fn pod_stats_admits_up_to_the_limit_and_no_more() {
+        let mut s = PodStats::new(2);
+        assert_eq!(
+            [s.admit(), s.admit(), s.admit(), s.admit()],
+            [true, true, false, false]
+        );
+        assert!(!PodStats::new(0).admit());
+    }
 
     #[test]
     fn stat_segment_removes_separators() {

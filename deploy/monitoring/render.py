@@ -41,7 +41,8 @@ ROWS = [
             ("sum by (gpuroute_reason) (rate(envoy_gpuroute_fail_open[$__rate_interval]))", "{{gpuroute_reason}}"),
         ]),
         ("Picks by pod", "reqps", [
-            (f'sum by (gpuroute_pool, gpuroute_endpoint) (rate({{__name__=~"{PICKS}", gpuroute_pool=~"$pool"}}[$__rate_interval]))',
+            # `> 0`: pods that left keep their counters (Envoy never removes one), not drawn.
+            (f'sum by (gpuroute_pool, gpuroute_endpoint) (rate({{__name__=~"{PICKS}", gpuroute_pool=~"$pool"}}[$__rate_interval])) > 0',
              "{{gpuroute_pool}} {{gpuroute_endpoint}}"),
         ]),
         ("Time to first token by pool (streamed requests, from the routing decision)", "ms", [
@@ -283,11 +284,11 @@ EXPR_TESTS = [
         ({"gpuroute_pool": "llama"}, 235),
     ]),
     ("Picks per pod, from either build's counter", [
-        series("envoy_gpuroute_pool_picks", {**GW, "gpuroute_pool": "llama", "gpuroute_endpoint": "10_0_0_1_8000"}, "0+60x10"),
+        series("envoy_gpuroute_pool_picks", {**GW, "gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.1:8000"}, "0+60x10"),
         series("envoy_dynamicmodulescustom_gpuroute_pool_picks",
                {"instance": "gw-1", "gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.2:8000"}, "0+120x10"),
     ], "5m", "gpuroute:endpoint_picks:rate5m", [
-        ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10_0_0_1_8000"}, 1),
+        ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.1:8000"}, 1),
         ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.2:8000"}, 2),
     ]),
 ]

@@ -37,7 +37,7 @@ use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
-use gpuroute_core::fleet::{stat_segment, FleetState};
+use gpuroute_core::fleet::{stat_segment, FleetState, PodStats, OTHER_POD};
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::hold::HoldQueue;
@@ -425,6 +425,8 @@ struct Config {
     router: parking_lot::Mutex<Router>,
     metrics: Metrics,
     pending: parking_lot::Mutex<Pending>,
+    /// The pods given a picks label of their own (`max_pod_stats`); only `flush` uses it.
+    pod_labels: parking_lot::Mutex<PodLabels>,
     /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
     /// the configuration, which also ends the ticker thread.
     scheduler: Mutex<Option<Scheduler>>,
@@ -432,6 +434,34 @@ struct Config {
     /// they are to go.
     held: parking_lot::Mutex<HoldQueue<HeldEntry>>,
     next_held: AtomicU64,
+}
+
+/// The pods that have a picks label of their own, per pool, and the room for more: Envoy keeps
+/// every labelled counter it was given for as long as it runs.
+struct PodLabels {
+    stats: PodStats,
+    admitted: NameMap<String, IdMap<u64, ()>>,
+}
+
+impl PodLabels {
+    /// Whether the pod (`key`, in `pool`) is counted under its own address, not `other`.
+    fn admits(&mut self, pool: &str, key: u64) -> bool {
+        if self
+            .admitted
+            .get(pool)
+            .is_some_and(|pods| pods.contains_key(&key))
+        {
+            return true;
+        }
+        if !self.stats.admit() {
+            return false;
+        }
+        self.admitted
+            .entry(pool.to_string())
+            .or_default()
+            .insert(key, ());
+        true
+    }
 }
 
 /// A held request: its pool and deadline, and how to wake its stream on its worker.
@@ -452,6 +482,7 @@ impl Config {
         let settings = FilterConfig::from_json(raw).map_err(|e| e.to_string())?;
         let metrics = Metrics::define(definer, &settings);
         let hold_order = settings.hold.map(|h| h.order).unwrap_or_default();
+        let pod_stats = PodStats::new(settings.max_pod_stats);
         // One engine for every worker: picks are visible to all at once, no sync log needed.
         let engine = Engine::new(settings.clone()).without_sync_log();
         let reader = engine.reader().clone();
@@ -469,6 +500,10 @@ impl Config {
             }),
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
+            pod_labels: parking_lot::Mutex::new(PodLabels {
+                stats: pod_stats,
+                admitted: NameMap::default(),
+            }),
             scheduler: Mutex::new(None),
             held: parking_lot::Mutex::new(HoldQueue::new(hold_order)),
             next_held: AtomicU64::new(1),
@@ -486,11 +521,23 @@ impl Config {
         for (id, n) in p.counts {
             stats.counter(Some(id), &[], n);
         }
+        let mut labels = self.pod_labels.lock();
         for (pool, pods) in &p.picks {
-            for (addr, n) in pods.values() {
-                stats.counter(m.picks, &[pool.as_str(), addr.as_str()], *n);
+            // The pool label as the other counters' names have it (and the proxy-wasm build's).
+            let label = stat_segment(pool);
+            let mut other = 0;
+            for (key, (addr, n)) in pods {
+                if labels.admits(pool, *key) {
+                    stats.counter(m.picks, &[label.as_str(), addr.as_str()], *n);
+                } else {
+                    other += n;
+                }
+            }
+            if other > 0 {
+                stats.counter(m.picks, &[label.as_str(), OTHER_POD], other);
             }
         }
+        drop(labels);
         for us in p.decision_us {
             stats.histogram(m.decision_us, us);
         }
@@ -1702,6 +1749,20 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pod_labels_keep_the_pods_admitted_and_refuse_new_ones_past_the_limit() {
+        let mut l = PodLabels {
+            stats: PodStats::new(2),
+            admitted: NameMap::default(),
+        };
+        assert!(l.admits("llama", 7));
+        assert!(l.admits("qwen", 7)); // the same address in another pool is another counter
+        assert!(!l.admits("llama", 9));
+        assert!(l.admits("llama", 7) && l.admits("qwen", 7));
+        assert!(!l.admits("llama", 9));
+        assert_eq!(l.admitted.values().map(|p| p.len()).sum::<usize>(), 2);
+    }
 
     #[test]
     fn pending_counts_by_id_and_picks_by_pool_and_pod() {

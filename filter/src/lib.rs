@@ -705,12 +705,13 @@ impl Root {
         let routes = !config.pools.is_empty();
         let hold_order = config.hold.map(|h| h.order).unwrap_or_default();
         let seed = host::now_nanos() ^ (u64::from(self.id) << 32);
+        let stats = Stats::new(config.max_pod_stats);
         let mut worker = Worker {
             engine: Engine::new(config),
             fleet: None,
             seen_header: None,
             rng: SplitMix64::new(seed),
-            stats: Stats::default(),
+            stats,
             id: UNREGISTERED,
             register_tried: false,
             peers: Vec::new(),

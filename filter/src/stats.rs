@@ -3,7 +3,8 @@
 //! Observability section lists them for users; an end-to-end test holds Envoy's to that list.
 //!
 //! - `gpuroute.pool.<pool>.requests.<picked|fail_open|shed|error|routed>` (counters; `routed`: the pod left to Envoy by design)
-//! - `gpuroute.pool.<pool>.pod.<ip_port>.picks` (counters, created on first pick)
+//! - `gpuroute.pool.<pool>.pod.<ip:port>.picks` (counters, created on first pick; the address as
+//!   the snapshot has it, which Envoy's tag extraction takes whole into `gpuroute_endpoint`)
 //! - `gpuroute.fail_open.<no_snapshot|unknown_pool|no_fresh_pod>` (counters)
 //! - `gpuroute.rejected.<code>` (counters: invalid_json, invalid_type, model_not_found,
 //!   missing_required_parameter, request_too_large, unsupported_content_encoding,
@@ -41,13 +42,12 @@
 
 use crate::abi::MetricType;
 use crate::host;
-use gpuroute_core::fleet::stat_segment as sanitize;
+use gpuroute_core::fleet::{stat_segment as sanitize, PodStats, OTHER_POD};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::Endpoint;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
 
 /// Metric ids, defined lazily and cached per worker.
-#[derive(Default)]
 pub struct Stats {
     ids: NameMap<String, Option<u32>>,
     /// Per pool: the id of its `picked` counter and of each pod's `picks` counter, so the hot
@@ -55,16 +55,31 @@ pub struct Stats {
     hot: NameMap<String, PoolIds>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
+    /// Which pods get a picks counter of their own (`max_pod_stats`).
+    pod_stats: PodStats,
 }
 
 #[derive(Default)]
 struct PoolIds {
     picked: Option<u32>,
     /// By pod key ([`gpuroute_core::prefix::pod_key`]): no address string hashed per request.
+    /// Only the pods admitted to their own counter.
     pods: IdMap<u64, Option<u32>>,
+    /// The pool's `other` picks counter, once a pod past `max_pod_stats` was picked.
+    other: Option<Option<u32>>,
 }
 
 impl Stats {
+    /// `max_pod_stats`: the most pods this worker gives a picks counter of their own.
+    pub fn new(max_pod_stats: usize) -> Stats {
+        Stats {
+            ids: NameMap::default(),
+            hot: NameMap::default(),
+            pending: IdMap::default(),
+            pod_stats: PodStats::new(max_pod_stats),
+        }
+    }
+
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
         if let Some(id) = self.ids.get(name) {
             return *id;
@@ -131,7 +146,8 @@ impl Stats {
 
     /// Counts a pick (pool `picked` and the pod's `picks`) without a host call: batched until
     /// the next [`Stats::flush`] (the root context's tick, every few ms). `address` names the
-    /// pod's counter the first time the pod (`pod_key`) is picked.
+    /// pod's counter the first time the pod (`pod_key`) is picked; past `max_pod_stats` pods,
+    /// the pool's `other` counter counts it.
     pub fn picked(&mut self, pool: &str, pod_key: u64, address: &str) {
         if !self.hot.contains_key(pool) {
             let picked = host::define_metric(
@@ -140,23 +156,30 @@ impl Stats {
             );
             let ids = PoolIds {
                 picked,
-                pods: IdMap::default(),
+                ..PoolIds::default()
             };
             self.hot.insert(pool.to_string(), ids);
         }
         let Some(ids) = self.hot.get_mut(pool) else {
             return;
         };
-        let pod = *ids.pods.entry(pod_key).or_insert_with(|| {
+        // The address whole, as the snapshot has it (`ip:port`, validated there): Envoy's tag
+        // extraction takes it into `gpuroute_endpoint`, as the dynamic module's label has it.
+        let pod_counter = |pod: &str| {
             host::define_metric(
                 MetricType::Counter,
-                &format!(
-                    "gpuroute.pool.{}.pod.{}.picks",
-                    sanitize(pool),
-                    sanitize(address)
-                ),
+                &format!("gpuroute.pool.{}.pod.{pod}.picks", sanitize(pool)),
             )
-        });
+        };
+        let pod = match ids.pods.get(&pod_key) {
+            Some(id) => *id,
+            None if self.pod_stats.admit() => {
+                let id = pod_counter(address);
+                ids.pods.insert(pod_key, id);
+                id
+            }
+            None => *ids.other.get_or_insert_with(|| pod_counter(OTHER_POD)),
+        };
         for id in [ids.picked, pod].into_iter().flatten() {
             *self.pending.entry(id).or_insert(0) += 1;
         }

@@ -54,7 +54,7 @@ def pod_picks_stat(pool, address):
     as the wasm filter's are by envoy/render.py's tag extraction)."""
     if RUNTIME == "dynamic":
         return f"{STAT_PREFIX}gpuroute.pool.picks.gpuroute_pool.{pool}.gpuroute_endpoint.{address}"
-    return f"{STAT_PREFIX}gpuroute.pool.{pool}.pod." + address.replace(".", "_").replace(":", "_") + ".picks"
+    return f"{STAT_PREFIX}gpuroute.pool.{pool}.pod.{address}.picks"
 
 
 _handed_out = set()

@@ -270,6 +270,46 @@ def test_stats_count_outcomes_per_pool_and_picks_per_pod(envoy, pods):
     assert "P50" in str(stats().get(STAT_PREFIX + "gpuroute.decision_us")), stats().get(STAT_PREFIX + "gpuroute.decision_us")
 
 
+def test_pods_past_max_pod_stats_share_the_other_counter(pods):
+    """Envoy never removes a stat, so per-pod pick counters are bounded (`max_pod_stats`): the
+    first pods picked get their own, in every pool together; the picks of any pod after them
+    are counted as pod `other` of its pool, and nothing is lost. Prometheus sees `other` as the
+    endpoint label."""
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, max_pod_stats=2))
+    try:
+        def picks():
+            return {k: v for k, v in e.stats().items() if k.endswith(".picks") or ".gpuroute_endpoint." in k}
+
+        saturated = {"waiting": 9, "kv_cache_usage": 0.9}
+        expected = Counter()
+        for i in range(3):  # llama-0, then llama-1, then llama-2 the only pod with room
+            load = [{} if j == i else saturated for j in range(3)]
+            assert e.push(fresh(pods, load))[0] == 204
+            for n in range(3):
+                assert served_by(e.chat("llama-3-8b", f"series {i} {n}")) == f"llama-{i}"
+            expected[pod_picks_stat("llama", pods[f"llama-{i}"].address if i < 2 else "other")] += 3
+            # Each pod's first picks land before the next pod's: which pods got a counter of
+            # their own is then the order they were picked in, in both builds.
+            deadline = time.time() + 3
+            while picks() != expected and time.time() < deadline:
+                time.sleep(0.05)
+            assert picks() == expected
+        for n in range(2):
+            assert served_by(e.chat("qwen-7b", f"series q {n}")) == "qwen-0"
+        expected[pod_picks_stat("qwen", "other")] += 2
+        deadline = time.time() + 3
+        while picks() != expected and time.time() < deadline:
+            time.sleep(0.05)
+        assert picks() == expected
+        assert e.stats()[STAT_PREFIX + "gpuroute.pool.llama.requests.picked"] == 9
+        with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+            lines = [ln for ln in r.read().decode().splitlines() if "gpuroute_pool_picks{" in ln]
+        endpoints = sorted(ln.split('gpuroute_endpoint="')[1].split('"')[0] for ln in lines)
+        assert endpoints == sorted([pods["llama-0"].address, pods["llama-1"].address, "other", "other"]), lines
+    finally:
+        e.stop()
+
+
 def test_every_stat_the_filter_shows_is_documented(envoy, pods):
     """After requests that reach most outcomes (picks in two pools, refusals, a fail-open, a
     rejected and an accepted snapshot), every `gpuroute` stat Envoy shows is one the README
