@@ -257,6 +257,15 @@ TESTS = [
         ("GpurouteResponsesUnpinned", "10m", []),
         ("GpurouteResponsesUnpinned", "35m", [(GW, "25% of stored-response turns cannot reach their pod")]),
     ]),
+    ("Picks of new pods counted as other, after the pods before them had theirs", [
+        series("envoy_gpuroute_pool_picks", {**GW, "gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.1:8000"}, "0+60x30"),
+        series("envoy_dynamicmodulescustom_gpuroute_pool_picks",
+               {"instance": "gw-1", "gpuroute_pool": "qwen", "gpuroute_endpoint": "other"}, "0x10 0+30x20"),
+    ], [
+        ("GpuroutePodStatsFull", "9m", []),
+        ("GpuroutePodStatsFull", "12m", [({"instance": "gw-1", "gpuroute_pool": "qwen"},
+                                          "Pool qwen: picks of new pods counted as other on gw-1")]),
+    ]),
     ("Decisions take 2.5 ms at p99", [
         series("envoy_gpuroute_decision_us_bucket", {**GW, "le": "1000"}, "0+0x20"),
         series("envoy_gpuroute_decision_us_bucket", {**GW, "le": "2500"}, "0+60x20"),

@@ -95,8 +95,8 @@ const CAS_ATTEMPTS: usize = 16;
 /// decode each time): the others read every tick, so three leave two ticks of slack for a late
 /// reader.
 const SYNC_PUBLISHES: usize = 3;
-/// A worker's decision-time histogram takes its first request and then one in this many: the
-/// value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
+/// A worker's decision-time histogram takes its first request and then, at random, one in this
+/// many: the value costs a second clock read and a metric call, ~1% of a request's cost in Envoy.
 const DECISION_SAMPLE: u64 = 8;
 
 const JSON: &str = "application/json";
@@ -1245,9 +1245,11 @@ impl Http {
             });
         }
         self.debug = choice.debug.take();
-        // The worker's first routed request and one in DECISION_SAMPLE after it: its decision
-        // time is recorded, and, streamed, its time to the first byte.
-        let sampled = w.routed.is_multiple_of(DECISION_SAMPLE);
+        // The worker's first routed request and, at random, one in DECISION_SAMPLE after it: its
+        // decision time is recorded, and, streamed, its time to the first byte. At random, not
+        // every eighth: clients whose requests come in a fixed cycle (a streamed one among 7
+        // others) would have the same kinds of request sampled, or never, cycle after cycle.
+        let sampled = w.routed == 0 || w.rng.next_u64().is_multiple_of(DECISION_SAMPLE);
 
         let pool = &*prep.pool;
         match &choice.decision {

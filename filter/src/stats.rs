@@ -19,7 +19,7 @@
 //!   to the relay, other gateway replicas' taken)
 //! - `gpuroute.snapshot.age_ms`, `gpuroute.snapshot.pods`, `gpuroute.workers` (gauges)
 //! - `gpuroute.decision_us` (histogram: body parse to headers set, microseconds; a sample: the
-//!   worker's first routed request and one in `DECISION_SAMPLE` after it)
+//!   worker's first routed request and, at random, one in `DECISION_SAMPLE` after it)
 //! - `gpuroute.pool.<pool>.ttft_ms` (histogram: a streamed request's time from its routing
 //!   decision to the first byte of its answer, ms; the requests whose decision time is sampled)
 //! - `gpuroute.models_list` (counter: `GET` under `models_path` answered, the list or one model)
@@ -67,6 +67,8 @@ struct PoolIds {
     pods: IdMap<u64, Option<u32>>,
     /// The pool's `other` picks counter, once a pod past `max_pod_stats` was picked.
     other: Option<Option<u32>>,
+    /// The pool's `ttft_ms` histogram, once a streamed request's first byte was timed.
+    ttft: Option<Option<u32>>,
 }
 
 impl Stats {
@@ -133,8 +135,20 @@ impl Stats {
     }
 
     /// A streamed request's time from its routing decision to its first response byte, ms.
+    /// The request was picked a pod, so its pool has its ids here ([`Stats::picked`]).
     pub fn first_token(&mut self, pool: &str, ms: u64) {
-        self.histogram(&format!("gpuroute.pool.{}.ttft_ms", sanitize(pool)), ms);
+        let Some(ids) = self.hot.get_mut(pool) else {
+            return;
+        };
+        let id = *ids.ttft.get_or_insert_with(|| {
+            host::define_metric(
+                MetricType::Histogram,
+                &format!("gpuroute.pool.{}.ttft_ms", sanitize(pool)),
+            )
+        });
+        if let Some(id) = id {
+            host::record_metric(id, ms);
+        }
     }
 
     pub fn pool_outcome(&mut self, pool: &str, outcome: &str) {
