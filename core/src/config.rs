@@ -559,6 +559,9 @@ fn default_response_entries() -> usize {
 fn default_fallbacks() -> usize {
     2
 }
+/// The largest `max_pod_stats`: a million series per gateway is no bound in practice.
+pub const MAX_POD_STATS: usize = 1 << 20;
+
 fn default_max_pod_stats() -> usize {
     // Every pod of a 1,000-pod fleet through three full replacements (rollouts, autoscaling)
     // before pods share `other`; ~1 MB of Envoy stats at most, 4,096 series per gateway.
@@ -737,6 +740,10 @@ impl FilterConfig {
         }
         if !(16..=16 * 1024 * 1024).contains(&self.response_entries) {
             return Err(cfg_err("response_entries", "must be between 16 and 16M"));
+        }
+        // The same bound in both builds (usize is 32 bits in the proxy-wasm filter).
+        if self.max_pod_stats > MAX_POD_STATS {
+            return Err(cfg_err("max_pod_stats", "must be at most 1M (1048576)"));
         }
         if let Some(ing) = &self.ingest {
             if ing.token.len() < 8 {
@@ -977,6 +984,7 @@ mod tests {
             (r#"{"pools":[],"max_body_bytes":0}"#, "max_body_bytes"),
             (r#"{"pools":[],"shared_peer_reads":0}"#, "shared_peer_reads"),
             (r#"{"pools":[],"response_entries":8}"#, "response_entries"),
+            (r#"{"pools":[],"max_pod_stats":1048577}"#, "max_pod_stats"),
             (
                 r#"{"pools":[],"scoring":{"weights":{"queue":-1}}}"#,
                 "scoring.weights",
