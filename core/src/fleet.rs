@@ -53,6 +53,11 @@ impl PodStats {
         self.admitted += usize::from(room);
         room
     }
+
+    /// `max_pod_stats` 0: no picks are counted by pod at all, not even as [`OTHER_POD`].
+    pub fn off(&self) -> bool {
+        self.limit == 0
+    }
 }
 
 /// One pod, ready for scoring.
@@ -251,7 +256,9 @@ mod tests {
             [s.admit(), s.admit(), s.admit(), s.admit()],
             [true, true, false, false]
         );
-        assert!(!PodStats::new(0).admit());
+        assert!(!s.off());
+        let mut none = PodStats::new(0);
+        assert!(!none.admit() && none.off());
     }
 
     #[test]

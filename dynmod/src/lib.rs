@@ -533,7 +533,7 @@ impl Config {
                     other += n;
                 }
             }
-            if other > 0 {
+            if other > 0 && !labels.stats.off() {
                 stats.counter(m.picks, &[label.as_str(), OTHER_POD], other);
             }
         }

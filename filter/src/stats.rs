@@ -192,6 +192,7 @@ impl Stats {
                 ids.pods.insert(pod_key, id);
                 id
             }
+            None if self.pod_stats.off() => None,
             None => *ids.other.get_or_insert_with(|| pod_counter(OTHER_POD)),
         };
         for id in [ids.picked, pod].into_iter().flatten() {

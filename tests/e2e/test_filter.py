@@ -310,6 +310,24 @@ def test_pods_past_max_pod_stats_share_the_other_counter(pods):
         e.stop()
 
 
+def test_max_pod_stats_0_counts_no_pick_by_pod(pods):
+    """`max_pod_stats: 0`: picks are counted per pool only; no pod has a counter, nor `other`."""
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, max_pod_stats=0))
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        for n in range(6):
+            assert served_by(e.chat("llama-3-8b", f"no pod stats {n}")).startswith("llama-")
+        assert served_by(e.chat("qwen-7b")) == "qwen-0"
+        deadline = time.time() + 3
+        while e.stats().get(STAT_PREFIX + "gpuroute.pool.llama.requests.picked") != 6 and time.time() < deadline:
+            time.sleep(0.05)
+        stats = e.stats()
+        assert stats[STAT_PREFIX + "gpuroute.pool.llama.requests.picked"] == 6, stats
+        assert [k for k in stats if k.endswith(".picks") or ".gpuroute_endpoint." in k] == [], stats
+    finally:
+        e.stop()
+
+
 def test_every_stat_the_filter_shows_is_documented(envoy, pods):
     """After requests that reach most outcomes (picks in two pools, refusals, a fail-open, a
     rejected and an accepted snapshot), every `gpuroute` stat Envoy shows is one the README
