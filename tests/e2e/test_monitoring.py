@@ -211,9 +211,10 @@ def drive(gw, seconds, saturated):
         i += 1
         assert gw.chat("llama-3-8b", f"plain {i}")[0] == 200
         streamed = {"model": "qwen-7b", "stream": True, "messages": [{"role": "user", "content": f"streamed {i}"}]}
-        # The proxy-wasm filter times one routed request in 8 (its decision and, streamed, its
-        # first byte). With the same count of routed requests in each round, the streamed one
-        # could fall on an untimed turn round after round; every eighth round sends 8 in a row.
+        # The proxy-wasm filter times one routed request in 8, at random (its decision and,
+        # streamed, its first byte): every eighth round sends 8 streamed ones, so that every
+        # rate window of the time-to-first-token panel has some. Before it drew at random, one
+        # a round fell on the same turn of its count of eight round after round.
         for _ in range(8 if i % 8 == 0 else 1):
             assert gw.request("POST", "/v1/chat/completions", streamed)[0] == 200
         assert gw.chat("qwen-7b", f"plain {i}")[0] == 200
