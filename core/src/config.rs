@@ -48,8 +48,8 @@ pub struct FilterConfig {
     #[serde(default)]
     pub debug_header: bool,
     /// The most pods that get a picks counter of their own (`gpuroute.pool.<pool>.pod.<ip:port>.
-    /// picks`), per proxy-wasm worker or per dynamic-module configuration; picks of pods past
-    /// it are counted as pod `other` ([`crate::fleet::PodStats`]). Envoy never removes a stat,
+    /// picks`) in one Envoy, across its workers and configurations; picks of pods past it are
+    /// counted as pod `other` ([`crate::fleet::PodStatSet`]). Envoy never removes a stat,
     /// so without a bound a fleet whose pods come and go would add a series per pod for as long
     /// as Envoy runs. `0`: no picks counted by pod (no `other` either).
     #[serde(default = "default_max_pod_stats")]

@@ -1,7 +1,7 @@
 //! A snapshot decoded for picking: per pool, per pod, the values the scorers read, with names
 //! pre-hashed. Built once per snapshot version in each worker, never per request.
 
-use crate::idmap::NameMap;
+use crate::idmap::{IdMap, NameMap};
 use crate::picker::speed_class;
 use crate::prefix::pod_key;
 use crate::snapshot::{PodSnapshot, Snapshot};
@@ -29,34 +29,60 @@ pub fn stat_segment(s: &str) -> String {
 /// The endpoint under which picks of pods past `max_pod_stats` are counted.
 pub const OTHER_POD: &str = "other";
 
-/// Which pods get a picks counter of their own: the first `max_pod_stats` distinct pods picked
-/// (per pool and address), for as long as the counters live. Envoy has no way to remove a
-/// counter, so a pod that left keeps its series until Envoy restarts; past the limit, a new
-/// pod's picks go to [`OTHER_POD`]. The caller keeps the pods it admitted (with their metric
-/// ids) and asks only about pods it has not seen, so the pods refused are not remembered and
-/// memory stays bounded too.
-#[derive(Debug, Clone)]
-pub struct PodStats {
-    limit: usize,
-    admitted: usize,
+/// A pod of a pool, as [`PodStatSet`] knows it.
+pub fn pod_stat_key(pool: &str, pod_key: u64) -> u64 {
+    crate::rng::mix64(pod_key ^ xxh3_64(pool.as_bytes()))
 }
 
-impl PodStats {
-    pub fn new(limit: usize) -> PodStats {
-        PodStats { limit, admitted: 0 }
+/// The pods that have a picks counter of their own ([`pod_stat_key`]): the first
+/// `max_pod_stats` distinct pods an Envoy picked, for as long as it runs. Envoy has no way to
+/// remove a counter, so a pod that left keeps its series until Envoy restarts; past the limit,
+/// a new pod's picks go to [`OTHER_POD`]. One set per Envoy, across its workers and its filter
+/// configurations: the proxy-wasm filter keeps it in shared data (`encode`, `decode`), the
+/// dynamic module in the process.
+#[derive(Debug, Clone, Default)]
+pub struct PodStatSet {
+    keys: IdMap<u64, ()>,
+}
+
+impl PodStatSet {
+    /// The shared-data form: the keys, 8 bytes each (little-endian). Bytes past the last whole
+    /// key are ignored.
+    pub fn decode(bytes: &[u8]) -> PodStatSet {
+        let keys = bytes
+            .chunks_exact(8)
+            .map(|c| (u64::from_le_bytes(c.try_into().unwrap_or_default()), ()))
+            .collect();
+        PodStatSet { keys }
     }
 
-    /// A pod not admitted before was picked: whether it gets its own counter (it then counts
-    /// against the limit).
-    pub fn admit(&mut self) -> bool {
-        let room = self.admitted < self.limit;
-        self.admitted += usize::from(room);
-        room
+    pub fn encode(&self) -> Vec<u8> {
+        self.keys.keys().flat_map(|k| k.to_le_bytes()).collect()
     }
 
-    /// `max_pod_stats` 0: no picks are counted by pod at all, not even as [`OTHER_POD`].
-    pub fn off(&self) -> bool {
-        self.limit == 0
+    pub fn contains(&self, key: u64) -> bool {
+        self.keys.contains_key(&key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Whether the pod `key` has a counter of its own under `limit` (`max_pod_stats`): it had
+    /// one already, or there was room and it now has.
+    pub fn admit(&mut self, key: u64, limit: usize) -> bool {
+        if self.contains(key) {
+            return true;
+        }
+        if self.keys.len() >= limit {
+            return false;
+        }
+        self.keys.insert(key, ());
+        true
     }
 }
 
@@ -250,15 +276,27 @@ mod tests {
     use crate::snapshot::LoraState;
 
     #[test]
-    fn pod_stats_admits_up_to_the_limit_and_no_more() {
-        let mut s = PodStats::new(2);
-        assert_eq!(
-            [s.admit(), s.admit(), s.admit(), s.admit()],
-            [true, true, false, false]
+    fn pod_stat_set_admits_up_to_the_limit_and_keeps_who_it_admitted() {
+        let (a, b, c) = (
+            pod_stat_key("llama", 1),
+            pod_stat_key("llama", 2),
+            pod_stat_key("qwen", 1),
         );
-        assert!(!s.off());
-        let mut none = PodStats::new(0);
-        assert!(!none.admit() && none.off());
+        assert_ne!(a, c, "the same pod in another pool is another counter");
+        let mut s = PodStatSet::default();
+        assert!(s.admit(a, 2) && s.admit(c, 2));
+        assert!(!s.admit(b, 2));
+        assert!(s.admit(a, 2) && s.admit(c, 2) && !s.admit(b, 2));
+        // Through its shared-data form, as another worker or configuration reads it.
+        let mut back = PodStatSet::decode(&s.encode());
+        assert_eq!(back.len(), 2);
+        assert!(back.contains(a) && back.contains(c) && !back.admit(b, 2));
+        assert!(
+            back.admit(b, 3),
+            "a larger limit (a new configuration) has room"
+        );
+        assert!(!PodStatSet::default().admit(a, 0));
+        assert!(PodStatSet::decode(&[1, 2, 3]).is_empty());
     }
 
     #[test]

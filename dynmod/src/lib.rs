@@ -37,7 +37,7 @@ use gpuroute_core::config::{DataPlane, FilterConfig};
 use gpuroute_core::engine::{self, DecideOptions, Engine, Prepared, Reader, RequestContext};
 use gpuroute_core::error::{ApiError, ErrorStyle};
 use gpuroute_core::exchange::{self, Cursor, Export};
-use gpuroute_core::fleet::{stat_segment, FleetState, PodStats, OTHER_POD};
+use gpuroute_core::fleet::{pod_stat_key, stat_segment, FleetState, PodStatSet, OTHER_POD};
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::hold::HoldQueue;
@@ -55,7 +55,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const OUTCOMES: &[&str] = &["picked", "fail_open", "shed", "error", "routed"];
@@ -425,8 +425,6 @@ struct Config {
     router: parking_lot::Mutex<Router>,
     metrics: Metrics,
     pending: parking_lot::Mutex<Pending>,
-    /// The pods given a picks label of their own (`max_pod_stats`); only `flush` uses it.
-    pod_labels: parking_lot::Mutex<PodLabels>,
     /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
     /// the configuration, which also ends the ticker thread.
     scheduler: Mutex<Option<Scheduler>>,
@@ -436,33 +434,10 @@ struct Config {
     next_held: AtomicU64,
 }
 
-/// The pods that have a picks label of their own, per pool, and the room for more: Envoy keeps
-/// every labelled counter it was given for as long as it runs.
-struct PodLabels {
-    stats: PodStats,
-    admitted: NameMap<String, IdMap<u64, ()>>,
-}
-
-impl PodLabels {
-    /// Whether the pod (`key`, in `pool`) is counted under its own address, not `other`.
-    fn admits(&mut self, pool: &str, key: u64) -> bool {
-        if self
-            .admitted
-            .get(pool)
-            .is_some_and(|pods| pods.contains_key(&key))
-        {
-            return true;
-        }
-        if !self.stats.admit() {
-            return false;
-        }
-        self.admitted
-            .entry(pool.to_string())
-            .or_default()
-            .insert(key, ());
-        true
-    }
-}
+/// The pods that have a picks label of their own (`max_pod_stats`), for the whole process:
+/// Envoy keeps every labelled counter it was given for as long as it runs, whatever
+/// configuration gave it. Only `flush` (Envoy's main thread) uses it.
+static POD_STATS: LazyLock<parking_lot::Mutex<PodStatSet>> = LazyLock::new(Default::default);
 
 /// A held request: its pool and deadline, and how to wake its stream on its worker.
 struct HeldEntry {
@@ -482,7 +457,6 @@ impl Config {
         let settings = FilterConfig::from_json(raw).map_err(|e| e.to_string())?;
         let metrics = Metrics::define(definer, &settings);
         let hold_order = settings.hold.map(|h| h.order).unwrap_or_default();
-        let pod_stats = PodStats::new(settings.max_pod_stats);
         // One engine for every worker: picks are visible to all at once, no sync log needed.
         let engine = Engine::new(settings.clone()).without_sync_log();
         let reader = engine.reader().clone();
@@ -500,10 +474,6 @@ impl Config {
             }),
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
-            pod_labels: parking_lot::Mutex::new(PodLabels {
-                stats: pod_stats,
-                admitted: NameMap::default(),
-            }),
             scheduler: Mutex::new(None),
             held: parking_lot::Mutex::new(HoldQueue::new(hold_order)),
             next_held: AtomicU64::new(1),
@@ -521,23 +491,24 @@ impl Config {
         for (id, n) in p.counts {
             stats.counter(Some(id), &[], n);
         }
-        let mut labels = self.pod_labels.lock();
-        for (pool, pods) in &p.picks {
+        let limit = self.settings.max_pod_stats;
+        let mut admitted = POD_STATS.lock();
+        for (pool, pods) in p.picks.iter().filter(|_| limit > 0) {
             // The pool label as the other counters' names have it (and the proxy-wasm build's).
             let label = stat_segment(pool);
             let mut other = 0;
             for (key, (addr, n)) in pods {
-                if labels.admits(pool, *key) {
+                if admitted.admit(pod_stat_key(pool, *key), limit) {
                     stats.counter(m.picks, &[label.as_str(), addr.as_str()], *n);
                 } else {
                     other += n;
                 }
             }
-            if other > 0 && !labels.stats.off() {
+            if other > 0 {
                 stats.counter(m.picks, &[label.as_str(), OTHER_POD], other);
             }
         }
-        drop(labels);
+        drop(admitted);
         for us in p.decision_us {
             stats.histogram(m.decision_us, us);
         }
@@ -1749,20 +1720,6 @@ pub extern "C" fn envoy_dynamic_module_on_http_filter_per_route_config_new(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pod_labels_keep_the_pods_admitted_and_refuse_new_ones_past_the_limit() {
-        let mut l = PodLabels {
-            stats: PodStats::new(2),
-            admitted: NameMap::default(),
-        };
-        assert!(l.admits("llama", 7));
-        assert!(l.admits("qwen", 7)); // the same address in another pool is another counter
-        assert!(!l.admits("llama", 9));
-        assert!(l.admits("llama", 7) && l.admits("qwen", 7));
-        assert!(!l.admits("llama", 9));
-        assert_eq!(l.admitted.values().map(|p| p.len()).sum::<usize>(), 2);
-    }
 
     #[test]
     fn pending_counts_by_id_and_picks_by_pool_and_pod() {

@@ -42,7 +42,7 @@
 
 use crate::abi::MetricType;
 use crate::host;
-use gpuroute_core::fleet::{stat_segment as sanitize, PodStats, OTHER_POD};
+use gpuroute_core::fleet::{pod_stat_key, stat_segment as sanitize, PodStatSet, OTHER_POD};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::Endpoint;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
@@ -55,9 +55,20 @@ pub struct Stats {
     hot: NameMap<String, PoolIds>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
-    /// Which pods get a picks counter of their own (`max_pod_stats`).
-    pod_stats: PodStats,
+    /// `max_pod_stats`: how many pods, in all, the Envoy gives a picks counter of their own
+    /// (the set in shared data, [`POD_STATS_KEY`]).
+    max_pod_stats: usize,
+    /// Pods ([`pod_stat_key`]) this worker found refused, so that their picks do not read the
+    /// shared set again (cleared when it holds [`REFUSED_CACHE`]).
+    refused: IdMap<u64, ()>,
 }
+
+/// Shared data: the pods given a picks counter of their own ([`PodStatSet`]), one set for
+/// every worker and configuration of the VM.
+const POD_STATS_KEY: &str = "gpuroute.pod_stats";
+
+/// The most refused pods a worker remembers; past it, it forgets them all (and asks again).
+const REFUSED_CACHE: usize = 4096;
 
 #[derive(Default)]
 struct PoolIds {
@@ -72,14 +83,42 @@ struct PoolIds {
 }
 
 impl Stats {
-    /// `max_pod_stats`: the most pods this worker gives a picks counter of their own.
+    /// `max_pod_stats`: the most pods the Envoy gives a picks counter of their own.
     pub fn new(max_pod_stats: usize) -> Stats {
         Stats {
             ids: NameMap::default(),
             hot: NameMap::default(),
             pending: IdMap::default(),
-            pod_stats: PodStats::new(max_pod_stats),
+            max_pod_stats,
+            refused: IdMap::default(),
         }
+    }
+
+    /// Whether the pod (`key`, [`pod_stat_key`]) has, or now gets, a picks counter of its own:
+    /// asked once per pod and worker (the pods admitted are kept with their ids), or again for
+    /// a refused pod once this worker's cache of them was cleared.
+    fn admit(&mut self, key: u64) -> bool {
+        if self.max_pod_stats == 0 || self.refused.contains_key(&key) {
+            return false;
+        }
+        let limit = self.max_pod_stats;
+        let known = crate::read_shared(POD_STATS_KEY, PodStatSet::decode);
+        let admitted = known.contains(key)
+            || (known.len() < limit
+                && crate::update_shared(
+                    POD_STATS_KEY,
+                    PodStatSet::decode,
+                    PodStatSet::encode,
+                    |set| set.admit(key, limit).then_some(()),
+                )
+                .is_some());
+        if !admitted {
+            if self.refused.len() >= REFUSED_CACHE {
+                self.refused.clear();
+            }
+            self.refused.insert(key, ());
+        }
+        admitted
     }
 
     fn id(&mut self, kind: MetricType, name: &str) -> Option<u32> {
@@ -174,9 +213,28 @@ impl Stats {
             };
             self.hot.insert(pool.to_string(), ids);
         }
-        let Some(ids) = self.hot.get_mut(pool) else {
+        let Some(ids) = self.hot.get(pool) else {
             return;
         };
+        let picked = ids.picked;
+        let pod = match ids.pods.get(&pod_key) {
+            Some(id) => *id,
+            None => self.first_pick(pool, pod_key, address),
+        };
+        for id in [picked, pod].into_iter().flatten() {
+            *self.pending.entry(id).or_insert(0) += 1;
+        }
+    }
+
+    /// The picks counter of a pod this worker has not picked before (in `pool`, whose ids are
+    /// in `hot`): its own if the Envoy has one for it or room for one (`max_pod_stats`), else
+    /// the pool's `other`; none with `max_pod_stats` 0.
+    fn first_pick(&mut self, pool: &str, pod_key: u64, address: &str) -> Option<u32> {
+        if self.max_pod_stats == 0 {
+            return None;
+        }
+        let admitted = self.admit(pod_stat_key(pool, pod_key));
+        let ids = self.hot.get_mut(pool)?;
         // The address whole, as the snapshot has it (`ip:port`, validated there): Envoy's tag
         // extraction takes it into `gpuroute_endpoint`, as the dynamic module's label has it.
         let pod_counter = |pod: &str| {
@@ -185,18 +243,12 @@ impl Stats {
                 &format!("gpuroute.pool.{}.pod.{pod}.picks", sanitize(pool)),
             )
         };
-        let pod = match ids.pods.get(&pod_key) {
-            Some(id) => *id,
-            None if self.pod_stats.admit() => {
-                let id = pod_counter(address);
-                ids.pods.insert(pod_key, id);
-                id
-            }
-            None if self.pod_stats.off() => None,
-            None => *ids.other.get_or_insert_with(|| pod_counter(OTHER_POD)),
-        };
-        for id in [ids.picked, pod].into_iter().flatten() {
-            *self.pending.entry(id).or_insert(0) += 1;
+        if admitted {
+            let id = pod_counter(address);
+            ids.pods.insert(pod_key, id);
+            id
+        } else {
+            *ids.other.get_or_insert_with(|| pod_counter(OTHER_POD))
         }
     }
 

@@ -310,6 +310,41 @@ def test_pods_past_max_pod_stats_share_the_other_counter(pods):
         e.stop()
 
 
+@pytest.mark.skipif(RUNTIME != "wasm", reason="the proxy-wasm build's set is in shared data; the module's in its process")
+def test_max_pod_stats_holds_across_workers_and_configuration_changes(pods, tmp_path):
+    """The bound is the Envoy's, not a worker's or a configuration's: two workers, and a change
+    of the filter's configuration (new plugin instances) between the second pod and the third.
+    The third pod is still past the limit; the first keeps its counter in the new instances."""
+    lds = LdsListener(tmp_path / "lds")
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, max_pod_stats=2), concurrency=2, workdir=tmp_path / "envoy",
+              patch=lds.patch, envoy_args=lds.envoy_args)
+    try:
+        saturated = {"waiting": 9, "kv_cache_usage": 0.9}
+        expected = Counter()
+
+        def only_room_on(i, key):
+            assert e.push(fresh(pods, [{} if j == i else saturated for j in range(3)]))[0] == 204
+            for n in range(8):  # fresh connections: the kernel spreads them over both workers
+                assert served_by(e.chat("llama-3-8b", f"bound {i} {n}")) == f"llama-{i}"
+            expected[pod_picks_stat("llama", key)] += 8
+            deadline = time.time() + 3
+            while picks() != expected and time.time() < deadline:
+                time.sleep(0.05)
+            assert picks() == expected
+
+        def picks():
+            return {k: v for k, v in e.stats().items() if k.endswith(".picks")}
+
+        only_room_on(0, pods["llama-0"].address)
+        only_room_on(1, pods["llama-1"].address)
+        lds.change(e, timeout_s=10, tick_ms=21)
+        only_room_on(2, "other")
+        only_room_on(0, pods["llama-0"].address)
+        assert e.alive()
+    finally:
+        e.stop()
+
+
 def test_max_pod_stats_0_counts_no_pick_by_pod(pods):
     """`max_pod_stats: 0`: picks are counted per pool only; no pod has a counter, nor `other`."""
     e = Envoy("filter", pools_of(pods), dict(CONFIG, max_pod_stats=0))
