@@ -102,16 +102,18 @@ impl Stats {
             return false;
         }
         let limit = self.max_pod_stats;
-        let known = crate::read_shared(POD_STATS_KEY, PodStatSet::decode);
-        let admitted = known.contains(key)
-            || (known.len() < limit
-                && crate::update_shared(
-                    POD_STATS_KEY,
-                    PodStatSet::decode,
-                    PodStatSet::encode,
-                    |set| set.admit(key, limit).then_some(()),
-                )
-                .is_some());
+        // One read: a pod already in the set is not written again, a pod refused not at all.
+        let mut known = false;
+        let added = crate::update_shared(
+            POD_STATS_KEY,
+            PodStatSet::decode,
+            PodStatSet::encode,
+            |set| {
+                known = set.contains(key);
+                (!known && set.admit(key, limit)).then_some(())
+            },
+        );
+        let admitted = known || added.is_some();
         if !admitted {
             if self.refused.len() >= REFUSED_CACHE {
                 self.refused.clear();
@@ -202,23 +204,24 @@ impl Stats {
     /// pod's counter the first time the pod (`pod_key`) is picked; past `max_pod_stats` pods,
     /// the pool's `other` counter counts it.
     pub fn picked(&mut self, pool: &str, pod_key: u64, address: &str) {
-        if !self.hot.contains_key(pool) {
-            let picked = host::define_metric(
-                MetricType::Counter,
-                &format!("gpuroute.pool.{}.requests.picked", sanitize(pool)),
-            );
-            let ids = PoolIds {
-                picked,
-                ..PoolIds::default()
-            };
-            self.hot.insert(pool.to_string(), ids);
-        }
-        let Some(ids) = self.hot.get(pool) else {
-            return;
+        // One lookup of the pool on the hot path; its ids are defined on its first pick.
+        let (picked, known) = match self.hot.get(pool) {
+            Some(ids) => (ids.picked, ids.pods.get(&pod_key).copied()),
+            None => {
+                let picked = host::define_metric(
+                    MetricType::Counter,
+                    &format!("gpuroute.pool.{}.requests.picked", sanitize(pool)),
+                );
+                let ids = PoolIds {
+                    picked,
+                    ..PoolIds::default()
+                };
+                self.hot.insert(pool.to_string(), ids);
+                (picked, None)
+            }
         };
-        let picked = ids.picked;
-        let pod = match ids.pods.get(&pod_key) {
-            Some(id) => *id,
+        let pod = match known {
+            Some(id) => id,
             None => self.first_pick(pool, pod_key, address),
         };
         for id in [picked, pod].into_iter().flatten() {

@@ -123,6 +123,15 @@ def wait_for(check, timeout=10, what="condition", every=0.02):
     raise RuntimeError(f"timed out waiting for {what}")
 
 
+def settle(check, timeout=3, every=0.05):
+    """Polls `check()` until it is true or `timeout` seconds passed, without failing: the
+    caller asserts afterwards, so a failure shows the values (the filter's batched counts land
+    within a tick or two)."""
+    deadline = time.time() + timeout
+    while not check() and time.time() < deadline:
+        time.sleep(every)
+
+
 def stop_process(proc, grace_s=10):
     """SIGTERM, then SIGKILL if it has not exited after `grace_s`."""
     if proc.poll() is None:

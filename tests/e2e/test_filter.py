@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from harness import (RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, documented_stats, pod_picks_stat,
-                     snapshot)
+                     settle, snapshot)
 from stubpod import StubPod, serving
 
 CONFIG = {
@@ -290,16 +290,12 @@ def test_pods_past_max_pod_stats_share_the_other_counter(pods):
             expected[pod_picks_stat("llama", pods[f"llama-{i}"].address if i < 2 else "other")] += 3
             # Each pod's first picks land before the next pod's: which pods got a counter of
             # their own is then the order they were picked in, in both builds.
-            deadline = time.time() + 3
-            while picks() != expected and time.time() < deadline:
-                time.sleep(0.05)
+            settle(lambda: picks() == expected)
             assert picks() == expected
         for n in range(2):
             assert served_by(e.chat("qwen-7b", f"series q {n}")) == "qwen-0"
         expected[pod_picks_stat("qwen", "other")] += 2
-        deadline = time.time() + 3
-        while picks() != expected and time.time() < deadline:
-            time.sleep(0.05)
+        settle(lambda: picks() == expected)
         assert picks() == expected
         assert e.stats()[STAT_PREFIX + "gpuroute.pool.llama.requests.picked"] == 9
         with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
@@ -327,9 +323,7 @@ def test_max_pod_stats_holds_across_workers_and_configuration_changes(pods, tmp_
             for n in range(8):  # fresh connections: the kernel spreads them over both workers
                 assert served_by(e.chat("llama-3-8b", f"bound {i} {n}")) == f"llama-{i}"
             expected[pod_picks_stat("llama", key)] += 8
-            deadline = time.time() + 3
-            while picks() != expected and time.time() < deadline:
-                time.sleep(0.05)
+            settle(lambda: picks() == expected)
             assert picks() == expected
 
         def picks():
@@ -353,9 +347,7 @@ def test_max_pod_stats_0_counts_no_pick_by_pod(pods):
         for n in range(6):
             assert served_by(e.chat("llama-3-8b", f"no pod stats {n}")).startswith("llama-")
         assert served_by(e.chat("qwen-7b")) == "qwen-0"
-        deadline = time.time() + 3
-        while e.stats().get(STAT_PREFIX + "gpuroute.pool.llama.requests.picked") != 6 and time.time() < deadline:
-            time.sleep(0.05)
+        settle(lambda: e.stats().get(STAT_PREFIX + "gpuroute.pool.llama.requests.picked") == 6)
         stats = e.stats()
         assert stats[STAT_PREFIX + "gpuroute.pool.llama.requests.picked"] == 6, stats
         assert [k for k in stats if k.endswith(".picks") or ".gpuroute_endpoint." in k] == [], stats
