@@ -2,7 +2,8 @@
 """Checks every Envoy configuration gpuroute ships, with the real Envoy binary.
 
     check_configs.py --envoy .venv/bin/envoy --wasm target/wasm32-wasip1/wasm-release/gpuroute_filter.wasm
-    check_configs.py --regenerate        # rewrite envoy/local/*.yaml from envoy/local/stack.json
+    check_configs.py --regenerate        # rewrite envoy/local/*.yaml from envoy/local/stack.json,
+                                         # and the manifests' stats_tags from render.STATS_TAGS
 
 Checks, one line each (exit status 1 if any fails):
   drift        envoy/local/*.yaml are exactly what render.py makes of envoy/local/stack.json
@@ -190,11 +191,58 @@ def load_stack():
         return json.load(f)
 
 
+# The manifests that carry their own copy of render.STATS_TAGS (Envoy Gateway's EnvoyProxy and
+# Istio's BOOTSTRAP patch): `--regenerate` rewrites the copies, the manifest checks compare them.
+STATS_TAGS_COPIES = [HERE / "envoy-gateway" / "01-gateway.yaml", HERE / "istio" / "04-envoyfilter.yaml"]
+
+
+def yaml_scalar(s):
+    """`s` as a YAML scalar on one line: plain where YAML reads it back as the same string,
+    single-quoted otherwise (a regex starting with `[` or holding `: ` or ` #`)."""
+    try:
+        if yaml.safe_load(f"k: {s}") == {"k": s}:
+            return s
+    except yaml.YAMLError:
+        pass
+    return "'" + s.replace("'", "''") + "'"
+
+
+def sync_stats_tags(text, tags):
+    """`text` (a manifest) with the list under its one `stats_tags:` key replaced by `tags`,
+    each `- tag_name: ...` / `  regex: ...` at the key's indentation. Everything else in the
+    text, comments included, is kept byte for byte."""
+    lines = text.splitlines(keepends=True)
+    keys = [i for i, line in enumerate(lines) if line.strip() == "stats_tags:"]
+    if len(keys) != 1:
+        raise CheckError(f"expected one `stats_tags:` key, found {len(keys)}")
+    at = keys[0]
+    indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
+    end = at + 1
+    # The old list: its items at the key's indentation, their fields deeper.
+    while end < len(lines):
+        line = lines[end]
+        body = line[len(indent):]
+        if not line.startswith(indent) or not (body.startswith("- ") or body.startswith("  ")):
+            break
+        end += 1
+    new = []
+    for tag in tags:
+        new.append(f"{indent}- tag_name: {yaml_scalar(tag['tag_name'])}\n")
+        new.append(f"{indent}  regex: {yaml_scalar(tag['regex'])}\n")
+    return "".join(lines[: at + 1] + new + lines[end:])
+
+
 def regenerate():
     stack = load_stack()
     for name, (mode, runtime) in LOCAL_OUTPUTS.items():
         (LOCAL / name).write_text(render_local(stack, mode, runtime))
         print(f"wrote envoy/local/{name}")
+    for path in STATS_TAGS_COPIES:
+        old = path.read_text()
+        new = sync_stats_tags(old, render.STATS_TAGS)
+        if new != old:
+            path.write_text(new)
+            print(f"wrote the stats_tags of {path.relative_to(ROOT)}")
 
 
 def check_drift(name, mode, runtime):
@@ -773,7 +821,8 @@ def check_stats_tags(doc, where):
     tags = (doc.get("stats_config") or {}).get("stats_tags")
     if tags != render.STATS_TAGS:
         names = [t.get("tag_name") for t in tags or []]
-        raise CheckError(f"{where}: stats_config.stats_tags must be envoy/render.py's STATS_TAGS (the tags here: {names})")
+        raise CheckError(f"{where}: stats_config.stats_tags must be envoy/render.py's STATS_TAGS (the tags here: "
+                         f"{names}); `.venv/bin/python envoy/check_configs.py --regenerate` rewrites them")
 
 
 def proto_merge(dst, src):
@@ -1657,7 +1706,7 @@ def main():
         default=str(ROOT / "target" / "release" / "sidecar-metrics"),
         help="sidecar-metrics binary for checking the aggregator ConfigMaps (skipped if absent)",
     )
-    ap.add_argument("--regenerate", action="store_true", help="rewrite envoy/local/*.yaml from stack.json and exit")
+    ap.add_argument("--regenerate", action="store_true", help="rewrite envoy/local/*.yaml from stack.json, the manifests' stats_tags from render.py, and exit")
     ap.add_argument("--keep", action="store_true", help="keep the generated configs and Envoy logs")
     args = ap.parse_args()
 

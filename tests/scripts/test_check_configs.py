@@ -136,3 +136,58 @@ def test_the_wasm_filters_patches_select_nothing_with_the_module():
 
     with pytest.raises(cc.CheckError, match="selects nothing"):
         fragment(variant_docs(keep_wasm_patches))
+
+
+def _stats_tags_in(text):
+    """Every stats_tags list in a manifest's text, looking into strings that are YAML
+    themselves (Envoy Gateway's bootstrap `value: |`)."""
+    found = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for k, v in node.items():
+                if k == "stats_tags":
+                    found.append(v)
+                else:
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+        elif isinstance(node, str) and "stats_tags:" in node:
+            walk(yaml.safe_load(node))
+
+    for doc in yaml.safe_load_all(text):
+        walk(doc)
+    return found
+
+
+@pytest.mark.parametrize("path", cc.STATS_TAGS_COPIES, ids=lambda p: p.name)
+def test_regenerating_the_stats_tags_rewrites_only_the_list(path):
+    text = path.read_text()
+    # The shipped copy is what regenerating writes, byte for byte.
+    assert cc.sync_stats_tags(text, cc.render.STATS_TAGS) == text
+    assert _stats_tags_in(text) == [cc.render.STATS_TAGS]
+
+    # A changed list: a tag dropped, one added whose regex plain YAML would misread (a leading
+    # `[`, a `: ` and a ` #`), one with a quote in it.
+    tags = copy.deepcopy(cc.render.STATS_TAGS[1:])
+    tags.append({"tag_name": "gpuroute_extra", "regex": r"[a-z]+: x #(\.y)'$"})
+    tags.append({"tag_name": "it's", "regex": r"^a(\.b)$"})
+    new = cc.sync_stats_tags(text, tags)
+    assert _stats_tags_in(new) == [tags]
+    # Outside the list, nothing moved: the lines before it and after it are the old ones.
+    old_lines, new_lines = text.splitlines(), new.splitlines()
+    start = next(i for i, line in enumerate(old_lines) if line.strip() == "stats_tags:")
+    old_end = start + 1 + 2 * len(cc.render.STATS_TAGS)
+    new_end = start + 1 + 2 * len(tags)
+    assert new_lines[: start + 1] == old_lines[: start + 1]
+    assert new_lines[new_end:] == old_lines[old_end:]
+    # And back again.
+    assert cc.sync_stats_tags(new, cc.render.STATS_TAGS) == text
+
+
+def test_a_manifest_without_one_stats_tags_key_is_refused():
+    with pytest.raises(cc.CheckError, match="found 0"):
+        cc.sync_stats_tags("a: 1\n", cc.render.STATS_TAGS)
+    with pytest.raises(cc.CheckError, match="found 2"):
+        cc.sync_stats_tags("a:\n  stats_tags:\n  - x\nb:\n  stats_tags:\n  - y\n", cc.render.STATS_TAGS)
