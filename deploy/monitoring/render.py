@@ -83,25 +83,25 @@ ROWS = [
     ]),
     ("Aggregator (sidecar-metrics)", [
         ("Pods by health", "short", [
-            ('max by (pool, healthy) (sidecar_pods{pool=~"$pool"})', "{{pool}} healthy={{healthy}}"),
+            ('max by (gpuroute_pool, healthy) (gpuroute_sidecar_pods{gpuroute_pool=~"$pool"})', "{{gpuroute_pool}} healthy={{healthy}}"),
         ]),
         ("Failed scrapes by pool and kind", "ops", [
-            ('sum by (pool, kind) (rate(sidecar_scrape_failures_total{pool=~"$pool"}[$__rate_interval]))', "{{pool}} {{kind}}"),
+            ('sum by (gpuroute_pool, kind) (rate(gpuroute_sidecar_scrape_failures_total{gpuroute_pool=~"$pool"}[$__rate_interval]))', "{{gpuroute_pool}} {{kind}}"),
         ]),
         ("Scrape and round time, p99", "s", [
-            ("histogram_quantile(0.99, sum by (le) (rate(sidecar_scrape_duration_seconds_bucket[$__rate_interval])))", "scrape"),
-            ("histogram_quantile(0.99, sum by (le) (rate(sidecar_round_duration_seconds_bucket[$__rate_interval])))", "round"),
+            ("histogram_quantile(0.99, sum by (le) (rate(gpuroute_sidecar_scrape_duration_seconds_bucket[$__rate_interval])))", "scrape"),
+            ("histogram_quantile(0.99, sum by (le) (rate(gpuroute_sidecar_round_duration_seconds_bucket[$__rate_interval])))", "round"),
         ]),
         ("Snapshot pushes", "ops", [
-            ("sum by (url) (rate(sidecar_push_accepted_total[$__rate_interval]))", "{{url}} accepted"),
-            ("sum by (url, reason) (rate(sidecar_push_failures_total[$__rate_interval]))", "{{url}} failed: {{reason}}"),
+            ("sum by (url) (rate(gpuroute_sidecar_push_accepted_total[$__rate_interval]))", "{{url}} accepted"),
+            ("sum by (url, reason) (rate(gpuroute_sidecar_push_failures_total[$__rate_interval]))", "{{url}} failed: {{reason}}"),
         ]),
         ("Push time, p99", "s", [
-            ("histogram_quantile(0.99, sum by (le, url) (rate(sidecar_push_duration_seconds_bucket[$__rate_interval])))", "{{url}}"),
+            ("histogram_quantile(0.99, sum by (le, url) (rate(gpuroute_sidecar_push_duration_seconds_bucket[$__rate_interval])))", "{{url}}"),
         ]),
         ("Between gateway replicas (relay)", "ops", [
-            ("sum by (direction) (rate(sidecar_prefix_records_total[$__rate_interval]))", "prefix records {{direction}}"),
-            ("sum by (direction) (rate(sidecar_replica_load_relayed_total[$__rate_interval]))", "prefill counts {{direction}}"),
+            ("sum by (direction) (rate(gpuroute_sidecar_prefix_records_total[$__rate_interval]))", "prefix records {{direction}}"),
+            ("sum by (direction) (rate(gpuroute_sidecar_replica_load_relayed_total[$__rate_interval]))", "prefill counts {{direction}}"),
         ]),
     ]),
 ]
@@ -202,31 +202,31 @@ TESTS = [
         ("GpurouteSnapshotsRejected", "15m", []),
     ]),
     ("Pool llama loses all its pods; qwen has one of three; an empty pool is no alarm", [
-        series("sidecar_pods", {**SC, "pool": "llama", "healthy": "true"}, "4 4 0 0 0 0 0 0 0 0 0 0 0 0 0"),
-        series("sidecar_pods", {**SC, "pool": "llama", "healthy": "false"}, "0 0 4 4 4 4 4 4 4 4 4 4 4 4 4"),
-        series("sidecar_pods", {**SC, "pool": "qwen", "healthy": "true"}, "1x14"),
-        series("sidecar_pods", {**SC, "pool": "qwen", "healthy": "false"}, "2x14"),
-        series("sidecar_pods", {**SC, "pool": "empty", "healthy": "true"}, "0x14"),
-        series("sidecar_pods", {**SC, "pool": "empty", "healthy": "false"}, "0x14"),
+        series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "llama", "healthy": "true"}, "4 4 0 0 0 0 0 0 0 0 0 0 0 0 0"),
+        series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "llama", "healthy": "false"}, "0 0 4 4 4 4 4 4 4 4 4 4 4 4 4"),
+        series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "qwen", "healthy": "true"}, "1x14"),
+        series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "qwen", "healthy": "false"}, "2x14"),
+        series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "empty", "healthy": "true"}, "0x14"),
+        series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "empty", "healthy": "false"}, "0x14"),
     ], [
         ("GpuroutePoolWithoutHealthyPods", "2m", []),
-        ("GpuroutePoolWithoutHealthyPods", "4m", [({"pool": "llama"}, "Pool llama has no healthy pod")]),
-        ("GpuroutePoolDegraded", "12m", [({"pool": "llama"}, "Pool llama: only 0% of pods healthy"),
-                                         ({"pool": "qwen"}, "Pool qwen: only 33.33% of pods healthy")]),
+        ("GpuroutePoolWithoutHealthyPods", "4m", [({"gpuroute_pool": "llama"}, "Pool llama has no healthy pod")]),
+        ("GpuroutePoolDegraded", "12m", [({"gpuroute_pool": "llama"}, "Pool llama: only 0% of pods healthy"),
+                                         ({"gpuroute_pool": "qwen"}, "Pool qwen: only 33.33% of pods healthy")]),
     ]),
     ("A fifth of the scrapes fail", [
-        series("sidecar_scrape_failures_total", {**SC, "pool": "llama", "pod": "10.0.0.1:8000", "kind": "timeout"}, "0+120x30"),
-        series("sidecar_scrape_duration_seconds_count", SC, "0+600x30"),
+        series("gpuroute_sidecar_scrape_failures_total", {**SC, "gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.1:8000", "kind": "timeout"}, "0+120x30"),
+        series("gpuroute_sidecar_scrape_duration_seconds_count", SC, "0+600x30"),
     ], [
         ("GpurouteScrapesFailing", "8m", []),
         ("GpurouteScrapesFailing", "20m", [({}, "20% of sidecar-metrics' scrapes fail")]),
     ]),
     ("Pushes to one Envoy all fail; to another they go through, a few failing", [
         # Accepted until minute 5 (a new token rolled out to the Envoy, not to the sidecar).
-        series("sidecar_push_accepted_total", {**SC, "url": URL}, "0+600x5 3000x15"),
-        series("sidecar_push_failures_total", {**SC, "url": URL, "reason": "unauthorized_401"}, "0x5 0+600x15"),
-        series("sidecar_push_accepted_total", {**SC, "url": "http://127.0.0.1:9003/gpuroute/v1/snapshot"}, "0+600x20"),
-        series("sidecar_push_failures_total", {**SC, "url": "http://127.0.0.1:9003/gpuroute/v1/snapshot",
+        series("gpuroute_sidecar_push_accepted_total", {**SC, "url": URL}, "0+600x5 3000x15"),
+        series("gpuroute_sidecar_push_failures_total", {**SC, "url": URL, "reason": "unauthorized_401"}, "0x5 0+600x15"),
+        series("gpuroute_sidecar_push_accepted_total", {**SC, "url": "http://127.0.0.1:9003/gpuroute/v1/snapshot"}, "0+600x20"),
+        series("gpuroute_sidecar_push_failures_total", {**SC, "url": "http://127.0.0.1:9003/gpuroute/v1/snapshot",
                                                "reason": "timeout"}, "0+1x20"),
     ], [
         # The last accepted push still inside the 5-minute window, then the 2 minutes' `for`.
@@ -234,8 +234,8 @@ TESTS = [
         ("GpuroutePushesFailing", "13m", [({**SC, "url": URL}, f"sidecar-metrics cannot push to {URL}")]),
     ]),
     ("Half the rounds miss their deadline", [
-        series("sidecar_rounds_incomplete_total", SC, "0+300x30"),
-        series("sidecar_round_duration_seconds_count", SC, "0+600x30"),
+        series("gpuroute_sidecar_rounds_incomplete_total", SC, "0+300x30"),
+        series("gpuroute_sidecar_round_duration_seconds_count", SC, "0+600x30"),
     ], [
         ("GpurouteRoundsIncomplete", "20m", [(SC, "50% of scrape rounds miss their publish deadline")]),
     ]),

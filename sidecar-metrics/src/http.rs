@@ -235,17 +235,17 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
         let st = &r.stats;
         let _ = write!(
             body,
-            "# HELP sidecar_prefix_records_total Prefix records relayed between gateway replicas: out = read from this replica's Envoys, in = received from peers.\n\
-             # TYPE sidecar_prefix_records_total counter\n\
-             sidecar_prefix_records_total{{direction=\"out\"}} {}\n\
-             sidecar_prefix_records_total{{direction=\"in\"}} {}\n\
-             # HELP sidecar_prefix_relay_failures_total Failed asks and deliveries of the prefix relay, by target.\n\
-             # TYPE sidecar_prefix_relay_failures_total counter\n\
-             sidecar_prefix_relay_failures_total{{target=\"envoy\"}} {}\n\
-             sidecar_prefix_relay_failures_total{{target=\"peer\"}} {}\n\
-             # HELP sidecar_prefix_relay_busy_skips_total Batches not sent to a target still busy with the batch before.\n\
-             # TYPE sidecar_prefix_relay_busy_skips_total counter\n\
-             sidecar_prefix_relay_busy_skips_total {}\n",
+            "# HELP gpuroute_sidecar_prefix_records_total Prefix records relayed between gateway replicas: out = read from this replica's Envoys, in = received from peers.\n\
+             # TYPE gpuroute_sidecar_prefix_records_total counter\n\
+             gpuroute_sidecar_prefix_records_total{{direction=\"out\"}} {}\n\
+             gpuroute_sidecar_prefix_records_total{{direction=\"in\"}} {}\n\
+             # HELP gpuroute_sidecar_prefix_relay_failures_total Failed asks and deliveries of the prefix relay, by target.\n\
+             # TYPE gpuroute_sidecar_prefix_relay_failures_total counter\n\
+             gpuroute_sidecar_prefix_relay_failures_total{{target=\"envoy\"}} {}\n\
+             gpuroute_sidecar_prefix_relay_failures_total{{target=\"peer\"}} {}\n\
+             # HELP gpuroute_sidecar_prefix_relay_busy_skips_total Batches not sent to a target still busy with the batch before.\n\
+             # TYPE gpuroute_sidecar_prefix_relay_busy_skips_total counter\n\
+             gpuroute_sidecar_prefix_relay_busy_skips_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),
@@ -257,23 +257,23 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
         let st = &r.stats;
         let _ = write!(
             body,
-            "# HELP sidecar_replica_load_relayed_total Bodies of in-flight (prefill) counts relayed between gateway replicas: out = read from this replica's Envoys, in = received from peers.\n\
-             # TYPE sidecar_replica_load_relayed_total counter\n\
-             sidecar_replica_load_relayed_total{{direction=\"out\"}} {}\n\
-             sidecar_replica_load_relayed_total{{direction=\"in\"}} {}\n\
-             # HELP sidecar_replica_load_failures_total Failed reads and deliveries of the in-flight count relay, by target.\n\
-             # TYPE sidecar_replica_load_failures_total counter\n\
-             sidecar_replica_load_failures_total{{target=\"envoy\"}} {}\n\
-             sidecar_replica_load_failures_total{{target=\"peer\"}} {}\n\
-             # HELP sidecar_replica_load_busy_skips_total Bodies of in-flight counts not sent: to a target still busy with the previous one from the same replica, or to an Envoy with 256 replicas' bodies waiting.\n\
-             # TYPE sidecar_replica_load_busy_skips_total counter\n\
-             sidecar_replica_load_busy_skips_total {}\n\
-             # HELP sidecar_replica_load_unchanged_total Bodies of in-flight counts not posted to a target that already has them: unchanged since its last post and the keepalive not due, or empty and already sent.\n\
-             # TYPE sidecar_replica_load_unchanged_total counter\n\
-             sidecar_replica_load_unchanged_total {}\n\
-             # HELP sidecar_replica_load_bundled_total Peers' bodies of in-flight counts posted to an Envoy in one post with other replicas' (they came while a post to it was under way, or once its six posts a load interval were spent).\n\
-             # TYPE sidecar_replica_load_bundled_total counter\n\
-             sidecar_replica_load_bundled_total {}\n",
+            "# HELP gpuroute_sidecar_replica_load_relayed_total Bodies of in-flight (prefill) counts relayed between gateway replicas: out = read from this replica's Envoys, in = received from peers.\n\
+             # TYPE gpuroute_sidecar_replica_load_relayed_total counter\n\
+             gpuroute_sidecar_replica_load_relayed_total{{direction=\"out\"}} {}\n\
+             gpuroute_sidecar_replica_load_relayed_total{{direction=\"in\"}} {}\n\
+             # HELP gpuroute_sidecar_replica_load_failures_total Failed reads and deliveries of the in-flight count relay, by target.\n\
+             # TYPE gpuroute_sidecar_replica_load_failures_total counter\n\
+             gpuroute_sidecar_replica_load_failures_total{{target=\"envoy\"}} {}\n\
+             gpuroute_sidecar_replica_load_failures_total{{target=\"peer\"}} {}\n\
+             # HELP gpuroute_sidecar_replica_load_busy_skips_total Bodies of in-flight counts not sent: to a target still busy with the previous one from the same replica, or to an Envoy with 256 replicas' bodies waiting.\n\
+             # TYPE gpuroute_sidecar_replica_load_busy_skips_total counter\n\
+             gpuroute_sidecar_replica_load_busy_skips_total {}\n\
+             # HELP gpuroute_sidecar_replica_load_unchanged_total Bodies of in-flight counts not posted to a target that already has them: unchanged since its last post and the keepalive not due, or empty and already sent.\n\
+             # TYPE gpuroute_sidecar_replica_load_unchanged_total counter\n\
+             gpuroute_sidecar_replica_load_unchanged_total {}\n\
+             # HELP gpuroute_sidecar_replica_load_bundled_total Peers' bodies of in-flight counts posted to an Envoy in one post with other replicas' (they came while a post to it was under way, or once its six posts a load interval were spent).\n\
+             # TYPE gpuroute_sidecar_replica_load_bundled_total counter\n\
+             gpuroute_sidecar_replica_load_bundled_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),

@@ -78,41 +78,41 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
     if let Some(p) = published {
         header(
             &mut out,
-            "sidecar_scrape_duration_seconds",
+            "gpuroute_sidecar_scrape_duration_seconds",
             "histogram",
             "Time to fetch and read one pod's /metrics (successes and failures).",
         );
         p.scrape_latency
-            .render(&mut out, "sidecar_scrape_duration_seconds", "");
-        header(&mut out, "sidecar_round_duration_seconds", "histogram",
+            .render(&mut out, "gpuroute_sidecar_scrape_duration_seconds", "");
+        header(&mut out, "gpuroute_sidecar_round_duration_seconds", "histogram",
             "Time from a round's start until every pod scraped in it answered (or the publish deadline).");
         p.round_latency
-            .render(&mut out, "sidecar_round_duration_seconds", "");
+            .render(&mut out, "gpuroute_sidecar_round_duration_seconds", "");
         header(
             &mut out,
-            "sidecar_rounds_incomplete_total",
+            "gpuroute_sidecar_rounds_incomplete_total",
             "counter",
             "Rounds published at the deadline with some pods still being scraped.",
         );
         let _ = writeln!(
             out,
-            "sidecar_rounds_incomplete_total {}",
+            "gpuroute_sidecar_rounds_incomplete_total {}",
             p.rounds_incomplete
         );
         header(
             &mut out,
-            "sidecar_scrape_filter_fallbacks_total",
+            "gpuroute_sidecar_scrape_filter_fallbacks_total",
             "counter",
             "Pods scraped whole after asking for only the metrics read found none (filter_metrics).",
         );
         let _ = writeln!(
             out,
-            "sidecar_scrape_filter_fallbacks_total {}",
+            "gpuroute_sidecar_scrape_filter_fallbacks_total {}",
             p.filter_fallbacks
         );
         header(
             &mut out,
-            "sidecar_scrape_failures_total",
+            "gpuroute_sidecar_scrape_failures_total",
             "counter",
             "Failed scrapes per pod and kind (connect, timeout, status, body, parse, no_metrics).",
         );
@@ -120,14 +120,14 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
             for (pod, st) in pool.pods.iter().zip(statuses) {
                 for (kind, n) in &st.failures_by_kind {
                     let _ = writeln!(out,
-                        "sidecar_scrape_failures_total{{pool=\"{}\",pod=\"{}\",kind=\"{kind}\"}} {n}",
+                        "gpuroute_sidecar_scrape_failures_total{{gpuroute_pool=\"{}\",gpuroute_endpoint=\"{}\",kind=\"{kind}\"}} {n}",
                         esc(&pool.name), esc(&pod.address));
                 }
             }
         }
         header(
             &mut out,
-            "sidecar_pods",
+            "gpuroute_sidecar_pods",
             "gauge",
             "Pods per pool and health.",
         );
@@ -135,45 +135,49 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
             let healthy = pool.pods.iter().filter(|x| x.healthy).count();
             let _ = writeln!(
                 out,
-                "sidecar_pods{{pool=\"{}\",healthy=\"true\"}} {healthy}",
+                "gpuroute_sidecar_pods{{gpuroute_pool=\"{}\",healthy=\"true\"}} {healthy}",
                 esc(&pool.name)
             );
             let _ = writeln!(
                 out,
-                "sidecar_pods{{pool=\"{}\",healthy=\"false\"}} {}",
+                "gpuroute_sidecar_pods{{gpuroute_pool=\"{}\",healthy=\"false\"}} {}",
                 esc(&pool.name),
                 pool.pods.len() - healthy
             );
         }
         header(
             &mut out,
-            "sidecar_snapshot_bytes",
+            "gpuroute_sidecar_snapshot_bytes",
             "gauge",
             "Size of the last snapshot's JSON.",
         );
-        let _ = writeln!(out, "sidecar_snapshot_bytes {}", p.json.len());
+        let _ = writeln!(out, "gpuroute_sidecar_snapshot_bytes {}", p.json.len());
         header(
             &mut out,
-            "sidecar_snapshot_version",
+            "gpuroute_sidecar_snapshot_version",
             "gauge",
             "Version of the last snapshot.",
         );
-        let _ = writeln!(out, "sidecar_snapshot_version {}", p.snapshot.version);
+        let _ = writeln!(
+            out,
+            "gpuroute_sidecar_snapshot_version {}",
+            p.snapshot.version
+        );
         header(
             &mut out,
-            "sidecar_snapshots_invalid_total",
+            "gpuroute_sidecar_snapshots_invalid_total",
             "counter",
             "Snapshots that failed their own validation and were not pushed (a bug).",
         );
         let _ = writeln!(
             out,
-            "sidecar_snapshots_invalid_total {}",
+            "gpuroute_sidecar_snapshots_invalid_total {}",
             p.invalid_snapshots
         );
     }
     header(
         &mut out,
-        "sidecar_push_duration_seconds",
+        "gpuroute_sidecar_push_duration_seconds",
         "histogram",
         "Time to POST one snapshot to an ingest URL (answered pushes).",
     );
@@ -181,31 +185,31 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
         let s = t.stats();
         s.latency.render(
             &mut out,
-            "sidecar_push_duration_seconds",
+            "gpuroute_sidecar_push_duration_seconds",
             &format!("url=\"{}\"", esc(&t.url)),
         );
     }
     header(
         &mut out,
-        "sidecar_push_accepted_total",
+        "gpuroute_sidecar_push_accepted_total",
         "counter",
         "Snapshots accepted (204) per ingest URL.",
     );
     for t in push {
         let _ = writeln!(
             out,
-            "sidecar_push_accepted_total{{url=\"{}\"}} {}",
+            "gpuroute_sidecar_push_accepted_total{{url=\"{}\"}} {}",
             esc(&t.url),
             t.stats().accepted
         );
     }
-    header(&mut out, "sidecar_push_failures_total", "counter",
+    header(&mut out, "gpuroute_sidecar_push_failures_total", "counter",
         "Failed pushes per ingest URL and reason (unreachable, timeout, rejected_400, unauthorized_401, too_large_413, status).");
     for t in push {
         for (kind, n) in &t.stats().failures {
             let _ = writeln!(
                 out,
-                "sidecar_push_failures_total{{url=\"{}\",reason=\"{kind}\"}} {n}",
+                "gpuroute_sidecar_push_failures_total{{url=\"{}\",reason=\"{kind}\"}} {n}",
                 esc(&t.url)
             );
         }

@@ -45,7 +45,7 @@ pub enum ScrapeError {
 }
 
 impl ScrapeError {
-    /// Short label for metrics (`sidecar_scrape_failures_total{kind=...}`).
+    /// Short label for metrics (`gpuroute_sidecar_scrape_failures_total{kind=...}`).
     pub fn kind(&self) -> &'static str {
         match self {
             ScrapeError::Connect(_) => "connect",

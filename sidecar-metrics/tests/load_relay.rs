@@ -202,16 +202,16 @@ async fn the_load_surface_checks_the_token_and_the_replica_and_hands_the_counts_
     assert!(eventually(Duration::from_secs(5), || !a.from("gw-1/1").is_empty()).await);
     let m = metrics(run.local_addr).await;
     assert!(
-        m.contains("sidecar_replica_load_relayed_total{direction=\"in\"} 2\n"),
+        m.contains("gpuroute_sidecar_replica_load_relayed_total{direction=\"in\"} 2\n"),
         "{m}"
     );
     for line in [
-        "sidecar_replica_load_relayed_total{direction=\"out\"} ",
-        "sidecar_replica_load_failures_total{target=\"envoy\"} ",
-        "sidecar_replica_load_failures_total{target=\"peer\"} 0\n",
-        "sidecar_replica_load_busy_skips_total ",
-        "sidecar_replica_load_unchanged_total ",
-        "sidecar_replica_load_bundled_total 0\n",
+        "gpuroute_sidecar_replica_load_relayed_total{direction=\"out\"} ",
+        "gpuroute_sidecar_replica_load_failures_total{target=\"envoy\"} ",
+        "gpuroute_sidecar_replica_load_failures_total{target=\"peer\"} 0\n",
+        "gpuroute_sidecar_replica_load_busy_skips_total ",
+        "gpuroute_sidecar_replica_load_unchanged_total ",
+        "gpuroute_sidecar_replica_load_bundled_total 0\n",
     ] {
         assert!(m.contains(line), "{line} in {m}");
     }
@@ -297,7 +297,7 @@ async fn one_replicas_counts_reach_another_replicas_envoy_within_100_ms() {
     let m = metrics(one.local_addr).await;
     let unchanged = m
         .lines()
-        .find_map(|l| l.strip_prefix("sidecar_replica_load_unchanged_total "))
+        .find_map(|l| l.strip_prefix("gpuroute_sidecar_replica_load_unchanged_total "))
         .and_then(|v| v.parse::<u64>().ok());
     assert!(unchanged.is_some_and(|n| n > 0), "{m}");
     // Nothing goes back: B's sidecar reads B (404 here), and A hears nothing from replica 2.

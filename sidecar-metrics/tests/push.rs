@@ -224,7 +224,7 @@ async fn a_pod_that_answers_nothing_filtered_is_scraped_whole_and_shown_so() {
     assert!(healthy, "both pods read");
     let (_, metrics) = get(run.local_addr, "/metrics").await;
     assert!(
-        metrics.contains("\nsidecar_scrape_filter_fallbacks_total 1\n"),
+        metrics.contains("\ngpuroute_sidecar_scrape_filter_fallbacks_total 1\n"),
         "{metrics}"
     );
     assert!(
@@ -263,8 +263,8 @@ async fn the_metrics_listener_serves_metrics_and_nothing_of_the_fleet() {
     let (status, metrics) = get(metrics_addr, "/metrics").await;
     assert_eq!(status, 200);
     for family in [
-        "sidecar_pods{pool=\"llama\",healthy=\"true\"} 1",
-        "sidecar_push_accepted_total{url=",
+        "gpuroute_sidecar_pods{gpuroute_pool=\"llama\",healthy=\"true\"} 1",
+        "gpuroute_sidecar_push_accepted_total{url=",
     ] {
         assert!(metrics.contains(family), "{family} missing from {metrics}");
     }

@@ -133,7 +133,7 @@ def test_prefix_affinity_holds_across_workers_and_replicas(pods):
         gws, scs = sidecar_replicas(pods, relay)
         try:
             results[label] = run(gws, pods, push=False, gap_s=0.01)
-            relayed = [sc.metric('sidecar_prefix_records_total{direction="in"}') for sc in scs]
+            relayed = [sc.metric('gpuroute_sidecar_prefix_records_total{direction="in"}') for sc in scs]
             if relay:
                 assert all(n and n > 0 for n in relayed), relayed
             else:

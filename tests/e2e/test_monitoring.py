@@ -48,13 +48,13 @@ CONFIG = {
 # Alerts this scenario brings about (pending, for those with a `for`, or firing), with the
 # labels that must be on them; and every other alert must stay quiet.
 EXPECTED_ALERTS = {
-    "GpuroutePoolWithoutHealthyPods": {"pool": "mistral"},
+    "GpuroutePoolWithoutHealthyPods": {"gpuroute_pool": "mistral"},
     "GpurouteFailingOpen": {"gpuroute_pool": "mistral"},
     "GpurouteSnapshotsRejected": {"gpuroute_reason": "unauthorized"},
     "GpurouteShedding": {"gpuroute_pool": "llama"},
     "GpurouteHoldExpiring": {},
     "GpurouteScrapesFailing": {},
-    "GpuroutePoolDegraded": {"pool": "mistral"},
+    "GpuroutePoolDegraded": {"gpuroute_pool": "mistral"},
     "GpurouteResponsesUnpinned": {},  # half the turns name an id the gateway never saw
     "GpuroutePodStatsFull": {},
 }
@@ -168,7 +168,7 @@ def stack():
     sc = Sidecar({p["name"]: p["endpoints"] for p in pools}, [f"http://{gw.ingest}/gpuroute/v1/snapshot", nowhere],
                  extra={"metrics_listen": sc_metrics})
     prom = Prometheus({"envoy": (metrics, "/stats/prometheus"), "sidecar": (sc_metrics, "/metrics")})
-    yield pods, gw, sc, prom, nowhere, metrics
+    yield pods, gw, sc, prom, nowhere, metrics, dead
     prom.stop()
     sc.stop()
     gw.stop()
@@ -179,7 +179,7 @@ def stack():
 def test_the_metrics_listener_serves_the_stats_and_nothing_else_of_the_admin(stack):
     """render.py's `metrics` listener: GET /stats/prometheus (with a query too) reaches the
     admin interface; any other path or method gets a 404, and Envoy keeps running."""
-    _, gw, _, _, _, metrics = stack
+    _, gw, _, _, _, metrics, _ = stack
 
     def ask(method, path):
         conn = http.client.HTTPConnection(metrics, timeout=5)
@@ -236,7 +236,7 @@ def drive(gw, seconds, saturated):
 
 
 def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
-    pods, gw, sc, prom, nowhere, _ = stack
+    pods, gw, sc, prom, nowhere, _, dead_pod = stack
     wait_for(lambda: gw.stats().get(STAT_PREFIX + "gpuroute.snapshot.accepted", 0) > 0, timeout=10,
              what="a snapshot from sidecar-metrics")
     drive(gw, 3, saturated=False)
@@ -271,6 +271,11 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     homes = {"llama": {pods["llama-0"].address, pods["llama-1"].address}, "qwen": {pods["qwen-0"].address}}
     assert len(picks) == 3 and [e for _, e in picks].count("other") == 1, picks
     assert all(e in homes[p] for p, e in picks if e != "other"), picks
+    # sidecar-metrics labels its pods the same way: mistral's dead pod's failed scrapes carry
+    # the pool and the address Envoy's counters would.
+    failed = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_endpoint"], s["metric"]["kind"])
+              for s in prom.query("gpuroute_sidecar_scrape_failures_total > 0")}
+    assert failed == {("mistral", dead_pod, "connect")}, failed
     outcomes = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_outcome"]) for s in prom.query("gpuroute:requests:rate5m")
                 if float(s["value"][1]) > 0}
     assert {("llama", "picked"), ("llama", "shed"), ("qwen", "picked"), ("mistral", "fail_open")} <= outcomes, outcomes
@@ -287,7 +292,7 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     for expr in [e for _, e in dashboard_queries()] + re.findall(r"expr: (.+(?:\n {10,}.+)*)", rules_text()):
         names |= {("=~", n) for n in re.findall(r'__name__=~"([^"]+)"', expr)}
         plain = re.sub(r'__name__=~"[^"]+"', "", expr)
-        names |= {("=", n) for n in re.findall(r"\b((?:envoy|sidecar)_[a-z0-9_]+)\b", plain)}
+        names |= {("=", n) for n in re.findall(r"\b((?:envoy|gpuroute_sidecar)_[a-z0-9_]+)\b", plain)}
     missing = [n for op, n in sorted(names)
                if not prom.query(f'count({{__name__{op}"{n}"}})')
                and not (RUNTIME == "dynamic" and n == "envoy_wasm_.+_vm_reload")]

@@ -521,7 +521,7 @@ def test_through_the_relay_a_replica_routes_around_another_replicas_prefills(pod
         time.sleep(0.1)  # a few relay rounds, and B's workers' next exchange
         served = [b.chat("llama-3-8b", f"New question {i}: how tight should a stem bolt be?", timeout=5)[1]
                   ["x-served-by"] for i in range(4)]
-        relayed = scs[0].metric('sidecar_replica_load_relayed_total{direction="out"}')
+        relayed = scs[0].metric('gpuroute_sidecar_replica_load_relayed_total{direction="out"}')
         taken = b.stat(STAT_PREFIX + "gpuroute.replica_load.imported")
         print(f"\nB's picks while A prefills on pods 0-2: {served}; A's counts relayed {relayed} times, "
               f"taken by B {taken} times")
@@ -594,8 +594,8 @@ def test_a_sidecar_hands_its_envoy_at_most_six_posts_of_peers_counts_an_interval
         assert took[-1] < 0.5 and statuses == [204, 204] and together >= 0.9, (took, statuses, together)
         # The Envoy took eight replicas' counts; the last two came in one bundle.
         assert gw.stat(STAT_PREFIX + "gpuroute.replica_load.imported") == 8
-        assert sc.metric("sidecar_replica_load_bundled_total") == 2
-        assert sc.metric('sidecar_replica_load_relayed_total{direction="in"}') == 8
+        assert sc.metric("gpuroute_sidecar_replica_load_bundled_total") == 2
+        assert sc.metric('gpuroute_sidecar_replica_load_relayed_total{direction="in"}') == 8
     finally:
         sc.stop()
         gw.stop()
