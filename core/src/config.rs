@@ -134,6 +134,13 @@ pub struct PoolConfig {
     /// beside chat pools on `latency`, a pool whose metrics come slower).
     #[serde(default)]
     pub scoring: ScoringOverrides,
+    /// Pools that take this pool's requests while the snapshot shows it without a healthy pod
+    /// with fresh metrics: the first of them that has one (a standby pool in another zone or
+    /// cluster). Their pods serve this pool's models and adapters under the same names; the
+    /// request goes unchanged but for `x-gateway-pool`. Not followed further: a failover
+    /// pool's own `failover` applies to requests for its own models only.
+    #[serde(default)]
+    pub failover: Vec<String>,
 }
 
 /// Per-pool changes to [`ScoringConfig`]: each field given replaces the top-level one; `weights`
@@ -655,8 +662,31 @@ impl FilterConfig {
                     format!("duplicate pool {:?}", pool.name),
                 ));
             }
-            if pool.models.is_empty() {
-                return Err(cfg_err(format!("{f}.models"), "needs at least one model"));
+            // A standby pool serves only as another pool's failover: no names of its own.
+            let standby = self.pools.iter().any(|p| p.failover.contains(&pool.name));
+            if pool.models.is_empty() && !standby {
+                return Err(cfg_err(
+                    format!("{f}.models"),
+                    "needs at least one model (or to be named in another pool's failover)",
+                ));
+            }
+            if pool.models.is_empty() && !pool.adapters.is_empty() {
+                return Err(cfg_err(
+                    format!("{f}.adapters"),
+                    "a pool without models has no base model for adapters",
+                ));
+            }
+            for (j, name) in pool.failover.iter().enumerate() {
+                let at = format!("{f}.failover[{j}]");
+                if name == &pool.name {
+                    return Err(cfg_err(at, "a pool cannot be its own failover"));
+                }
+                if !self.pools.iter().any(|p| &p.name == name) {
+                    return Err(cfg_err(at, format!("no pool named {name:?}")));
+                }
+                if pool.failover[..j].contains(name) {
+                    return Err(cfg_err(at, format!("{name:?} is listed twice")));
+                }
             }
             let all = pool
                 .models
@@ -708,8 +738,15 @@ impl FilterConfig {
             return Err(cfg_err("max_body_bytes", "must be between 1 and 64 MiB"));
         }
         if let Some(d) = &self.default_pool {
-            if !self.pools.iter().any(|p| &p.name == d) {
-                return Err(cfg_err("default_pool", format!("no pool named {d:?}")));
+            match self.pools.iter().find(|p| &p.name == d) {
+                None => return Err(cfg_err("default_pool", format!("no pool named {d:?}"))),
+                Some(p) if p.models.is_empty() => {
+                    return Err(cfg_err(
+                        "default_pool",
+                        format!("pool {d:?} has no model to send requests without one as"),
+                    ))
+                }
+                Some(_) => {}
             }
         }
         if self.fallback_endpoints > 16 {
@@ -965,6 +1002,18 @@ mod tests {
     }
 
     #[test]
+    fn a_standby_pool_needs_no_models_of_its_own() {
+        let c = FilterConfig::from_json(
+            br#"{"pools":[{"name":"llama","models":["m"],"failover":["dr","other"]},
+                          {"name":"dr","models":[]},
+                          {"name":"other","models":["o"],"failover":["llama"]}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.pools[0].failover, ["dr", "other"]);
+        assert!(c.pools[1].failover.is_empty() && c.pools[1].models.is_empty());
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let cases = [
             (r#"{"pools":[{"name":"","models":["m"]}]}"#, "pools[0].name"),
@@ -982,6 +1031,26 @@ mod tests {
                 "pools[0].adapters",
             ),
             (r#"{"pools":[],"default_pool":"z"}"#, "default_pool"),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"failover":["p"]}]}"#,
+                "pools[0].failover[0]",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"failover":["q"]}]}"#,
+                "pools[0].failover[0]",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"failover":["q","q"]},{"name":"q","models":[]}]}"#,
+                "pools[0].failover[1]",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"failover":["q"]},{"name":"q","models":[],"adapters":["a"]}]}"#,
+                "pools[1].adapters",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"failover":["q"]},{"name":"q","models":[]}],"default_pool":"q"}"#,
+                "default_pool",
+            ),
             (r#"{"pools":[],"max_body_bytes":0}"#, "max_body_bytes"),
             (r#"{"pools":[],"shared_peer_reads":0}"#, "shared_peer_reads"),
             (r#"{"pools":[],"response_entries":8}"#, "response_entries"),

@@ -113,6 +113,9 @@ pub struct Prepared {
     pub rewritten_body: Option<Vec<u8>>,
     /// For a request to a split: which target it took.
     pub split: Option<SplitTaken>,
+    /// The pool the request was for when it went to a failover pool instead (`pool` names
+    /// that one): its own had no healthy pod with fresh metrics (`pools[].failover`).
+    pub failed_over: Option<Arc<str>>,
     anchors: Vec<Anchor>,
     prefix_blocks: u32,
     home_key: Option<u64>,
@@ -245,7 +248,8 @@ pub fn held_debug(waited_ms: u64, debug: &str) -> String {
 pub struct Reader {
     pub routes: RoutingTable,
     prefix: PrefixConfig,
-    /// Per pool, its scoring's `stale_after_ms` (a split passes over a pool that cannot serve).
+    /// Per pool, its scoring's `stale_after_ms` (a split and a pool's failover pass over a pool
+    /// that cannot serve).
     stale_after_ms: Vec<u64>,
 }
 
@@ -316,6 +320,15 @@ impl Format<'_> {
 }
 
 impl Reader {
+    /// Whether pool `i` has a healthy pod with fresh metrics in the snapshot `fleet` (None: no
+    /// snapshot, or the snapshot does not list the pool).
+    fn serving(&self, fleet: Option<&FleetState>, now_ms: u64, i: usize) -> Option<bool> {
+        let fleet = fleet?;
+        let stale_after_ms = *self.stale_after_ms.get(i)?;
+        let pool = fleet.pool(self.routes.pool_name(i))?;
+        Some(pool.serving(fleet.age_ms(now_ms), stale_after_ms))
+    }
+
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
     /// API's answers to send.
     pub fn read(&self, path: &str, body: &[u8], ctx: RequestContext<'_>) -> Result<Read, ApiError> {
@@ -370,7 +383,7 @@ impl Reader {
         } = ctx;
         let p = &self.prefix;
         let model_only = matches!(endpoint, Endpoint::CountTokens | Endpoint::Tokenize);
-        let (target, split) = match self.routes.resolve(req.model.as_deref())? {
+        let (mut target, split) = match self.routes.resolve(req.model.as_deref())? {
             Resolved::Target(t) => (t.clone(), None),
             Resolved::Split(s) => {
                 // The client's split key when it sent one; else the conversation's identity
@@ -389,12 +402,7 @@ impl Reader {
                 };
                 // A target whose pool the snapshot shows unable to serve is passed over; with
                 // no snapshot, or a pool it does not list, nothing is known against it.
-                let serving = |t: &Target| {
-                    let stale_after_ms = *self.stale_after_ms.get(t.pool)?;
-                    let pool = fleet?.pool(self.routes.pool_name(t.pool))?;
-                    Some(pool.serving(fleet?.age_ms(now_ms), stale_after_ms))
-                };
-                let serving = |t: &Target| serving(t).unwrap_or(true);
+                let serving = |t: &Target| self.serving(fleet, now_ms, t.pool).unwrap_or(true);
                 let Some((target, t, rerouted)) = s.pick_serving(s.key(text), serving) else {
                     return Err(ApiError::model_not_found(&s.name));
                 };
@@ -406,6 +414,23 @@ impl Reader {
                 (t.clone(), Some(taken))
             }
         };
+        // A pool the snapshot shows unable to serve hands the request to the first of its
+        // failover pools that the snapshot shows able to. Nothing known either way (no
+        // snapshot, a pool it does not list): the request stays.
+        let mut failed_over = None;
+        let failover = self.routes.failover(target.pool);
+        if !failover.is_empty() && self.serving(fleet, now_ms, target.pool) == Some(false) {
+            let to = failover
+                .iter()
+                .find(|&&j| self.serving(fleet, now_ms, j) == Some(true));
+            if let Some(&j) = to {
+                failed_over = Some(self.routes.pool_name_shared(target.pool));
+                target = Arc::new(Target {
+                    pool: j,
+                    ..Target::clone(&target)
+                });
+            }
+        }
         let rewritten_body = match (&req.model_span, target.rewrite) {
             (Some(span), true) => Some(format.rewrite_model(body, span.clone(), &target.model)),
             _ => None,
@@ -451,6 +476,7 @@ impl Reader {
             model_only,
             rewritten_body,
             split,
+            failed_over,
             prefix_blocks: blocks as u32,
             home_key,
             conversation,
@@ -694,6 +720,9 @@ impl Engine {
             let mut d = format_breakdown(pool, choice.picked_index, &explain);
             if pinned {
                 d = format!("previous-response; {d}");
+            }
+            if let Some(from) = &prep.failed_over {
+                d = format!("failover={from}->{}; {d}", prep.pool);
             }
             if let Some(taken) = &prep.split {
                 let (split, target) = taken.names();
@@ -1201,6 +1230,184 @@ mod tests {
             let c = e.decide(&p, Some(fleet), &[], opts, &mut rng);
             let d = c.debug.unwrap();
             assert!(d.starts_with(want), "{d}");
+        }
+    }
+
+    /// A snapshot of pools (name, [(address, healthy)]) scraped at `scraped_at`.
+    fn fleet_of(pools: &[(&str, &[(&str, bool)])], scraped_at: u64) -> FleetState {
+        let snap = Snapshot {
+            schema: SNAPSHOT_SCHEMA,
+            version: 1,
+            source: "test".into(),
+            generated_at_ms: scraped_at,
+            pools: pools
+                .iter()
+                .map(|(name, pods)| PoolSnapshot {
+                    name: (*name).into(),
+                    pods: pods
+                        .iter()
+                        .map(|(addr, healthy)| {
+                            let mut p = PodSnapshot::new(*addr, scraped_at);
+                            p.healthy = *healthy;
+                            p
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        FleetState::new(snap, scraped_at)
+    }
+
+    #[test]
+    fn a_pool_that_cannot_serve_hands_its_requests_to_its_first_failover_pool_that_can() {
+        let cfg = r#"{"pools":[
+            {"name":"llama","models":["llama-3"],"aliases":{"llama":"llama-3"},"adapters":["sql"],
+             "failover":["dr-a","dr-b"]},
+            {"name":"dr-a","models":[]},
+            {"name":"dr-b","models":[]},
+            {"name":"qwen","models":["qwen"]}]}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        let state = |llama: bool, a: bool, b: bool| {
+            fleet_of(
+                &[
+                    (
+                        "llama",
+                        &[("10.0.0.1:8000", llama), ("10.0.0.2:8000", false)],
+                    ),
+                    ("dr-a", &[("10.1.0.1:8000", a)]),
+                    ("dr-b", &[("10.2.0.1:8000", b)]),
+                    ("qwen", &[("10.3.0.1:8000", false)]),
+                ],
+                1_000,
+            )
+        };
+        let pool_for = |e: &mut Engine, model: &str, fleet: &FleetState, now: u64| {
+            let p = e
+                .prepare_in("/v1/chat/completions", &chat(model, "hi"), ctx(fleet, now))
+                .unwrap();
+            (
+                p.pool.to_string(),
+                p.failed_over.as_deref().map(str::to_string),
+            )
+        };
+        let stays = ("llama".to_string(), None);
+        let to = |pool: &str| (pool.to_string(), Some("llama".to_string()));
+        // One healthy pod is enough to keep the requests.
+        assert_eq!(
+            pool_for(&mut e, "llama-3", &state(true, true, true), 1_100),
+            stays
+        );
+        // Without one, the first failover pool that has one takes them, in the listed order.
+        assert_eq!(
+            pool_for(&mut e, "llama-3", &state(false, true, true), 1_100),
+            to("dr-a")
+        );
+        assert_eq!(
+            pool_for(&mut e, "llama-3", &state(false, false, true), 1_100),
+            to("dr-b")
+        );
+        // None can: the request stays, and fails open there as before.
+        assert_eq!(
+            pool_for(&mut e, "llama-3", &state(false, false, false), 1_100),
+            stays
+        );
+        // Metrics past stale_after_ms say nothing of any pool: nothing moves.
+        assert_eq!(
+            pool_for(&mut e, "llama-3", &state(false, true, true), 7_000),
+            stays
+        );
+        // A pool without failover keeps its requests whatever the snapshot says.
+        assert_eq!(
+            pool_for(&mut e, "qwen", &state(false, true, true), 1_100).0,
+            "qwen"
+        );
+        // No snapshot, or one without the pool: nothing known against it.
+        let none = e
+            .prepare("/v1/chat/completions", &chat("llama-3", "hi"))
+            .unwrap();
+        assert_eq!((&*none.pool, none.failed_over.is_none()), ("llama", true));
+        let without = fleet_of(&[("dr-a", &[("10.1.0.1:8000", true)])], 1_000);
+        assert_eq!(pool_for(&mut e, "llama-3", &without, 1_100), stays);
+        // A failover pool the snapshot does not list is not sent to.
+        let no_dr = fleet_of(&[("llama", &[("10.0.0.1:8000", false)])], 1_000);
+        assert_eq!(pool_for(&mut e, "llama-3", &no_dr, 1_100), stays);
+
+        // The request goes as it would have: an alias rewritten to the model, an adapter with its
+        // base model, the same headers but the pool's.
+        let down = state(false, true, true);
+        let p = e
+            .prepare_in(
+                "/v1/chat/completions",
+                &chat("llama", "hi"),
+                ctx(&down, 1_100),
+            )
+            .unwrap();
+        let sent: serde_json::Value =
+            serde_json::from_slice(p.rewritten_body.as_ref().unwrap()).unwrap();
+        assert_eq!(sent["model"], "llama-3");
+        let p = e
+            .prepare_in(
+                "/v1/chat/completions",
+                &chat("sql", "hi"),
+                ctx(&down, 1_100),
+            )
+            .unwrap();
+        let headers: Vec<_> = p.routing_headers().collect();
+        assert_eq!(
+            headers,
+            [
+                (headers::POOL, "dr-a"),
+                (headers::MODEL, "sql"),
+                (headers::BASE_MODEL, "llama-3"),
+                (headers::ADAPTER, "sql"),
+            ]
+        );
+        // The pod is picked from the failover pool, and the debug header says why.
+        let opts = DecideOptions {
+            now_ms: 1_100,
+            debug: true,
+            ..DecideOptions::default()
+        };
+        let c = e.decide(&p, Some(&down), &[], opts, &mut SplitMix64::new(1));
+        assert_eq!(c.destination.as_deref(), Some("10.1.0.1:8000"));
+        let d = c.debug.unwrap();
+        assert!(d.starts_with("failover=llama->dr-a; pool=dr-a"), "{d}");
+    }
+
+    #[test]
+    fn a_split_target_whose_pool_is_down_fails_over_when_no_other_target_serves() {
+        let cfg = r#"{"pools":[{"name":"old","models":["m-v1"],"failover":["dr"]},
+                               {"name":"new","models":["m-v2"]},{"name":"dr","models":[]}],
+            "splits":{"m":[{"model":"m-v1","weight":1},{"model":"m-v2","weight":1}]}}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        let fleet = |new: bool| {
+            fleet_of(
+                &[
+                    ("old", &[("10.0.0.1:8000", false)]),
+                    ("new", &[("10.0.1.1:8000", new)]),
+                    ("dr", &[("10.0.2.1:8000", true)]),
+                ],
+                1_000,
+            )
+        };
+        for i in 0..20 {
+            let body = chat("m", &format!("conversation {i}"));
+            // The split moves the old version's conversations to the new one first.
+            let p = e
+                .prepare_in("/v1/chat/completions", &body, ctx(&fleet(true), 1_100))
+                .unwrap();
+            assert_eq!((&*p.pool, p.failed_over.is_none()), ("new", true));
+            // With no version serving, each keeps its own target, and old's go to its failover.
+            let p = e
+                .prepare_in("/v1/chat/completions", &body, ctx(&fleet(false), 1_100))
+                .unwrap();
+            let target = p.split.as_ref().unwrap().names().1.to_string();
+            let want = if target == "m-v1" {
+                ("dr", Some("old"))
+            } else {
+                ("new", None)
+            };
+            assert_eq!((&*p.pool, p.failed_over.as_deref()), want);
         }
     }
 

@@ -158,6 +158,16 @@ pub fn split_rerouted_stat(split: &str) -> String {
     )
 }
 
+/// The counter of requests for pool `from` sent to its failover pool `to`:
+/// `gpuroute.failover.<from>.to.<to>` (both shells).
+pub fn failover_stat(from: &str, to: &str) -> String {
+    format!(
+        "gpuroute.failover.{}.to.{}",
+        crate::fleet::stat_segment(from),
+        crate::fleet::stat_segment(to)
+    )
+}
+
 /// Seed domain of split keys.
 const SPLIT_SEED: u64 = 0x7370_6c69_7473_6565;
 /// Seeds a split target's rendezvous identity ([`SplitTarget::id`]).
@@ -174,6 +184,8 @@ pub struct RoutingTable {
     /// is a count, not an allocation.
     pool_names: Vec<Arc<str>>,
     default_target: Option<Arc<Target>>,
+    /// Per pool, its `failover` pools' indices, in order.
+    failover: Vec<Vec<usize>>,
     models_json: String,
     /// One model's object by its id (`GET /v1/models/{id}`).
     model_json: NameMap<String, String>,
@@ -386,6 +398,14 @@ impl RoutingTable {
                 .map(|p| Arc::from(p.name.as_str()))
                 .collect(),
             default_target,
+            failover: cfg
+                .pools
+                .iter()
+                .map(|p| {
+                    let index = |name: &String| cfg.pools.iter().position(|q| &q.name == name);
+                    p.failover.iter().filter_map(index).collect()
+                })
+                .collect(),
             models_json,
             model_json,
         }
@@ -416,6 +436,11 @@ impl RoutingTable {
     }
 
     /// Name of pool `i`, shared (empty when there is no such pool).
+    /// The failover pools of pool `i` (`pools[].failover`), in order.
+    pub fn failover(&self, i: usize) -> &[usize] {
+        self.failover.get(i).map_or(&[], Vec::as_slice)
+    }
+
     pub fn pool_name_shared(&self, i: usize) -> Arc<str> {
         self.pool_names
             .get(i)

@@ -49,7 +49,7 @@ use gpuroute_core::prefix;
 use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::{split_rerouted_stat, split_stat, ModelsQuery};
+use gpuroute_core::routing::{failover_stat, split_rerouted_stat, split_stat, ModelsQuery};
 use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -121,6 +121,9 @@ struct Metrics {
     fail_open: HashMap<&'static str, Option<usize>>,
     /// Per split, one id per target, in configuration order, and the `rerouted` counter's.
     split: NameMap<String, (Vec<Option<usize>>, Option<usize>)>,
+    /// Per pool with `failover`: each failover pool's name and its
+    /// `gpuroute.failover.<pool>.to.<failover pool>` counter.
+    failover: NameMap<String, Vec<(String, Option<usize>)>>,
     rejected: HashMap<&'static str, Option<usize>>,
     /// `gpuroute.<endpoint>.rejected.<reason>`, by endpoint and reason.
     ingest_rejected: HashMap<(Endpoint, &'static str), Option<usize>>,
@@ -189,9 +192,23 @@ impl Metrics {
                 (name.clone(), (ids, rerouted))
             })
             .collect();
+        let failover = config
+            .pools
+            .iter()
+            .filter(|p| !p.failover.is_empty())
+            .map(|p| {
+                let ids = p
+                    .failover
+                    .iter()
+                    .map(|to| (to.clone(), d.counter(&failover_stat(&p.name, to), &[])))
+                    .collect();
+                (p.name.clone(), ids)
+            })
+            .collect();
         Metrics {
             outcome,
             split,
+            failover,
             fail_open: named("gpuroute.fail_open", FAIL_OPEN),
             rejected: named("gpuroute.rejected", REJECTED),
             ingest_rejected: Endpoint::ALL
@@ -255,6 +272,17 @@ impl Metrics {
         };
         let target = targets.get(taken.target).copied().flatten();
         [target, rerouted.filter(|_| taken.rerouted)]
+    }
+
+    /// The counter of a request sent to its pool's failover pool (`prep.pool`), if it was.
+    fn failover_id(&self, prep: &Prepared) -> Option<usize> {
+        let from = prep.failed_over.as_deref()?;
+        let (_, id) = self
+            .failover
+            .get(from)?
+            .iter()
+            .find(|(to, _)| **to == *prep.pool)?;
+        *id
     }
 
     fn rejected_id(&self, code: Option<&str>) -> Option<usize> {
@@ -1245,6 +1273,7 @@ impl Filter {
             for id in m.split_ids(&prep) {
                 p.count(id);
             }
+            p.count(m.failover_id(&prep));
             if prep.continues_response() {
                 p.count(match choice.pinned_response {
                     true => m.responses_pinned,
