@@ -63,6 +63,10 @@ ROWS = [
              "{{gpuroute_split}} -> {{gpuroute_target}}"),
             ("sum by (gpuroute_split) (rate(envoy_gpuroute_split_rerouted[$__rate_interval]))", "{{gpuroute_split}} rerouted"),
         ]),
+        ("Failover, by pool and the pool that took its requests", "reqps", [
+            ('sum by (gpuroute_pool, gpuroute_target) (rate(envoy_gpuroute_failover_to{gpuroute_pool=~"$pool"}[$__rate_interval]))',
+             "{{gpuroute_pool}} -> {{gpuroute_target}}"),
+        ]),
         ("Held requests (hold)", "short", [
             ("sum(max_over_time(envoy_gpuroute_held[$__rate_interval]))", "held (the most at once)"),
             ("histogram_quantile(0.99, sum by (le) (rate(envoy_gpuroute_hold_ms_bucket[$__rate_interval])))", "p99 wait (ms)"),
@@ -238,6 +242,14 @@ TESTS = [
         series("gpuroute_sidecar_round_duration_seconds_count", SC, "0+600x30"),
     ], [
         ("GpurouteRoundsIncomplete", "20m", [(SC, "50% of scrape rounds miss their publish deadline")]),
+    ]),
+    ("Pool llama fails over to dr for 5 minutes; qwen's one request to its standby does not count", [
+        series("envoy_gpuroute_failover_to", {**GW, "gpuroute_pool": "llama", "gpuroute_target": "dr"}, "0+30x15"),
+        series("envoy_gpuroute_failover_to", {**GW, "gpuroute_pool": "qwen", "gpuroute_target": "standby"}, "0 1x14"),
+    ], [
+        ("GpurouteFailingOver", "4m", []),
+        ("GpurouteFailingOver", "11m", [({"gpuroute_pool": "llama", "gpuroute_target": "dr"},
+                                         "Pool llama's requests go to its failover pool dr")]),
     ]),
     ("Pool llama sheds", [
         requests("llama", "shed", "0+30x15"),

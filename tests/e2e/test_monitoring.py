@@ -35,6 +35,9 @@ CONFIG = {
         {"name": "llama", "models": ["llama-3-8b"]},
         {"name": "qwen", "models": ["qwen-7b"]},
         {"name": "mistral", "models": ["mistral-7b"]},
+        # gemma's only pod is dead too, but gemma fails over to a standby pool that serves.
+        {"name": "gemma", "models": ["gemma-2b"], "failover": ["standby"]},
+        {"name": "standby", "models": []},
     ],
     # Half of the split's conversations belong to mistral, which cannot serve (below): they
     # are rerouted to llama.
@@ -57,6 +60,7 @@ EXPECTED_ALERTS = {
     "GpuroutePoolDegraded": {"gpuroute_pool": "mistral"},
     "GpurouteResponsesUnpinned": {},  # half the turns name an id the gateway never saw
     "GpuroutePodStatsFull": {},
+    "GpurouteFailingOver": {"gpuroute_pool": "gemma", "gpuroute_target": "standby"},
 }
 # ... and the one about the ingest URL where no Envoy listens (the fixture's `nowhere`).
 PUSHES_FAILING = "GpuroutePushesFailing"
@@ -150,12 +154,15 @@ def dashboard_queries():
 @pytest.fixture(scope="module")
 def stack():
     need_prometheus()
-    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0")}
-    dead = f"127.0.0.1:{free_port()}"  # mistral's only pod: nothing listens there
+    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0", "standby-0")}
+    # mistral's and gemma's only pods: nothing listens there.
+    dead = {"mistral": f"127.0.0.1:{free_port()}", "gemma": f"127.0.0.1:{free_port()}"}
     pools = [
         {"name": "llama", "endpoints": [pods["llama-0"].address, pods["llama-1"].address]},
         {"name": "qwen", "endpoints": [pods["qwen-0"].address]},
-        {"name": "mistral", "endpoints": [dead]},
+        {"name": "mistral", "endpoints": [dead["mistral"]]},
+        {"name": "gemma", "endpoints": [dead["gemma"]]},
+        {"name": "standby", "endpoints": [pods["standby-0"].address]},
     ]
     # Prometheus reads the gateway's stats through its metrics listener (render.py's
     # `metrics`), as it would from outside the pod, not through the admin port.
@@ -203,7 +210,8 @@ def test_the_metrics_listener_serves_the_stats_and_nothing_else_of_the_admin(sta
 
 def drive(gw, seconds, saturated):
     """Requests of every kind for `seconds`: picks in two pools (qwen's streamed, and Responses
-    API turns), fail-opens in mistral, a split half rerouted, refusals, snapshots with a bad
+    API turns), fail-opens in mistral, gemma's requests failing over to its standby pool, a split
+    half rerouted, refusals, snapshots with a bad
     token, and, with llama saturated, held requests that run out their wait and sheddable ones
     that are shed."""
     end, i = time.time() + seconds, 0
@@ -219,6 +227,7 @@ def drive(gw, seconds, saturated):
             assert gw.request("POST", "/v1/chat/completions", streamed)[0] == 200
         assert gw.chat("qwen-7b", f"plain {i}")[0] == 200
         gw.chat("mistral-7b", f"fails open {i}")  # to a dead pod: Envoy's 503
+        assert gw.chat("gemma-2b", f"fails over {i}")[0] == 200
         assert gw.chat("chat", f"conversation {i}")[0] in (200, 503)
         assert gw.chat("no-such-model")[0] == 404
         assert gw.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
@@ -236,7 +245,7 @@ def drive(gw, seconds, saturated):
 
 
 def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
-    pods, gw, sc, prom, nowhere, _, dead_pod = stack
+    pods, gw, sc, prom, nowhere, _, dead = stack
     wait_for(lambda: gw.stats().get(STAT_PREFIX + "gpuroute.snapshot.accepted", 0) > 0, timeout=10,
              what="a snapshot from sidecar-metrics")
     drive(gw, 3, saturated=False)
@@ -260,22 +269,23 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     def nonzero(expr):
         return [s for s in prom.query(expr) if float(s["value"][1]) != 0]
 
-    dead = [(title, expr) for title, expr in dashboard_queries() if not nonzero(expr)]
-    assert not dead, f"dashboard queries without data: {dead}"
+    empty = [(title, expr) for title, expr in dashboard_queries() if not nonzero(expr)]
+    assert not empty, f"dashboard queries without data: {empty}"
     # The queries the scenario was built to reach have the values it caused.
     picks = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_endpoint"])
              for s in prom.query('sum by (gpuroute_pool, gpuroute_endpoint) (rate({__name__=~"envoy_(dynamicmodulescustom_)?gpuroute_pool_picks"}[1m]))')}
     # The endpoint label is the pod's address in both builds, as Prometheus's `instance` of the
-    # pod's own scrape is: a query can join the two. The pod picked last is past
-    # `max_pod_stats`: `other` in its pool.
+    # pod's own scrape is: a query can join the two. The first two pods picked (a llama pod, then
+    # qwen's) fill `max_pod_stats`; the other llama pod and the standby pod, picked later, are
+    # `other` in their pools.
     homes = {"llama": {pods["llama-0"].address, pods["llama-1"].address}, "qwen": {pods["qwen-0"].address}}
-    assert len(picks) == 3 and [e for _, e in picks].count("other") == 1, picks
+    assert len(picks) == 4 and {(p, e) for p, e in picks if e == "other"} == {("llama", "other"), ("standby", "other")}, picks
     assert all(e in homes[p] for p, e in picks if e != "other"), picks
-    # sidecar-metrics labels its pods the same way: mistral's dead pod's failed scrapes carry
-    # the pool and the address Envoy's counters would.
+    # sidecar-metrics labels its pods the same way: the dead pods' failed scrapes carry the
+    # pool and the address Envoy's counters would.
     failed = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_endpoint"], s["metric"]["kind"])
               for s in prom.query("gpuroute_sidecar_scrape_failures_total > 0")}
-    assert failed == {("mistral", dead_pod, "connect")}, failed
+    assert failed == {(pool, addr, "connect") for pool, addr in dead.items()}, failed
     outcomes = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_outcome"]) for s in prom.query("gpuroute:requests:rate5m")
                 if float(s["value"][1]) > 0}
     assert {("llama", "picked"), ("llama", "shed"), ("qwen", "picked"), ("mistral", "fail_open")} <= outcomes, outcomes
