@@ -1152,32 +1152,16 @@ mod tests {
             "splits":{"m":[{"model":"m-v1","weight":1},{"model":"m-v2","weight":1}]}}"#;
         let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
         let fleet_with = |new_healthy: bool, scraped_at: u64| {
-            let pod = |addr: &str, healthy: bool| {
-                let mut p = PodSnapshot::new(addr, scraped_at);
-                p.healthy = healthy;
-                p
-            };
-            let pool = |name: &str, pods| PoolSnapshot {
-                name: name.into(),
-                pods,
-            };
-            let snap = Snapshot {
-                schema: SNAPSHOT_SCHEMA,
-                version: 1,
-                source: "test".into(),
-                generated_at_ms: scraped_at,
-                pools: vec![
-                    pool("old", vec![pod("10.0.0.1:8000", true)]),
-                    pool(
+            fleet_of(
+                &[
+                    ("old", &[("10.0.0.1:8000", true)]),
+                    (
                         "new",
-                        vec![
-                            pod("10.0.1.1:8000", new_healthy),
-                            pod("10.0.1.2:8000", false),
-                        ],
+                        &[("10.0.1.1:8000", new_healthy), ("10.0.1.2:8000", false)],
                     ),
                 ],
-            };
-            FleetState::new(snap, scraped_at)
+                scraped_at,
+            )
         };
         let (down, up) = (fleet_with(false, 1_000), fleet_with(true, 1_000));
         let mut on_new = 0;
