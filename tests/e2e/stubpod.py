@@ -215,6 +215,13 @@ class StubPod:
         self._serve(int(self.address.rsplit(":", 1)[1]))
 
 
+def pools_by(pods, pod_pool, names):
+    """The `pools` argument of harness.Envoy for stub pods `pods` (by name): pools `names`, in that
+    order, each with the addresses of the pods `pod_pool` assigns to it."""
+    return [{"name": pool, "endpoints": [p.address for n, p in pods.items() if pod_pool[n] == pool]}
+            for pool in names]
+
+
 @contextlib.contextmanager
 def serving(names):
     """Stub pods by name (a dict), all closed on leaving the block: a pytest fixture's body is

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from harness import STAT_PREFIX, Envoy, snapshot
-from stubpod import serving
+from stubpod import pools_by, serving
 
 CONFIG = {
     "pools": [
@@ -36,9 +36,7 @@ def pods():
 
 @pytest.fixture(scope="module")
 def envoy(pods):
-    pools = [{"name": pool, "endpoints": [p.address for n, p in pods.items() if POD_POOL[n] == pool]}
-             for pool in POOLS]
-    e = Envoy("filter", pools, CONFIG)
+    e = Envoy("filter", pools_by(pods, POD_POOL, POOLS), CONFIG)
     yield e
     e.stop()
 

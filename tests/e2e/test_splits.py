@@ -7,7 +7,7 @@ import json
 import pytest
 
 from harness import STAT_PREFIX, Envoy, snapshot
-from stubpod import serving
+from stubpod import pools_by, serving
 
 CONFIG = {
     "pools": [
@@ -33,10 +33,7 @@ def pods():
 
 @pytest.fixture(scope="module")
 def envoy(pods):
-    pools = [
-        {"name": pool, "endpoints": [p.address for n, p in pods.items() if POD_POOL[n] == pool]}
-        for pool in ["stable", "canary"]
-    ]
+    pools = pools_by(pods, POD_POOL, ["stable", "canary"])
     e = Envoy("filter", pools, CONFIG)
     push(e, pods)
     yield e
@@ -119,10 +116,7 @@ def test_a_split_divides_conversations_by_weight_and_rewrites_the_model(envoy, p
 def test_every_worker_and_replica_gives_a_conversation_the_same_version(envoy, pods):
     """No shared state: a second gateway replica with two workers takes each conversation to
     the version the first one did."""
-    pools = [
-        {"name": pool, "endpoints": [p.address for n, p in pods.items() if POD_POOL[n] == pool]}
-        for pool in ["stable", "canary"]
-    ]
+    pools = pools_by(pods, POD_POOL, ["stable", "canary"])
     other = Envoy("filter", pools, CONFIG, concurrency=2)
     try:
         push(envoy, pods)
