@@ -230,6 +230,49 @@ fn bench(c: &mut Criterion) {
             )
         })
     });
+    // A pool with a failover pool: the plain prepare with a snapshot at hand (the baseline), the
+    // same with the check that the pool serves (its first pod is fresh), and the pool with
+    // every pod down, its request handed to the standby pool.
+    let with_standby = |llama_healthy: bool| {
+        let mut snap = snapshot(64);
+        let mut standby = snap.pools[0].clone();
+        standby.name = "standby".into();
+        for p in &mut snap.pools[0].pods {
+            p.healthy = llama_healthy;
+        }
+        snap.pools.push(standby);
+        FleetState::new(snap, NOW - 10)
+    };
+    let (up, down) = (with_standby(true), with_standby(false));
+    let at = |fleet| RequestContext {
+        fleet: Some(fleet),
+        now_ms: NOW,
+        split_key: None,
+    };
+    let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"]},{"name":"standby","models":["s"]}]}"#;
+    let plain = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
+    let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"],"failover":["standby"]},
+        {"name":"standby","models":[]}]}"#;
+    let with_failover = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
+    let mut engines = [plain, with_failover];
+    for (name, i, fleet, failed_over) in [
+        ("prepare_4kb_with_snapshot", 0, &up, false),
+        ("prepare_4kb_failover_serving", 1, &up, false),
+        ("prepare_4kb_failed_over", 1, &down, true),
+    ] {
+        let engine = &mut engines[i];
+        let p = engine.prepare_in("/v1/chat/completions", &body, at(fleet));
+        assert_eq!(p.unwrap().failed_over.is_some(), failed_over, "{name}");
+        parts.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(
+                    engine
+                        .prepare_in("/v1/chat/completions", &body, at(fleet))
+                        .map(|p| p.prompt_tokens),
+                )
+            })
+        });
+    }
     parts.finish();
 
     // Audio uploads (`gpuroute_core::form`): what the shells read of a form. The head OpenAI's
