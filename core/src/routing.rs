@@ -435,12 +435,12 @@ impl RoutingTable {
         self.pool_names.get(i).map_or("", |n| n)
     }
 
-    /// Name of pool `i`, shared (empty when there is no such pool).
     /// The failover pools of pool `i` (`pools[].failover`), in order.
     pub fn failover(&self, i: usize) -> &[usize] {
         self.failover.get(i).map_or(&[], Vec::as_slice)
     }
 
+    /// Name of pool `i`, shared (empty when there is no such pool).
     pub fn pool_name_shared(&self, i: usize) -> Arc<str> {
         self.pool_names
             .get(i)
