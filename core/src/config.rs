@@ -141,6 +141,11 @@ pub struct PoolConfig {
     /// pool's own `failover` applies to requests for its own models only.
     #[serde(default)]
     pub failover: Vec<String>,
+    /// Also hand requests to the failover pools while every pod of this pool that could take
+    /// one is saturated by the snapshot (`scoring.queue_threshold`, `kv_threshold`): to the
+    /// first of them with a pod that is not (a burst pool, on-demand capacity).
+    #[serde(default)]
+    pub overflow: bool,
 }
 
 /// Per-pool changes to [`ScoringConfig`]: each field given replaces the top-level one; `weights`
@@ -676,6 +681,12 @@ impl FilterConfig {
                     "a pool without models has no base model for adapters",
                 ));
             }
+            if pool.overflow && pool.failover.is_empty() {
+                return Err(cfg_err(
+                    format!("{f}.overflow"),
+                    "needs failover pools to overflow to",
+                ));
+            }
             for (j, name) in pool.failover.iter().enumerate() {
                 let at = format!("{f}.failover[{j}]");
                 if name == &pool.name {
@@ -1050,6 +1061,10 @@ mod tests {
             (
                 r#"{"pools":[{"name":"p","models":["m"],"failover":["q"]},{"name":"q","models":[]}],"default_pool":"q"}"#,
                 "default_pool",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"overflow":true}]}"#,
+                "pools[0].overflow",
             ),
             (r#"{"pools":[],"max_body_bytes":0}"#, "max_body_bytes"),
             (r#"{"pools":[],"shared_peer_reads":0}"#, "shared_peer_reads"),

@@ -11,19 +11,19 @@
 //! The filter, the native tests and the criterion benchmark all run exactly this code.
 
 use crate::adapters::{partition, SlotPod};
-use crate::config::{FilterConfig, PrefixConfig};
+use crate::config::{FilterConfig, PrefixConfig, ScoringConfig};
 use crate::error::ApiError;
 use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::form;
 use crate::headers;
 use crate::load::{InFlight, PodLoad};
-use crate::picker::uncached_tokens;
 use crate::picker::{format_breakdown, Decision, Explain, FailOpen, Picker, RequestFeatures};
+use crate::picker::{has_room_by_snapshot, uncached_tokens};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
 use crate::request::{self, Endpoint, InferenceRequest};
 use crate::responses::{is_response_key, ResponseTable};
 use crate::rng::SplitMix64;
-use crate::routing::{Resolved, RoutingTable, Split, Target};
+use crate::routing::{failover_stat, overflow_stat, Resolved, RoutingTable, Split, Target};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -94,6 +94,27 @@ impl SplitTaken {
     }
 }
 
+/// A request moved off its pool to one of the pool's failover pools (`pools[].failover`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailedOver {
+    /// The pool the request was for.
+    pub from: Arc<str>,
+    /// Moved because every pod of `from` that could take it was saturated (`pools[].overflow`),
+    /// not because none could.
+    pub overflow: bool,
+}
+
+impl FailedOver {
+    /// Its counter, for the pool `to` it went to: `gpuroute.failover.<from>.to.<to>`, or
+    /// `gpuroute.overflow.<from>.to.<to>`.
+    pub fn stat(&self, to: &str) -> String {
+        match self.overflow {
+            false => failover_stat(&self.from, to),
+            true => overflow_stat(&self.from, to),
+        }
+    }
+}
+
 /// A request after step 1.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -113,9 +134,8 @@ pub struct Prepared {
     pub rewritten_body: Option<Vec<u8>>,
     /// For a request to a split: which target it took.
     pub split: Option<SplitTaken>,
-    /// The pool the request was for when it went to a failover pool instead (`pool` names
-    /// that one): its own had no healthy pod with fresh metrics (`pools[].failover`).
-    pub failed_over: Option<Arc<str>>,
+    /// Set when the request went to a failover pool (`pool` names that one) instead of its own.
+    pub failed_over: Option<FailedOver>,
     anchors: Vec<Anchor>,
     prefix_blocks: u32,
     home_key: Option<u64>,
@@ -248,9 +268,9 @@ pub fn held_debug(waited_ms: u64, debug: &str) -> String {
 pub struct Reader {
     pub routes: RoutingTable,
     prefix: PrefixConfig,
-    /// Per pool, its scoring's `stale_after_ms` (a split and a pool's failover pass over a pool
-    /// that cannot serve).
-    stale_after_ms: Vec<u64>,
+    /// Per pool, its scoring (a split and a pool's failover pass over a pool that cannot serve,
+    /// by its `stale_after_ms`; `overflow` by its thresholds).
+    scoring: Vec<ScoringConfig>,
 }
 
 /// A request read by [`Reader::read`], not yet looked up in the prefix index: only
@@ -320,13 +340,30 @@ impl Format<'_> {
 }
 
 impl Reader {
+    /// What the snapshot `fleet` says of pool `i` (None: no snapshot, or the snapshot does not
+    /// list the pool): whether it has a healthy pod with fresh metrics, and, with `room_too`,
+    /// whether one of those is not saturated ([`has_room_by_snapshot`]; false without).
+    fn condition(
+        &self,
+        fleet: Option<&FleetState>,
+        now_ms: u64,
+        i: usize,
+        room_too: bool,
+    ) -> Option<(bool, bool)> {
+        let fleet = fleet?;
+        let scoring = self.scoring.get(i)?;
+        let pool = fleet.pool(self.routes.pool_name(i))?;
+        let age = fleet.age_ms(now_ms);
+        let serving = pool.serving(age, scoring.stale_after_ms);
+        let room = room_too && serving && has_room_by_snapshot(pool, age, scoring);
+        Some((serving, room))
+    }
+
     /// Whether pool `i` has a healthy pod with fresh metrics in the snapshot `fleet` (None: no
     /// snapshot, or the snapshot does not list the pool).
     fn serving(&self, fleet: Option<&FleetState>, now_ms: u64, i: usize) -> Option<bool> {
-        let fleet = fleet?;
-        let stale_after_ms = *self.stale_after_ms.get(i)?;
-        let pool = fleet.pool(self.routes.pool_name(i))?;
-        Some(pool.serving(fleet.age_ms(now_ms), stale_after_ms))
+        self.condition(fleet, now_ms, i, false)
+            .map(|(serving, _)| serving)
     }
 
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
@@ -415,20 +452,33 @@ impl Reader {
             }
         };
         // A pool the snapshot shows unable to serve hands the request to the first of its
-        // failover pools that the snapshot shows able to. Nothing known either way (no
+        // failover pools that the snapshot shows able to; with `overflow`, a pool whose pods
+        // are all saturated to the first with a pod that is not. Nothing known either way (no
         // snapshot, a pool it does not list): the request stays.
         let mut failed_over = None;
         let failover = self.routes.failover(target.pool);
-        if !failover.is_empty() && self.serving(fleet, now_ms, target.pool) == Some(false) {
-            let to = failover
-                .iter()
-                .find(|&&j| self.serving(fleet, now_ms, j) == Some(true));
-            if let Some(&j) = to {
-                failed_over = Some(self.routes.pool_name_shared(target.pool));
-                target = Arc::new(Target {
-                    pool: j,
-                    ..Target::clone(&target)
-                });
+        if !failover.is_empty() {
+            let overflow = self.routes.overflows(target.pool);
+            let saturated = match self.condition(fleet, now_ms, target.pool, overflow) {
+                Some((false, _)) => Some(false),
+                Some((true, false)) if overflow => Some(true),
+                _ => None,
+            };
+            if let Some(saturated) = saturated {
+                let takes = |j: usize| match self.condition(fleet, now_ms, j, saturated) {
+                    Some((serving, room)) => serving && (room || !saturated),
+                    None => false,
+                };
+                if let Some(&j) = failover.iter().find(|&&j| takes(j)) {
+                    failed_over = Some(FailedOver {
+                        from: self.routes.pool_name_shared(target.pool),
+                        overflow: saturated,
+                    });
+                    target = Arc::new(Target {
+                        pool: j,
+                        ..Target::clone(&target)
+                    });
+                }
             }
         }
         let rewritten_body = match (&req.model_span, target.rewrite) {
@@ -501,7 +551,7 @@ impl Engine {
         let reader = Reader {
             routes,
             prefix: config.prefix.clone(),
-            stale_after_ms: pickers.iter().map(|p| p.scoring.stale_after_ms).collect(),
+            scoring: pickers.iter().map(|p| p.scoring.clone()).collect(),
         };
         Engine {
             reader,
@@ -721,8 +771,9 @@ impl Engine {
             if pinned {
                 d = format!("previous-response; {d}");
             }
-            if let Some(from) = &prep.failed_over {
-                d = format!("failover={from}->{}; {d}", prep.pool);
+            if let Some(f) = &prep.failed_over {
+                let why = if f.overflow { "overflow" } else { "failover" };
+                d = format!("{why}={}->{}; {d}", f.from, prep.pool);
             }
             if let Some(taken) = &prep.split {
                 let (split, target) = taken.names();
@@ -1219,27 +1270,35 @@ mod tests {
 
     /// A snapshot of pools (name, [(address, healthy)]) scraped at `scraped_at`.
     fn fleet_of(pools: &[(&str, &[(&str, bool)])], scraped_at: u64) -> FleetState {
+        let pods = |pods: &[(&str, bool)]| {
+            pods.iter()
+                .map(|(addr, healthy)| {
+                    let mut p = PodSnapshot::new(*addr, scraped_at);
+                    p.healthy = *healthy;
+                    p
+                })
+                .collect()
+        };
+        let pools = pools.iter().map(|(name, p)| (*name, pods(p))).collect();
+        fleet_of_pods(pools, scraped_at)
+    }
+
+    /// A snapshot of pools (name, their pods) generated at `at`.
+    fn fleet_of_pods(pools: Vec<(&str, Vec<PodSnapshot>)>, at: u64) -> FleetState {
         let snap = Snapshot {
             schema: SNAPSHOT_SCHEMA,
             version: 1,
             source: "test".into(),
-            generated_at_ms: scraped_at,
+            generated_at_ms: at,
             pools: pools
-                .iter()
+                .into_iter()
                 .map(|(name, pods)| PoolSnapshot {
-                    name: (*name).into(),
-                    pods: pods
-                        .iter()
-                        .map(|(addr, healthy)| {
-                            let mut p = PodSnapshot::new(*addr, scraped_at);
-                            p.healthy = *healthy;
-                            p
-                        })
-                        .collect(),
+                    name: name.into(),
+                    pods,
                 })
                 .collect(),
         };
-        FleetState::new(snap, scraped_at)
+        FleetState::new(snap, at)
     }
 
     #[test]
@@ -1271,7 +1330,7 @@ mod tests {
                 .unwrap();
             (
                 p.pool.to_string(),
-                p.failed_over.as_deref().map(str::to_string),
+                p.failed_over.map(|f| f.from.to_string()),
             )
         };
         let stays = ("llama".to_string(), None);
@@ -1391,8 +1450,131 @@ mod tests {
             } else {
                 ("new", None)
             };
-            assert_eq!((&*p.pool, p.failed_over.as_deref()), want);
+            assert_eq!((&*p.pool, p.failed_over.as_ref().map(|f| &*f.from)), want);
         }
+    }
+
+    #[test]
+    fn with_overflow_a_pool_whose_pods_are_all_saturated_hands_requests_to_a_pool_with_room() {
+        let cfg = r#"{"pools":[
+            {"name":"llama","models":["llama-3"],"failover":["dr","burst"],"overflow":true},
+            {"name":"dr","models":[]},{"name":"burst","models":[]},
+            {"name":"qwen","models":["qwen"],"failover":["dr"]}],
+            "scoring":{"queue_threshold":5,"kv_threshold":0.8}, "debug_header":true}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        // Each pod: (address, waiting, KV use); all healthy.
+        let pods = |list: &[(&str, u32, f64)]| {
+            list.iter()
+                .map(|(addr, waiting, kv)| {
+                    let mut p = PodSnapshot::new(*addr, 1_000);
+                    p.waiting = *waiting;
+                    p.kv_cache_usage = Some(*kv);
+                    p
+                })
+                .collect::<Vec<_>>()
+        };
+        let state = |llama: &[(&str, u32, f64)], dr: &[(&str, u32, f64)]| {
+            fleet_of_pods(
+                vec![
+                    ("llama", pods(llama)),
+                    ("dr", pods(dr)),
+                    ("burst", pods(&[("10.2.0.1:8000", 0, 0.1)])),
+                    ("qwen", pods(&[("10.3.0.1:8000", 9, 0.9)])),
+                ],
+                1_000,
+            )
+        };
+        let (busy, queued, full, idle) = (
+            ("10.0.0.1:8000", 9, 0.5),
+            ("10.0.0.2:8000", 5, 0.1),
+            ("10.0.0.3:8000", 0, 0.8),
+            ("10.0.0.4:8000", 4, 0.79),
+        );
+        let dr_idle = [("10.1.0.1:8000", 0, 0.1)];
+        let where_to = |e: &mut Engine, model: &str, fleet: &FleetState| {
+            let p = e
+                .prepare_in(
+                    "/v1/chat/completions",
+                    &chat(model, "hi"),
+                    ctx(fleet, 1_100),
+                )
+                .unwrap();
+            (p.pool.to_string(), p.failed_over)
+        };
+        // One pod under both thresholds is room enough: the request stays.
+        let (pool, moved) = where_to(
+            &mut e,
+            "llama-3",
+            &state(&[busy, queued, full, idle], &dr_idle),
+        );
+        assert_eq!((pool.as_str(), moved), ("llama", None));
+        // Every pod at a threshold (queue 5 or more, or KV 0.8 or more): to the first failover
+        // pool with room, counted as overflow.
+        let (pool, moved) = where_to(&mut e, "llama-3", &state(&[busy, queued, full], &dr_idle));
+        assert_eq!(pool, "dr");
+        assert_eq!(
+            moved,
+            Some(FailedOver {
+                from: "llama".into(),
+                overflow: true
+            })
+        );
+        // A failover pool without room is passed over; if none has room, the request stays (and
+        // the picker holds, sheds or picks among the saturated pods as before).
+        let dr_busy = [("10.1.0.1:8000", 7, 0.1)];
+        assert_eq!(
+            where_to(&mut e, "llama-3", &state(&[busy], &dr_busy)).0,
+            "burst"
+        );
+        let no_room = fleet_of_pods(
+            vec![
+                ("llama", pods(&[busy])),
+                ("dr", pods(&dr_busy)),
+                ("burst", pods(&[("10.2.0.1:8000", 0, 0.95)])),
+            ],
+            1_000,
+        );
+        assert_eq!(
+            where_to(&mut e, "llama-3", &no_room),
+            ("llama".to_string(), None)
+        );
+        // A pool that fails over but does not overflow keeps its requests when saturated...
+        assert_eq!(
+            where_to(&mut e, "qwen", &state(&[busy], &dr_idle)).0,
+            "qwen"
+        );
+        // ... and an overflowing pool with no pod at all fails over as before, even to a pool
+        // without room.
+        let (pool, moved) = where_to(&mut e, "llama-3", &state(&[], &dr_busy));
+        assert_eq!(pool, "dr");
+        assert_eq!(
+            moved,
+            Some(FailedOver {
+                from: "llama".into(),
+                overflow: false
+            })
+        );
+        // The debug header and the counter say which it was.
+        let fleet = state(&[busy, full], &dr_idle);
+        let p = e
+            .prepare_in(
+                "/v1/chat/completions",
+                &chat("llama-3", "hi"),
+                ctx(&fleet, 1_100),
+            )
+            .unwrap();
+        let opts = DecideOptions {
+            now_ms: 1_100,
+            debug: true,
+            ..DecideOptions::default()
+        };
+        let c = e.decide(&p, Some(&fleet), &[], opts, &mut SplitMix64::new(1));
+        let d = c.debug.unwrap();
+        assert!(d.starts_with("overflow=llama->dr; pool=dr"), "{d}");
+        assert_eq!(
+            p.failed_over.unwrap().stat(&p.pool),
+            "gpuroute.overflow.llama.to.dr"
+        );
     }
 
     #[test]

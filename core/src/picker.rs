@@ -719,6 +719,25 @@ pub fn uncached_tokens(prompt_tokens: u32, depth: u32, block_tokens: u32) -> u32
 
 /// Whether a pod with load `l` is over either threshold: waiting requests per unit of speed,
 /// or KV-cache use.
+/// Whether pool `pool` has a pod that could take a request and is not saturated, by the
+/// snapshot alone (its queue and KV use as last scraped; not what was sent since): what a pool's
+/// `overflow` is judged by, once per request, where the picker's saturation also counts the
+/// in-flight table.
+pub fn has_room_by_snapshot(
+    pool: &PoolState,
+    snapshot_age_ms: u64,
+    scoring: &ScoringConfig,
+) -> bool {
+    pool.pods.iter().any(|p| {
+        p.fresh(snapshot_age_ms, scoring.stale_after_ms)
+            && !over(
+                &effective_load(p, None, 0.0),
+                scoring.queue_threshold,
+                scoring.kv_threshold,
+            )
+    })
+}
+
 fn over(l: &Load, queue_threshold: f64, kv_threshold: f64) -> bool {
     l.waiting / l.capacity >= queue_threshold || l.kv.is_some_and(|k| k >= kv_threshold)
 }

@@ -168,6 +168,16 @@ pub fn failover_stat(from: &str, to: &str) -> String {
     )
 }
 
+/// The counter of requests for pool `from` sent to its failover pool `to` while every pod of
+/// `from` was saturated (`pools[].overflow`): `gpuroute.overflow.<from>.to.<to>` (both shells).
+pub fn overflow_stat(from: &str, to: &str) -> String {
+    format!(
+        "gpuroute.overflow.{}.to.{}",
+        crate::fleet::stat_segment(from),
+        crate::fleet::stat_segment(to)
+    )
+}
+
 /// Seed domain of split keys.
 const SPLIT_SEED: u64 = 0x7370_6c69_7473_6565;
 /// Seeds a split target's rendezvous identity ([`SplitTarget::id`]).
@@ -186,6 +196,8 @@ pub struct RoutingTable {
     default_target: Option<Arc<Target>>,
     /// Per pool, its `failover` pools' indices, in order.
     failover: Vec<Vec<usize>>,
+    /// Per pool, its `overflow`.
+    overflow: Vec<bool>,
     models_json: String,
     /// One model's object by its id (`GET /v1/models/{id}`).
     model_json: NameMap<String, String>,
@@ -406,6 +418,7 @@ impl RoutingTable {
                     p.failover.iter().filter_map(index).collect()
                 })
                 .collect(),
+            overflow: cfg.pools.iter().map(|p| p.overflow).collect(),
             models_json,
             model_json,
         }
@@ -438,6 +451,11 @@ impl RoutingTable {
     /// The failover pools of pool `i` (`pools[].failover`), in order.
     pub fn failover(&self, i: usize) -> &[usize] {
         self.failover.get(i).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether pool `i` also overflows to its failover pools (`pools[].overflow`).
+    pub fn overflows(&self, i: usize) -> bool {
+        self.overflow.get(i).copied().unwrap_or(false)
     }
 
     /// Name of pool `i`, shared (empty when there is no such pool).

@@ -63,8 +63,8 @@ ROWS = [
              "{{gpuroute_split}} -> {{gpuroute_target}}"),
             ("sum by (gpuroute_split) (rate(envoy_gpuroute_split_rerouted[$__rate_interval]))", "{{gpuroute_split}} rerouted"),
         ]),
-        ("Failover, by pool and the pool that took its requests", "reqps", [
-            ('sum by (gpuroute_pool, gpuroute_target) (rate(envoy_gpuroute_failover_to{gpuroute_pool=~"$pool"}[$__rate_interval]))',
+        ("Failover and overflow, by pool and the pool that took its requests", "reqps", [
+            ('sum by (gpuroute_pool, gpuroute_target) (rate({__name__=~"envoy_gpuroute_(failover|overflow)_to", gpuroute_pool=~"$pool"}[$__rate_interval]))',
              "{{gpuroute_pool}} -> {{gpuroute_target}}"),
         ]),
         ("Held requests (hold)", "short", [

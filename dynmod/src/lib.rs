@@ -49,7 +49,9 @@ use gpuroute_core::prefix;
 use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::{failover_stat, split_rerouted_stat, split_stat, ModelsQuery};
+use gpuroute_core::routing::{
+    failover_stat, overflow_stat, split_rerouted_stat, split_stat, ModelsQuery,
+};
 use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -121,9 +123,8 @@ struct Metrics {
     fail_open: HashMap<&'static str, Option<usize>>,
     /// Per split, one id per target, in configuration order, and the `rerouted` counter's.
     split: NameMap<String, (Vec<Option<usize>>, Option<usize>)>,
-    /// Per pool with `failover`: each failover pool's name and its
-    /// `gpuroute.failover.<pool>.to.<failover pool>` counter.
-    failover: NameMap<String, Vec<(String, Option<usize>)>>,
+    /// Per pool with `failover`: the counters of each of its failover pools.
+    failover: NameMap<String, Vec<FailoverIds>>,
     rejected: HashMap<&'static str, Option<usize>>,
     /// `gpuroute.<endpoint>.rejected.<reason>`, by endpoint and reason.
     ingest_rejected: HashMap<(Endpoint, &'static str), Option<usize>>,
@@ -146,6 +147,14 @@ struct Metrics {
     /// `hold` (defined only when it is on): `gpuroute.hold.{held,affinity,released,expired,
     /// cancelled,full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
     hold: Option<HoldMetrics>,
+}
+
+/// The counters of requests one pool sent to one of its failover pools, `to`:
+/// `gpuroute.failover.<pool>.to.<to>` and, with `overflow`, `gpuroute.overflow.<pool>.to.<to>`.
+struct FailoverIds {
+    to: String,
+    failover: Option<usize>,
+    overflow: Option<usize>,
 }
 
 struct HoldMetrics {
@@ -200,7 +209,14 @@ impl Metrics {
                 let ids = p
                     .failover
                     .iter()
-                    .map(|to| (to.clone(), d.counter(&failover_stat(&p.name, to), &[])))
+                    .map(|to| FailoverIds {
+                        to: to.clone(),
+                        failover: d.counter(&failover_stat(&p.name, to), &[]),
+                        overflow: p
+                            .overflow
+                            .then(|| d.counter(&overflow_stat(&p.name, to), &[]))
+                            .flatten(),
+                    })
                     .collect();
                 (p.name.clone(), ids)
             })
@@ -276,13 +292,17 @@ impl Metrics {
 
     /// The counter of a request sent to its pool's failover pool (`prep.pool`), if it was.
     fn failover_id(&self, prep: &Prepared) -> Option<usize> {
-        let from = prep.failed_over.as_deref()?;
-        let (_, id) = self
+        let f = prep.failed_over.as_ref()?;
+        let ids = self
             .failover
-            .get(from)?
+            .get(&*f.from)?
             .iter()
-            .find(|(to, _)| **to == *prep.pool)?;
-        *id
+            .find(|ids| *ids.to == *prep.pool)?;
+        if f.overflow {
+            ids.overflow
+        } else {
+            ids.failover
+        }
     }
 
     fn rejected_id(&self, code: Option<&str>) -> Option<usize> {

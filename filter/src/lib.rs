@@ -41,7 +41,7 @@ use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
 use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
 use gpuroute_core::request;
 use gpuroute_core::rng::SplitMix64;
-use gpuroute_core::routing::{failover_stat, ModelsQuery};
+use gpuroute_core::routing::ModelsQuery;
 use gpuroute_core::snapshot::Snapshot;
 use gpuroute_core::workers::{self, Turn, WorkerSet};
 use stats::Stats;
@@ -1158,8 +1158,8 @@ impl Http {
             let (split, target) = taken.names();
             w.stats.split(split, target, taken.rerouted);
         }
-        if let Some(from) = &prep.failed_over {
-            w.stats.inc(&failover_stat(from, &prep.pool));
+        if let Some(f) = &prep.failed_over {
+            w.stats.inc(&f.stat(&prep.pool));
         }
         // Only a whole body is held: a form that streams on cannot wait.
         let hold = w.engine.config.hold.filter(|_| complete);

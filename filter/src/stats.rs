@@ -12,7 +12,8 @@
 //! - `gpuroute.split.<split>.to.<target>` (counters: requests for a split, by the target they
 //!   took), `gpuroute.split.<split>.rerouted` (counter: moved off a target that could not serve)
 //! - `gpuroute.failover.<pool>.to.<failover pool>` (counters: requests for a pool without a
-//!   healthy pod sent to its failover pool, `pools[].failover`)
+//!   healthy pod sent to its failover pool, `pools[].failover`), `gpuroute.overflow.<pool>.to.
+//!   <failover pool>` (the same for a pool whose pods were all saturated, `pools[].overflow`)
 //! - `gpuroute.snapshot.accepted`, `gpuroute.snapshot.rejected.<reason>` (counters)
 //! - `gpuroute.prefix.exported`, `gpuroute.prefix.imported`, `gpuroute.prefix.rejected.<reason>`
 //!   (counters: prefix records given to and taken from other gateway replicas)

@@ -1,7 +1,8 @@
-"""A pool's failover (`pools[].failover`), end to end in a real Envoy with the built filter (or
-the dynamic module, GPUROUTE_RUNTIME=dynamic): while the snapshot shows a pool without a healthy
-pod with fresh metrics, its requests go, unchanged but for the pool, to the first of its failover
-pools that has one; they come back when it serves again, and nothing moves when nothing is known.
+"""A pool's failover (`pools[].failover`, `overflow`), end to end in a real Envoy with the built
+filter (or the dynamic module, GPUROUTE_RUNTIME=dynamic): while the snapshot shows a pool without
+a healthy pod with fresh metrics, its requests go, unchanged but for the pool, to the first of
+its failover pools that has one; with `overflow`, also while all its pods are saturated, to the
+first with room. They come back when it serves again, and nothing moves when nothing is known.
 """
 
 import json
@@ -16,7 +17,7 @@ from stubpod import pools_by, serving
 CONFIG = {
     "pools": [
         {"name": "llama", "models": ["llama-3"], "aliases": {"llama": "llama-3"}, "adapters": ["sql"],
-         "failover": ["dr", "standby"]},
+         "failover": ["dr", "standby"], "overflow": True},
         # Standby pools: no names of their own, only another pool's failover.
         {"name": "dr", "models": []},
         {"name": "standby", "models": []},
@@ -41,11 +42,14 @@ def envoy(pods):
     e.stop()
 
 
-def push(envoy, pods, down=(), version=None):
-    """A snapshot with every pod healthy but those of the pools in `down`."""
-    snap = snapshot({pool: [{"address": p.address, "healthy": pool not in down}
-                            for n, p in pods.items() if POD_POOL[n] == pool] for pool in POOLS},
-                    version=version)
+SATURATED = {"waiting": 40, "running": 60, "kv_cache_usage": 0.9}
+
+
+def push(envoy, pods, down=(), busy=()):
+    """A snapshot with every pod healthy but those of the pools in `down`, and idle but those of
+    the pools in `busy` (saturated: a queue and KV use past the default thresholds)."""
+    snap = snapshot({pool: [dict({"address": p.address, "healthy": pool not in down}, **(SATURATED if pool in busy else {}))
+                            for n, p in pods.items() if POD_POOL[n] == pool] for pool in POOLS})
     assert envoy.push(snap)[0] == 204
 
 
@@ -57,8 +61,8 @@ def send(envoy, model, text="hello"):
     return POD_POOL[h["x-served-by"]], echo, h
 
 
-def failed_over(envoy, to):
-    return envoy.stat(f"{STAT_PREFIX}gpuroute.failover.llama.to.{to}")
+def failed_over(envoy, to, why="failover"):
+    return envoy.stat(f"{STAT_PREFIX}gpuroute.{why}.llama.to.{to}")
 
 
 def test_a_pool_without_a_healthy_pod_fails_over_in_order_and_comes_back(envoy, pods):
@@ -109,6 +113,36 @@ def test_a_pool_without_a_healthy_pod_fails_over_in_order_and_comes_back(envoy, 
     counts = {(ln.split('gpuroute_pool="')[1].split('"')[0], ln.split('gpuroute_target="')[1].split('"')[0]):
               int(ln.rsplit(" ", 1)[1]) for ln in lines}
     assert counts == {("llama", "dr"): 8, ("llama", "standby"): 3}, lines
+
+
+def test_with_overflow_a_saturated_pool_sends_its_requests_to_a_failover_pool_with_room(envoy, pods):
+    sheddable = {"x-gateway-priority": "-1"}
+    body = {"model": "llama-3", "messages": [{"role": "user", "content": "burst"}]}
+    # Every llama pod saturated: to the first failover pool with room, sheddable requests too
+    # (they are shed only when no pod anywhere has room).
+    push(envoy, pods, busy={"llama"})
+    for i in range(4):
+        pool, _, h = send(envoy, "llama-3", f"burst {i}")
+        assert pool == "dr" and h["x-gateway-debug"].startswith("overflow=llama->dr; pool=dr"), h
+    s, h, _, _ = envoy.request("POST", "/v1/chat/completions", body, sheddable)
+    assert s == 200 and POD_POOL[h["x-served-by"]] == "dr", (s, h)
+    assert failed_over(envoy, "dr", "overflow") == 5
+    # The first failover pool saturated too: the next with room.
+    push(envoy, pods, busy={"llama", "dr"})
+    assert [send(envoy, "llama-3", f"b {i}")[0] for i in range(3)] == ["standby"] * 3
+    # No room anywhere: the request stays, and the pool's own saturation rules apply (a
+    # sheddable request is shed).
+    push(envoy, pods, busy={"llama", "dr", "standby"})
+    assert send(envoy, "llama-3", "everything busy")[0] == "llama"
+    s, _, err, _ = envoy.request("POST", "/v1/chat/completions", body, sheddable)
+    assert s == 429, (s, err)
+    # Room again in llama: the requests come back.
+    push(envoy, pods)
+    assert [send(envoy, "llama-3", f"c {i}")[0] for i in range(3)] == ["llama"] * 3
+    assert (failed_over(envoy, "dr", "overflow"), failed_over(envoy, "standby", "overflow")) == (5, 3)
+    with urllib.request.urlopen(f"http://{envoy.admin}/stats/prometheus", timeout=5) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("envoy_gpuroute_overflow_to{")]
+    assert sorted(ln.split('gpuroute_target="')[1].split('"')[0] for ln in lines) == ["dr", "standby"], lines
 
 
 def test_nothing_moves_on_what_is_not_known(envoy, pods):
