@@ -254,10 +254,15 @@ fn bench(c: &mut Criterion) {
     let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"],"failover":["standby"]},
         {"name":"standby","models":[]}]}"#;
     let with_failover = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
-    let mut engines = [plain, with_failover];
+    // With `overflow` the check also looks for a pod with room (here the first).
+    let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"],"failover":["standby"],"overflow":true},
+        {"name":"standby","models":[]}]}"#;
+    let with_overflow = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
+    let mut engines = [plain, with_failover, with_overflow];
     for (name, i, fleet, failed_over) in [
         ("prepare_4kb_with_snapshot", 0, &up, false),
         ("prepare_4kb_failover_serving", 1, &up, false),
+        ("prepare_4kb_overflow_room", 2, &up, false),
         ("prepare_4kb_failed_over", 1, &down, true),
     ] {
         let engine = &mut engines[i];
