@@ -340,30 +340,24 @@ impl Format<'_> {
 }
 
 impl Reader {
-    /// What the snapshot `fleet` says of pool `i` (None: no snapshot, or the snapshot does not
-    /// list the pool): whether it has a healthy pod with fresh metrics, and, with `room_too`,
-    /// whether one of those is not saturated ([`has_room_by_snapshot`]; false without).
-    fn condition(
+    /// Whether pool `i` has a healthy pod with fresh metrics in the snapshot `fleet`, and with
+    /// `room`, one of those that is not saturated ([`has_room_by_snapshot`]). None: no
+    /// snapshot, or the snapshot does not list the pool.
+    fn serving(
         &self,
         fleet: Option<&FleetState>,
         now_ms: u64,
         i: usize,
-        room_too: bool,
-    ) -> Option<(bool, bool)> {
+        room: bool,
+    ) -> Option<bool> {
         let fleet = fleet?;
         let scoring = self.scoring.get(i)?;
         let pool = fleet.pool(self.routes.pool_name(i))?;
         let age = fleet.age_ms(now_ms);
-        let serving = pool.serving(age, scoring.stale_after_ms);
-        let room = room_too && serving && has_room_by_snapshot(pool, age, scoring);
-        Some((serving, room))
-    }
-
-    /// Whether pool `i` has a healthy pod with fresh metrics in the snapshot `fleet` (None: no
-    /// snapshot, or the snapshot does not list the pool).
-    fn serving(&self, fleet: Option<&FleetState>, now_ms: u64, i: usize) -> Option<bool> {
-        self.condition(fleet, now_ms, i, false)
-            .map(|(serving, _)| serving)
+        Some(match room {
+            false => pool.serving(age, scoring.stale_after_ms),
+            true => has_room_by_snapshot(pool, age, scoring),
+        })
     }
 
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
@@ -439,7 +433,8 @@ impl Reader {
                 };
                 // A target whose pool the snapshot shows unable to serve is passed over; with
                 // no snapshot, or a pool it does not list, nothing is known against it.
-                let serving = |t: &Target| self.serving(fleet, now_ms, t.pool).unwrap_or(true);
+                let serving =
+                    |t: &Target| self.serving(fleet, now_ms, t.pool, false).unwrap_or(true);
                 let Some((target, t, rerouted)) = s.pick_serving(s.key(text), serving) else {
                     return Err(ApiError::model_not_found(&s.name));
                 };
@@ -458,17 +453,19 @@ impl Reader {
         let mut failed_over = None;
         let failover = self.routes.failover(target.pool);
         if !failover.is_empty() {
-            let overflow = self.routes.overflows(target.pool);
-            let saturated = match self.condition(fleet, now_ms, target.pool, overflow) {
-                Some((false, _)) => Some(false),
-                Some((true, false)) if overflow => Some(true),
+            let own = |room| self.serving(fleet, now_ms, target.pool, room);
+            // Why it moves: none of its pods can take it (false), or, with `overflow`, all of
+            // them are saturated (true).
+            let saturated = match own(false) {
+                Some(false) => Some(false),
+                Some(true) if self.routes.overflows(target.pool) && own(true) == Some(false) => {
+                    Some(true)
+                }
                 _ => None,
             };
             if let Some(saturated) = saturated {
-                let takes = |j: usize| match self.condition(fleet, now_ms, j, saturated) {
-                    Some((serving, room)) => serving && (room || !saturated),
-                    None => false,
-                };
+                // A pool that takes it: one that can, or, for an overflow, one with room.
+                let takes = |j: usize| self.serving(fleet, now_ms, j, saturated) == Some(true);
                 if let Some(&j) = failover.iter().find(|&&j| takes(j)) {
                     failed_over = Some(FailedOver {
                         from: self.routes.pool_name_shared(target.pool),
