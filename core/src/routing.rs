@@ -142,10 +142,16 @@ pub enum Resolved<'a> {
 /// The counter of requests for `split` that took `target`:
 /// `gpuroute.split.<split>.to.<target>` (both shells).
 pub fn split_stat(split: &str, target: &str) -> String {
+    to_stat("split", split, target)
+}
+
+/// `gpuroute.<family>.<from>.to.<to>`, each name as a stat segment: the counters of what went
+/// from a split or a pool to a target or another pool.
+fn to_stat(family: &str, from: &str, to: &str) -> String {
     format!(
-        "gpuroute.split.{}.to.{}",
-        crate::fleet::stat_segment(split),
-        crate::fleet::stat_segment(target)
+        "gpuroute.{family}.{}.to.{}",
+        crate::fleet::stat_segment(from),
+        crate::fleet::stat_segment(to)
     )
 }
 
@@ -161,21 +167,13 @@ pub fn split_rerouted_stat(split: &str) -> String {
 /// The counter of requests for pool `from` sent to its failover pool `to`:
 /// `gpuroute.failover.<from>.to.<to>` (both shells).
 pub fn failover_stat(from: &str, to: &str) -> String {
-    format!(
-        "gpuroute.failover.{}.to.{}",
-        crate::fleet::stat_segment(from),
-        crate::fleet::stat_segment(to)
-    )
+    to_stat("failover", from, to)
 }
 
 /// The counter of requests for pool `from` sent to its failover pool `to` while every pod of
 /// `from` was saturated (`pools[].overflow`): `gpuroute.overflow.<from>.to.<to>` (both shells).
 pub fn overflow_stat(from: &str, to: &str) -> String {
-    format!(
-        "gpuroute.overflow.{}.to.{}",
-        crate::fleet::stat_segment(from),
-        crate::fleet::stat_segment(to)
-    )
+    to_stat("overflow", from, to)
 }
 
 /// Seed domain of split keys.
