@@ -266,8 +266,9 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
 
     # Every dashboard query has a non-zero value (one series at least). The relay's panel too:
     # with two ingest URLs sidecar-metrics relays prefix records between them. The snapshot's
-    # age is a gauge that reads 0 ms when Envoy's last scrape came in the millisecond of a push
-    # (a fresh-clone CI run met it): a series is its data.
+    # age is a gauge the filter sets when it takes in a snapshot and on its ticks: it reads 0 ms
+    # when that came in the millisecond of a push (a fresh-clone CI run met it), so a series is
+    # its data.
     may_read_zero = {"Snapshot age"}
 
     def nonzero(title, expr):
