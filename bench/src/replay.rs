@@ -898,7 +898,8 @@ impl<'a> Replay<'a> {
                 self.relay_load(gateway, at, LoadEvent::Sent(flight.clone()));
                 Picked::Pod(pod, Some(flight))
             }
-            Decision::FailOpen(_) => Picked::FailOpen,
+            // No scenario has a pool that overflows (`pools[].overflow`).
+            Decision::FailOpen(_) | Decision::Overflow(_) => Picked::FailOpen,
             Decision::Shed | Decision::Hold(_) => Picked::Refused,
         }
     }

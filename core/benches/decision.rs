@@ -14,6 +14,7 @@ use gpuroute_core::engine::{DecideOptions, Engine, Prepared, Reader, RequestCont
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::ingest::{self, StoredHeader};
 use gpuroute_core::load::LoadTable;
+use gpuroute_core::picker::Decision;
 use gpuroute_core::request::Endpoint;
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::{LoraState, PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
@@ -233,17 +234,19 @@ fn bench(c: &mut Criterion) {
     // A pool with a failover pool: the plain prepare with a snapshot at hand (the baseline), the
     // same with the check that the pool serves (its first pod is fresh), and the pool with
     // every pod down, its request handed to the standby pool.
-    let with_standby = |llama_healthy: bool| {
+    let with_standby = |llama: fn(&mut PodSnapshot)| {
         let mut snap = snapshot(64);
         let mut standby = snap.pools[0].clone();
         standby.name = "standby".into();
         for p in &mut snap.pools[0].pods {
-            p.healthy = llama_healthy;
+            llama(p);
         }
         snap.pools.push(standby);
         FleetState::new(snap, NOW - 10)
     };
-    let (up, down) = (with_standby(true), with_standby(false));
+    let up = with_standby(|_| {});
+    let down = with_standby(|p| p.healthy = false);
+    let saturated = with_standby(|p| p.waiting = 9);
     let at = |fleet| RequestContext {
         fleet: Some(fleet),
         now_ms: NOW,
@@ -254,7 +257,6 @@ fn bench(c: &mut Criterion) {
     let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"],"failover":["standby"]},
         {"name":"standby","models":[]}]}"#;
     let with_failover = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
-    // With `overflow` the check also looks for a pod with room (here the first).
     let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"],"failover":["standby"],"overflow":true},
         {"name":"standby","models":[]}]}"#;
     let with_overflow = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
@@ -262,7 +264,6 @@ fn bench(c: &mut Criterion) {
     for (name, i, fleet, failed_over) in [
         ("prepare_4kb_with_snapshot", 0, &up, false),
         ("prepare_4kb_failover_serving", 1, &up, false),
-        ("prepare_4kb_overflow_room", 2, &up, false),
         ("prepare_4kb_failed_over", 1, &down, true),
     ] {
         let engine = &mut engines[i];
@@ -277,6 +278,37 @@ fn bench(c: &mut Criterion) {
                 )
             })
         });
+    }
+    // `overflow` is the pick's: the 64-pod decision without it (the baseline), with it while the
+    // pool has room (the look for a failover pool with room: its first pod), and with every
+    // pod saturated (the pick finds none, the request moves, the standby's 64 pods are picked
+    // from). Each from a clone of the prepared request, as the move changes it.
+    for (name, i, fleet, moved) in [
+        ("decide_64_plain", 0, &up, false),
+        ("decide_64_overflow_room", 2, &up, false),
+        ("decide_64_overflowed", 2, &saturated, true),
+    ] {
+        let engine = &mut engines[i];
+        let prep = engine
+            .prepare_in("/v1/chat/completions", &body, at(fleet))
+            .unwrap_or_else(|e| panic!("{}", e.message));
+        let opts = DecideOptions {
+            now_ms: NOW,
+            ..Default::default()
+        };
+        let mut rng = SplitMix64::new(1);
+        let mut decide = |engine: &mut Engine| {
+            let mut p = prep.clone();
+            let mut c = engine.decide(&p, Some(fleet), &[], opts, &mut rng);
+            if let Decision::Overflow(to) = c.decision {
+                engine.overflow(&mut p, to);
+                c = engine.decide(&p, Some(fleet), &[], opts, &mut rng);
+            }
+            (p.failed_over.is_some(), c.picked_key)
+        };
+        let (was_moved, picked) = decide(engine);
+        assert_eq!((was_moved, picked.is_some()), (moved, true), "{name}");
+        parts.bench_function(name, |b| b.iter(|| black_box(decide(engine))));
     }
     parts.finish();
 

@@ -142,8 +142,9 @@ pub struct PoolConfig {
     #[serde(default)]
     pub failover: Vec<String>,
     /// Also hand requests to the failover pools while every pod of this pool that could take
-    /// one is saturated by the snapshot (`scoring.queue_threshold`, `kv_threshold`): to the
-    /// first of them with a pod that is not (a burst pool, on-demand capacity).
+    /// one is saturated as the pick counts it (`scoring.queue_threshold`, `kv_threshold`, by the
+    /// snapshot and what the gateway sent since): to the first of them whose snapshot shows a
+    /// pod that is not (a burst pool, on-demand capacity).
     #[serde(default)]
     pub overflow: bool,
 }

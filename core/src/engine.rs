@@ -360,6 +360,16 @@ impl Reader {
         })
     }
 
+    /// With `overflow`, the first of pool `i`'s failover pools that the snapshot shows with room
+    /// ([`has_room_by_snapshot`]): where its requests go while all its pods are saturated.
+    fn overflow_target(&self, fleet: Option<&FleetState>, now_ms: u64, i: usize) -> Option<usize> {
+        if !self.routes.overflows(i) {
+            return None;
+        }
+        let room = |j: usize| self.serving(fleet, now_ms, j, true) == Some(true);
+        self.routes.failover(i).iter().copied().find(|&j| room(j))
+    }
+
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
     /// API's answers to send.
     pub fn read(&self, path: &str, body: &[u8], ctx: RequestContext<'_>) -> Result<Read, ApiError> {
@@ -447,35 +457,22 @@ impl Reader {
             }
         };
         // A pool the snapshot shows unable to serve hands the request to the first of its
-        // failover pools that the snapshot shows able to; with `overflow`, a pool whose pods
-        // are all saturated to the first with a pod that is not. Nothing known either way (no
-        // snapshot, a pool it does not list): the request stays.
+        // failover pools that the snapshot shows able to. Nothing known either way (no snapshot,
+        // a pool it does not list): the request stays. (`overflow`, a pool whose pods are all
+        // saturated, is the picker's to find: [`Engine::decide`].)
         let mut failed_over = None;
         let failover = self.routes.failover(target.pool);
-        if !failover.is_empty() {
-            let own = |room| self.serving(fleet, now_ms, target.pool, room);
-            // Why it moves: none of its pods can take it (false), or, with `overflow`, all of
-            // them are saturated (true).
-            let saturated = match own(false) {
-                Some(false) => Some(false),
-                Some(true) if self.routes.overflows(target.pool) && own(true) == Some(false) => {
-                    Some(true)
-                }
-                _ => None,
-            };
-            if let Some(saturated) = saturated {
-                // A pool that takes it: one that can, or, for an overflow, one with room.
-                let takes = |j: usize| self.serving(fleet, now_ms, j, saturated) == Some(true);
-                if let Some(&j) = failover.iter().find(|&&j| takes(j)) {
-                    failed_over = Some(FailedOver {
-                        from: self.routes.pool_name_shared(target.pool),
-                        overflow: saturated,
-                    });
-                    target = Arc::new(Target {
-                        pool: j,
-                        ..Target::clone(&target)
-                    });
-                }
+        if !failover.is_empty() && self.serving(fleet, now_ms, target.pool, false) == Some(false) {
+            let takes = |j: usize| self.serving(fleet, now_ms, j, false) == Some(true);
+            if let Some(&j) = failover.iter().find(|&&j| takes(j)) {
+                failed_over = Some(FailedOver {
+                    from: self.routes.pool_name_shared(target.pool),
+                    overflow: false,
+                });
+                target = Arc::new(Target {
+                    pool: j,
+                    ..Target::clone(&target)
+                });
             }
         }
         let rewritten_body = match (&req.model_span, target.rewrite) {
@@ -653,6 +650,22 @@ impl Engine {
         &self.reader.routes
     }
 
+    /// Moves a request that [`Engine::decide`] found its pool saturated for to the pool `to`
+    /// ([`Decision::Overflow`]): the shell then decides again, with that pool's in-flight table.
+    /// Step 1's work stands (the same model, body and prompt hashes; the prefix index knows pods,
+    /// not pools).
+    pub fn overflow(&self, prep: &mut Prepared, to: usize) {
+        prep.failed_over = Some(FailedOver {
+            from: Arc::clone(&prep.pool),
+            overflow: true,
+        });
+        prep.pool = self.reader.routes.pool_name_shared(to);
+        prep.target = Arc::new(Target {
+            pool: to,
+            ..Target::clone(&prep.target)
+        });
+    }
+
     /// Step 2: pick pods of the request's pool. `fleet` is the worker's decoded snapshot (None
     /// before the first one), `loads` the shared in-flight table aligned with the pool.
     pub fn decide(
@@ -721,6 +734,13 @@ impl Engine {
             sheddable,
             holdable,
             affinity_hold,
+            // A request moves once: one that failed over stays in the pool it went to.
+            overflow_to: match prep.failed_over {
+                None => self
+                    .reader
+                    .overflow_target(Some(fleet), now_ms, prep.target.pool),
+                Some(_) => None,
+            },
         };
         let mut explain = Explain::default();
         let decision = picker.pick(
@@ -1488,14 +1508,31 @@ mod tests {
             ("10.0.0.4:8000", 4, 0.79),
         );
         let dr_idle = [("10.1.0.1:8000", 0, 0.1)];
-        let where_to = |e: &mut Engine, model: &str, fleet: &FleetState| {
-            let p = e
+        // Step 1, then the pick; a request the pick sends on is moved, and its new pool's pick
+        // does not send it on again.
+        let opts = DecideOptions {
+            now_ms: 1_100,
+            debug: true,
+            ..DecideOptions::default()
+        };
+        let decided = |e: &mut Engine, model: &str, fleet: &FleetState| {
+            let mut p = e
                 .prepare_in(
                     "/v1/chat/completions",
                     &chat(model, "hi"),
                     ctx(fleet, 1_100),
                 )
                 .unwrap();
+            let mut c = e.decide(&p, Some(fleet), &[], opts, &mut SplitMix64::new(1));
+            if let Decision::Overflow(to) = c.decision {
+                e.overflow(&mut p, to);
+                c = e.decide(&p, Some(fleet), &[], opts, &mut SplitMix64::new(1));
+                assert!(!matches!(c.decision, Decision::Overflow(_)), "{c:?}");
+            }
+            (p, c)
+        };
+        let where_to = |e: &mut Engine, model: &str, fleet: &FleetState| {
+            let p = decided(e, model, fleet).0;
             (p.pool.to_string(), p.failed_over)
         };
         // One pod under both thresholds is room enough: the request stays.
@@ -1552,7 +1589,17 @@ mod tests {
             })
         );
         // The debug header and the counter say which it was.
-        let fleet = state(&[busy, full], &dr_idle);
+        let (p, c) = decided(&mut e, "llama-3", &state(&[busy, full], &dr_idle));
+        let d = c.debug.unwrap();
+        assert!(d.starts_with("overflow=llama->dr; pool=dr"), "{d}");
+        assert_eq!(
+            p.failed_over.unwrap().stat(&p.pool),
+            "gpuroute.overflow.llama.to.dr"
+        );
+        // Saturated by what was sent since the snapshot: the pick sends it on as soon as the
+        // in-flight table says so (one pod with room in the snapshot, 4 waiting: one more sent
+        // to it fills its queue).
+        let fleet = state(&[busy, idle], &dr_idle);
         let p = e
             .prepare_in(
                 "/v1/chat/completions",
@@ -1560,18 +1607,17 @@ mod tests {
                 ctx(&fleet, 1_100),
             )
             .unwrap();
-        let opts = DecideOptions {
-            now_ms: 1_100,
-            debug: true,
-            ..DecideOptions::default()
+        assert_eq!(&*p.pool, "llama");
+        let mut table = LoadTable::default();
+        let keys = &fleet.pool("llama").unwrap().keys;
+        table.rebase(fleet.version, keys);
+        let mut decision = |t: &LoadTable| {
+            e.decide(&p, Some(&fleet), &t.pods, opts, &mut SplitMix64::new(1))
+                .decision
         };
-        let c = e.decide(&p, Some(&fleet), &[], opts, &mut SplitMix64::new(1));
-        let d = c.debug.unwrap();
-        assert!(d.starts_with("overflow=llama->dr; pool=dr"), "{d}");
-        assert_eq!(
-            p.failed_over.unwrap().stat(&p.pool),
-            "gpuroute.overflow.llama.to.dr"
-        );
+        assert!(matches!(decision(&table), Decision::Picked(_)));
+        table.add(1, 1, 100, Some(100));
+        assert_eq!(decision(&table), Decision::Overflow(1));
     }
 
     #[test]

@@ -58,6 +58,10 @@ pub struct RequestFeatures<'a> {
     /// request: that holds its adapter) is saturated and others are not
     /// (`hold.affinity_wait_ms`, not yet run out).
     pub affinity_hold: bool,
+    /// The pool (configuration index) that takes the request while every candidate is
+    /// saturated (`pools[].overflow`: the pool's first failover pool with room), before it is
+    /// shed, held or sent to a saturated pod ([`Decision::Overflow`]).
+    pub overflow_to: Option<usize>,
 }
 
 impl RequestFeatures<'_> {
@@ -145,6 +149,9 @@ pub enum Decision {
     Shed,
     /// The request may wait at the gateway (`hold`): decide again when a pod may have room.
     Hold(HoldReason),
+    /// Every candidate is saturated and the request goes to this pool instead (its
+    /// configuration index, [`RequestFeatures::overflow_to`]): decide again there.
+    Overflow(usize),
 }
 
 /// Why a request is held ([`Decision::Hold`]).
@@ -393,6 +400,9 @@ impl Picker {
         }
         let all_saturated = cands.iter().all(|c| c.saturated);
         if all_saturated {
+            if let Some(to) = req.overflow_to {
+                return Decision::Overflow(to);
+            }
             if req.sheddable {
                 return Decision::Shed;
             }
@@ -1013,6 +1023,52 @@ mod tests {
             table.add(0, 1, 100, Some(100));
             sent += 1;
             assert!(sent <= 16, "never saturated");
+        }
+        assert_eq!(
+            f64::from(sent),
+            ScoringConfig::default().queue_threshold.ceil()
+        );
+    }
+
+    #[test]
+    fn with_a_pool_to_overflow_to_a_request_goes_there_only_while_every_pod_is_saturated() {
+        let over = RequestFeatures {
+            overflow_to: Some(3),
+            ..Default::default()
+        };
+        let all = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.9)]);
+        assert_eq!(pick(&all, &over), Decision::Overflow(3));
+        // Before it would be shed or held.
+        for (sheddable, holdable) in [(true, false), (false, true), (true, true)] {
+            let req = RequestFeatures {
+                sheddable,
+                holdable,
+                ..over.clone()
+            };
+            assert_eq!(pick(&all, &req), Decision::Overflow(3));
+        }
+        // One pod with room: it is picked.
+        let one_free = pool(vec![pod(1, 9, 0, 0.5), pod(2, 0, 0, 0.5)]);
+        assert_eq!(best(&pick(&one_free, &over)), 1);
+        // No fresh pod is not a saturated pool: fail open (a pool without one fails over
+        // before the pick).
+        let d = picker().pick(&all, &[], &over, 2_000, &mut SplitMix64::new(1), None);
+        assert_eq!(d, Decision::FailOpen(FailOpen::NoFreshPod));
+        // Saturated by what this gateway sent since the snapshot: an idle pod that was just
+        // sent a burst overflows at the request that fills its queue, not at the next snapshot.
+        let idle = pool(vec![pod(1, 0, 0, 0.1)]);
+        let mut table = LoadTable::default();
+        table.rebase(1, &idle.keys);
+        let mut sent = 0;
+        loop {
+            let d = picker().pick(&idle, &table.pods, &over, 0, &mut SplitMix64::new(1), None);
+            if d == Decision::Overflow(3) {
+                break;
+            }
+            assert!(matches!(d, Decision::Picked(_)), "{d:?}");
+            table.add(0, 1, 100, Some(100));
+            sent += 1;
+            assert!(sent <= 16, "never overflowed");
         }
         assert_eq!(
             f64::from(sent),

@@ -1183,37 +1183,45 @@ impl Filter {
         let cfg = &config.settings;
         let m = &config.metrics;
         let r = &mut *guard;
-        let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
-        if !r.loads.contains_key(&*prep.pool) {
-            r.loads.insert(prep.pool.to_string(), LoadTable::default());
-        }
-        let Some(table) = r.loads.get_mut(&*prep.pool) else {
-            return Ok(());
+        let mut prep = prep;
+        // Once more after an overflow: the pool it went to, with that pool's table.
+        let (pool_state, table, mut choice) = loop {
+            let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
+            if !r.loads.contains_key(&*prep.pool) {
+                r.loads.insert(prep.pool.to_string(), LoadTable::default());
+            }
+            let Some(table) = r.loads.get_mut(&*prep.pool) else {
+                return Ok(());
+            };
+            if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
+                table.rebase(f.version, &p.keys);
+            }
+            let opts = DecideOptions {
+                now_ms: now,
+                sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
+                holdable,
+                affinity_hold: holdable && affinity_hold,
+                debug: cfg.debug_header,
+            };
+            // The other gateway replicas' requests in prefill, added to a copy of the table (the
+            // table itself counts this Envoy's own only).
+            let with_replicas = r.replicas.add(&prep.pool, table, fleet.as_deref(), now);
+            let pods: &[PodLoad] = if with_replicas {
+                &r.replicas.view
+            } else {
+                &table.pods
+            };
+            let choice = r
+                .engine
+                .decide(&prep, fleet.as_deref(), pods, opts, &mut r.rng);
+            match choice.decision {
+                Decision::Hold(reason) => return Err((Box::new(prep), reason)),
+                // Every pod of the pool is saturated: to the pool it overflows to (once: a moved
+                // request is not moved again). Counted with the request's other counters.
+                Decision::Overflow(to) => r.engine.overflow(&mut prep, to),
+                _ => break (pool_state, table, choice),
+            }
         };
-        if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
-            table.rebase(f.version, &p.keys);
-        }
-        let opts = DecideOptions {
-            now_ms: now,
-            sheddable: cfg.shed_sheddable && self.head.priority.is_some_and(|p| p < 0),
-            holdable,
-            affinity_hold: holdable && affinity_hold,
-            debug: cfg.debug_header,
-        };
-        // The other gateway replicas' requests in prefill, added to a copy of the table (the
-        // table itself counts this Envoy's own only).
-        let with_replicas = r.replicas.add(&prep.pool, table, fleet.as_deref(), now);
-        let pods: &[PodLoad] = if with_replicas {
-            &r.replicas.view
-        } else {
-            &table.pods
-        };
-        let mut choice = r
-            .engine
-            .decide(&prep, fleet.as_deref(), pods, opts, &mut r.rng);
-        if let Decision::Hold(reason) = choice.decision {
-            return Err((Box::new(prep), reason));
-        }
         self.debug = choice.debug.take();
         let mut any_pod = None;
         if let Decision::Picked(_) = &choice.decision {
@@ -1268,7 +1276,7 @@ impl Filter {
             }
             Decision::Shed => answer = Some(("shed", ApiError::shed(pool))),
             // Returned above.
-            Decision::Hold(_) => {}
+            Decision::Hold(_) | Decision::Overflow(_) => {}
         }
         if answer.is_none() {
             for (name, value) in prep.routing_headers() {

@@ -1238,8 +1238,19 @@ impl Http {
             .engine
             .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         w.view = view;
-        if let Decision::Hold(reason) = choice.decision {
-            return Err((Box::new(prep), reason));
+        match choice.decision {
+            Decision::Hold(reason) => return Err((Box::new(prep), reason)),
+            Decision::Overflow(to) => {
+                // Every pod of the pool is saturated: decide again in the pool it overflows to,
+                // with that pool's in-flight table (once: a moved request is not moved again).
+                let mut prep = prep;
+                w.engine.overflow(&mut prep, to);
+                if let Some(f) = &prep.failed_over {
+                    w.stats.inc(&f.stat(&prep.pool));
+                }
+                return self.dispatch(w, prep, t0, body_len, complete, holdable, affinity_hold);
+            }
+            _ => {}
         }
         if prep.continues_response() {
             w.stats.inc(match choice.pinned_response {
@@ -1316,7 +1327,7 @@ impl Http {
                 return Ok(self.reply_error(&ApiError::shed(pool)));
             }
             // Returned above.
-            Decision::Hold(_) => {}
+            Decision::Hold(_) | Decision::Overflow(_) => {}
         }
         self.set_routing_headers(&prep, body_len, complete);
         if sampled {

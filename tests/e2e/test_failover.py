@@ -1,23 +1,28 @@
 """A pool's failover (`pools[].failover`, `overflow`), end to end in a real Envoy with the built
 filter (or the dynamic module, GPUROUTE_RUNTIME=dynamic): while the snapshot shows a pool without
 a healthy pod with fresh metrics, its requests go, unchanged but for the pool, to the first of
-its failover pools that has one; with `overflow`, also while all its pods are saturated, to the
-first with room. They come back when it serves again, and nothing moves when nothing is known.
+its failover pools that has one; with `overflow`, also while all its pods are saturated (by the
+snapshot, or by what the gateway sent them since), to the first with room. They come back when it
+serves again, and nothing moves when nothing is known.
 """
 
+import concurrent.futures
 import json
+import threading
 import time
 import urllib.request
 
 import pytest
 
-from harness import STAT_PREFIX, Envoy, snapshot
+from harness import STAT_PREFIX, Envoy, snapshot, wait_for
 from stubpod import pools_by, serving
 
 CONFIG = {
     "pools": [
         {"name": "llama", "models": ["llama-3"], "aliases": {"llama": "llama-3"}, "adapters": ["sql"],
-         "failover": ["dr", "standby"], "overflow": True},
+         "failover": ["dr", "standby"], "overflow": True,
+         # Two requests waiting per pod saturate it, so that a burst of four fills the pool.
+         "scoring": {"queue_threshold": 2}},
         # Standby pools: no names of their own, only another pool's failover.
         {"name": "dr", "models": []},
         {"name": "standby", "models": []},
@@ -37,7 +42,8 @@ def pods():
 
 @pytest.fixture(scope="module")
 def envoy(pods):
-    e = Envoy("filter", pools_by(pods, POD_POOL, POOLS), CONFIG)
+    # Two workers: a burst's requests are counted across them.
+    e = Envoy("filter", pools_by(pods, POD_POOL, POOLS), CONFIG, concurrency=2)
     yield e
     e.stop()
 
@@ -143,6 +149,43 @@ def test_with_overflow_a_saturated_pool_sends_its_requests_to_a_failover_pool_wi
     with urllib.request.urlopen(f"http://{envoy.admin}/stats/prometheus", timeout=5) as r:
         lines = [ln for ln in r.read().decode().splitlines() if ln.startswith("envoy_gpuroute_overflow_to{")]
     assert sorted(ln.split('gpuroute_target="')[1].split('"')[0] for ln in lines) == ["dr", "standby"], lines
+
+
+def test_with_overflow_a_burst_moves_over_as_it_fills_the_pool_not_at_the_next_snapshot(envoy, pods):
+    """The requests the gateway sent since the snapshot count as waiting at their pods, as the
+    pick counts them: the request that finds every pod full by that count goes to the failover
+    pool at once. No snapshot is pushed during the burst."""
+    push(envoy, pods)
+    llama = [p for n, p in pods.items() if POD_POOL[n] == "llama"]
+    at_llama = lambda: sum(len(p.requests) for p in llama)
+    before = failed_over(envoy, "dr", "overflow")
+    gate = threading.Event()
+    for p in llama:
+        p.hold = gate
+    pool = burst = None
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            try:
+                # Four requests held at the pods, each sent once the one before reached its pod:
+                # two per pod, the queue threshold.
+                burst = []
+                for i in range(4):
+                    n = at_llama()
+                    burst.append(ex.submit(send, envoy, "llama-3", f"burst {i}"))
+                    wait_for(lambda: at_llama() > n, what=f"burst request {i} at a llama pod")
+                    time.sleep(0.05)
+                pool, _, h = send(envoy, "llama-3", "one more")
+            finally:
+                gate.set()
+            served = [f.result()[0] for f in burst]
+    finally:
+        for p in llama:
+            p.hold = None
+    assert served == ["llama"] * 4
+    assert pool == "dr" and h["x-gateway-debug"].startswith("overflow=llama->dr; pool=dr"), h
+    assert failed_over(envoy, "dr", "overflow") == before + 1
+    # Their answers in, the pool has room again, still without a new snapshot.
+    assert [send(envoy, "llama-3", f"after {i}")[0] for i in range(3)] == ["llama"] * 3
 
 
 def test_nothing_moves_on_what_is_not_known(envoy, pods):
