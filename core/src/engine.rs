@@ -99,8 +99,10 @@ impl SplitTaken {
 pub struct FailedOver {
     /// The pool the request was for.
     pub from: Arc<str>,
+    /// Its configuration index: whose failover list a further move follows.
+    pub origin: usize,
     /// Moved because every pod of `from` that could take it was saturated (`pools[].overflow`),
-    /// not because none could.
+    /// not because none could (or, moved that way first, then because the pool it went to was).
     pub overflow: bool,
 }
 
@@ -360,14 +362,35 @@ impl Reader {
         })
     }
 
-    /// With `overflow`, the first of pool `i`'s failover pools that the snapshot shows with room
-    /// ([`has_room_by_snapshot`]): where its requests go while all its pods are saturated.
-    fn overflow_target(&self, fleet: Option<&FleetState>, now_ms: u64, i: usize) -> Option<usize> {
-        if !self.routes.overflows(i) {
+    /// Where a request goes when the pick finds every pod of its pool saturated: with
+    /// `overflow` on the pool it was for, the first of that pool's failover pools after the one
+    /// it is in (if it moved already) that the snapshot shows with room
+    /// ([`has_room_by_snapshot`]). Each move goes further down the list, so a request moves at
+    /// most once per failover pool.
+    fn overflow_target(
+        &self,
+        fleet: Option<&FleetState>,
+        now_ms: u64,
+        prep: &Prepared,
+    ) -> Option<usize> {
+        let (origin, now_in) = match &prep.failed_over {
+            None => (prep.target.pool, None),
+            Some(f) => (f.origin, Some(prep.target.pool)),
+        };
+        if !self.routes.overflows(origin) {
             return None;
         }
+        let list = self.routes.failover(origin);
+        let rest = match now_in {
+            None => list,
+            Some(i) => list
+                .iter()
+                .position(|&j| j == i)
+                .and_then(|k| list.get(k + 1..))
+                .unwrap_or_default(),
+        };
         let room = |j: usize| self.serving(fleet, now_ms, j, true) == Some(true);
-        self.routes.failover(i).iter().copied().find(|&j| room(j))
+        rest.iter().copied().find(|&j| room(j))
     }
 
     /// Parses the body, resolves the model to its target and hashes the prompt. Errors are the
@@ -467,6 +490,7 @@ impl Reader {
             if let Some(&j) = failover.iter().find(|&&j| takes(j)) {
                 failed_over = Some(FailedOver {
                     from: self.routes.pool_name_shared(target.pool),
+                    origin: target.pool,
                     overflow: false,
                 });
                 target = Arc::new(Target {
@@ -653,10 +677,15 @@ impl Engine {
     /// Moves a request that [`Engine::decide`] found its pool saturated for to the pool `to`
     /// ([`Decision::Overflow`]): the shell then decides again, with that pool's in-flight table.
     /// Step 1's work stands (the same model, body and prompt hashes; the prefix index knows pods,
-    /// not pools).
+    /// not pools). A request that moved already keeps the pool it was for.
     pub fn overflow(&self, prep: &mut Prepared, to: usize) {
+        let (from, origin) = match prep.failed_over.take() {
+            Some(f) => (f.from, f.origin),
+            None => (Arc::clone(&prep.pool), prep.target.pool),
+        };
         prep.failed_over = Some(FailedOver {
-            from: Arc::clone(&prep.pool),
+            from,
+            origin,
             overflow: true,
         });
         prep.pool = self.reader.routes.pool_name_shared(to);
@@ -734,13 +763,7 @@ impl Engine {
             sheddable,
             holdable,
             affinity_hold,
-            // A request moves once: one that failed over stays in the pool it went to.
-            overflow_to: match prep.failed_over {
-                None => self
-                    .reader
-                    .overflow_target(Some(fleet), now_ms, prep.target.pool),
-                Some(_) => None,
-            },
+            overflow_to: self.reader.overflow_target(Some(fleet), now_ms, prep),
         };
         let mut explain = Explain::default();
         let decision = picker.pick(
@@ -1508,8 +1531,8 @@ mod tests {
             ("10.0.0.4:8000", 4, 0.79),
         );
         let dr_idle = [("10.1.0.1:8000", 0, 0.1)];
-        // Step 1, then the pick; a request the pick sends on is moved, and its new pool's pick
-        // does not send it on again.
+        // Step 1, then the pick; a request the pick sends on is moved and picked for again, each
+        // time further down the failover list.
         let opts = DecideOptions {
             now_ms: 1_100,
             debug: true,
@@ -1523,13 +1546,16 @@ mod tests {
                     ctx(fleet, 1_100),
                 )
                 .unwrap();
-            let mut c = e.decide(&p, Some(fleet), &[], opts, &mut SplitMix64::new(1));
-            if let Decision::Overflow(to) = c.decision {
+            let mut moves = 0;
+            loop {
+                let c = e.decide(&p, Some(fleet), &[], opts, &mut SplitMix64::new(1));
+                let Decision::Overflow(to) = c.decision else {
+                    return (p, c);
+                };
                 e.overflow(&mut p, to);
-                c = e.decide(&p, Some(fleet), &[], opts, &mut SplitMix64::new(1));
-                assert!(!matches!(c.decision, Decision::Overflow(_)), "{c:?}");
+                moves += 1;
+                assert!(moves <= 2, "moved {moves} times");
             }
-            (p, c)
         };
         let where_to = |e: &mut Engine, model: &str, fleet: &FleetState| {
             let p = decided(e, model, fleet).0;
@@ -1550,6 +1576,7 @@ mod tests {
             moved,
             Some(FailedOver {
                 from: "llama".into(),
+                origin: 0,
                 overflow: true
             })
         );
@@ -1577,16 +1604,29 @@ mod tests {
             where_to(&mut e, "qwen", &state(&[busy], &dr_idle)).0,
             "qwen"
         );
-        // ... and an overflowing pool with no pod at all fails over as before, even to a pool
-        // without room.
+        // ... and an overflowing pool with no pod at all fails over as before, to the first
+        // pool that serves; that one saturated, on to the next with room, as an overflow of the
+        // pool the request was for.
         let (pool, moved) = where_to(&mut e, "llama-3", &state(&[], &dr_busy));
-        assert_eq!(pool, "dr");
+        assert_eq!(pool, "burst");
         assert_eq!(
             moved,
             Some(FailedOver {
                 from: "llama".into(),
-                overflow: false
+                origin: 0,
+                overflow: true
             })
+        );
+        let p = e
+            .prepare_in(
+                "/v1/chat/completions",
+                &chat("llama-3", "hi"),
+                ctx(&state(&[], &dr_busy), 1_100),
+            )
+            .unwrap();
+        assert_eq!(
+            (&*p.pool, p.failed_over.map(|f| f.overflow)),
+            ("dr", Some(false))
         );
         // The debug header and the counter say which it was.
         let (p, c) = decided(&mut e, "llama-3", &state(&[busy, full], &dr_idle));
@@ -1618,6 +1658,40 @@ mod tests {
         assert!(matches!(decision(&table), Decision::Picked(_)));
         table.add(1, 1, 100, Some(100));
         assert_eq!(decision(&table), Decision::Overflow(1));
+        // Moved to dr, whose snapshot showed room, and dr full too by what was sent it since:
+        // on down the list, to burst, as llama's overflow; at the end of the list, no further.
+        let mut p = p.clone();
+        e.overflow(&mut p, 1);
+        let mut dr_table = LoadTable::default();
+        let dr = &fleet.pool("dr").unwrap().keys;
+        dr_table.rebase(fleet.version, dr);
+        let decision = |e: &mut Engine, p: &Prepared, t: &LoadTable| {
+            e.decide(p, Some(&fleet), &t.pods, opts, &mut SplitMix64::new(1))
+                .decision
+        };
+        assert!(matches!(
+            decision(&mut e, &p, &dr_table),
+            Decision::Picked(_)
+        ));
+        for _ in 0..5 {
+            dr_table.add(0, 1, 100, Some(100));
+        }
+        assert_eq!(decision(&mut e, &p, &dr_table), Decision::Overflow(2));
+        e.overflow(&mut p, 2);
+        let moved = p.failed_over.clone().unwrap();
+        assert_eq!(
+            (&*p.pool, &*moved.from, moved.origin),
+            ("burst", "llama", 0)
+        );
+        let mut burst_table = LoadTable::default();
+        burst_table.rebase(fleet.version, &fleet.pool("burst").unwrap().keys);
+        for _ in 0..5 {
+            burst_table.add(0, 1, 100, Some(100));
+        }
+        assert!(matches!(
+            decision(&mut e, &p, &burst_table),
+            Decision::Picked(_)
+        ));
     }
 
     #[test]

@@ -1184,7 +1184,7 @@ impl Filter {
         let m = &config.metrics;
         let r = &mut *guard;
         let mut prep = prep;
-        // Once more after an overflow: the pool it went to, with that pool's table.
+        // Again after an overflow: in the pool it went to, with that pool's table.
         let (pool_state, table, mut choice) = loop {
             let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
             if !r.loads.contains_key(&*prep.pool) {
@@ -1216,8 +1216,8 @@ impl Filter {
                 .decide(&prep, fleet.as_deref(), pods, opts, &mut r.rng);
             match choice.decision {
                 Decision::Hold(reason) => return Err((Box::new(prep), reason)),
-                // Every pod of the pool is saturated: to the pool it overflows to (once: a moved
-                // request is not moved again). Counted with the request's other counters.
+                // Every pod of the pool is saturated: to the pool it overflows to (each move
+                // further down the failover list). Counted with the request's other counters.
                 Decision::Overflow(to) => r.engine.overflow(&mut prep, to),
                 _ => break (pool_state, table, choice),
             }

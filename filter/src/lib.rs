@@ -1158,9 +1158,6 @@ impl Http {
             let (split, target) = taken.names();
             w.stats.split(split, target, taken.rerouted);
         }
-        if let Some(f) = &prep.failed_over {
-            w.stats.inc(&f.stat(&prep.pool));
-        }
         // Only a whole body is held: a form that streams on cannot wait.
         let hold = w.engine.config.hold.filter(|_| complete);
         let holdable = hold.is_some_and(|h| {
@@ -1217,40 +1214,40 @@ impl Http {
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
 
-        // The pool's in-flight requests: this worker's and the others', aligned with the
-        // snapshot.
-        let mut view = std::mem::take(&mut w.view);
-        view.pods.clear();
-        if let Some(pl) = w.pool_load(&prep.pool) {
-            view.version = pl.own.version;
-            view.pods.extend_from_slice(&pl.own.pods);
-            view.add_table(&pl.others, None);
-        }
-        w.add_replicas(&prep.pool, &mut view, now);
-        let opts = DecideOptions {
-            now_ms: now,
-            sheddable,
-            holdable,
-            affinity_hold: holdable && affinity_hold,
-            debug,
-        };
-        let mut choice = w
-            .engine
-            .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
-        w.view = view;
-        match choice.decision {
-            Decision::Hold(reason) => return Err((Box::new(prep), reason)),
-            Decision::Overflow(to) => {
-                // Every pod of the pool is saturated: decide again in the pool it overflows to,
-                // with that pool's in-flight table (once: a moved request is not moved again).
-                let mut prep = prep;
-                w.engine.overflow(&mut prep, to);
-                if let Some(f) = &prep.failed_over {
-                    w.stats.inc(&f.stat(&prep.pool));
-                }
-                return self.dispatch(w, prep, t0, body_len, complete, holdable, affinity_hold);
+        let mut prep = prep;
+        let mut choice = loop {
+            // The pool's in-flight requests: this worker's and the others', aligned with the
+            // snapshot.
+            let mut view = std::mem::take(&mut w.view);
+            view.pods.clear();
+            if let Some(pl) = w.pool_load(&prep.pool) {
+                view.version = pl.own.version;
+                view.pods.extend_from_slice(&pl.own.pods);
+                view.add_table(&pl.others, None);
             }
-            _ => {}
+            w.add_replicas(&prep.pool, &mut view, now);
+            let opts = DecideOptions {
+                now_ms: now,
+                sheddable,
+                holdable,
+                affinity_hold: holdable && affinity_hold,
+                debug,
+            };
+            let choice = w
+                .engine
+                .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
+            w.view = view;
+            match choice.decision {
+                Decision::Hold(reason) => return Err((Box::new(prep), reason)),
+                // Every pod of the pool is saturated: decide again in the pool it overflows to,
+                // with that pool's in-flight table (each move further down the failover list).
+                Decision::Overflow(to) => w.engine.overflow(&mut prep, to),
+                _ => break choice,
+            }
+        };
+        // Counted with the decision that stands (a held request's, when it is released).
+        if let Some(f) = &prep.failed_over {
+            w.stats.inc(&f.stat(&prep.pool));
         }
         if prep.continues_response() {
             w.stats.inc(match choice.pinned_response {

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from harness import STAT_PREFIX, Envoy, snapshot, wait_for
+from harness import STAT_PREFIX, Envoy, settle, snapshot, wait_for
 from stubpod import pools_by, serving
 
 CONFIG = {
@@ -24,7 +24,7 @@ CONFIG = {
          # Two requests waiting per pod saturate it, so that a burst of four fills the pool.
          "scoring": {"queue_threshold": 2}},
         # Standby pools: no names of their own, only another pool's failover.
-        {"name": "dr", "models": []},
+        {"name": "dr", "models": [], "scoring": {"queue_threshold": 2}},
         {"name": "standby", "models": []},
         {"name": "qwen", "models": ["qwen"]},
     ],
@@ -151,39 +151,45 @@ def test_with_overflow_a_saturated_pool_sends_its_requests_to_a_failover_pool_wi
     assert sorted(ln.split('gpuroute_target="')[1].split('"')[0] for ln in lines) == ["dr", "standby"], lines
 
 
-def test_with_overflow_a_burst_moves_over_as_it_fills_the_pool_not_at_the_next_snapshot(envoy, pods):
+def test_with_overflow_a_burst_moves_over_as_it_fills_the_pools_not_at_the_next_snapshot(envoy, pods):
     """The requests the gateway sent since the snapshot count as waiting at their pods, as the
-    pick counts them: the request that finds every pod full by that count goes to the failover
-    pool at once. No snapshot is pushed during the burst."""
+    pick counts them: the request that finds every pod of the pool full by that count goes to
+    the first failover pool with room at once, and when that one fills up the same way, on to
+    the next. No snapshot is pushed during the burst."""
     push(envoy, pods)
-    llama = [p for n, p in pods.items() if POD_POOL[n] == "llama"]
-    at_llama = lambda: sum(len(p.requests) for p in llama)
-    before = failed_over(envoy, "dr", "overflow")
+    held = {name: p for name, p in pods.items() if POD_POOL[name] in ("llama", "dr")}
+    at = lambda pool: sum(len(p.requests) for n, p in held.items() if POD_POOL[n] == pool)
+    before = {to: failed_over(envoy, to, "overflow") for to in ("dr", "standby")}
     gate = threading.Event()
-    for p in llama:
+    for p in held.values():
         p.hold = gate
-    pool = burst = None
     try:
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
             try:
-                # Four requests held at the pods, each sent once the one before reached its pod:
-                # two per pod, the queue threshold.
+                # Requests held at the pods, each sent once the one before reached its pod: two
+                # per pod, the queue threshold of llama (two pods) and of dr (one).
                 burst = []
-                for i in range(4):
-                    n = at_llama()
+                for i, pool in enumerate(["llama"] * 4 + ["dr"] * 2):
+                    n = at(pool)
                     burst.append(ex.submit(send, envoy, "llama-3", f"burst {i}"))
-                    wait_for(lambda: at_llama() > n, what=f"burst request {i} at a llama pod")
+                    wait_for(lambda: at(pool) > n, what=f"burst request {i} at a {pool} pod")
                     time.sleep(0.05)
-                pool, _, h = send(envoy, "llama-3", "one more")
+                last = send(envoy, "llama-3", "one more")
             finally:
                 gate.set()
-            served = [f.result()[0] for f in burst]
+            served = [f.result() for f in burst]
     finally:
-        for p in llama:
+        for p in held.values():
             p.hold = None
-    assert served == ["llama"] * 4
-    assert pool == "dr" and h["x-gateway-debug"].startswith("overflow=llama->dr; pool=dr"), h
-    assert failed_over(envoy, "dr", "overflow") == before + 1
+    assert [pool for pool, _, _ in served] == ["llama"] * 4 + ["dr"] * 2
+    assert all(h["x-gateway-debug"].startswith("overflow=llama->dr; pool=dr") for _, _, h in served[4:])
+    pool, _, h = last
+    assert pool == "standby" and h["x-gateway-debug"].startswith("overflow=llama->standby; pool=standby"), h
+    # Each request counted once, for the pool that took it (the module hands its counts to Envoy
+    # on its next tick).
+    moved = lambda: {to: failed_over(envoy, to, "overflow") - before[to] for to in before}
+    settle(lambda: moved() == {"dr": 2, "standby": 1})
+    assert moved() == {"dr": 2, "standby": 1}
     # Their answers in, the pool has room again, still without a new snapshot.
     assert [send(envoy, "llama-3", f"after {i}")[0] for i in range(3)] == ["llama"] * 3
 
