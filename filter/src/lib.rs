@@ -1194,6 +1194,24 @@ impl Http {
         }
     }
 
+    /// Every pod of the request's pool is saturated ([`Decision::Overflow`]): decides again in
+    /// the pool `to` it overflows to, with that pool's in-flight table (each move further down
+    /// the failover list). `again`: [`Http::dispatch`]'s arguments. Out of line: rare, and kept
+    /// out of the common path's code.
+    #[cold]
+    #[inline(never)]
+    fn overflow(
+        &mut self,
+        w: &mut Worker,
+        mut prep: Prepared,
+        to: usize,
+        again: (u64, usize, bool, bool, bool),
+    ) -> Result<Action, (Box<Prepared>, HoldReason)> {
+        let (t0, body_len, complete, holdable, affinity_hold) = again;
+        w.engine.overflow(&mut prep, to);
+        self.dispatch(w, prep, t0, body_len, complete, holdable, affinity_hold)
+    }
+
     /// Decides where the prepared request goes and tells Envoy (headers; or the filter's own
     /// answer). `t0`: when routing began (ns); `body_len`: the bytes buffered of the body (all of
     /// it when `complete`). `Err`: the request may be held (`holdable`; `affinity_hold`: also for
@@ -1214,37 +1232,35 @@ impl Http {
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
 
-        let mut prep = prep;
-        let mut choice = loop {
-            // The pool's in-flight requests: this worker's and the others', aligned with the
-            // snapshot.
-            let mut view = std::mem::take(&mut w.view);
-            view.pods.clear();
-            if let Some(pl) = w.pool_load(&prep.pool) {
-                view.version = pl.own.version;
-                view.pods.extend_from_slice(&pl.own.pods);
-                view.add_table(&pl.others, None);
-            }
-            w.add_replicas(&prep.pool, &mut view, now);
-            let opts = DecideOptions {
-                now_ms: now,
-                sheddable,
-                holdable,
-                affinity_hold: holdable && affinity_hold,
-                debug,
-            };
-            let choice = w
-                .engine
-                .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
-            w.view = view;
-            match choice.decision {
-                Decision::Hold(reason) => return Err((Box::new(prep), reason)),
-                // Every pod of the pool is saturated: decide again in the pool it overflows to,
-                // with that pool's in-flight table (each move further down the failover list).
-                Decision::Overflow(to) => w.engine.overflow(&mut prep, to),
-                _ => break choice,
-            }
+        // The pool's in-flight requests: this worker's and the others', aligned with the
+        // snapshot.
+        let mut view = std::mem::take(&mut w.view);
+        view.pods.clear();
+        if let Some(pl) = w.pool_load(&prep.pool) {
+            view.version = pl.own.version;
+            view.pods.extend_from_slice(&pl.own.pods);
+            view.add_table(&pl.others, None);
+        }
+        w.add_replicas(&prep.pool, &mut view, now);
+        let opts = DecideOptions {
+            now_ms: now,
+            sheddable,
+            holdable,
+            affinity_hold: holdable && affinity_hold,
+            debug,
         };
+        let mut choice = w
+            .engine
+            .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
+        w.view = view;
+        match choice.decision {
+            Decision::Hold(reason) => return Err((Box::new(prep), reason)),
+            Decision::Overflow(to) => {
+                let again = (t0, body_len, complete, holdable, affinity_hold);
+                return self.overflow(w, prep, to, again);
+            }
+            _ => {}
+        }
         // Counted with the decision that stands (a held request's, when it is released).
         if let Some(f) = &prep.failed_over {
             w.stats.inc(&f.stat(&prep.pool));
