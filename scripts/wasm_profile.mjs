@@ -92,6 +92,9 @@ const env = {
   proxy_define_metric: (t, p, l, idp) => { metricNames.push(str(p, l)); view().setUint32(idp, metricNames.length, true); return 0; },
   proxy_increment_metric: (id, by) => { const k = metricNames[id - 1]; counters.set(k, (counters.get(k) || 0n) + by); return 0; },
   proxy_record_metric: () => 0,
+  // Held requests (`hold`, off in this configuration): released on a tick through these.
+  proxy_set_effective_context: () => 0,
+  proxy_continue_stream: () => 0,
 };
 
 const wasi = new WASI({ version: 'preview1', args: [], env: {}, returnOnExit: true });
