@@ -101,8 +101,9 @@ pub struct FailedOver {
     pub from: Arc<str>,
     /// Its configuration index: whose failover list a further move follows.
     pub origin: usize,
-    /// Moved because every pod of `from` that could take it was saturated (`pools[].overflow`),
-    /// not because none could (or, moved that way first, then because the pool it went to was).
+    /// Moved (last) because every pod of the pool it was in was saturated (`pools[].overflow`):
+    /// `from`, or after a failover the failover pool. False: moved only because none of
+    /// `from`'s pods could take it.
     pub overflow: bool,
 }
 
