@@ -601,8 +601,12 @@ impl Engine {
         body: &[u8],
         ctx: RequestContext<'_>,
     ) -> Result<Prepared, ApiError> {
-        let read = self.reader.read(path, body, ctx)?;
-        Ok(self.prepare_read(read))
+        // Taken apart and looked up in place: moving the request through `prepare_read`'s
+        // argument and result cost two copies of it in the proxy-wasm build (each a
+        // `memory.copy`, a call out of V8's code).
+        let Read(mut prep) = self.reader.read(path, body, ctx)?;
+        self.look_up(&mut prep);
+        Ok(prep)
     }
 
     /// [`Engine::prepare_in`] for a `multipart/form-data` body ([`Reader::read_form`]):
@@ -626,6 +630,12 @@ impl Engine {
     /// learned prefix index, and count its prompt in the typical prompt size.
     pub fn prepare_read(&mut self, read: Read) -> Prepared {
         let Read(mut prep) = read;
+        self.look_up(&mut prep);
+        prep
+    }
+
+    /// [`Engine::prepare_read`]'s work on the request read.
+    fn look_up(&mut self, prep: &mut Prepared) {
         // The typical prefill the pods see: a token count is no prefill (a client counting a
         // long document before sending it would otherwise make every real prompt look short).
         // Nor is a request without prompt text (an audio form).
@@ -652,8 +662,7 @@ impl Engine {
         prep.adapter_recent = prep
             .adapter_anchor
             .and_then(|k| self.prefix.latest_pod_of(k));
-        self.look_up_response(&mut prep);
-        prep
+        self.look_up_response(prep);
     }
 
     /// Looks up the pod holding the stored response a turn continues (done by

@@ -1139,14 +1139,16 @@ impl Http {
             now_ms: now,
             split_key: self.head.split_key.as_deref(),
         };
-        let prepared = match &self.head.form_boundary {
-            None => w.engine.prepare_in(&self.path, &body, ctx).map(Some),
-            Some(b) => w.engine.prepare_form(&self.path, &body, b, complete, ctx),
-        };
-        let mut prep = match prepared {
-            Ok(Some(p)) => p,
-            Ok(None) => return None,
-            Err(e) => return Some(self.reject(w, &e)),
+        let mut prep = match &self.head.form_boundary {
+            None => match w.engine.prepare_in(&self.path, &body, ctx) {
+                Ok(p) => p,
+                Err(e) => return Some(self.reject(w, &e)),
+            },
+            Some(b) => match w.engine.prepare_form(&self.path, &body, b, complete, ctx) {
+                Ok(Some(p)) => p,
+                Ok(None) => return None,
+                Err(e) => return Some(self.reject(w, &e)),
+            },
         };
         if let Some(key) = prep.missed_response() {
             // Another worker may have served it: its slot says so before any tick.
@@ -1169,16 +1171,16 @@ impl Http {
         });
         let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
         let len = body.len();
-        match self.dispatch(w, prep, t0, len, complete, holdable, affinity_hold) {
+        match self.dispatch(w, &mut prep, t0, len, complete, holdable, affinity_hold) {
             Ok(action) => Some(action),
-            Err((prep, reason)) => {
+            Err(reason) => {
                 let priority = self.head.priority.unwrap_or(0);
                 let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
                 w.held.push(priority, prefill, self.id);
                 let awaits = reason.awaited_pod();
                 let for_affinity = awaits.is_some();
                 self.held = Some(Held {
-                    prep,
+                    prep: Box::new(prep),
                     size: len,
                     since_ns: t0,
                     waited_for_affinity: for_affinity,
@@ -1203,12 +1205,12 @@ impl Http {
     fn overflow(
         &mut self,
         w: &mut Worker,
-        mut prep: Prepared,
+        prep: &mut Prepared,
         to: usize,
         again: (u64, usize, bool, bool, bool),
-    ) -> Result<Action, (Box<Prepared>, HoldReason)> {
+    ) -> Result<Action, HoldReason> {
         let (t0, body_len, complete, holdable, affinity_hold) = again;
-        w.engine.overflow(&mut prep, to);
+        w.engine.overflow(prep, to);
         self.dispatch(w, prep, t0, body_len, complete, holdable, affinity_hold)
     }
 
@@ -1221,13 +1223,13 @@ impl Http {
     fn dispatch(
         &mut self,
         w: &mut Worker,
-        prep: Prepared,
+        prep: &mut Prepared,
         t0: u64,
         body_len: usize,
         complete: bool,
         holdable: bool,
         affinity_hold: bool,
-    ) -> Result<Action, (Box<Prepared>, HoldReason)> {
+    ) -> Result<Action, HoldReason> {
         let now = t0 / 1_000_000;
         let sheddable = w.engine.config.shed_sheddable && self.head.priority.is_some_and(|p| p < 0);
         let debug = w.engine.config.debug_header;
@@ -1251,10 +1253,10 @@ impl Http {
         };
         let mut choice = w
             .engine
-            .decide(&prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
+            .decide(prep, w.fleet.as_ref(), &view.pods, opts, &mut w.rng);
         w.view = view;
         match choice.decision {
-            Decision::Hold(reason) => return Err((Box::new(prep), reason)),
+            Decision::Hold(reason) => return Err(reason),
             Decision::Overflow(to) => {
                 let again = (t0, body_len, complete, holdable, affinity_hold);
                 return self.overflow(w, prep, to, again);
@@ -1296,7 +1298,7 @@ impl Http {
                 // Published at once unless this worker published within the interval (then
                 // with the next request or end after it, or the tick).
                 w.publish_loads_throttled(t0, false);
-                w.engine.commit(&prep, pod_key);
+                w.engine.commit(prep, pod_key);
                 if let Some(addr) = dest.split(',').next() {
                     w.stats.picked(pool, pod_key, addr);
                 }
@@ -1342,7 +1344,7 @@ impl Http {
             // Returned above.
             Decision::Hold(_) | Decision::Overflow(_) => {}
         }
-        self.set_routing_headers(&prep, body_len, complete);
+        self.set_routing_headers(prep, body_len, complete);
         if sampled {
             let t1 = host::now_nanos();
             w.stats
@@ -1660,18 +1662,18 @@ impl Http {
                 return Release::Waiting;
             }
         }
-        let Held { prep, .. } = held;
+        let Held { mut prep, .. } = held;
         w.refresh_shared_throttled(now_ns);
         match self.dispatch(
             &mut w,
-            *prep,
+            &mut prep,
             now_ns,
             held.size,
             true,
             !expired,
             affinity_hold,
         ) {
-            Err((prep, reason)) => {
+            Err(reason) => {
                 let pool = prep.pool.clone();
                 let awaits = reason.awaited_pod();
                 let first_wait = awaits.is_some() && !held.waited_for_affinity;
