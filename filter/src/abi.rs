@@ -102,10 +102,12 @@ pub enum Action {
 }
 
 /// Live contexts by the host's context id (small integers: `IdMap` spreads them, no SipHash).
+/// A stream's context is boxed: the map moves a pointer, not the context (~300 bytes), in and
+/// out, where a copy that size is a `memory.copy`, a call out of V8's code (one a request).
 #[derive(Default)]
 struct Contexts {
     roots: IdMap<u32, Root>,
-    streams: IdMap<u32, Http>,
+    streams: IdMap<u32, Box<Http>>,
 }
 
 thread_local! {
@@ -117,7 +119,7 @@ thread_local! {
 fn with_stream<R>(id: u32, f: impl FnOnce(&mut Http) -> R) -> Option<R> {
     CONTEXTS.with(|c| {
         let mut c = c.try_borrow_mut().ok()?;
-        c.streams.get_mut(&id).map(f)
+        c.streams.get_mut(&id).map(|s| f(s))
     })
 }
 
@@ -178,7 +180,7 @@ pub extern "C" fn proxy_on_context_create(context_id: u32, root_context_id: u32)
             .get(&root_context_id)
             .map(|r| r.create_http(context_id))
         {
-            c.streams.insert(context_id, stream);
+            c.streams.insert(context_id, Box::new(stream));
         }
     });
 }
