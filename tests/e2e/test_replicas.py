@@ -388,6 +388,20 @@ def start_held_prefills(gw, pods, hold, question, n=9):
     return threads
 
 
+def published_prefills(gw, n, timeout=5):
+    """`GET ingest.load_path` of `gw` once its answer counts `n` requests in prefill (every
+    worker's table published: a worker that published within `shared_refresh_ms` publishes
+    again with its next request or tick, later on a loaded host), or at `timeout`: (status, raw
+    answer, the counts)."""
+    deadline = time.time() + timeout
+    while True:
+        s, _, _, raw = ask_load(gw)
+        counts = load_counts(raw) if s == 200 else {}
+        if sum(r for r, _ in counts.get("llama", [])) == n or time.time() > deadline:
+            return s, raw, counts
+        time.sleep(0.02)
+
+
 def test_a_replica_routes_around_the_prefills_another_replica_started(pods):
     """Replica A, whose pool is pods 0-2, sends nine streamed requests that the pods hold before
     their first byte: in prefill on A's view. A's `GET ingest.load_path` gives them, per pod;
@@ -405,9 +419,7 @@ def test_a_replica_routes_around_the_prefills_another_replica_started(pods):
         assert s == 200 and h["content-type"] == "application/octet-stream"
         assert load_counts(raw) == {}, "nothing in flight yet"
         threads = start_held_prefills(a, pods[:3], hold, "Does the rear rack fit a bike with disc brakes")
-        time.sleep(0.05)  # every worker's table published
-        s, _, _, raw = ask_load(a)
-        counts = load_counts(raw)
+        s, raw, counts = published_prefills(a, 9)
         print(f"\nA's requests in prefill per pod: {counts}")
         assert s == 200 and sum(r for r, _ in counts["llama"]) == 9, counts
         assert all(t > 0 for _, t in counts["llama"]), "their prompt tokens travel with them"
@@ -518,6 +530,7 @@ def test_through_the_relay_a_replica_routes_around_another_replicas_prefills(pod
             time.sleep(0.05)
         assert all(sc.ready() for sc in scs)
         threads = start_held_prefills(a, pods[:3], hold, "Which chain fits an eleven-speed cassette")
+        assert sum(r for r, _ in published_prefills(a, 9)[2].get("llama", [])) == 9
         time.sleep(0.1)  # a few relay rounds, and B's workers' next exchange
         served = [b.chat("llama-3-8b", f"New question {i}: how tight should a stem bolt be?", timeout=5)[1]
                   ["x-served-by"] for i in range(4)]
