@@ -494,10 +494,7 @@ impl Reader {
                     origin: target.pool,
                     overflow: false,
                 });
-                target = Arc::new(Target {
-                    pool: j,
-                    ..Target::clone(&target)
-                });
+                target = target.in_pool(j);
             }
         }
         let rewritten_body = match (&req.model_span, target.rewrite) {
@@ -699,10 +696,7 @@ impl Engine {
             overflow: true,
         });
         prep.pool = self.reader.routes.pool_name_shared(to);
-        prep.target = Arc::new(Target {
-            pool: to,
-            ..Target::clone(&prep.target)
-        });
+        prep.target = prep.target.in_pool(to);
     }
 
     /// Step 2: pick pods of the request's pool. `fleet` is the worker's decoded snapshot (None

@@ -35,6 +35,17 @@ pub struct Target {
     pub requested: String,
 }
 
+impl Target {
+    /// The same target served by pool `pool` (a failover pool: its pods serve the pool's models
+    /// and adapters under the same names).
+    pub fn in_pool(&self, pool: usize) -> Arc<Target> {
+        Arc::new(Target {
+            pool,
+            ..self.clone()
+        })
+    }
+}
+
 /// A weighted traffic split (`splits` in the configuration): one public name, several targets.
 #[derive(Debug, Clone)]
 pub struct Split {

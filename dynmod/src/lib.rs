@@ -1171,7 +1171,7 @@ impl Filter {
         &mut self,
         s: Stream,
         mut guard: parking_lot::MutexGuard<'_, Router>,
-        prep: Prepared,
+        mut prep: Prepared,
         fleet: &Option<Arc<FleetState>>,
         now: u64,
         complete: bool,
@@ -1183,7 +1183,6 @@ impl Filter {
         let cfg = &config.settings;
         let m = &config.metrics;
         let r = &mut *guard;
-        let mut prep = prep;
         // Again after an overflow: in the pool it went to, with that pool's table.
         let (pool_state, table, mut choice) = loop {
             let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
