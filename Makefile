@@ -128,10 +128,10 @@ profile-wasm-instr: setup wasm ## the filter's own code per request by wasm func
 bench-envoy-streaming: setup build ## gateway CPU per streamed chunk and when idle: plain, wasm filter, dynamic module (~4 min)
 	$(PY) scripts/envoy_streaming.py
 
-bench: setup build ## head-to-head TTFT benchmark, every scenario (~15 min); TRACE=FILE SPEEDUP=N to replay a trace
+bench: setup build ## head-to-head TTFT benchmark, every scenario (~20 min); TRACE=FILE SPEEDUP=N to replay a trace
 	$(PY) scripts/bench.py $(if $(TRACE),--trace $(TRACE)) $(if $(SPEEDUP),--speedup $(SPEEDUP))
 
-bench-quick: setup build ## every scenario briefly (< 3 min, into target/bench/quick): proves the pipeline, asserts no ratios
+bench-quick: setup build ## every scenario briefly (< 4 min, into target/bench/quick): proves the pipeline, asserts no ratios
 	$(PY) scripts/bench.py --quick
 
 replay: ## the offline replay, every scenario (seconds): the filter's decision code and the baselines over the simulated engines, no Envoy; WORKLOADS=N, ARGS='--configs filter,filter-x --filter-variant x=JSON'

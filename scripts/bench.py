@@ -6,8 +6,8 @@ and Envoy in each router configuration (round_robin, least_request, filter) in t
 fresh fleet every time (cold caches, same seed), replay the same workload with loadgen, then
 let bench-report print one table and write target/bench/<scenario>.json and the TTFT CDF SVG.
 
-  scripts/bench.py                      every scenario (~15 min)
-  scripts/bench.py --quick              every scenario briefly (< 3 min), proves the pipeline
+  scripts/bench.py                      every scenario (~20 min)
+  scripts/bench.py --quick              every scenario briefly (< 4 min), proves the pipeline
   scripts/bench.py --scenario mixed-gpu --scenario bursty
   scripts/bench.py --scenario-file bench/experiments/sampling-bursts.json \
       --configs least_request,filter,filter-before --filter-wasm before=/tmp/before.wasm
@@ -53,6 +53,8 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
     run as configuration `filter-<name>`."""
     filter_wasm = filter_wasm or {}
     filter_variants = filter_variants or {}
+    scenario = json.loads(scenario_file.read_text()) if scenario_file.suffix == ".json" else {}
+    pool_settings = scenario.get("pools") if isinstance(scenario, dict) else None
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
@@ -68,7 +70,7 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
             raise SystemExit(f"configuration {label}: no --filter-wasm {build}=PATH or --filter-variant {build}=JSON")
         stack = Stack(fleet=fleet, router="filter" if build else label, workdir=work / label,
                       concurrency=concurrency, filter_overrides=overrides,
-                      wasm=filter_wasm.get(build), replicas=replicas).start()
+                      wasm=filter_wasm.get(build), replicas=replicas, pool_settings=pool_settings).start()
         try:
             out = work / f"{label}.json"
             args = [str(LOADGEN), "--target", stack.targets(), "--workload", str(scenario_file),

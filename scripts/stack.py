@@ -40,15 +40,29 @@ def http_ok(url):
         return False
 
 
+def filter_pools(pools, settings):
+    """The filter's `pools` for the fleet's `pools` (name, models, adapters), each with a
+    scenario's `settings` of it over them; settings for a pool the fleet does not have are an
+    error, not dropped."""
+    unknown = sorted(set(settings) - {p["name"] for p in pools})
+    if unknown:
+        raise SystemExit(f"settings for pools the fleet does not have: {', '.join(unknown)}")
+    return [{"name": p["name"], "models": p["models"], "adapters": p["adapters"], **settings.get(p["name"], {})}
+            for p in pools]
+
+
 class Stack:
     def __init__(self, fleet=None, preset=None, router="filter", listen=None, admin=None, ingest=None,
                  sidecar_listen=None, concurrency=1, interval_ms=100, filter_overrides=None, workdir=None,
-                 time_scale=None, quiet=True, access_log=None, fleet_args=(), wasm=None, replicas=1):
+                 time_scale=None, quiet=True, access_log=None, fleet_args=(), wasm=None, replicas=1,
+                 pool_settings=None):
         """`access_log`: a file for Envoy's access log of the OpenAI listener (envoy/render.py's
         `access_log`), written every second; none by default (the benchmarks run without).
         `replicas`: gateway replicas, each an Envoy with (for the filter) its own sidecar-metrics,
         the sidecars each other's peers as the shipped manifests run them; `targets()` lists
-        their OpenAI listeners. The first is `envoy` / `listen`."""
+        their OpenAI listeners. The first is `envoy` / `listen`. `pool_settings`: a scenario's
+        `pools`, each pool's keys in the filter's configuration over what the fleet gives it
+        (`failover`, `overflow`, `scoring`; `"models": []` for a standby pool)."""
         self.access_log = access_log
         self.fleet_args = list(fleet_args)
         # The .wasm the filter gateway loads (None: this tree's build); benchmarks compare builds.
@@ -61,6 +75,7 @@ class Stack:
         self.concurrency = concurrency
         self.interval_ms = interval_ms
         self.filter_overrides = filter_overrides or {}
+        self.pool_settings = pool_settings or {}
         self.dir = Path(workdir) if workdir else work_dir("gpuroute-stack-")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.time_scale = time_scale
@@ -124,7 +139,7 @@ class Stack:
             pool["pods"].append({"address": p["address"], "metrics_url": p["metrics_url"], "engine": p.get("engine", "vllm")})
         self.pools = list(pools.values())
         filter_config = {
-            "pools": [{"name": p["name"], "models": p["models"], "adapters": p["adapters"]} for p in self.pools],
+            "pools": filter_pools(self.pools, self.pool_settings),
             "ingest": {"token": TOKEN},
         }
         filter_config.update(self.filter_overrides)
@@ -199,7 +214,8 @@ class Stack:
         for p in self.pools:
             lines.append(f"  pool {p['name']}: models {', '.join(p['models'])}"
                          + (f"; adapters {', '.join(p['adapters'])}" if p["adapters"] else "")
-                         + f"; {len(p['endpoints'])} pods")
+                         + f"; {len(p['endpoints'])} pods"
+                         + (f"; {json.dumps(self.pool_settings[p['name']])}" if p["name"] in self.pool_settings else ""))
         lines.append(f"  logs           {self.dir}")
         if self.access_log:
             lines.append(f"  access log     {self.access_log}   (a JSON line per request: pool, pods chosen, pod that served)")
@@ -292,9 +308,9 @@ def main():
     scenario_file = ROOT / "bench" / "scenarios" / f"{args.scenario}.json"
     if not scenario_file.exists():
         scenario_file = Path(args.scenario)
-    fleet = json.loads(scenario_file.read_text())["fleet"]
-    stack = Stack(fleet=fleet, router=args.router, listen=args.listen, concurrency=args.concurrency,
-                  workdir=ROOT / "target" / "stack").start()
+    scenario = json.loads(scenario_file.read_text())
+    stack = Stack(fleet=scenario["fleet"], router=args.router, listen=args.listen, concurrency=args.concurrency,
+                  workdir=ROOT / "target" / "stack", pool_settings=scenario.get("pools")).start()
     print(f"\nstack for scenario {args.scenario!r} is up:\n")
     print(stack.describe(), flush=True)
     print("\nCtrl-C stops everything.", flush=True)

@@ -20,7 +20,11 @@
 //! system; bench/README.md ("Offline replay") sets the replay's figures beside a live run's.
 //!
 //! Requests the filter leaves to Envoy (fail-open) go to Envoy's `least_request` fallback
-//! (power of two choices over each pod's open requests).
+//! (power of two choices over each pod's open requests) in the pool the filter named. A pool
+//! that overflows (`pools[].overflow`) hands its request on as the filter's shells do, and it
+//! is picked for again in the pool it moved to. In a fleet of several pools the baselines
+//! route by model as the benchmark's stack has them do: the filter names the pool (its body
+//! routing only), and round robin or `least_request` picks among that pool's pods.
 //!
 //! By default one filter engine routes everything: one Envoy worker, whose own table is the
 //! whole view. [`Gateways`] sets up several: each with its own prefix index and in-flight table
@@ -95,6 +99,9 @@ pub struct ReplaySettings {
     /// Requests (workload order, inclusive) whose routing the filter explains on stderr: its
     /// score breakdown beside each pod's true state and the in-flight table it decided on.
     pub explain: Option<(usize, usize)>,
+    /// The scenario's settings of its pools in the filter's configuration, by pool name
+    /// ([`crate::scenario::Scenario::pools`]).
+    pub pools: serde_json::Map<String, Value>,
 }
 
 /// Filter engines that decide apart: the workers of one Envoy, or gateway replicas.
@@ -170,6 +177,7 @@ impl Default for ReplaySettings {
             gateways: Gateways::one(),
             capacities: None,
             explain: None,
+            pools: serde_json::Map::new(),
         }
     }
 }
@@ -191,6 +199,9 @@ pub struct ReplayOutcome {
     pub prefix_hits: u64,
     /// LoRA adapter loads over the fleet.
     pub adapter_loads: u64,
+    /// Requests the filter moved to another pool because every pod of theirs was saturated
+    /// (`pools[].overflow`).
+    pub overflowed: u64,
 }
 
 impl ReplayOutcome {
@@ -201,12 +212,23 @@ impl ReplayOutcome {
 }
 
 /// The filter configuration the benchmark's stack writes for `fleet` (`scripts/stack.py`:
-/// one pool per fleet pool, its models and adapters), with `overrides`' top-level keys over it.
+/// one pool per fleet pool, its models and adapters, with the scenario's settings of it from
+/// `settings` over them), with `overrides`' top-level keys over it.
 pub fn filter_config<'a>(
     fleet: &'a FleetConfig,
+    settings: &serde_json::Map<String, Value>,
     overrides: &Value,
 ) -> Result<FilterConfig, String> {
-    let pools: Vec<Value> = fleet_pools(fleet)
+    let fleet_pools = fleet_pools(fleet);
+    if let Some(name) = settings
+        .keys()
+        .find(|n| !fleet_pools.iter().any(|(p, _)| p == *n))
+    {
+        return Err(format!(
+            "settings for pool {name:?}, which the fleet does not have"
+        ));
+    }
+    let pools: Vec<Value> = fleet_pools
         .into_iter()
         .map(|(name, members)| {
             let (mut models, mut adapters): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
@@ -221,7 +243,12 @@ pub fn filter_config<'a>(
                     add(&mut adapters, a);
                 }
             }
-            json!({"name": name, "models": models, "adapters": adapters})
+            let mut pool = json!({"name": name, "models": models, "adapters": adapters});
+            if let (Some(p), Some(Value::Object(set))) = (pool.as_object_mut(), settings.get(&name))
+            {
+                p.extend(set.clone());
+            }
+            pool
         })
         .collect();
     let mut cfg = json!({
@@ -327,6 +354,9 @@ struct Replay<'a> {
     pods: Vec<Pod>,
     /// One per engine of [`Gateways`]; none for the baselines.
     filters: Vec<Filter>,
+    /// The baselines' body-based routing in a fleet of several pools: the filter, which only
+    /// names the pool (`pick_endpoints` off, no snapshot), as the benchmark's stack runs them.
+    body_router: Option<FilterEngine>,
     /// Wall ns of the last snapshot install.
     installed_at: u64,
     /// Snapshots taken and not yet installed: (wall ns to install at, snapshot).
@@ -396,9 +426,17 @@ impl<'a> Replay<'a> {
                 }
             })
             .collect();
+        let pools = fleet_pools(fleet);
+        let body_router = match policy {
+            Policy::RoundRobin | Policy::LeastRequest if pools.len() > 1 => {
+                let cfg = filter_config(fleet, &settings.pools, &Value::Null)?;
+                Some(FilterEngine::new(cfg).without_sync_log())
+            }
+            _ => None,
+        };
         let filters = match policy {
             Policy::Filter(over) => {
-                let cfg = filter_config(fleet, over)?;
+                let cfg = filter_config(fleet, &settings.pools, over)?;
                 (0..settings.gateways.engines.max(1))
                     .map(|_| Filter {
                         engine: FilterEngine::new(cfg.clone()).without_sync_log(),
@@ -416,6 +454,7 @@ impl<'a> Replay<'a> {
             settings,
             pods,
             filters,
+            body_router,
             pending: Vec::new(),
             version: 0,
             by_address: (0..fleet.pods.len())
@@ -425,7 +464,7 @@ impl<'a> Replay<'a> {
             prefix_relay: VecDeque::new(),
             load_relay: VecDeque::new(),
             sidecar,
-            pools: fleet_pools(fleet),
+            pools,
             started: Instant::now(),
             epoch_ms: 1_800_000_000_000,
             next_scrape: 0,
@@ -598,9 +637,6 @@ impl<'a> Replay<'a> {
     fn route(&mut self, r: usize, req: &TimedRequest, at: u64) {
         self.out.ttft_ms.push(None);
         self.out.served_by.push(None);
-        let candidates: Vec<usize> = (0..self.fleet.pods.len())
-            .filter(|&i| serves(&self.fleet.pods[i], &req.model))
-            .collect();
         let mut flight = None;
         let engines = self.settings.gateways.engines;
         let gateway = match engines {
@@ -609,6 +645,10 @@ impl<'a> Replay<'a> {
         };
         let pod = match self.policy {
             Policy::RoundRobin => {
+                let Some(candidates) = self.baseline_candidates(req) else {
+                    self.out.refused += 1;
+                    return;
+                };
                 let spread = &mut self.spread;
                 // Envoy starts each load balancer's rotation at a random host.
                 let n = self
@@ -625,14 +665,21 @@ impl<'a> Replay<'a> {
                 *n += 1;
                 pick
             }
-            Policy::LeastRequest => self.least_request(&candidates, gateway),
+            Policy::LeastRequest => {
+                let Some(candidates) = self.baseline_candidates(req) else {
+                    self.out.refused += 1;
+                    return;
+                };
+                self.least_request(&candidates, gateway)
+            }
             Policy::Filter(_) => match self.filter_pick(r, req, at, gateway) {
                 Picked::Pod(i, f) => {
                     flight = f;
                     Some(i)
                 }
-                Picked::FailOpen => {
+                Picked::FailOpen(pool) => {
                     self.out.fail_open += 1;
+                    let candidates = self.candidates(pool.as_deref(), &req.model);
                     self.least_request(&candidates, gateway)
                 }
                 Picked::Refused => {
@@ -677,6 +724,25 @@ impl<'a> Replay<'a> {
             *n += 1;
         }
         self.out.served_by[r] = Some(pod);
+    }
+
+    /// The pods that serve `model`: of the fleet's pool named `pool`, or of any pool.
+    fn candidates(&self, pool: Option<&str>, model: &str) -> Vec<usize> {
+        let pods = &self.fleet.pods;
+        (0..pods.len())
+            .filter(|&i| pool.is_none_or(|name| pods[i].pool == name) && serves(&pods[i], model))
+            .collect()
+    }
+
+    /// A baseline's candidates for `req`: with one pool, every pod that serves its model (plain
+    /// Envoy); with several, the pods of the pool the filter's body-based routing names (`None`:
+    /// the filter answers the request itself, an error).
+    fn baseline_candidates(&mut self, req: &TimedRequest) -> Option<Vec<usize>> {
+        let pool = match self.body_router.as_mut() {
+            Some(router) => Some(router.prepare(api_path(req.api), &req.body()).ok()?.pool),
+            None => None,
+        };
+        Some(self.candidates(pool.as_deref(), &req.model))
     }
 
     /// Envoy's `least_request` with its default two choices, in engine `gateway`'s Envoy.
@@ -786,35 +852,11 @@ impl<'a> Replay<'a> {
             .prefix_relay_ms
             .filter(|_| self.filters.len() > 1);
         let Some(f) = self.filters.get_mut(gateway) else {
-            return Picked::FailOpen;
+            return Picked::FailOpen(None);
         };
-        let path = match req.api {
-            Api::Chat => "/v1/chat/completions",
-            Api::Completions => "/v1/completions",
-        };
-        let Ok(prep) = f.engine.prepare(path, &req.body()) else {
+        let Ok(mut prep) = f.engine.prepare(api_path(req.api), &req.body()) else {
             return Picked::Refused;
         };
-        let mut loads = f
-            .loads
-            .get(&*prep.pool)
-            .map(|t| t.pods.clone())
-            .unwrap_or_default();
-        // The other engines' tables added to this one's, as a worker adds the other workers'.
-        if let Some(peer) = f
-            .peers
-            .get(&*prep.pool)
-            .filter(|p| p.pods.len() == loads.len())
-        {
-            let only_prefill = self.settings.gateways.load_relay_prefill_only;
-            for (l, p) in loads.iter_mut().zip(&peer.pods) {
-                if only_prefill {
-                    l.add_prefill(p.prefill, p.prefill_tokens);
-                } else {
-                    l.add(p);
-                }
-            }
-        }
         let explain = self
             .settings
             .explain
@@ -824,9 +866,42 @@ impl<'a> Replay<'a> {
             debug: explain,
             ..DecideOptions::default()
         };
-        let choice = f
-            .engine
-            .decide(&prep, f.fleet.as_ref(), &loads, opts, &mut self.rng);
+        // As the filter's shells do: a pool whose pods are all saturated hands the request to
+        // the pool it overflows to, where it is picked for again (each move further down the
+        // failover list, so this ends).
+        let (choice, loads) = loop {
+            let mut loads = f
+                .loads
+                .get(&*prep.pool)
+                .map(|t| t.pods.clone())
+                .unwrap_or_default();
+            // The other engines' tables added to this one's, as a worker adds the other
+            // workers'.
+            if let Some(peer) = f
+                .peers
+                .get(&*prep.pool)
+                .filter(|p| p.pods.len() == loads.len())
+            {
+                let only_prefill = self.settings.gateways.load_relay_prefill_only;
+                for (l, p) in loads.iter_mut().zip(&peer.pods) {
+                    if only_prefill {
+                        l.add_prefill(p.prefill, p.prefill_tokens);
+                    } else {
+                        l.add(p);
+                    }
+                }
+            }
+            let choice = f
+                .engine
+                .decide(&prep, f.fleet.as_ref(), &loads, opts, &mut self.rng);
+            match choice.decision {
+                Decision::Overflow(to) => f.engine.overflow(&mut prep, to),
+                _ => break (choice, loads),
+            }
+        };
+        if prep.failed_over.as_ref().is_some_and(|m| m.overflow) {
+            self.out.overflowed += 1;
+        }
         if explain {
             let pool = f.fleet.as_ref().and_then(|fl| fl.pool(&prep.pool));
             let mut lines = vec![format!(
@@ -864,14 +939,14 @@ impl<'a> Replay<'a> {
         match choice.decision {
             Decision::Picked(_) => {
                 let (Some(idx), Some(key)) = (choice.picked_index, choice.picked_key) else {
-                    return Picked::FailOpen;
+                    return Picked::FailOpen(Some(prep.pool));
                 };
                 let pod = f.fleet.as_ref().and_then(|fl| {
                     let p = fl.pool(&prep.pool)?.pods.get(idx)?;
                     self.by_address.get(&p.snap.address).copied()
                 });
                 let Some(pod) = pod else {
-                    return Picked::FailOpen;
+                    return Picked::FailOpen(Some(prep.pool));
                 };
                 let flight = prep.in_flight(key, choice.prefill_tokens);
                 if let Some(t) = f.loads.get_mut(&*prep.pool) {
@@ -898,8 +973,9 @@ impl<'a> Replay<'a> {
                 self.relay_load(gateway, at, LoadEvent::Sent(flight.clone()));
                 Picked::Pod(pod, Some(flight))
             }
-            // No scenario has a pool that overflows (`pools[].overflow`).
-            Decision::FailOpen(_) | Decision::Overflow(_) => Picked::FailOpen,
+            // Envoy's load balancing in the pool the request is routed to. (`Overflow` is
+            // handled above.)
+            Decision::FailOpen(_) | Decision::Overflow(_) => Picked::FailOpen(Some(prep.pool)),
             Decision::Shed | Decision::Hold(_) => Picked::Refused,
         }
     }
@@ -944,8 +1020,17 @@ impl<'a> Replay<'a> {
 
 enum Picked {
     Pod(usize, Option<InFlight>),
-    FailOpen,
+    /// Left to Envoy's load balancing, in the pool named (`None`: the model's pods anywhere).
+    FailOpen(Option<Arc<str>>),
     Refused,
+}
+
+/// The path the load generator sends a request of `api` to.
+fn api_path(api: Api) -> &'static str {
+    match api {
+        Api::Chat => "/v1/chat/completions",
+        Api::Completions => "/v1/completions",
+    }
 }
 
 /// Another engine's in-flight change, in `f`'s view of the others' tables; `before`: it

@@ -41,6 +41,13 @@ pub struct Scenario {
     /// The figures to reach, as (config / baseline) ratios.
     #[serde(default)]
     pub targets: Vec<Target>,
+    /// Settings of the fleet's pools in the filter's configuration (`pools[]`), by pool name,
+    /// over what the fleet gives each (its name, models and adapters): `failover` and
+    /// `overflow`, `scoring`, or `"models": []` for a standby pool that only a failover list
+    /// reaches. The benchmark's stack (`scripts/stack.py`) and the offline replay both apply
+    /// them, the baselines' body-based routing included.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub pools: serde_json::Map<String, serde_json::Value>,
 }
 
 /// The quick variant's replacements.
@@ -422,10 +429,11 @@ mod tests {
     }
 
     #[test]
-    fn the_five_scenarios_exist_and_are_consistent() {
+    fn the_scenarios_exist_and_are_consistent() {
         let scenarios = all_scenarios();
         let names: Vec<&str> = scenarios.iter().map(|(_, s)| s.name.as_str()).collect();
         for want in [
+            "burst-pool",
             "bursty",
             "mixed-gpu",
             "multi-lora",
@@ -484,6 +492,12 @@ mod tests {
             "{}: fleet sets time_scale",
             s.name
         );
+        // Its pools' settings name pools of the fleet, and make a configuration the filter
+        // accepts.
+        let (_, fleet) = crate::floor::scenario_parts(s, path, true).unwrap();
+        if let Err(e) = crate::replay::filter_config(&fleet, &s.pools, &serde_json::Value::Null) {
+            panic!("{}: {e}", s.name);
+        }
     }
 
     #[test]

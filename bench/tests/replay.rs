@@ -3,7 +3,7 @@
 //! every scenario and send the faster GPUs more; a snapshot that goes stale leaves requests to
 //! Envoy's balancing and loses none; the benchmark's filter configuration takes overrides;
 //! several filter engines (workers of one Envoy, gateway replicas) learn of each other only
-//! through what they exchange.
+//! through what they exchange; a burst pool takes only what its steady pool cannot.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -18,12 +18,13 @@ use gpuroute_bench::scenario::Scenario;
 use gpuroute_bench::workload::TimedRequest;
 use serde_json::json;
 
-const SCENARIOS: [&str; 5] = [
+const SCENARIOS: [&str; 6] = [
     "mixed-gpu",
     "bursty",
     "shared-prefix",
     "multi-lora",
     "uniform-steady",
+    "burst-pool",
 ];
 
 fn scenario_path(name: &str) -> PathBuf {
@@ -41,6 +42,14 @@ fn parts(name: &str, quick: bool) -> (Vec<TimedRequest>, FleetConfig) {
 
 fn run(requests: &[TimedRequest], fleet: &FleetConfig, p: &Policy) -> ReplayOutcome {
     replay(requests, fleet, p, &ReplaySettings::default()).unwrap()
+}
+
+/// The default settings with scenario `name`'s settings of its pools.
+fn scenario_settings(name: &str) -> ReplaySettings {
+    ReplaySettings {
+        pools: Scenario::load(&scenario_path(name)).unwrap().pools,
+        ..ReplaySettings::default()
+    }
 }
 
 fn filter() -> Policy {
@@ -70,12 +79,14 @@ fn a_replay_is_reproducible_from_its_inputs() {
 fn the_filter_beats_both_baselines_on_every_scenario() {
     for name in SCENARIOS {
         let (requests, fleet) = parts(name, false);
-        let f = run(&requests, &fleet, &filter());
+        let settings = scenario_settings(name);
+        let run = |p: &Policy| replay(&requests, &fleet, p, &settings).unwrap();
+        let f = run(&filter());
         assert_eq!(f.fail_open, 0, "{name}: a snapshot is always fresh");
         assert_eq!(f.refused, 0, "{name}");
         let (mean, p99) = ttft(&f);
         for base in [Policy::RoundRobin, Policy::LeastRequest] {
-            let (bm, bp) = ttft(&run(&requests, &fleet, &base));
+            let (bm, bp) = ttft(&run(&base));
             assert!(
                 mean < bm && p99 < bp,
                 "{name}: filter mean {mean:.0} / p99 {p99:.0} ms against {base:?} {bm:.0} / {bp:.0}"
@@ -157,17 +168,88 @@ fn a_stale_snapshot_leaves_requests_to_envoy_and_loses_none() {
 #[test]
 fn the_filter_configuration_is_the_benchmarks_with_overrides() {
     let (_, fleet) = parts("multi-lora", true);
-    let cfg = filter_config(&fleet, &json!({})).unwrap();
+    let none = serde_json::Map::new();
+    let cfg = filter_config(&fleet, &none, &json!({})).unwrap();
     assert_eq!(cfg.pools.len(), 1);
     assert!(
         cfg.pools[0].adapters.len() >= 16,
         "{:?}",
         cfg.pools[0].adapters
     );
-    let cfg = filter_config(&fleet, &json!({"scoring": {"prefix_home_score": 0.5}})).unwrap();
+    let over = json!({"scoring": {"prefix_home_score": 0.5}});
+    let cfg = filter_config(&fleet, &none, &over).unwrap();
     assert_eq!(cfg.pool_scoring(0).prefix_home_score, 0.5);
-    assert!(filter_config(&fleet, &json!([1])).is_err());
-    assert!(filter_config(&fleet, &json!({"scoring": {"no_such_key": 1}})).is_err());
+    assert!(filter_config(&fleet, &none, &json!([1])).is_err());
+    assert!(filter_config(&fleet, &none, &json!({"scoring": {"no_such_key": 1}})).is_err());
+
+    // A scenario's settings of a pool go over what the fleet gives it; a pool the fleet does
+    // not have is an error, not a setting silently dropped.
+    let pool = cfg.pools[0].name.clone();
+    let set = |v: serde_json::Value| v.as_object().cloned().unwrap();
+    let cfg = filter_config(
+        &fleet,
+        &set(json!({pool.clone(): {"scoring": {"queue_threshold": 2.0}}})),
+        &json!({}),
+    )
+    .unwrap();
+    assert_eq!(cfg.pool_scoring(0).queue_threshold, 2.0);
+    assert!(
+        cfg.pools[0].adapters.len() >= 16,
+        "the fleet's adapters kept"
+    );
+    let typo = set(json!({"no-such-pool": {"overflow": true}}));
+    let err = filter_config(&fleet, &typo, &json!({})).unwrap_err();
+    assert!(err.contains("no-such-pool"), "{err}");
+}
+
+#[test]
+fn a_burst_pool_takes_only_what_the_steady_pool_cannot_and_cuts_the_tail() {
+    // burst-pool: six H100s sized below the trace's peaks, two A100s that only the steady
+    // pool's overflow reaches (bench/README.md, "Burst pool").
+    let name = "burst-pool";
+    let (requests, fleet) = parts(name, false);
+    let settings = scenario_settings(name);
+    let burst: Vec<usize> = (0..fleet.pods.len())
+        .filter(|&i| fleet.pods[i].pool == "burst")
+        .collect();
+    assert_eq!(burst.len(), 2);
+    let on_burst = |o: &ReplayOutcome| {
+        o.served_by
+            .iter()
+            .flatten()
+            .filter(|i| burst.contains(i))
+            .count() as u64
+    };
+    let with = replay(&requests, &fleet, &filter(), &settings).unwrap();
+    // The same configuration with overflow off (failover, the steady pool's scoring kept).
+    let mut off = settings.clone();
+    off.pools["qwen3-32b"]["overflow"] = json!(false);
+    let without = replay(&requests, &fleet, &filter(), &off).unwrap();
+
+    let n = on_burst(&with);
+    assert!(n > 0, "the peaks overflow");
+    assert_eq!(
+        n, with.overflowed,
+        "the burst pool serves only what overflowed"
+    );
+    assert!(
+        n * 10 < requests.len() as u64,
+        "only the peaks: {n} of {} requests",
+        requests.len()
+    );
+    assert_eq!((on_burst(&without), without.overflowed), (0, 0));
+    let ((mean, p99), (mean_off, p99_off)) = (ttft(&with), ttft(&without));
+    assert!(
+        p99 < 0.8 * p99_off && mean < mean_off,
+        "with overflow mean {mean:.0} / p99 {p99:.0} ms, without {mean_off:.0} / {p99_off:.0}"
+    );
+    // The baselines route by model (the filter's body-based routing names the pool, Envoy
+    // picks in it), as a Service of the steady pool: never to the burst pool.
+    for base in [Policy::RoundRobin, Policy::LeastRequest] {
+        let o = replay(&requests, &fleet, &base, &settings).unwrap();
+        assert_eq!(on_burst(&o), 0, "{base:?}");
+        assert_eq!(o.served_by.iter().flatten().count(), requests.len());
+    }
 }
 
 fn run_on(

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use fleet_sim::config::FleetConfig;
 use gpuroute_bench::floor::{oracle_ttft_ms, present_percentiles, scenario_parts, ttft_floor_ms};
 use gpuroute_bench::replay::{replay, Gateways, Policy, ReplayOutcome, ReplaySettings};
 use gpuroute_bench::report::Quantiles;
@@ -216,12 +217,14 @@ fn quantiles(o: &ReplayOutcome) -> Option<Quantiles> {
     present_percentiles(&o.ttft_ms).map(Quantiles::from)
 }
 
-fn outcome_json(o: &ReplayOutcome, per_request: bool) -> serde_json::Value {
+fn outcome_json(o: &ReplayOutcome, fleet: &FleetConfig, per_request: bool) -> serde_json::Value {
     let mut v = serde_json::json!({
         "ttft_ms": quantiles(o),
         "routed": o.served_by.iter().flatten().count(),
+        "routed_by_pool": served_by_pool(o, fleet),
         "fail_open": o.fail_open,
         "refused": o.refused,
+        "overflowed": o.overflowed,
         "prefix_hit_rate": o.prefix_hit_rate(),
         "adapter_loads": o.adapter_loads,
     });
@@ -230,6 +233,25 @@ fn outcome_json(o: &ReplayOutcome, per_request: bool) -> serde_json::Value {
         v["served_by"] = serde_json::json!(o.served_by);
     }
     v
+}
+
+/// Requests each of the fleet's pools served, by pool name, in the fleet's order.
+fn served_by_pool(o: &ReplayOutcome, fleet: &FleetConfig) -> Vec<(String, u64)> {
+    let mut pools: Vec<(String, u64)> = Vec::new();
+    for p in &fleet.pods {
+        if !pools.iter().any(|(n, _)| *n == p.pool) {
+            pools.push((p.pool.clone(), 0));
+        }
+    }
+    for &i in o.served_by.iter().flatten() {
+        let Some(pod) = fleet.pods.get(i) else {
+            continue;
+        };
+        if let Some((_, n)) = pools.iter_mut().find(|(name, _)| *name == pod.pool) {
+            *n += 1;
+        }
+    }
+    pools
 }
 
 /// `mean (min-max)` of `xs`.
@@ -248,7 +270,7 @@ fn spread(xs: &[f64]) -> String {
 }
 
 fn run_replay(a: &ReplayArgs) -> Result<()> {
-    let settings = ReplaySettings {
+    let mut settings = ReplaySettings {
         interval_ms: a.interval_ms.max(1),
         snapshot_lag_ms: a.lag_ms,
         seed: a.seed,
@@ -267,8 +289,8 @@ fn run_replay(a: &ReplayArgs) -> Result<()> {
         ),
         capacities: a.capacities.clone(),
         explain: a.explain.as_deref().map(parse_range).transpose()?,
+        pools: serde_json::Map::new(),
     };
-    let settings = &settings;
     let ReplayArgs {
         scenario,
         configs,
@@ -279,6 +301,8 @@ fn run_replay(a: &ReplayArgs) -> Result<()> {
     let workloads = a.workloads.max(1);
     let path = find(scenario)?;
     let s = Scenario::load(&path)?;
+    settings.pools = s.pools.clone();
+    let settings = &settings;
     let (own, fleet) = scenario_parts(&s, &path, quick).map_err(anyhow::Error::msg)?;
     let variants = filter_variant
         .iter()
@@ -332,7 +356,7 @@ fn run_replay(a: &ReplayArgs) -> Result<()> {
         for (c, p) in policies.iter().enumerate() {
             let o = replay(&workload.requests, &fleet, p, settings).map_err(anyhow::Error::msg)?;
             if json {
-                let mut v = outcome_json(&o, per_request);
+                let mut v = outcome_json(&o, &fleet, per_request);
                 v["config"] = names[c].into();
                 v["workload"] = w.into();
                 v["requests"] = workload.requests.len().into();
@@ -401,6 +425,32 @@ fn run_replay(a: &ReplayArgs) -> Result<()> {
             loads,
             fail_open
         );
+    }
+    let several_pools = fleet.pods.iter().any(|p| p.pool != fleet.pods[0].pool);
+    if several_pools {
+        println!("\nrequests served per pool (over all workloads):");
+        for (c, runs) in outcomes.iter().enumerate() {
+            let mut total: Vec<(String, u64)> = Vec::new();
+            for o in runs {
+                for (pool, n) in served_by_pool(o, &fleet) {
+                    match total.iter_mut().find(|(p, _)| *p == pool) {
+                        Some((_, t)) => *t += n,
+                        None => total.push((pool, n)),
+                    }
+                }
+            }
+            let all = total.iter().map(|(_, n)| n).sum::<u64>().max(1) as f64;
+            let shares: Vec<String> = total
+                .iter()
+                .map(|(p, n)| format!("{p} {n} ({:.1}%)", 100.0 * *n as f64 / all))
+                .collect();
+            let overflowed: u64 = runs.iter().map(|o| o.overflowed).sum();
+            println!(
+                "  {:<16} {}; overflowed {overflowed}",
+                names[c],
+                shares.join(", ")
+            );
+        }
     }
     if policies.len() > 1 {
         println!(
