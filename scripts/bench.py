@@ -53,8 +53,15 @@ def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurr
     run as configuration `filter-<name>`."""
     filter_wasm = filter_wasm or {}
     filter_variants = filter_variants or {}
-    scenario = json.loads(scenario_file.read_text()) if scenario_file.suffix == ".json" else {}
-    pool_settings = scenario.get("pools") if isinstance(scenario, dict) else None
+    # A scenario's settings of its pools (a trace given with --trace has none).
+    pool_settings = None
+    if scenario_file.suffix == ".json":
+        try:
+            scenario = json.loads(scenario_file.read_text())
+        except ValueError:
+            scenario = None
+        if isinstance(scenario, dict):
+            pool_settings = scenario.get("pools")
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []

@@ -63,9 +63,13 @@ ROWS = [
              "{{gpuroute_split}} -> {{gpuroute_target}}"),
             ("sum by (gpuroute_split) (rate(envoy_gpuroute_split_rerouted[$__rate_interval]))", "{{gpuroute_split}} rerouted"),
         ]),
+        # One query each: the dynamic module defines both counters of a pool that overflows, so
+        # one rate() over both names would hold two series of the same labels, and fail.
         ("Failover and overflow, by pool and the pool that took its requests", "reqps", [
-            ('sum by (gpuroute_pool, gpuroute_target) (rate({__name__=~"envoy_gpuroute_(failover|overflow)_to", gpuroute_pool=~"$pool"}[$__rate_interval]))',
-             "{{gpuroute_pool}} -> {{gpuroute_target}}"),
+            ('sum by (gpuroute_pool, gpuroute_target) (rate(envoy_gpuroute_failover_to{gpuroute_pool=~"$pool"}[$__rate_interval]))',
+             "{{gpuroute_pool}} -> {{gpuroute_target}} (failover)"),
+            ('sum by (gpuroute_pool, gpuroute_target) (rate(envoy_gpuroute_overflow_to{gpuroute_pool=~"$pool"}[$__rate_interval]))',
+             "{{gpuroute_pool}} -> {{gpuroute_target}} (overflow)"),
         ]),
         ("Held requests (hold)", "short", [
             ("sum(max_over_time(envoy_gpuroute_held[$__rate_interval]))", "held (the most at once)"),
@@ -250,6 +254,17 @@ TESTS = [
         ("GpurouteFailingOver", "4m", []),
         ("GpurouteFailingOver", "11m", [({"gpuroute_pool": "llama", "gpuroute_target": "dr"},
                                          "Pool llama's requests go to its failover pool dr")]),
+    ]),
+    ("Pool llama overflows a third of its requests for an hour; qwen, which kept none, all of a few; mistral one in ten", [
+        series("envoy_gpuroute_overflow_to", {**GW, "gpuroute_pool": "llama", "gpuroute_target": "burst"}, "0+30x70"),
+        requests("llama", "picked", "0+60x70"),
+        series("envoy_gpuroute_overflow_to", {**GW, "gpuroute_pool": "qwen", "gpuroute_target": "burst"}, "0+3x70"),
+        series("envoy_gpuroute_overflow_to", {**GW, "gpuroute_pool": "mistral", "gpuroute_target": "burst"}, "0+6x70"),
+        requests("mistral", "picked", "0+54x70"),
+    ], [
+        ("GpurouteOverflowingSustained", "20m", []),
+        ("GpurouteOverflowingSustained", "65m", [({"gpuroute_pool": "llama"}, "Pool llama overflows 33.33% of its requests"),
+                                                 ({"gpuroute_pool": "qwen"}, "Pool qwen overflows 100% of its requests")]),
     ]),
     ("Pool llama sheds", [
         requests("llama", "shed", "0+30x15"),

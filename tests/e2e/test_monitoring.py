@@ -2,8 +2,9 @@
 really export: promtool checks and unit-tests the rules, then a real Prometheus scrapes a real
 Envoy (with the build under test) and a real sidecar-metrics in front of stub pods, while the
 stack goes through what the alerts are about (a pool with no healthy pod, fail-opens, a
-snapshot with a bad token, a saturated pool holding and shedding, a weighted split whose
-target cannot serve, streamed requests, Responses API turns), and finally loses its
+snapshot with a bad token, a saturated pool holding and shedding, a saturated pool overflowing
+to its burst pool, a weighted split whose target cannot serve, streamed requests, Responses API
+turns), and finally loses its
 aggregator. Every series the rules and the dashboard name must exist, every dashboard query and
 every recording rule must return data from that, every rule must evaluate without error, and the
 alerts about those situations, and only those, must be pending or firing."""
@@ -38,6 +39,8 @@ CONFIG = {
         # gemma's only pod is dead too, but gemma fails over to a standby pool that serves.
         {"name": "gemma", "models": ["gemma-2b"], "failover": ["standby"]},
         {"name": "standby", "models": []},
+        # phi's only pod is saturated from the start: all its requests overflow to the standby.
+        {"name": "phi", "models": ["phi-3"], "failover": ["standby"], "overflow": True},
     ],
     # Half of the split's conversations belong to mistral, which cannot serve (below): they
     # are rerouted to llama.
@@ -61,6 +64,7 @@ EXPECTED_ALERTS = {
     "GpurouteResponsesUnpinned": {},  # half the turns name an id the gateway never saw
     "GpuroutePodStatsFull": {},
     "GpurouteFailingOver": {"gpuroute_pool": "gemma", "gpuroute_target": "standby"},
+    "GpurouteOverflowingSustained": {"gpuroute_pool": "phi"},
 }
 # ... and the one about the ingest URL where no Envoy listens (the fixture's `nowhere`).
 PUSHES_FAILING = "GpuroutePushesFailing"
@@ -154,7 +158,9 @@ def dashboard_queries():
 @pytest.fixture(scope="module")
 def stack():
     need_prometheus()
-    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0", "standby-0")}
+    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0", "standby-0", "phi-0")}
+    # Saturated before the first scrape, so no snapshot shows it with room.
+    pods["phi-0"].set_load(waiting=40, running=60, kv=0.9)
     # mistral's and gemma's only pods: nothing listens there.
     dead = {"mistral": f"127.0.0.1:{free_port()}", "gemma": f"127.0.0.1:{free_port()}"}
     pools = [
@@ -163,6 +169,7 @@ def stack():
         {"name": "mistral", "endpoints": [dead["mistral"]]},
         {"name": "gemma", "endpoints": [dead["gemma"]]},
         {"name": "standby", "endpoints": [pods["standby-0"].address]},
+        {"name": "phi", "endpoints": [pods["phi-0"].address]},
     ]
     # Prometheus reads the gateway's stats through its metrics listener (render.py's
     # `metrics`), as it would from outside the pod, not through the admin port.
@@ -210,8 +217,8 @@ def test_the_metrics_listener_serves_the_stats_and_nothing_else_of_the_admin(sta
 
 def drive(gw, seconds, saturated):
     """Requests of every kind for `seconds`: picks in two pools (qwen's streamed, and Responses
-    API turns), fail-opens in mistral, gemma's requests failing over to its standby pool, a split
-    half rerouted, refusals, snapshots with a bad
+    API turns), fail-opens in mistral, gemma's requests failing over to its standby pool, phi's
+    overflowing to it, a split half rerouted, refusals, snapshots with a bad
     token, and, with llama saturated, held requests that run out their wait and sheddable ones
     that are shed."""
     end, i = time.time() + seconds, 0
@@ -228,6 +235,9 @@ def drive(gw, seconds, saturated):
         assert gw.chat("qwen-7b", f"plain {i}")[0] == 200
         gw.chat("mistral-7b", f"fails open {i}")  # to a dead pod: Envoy's 503
         assert gw.chat("gemma-2b", f"fails over {i}")[0] == 200
+        status, headers, _, _ = gw.request("POST", "/v1/chat/completions",
+                                           {"model": "phi-3", "messages": [{"role": "user", "content": f"overflows {i}"}]})
+        assert status == 200 and headers.get("x-served-by") == "standby-0", (status, headers)
         assert gw.chat("chat", f"conversation {i}")[0] in (200, 503)
         assert gw.chat("no-such-model")[0] == 404
         assert gw.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
@@ -298,6 +308,9 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     assert {("llama", "picked"), ("llama", "shed"), ("qwen", "picked"), ("mistral", "fail_open")} <= outcomes, outcomes
     reasons = {s["metric"]["gpuroute_reason"] for s in prom.query("rate(envoy_gpuroute_fail_open[1m]) > 0")}
     assert reasons == {"no_fresh_pod"}, reasons
+    overflowed = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_target"])
+                  for s in prom.query("rate(envoy_gpuroute_overflow_to[1m]) > 0")}
+    assert overflowed == {("phi", "standby")}, overflowed
     rerouted = prom.query('sum by (gpuroute_split) (increase(envoy_gpuroute_split_rerouted[1m])) > 0')
     assert [s["metric"]["gpuroute_split"] for s in rerouted] == ["chat"], rerouted
     assert set(prom.api("label/gpuroute_pool/values")) >= {"llama", "qwen", "mistral"}
