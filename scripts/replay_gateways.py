@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ["mixed-gpu", "uniform-steady", "bursty", "shared-prefix", "multi-lora"]
+SCENARIOS = ["mixed-gpu", "uniform-steady", "bursty", "shared-prefix", "multi-lora", "burst-pool"]
 SETUPS = [
     ("one engine", []),
     ("2 workers", ["--workers", "2"]),
@@ -51,7 +51,7 @@ def mean(xs):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workloads", type=int, default=8)
-    ap.add_argument("--scenario", action="append", help="default: all five")
+    ap.add_argument("--scenario", action="append", help="default: all six")
     ap.add_argument("--binary", default=str(ROOT / "target/release/bench-scenario"))
     a = ap.parse_args()
     if not Path(a.binary).exists():
