@@ -26,6 +26,7 @@ RULES = HERE / "gpuroute-rules.yaml"
 # pool selector (a regex; all pools by default), `$__rate_interval` Grafana's rate window.
 
 PICKS = 'envoy_(dynamicmodulescustom_)?gpuroute_pool_picks'
+OVERFLOWED = 'sum by (gpuroute_pool) (rate(envoy_gpuroute_overflow_to{gpuroute_pool=~"$pool"}[$__rate_interval]))'
 ROWS = [
     ("Routing", [
         ("Requests by pool and outcome", "reqps", [
@@ -70,6 +71,14 @@ ROWS = [
              "{{gpuroute_pool}} -> {{gpuroute_target}} (failover)"),
             ('sum by (gpuroute_pool, gpuroute_target) (rate(envoy_gpuroute_overflow_to{gpuroute_pool=~"$pool"}[$__rate_interval]))',
              "{{gpuroute_pool}} -> {{gpuroute_target}} (overflow)"),
+        ]),
+        # What GpurouteOverflowingSustained watches: of a pool's requests, those it kept
+        # (counted in its own requests) and those it sent on (counted in the pool that took
+        # them), the share sent on; `or` for a pool that kept none.
+        ("Overflow share by pool (of its requests, kept or sent on)", "percentunit", [
+            (f'{OVERFLOWED} / ({OVERFLOWED} + (sum by (gpuroute_pool) (rate(envoy_gpuroute_pool_requests{{gpuroute_pool=~"$pool"}}[$__rate_interval]))'
+             f' or 0 * {OVERFLOWED}))',
+             "{{gpuroute_pool}}"),
         ]),
         ("Held requests (hold)", "short", [
             ("sum(max_over_time(envoy_gpuroute_held[$__rate_interval]))", "held (the most at once)"),
