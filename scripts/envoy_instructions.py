@@ -299,6 +299,10 @@ def main():
                          "several lines (newline escapes); with non-ASCII text and emoji as Python writes "
                          "them (\\u escapes, surrogate pairs); or the same conversation as a Messages API "
                          "body with content blocks (filter builds only: the floor reads chat)")
+    ap.add_argument("--split", action="store_true",
+                    help="the request names a weighted split (`splits`: `assistant`, one version, llama-3-8b, "
+                         "at weight 100) instead of its model: the filter's split path and its counter on every "
+                         "request (filter builds only: measure them with --only)")
     ap.add_argument("--no-stats-tags", action="store_true",
                     help="every gateway without render.py's STATS_TAGS (the tag extraction that labels the "
                          "filter's stats for Prometheus), as before 2026-12-06's thirtieth session")
@@ -315,6 +319,9 @@ def main():
     up = Upstream()
     config = dict(MEASURE_CONFIG, **({"tick_ms": args.tick_ms} if args.tick_ms else {}),
                   **({"shared_refresh_ms": args.shared_refresh_ms} if args.shared_refresh_ms else {}))
+    if args.split:
+        config["splits"] = {"assistant": [{"model": "llama-3-8b", "weight": 100}]}
+        body = json.dumps(dict(json.loads(body), model="assistant")).encode()
     gateways = gateway_specs(up, config, extra)
     out_dir = args.keep or Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -373,6 +380,7 @@ def main():
     changes += ", the serving thread only" if args.serving_thread else ""
     changes += ", each request written to the access log" if args.access_log else ""
     changes += ", without the stats' tag extraction" if args.no_stats_tags else ""
+    changes += ", the request for a weighted split" if args.split else ""
     print(f"\n{body_label}, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():

@@ -30,6 +30,8 @@ Needs valgrind and node (~1 min).
 """
 import argparse
 import bisect
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -145,12 +147,17 @@ def is_wasm(name):
     return ":" not in name.split(" ")[0] and " file:" not in name and not name.startswith(("wasm-to-js", "js-to-wasm"))
 
 
-def run(wasm, body, n, work, path="/v1/chat/completions"):
+# --split: the request names a weighted split, as scripts/envoy_instructions.py --split.
+SPLIT = {"splits": {"assistant": [{"model": "llama-3-8b", "weight": 100}]}}
+
+
+def run(wasm, body, n, work, path="/v1/chat/completions", config=None):
     cg, log = work / f"cg.{n}.out", work / f"v8.{n}.log"
     cmd = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--dump-instr=yes",
            f"--callgrind-out-file={cg}", "node", "--no-liftoff", "--log-code", "--no-logfile-per-isolate",
            f"--logfile={log}", "--no-warnings", str(ROOT / "scripts" / "wasm_profile.mjs"), str(wasm), str(body), str(n), path]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, GPUROUTE_PROFILE_CONFIG=json.dumps(config)) if config else None
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         sys.exit(f"node under valgrind failed ({r.returncode}):\n{r.stdout}\n{r.stderr[-2000:]}")
     return count(cg, code_ranges(log))
@@ -165,6 +172,8 @@ def main():
                     help="the request's path (/v1/messages for a Messages API body)")
     ap.add_argument("--body", type=Path, help="the chat request's body, from this file (default: the "
                     "4 KB chat body of the Envoy benchmarks)")
+    ap.add_argument("--split", action="store_true",
+                    help="the request names a weighted split (`assistant`, one version, llama-3-8b) instead of its model")
     args = ap.parse_args()
     for tool in ("valgrind", "node"):
         if not shutil.which(tool):
@@ -173,9 +182,13 @@ def main():
         work = Path(tmp)
         body = work / "chat.json"
         body.write_bytes(args.body.read_bytes() if args.body else envoy_overhead.chat_body())
+        config = None
+        if args.split:
+            config = SPLIT
+            body.write_bytes(json.dumps(dict(json.loads(body.read_bytes()), model="assistant")).encode())
         n = args.requests
-        own1, lines1, copies1 = run(args.wasm, body, n, work, args.path)
-        own2, lines2, copies2 = run(args.wasm, body, 2 * n, work, args.path)
+        own1, lines1, copies1 = run(args.wasm, body, n, work, args.path, config)
+        own2, lines2, copies2 = run(args.wasm, body, 2 * n, work, args.path, config)
     # Per request: the difference of the two runs over N. Only wasm functions (V8 logs them under
     # their export or symbol name); the JavaScript host's own functions are left out.
     per = {k: (own2.get(k, 0) - own1.get(k, 0)) / n for k in set(own1) | set(own2)}
@@ -184,7 +197,7 @@ def main():
     hot = {key for key, v in lines2.items() if is_wasm(key[0]) and v - lines1.get(key, 0) >= n}
     total = sum(v for v in wasm_fns.values() if v > 0)
     copy_calls = {k: (copies2.get(k, 0) - copies1.get(k, 0)) / n for k in set(copies1) | set(copies2)}
-    what = args.body.name if args.body else "the 4 KB chat body"
+    what = (args.body.name if args.body else "the 4 KB chat body") + (", for a weighted split" if args.split else "")
     print(f"{args.wasm.name}: {n} and {2 * n} requests of {what} (scripts/wasm_profile.mjs), "
           "V8 TurboFan under Node, instructions per request")
     print(f"  the filter's wasm code: {total:,.0f} (and per function the KiB of its machine code a request runs)")

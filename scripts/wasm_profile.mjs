@@ -110,7 +110,9 @@ function configure(ctx, json) {
   if (!x.proxy_on_configure(ctx, config.length)) throw new Error('configuration refused');
 }
 configure(1, { pools: [], ingest: { token: 'profile-token' } });
-configure(2, { pools: [{ name: 'llama', models: ['llama-3-8b'] }] });
+// GPUROUTE_PROFILE_CONFIG: more of the filter's configuration (JSON), e.g. a weighted split.
+const more = process.env.GPUROUTE_PROFILE_CONFIG ? JSON.parse(process.env.GPUROUTE_PROFILE_CONFIG) : {};
+configure(2, { pools: [{ name: 'llama', models: ['llama-3-8b'] }], ...more });
 
 // The snapshot, through the ingest root as sidecar-metrics would push it.
 const nowMs = Number(clock / 1_000_000n);

@@ -1157,8 +1157,7 @@ impl Http {
             }
         }
         if let Some(taken) = &prep.split {
-            let (split, target) = taken.names();
-            w.stats.split(split, target, taken.rerouted);
+            w.stats.split(taken);
         }
         // Only a whole body is held: a form that streams on cannot wait.
         let hold = w.engine.config.hold.filter(|_| complete);

@@ -39,16 +39,19 @@
 //!   how long each held request waited)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
-//! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request; every
-//! other counter is immediate. Their ids are cached per pool and pod (`hot`), apart from the
-//! by-name cache of the others, so the hot path formats no metric names.
+//! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request, and so
+//! is a split's `to` counter, which every request for a split counts; every other counter is
+//! immediate. Their ids are cached per pool and pod (`hot`) and per split target (`splits`),
+//! apart from the by-name cache of the others, so these paths format no metric names.
 
 use crate::abi::MetricType;
 use crate::host;
+use gpuroute_core::engine::SplitTaken;
 use gpuroute_core::fleet::{pod_stat_key, stat_segment as sanitize, PodStatSet, OTHER_POD};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::Endpoint;
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
+use std::sync::Arc;
 
 /// Metric ids, defined lazily and cached per worker.
 pub struct Stats {
@@ -56,6 +59,11 @@ pub struct Stats {
     /// Per pool: the id of its `picked` counter and of each pod's `picks` counter, so the hot
     /// path neither formats names nor hashes long strings.
     hot: NameMap<String, PoolIds>,
+    /// Per split, by the address of its `Arc` (the configuration's splits live as long as this
+    /// `Stats`, which a new configuration replaces; a request held across the change keeps its
+    /// old split alive, so no other split takes that address): each target's `to` counter, once
+    /// counted.
+    splits: IdMap<usize, Vec<Option<Option<u32>>>>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
     /// `max_pod_stats`: how many pods, in all, the Envoy gives a picks counter of their own
@@ -91,6 +99,7 @@ impl Stats {
         Stats {
             ids: NameMap::default(),
             hot: NameMap::default(),
+            splits: IdMap::default(),
             pending: IdMap::default(),
             max_pod_stats,
             refused: IdMap::default(),
@@ -164,12 +173,25 @@ impl Stats {
         }
     }
 
-    /// A request for a split took `target` (the served name); `rerouted`: off a target that
-    /// could not serve.
-    pub fn split(&mut self, split: &str, target: &str, rerouted: bool) {
-        self.inc(&split_stat(split, target));
-        if rerouted {
-            self.inc(&split_rerouted_stat(split));
+    /// A request for a split took a target (`rerouted`: off a target that could not serve):
+    /// its `to` counter batched like a pick, by an id cached per split target.
+    pub fn split(&mut self, taken: &SplitTaken) {
+        let ids = self
+            .splits
+            .entry(Arc::as_ptr(&taken.split) as usize)
+            .or_default();
+        if ids.len() <= taken.target {
+            ids.resize(taken.target + 1, None);
+        }
+        let id = *ids[taken.target].get_or_insert_with(|| {
+            let (split, target) = taken.names();
+            host::define_metric(MetricType::Counter, &split_stat(split, target))
+        });
+        if let Some(id) = id {
+            *self.pending.entry(id).or_insert(0) += 1;
+        }
+        if taken.rerouted {
+            self.inc(&split_rerouted_stat(taken.split.name.as_str()));
         }
     }
 
