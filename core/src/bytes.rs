@@ -78,16 +78,6 @@ unsafe fn two_words<W: Copy>(src: *const u8, dst: *mut u8, n: usize) {
     }
 }
 
-/// `body` with the bytes of `span` replaced by `with` (an out-of-range span leaves the
-/// missing side empty rather than panicking).
-pub fn splice(body: &[u8], span: std::ops::Range<usize>, with: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(body.len() + with.len());
-    out.extend_from_slice(body.get(..span.start).unwrap_or_default());
-    out.extend_from_slice(with);
-    out.extend_from_slice(body.get(span.end..).unwrap_or_default());
-    out
-}
-
 /// `s.to_string()` through [`append`]: for the short names a request copies (its path, its
 /// pool), without a `memory.copy` on wasm32.
 pub fn owned(s: &str) -> String {

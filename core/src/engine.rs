@@ -133,8 +133,8 @@ pub struct Prepared {
     /// `/tokenize`, `/detokenize`):
     /// [`Engine::decide`] leaves the pod to Envoy ([`FailOpen::ModelOnly`]).
     pub model_only: bool,
-    /// The body with the alias replaced by the real model name, when an alias was used.
-    pub rewritten_body: Option<Vec<u8>>,
+    /// How the body's `model` changes on its way to the pod, when an alias or a split named it.
+    pub rewrite: Option<BodyRewrite>,
     /// For a request to a split: which target it took.
     pub split: Option<SplitTaken>,
     /// Set when the request went to a failover pool (`pool` names that one) instead of its own.
@@ -326,18 +326,31 @@ pub fn home_fade(reuse: f64, full: f64) -> f64 {
 /// rewritten.
 #[derive(Clone, Copy)]
 enum Format<'a> {
-    Json,
+    /// JSON, read past this many bytes at the start of the body the host holds (a UTF-8
+    /// byte-order mark, which the rewritten body leaves out).
+    Json(usize),
     /// `multipart/form-data` with this boundary.
     Form(&'a str),
 }
 
 impl Format<'_> {
-    /// `body` with its `model` value (at `span`) replaced by `model`, written as this format
-    /// writes a value.
-    fn rewrite_model(self, body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
+    /// The rewrite of `body` whose `model` value (at `span`) becomes `model`, written as this
+    /// format writes a value (a JSON string quoted, a form field as it is).
+    fn rewrite_model(self, body: &[u8], span: std::ops::Range<usize>, model: &str) -> BodyRewrite {
+        let before = body.get(..span.start).unwrap_or_default();
+        let mut with = Vec::with_capacity(before.len() + model.len() + 2);
+        with.extend_from_slice(before);
         match self {
-            Format::Json => rewrite_model(body, span, model),
-            Format::Form(_) => form::rewrite_model(body, span, model),
+            Format::Json(_) => json_string(&mut with, model),
+            Format::Form(_) => with.extend_from_slice(model.as_bytes()),
+        }
+        let skipped = match self {
+            Format::Json(n) => n,
+            Format::Form(_) => 0,
+        };
+        BodyRewrite {
+            replaced: skipped + span.end,
+            with,
         }
     }
 }
@@ -400,13 +413,16 @@ impl Reader {
         // A UTF-8 byte-order mark before the JSON, as some Windows tools write files: vLLM and
         // SGLang accept it (Python's json.loads on bytes does), so the gateway does too. A
         // rewritten body leaves it out.
-        let body = body.strip_prefix(UTF8_BOM).unwrap_or(body);
+        let (skipped, body) = match body.strip_prefix(UTF8_BOM) {
+            Some(rest) => (UTF8_BOM.len(), rest),
+            None => (0, body),
+        };
         let p = &self.prefix;
         let limit = p.block_chars.saturating_mul(p.max_blocks);
         let home_chars = p.block_chars.saturating_mul(p.home_blocks);
         let endpoint = Endpoint::from_path(path);
         let req = request::parse(body, endpoint, limit, home_chars)?;
-        self.resolve(req, body, endpoint, Format::Json, ctx)
+        self.resolve(req, body, endpoint, Format::Json(skipped), ctx)
     }
 
     /// [`Reader::read`] for a `multipart/form-data` body with `boundary` (the audio endpoints;
@@ -460,7 +476,7 @@ impl Reader {
                     // A form has no prompt: its boundary, which clients draw at random for each
                     // request, spreads uploads over the targets by their weights.
                     (None, Format::Form(boundary)) => boundary.as_bytes(),
-                    (None, Format::Json) => req
+                    (None, Format::Json(_)) => req
                         .conversation_len
                         .and_then(|n| text.get(..n))
                         .unwrap_or(text),
@@ -497,7 +513,7 @@ impl Reader {
                 target = target.in_pool(j);
             }
         }
-        let rewritten_body = match (&req.model_span, target.rewrite) {
+        let rewrite = match (&req.model_span, target.rewrite) {
             (Some(span), true) => Some(format.rewrite_model(body, span.clone(), &target.model)),
             _ => None,
         };
@@ -540,7 +556,7 @@ impl Reader {
             prompt_tokens: req.estimated_prompt_tokens(),
             sequences: req.sequences,
             model_only,
-            rewritten_body,
+            rewrite,
             split,
             failed_over,
             prefix_blocks: blocks as u32,
@@ -1034,10 +1050,44 @@ pub fn rewritten_length(
     declared?.checked_sub(old)?.checked_add(new)
 }
 
-/// Replaces the bytes of the `model` value (quotes included) with `model` as a JSON string.
-pub fn rewrite_model(body: &[u8], span: std::ops::Range<usize>, model: &str) -> Vec<u8> {
-    let quoted = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_string());
-    crate::bytes::splice(body, span, quoted.as_bytes())
+/// `s` as a JSON string, quotes included, appended to `out`.
+fn json_string(out: &mut Vec<u8>, s: &str) {
+    match serde_json::to_writer(&mut *out, s) {
+        Ok(()) => {}
+        Err(_) => out.extend_from_slice(b"\"\""),
+    }
+}
+
+/// How a request's body changes on its way to the pod: an alias or a split's target in place
+/// of the `model` the client sent. The body's first `replaced` bytes (up to the end of the
+/// `model` value) give way to `with` (the bytes before the value, then the new one), and the
+/// rest stays. A shell hands the host only that where it can (Envoy's proxy-wasm body write
+/// drains a body's first bytes and puts others before the rest): a body whose `model` comes
+/// first changes by a few dozen bytes instead of being copied whole; where `model` comes last
+/// (OpenAI's Python SDK writes `messages` first), `with` is nearly all of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BodyRewrite {
+    /// Bytes from the body's start that the rewrite replaces.
+    pub replaced: usize,
+    /// What replaces them.
+    pub with: Vec<u8>,
+}
+
+impl BodyRewrite {
+    /// The whole new body of `body`.
+    pub fn apply(&self, body: &[u8]) -> Vec<u8> {
+        let rest = body.get(self.replaced..).unwrap_or_default();
+        let mut out = Vec::with_capacity(self.with.len() + rest.len());
+        out.extend_from_slice(&self.with);
+        out.extend_from_slice(rest);
+        out
+    }
+
+    /// The body's length after the rewrite, for `len` bytes before it.
+    pub fn new_len(&self, len: usize) -> usize {
+        len.saturating_sub(self.replaced)
+            .saturating_add(self.with.len())
+    }
 }
 
 #[cfg(test)]
@@ -1086,18 +1136,46 @@ mod tests {
     #[test]
     fn alias_is_rewritten_in_the_body() {
         let mut e = engine();
-        let p = e
-            .prepare("/v1/chat/completions", &chat("llama", "hi"))
-            .unwrap();
-        let body = p.rewritten_body.unwrap();
+        let sent = chat("llama", "hi");
+        let p = e.prepare("/v1/chat/completions", &sent).unwrap();
+        let rewrite = p.rewrite.unwrap();
+        let body = rewrite.apply(&sent);
         let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["model"], "llama-3");
         assert_eq!(v["messages"][0]["content"], "hi");
+        assert_eq!(rewrite.new_len(sent.len()), body.len());
         assert!(e
             .prepare("/v1/chat/completions", &chat("llama-3", "hi"))
             .unwrap()
-            .rewritten_body
+            .rewrite
             .is_none());
+        // Only what lies up to the model's value changes: where `model` comes first, a few
+        // bytes, the rest of the body untouched; an escaped name is written as JSON.
+        let first = br#"{"model":"llama","messages":[{"role":"user","content":"hi"}]}"#;
+        let rewrite = e
+            .prepare("/v1/chat/completions", first)
+            .unwrap()
+            .rewrite
+            .unwrap();
+        assert_eq!(rewrite.replaced, br#"{"model":"llama""#.len());
+        assert_eq!(rewrite.with, br#"{"model":"llama-3""#.to_vec());
+        let escaped = br#"{"model":"ll\u0061ma","messages":[{"role":"user","content":"hi"}]}"#;
+        let rewrite = e
+            .prepare("/v1/chat/completions", escaped)
+            .unwrap()
+            .rewrite
+            .unwrap();
+        assert_eq!(rewrite.apply(escaped), chat_first("llama-3", "hi"));
+    }
+
+    /// A chat body with `model` first, as curl users and OpenAI's Node SDK write it.
+    fn chat_first(model: &str, text: &str) -> Vec<u8> {
+        format!(
+            r#"{{"model":{},"messages":[{{"role":"user","content":{}}}]}}"#,
+            serde_json::to_string(model).unwrap(),
+            serde_json::to_string(text).unwrap()
+        )
+        .into_bytes()
     }
 
     #[test]
@@ -1129,7 +1207,7 @@ mod tests {
             .unwrap();
         assert_eq!(&*p.pool, "asr");
         assert_eq!(p.prompt_tokens, 0);
-        let rewritten = p.rewritten_body.unwrap();
+        let rewritten = p.rewrite.unwrap().apply(&body[..head]);
         assert_eq!(rewritten, form("b1", "whisper-v3")[..head + 3].to_vec());
         // No prompt: the typical prompt size the scorers use is left alone.
         assert_eq!(e.avg_prompt_tokens, 0.0);
@@ -1173,15 +1251,16 @@ mod tests {
         };
         let mut by_target = [0, 0];
         for i in 0..200 {
-            let first = e.prepare("/v1/chat/completions", &turns(i, 1)).unwrap();
+            let asked = turns(i, 1);
+            let first = e.prepare("/v1/chat/completions", &asked).unwrap();
             let (pool, model) = (first.pool.clone(), first.target.model.clone());
             by_target[usize::from(&*pool == "new")] += 1;
             assert_eq!(
                 Some(("m", model.as_str())),
                 first.split.as_ref().map(SplitTaken::names)
             );
-            let sent: serde_json::Value =
-                serde_json::from_slice(first.rewritten_body.as_ref().unwrap()).unwrap();
+            let sent = first.rewrite.as_ref().unwrap().apply(&asked);
+            let sent: serde_json::Value = serde_json::from_slice(&sent).unwrap();
             assert_eq!(sent["model"], model.as_str());
             assert_eq!(sent["messages"][1]["content"], format!("question {i}"));
             // Later turns of the same conversation: the same target, whatever was added.
@@ -1203,7 +1282,7 @@ mod tests {
         let direct = e
             .prepare("/v1/chat/completions", &chat("m-v2", "hi"))
             .unwrap();
-        assert!(direct.split.is_none() && direct.rewritten_body.is_none());
+        assert!(direct.split.is_none() && direct.rewrite.is_none());
         let completion = |p: &str| {
             serde_json::json!({"model": "m", "prompt": p})
                 .to_string()
@@ -1273,8 +1352,8 @@ mod tests {
             let taken = p.split.as_ref().unwrap();
             assert_eq!(&*p.pool, "old");
             assert_eq!(taken.rerouted, &*own.pool == "new");
-            let sent: serde_json::Value =
-                serde_json::from_slice(p.rewritten_body.as_ref().unwrap()).unwrap();
+            let sent = p.rewrite.as_ref().unwrap().apply(&body);
+            let sent: serde_json::Value = serde_json::from_slice(&sent).unwrap();
             assert_eq!(sent["model"], "m-v1");
             // Metrics past stale_after_ms say nothing either way: every pool is equally unknown,
             // and the key keeps its own target.
@@ -1422,15 +1501,12 @@ mod tests {
         // The request goes as it would have: an alias rewritten to the model, an adapter with its
         // base model, the same headers but the pool's.
         let down = state(false, true, true);
+        let asked = chat("llama", "hi");
         let p = e
-            .prepare_in(
-                "/v1/chat/completions",
-                &chat("llama", "hi"),
-                ctx(&down, 1_100),
-            )
+            .prepare_in("/v1/chat/completions", &asked, ctx(&down, 1_100))
             .unwrap();
-        let sent: serde_json::Value =
-            serde_json::from_slice(p.rewritten_body.as_ref().unwrap()).unwrap();
+        let sent = p.rewrite.as_ref().unwrap().apply(&asked);
+        let sent: serde_json::Value = serde_json::from_slice(&sent).unwrap();
         assert_eq!(sent["model"], "llama-3");
         let p = e
             .prepare_in(
@@ -1710,15 +1786,27 @@ mod tests {
             (p.pool.as_ref(), p.anchors.len()),
             ("llama", plain.anchors.len())
         );
-        assert!(p.rewritten_body.is_none());
-        // An alias is rewritten as without the mark, into a body without it.
+        assert!(p.rewrite.is_none());
+        // An alias is rewritten as without the mark, into a body without it: the mark is among
+        // the bytes replaced.
         let body = [UTF8_BOM, &chat("llama", "hi")].concat();
-        let out = e
+        let rewrite = e
             .prepare("/v1/chat/completions", &body)
             .unwrap()
-            .rewritten_body
+            .rewrite
             .unwrap();
-        assert_eq!(out, chat("llama-3", "hi"));
+        assert_eq!(rewrite.apply(&body), chat("llama-3", "hi"));
+        let body = [UTF8_BOM, &chat_first("llama", "hi")].concat();
+        let rewrite = e
+            .prepare("/v1/chat/completions", &body)
+            .unwrap()
+            .rewrite
+            .unwrap();
+        assert_eq!(
+            rewrite.replaced,
+            UTF8_BOM.len() + br#"{"model":"llama""#.len()
+        );
+        assert_eq!(rewrite.apply(&body), chat_first("llama-3", "hi"));
         // Only at the start, and only the whole mark.
         assert!(e
             .prepare(
@@ -1807,7 +1895,7 @@ mod tests {
         assert!(p.model_only);
         assert_eq!(&*p.pool, "llama");
         // Routed by model (an alias rewritten as for any request), the pod left to Envoy.
-        assert!(p.rewritten_body.is_some());
+        assert!(p.rewrite.is_some());
         let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
         assert_eq!(c.decision, Decision::FailOpen(FailOpen::ModelOnly));
         assert!(c.destination.is_none() && c.picked_key.is_none());
@@ -1833,7 +1921,7 @@ mod tests {
             assert!(p.model_only, "{path}");
             assert_eq!((&*p.pool, p.prompt_tokens), ("llama", 0), "{path}");
             // The alias is rewritten as for any request; the pod is left to Envoy.
-            assert!(p.rewritten_body.is_some(), "{path}");
+            assert!(p.rewrite.is_some(), "{path}");
             let c = e.decide(&p, Some(&f), &[], opts, &mut rng);
             assert_eq!(
                 c.decision,

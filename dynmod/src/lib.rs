@@ -1281,9 +1281,12 @@ impl Filter {
             for (name, value) in prep.routing_headers() {
                 s.add_header(REQUEST_HEADERS, name, value);
             }
-            if let Some(new_body) = &prep.rewritten_body {
+            if let Some(rewrite) = &prep.rewrite {
                 let buffered = s.request_body_len();
-                s.replace_request_body(new_body);
+                // No host call puts bytes before a body's rest here, as proxy-wasm's body
+                // write does: the whole new body.
+                let new_body = s.with_request_body(|b| rewrite.apply(b));
+                s.replace_request_body(&new_body);
                 let declared = self.head.content_length;
                 let length = engine::rewritten_length(complete, declared, buffered, new_body.len());
                 if let Some(n) = length {

@@ -1360,10 +1360,13 @@ impl Http {
         for (name, value) in prep.routing_headers() {
             let _ = host::add_header(h, name, value);
         }
-        if let Some(new_body) = &prep.rewritten_body {
-            if host::set_buffer(BufferType::HttpRequestBody, 0, body_len, new_body).is_ok() {
+        if let Some(rewrite) = &prep.rewrite {
+            // Envoy drains the body's first `replaced` bytes and puts `with` before the rest:
+            // only the bytes up to the model's value cross into Envoy.
+            let (replaced, with) = (rewrite.replaced, &rewrite.with);
+            if host::set_buffer(BufferType::HttpRequestBody, 0, replaced, with).is_ok() {
                 let declared = self.head.content_length;
-                let (old, new) = (body_len, new_body.len());
+                let (old, new) = (body_len, rewrite.new_len(body_len));
                 if let Some(n) = engine::rewritten_length(complete, declared, old, new) {
                     let _ = host::set_header(h, "content-length", &n.to_string());
                 }

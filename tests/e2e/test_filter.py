@@ -459,6 +459,26 @@ def test_alias_is_rewritten_for_the_pod(envoy, pods):
     assert int(body["headers"]["content-length"]) == len(body["body"].encode())
 
 
+@pytest.mark.parametrize("shape", ["model first", "model last", "byte-order mark, model first"])
+def test_alias_is_rewritten_whatever_comes_before_it(envoy, pods, shape):
+    """The proxy-wasm filter hands Envoy only the bytes up to the model's value (Envoy drains
+    them and puts the new ones before the rest): with `model` first (curl, OpenAI's Node SDK)
+    a few bytes, with `model` after `messages` (OpenAI's Python SDK) nearly all of them. Either
+    way the pod gets the whole body with the model rewritten, a byte-order mark left out, and a
+    content-length that matches."""
+    assert envoy.push(fresh(pods))[0] == 204
+    messages = [{"role": "user", "content": "rewrite me \u00e9 " * 40}]
+    doc = {"messages": messages, "model": "llama"} if shape == "model last" else {"model": "llama", "messages": messages}
+    raw = json.dumps(doc).encode()
+    if shape.startswith("byte-order mark"):
+        raw = b"\xef\xbb\xbf" + raw
+    s, _, answer, _ = envoy.request("POST", "/v1/chat/completions", raw)
+    assert s == 200, answer
+    got = answer["body"].encode()
+    assert got == json.dumps(dict(doc, model="llama-3-8b")).encode(), got[:200]
+    assert int(answer["headers"]["content-length"]) == len(got)
+
+
 def test_large_body_arriving_in_many_reads_is_routed_and_rewritten_whole(envoy, pods):
     """A 600 KB body reaches the filter over many socket reads (Envoy buffers it in several
     slices): the filter reads all of it, and an alias rewrite replaces all of it."""
