@@ -1152,20 +1152,20 @@ mod tests {
         // Only what lies up to the model's value changes: where `model` comes first, a few
         // bytes, the rest of the body untouched; an escaped name is written as JSON.
         let first = br#"{"model":"llama","messages":[{"role":"user","content":"hi"}]}"#;
-        let rewrite = e
-            .prepare("/v1/chat/completions", first)
-            .unwrap()
-            .rewrite
-            .unwrap();
+        let rewrite = rewrite_of(&mut e, first);
         assert_eq!(rewrite.replaced, br#"{"model":"llama""#.len());
         assert_eq!(rewrite.with, br#"{"model":"llama-3""#.to_vec());
         let escaped = br#"{"model":"ll\u0061ma","messages":[{"role":"user","content":"hi"}]}"#;
-        let rewrite = e
-            .prepare("/v1/chat/completions", escaped)
+        let rewrite = rewrite_of(&mut e, escaped);
+        assert_eq!(rewrite.apply(escaped), chat_first("llama-3", "hi"));
+    }
+
+    /// The rewrite of a chat `body` (one is due).
+    fn rewrite_of(e: &mut Engine, body: &[u8]) -> BodyRewrite {
+        e.prepare("/v1/chat/completions", body)
             .unwrap()
             .rewrite
-            .unwrap();
-        assert_eq!(rewrite.apply(escaped), chat_first("llama-3", "hi"));
+            .unwrap()
     }
 
     /// A chat body with `model` first, as curl users and OpenAI's Node SDK write it.
@@ -1790,18 +1790,10 @@ mod tests {
         // An alias is rewritten as without the mark, into a body without it: the mark is among
         // the bytes replaced.
         let body = [UTF8_BOM, &chat("llama", "hi")].concat();
-        let rewrite = e
-            .prepare("/v1/chat/completions", &body)
-            .unwrap()
-            .rewrite
-            .unwrap();
+        let rewrite = rewrite_of(&mut e, &body);
         assert_eq!(rewrite.apply(&body), chat("llama-3", "hi"));
         let body = [UTF8_BOM, &chat_first("llama", "hi")].concat();
-        let rewrite = e
-            .prepare("/v1/chat/completions", &body)
-            .unwrap()
-            .rewrite
-            .unwrap();
+        let rewrite = rewrite_of(&mut e, &body);
         assert_eq!(
             rewrite.replaced,
             UTF8_BOM.len() + br#"{"model":"llama""#.len()
