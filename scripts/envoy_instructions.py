@@ -167,6 +167,14 @@ def streamed(body):
     return json.dumps(doc).encode()
 
 
+def model_last(body):
+    """The same request with `model` after `messages`, the order OpenAI's Python SDK writes: a
+    rewrite of its `model` (an alias, a split) replaces nearly the whole body."""
+    doc = json.loads(body)
+    model = doc.pop("model")
+    return json.dumps(dict(doc, model=model)).encode()
+
+
 BODIES = {
     "chat": ("/v1/chat/completions", chat_body, "4 KB chat body"),
     "chat-lines": ("/v1/chat/completions", chat_lines_body, "4 KB chat body, contents on several lines"),
@@ -176,6 +184,8 @@ BODIES = {
                  "4 KB chat body in Japanese, every character a \\u escape as Python writes it"),
     "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
     "chat-stream": ("/v1/chat/completions", lambda: streamed(chat_body()), "4 KB chat body, streamed (\"stream\": true)"),
+    "chat-model-last": ("/v1/chat/completions", lambda: model_last(chat_body()),
+                        "4 KB chat body, `model` after `messages` (as OpenAI's Python SDK writes it)"),
 }
 PATH = BODIES["chat"][0]
 
