@@ -47,21 +47,12 @@ def scenario_names():
 
 
 def run_scenario(name, scenario_file, fleet, quick, extra_args, out_dir, concurrency, configs=CONFIGS, debug=False,
-                 filter_config=None, filter_wasm=None, filter_variants=None, replicas=1):
+                 filter_config=None, filter_wasm=None, filter_variants=None, replicas=1, pool_settings=None):
     """`filter_wasm`: {name: path} of other builds of the filter, run as configuration
     `filter-<name>`; `filter_variants`: {name: options} merged into this build's configuration,
-    run as configuration `filter-<name>`."""
+    run as configuration `filter-<name>`; `pool_settings`: the scenario's `pools`."""
     filter_wasm = filter_wasm or {}
     filter_variants = filter_variants or {}
-    # A scenario's settings of its pools (a trace given with --trace has none).
-    pool_settings = None
-    if scenario_file.suffix == ".json":
-        try:
-            scenario = json.loads(scenario_file.read_text())
-        except ValueError:
-            scenario = None
-        if isinstance(scenario, dict):
-            pool_settings = scenario.get("pools")
     work = out_dir / "work" / name
     work.mkdir(parents=True, exist_ok=True)
     results = []
@@ -170,9 +161,10 @@ def main():
         if not files:
             files = [ROOT / "bench" / "scenarios" / f"{name}.json" for name in scenario_names()]
         for f in files:
-            fleet = json.loads(f.read_text())["fleet"]
-            run_scenario(f.stem, f, fleet, args.quick, [], out_dir, args.concurrency, configs, args.debug_header,
-                         args.filter_config, filter_wasm, filter_variants, args.replicas)
+            scenario = json.loads(f.read_text())
+            run_scenario(f.stem, f, scenario["fleet"], args.quick, [], out_dir, args.concurrency, configs,
+                         args.debug_header, args.filter_config, filter_wasm, filter_variants, args.replicas,
+                         scenario.get("pools"))
     print(f"\nbenchmark finished in {time.time() - started:.0f} s; results in {out_dir}")
 
 

@@ -267,7 +267,7 @@ pub fn filter_config<'a>(
 }
 
 /// The fleet's pools in order of first appearance, each with its pods' indices.
-fn fleet_pools(fleet: &FleetConfig) -> Vec<(String, Vec<usize>)> {
+pub fn fleet_pools(fleet: &FleetConfig) -> Vec<(String, Vec<usize>)> {
     let mut pools: Vec<(String, Vec<usize>)> = Vec::new();
     for (i, p) in fleet.pods.iter().enumerate() {
         match pools.iter_mut().find(|(n, _)| *n == p.pool) {

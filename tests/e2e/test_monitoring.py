@@ -235,8 +235,7 @@ def drive(gw, seconds, saturated):
         assert gw.chat("qwen-7b", f"plain {i}")[0] == 200
         gw.chat("mistral-7b", f"fails open {i}")  # to a dead pod: Envoy's 503
         assert gw.chat("gemma-2b", f"fails over {i}")[0] == 200
-        status, headers, _, _ = gw.request("POST", "/v1/chat/completions",
-                                           {"model": "phi-3", "messages": [{"role": "user", "content": f"overflows {i}"}]})
+        status, headers, _, _ = gw.chat("phi-3", f"overflows {i}")
         assert status == 200 and headers.get("x-served-by") == "standby-0", (status, headers)
         assert gw.chat("chat", f"conversation {i}")[0] in (200, 503)
         assert gw.chat("no-such-model")[0] == 404

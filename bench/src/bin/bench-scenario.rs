@@ -13,7 +13,9 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use fleet_sim::config::FleetConfig;
 use gpuroute_bench::floor::{oracle_ttft_ms, present_percentiles, scenario_parts, ttft_floor_ms};
-use gpuroute_bench::replay::{replay, Gateways, Policy, ReplayOutcome, ReplaySettings};
+use gpuroute_bench::replay::{
+    fleet_pools, replay, Gateways, Policy, ReplayOutcome, ReplaySettings,
+};
 use gpuroute_bench::report::Quantiles;
 use gpuroute_bench::scenario::{scenario_candidates, Scenario, SCENARIO_DIR};
 use gpuroute_bench::workload::Workload;
@@ -235,23 +237,21 @@ fn outcome_json(o: &ReplayOutcome, fleet: &FleetConfig, per_request: bool) -> se
     v
 }
 
-/// Requests each of the fleet's pools served, by pool name, in the fleet's order.
+/// Requests each of the fleet's pools served, by pool name, in the fleet's order
+/// ([`fleet_pools`]).
 fn served_by_pool(o: &ReplayOutcome, fleet: &FleetConfig) -> Vec<(String, u64)> {
-    let mut pools: Vec<(String, u64)> = Vec::new();
-    for p in &fleet.pods {
-        if !pools.iter().any(|(n, _)| *n == p.pool) {
-            pools.push((p.pool.clone(), 0));
-        }
-    }
-    for &i in o.served_by.iter().flatten() {
-        let Some(pod) = fleet.pods.get(i) else {
-            continue;
-        };
-        if let Some((_, n)) = pools.iter_mut().find(|(name, _)| *name == pod.pool) {
-            *n += 1;
-        }
-    }
-    pools
+    fleet_pools(fleet)
+        .into_iter()
+        .map(|(name, members)| {
+            let n = o
+                .served_by
+                .iter()
+                .flatten()
+                .filter(|i| members.contains(i))
+                .count();
+            (name, n as u64)
+        })
+        .collect()
 }
 
 /// `mean (min-max)` of `xs`.
@@ -426,17 +426,14 @@ fn run_replay(a: &ReplayArgs) -> Result<()> {
             fail_open
         );
     }
-    let several_pools = fleet.pods.iter().any(|p| p.pool != fleet.pods[0].pool);
-    if several_pools {
+    if fleet_pools(&fleet).len() > 1 {
         println!("\nrequests served per pool (over all workloads):");
         for (c, runs) in outcomes.iter().enumerate() {
-            let mut total: Vec<(String, u64)> = Vec::new();
+            // Every run lists the same pools in the same order.
+            let mut total: Vec<(String, u64)> = served_by_pool(&ReplayOutcome::default(), &fleet);
             for o in runs {
-                for (pool, n) in served_by_pool(o, &fleet) {
-                    match total.iter_mut().find(|(p, _)| *p == pool) {
-                        Some((_, t)) => *t += n,
-                        None => total.push((pool, n)),
-                    }
+                for (t, (_, n)) in total.iter_mut().zip(served_by_pool(o, &fleet)) {
+                    t.1 += n;
                 }
             }
             let all = total.iter().map(|(_, n)| n).sum::<u64>().max(1) as f64;
