@@ -309,6 +309,10 @@ def main():
                          "several lines (newline escapes); with non-ASCII text and emoji as Python writes "
                          "them (\\u escapes, surrogate pairs); or the same conversation as a Messages API "
                          "body with content blocks (filter builds only: the floor reads chat)")
+    ap.add_argument("--failover", action="store_true",
+                    help="the request's model belongs to a pool `down` whose one pod the snapshot says is "
+                         "unhealthy, with `failover: [llama]`: the filter's failover path and its counter on "
+                         "every request (filter builds only: measure them with --only)")
     ap.add_argument("--split", action="store_true",
                     help="the request names a weighted split (`splits`: `assistant`, one version, llama-3-8b, "
                          "at weight 100) instead of its model: the filter's split path and its counter on every "
@@ -332,6 +336,11 @@ def main():
     if args.split:
         config["splits"] = {"assistant": [{"model": "llama-3-8b", "weight": 100}]}
         body = json.dumps(dict(json.loads(body), model="assistant")).encode()
+    pods = pod_snapshot(up)
+    if args.failover:
+        config["pools"] = [{"name": "down", "models": ["llama-3-8b"], "failover": ["llama"]},
+                           {"name": "llama", "models": []}]
+        pods["down"] = [{"address": "127.0.0.1:9", "healthy": False}]
     gateways = gateway_specs(up, config, extra)
     out_dir = args.keep or Path(tempfile.mkdtemp(prefix="gpuroute-callgrind-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -352,7 +361,7 @@ def main():
             pushed = name not in REFERENCES
             try:
                 if pushed:
-                    answer = gw.push(snapshot(pod_snapshot(up)))
+                    answer = gw.push(snapshot(pods))
                     if answer[0] != 204:
                         raise RuntimeError(f"{name}: snapshot push refused: {answer[:3]}")
                 if lds:
@@ -367,6 +376,11 @@ def main():
                     fail_open = gw.stat(f"{prefix}gpuroute.pool.llama.requests.fail_open")
                     if fail_open:
                         raise RuntimeError(f"{name}: {fail_open} requests failed open; the figure would not be the decision's")
+                    # Without the failover, a request would fail open in `down` (counted at once);
+                    # the failover's own counter is batched until the tick, which is off here.
+                    down = gw.stat(f"{prefix}gpuroute.pool.down.requests.fail_open")
+                    if down:
+                        raise RuntimeError(f"{name}: {down} requests failed open in pool down, not over")
             finally:
                 gw.stop()
             if args.access_log:
@@ -391,6 +405,7 @@ def main():
     changes += ", each request written to the access log" if args.access_log else ""
     changes += ", without the stats' tag extraction" if args.no_stats_tags else ""
     changes += ", the request for a weighted split" if args.split else ""
+    changes += ", the request's pool down and failing over" if args.failover else ""
     print(f"\n{body_label}, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
     for name, v in result.items():

@@ -1264,7 +1264,7 @@ impl Http {
         }
         // Counted with the decision that stands (a held request's, when it is released).
         if let Some(f) = &prep.failed_over {
-            w.stats.inc(&f.stat(&prep.pool));
+            w.stats.moved(&prep.pool, f);
         }
         if prep.continues_response() {
             w.stats.inc(match choice.pinned_response {

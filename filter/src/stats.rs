@@ -40,13 +40,15 @@
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request, and so
-//! is a split's `to` counter, which every request for a split counts; every other counter is
-//! immediate. Their ids are cached per pool and pod (`hot`) and per split target (`splits`),
-//! apart from the by-name cache of the others, so these paths format no metric names.
+//! are a split's counters (`to`, which every request for a split counts, and `rerouted`) and
+//! the failover and overflow counters (a pool overflowing may move many requests a second);
+//! every other counter is immediate. Their ids are cached per pool and pod (`hot`), per split
+//! (`splits`) and per pair of pools (`moved`), apart from the by-name cache of the others, so
+//! these paths format no metric names.
 
 use crate::abi::MetricType;
 use crate::host;
-use gpuroute_core::engine::SplitTaken;
+use gpuroute_core::engine::{FailedOver, SplitTaken};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment as sanitize, PodStatSet, OTHER_POD};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::Endpoint;
@@ -63,7 +65,11 @@ pub struct Stats {
     /// `Stats`, which a new configuration replaces; a request held across the change keeps its
     /// old split alive, so no other split takes that address): each target's `to` counter, once
     /// counted.
-    splits: IdMap<usize, Vec<Option<Option<u32>>>>,
+    splits: IdMap<usize, SplitIds>,
+    /// The counters of requests moved off their pool (`pools[].failover`, `overflow`), once
+    /// counted: by the pool they left, the pool they went to and whether they overflowed. A
+    /// configuration has few such pairs, so a scan.
+    moved: Vec<Moved>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
     /// `max_pod_stats`: how many pods, in all, the Envoy gives a picks counter of their own
@@ -80,6 +86,21 @@ const POD_STATS_KEY: &str = "gpuroute.pod_stats";
 
 /// The most refused pods a worker remembers; past it, it forgets them all (and asks again).
 const REFUSED_CACHE: usize = 4096;
+
+/// A split's counters: each target's `to`, and `rerouted`, once counted.
+#[derive(Default)]
+struct SplitIds {
+    to: Vec<Option<Option<u32>>>,
+    rerouted: Option<Option<u32>>,
+}
+
+/// The counter of requests moved from pool `from` to pool `to` ([`FailedOver::stat`]).
+struct Moved {
+    from: Arc<str>,
+    to: String,
+    overflow: bool,
+    id: Option<u32>,
+}
 
 #[derive(Default)]
 struct PoolIds {
@@ -100,6 +121,7 @@ impl Stats {
             ids: NameMap::default(),
             hot: NameMap::default(),
             splits: IdMap::default(),
+            moved: Vec::new(),
             pending: IdMap::default(),
             max_pod_stats,
             refused: IdMap::default(),
@@ -180,18 +202,46 @@ impl Stats {
             .splits
             .entry(Arc::as_ptr(&taken.split) as usize)
             .or_default();
-        if ids.len() <= taken.target {
-            ids.resize(taken.target + 1, None);
+        if ids.to.len() <= taken.target {
+            ids.to.resize(taken.target + 1, None);
         }
-        let id = *ids[taken.target].get_or_insert_with(|| {
+        let to = *ids.to[taken.target].get_or_insert_with(|| {
             let (split, target) = taken.names();
             host::define_metric(MetricType::Counter, &split_stat(split, target))
         });
-        if let Some(id) = id {
+        let rerouted = taken.rerouted.then(|| {
+            *ids.rerouted.get_or_insert_with(|| {
+                let name = split_rerouted_stat(taken.split.name.as_str());
+                host::define_metric(MetricType::Counter, &name)
+            })
+        });
+        for id in [to, rerouted.flatten()].into_iter().flatten() {
             *self.pending.entry(id).or_insert(0) += 1;
         }
-        if taken.rerouted {
-            self.inc(&split_rerouted_stat(taken.split.name.as_str()));
+    }
+
+    /// A request moved off its pool to pool `to` (`pools[].failover`, `overflow`): its
+    /// counter's id is looked up once per pair of pools, and the count batched as the picks.
+    pub fn moved(&mut self, to: &str, f: &FailedOver) {
+        let known = self
+            .moved
+            .iter()
+            .find(|m| m.overflow == f.overflow && *m.from == *f.from && m.to == to);
+        let id = match known {
+            Some(m) => m.id,
+            None => {
+                let id = host::define_metric(MetricType::Counter, &f.stat(to));
+                self.moved.push(Moved {
+                    from: f.from.clone(),
+                    to: to.to_string(),
+                    overflow: f.overflow,
+                    id,
+                });
+                id
+            }
+        };
+        if let Some(id) = id {
+            *self.pending.entry(id).or_insert(0) += 1;
         }
     }
 
