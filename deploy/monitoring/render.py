@@ -315,6 +315,21 @@ TESTS = [
         ("GpurouteWasmVmReloaded", "5m", [(GW, "The filter's Wasm VM was reloaded on gw-0")]),
         ("GpurouteWasmVmReloaded", "22m", []),
     ]),
+    ("One of four workers' Wasm VM never started: 5 VMs where 6 should run", [
+        series("envoy_wasm_envoy_wasm_runtime_v8_active", GW, "5x20"),
+        series("envoy_server_concurrency", GW, "4x20"),
+        # Every VM of its two workers, and of the main thread, runs.
+        series("envoy_wasm_envoy_wasm_runtime_v8_active", {"instance": "gw-1"}, "4x20"),
+        series("envoy_server_concurrency", {"instance": "gw-1"}, "2x20"),
+        # Two builds of the filter side by side (an upgrade): more VMs than workers need.
+        series("envoy_wasm_envoy_wasm_runtime_v8_active", {"instance": "gw-2"}, "8x20"),
+        series("envoy_server_concurrency", {"instance": "gw-2"}, "2x20"),
+        # The dynamic module: no Wasm VM, no series.
+        series("envoy_server_concurrency", {"instance": "gw-3"}, "2x20"),
+    ], [
+        ("GpurouteWorkerWithoutFilter", "4m", []),
+        ("GpurouteWorkerWithoutFilter", "10m", [(GW, "A worker of gw-0 runs without the filter: 5 Wasm VMs")]),
+    ]),
 ]
 
 # Recording rules checked by value (promtool's promql_expr_test).

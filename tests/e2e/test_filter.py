@@ -6,6 +6,7 @@ import contextlib
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -1174,9 +1175,10 @@ def test_a_worker_without_the_filter_answers_inference_requests_with_a_retryable
     to start: V8 did so under valgrind at 12-14 workers, and FAIL_RELOAD did not reload it),
     inference requests reach the route table without a pool header. The
     shipped route table answers them with an OpenAI-style 503, which the SDKs retry, instead of
-    the catch-all 404 that tells the client to use an inference path. A failed start cannot be
-    made on demand at full speed, so the test module's trap stands in, under FAIL_OPEN (the
-    worker then serves without the filter, as one whose VM never started)."""
+    the catch-all 404 that tells the client to use an inference path. Here the test module's
+    trap, under FAIL_OPEN, leaves the worker without the filter (the worker then serves as one
+    whose VM never started), so that every inference path and both APIs' shapes are checked on
+    one worker; the next test makes a real failed start."""
 
     def fail_open(config):
         for listener in config["static_resources"]["listeners"]:
@@ -1204,6 +1206,84 @@ def test_a_worker_without_the_filter_answers_inference_requests_with_a_retryable
         assert s == 404 and body["error"]["code"] == "not_found"
     finally:
         e.stop()
+
+
+def address_space_peak(e):
+    """The most address space Envoy's process has held, bytes (VmPeak)."""
+    with open(f"/proc/{e.proc.pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmPeak:"))
+
+
+def prometheus_gauges(e, *names):
+    """The unlabelled gauges `names` as /stats/prometheus serves them (what Prometheus scrapes)."""
+    with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition("{} ")
+        if name in names:
+            values[name] = float(value)
+    return [values.get(n) for n in names]
+
+
+# Runs Envoy with its address space limited (RLIMIT_AS, as `ulimit -v` or systemd's LimitAS
+# set it), then execs it in place (same pid).
+ADDRESS_SPACE_LIMIT = ("import os, resource, sys; n = int(sys.argv[1]); "
+                       "resource.setrlimit(resource.RLIMIT_AS, (n, n)); os.execv(sys.argv[2], sys.argv[2:])")
+
+
+@pytest.mark.skipif(RUNTIME != "wasm", reason="proxy-wasm only: the dynamic module runs natively, with no VM to fail")
+def test_a_worker_whose_vm_never_started_answers_503_and_the_vm_gauge_shows_it(pods):
+    """A Wasm VM that fails to start is not started again: its worker serves without the
+    filter. V8 reserves ~9 GB of address space per VM, so an address-space limit makes it
+    happen at will: measured here, the limit leaves room for the main thread's two VMs and two
+    workers' of four. Inference requests reaching those two workers get the route table's 503
+    `routing_unavailable`, the others are routed; nothing reloads the missing VMs; and the
+    gauges `GpurouteWorkerWithoutFilter` compares (deploy/monitoring/) tell: fewer VMs than
+    `envoy_server_concurrency` + 2, where a healthy Envoy has exactly that many."""
+    active, concurrency = "envoy_wasm_envoy_wasm_runtime_v8_active", "envoy_server_concurrency"
+    peaks = {}
+    for workers in (1, 2):
+        e = Envoy("filter", pools_of(pods), CONFIG, concurrency=workers)
+        try:
+            assert served_by(e.chat("llama-3-8b")).startswith("llama-")
+            # The alert's quiet case, as Envoy exports it: the workers' VMs and the main thread's two.
+            assert prometheus_gauges(e, active, concurrency) == [workers + 2, workers]
+            peaks[workers] = address_space_peak(e)
+        finally:
+            e.stop()
+    per_vm = peaks[2] - peaks[1]
+    assert per_vm > 1 << 30, peaks  # V8's reservation, with its guard regions
+    limit = peaks[2] + per_vm // 2
+    e = Envoy("filter", pools_of(pods), CONFIG, concurrency=4,
+              wrap=[sys.executable, "-c", ADDRESS_SPACE_LIMIT, str(limit)])
+    try:
+        vms, workers = prometheus_gauges(e, active, concurrency)
+        assert workers == 4 and 3 <= vms < workers + 2, (vms, workers)
+
+        def answers():
+            got = Counter()
+            for _ in range(40):
+                # A new connection each: the kernel gives each to one of the workers.
+                s, h, body, _ = e.request("POST", "/v1/chat/completions", {"model": "llama-3-8b", "messages": []},
+                                          headers={"connection": "close"})
+                if s == 200:
+                    got["routed" if h.get("x-served-by", "").startswith("llama-") else "other"] += 1
+                else:
+                    got[(s, body.get("error", {}).get("code") if isinstance(body, dict) else body)] += 1
+            return got
+
+        first = answers()
+        assert set(first) == {"routed", (503, "routing_unavailable")}, first
+        time.sleep(2)
+        # Not started again: still two kinds of worker, and no reload.
+        assert set(answers()) == {"routed", (503, "routing_unavailable")}
+        assert e.stat("wasm.gpuroute.vm_reload") == 0
+        assert prometheus_gauges(e, active)[0] == vms
+    finally:
+        e.stop()
+    # Envoy writes its log file out at exit at the latest.
+    assert "Failed to create new Wasm instance" in e.log()
 
 
 def test_burst_within_one_snapshot_spreads(pods):
