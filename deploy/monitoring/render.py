@@ -102,6 +102,17 @@ ROWS = [
         ("Pods by health", "short", [
             ('max by (gpuroute_pool, healthy) (gpuroute_sidecar_pods{gpuroute_pool=~"$pool"})', "{{gpuroute_pool}} healthy={{healthy}}"),
         ]),
+        ("Requests per healthy pod, by pool (the pods' own counts)", "short", [
+            ('max by (gpuroute_pool) (gpuroute_sidecar_pool_waiting{gpuroute_pool=~"$pool"})'
+             ' / clamp_min(max by (gpuroute_pool) (gpuroute_sidecar_pods{gpuroute_pool=~"$pool", healthy="true"}), 1)',
+             "{{gpuroute_pool}} waiting"),
+            ('max by (gpuroute_pool) (gpuroute_sidecar_pool_running{gpuroute_pool=~"$pool"})'
+             ' / clamp_min(max by (gpuroute_pool) (gpuroute_sidecar_pods{gpuroute_pool=~"$pool", healthy="true"}), 1)',
+             "{{gpuroute_pool}} running"),
+        ]),
+        ("KV-cache use by pool (mean of its healthy pods)", "percentunit", [
+            ('max by (gpuroute_pool) (gpuroute_sidecar_pool_kv_cache_usage{gpuroute_pool=~"$pool"})', "{{gpuroute_pool}}"),
+        ]),
         ("Failed scrapes by pool and kind", "ops", [
             ('sum by (gpuroute_pool, kind) (rate(gpuroute_sidecar_scrape_failures_total{gpuroute_pool=~"$pool"}[$__rate_interval]))', "{{gpuroute_pool}} {{kind}}"),
         ]),
@@ -332,6 +343,21 @@ TESTS = [
     ]),
 ]
 
+# Two gateway replicas' aggregators, each reporting the pools it scrapes: llama (3 healthy pods),
+# and a pool scaled to zero.
+POOL_LOAD = [
+    series("gpuroute_sidecar_pool_waiting", {**SC, "gpuroute_pool": "llama"}, "6x10"),
+    series("gpuroute_sidecar_pool_running", {**SC, "gpuroute_pool": "llama"}, "18x10"),
+    series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "llama", "healthy": "true"}, "3x10"),
+    series("gpuroute_sidecar_pool_waiting", {"instance": "sc-1", "gpuroute_pool": "llama"}, "6x10"),
+    series("gpuroute_sidecar_pool_running", {"instance": "sc-1", "gpuroute_pool": "llama"}, "18x10"),
+    series("gpuroute_sidecar_pods", {"instance": "sc-1", "gpuroute_pool": "llama", "healthy": "true"}, "3x10"),
+    # A pool scaled to zero: nothing waits, and no division by zero.
+    series("gpuroute_sidecar_pool_waiting", {**SC, "gpuroute_pool": "burst"}, "0x10"),
+    series("gpuroute_sidecar_pool_running", {**SC, "gpuroute_pool": "burst"}, "0x10"),
+    series("gpuroute_sidecar_pods", {**SC, "gpuroute_pool": "burst", "healthy": "true"}, "0x10"),
+]
+
 # Recording rules checked by value (promtool's promql_expr_test).
 EXPR_TESTS = [
     ("Time to first token per pool: the 99th percentile of the last 5 minutes", [
@@ -350,6 +376,16 @@ EXPR_TESTS = [
     ], "5m", "gpuroute:endpoint_picks:rate5m", [
         ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.1:8000"}, 1),
         ({"gpuroute_pool": "llama", "gpuroute_endpoint": "10.0.0.2:8000"}, 2),
+    ]),
+    ("Requests per healthy pod: two gateway replicas' aggregators report the same pools",
+     POOL_LOAD, "5m", "gpuroute:pool_requests_per_pod", [
+        ({"gpuroute_pool": "llama"}, 8),
+        ({"gpuroute_pool": "burst"}, 0),
+    ]),
+    ("Requests waiting per healthy pod, the same pools",
+     POOL_LOAD, "5m", "gpuroute:pool_waiting_per_pod", [
+        ({"gpuroute_pool": "llama"}, 2),
+        ({"gpuroute_pool": "burst"}, 0),
     ]),
 ]
 

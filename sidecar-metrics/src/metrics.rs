@@ -4,6 +4,7 @@
 
 use crate::aggregator::Published;
 use crate::push::PushTarget;
+use gpuroute_core::snapshot::{PodSnapshot, PoolSnapshot};
 use std::fmt::Write;
 use std::time::Duration;
 
@@ -145,6 +146,7 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
                 pool.pods.len() - healthy
             );
         }
+        pool_load(&mut out, &p.snapshot.pools);
         header(
             &mut out,
             "gpuroute_sidecar_snapshot_bytes",
@@ -217,9 +219,118 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
     out
 }
 
+/// Each pool's load as its healthy pods report it (the pods the filter picks from): requests
+/// waiting and running, summed, and the mean KV-cache use of those that report it (no sample
+/// when none does, as TGI's pods). Signals for autoscaling the pools (deploy/kubernetes/
+/// autoscaling/), and for the dashboard.
+fn pool_load(out: &mut String, pools: &[PoolSnapshot]) {
+    header(
+        out,
+        "gpuroute_sidecar_pool_waiting",
+        "gauge",
+        "Requests waiting in the pool's healthy pods (the sum of their queues).",
+    );
+    for pool in pools {
+        let waiting: u64 = healthy(pool).map(|x| u64::from(x.waiting)).sum();
+        let _ = writeln!(
+            out,
+            "gpuroute_sidecar_pool_waiting{{gpuroute_pool=\"{}\"}} {waiting}",
+            esc(&pool.name)
+        );
+    }
+    header(
+        out,
+        "gpuroute_sidecar_pool_running",
+        "gauge",
+        "Requests running in the pool's healthy pods (the sum of their batches).",
+    );
+    for pool in pools {
+        let running: u64 = healthy(pool).map(|x| u64::from(x.running)).sum();
+        let _ = writeln!(
+            out,
+            "gpuroute_sidecar_pool_running{{gpuroute_pool=\"{}\"}} {running}",
+            esc(&pool.name)
+        );
+    }
+    header(
+        out,
+        "gpuroute_sidecar_pool_kv_cache_usage",
+        "gauge",
+        "Mean KV-cache use (0..1) of the pool's healthy pods that report it.",
+    );
+    for pool in pools {
+        let (n, sum) = healthy(pool)
+            .filter_map(|x| x.kv_cache_usage)
+            .fold((0u32, 0.0), |(n, sum), kv| (n + 1, sum + kv));
+        if n > 0 {
+            let _ = writeln!(
+                out,
+                "gpuroute_sidecar_pool_kv_cache_usage{{gpuroute_pool=\"{}\"}} {}",
+                esc(&pool.name),
+                sum / f64::from(n)
+            );
+        }
+    }
+}
+
+fn healthy(pool: &PoolSnapshot) -> impl Iterator<Item = &PodSnapshot> {
+    pool.pods.iter().filter(|x| x.healthy)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pool_load_sums_the_healthy_pods_and_averages_the_kv_use_they_report() {
+        let pod = |waiting, running, kv, healthy| PodSnapshot {
+            waiting,
+            running,
+            kv_cache_usage: kv,
+            healthy,
+            ..PodSnapshot::new("10.0.0.1:8000", 0)
+        };
+        let pools = [
+            PoolSnapshot {
+                name: "llama".into(),
+                pods: vec![
+                    pod(3, 10, Some(0.5), true),
+                    pod(1, 6, Some(0.25), true),
+                    pod(0, 4, None, true),
+                    // Left out: the filter does not pick it, so it takes no load.
+                    pod(50, 50, Some(1.0), false),
+                ],
+            },
+            PoolSnapshot {
+                name: "tgi\"pool".into(),
+                pods: vec![pod(2, 1, None, true)],
+            },
+            PoolSnapshot {
+                name: "empty".into(),
+                pods: vec![],
+            },
+        ];
+        let mut out = String::new();
+        pool_load(&mut out, &pools);
+        let samples: Vec<_> = crate::prom::parse(&out).collect::<Result<_, _>>().unwrap();
+        let value = |name: &str, pool: &str| {
+            samples
+                .iter()
+                .find(|s| s.name == name && s.label("gpuroute_pool").as_deref() == Some(pool))
+                .map(|s| s.value)
+        };
+        let waiting = "gpuroute_sidecar_pool_waiting";
+        let running = "gpuroute_sidecar_pool_running";
+        let kv = "gpuroute_sidecar_pool_kv_cache_usage";
+        assert_eq!(value(waiting, "llama"), Some(4.0));
+        assert_eq!(value(running, "llama"), Some(20.0));
+        assert_eq!(value(kv, "llama"), Some(0.375));
+        assert_eq!(value(waiting, "tgi\"pool"), Some(2.0));
+        assert_eq!(value(kv, "tgi\"pool"), None);
+        assert_eq!(value(waiting, "empty"), Some(0.0));
+        assert_eq!(value(running, "empty"), Some(0.0));
+        assert_eq!(value(kv, "empty"), None);
+    }
 
     #[test]
     fn histogram_renders_cumulative_buckets_that_our_parser_reads() {

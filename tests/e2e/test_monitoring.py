@@ -20,11 +20,13 @@ import urllib.parse
 import urllib.request
 
 import pytest
+import yaml
 
 from harness import RUNTIME, ROOT, STAT_PREFIX, Envoy, Sidecar, free_port, stop_process, wait_for, work_dir
 from stubpod import StubPod
 
 MONITORING = ROOT / "deploy" / "monitoring"
+AUTOSCALING = ROOT / "deploy" / "autoscaling"
 PROM_DIR = ROOT / ".venv" / "prometheus"
 PROMETHEUS, PROMTOOL = PROM_DIR / "prometheus", PROM_DIR / "promtool"
 # What `$__rate_interval` stands for here: Prometheus scrapes every second, so a few seconds of
@@ -251,6 +253,65 @@ def drive(gw, seconds, saturated):
         if saturated and i % 4 == 0:
             assert gw.chat("llama-3-8b", f"sheddable {i}", headers={"x-gateway-priority": "-1"})[0] == 429
         time.sleep(0.05)
+
+
+def scaled_object_queries(name, pools):
+    """deploy/autoscaling/`name`'s ScaledObject, checked for the fields KEDA's Prometheus scaler
+    needs, and its triggers' (query, threshold), the queries with the pools renamed (`pools`:
+    {name in the file: pool here})."""
+    (doc,) = list(yaml.safe_load_all((AUTOSCALING / name).read_text()))
+    assert (doc["apiVersion"], doc["kind"]) == ("keda.sh/v1alpha1", "ScaledObject"), name
+    assert doc["spec"]["scaleTargetRef"]["name"] and doc["metadata"]["namespace"], name
+    queries = []
+    for trigger in doc["spec"]["triggers"]:
+        meta = trigger["metadata"]
+        assert trigger["type"] == "prometheus" and meta["serverAddress"].startswith("http"), name
+        query = meta["query"]
+        for old, new in pools.items():
+            query = query.replace(f'"{old}"', f'"{new}"').replace(f'{old}|', f'{new}|').replace(f'|{old}"', f'|{new}"')
+        assert all(old not in query for old in pools), query
+        queries.append((query, float(meta["threshold"])))
+    return doc, queries
+
+
+def test_pool_load_gauges_and_the_autoscaling_queries_read_what_the_pods_report(stack):
+    """sidecar-metrics' pool gauges (waiting and running summed over a pool's healthy pods, the
+    mean KV-cache use) through a real Prometheus, and the queries of deploy/autoscaling's KEDA
+    ScaledObjects run there, for phi (its one pod reports 40 waiting, 60 running, KV 0.9) with
+    standby (an idle pod) as its burst pool; KEDA itself is not run here."""
+    pods, gw, sc, prom, *_ = stack
+
+    def one(expr):
+        got = prom.query(expr)
+        return float(got[0]["value"][1]) if len(got) == 1 else got
+
+    wait_for(lambda: one('max(gpuroute_sidecar_pool_waiting{gpuroute_pool="phi"})') == 40, timeout=15,
+             what="phi's queue through Prometheus", every=0.2)
+    assert one('max(gpuroute_sidecar_pool_running{gpuroute_pool="phi"})') == 60
+    assert one('max(gpuroute_sidecar_pool_kv_cache_usage{gpuroute_pool="phi"})') == pytest.approx(0.9)
+    # mistral's one pod is dead: no load, and no KV-cache use to average.
+    assert one('max(gpuroute_sidecar_pool_waiting{gpuroute_pool="mistral"})') == 0
+    assert prom.query('gpuroute_sidecar_pool_kv_cache_usage{gpuroute_pool="mistral"}') == []
+    wait_for(lambda: one('gpuroute:pool_requests_per_pod{gpuroute_pool="phi"}') == 100, timeout=15,
+             what="the recording rule", every=0.2)
+    assert one('gpuroute:pool_waiting_per_pod{gpuroute_pool="phi"}') == 40
+
+    steady, [(requests, threshold), (kv, kv_threshold)] = scaled_object_queries("keda-pool.yaml", {"llama-8b": "phi"})
+    assert one(requests) == 100
+    # The KV cache's trigger: the mean use times the healthy pods.
+    assert one(kv) == pytest.approx(0.9) and kv_threshold == 0.8
+    spec = steady["spec"]
+    # What KEDA makes of the requests: ceil(100 / 16) replicas, within the bounds.
+    assert spec["minReplicaCount"] <= -(-100 // threshold) <= spec["maxReplicaCount"]
+    burst, [(over, burst_threshold)] = scaled_object_queries("keda-burst-pool.yaml",
+                                                            {"llama-8b-burst": "standby", "llama-8b": "phi"})
+    assert burst_threshold == threshold and f"{threshold:g} * max(" in over, over
+    # phi's 100 and standby's 0, less the 16 phi's one healthy pod serves.
+    assert one(over) == 100 - threshold
+    assert burst["spec"]["minReplicaCount"] == 0 and float(burst["spec"]["triggers"][0]["metadata"]["activationThreshold"]) == 0
+    # An idle pool and its burst pool: nothing over the steady pool's share.
+    _, [(idle, _)] = scaled_object_queries("keda-burst-pool.yaml", {"llama-8b-burst": "standby", "llama-8b": "qwen"})
+    assert one(idle) == 0
 
 
 def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
