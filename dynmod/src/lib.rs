@@ -763,8 +763,16 @@ impl Filter {
         let content_length = self.head.content_length;
         let forged = std::mem::take(&mut self.head.forged);
         // The borrowed header slices are dead from here on: the map may change.
+        let any_forged = !forged.is_empty();
         for h in forged {
             s.remove_header(REQUEST_HEADERS, h);
+        }
+        if any_forged {
+            // Envoy matched the route on the headers as they arrived, the forged ones among
+            // them (a route on `x-gateway-pool`): match again without them, whatever happens
+            // to this request next. (Proxy-wasm's header calls clear the route cache
+            // themselves; this host's do not.)
+            s.clear_route_cache();
         }
 
         let endpoint = |i| Some((i, Endpoint::of(i, &self.head.path)?));

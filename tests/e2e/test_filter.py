@@ -741,6 +741,32 @@ def test_forged_destination_header_is_ignored_even_with_original_dst(pods):
         canary.close()
 
 
+@pytest.mark.parametrize("mode", ["filter", "filter_original_dst"])
+def test_a_forged_pool_header_reaches_no_pod_on_any_path(pods, mode):
+    """The routes match on `x-gateway-pool`, which only the filter may set. A client's is
+    removed before the route is chosen, on any path and method: a path no inference route
+    takes (vLLM's own endpoints among them) gets the route table's 404, and no pod sees it.
+    (The dynamic module once removed the header after Envoy had matched the route on it, and
+    such requests reached the named pool's pods.)"""
+    e = Envoy(mode, pools_of(pods), CONFIG)
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        before = {n: len(p.requests) for n, p in pods.items()}
+        for method, path in [("GET", "/anything"), ("POST", "/v1/load_lora_adapter"), ("GET", "/metrics"),
+                             ("POST", "/reset_prefix_cache"), ("DELETE", "/v1/responses/resp_x"),
+                             ("POST", "/v1/chat/completions/")]:
+            for name in ("x-gateway-pool", "X-Gateway-Pool"):
+                headers = {name: "qwen", "x-gateway-model-name": "qwen-7b"}
+                s, _, body, _ = e.request(method, path, {"lora_name": "x"} if method == "POST" else None, headers=headers)
+                assert s == 404 and body["error"]["code"] == "not_found", (method, path, name, s, body)
+        assert {n: len(p.requests) for n, p in pods.items()} == before
+        # An inference request with the forged header still goes by its model.
+        s, h, body, _ = e.chat("llama-3-8b", headers={"x-gateway-pool": "qwen"})
+        assert s == 200 and h["x-served-by"].startswith("llama-") and body["headers"]["x-gateway-pool"] == "llama"
+    finally:
+        e.stop()
+
+
 def test_original_dst_fails_open_to_a_known_pod(pods):
     e = Envoy("filter_original_dst", pools_of(pods), CONFIG)
     try:
