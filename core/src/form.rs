@@ -28,15 +28,19 @@ const MAX_PART_HEAD: usize = 8 * 1024;
 
 /// The boundary of a `multipart/form-data` content type (its `boundary` parameter, unquoted);
 /// `None` for any other type. A form without a usable boundary (missing, empty, longer than
-/// RFC 2046's 70 characters) gives `Some("")`, which [`scan`] refuses with a clear 400.
+/// RFC 2046's 70 characters, or given twice) gives `Some("")`, which [`scan`] refuses with a
+/// clear 400. Twice, because parsers disagree on which one counts (Starlette's, vLLM's, takes
+/// the last): a body that is a form under each could name one model to the gateway and
+/// another to the pod.
 pub fn boundary(content_type: &str) -> Option<String> {
     let (kind, params) = content_type.split_once(';').unwrap_or((content_type, ""));
     if !kind.trim().eq_ignore_ascii_case("multipart/form-data") {
         return None;
     }
-    let found = parameters(params.as_bytes())
-        .find(|(name, _)| name.eq_ignore_ascii_case(b"boundary"))
+    let mut given = parameters(params.as_bytes())
+        .filter(|(name, _)| name.eq_ignore_ascii_case(b"boundary"))
         .map(|(_, value)| value);
+    let found = given.next().filter(|_| given.next().is_none());
     let usable =
         |b: &Vec<u8>| (1..=70).contains(&b.len()) && !b.contains(&b'\r') && !b.contains(&b'\n');
     Some(
@@ -214,7 +218,7 @@ fn disposition(head: &[u8]) -> Part {
     part
 }
 
-/// `name=value` parameters separated by `;`, a value bare or quoted (with `\` escapes; a `;`
+/// `name=value` parameters separated by `;`, a value bare or quoted (`\"` and `\\` escaped; a `;`
 /// inside quotes is part of it).
 fn parameters(mut s: &[u8]) -> impl Iterator<Item = (&[u8], Vec<u8>)> {
     std::iter::from_fn(move || loop {
@@ -241,7 +245,10 @@ fn parameters(mut s: &[u8]) -> impl Iterator<Item = (&[u8], Vec<u8>)> {
                 i += 1;
                 match b {
                     b'"' => break,
-                    b'\\' => {
+                    // Only `\"` and `\\` are escapes, as Python's email.utils.unquote reads
+                    // them (Starlette's form parser, vLLM's): `name="mo\del"` is the field
+                    // `mo\del` to the pod, so it must not be `model` here.
+                    b'\\' if matches!(rest.get(i), Some(b'"' | b'\\')) => {
                         value.extend(rest.get(i));
                         i += 1;
                     }
@@ -341,6 +348,13 @@ mod tests {
             ("multipart/form-data; boundary=\"\"", Some("")),
             ("application/json", None),
             ("multipart/mixed; boundary=abc", None),
+            // Twice, in any spelling: which one a parser takes is its own choice.
+            ("multipart/form-data; boundary=AAA; boundary=BBB", Some("")),
+            (
+                "multipart/form-data; boundary=\"AAA\"; BOUNDARY=BBB",
+                Some(""),
+            ),
+            ("multipart/form-data; boundary=AAA; boundary=AAA", Some("")),
         ];
         for (ct, want) in cases {
             assert_eq!(boundary(ct).as_deref(), want, "{ct}");
@@ -407,6 +421,26 @@ mod tests {
         );
         let r = ready(scan(body.as_bytes(), B, true).unwrap());
         assert_eq!(r.model.as_deref(), Some("w"));
+    }
+
+    #[test]
+    fn a_backslash_in_a_quoted_name_escapes_only_a_quote_or_a_backslash() {
+        // As vLLM's form parser (Starlette's, through Python's email.utils.unquote) reads the
+        // names: `mo\del` stays `mo\del`, not `model`; so a form whose only model field is
+        // spelt so has no model here either, as at the pod.
+        let named = |name: &str| {
+            format!("--{B}\r\ncontent-disposition: form-data; name=\"{name}\"\r\n\r\nw\r\n--{B}--")
+        };
+        // `\"` is a quote: the name `mo"del`, not model either.
+        for name in [r"mo\del", r"\model", r"model\", r"mo\\del", r#"mo\"del"#] {
+            let body = named(name);
+            let r = ready(scan(body.as_bytes(), B, true).unwrap());
+            assert_eq!(r.model, None, "{name}");
+        }
+        // And `\\` is one backslash.
+        let head = r#"form-data; name="a\\b\"c""#;
+        let part = disposition(format!("Content-Disposition: {head}").as_bytes());
+        assert_eq!(part.name.as_deref(), Some(&br#"a\b"c"#[..]));
     }
 
     #[test]
