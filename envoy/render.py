@@ -201,6 +201,13 @@ MESSAGES_PATH_REGEX = r"^[^?#]*/messages(/count_tokens)?([?#].*)?$"
 # before the response, a route whose cluster is gone; and the upstream timeout (504).
 UNAVAILABLE_FLAGS = ["UH", "UF", "UO", "URX", "UC", "UR", "NC", "LR"]
 TIMEOUT_FLAGS = ["UT"]
+# Envoy's own refusals of a request it could not read or does not take (a protocol error of
+# the HTTP codec, an HTTP/1.0 request, a path it cannot normalise), by their response code
+# details: they carry no response flag, and their statuses (400 above all) are the filter's too,
+# whose answers are in the API's shape already and must stay as they are. A CEL filter (Envoy's
+# `envoy.access_loggers.extension_filters.cel`, in Envoy's and Istio's builds) reads them.
+REFUSED_DETAILS_CEL = ("response.code_details.startsWith('http1.') || response.code_details.startsWith('http2.')"
+                       " || response.code_details in ['low_version', 'path_normalization_failed', 'upgrade_failed']")
 
 
 def body_too_large_message(max_body):
@@ -247,6 +254,11 @@ def local_reply_config(max_body, ingest=None):
       upload streaming on to a pod that refused it): answered as the 503 above, which SDKs
       retry, with Envoy's reason ("exceeded request buffer limit while retrying upstream"). It
       carries no response flag.
+    - Envoy's refusals of a request it cannot read or does not take (`REFUSED_DETAILS_CEL`:
+      an HTTP/1 or HTTP/2 protocol error such as a body both chunked and with a length, 400;
+      headers too large, 431; an unknown transfer coding, 501; HTTP/1.0, 426; a path it cannot
+      normalise, 400; a refused upgrade, 403): the same status, the body in the API's shape
+      (`malformed_request`) with Envoy's reason and its details.
 
     A mapper's filter reads the request's `:path` for the API (Anthropic's shape on the
     Messages API's paths). The filter's own answers carry no response flag and, for 413, the
@@ -284,6 +296,10 @@ def local_reply_config(max_body, ingest=None):
     reason = "%LOCAL_REPLY_BODY%"
     unavailable = f"no pod of the pool could take the request: {reason}"
     timeout = f"the pod did not answer in time: {reason}"
+    malformed = f"Envoy refused the HTTP request: {reason} (%RESPONSE_CODE_DETAILS%)"
+    refused = {"extension_filter": {"name": "envoy.access_loggers.extension_filters.cel", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+        "expression": REFUSED_DETAILS_CEL}}}
     return {
         "mappers": [
             dict({"filter": both(status(413), messages)}, **fixed({"type": "error", "error": {"type": "request_too_large", "message": too_large}})),
@@ -297,12 +313,22 @@ def local_reply_config(max_body, ingest=None):
                  **formatted({"error": {"message": unavailable, "type": "service_unavailable_error", "param": None, "code": "upstream_unavailable"}})),
             dict({"filter": both(flags(UNAVAILABLE_FLAGS), messages)}, **formatted({"type": "error", "error": {"type": "overloaded_error", "message": unavailable}})),
             dict({"filter": flags(UNAVAILABLE_FLAGS)}, **formatted({"error": {"message": unavailable, "type": "service_unavailable_error", "param": None, "code": "upstream_unavailable"}})),
+            dict({"filter": both(refused, messages)}, **formatted({"type": "error", "error": {"type": "invalid_request_error", "message": malformed}})),
+            dict({"filter": refused}, **formatted({"error": {"message": malformed, "type": "invalid_request_error", "param": None, "code": "malformed_request"}})),
         ]
     }
 
 
 def openai_404():
     return openai_error(404, "no route: use an OpenAI inference path or /v1/models", "invalid_request_error", "not_found")
+
+
+JSON_CONTENT_TYPE = [{"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+
+
+def catch_all_404():
+    """The route of every path no other route takes: the 404 in OpenAI's shape, labelled JSON."""
+    return {"match": {"prefix": "/"}, "direct_response": openai_404(), "response_headers_to_add": JSON_CONTENT_TYPE}
 
 
 def upstream_tls(tls):
@@ -459,12 +485,10 @@ def render(desc):
                 {
                     "match": {"path": path},
                     "direct_response": no_filter_503(path),
-                    "response_headers_to_add": [
-                        {"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}
-                    ],
+                    "response_headers_to_add": JSON_CONTENT_TYPE,
                 }
             )
-        routes.append({"match": {"prefix": "/"}, "direct_response": openai_404()})
+        routes.append(catch_all_404())
     else:
         routes.append(
             {"match": {"prefix": "/"}, "route": {"cluster": "pool_" + pools[0]["name"], "timeout": timeout, "retry_policy": retry}}
@@ -531,7 +555,7 @@ def render(desc):
                         "filters": [
                             hcm(
                                 "gpuroute_ingest",
-                                [{"match": {"prefix": "/"}, "direct_response": openai_404()}],
+                                [catch_all_404()],
                                 [gpuroute_filter(desc, ingest_cfg), http_filters[-1]],
                             )
                         ]

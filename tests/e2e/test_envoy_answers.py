@@ -2,7 +2,8 @@
 
 The filter answers bad requests itself (test_filter.py, test_sdks.py). Envoy still answers a few
 failures on its own: a body that overflows its buffer before the filter has seen it pass
-`max_body_bytes`, a pool none of whose pods can take the request, a pod that times out. The
+`max_body_bytes`, a pool none of whose pods can take the request, a pod that times out, a
+request it cannot read or does not take (a protocol error, HTTP/1.0, headers too large). The
 shipped configurations map those answers (`local_reply_config`, `envoy/render.py`) to the same
 shape the filter uses on that path, so an SDK reads them like any other error of the API.
 """
@@ -199,3 +200,49 @@ def test_a_pod_that_times_out_answers_504_in_the_apis_shape():
     finally:
         e.stop()
         slow.close()
+
+
+def raw(envoy, data):
+    """Sends `data` as it is on a new connection: (status line, headers, body) of the answer."""
+    host, port = envoy.listen.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        try:
+            s.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # Envoy answered and closed before the rest (headers too large)
+        return read_answer(s)
+
+
+def test_requests_envoy_refuses_itself_are_answered_in_the_apis_shape(gateway):
+    """Envoy's HTTP codec refuses some requests before any filter sees them. Each keeps Envoy's
+    status, now with a JSON body in OpenAI's shape naming Envoy's reason, not `text/plain`; the
+    filter's own 400s (which share the status) are left as they are. (Anthropic's shape needs
+    the path, which Envoy may not have read from such a request: OpenAI's then.)"""
+    body = json.dumps({"model": "llama-3-8b", "messages": HI}).encode()
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+    cases = [
+        # HTTP/1.0, which Envoy does not take by default (a proxy in front speaking it).
+        (b"POST /v1/chat/completions HTTP/1.0\r\nHost: x\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body),
+         426, "low_version"),
+        (post + b"content-length: 5\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", 400, "http1.content_length_and_chunked"),
+        (post + b"transfer-encoding: chunked\r\n\r\nZZ\r\n", 400, "http1.codec_error"),
+        (post + b"transfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501, "http1.invalid_transfer_encoding"),
+        (post + b"".join(b"x-h%d: %s\r\n" % (i, b"a" * 1000) for i in range(70)) + b"\r\n", 431, "http1.headers_too_large"),
+        (b"POST /v1/chat/completions#x HTTP/1.1\r\nHost: x\r\ncontent-length: 0\r\n\r\n", 400, "path_normalization_failed"),
+    ]
+    for data, status, details in cases:
+        line, headers, answer = raw(gateway, data)
+        assert line.split(" ")[1] == str(status), (details, line, answer[:200])
+        assert headers.get("content-type") == "application/json", (details, headers)
+        err = json.loads(answer)["error"]
+        assert set(err) == OPENAI_KEYS and err["code"] == "malformed_request", (details, err)
+        assert details in err["message"] and err["type"] == "invalid_request_error", (details, err)
+    # The filter's own 400, same status: untouched.
+    line, headers, answer = raw(gateway, post + b"content-length: 9\r\n\r\n{\"model\":")
+    assert line.split(" ")[1] == "400" and json.loads(answer)["error"]["code"] == "invalid_json", answer
+    # The catch-all 404 is labelled JSON too.
+    line, headers, answer = raw(gateway, b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert line.split(" ")[1] == "404" and headers.get("content-type") == "application/json", (line, headers)
+    assert json.loads(answer)["error"]["code"] == "not_found"
+    # And Envoy serves on.
+    assert gateway.chat("llama-3-8b")[0] == 200
