@@ -63,8 +63,7 @@ pub struct Stats {
     hot: NameMap<String, PoolIds>,
     /// Per split, by the address of its `Arc` (the configuration's splits live as long as this
     /// `Stats`, which a new configuration replaces; a request held across the change keeps its
-    /// old split alive, so no other split takes that address): each target's `to` counter, once
-    /// counted.
+    /// old split alive, so no other split takes that address): its counters, once counted.
     splits: IdMap<usize, SplitIds>,
     /// The counters of requests moved off their pool (`pools[].failover`, `overflow`), once
     /// counted: by the pool they left, the pool they went to and whether they overflowed. A
