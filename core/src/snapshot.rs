@@ -474,7 +474,7 @@ impl PodSnapshot {
     }
 
     /// Checks the pod's fields; `f` names the pod in an error ("pools[0].pods[3]").
-    fn validate(&self, f: impl Fn() -> String) -> Result<(), SnapshotError> {
+    pub fn validate(&self, f: impl Fn() -> String) -> Result<(), SnapshotError> {
         if self.address.parse::<SocketAddr>().is_err() {
             return Err(field_err(
                 format!("{}.address", f()),

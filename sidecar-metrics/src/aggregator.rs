@@ -22,7 +22,7 @@ use crate::pod::{pool_snapshot, PodState};
 use crate::scrape::{self, Fetch, ScrapeError};
 use crate::util::{LogGate, WallClock};
 use bytes::Bytes;
-use gpuroute_core::snapshot::{PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
+use gpuroute_core::snapshot::{PodSnapshot, PoolSnapshot, Snapshot, MAX_PODS, SNAPSHOT_SCHEMA};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -79,6 +79,25 @@ pub struct Published {
     pub invalid_snapshots: u64,
     /// Pods scraped whole after a filtered scrape found nothing (`filter_metrics`).
     pub filter_fallbacks: u64,
+    /// Pods published without their values, as unhealthy, because the snapshot would have been
+    /// refused with them ([`quarantine`]), since the start.
+    pub pods_quarantined: u64,
+    /// Pods left out of snapshots past [`MAX_PODS`], since the start.
+    pub pods_left_out: u64,
+}
+
+/// A pod whose values the snapshot would refuse (values this reader should have caught, from
+/// a broken or hostile pod): published with none of them and as unhealthy, so the filter
+/// leaves it out, and one pod cannot get every pool's snapshot refused.
+fn quarantine(pod: &mut PodSnapshot) {
+    pod.healthy = false;
+    pod.kv_cache_usage = None;
+    pod.prefix_cache_hit_rate = None;
+    pod.lora = None;
+    pod.block_size = None;
+    pod.num_blocks = None;
+    pod.capacity = 1.0;
+    pod.ramp_weight = 1.0;
 }
 
 /// How long the aggregator waits for every pool's discovery to report before it publishes
@@ -139,6 +158,11 @@ pub struct Aggregator {
     rounds_incomplete: u64,
     invalid_snapshots: u64,
     invalid_gate: LogGate,
+    /// Pods published without their values, as unhealthy, because the snapshot would refuse
+    /// them ([`quarantine`]); and pods left out past [`MAX_PODS`].
+    quarantined: u64,
+    left_out: u64,
+    quarantine_gate: LogGate,
     failure_gate: LogGate,
     /// Pods that fell back to whole scrapes (`filter_metrics`), and their log lines' limit (a
     /// fleet of SGLang pods falls back all at once).
@@ -197,6 +221,9 @@ impl Aggregator {
             rounds_incomplete: 0,
             invalid_snapshots: 0,
             invalid_gate: LogGate::new(Duration::from_secs(10)),
+            quarantined: 0,
+            left_out: 0,
+            quarantine_gate: LogGate::new(Duration::from_secs(10)),
             failure_gate: LogGate::new(Duration::from_secs(10)),
             filter_fallbacks: 0,
             fallback_gate: LogGate::new(Duration::from_secs(10)),
@@ -401,12 +428,35 @@ impl Aggregator {
                     weights.push(p.evaluate(now, self.started, &self.cfg.health, &self.cfg.ramp));
                 }
             }
-            let states: Vec<&PodState> = pool
+            let mut states: Vec<&PodState> = pool
                 .pods
                 .values()
                 .filter_map(|id| self.pods.get(id))
                 .collect();
-            let (pods, caps) = pool_snapshot(&states, &weights, self.cfg.capacity.estimate);
+            // The snapshot holds at most MAX_PODS pods: past them (a discovery that found
+            // more), pods are left out rather than the whole snapshot refused.
+            let room = MAX_PODS.saturating_sub(total);
+            if states.len() > room {
+                let over = states.len() - room;
+                self.left_out += over as u64;
+                if let Some(held) = self.quarantine_gate.allow(now) {
+                    tracing::error!(pool = %pool.name, left_out = over, suppressed = held,
+                        "more than {MAX_PODS} pods in all: the rest are left out of the snapshot");
+                }
+                states.truncate(room);
+                weights.truncate(room);
+            }
+            let (mut pods, caps) = pool_snapshot(&states, &weights, self.cfg.capacity.estimate);
+            for pod in &mut pods {
+                if let Err(e) = pod.validate(|| format!("pod {}", pod.address)) {
+                    self.quarantined += 1;
+                    if let Some(held) = self.quarantine_gate.allow(now) {
+                        tracing::warn!(pool = %pool.name, error = %e, suppressed = held,
+                            "a pod's values would get the snapshot refused: published without them, as unhealthy");
+                    }
+                    quarantine(pod);
+                }
+            }
             let mut st = Vec::with_capacity(states.len());
             for p in &states {
                 total += 1;
@@ -484,6 +534,8 @@ impl Aggregator {
             round_latency: self.round_latency.clone(),
             rounds_incomplete: self.rounds_incomplete,
             invalid_snapshots: self.invalid_snapshots,
+            pods_quarantined: self.quarantined,
+            pods_left_out: self.left_out,
             filter_fallbacks: self.filter_fallbacks,
         };
         self.publish.send_replace(Some(Arc::new(published)));
@@ -913,6 +965,85 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(400)).await;
         assert!(rx.borrow().is_some());
         stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_pods_values_keep_the_others_snapshot_from_being_published() {
+        // Each a broken or hostile pod (found by an audit): before, 2 and 3 got every snapshot
+        // refused (a NaN rate or fraction), 4 and 5 read as idle and took all the traffic.
+        let mut h = start(config(), &[1, 2, 3, 4, 5]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(BODY));
+        // Prefix-cache counters whose deltas overflow to inf: inf / inf.
+        let counters = |v: &str| {
+            format!("{BODY}vllm:prefix_cache_hits_total {v}\nvllm:prefix_cache_queries_total {v}\n")
+        };
+        h.fleet
+            .set("http://127.0.0.1:2/metrics", 0, Some(&counters("-1.7e308")));
+        // Triton's KV use from used / max blocks, both sums overflowing.
+        let triton = "nv_trt_llm_request_metrics{request_type=\"waiting\"} 1\n\
+            nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"used\",a=\"1\"} 1.7e308\n\
+            nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"used\",a=\"2\"} 1.7e308\n\
+            nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"max\",a=\"1\"} 1.7e308\n\
+            nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=\"max\",a=\"2\"} 1.7e308\n";
+        h.fleet.set("http://127.0.0.1:3/metrics", 0, Some(triton));
+        let nan = "vllm:num_requests_waiting NaN\nvllm:num_requests_running 1\n";
+        h.fleet.set("http://127.0.0.1:4/metrics", 0, Some(nan));
+        let inf = "vllm:num_requests_waiting +Inf\nvllm:num_requests_running +Inf\nvllm:kv_cache_usage_perc +Inf\n";
+        h.fleet.set("http://127.0.0.1:5/metrics", 0, Some(inf));
+        for _ in 0..3 {
+            h.rounds.recv().await.unwrap();
+        }
+        h.fleet
+            .set("http://127.0.0.1:2/metrics", 0, Some(&counters("1.7e308")));
+        let mut last = 0;
+        for _ in 0..5 {
+            h.rounds.recv().await.unwrap();
+            let p = h.rx.borrow().clone().unwrap();
+            // Published every round.
+            assert!(p.snapshot.version > last);
+            last = p.snapshot.version;
+            assert!(p.snapshot.validate().is_ok());
+            let good = pod(&p, 1);
+            assert!(good.healthy && good.waiting == 2 && good.kv_cache_usage == Some(0.5));
+            let overflowed = pod(&p, 2);
+            assert!(overflowed.healthy && overflowed.prefix_cache_hit_rate.is_none());
+            let triton = pod(&p, 3);
+            assert!(triton.healthy && triton.waiting == 1 && triton.kv_cache_usage.is_none());
+            // NaN load: unknown, so out of routing (a failed scrape).
+            assert!(!pod(&p, 4).healthy);
+            // +Inf load: as loaded as a pod can read.
+            let full = pod(&p, 5);
+            assert!(full.healthy && full.waiting == u32::MAX && full.running == u32::MAX);
+            assert_eq!(full.kv_cache_usage, Some(1.0));
+        }
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn pods_past_the_schemas_limit_are_left_out_not_the_snapshot() {
+        let ports: Vec<u16> = (1..=(MAX_PODS as u16 + 5)).collect();
+        let mut h = start(config(), &ports);
+        h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(BODY));
+        h.rounds.recv().await.unwrap();
+        h.rounds.recv().await.unwrap();
+        let p = h.rx.borrow().clone().unwrap();
+        assert_eq!(p.snapshot.pools[0].pods.len(), MAX_PODS);
+        assert_eq!(p.status[0].len(), MAX_PODS);
+        assert!(p.pods_left_out >= 5 && p.snapshot.validate().is_ok());
+        h.stop.cancel();
+    }
+
+    #[test]
+    fn a_quarantined_pod_validates_and_is_out_of_routing() {
+        let mut pod = PodSnapshot {
+            kv_cache_usage: Some(f64::NAN),
+            prefix_cache_hit_rate: Some(2.0),
+            capacity: f64::INFINITY,
+            ..PodSnapshot::new("10.0.0.1:8000", 1)
+        };
+        assert!(pod.validate(String::new).is_err());
+        quarantine(&mut pod);
+        assert!(pod.validate(String::new).is_ok() && !pod.healthy);
     }
 
     #[tokio::test(start_paused = true)]

@@ -56,6 +56,10 @@ pub enum ReadError {
     Parse(#[from] ParseError),
     #[error("no recognised {engine} metrics in the exposition (is metrics_url right?)")]
     NoMetrics { engine: &'static str },
+    /// Every series of the pod's queue or batch is NaN: its load is unknown, so the scrape
+    /// fails (the pod is left out of routing) rather than reading as idle.
+    #[error("the {what} is NaN")]
+    NotANumber { what: &'static str },
 }
 
 /// Running mean/sum over the series of one family.
@@ -63,14 +67,32 @@ pub enum ReadError {
 struct Acc {
     sum: f64,
     n: u32,
+    nan: u32,
 }
 
 impl Acc {
+    /// Non-finite values are left out: a counter or a rate that is not a number says nothing.
     fn add(&mut self, v: f64) {
         if v.is_finite() {
             self.sum += v;
             self.n += 1;
         }
+    }
+    /// A load value (a queue, a batch, a KV-cache fraction): +Inf counts, as the most loaded a
+    /// pod can read (clamped when published), not as nothing, which would read as idle; -Inf
+    /// as the least. NaN is left out, but counted: a family of nothing else fails the scrape
+    /// ([`ReadError::NotANumber`]) where it is the queue or the batch.
+    fn add_load(&mut self, v: f64) {
+        if v.is_nan() {
+            self.nan += 1;
+        } else {
+            self.sum += v;
+            self.n += 1;
+        }
+    }
+    /// Only NaN was seen.
+    fn only_nan(self) -> bool {
+        self.n == 0 && self.nan > 0
     }
     fn sum(self) -> Option<f64> {
         (self.n > 0).then_some(self.sum)
@@ -163,10 +185,21 @@ pub fn read(text: &str, hint: Option<Engine>, keep_raw: bool) -> Result<Reading,
             },
         });
     }
+    if acc.waiting.only_nan() && acc.waiting_fallback.n == 0 {
+        return Err(ReadError::NotANumber {
+            what: "queue (requests waiting)",
+        });
+    }
+    if acc.running.only_nan() {
+        return Err(ReadError::NotANumber {
+            what: "batch (requests running)",
+        });
+    }
     let kv = acc.kv.mean().or(acc.kv_fallback.mean()).or_else(|| {
-        // Triton without the "fraction" series: derive it from used/max blocks.
+        // Triton without the "fraction" series: derive it from used/max blocks (none when
+        // their sums overflow: inf / inf is not a fraction).
         match (acc.kv_used.sum(), acc.kv_max.sum()) {
-            (Some(u), Some(m)) if m > 0.0 => Some(u / m),
+            (Some(u), Some(m)) if m > 0.0 => Some(u / m).filter(|f| !f.is_nan()),
             _ => None,
         }
     });
@@ -383,10 +416,10 @@ fn slot(engine: Engine, name: &str) -> Option<Slot> {
 fn take(slot: Slot, s: &Sample<'_>, a: &mut Accs) -> bool {
     let v = s.value;
     match slot {
-        Slot::Waiting => a.waiting.add(v),
-        Slot::Running => a.running.add(v),
-        Slot::Kv => a.kv.add(v),
-        Slot::KvFallback => a.kv_fallback.add(v),
+        Slot::Waiting => a.waiting.add_load(v),
+        Slot::Running => a.running.add_load(v),
+        Slot::Kv => a.kv.add_load(v),
+        Slot::KvFallback => a.kv_fallback.add_load(v),
         Slot::Hits => a.hits.add(v),
         Slot::Queries => a.queries.add(v),
         Slot::HitRate => a.hit_rate.add(v),
@@ -400,18 +433,18 @@ fn take(slot: Slot, s: &Sample<'_>, a: &mut Accs) -> bool {
         Slot::ItlSumFallback => a.itl_sum_fallback.add(v),
         Slot::ItlCountFallback => a.itl_count_fallback.add(v),
         Slot::TritonRequests => match s.label("request_type").as_deref() {
-            Some("waiting") => a.waiting.add(v),
-            Some("scheduled") => a.running.add(v),
+            Some("waiting") => a.waiting.add_load(v),
+            Some("scheduled") => a.running.add_load(v),
             _ => return false,
         },
         Slot::TritonKvBlocks => match s.label("kv_cache_block_type").as_deref() {
-            Some("fraction") => a.kv.add(v),
+            Some("fraction") => a.kv.add_load(v),
             Some("used") => a.kv_used.add(v),
             Some("max") => a.kv_max.add(v),
             Some("tokens_per") => a.block_size = to_u32(v),
             _ => return false,
         },
-        Slot::TritonPending => a.waiting_fallback.add(v),
+        Slot::TritonPending => a.waiting_fallback.add_load(v),
     }
     true
 }
@@ -428,9 +461,14 @@ fn cache_geometry(s: &Sample<'_>, block_key: &str, blocks_key: &str, a: &mut Acc
     }
     if let Some(b) = num(blocks_key).filter(|b| b.is_finite() && *b >= 0.0) {
         // One series per engine core under data parallelism: the pod holds them all.
-        a.num_blocks = Some(a.num_blocks.unwrap_or(0) + b as u64);
+        a.num_blocks = Some(a.num_blocks.unwrap_or(0).saturating_add(b as u64));
     }
 }
+
+/// The most bytes of adapter names kept in one list of a pod (running, or waiting): 128 names
+/// of 64 bytes. vLLM runs at most `max_loras` adapters at once (a few to a few dozen); a pod
+/// listing more is broken or hostile, and what is cut is the end of its list.
+pub const ADAPTER_BYTES: usize = 8 * 1024;
 
 /// `vllm:lora_requests_info` has one series per distinct adapter state; its value is the time of
 /// the last update, so the newest series is the current state.
@@ -447,6 +485,13 @@ fn lora(s: &Sample<'_>, a: &mut Accs) {
                     // adapter name cannot get the whole snapshot rejected.
                     .filter(|n| !n.is_empty() && n.len() <= MAX_NAME_LEN)
                     .take(MAX_ADAPTERS_PER_POD)
+                    // And at most ADAPTER_BYTES of names a list: within the counts allowed, a
+                    // few pods with long lists of long names would otherwise take the snapshot
+                    // past what the filter takes in (every pool's pushes refused, 413).
+                    .scan(0usize, |bytes, n| {
+                        *bytes += n.len();
+                        (*bytes <= ADAPTER_BYTES).then_some(n)
+                    })
                     .map(str::to_owned)
                     .collect()
             })
@@ -646,6 +691,48 @@ mod tests {
             (r.waiting, r.running, r.kv_cache_usage),
             (Some(2.0), Some(7.0), None)
         );
+    }
+
+    #[test]
+    fn a_queue_or_batch_of_only_nan_fails_the_scrape_and_inf_reads_as_full() {
+        // One engine core's NaN among others' values is left out (above); a queue that is all
+        // NaN is unknown, not empty: before, it read as 0 and the pod as idle.
+        let e = read(
+            "vllm:num_requests_waiting NaN\nvllm:num_requests_running 1\n",
+            None,
+            false,
+        );
+        assert!(matches!(e, Err(ReadError::NotANumber { .. })), "{e:?}");
+        let e = read(
+            "vllm:num_requests_waiting 1\nvllm:num_requests_running NaN\n",
+            None,
+            false,
+        );
+        assert!(matches!(e, Err(ReadError::NotANumber { .. })), "{e:?}");
+        let text = "vllm:num_requests_waiting +Inf\nvllm:num_requests_running -Inf\nvllm:kv_cache_usage_perc +Inf\n";
+        let r = read(text, None, false).unwrap();
+        assert_eq!(
+            (r.waiting, r.running, r.kv_cache_usage),
+            (Some(f64::INFINITY), Some(0.0), Some(1.0))
+        );
+        // Cache geometry that overflows saturates instead of wrapping.
+        let text = "vllm:num_requests_waiting 0\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1e30\",engine=\"0\"} 1\n\
+                    vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"1e30\",engine=\"1\"} 1\n";
+        assert_eq!(read(text, None, false).unwrap().num_blocks, Some(u64::MAX));
+    }
+
+    #[test]
+    fn a_pods_adapter_lists_are_cut_at_their_byte_budget() {
+        let names: Vec<String> = (0..1000).map(|i| format!("{i:0>200}")).collect();
+        let text = format!(
+            "vllm:lora_requests_info{{max_lora=\"4\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"a,b\"}} 1\n",
+            names.join(",")
+        );
+        let lora = read(&text, None, false).unwrap().lora.unwrap();
+        assert_eq!(lora.running.len(), ADAPTER_BYTES / 200);
+        assert_eq!(lora.running[..], names[..ADAPTER_BYTES / 200]);
+        assert_eq!(lora.waiting, vec!["a", "b"]);
     }
 
     #[test]

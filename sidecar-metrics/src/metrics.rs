@@ -176,6 +176,28 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
             "gpuroute_sidecar_snapshots_invalid_total {}",
             p.invalid_snapshots
         );
+        header(
+            &mut out,
+            "gpuroute_sidecar_pods_quarantined_total",
+            "counter",
+            "Pods published without their values, as unhealthy, because the snapshot would have refused them.",
+        );
+        let _ = writeln!(
+            out,
+            "gpuroute_sidecar_pods_quarantined_total {}",
+            p.pods_quarantined
+        );
+        header(
+            &mut out,
+            "gpuroute_sidecar_pods_left_out_total",
+            "counter",
+            "Pods left out of snapshots past the schema's 10,000.",
+        );
+        let _ = writeln!(
+            out,
+            "gpuroute_sidecar_pods_left_out_total {}",
+            p.pods_left_out
+        );
     }
     header(
         &mut out,

@@ -161,7 +161,10 @@ impl PodState {
             (Some(r), _) => Some(r),
             (None, Some(prev)) => {
                 match (delta(prev.hits, now.hits), delta(prev.queries, now.queries)) {
-                    (Some(h), Some(q)) if q > 0.0 => Some((h / q).clamp(0.0, 1.0)),
+                    // Not a number when the counters' deltas overflow (inf / inf): no rate.
+                    (Some(h), Some(q)) if q > 0.0 => Some(h / q)
+                        .filter(|r| !r.is_nan())
+                        .map(|r| r.clamp(0.0, 1.0)),
                     // No queries in the interval: no rate, rather than a made-up 0.
                     _ => None,
                 }

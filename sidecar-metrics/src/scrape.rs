@@ -54,6 +54,7 @@ impl ScrapeError {
             ScrapeError::Body(_) | ScrapeError::TooLarge(_) | ScrapeError::NotUtf8 => "body",
             ScrapeError::Read(ReadError::Parse(_)) => "parse",
             ScrapeError::Read(ReadError::NoMetrics { .. }) => "no_metrics",
+            ScrapeError::Read(ReadError::NotANumber { .. }) => "not_a_number",
         }
     }
 }
