@@ -613,11 +613,12 @@ mod fleet {
                 }
                 Some(acceptor) => {
                     // The aggregator's own TLS listener (its peers'), with a fixed certificate.
-                    tokio::spawn(sidecar_metrics::http::serve_tls(
+                    tokio::spawn(sidecar_metrics::http::serve(
                         listener,
-                        sidecar_metrics::tls::fixed(acceptor),
+                        Some(sidecar_metrics::tls::fixed(acceptor)),
                         router,
                         CancellationToken::new(),
+                        "fake pod's",
                     ));
                 }
             }

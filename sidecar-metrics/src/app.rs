@@ -93,19 +93,6 @@ async fn bind(addr: &str) -> Result<tokio::net::TcpListener, StartError> {
         })
 }
 
-/// Serves `app` on `l` over plain HTTP until `stop`; `what` names the listener in the log.
-async fn serve(
-    l: tokio::net::TcpListener,
-    app: axum::Router,
-    stop: CancellationToken,
-    what: &'static str,
-) {
-    let serve = axum::serve(l, app).with_graceful_shutdown(async move { stop.cancelled().await });
-    if let Err(e) = serve.await {
-        tracing::error!(error = %e, "{what} HTTP server failed");
-    }
-}
-
 /// Validates `cfg` and starts everything. Returns once the HTTP surface is bound.
 pub async fn start(
     cfg: Config,
@@ -207,9 +194,9 @@ pub async fn start(
                 crate::tls::watch(cfg.prefix.tls.clone(), TLS_RELOAD, shutdown.clone(), |c| {
                     crate::tls::server_tls(c, "prefix.tls").map(tokio_rustls::TlsAcceptor::from)
                 })?;
-            tasks.spawn(http::serve_tls(l, acceptor, app, stop));
+            tasks.spawn(http::serve(l, Some(acceptor), app, stop, "peers'"));
         } else {
-            tasks.spawn(serve(l, app, stop, "peers'"));
+            tasks.spawn(http::serve(l, None, app, stop, "peers'"));
         }
     }
     let mut metrics_addr = None;
@@ -217,10 +204,11 @@ pub async fn start(
         let l = bind(addr).await?;
         metrics_addr = l.local_addr().ok();
         let app = http::metrics_router(state.clone());
-        tasks.spawn(serve(l, app, shutdown.clone(), "metrics"));
+        tasks.spawn(http::serve(l, None, app, shutdown.clone(), "metrics"));
     }
-    tasks.spawn(serve(
+    tasks.spawn(http::serve(
         listener,
+        None,
         http::router(state),
         shutdown.clone(),
         "the main",

@@ -764,6 +764,16 @@ impl Config {
                 "required to push (set push.token, push.token_file, --token or GPUROUTE_INGEST_TOKEN)",
             ));
         }
+        // It travels in an `Authorization` header: a character a header cannot carry (a line
+        // break from a careless Secret, say) would otherwise be dropped with the whole token.
+        if let Some(t) = &self.push.token {
+            if !t.bytes().all(|b| b.is_ascii_graphic()) {
+                return Err(field(
+                    "push.token",
+                    "must be visible ASCII characters only (no spaces, line breaks or other control characters)",
+                ));
+            }
+        }
         if self.push.timeout_ms == 0 {
             return Err(field("push.timeout_ms", "must be positive"));
         }
@@ -1078,6 +1088,8 @@ pools:
             (MINIMAL.replace("interval_ms: 100", "interval_ms: 100\nintervl: 3"), "intervl"),
             (MINIMAL.replace("listen: 127.0.0.1:9100", "listen: nowhere"), "listen"),
             (MINIMAL.replace(", token: dev-token", ""), "push.token"),
+            (MINIMAL.replace("token: dev-token", "token: \"dev\\ntoken\""), "push.token"),
+            (MINIMAL.replace("token: dev-token", "token: \"dev token\""), "push.token"),
             (MINIMAL.replace("http://127.0.0.1:9002", "https://127.0.0.1:9002"), "push.urls[0]"),
             (MINIMAL.replace("address: 127.0.0.1:18001 }", "address: 127.0.0.1:18001, engine: vllx }"),
                 "pools[0].pods[0].engine"),

@@ -11,7 +11,7 @@ use crate::relay::{
     valid_replica, Relay, LOAD_PEER_PATH, MAX_PEER_BODY, MAX_REPLICA_LEN, PEER_PATH, REPLICA_HEADER,
 };
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, State};
+use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -70,23 +70,43 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// The peers' listener (`prefix.listen`): `POST /v1/prefix`, `POST /v1/load` and nothing else.
 /// How long a peer has to finish its TLS handshake before its connection is closed.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Serves `app` over TLS on `listener` until `shutdown` (`prefix.listen` with `prefix.tls`):
-/// each connection is taken with the acceptor current when it arrives, so renewed files apply
-/// to the next connections. A peer whose certificate the authorities did not sign (or that
-/// shows none) is refused in the handshake and never reaches `app`.
-pub async fn serve_tls(
+/// How long a client may take to send a request's headers, and how long a connection may sit
+/// idle between requests: then it is closed (hyper's `header_read_timeout`, which since hyper
+/// 1.6 also runs between the requests of a keep-alive connection). Prometheus, the peers and
+/// the probes each send their request at once.
+const HEADER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The most connections one listener serves at once; past them a new one is closed at once. A
+/// sidecar's clients are a Prometheus or two, the probes and its peers: far fewer.
+const MAX_CONNECTIONS: usize = 512;
+
+/// Serves `app` on `listener` until `shutdown`, over TLS when `tls` holds an acceptor
+/// (`prefix.listen` with `prefix.tls`: each connection is taken with the acceptor current when
+/// it arrives, so renewed files apply to the next connections; a peer whose certificate the
+/// authorities did not sign, or that shows none, is refused in the handshake and never reaches
+/// `app`). HTTP/1 only. A client that sends its headers too slowly or leaves its connection
+/// idle ([`HEADER_TIMEOUT`]), or connections past [`MAX_CONNECTIONS`], are closed: slow or
+/// idle connections cannot take the process's file descriptors, which its scrapes need too.
+pub async fn serve(
     listener: tokio::net::TcpListener,
-    acceptor: tokio::sync::watch::Receiver<tokio_rustls::TlsAcceptor>,
+    tls: Option<tokio::sync::watch::Receiver<tokio_rustls::TlsAcceptor>>,
     app: Router,
     shutdown: tokio_util::sync::CancellationToken,
+    what: &'static str,
 ) {
-    use hyper_util::rt::{TokioExecutor, TokioIo};
+    use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
     use hyper_util::server::conn::auto;
     use hyper_util::service::TowerToHyperService;
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT);
+    let builder = Arc::new(builder.http1_only());
     loop {
         let tcp = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -94,30 +114,50 @@ pub async fn serve_tls(
                 Ok((tcp, _)) => tcp,
                 Err(e) => {
                     // Out of descriptors, say: wait a little rather than spin.
-                    tracing::warn!(error = %e, "peers' TLS listener: accept failed");
+                    tracing::warn!(error = %e, "{what} listener: accept failed");
                     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     continue;
                 }
             },
         };
-        let acceptor = acceptor.borrow().clone();
-        let (app, stop) = (app.clone(), shutdown.clone());
+        let Ok(slot) = Arc::clone(&slots).try_acquire_owned() else {
+            tracing::debug!(
+                "{what} listener: {MAX_CONNECTIONS} connections open; closing a new one"
+            );
+            continue;
+        };
+        let acceptor = tls.as_ref().map(|t| t.borrow().clone());
+        let (app, stop, builder) = (app.clone(), shutdown.clone(), Arc::clone(&builder));
         tokio::spawn(async move {
+            let _slot = slot;
             let _ = tcp.set_nodelay(true);
-            let peer = tcp.peer_addr().ok();
-            let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                Ok(Ok(tls)) => tls,
-                Ok(Err(e)) => {
-                    tracing::debug!(?peer, error = %e, "peers' TLS listener: handshake refused");
-                    return;
+            let service = TowerToHyperService::new(app);
+            match acceptor {
+                None => {
+                    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = stop.cancelled() => {}
+                    }
                 }
-                Err(_) => return,
-            };
-            let builder = auto::Builder::new(TokioExecutor::new());
-            let conn = builder.serve_connection(TokioIo::new(tls), TowerToHyperService::new(app));
-            tokio::select! {
-                _ = conn => {}
-                _ = stop.cancelled() => {}
+                Some(acceptor) => {
+                    let peer = tcp.peer_addr().ok();
+                    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+                        .await
+                    {
+                        Ok(Ok(tls)) => tls,
+                        Ok(Err(e)) => {
+                            tracing::debug!(?peer, error = %e, "{what} listener: TLS handshake refused");
+                            return;
+                        }
+                        Err(_) => return,
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(tls), service);
+                    tokio::select! {
+                        _ = conn => {}
+                        _ = stop.cancelled() => {}
+                    }
+                }
             }
         });
     }
@@ -132,6 +172,7 @@ pub fn metrics_router(state: AppState) -> Router {
         .with_state(state)
 }
 
+/// The peers' listener (`prefix.listen`): `POST /v1/prefix`, `POST /v1/load` and nothing else.
 pub fn peer_router(state: AppState) -> Router {
     Router::new()
         .route(
@@ -164,18 +205,51 @@ async fn readyz(State(s): State<AppState>) -> Response {
     }
 }
 
+/// How long a peer may take to send a body once its headers are in.
+const PEER_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A peer's body, read only once its headers show the relay's token: an unauthenticated client
+/// gets its 401 before any of its body is read (and cannot make this process hold one), a body
+/// declared over [`MAX_PEER_BODY`] its 413 before it is sent, and a body not in within
+/// [`PEER_BODY_TIMEOUT`] a 408.
+async fn peer_body(req: Request, token: &str) -> Result<(HeaderMap, Bytes), Response> {
+    let (parts, body) = req.into_parts();
+    let auth = parts
+        .headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if !gpuroute_core::ingest::authorized(auth, token) {
+        return Err((StatusCode::UNAUTHORIZED, "bad or missing bearer token\n").into_response());
+    }
+    let too_large = || {
+        let why = format!("body over {MAX_PEER_BODY} bytes\n");
+        (StatusCode::PAYLOAD_TOO_LARGE, why).into_response()
+    };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_PEER_BODY as u64) {
+        return Err(too_large());
+    }
+    match tokio::time::timeout(PEER_BODY_TIMEOUT, axum::body::to_bytes(body, MAX_PEER_BODY)).await {
+        Ok(Ok(bytes)) => Ok((parts.headers, bytes)),
+        Ok(Err(_)) => Err(too_large()),
+        Err(_) => Err((StatusCode::REQUEST_TIMEOUT, "body not sent in time\n").into_response()),
+    }
+}
+
 /// A peer's prefix records: checked (token, encoding), then handed to this replica's Envoys.
 /// 204 when at least one took them, 502 when none did.
-async fn prefix_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+async fn prefix_from_peer(State(s): State<AppState>, req: Request) -> Response {
     let Some(relay) = s.relay else {
         return (StatusCode::NOT_FOUND, "the prefix relay is off here\n").into_response();
     };
-    let auth = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    if !gpuroute_core::ingest::authorized(auth, &relay.token) {
-        return (StatusCode::UNAUTHORIZED, "bad or missing bearer token\n").into_response();
-    }
+    let body = match peer_body(req, &relay.token).await {
+        Ok((_, body)) => body,
+        Err(answer) => return answer,
+    };
     let n = match gpuroute_core::prefix::decode_records(&body, MAX_IMPORT_RECORDS) {
         Ok(r) => r.len(),
         Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
@@ -191,7 +265,7 @@ async fn prefix_from_peer(State(s): State<AppState>, headers: HeaderMap, body: B
 /// come from, a body of counts as the filter writes them: a bad one would spoil the bundle it
 /// could go in), then handed to this replica's Envoys under that name. 204 when at least one
 /// took them, 502 when none did.
-async fn load_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+async fn load_from_peer(State(s): State<AppState>, req: Request) -> Response {
     let Some(relay) = s.load else {
         return (
             StatusCode::NOT_FOUND,
@@ -199,12 +273,10 @@ async fn load_from_peer(State(s): State<AppState>, headers: HeaderMap, body: Byt
         )
             .into_response();
     };
-    let auth = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok());
-    if !gpuroute_core::ingest::authorized(auth, &relay.token) {
-        return (StatusCode::UNAUTHORIZED, "bad or missing bearer token\n").into_response();
-    }
+    let (headers, body) = match peer_body(req, &relay.token).await {
+        Ok(read) => read,
+        Err(answer) => return answer,
+    };
     let replica = headers
         .get(REPLICA_HEADER)
         .and_then(|v| v.to_str().ok())
