@@ -243,36 +243,28 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
 
 /// Each pool's load as its healthy pods report it (the pods the filter picks from): requests
 /// waiting and running, summed, and the mean KV-cache use of those that report it (no sample
-/// when none does, as TGI's pods). Signals for autoscaling the pools (deploy/kubernetes/
-/// autoscaling/), and for the dashboard.
+/// when none does, as TGI's pods). Signals for autoscaling the pools (deploy/autoscaling/), and
+/// for the dashboard.
 fn pool_load(out: &mut String, pools: &[PoolSnapshot]) {
-    header(
-        out,
-        "gpuroute_sidecar_pool_waiting",
-        "gauge",
-        "Requests waiting in the pool's healthy pods (the sum of their queues).",
-    );
-    for pool in pools {
-        let waiting: u64 = healthy(pool).map(|x| u64::from(x.waiting)).sum();
-        let _ = writeln!(
-            out,
-            "gpuroute_sidecar_pool_waiting{{gpuroute_pool=\"{}\"}} {waiting}",
-            esc(&pool.name)
-        );
-    }
-    header(
-        out,
-        "gpuroute_sidecar_pool_running",
-        "gauge",
-        "Requests running in the pool's healthy pods (the sum of their batches).",
-    );
-    for pool in pools {
-        let running: u64 = healthy(pool).map(|x| u64::from(x.running)).sum();
-        let _ = writeln!(
-            out,
-            "gpuroute_sidecar_pool_running{{gpuroute_pool=\"{}\"}} {running}",
-            esc(&pool.name)
-        );
+    type Count = fn(&PodSnapshot) -> u32;
+    let sums: [(&str, &str, Count); 2] = [
+        (
+            "gpuroute_sidecar_pool_waiting",
+            "Requests waiting in the pool's healthy pods (the sum of their queues).",
+            |x| x.waiting,
+        ),
+        (
+            "gpuroute_sidecar_pool_running",
+            "Requests running in the pool's healthy pods (the sum of their batches).",
+            |x| x.running,
+        ),
+    ];
+    for (name, help, of) in sums {
+        header(out, name, "gauge", help);
+        for pool in pools {
+            let sum: u64 = healthy(pool).map(|x| u64::from(of(x))).sum();
+            let _ = writeln!(out, "{name}{{gpuroute_pool=\"{}\"}} {sum}", esc(&pool.name));
+        }
     }
     header(
         out,
