@@ -227,4 +227,7 @@ pub fn tls_client(tls: &crate::tls::ClientTls) -> HttpClient {
 }
 
 const IDLE_PER_TARGET: usize = 4;
-const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Under the 10 s after which a peer's listener closes an idle connection (`http::serve`): a
+/// relay with nothing to send idles longer, and a post on a connection the peer is closing at
+/// that moment would be lost. Pushes, every interval, never idle that long.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(8);
