@@ -84,6 +84,43 @@ pub struct Published {
     pub pods_quarantined: u64,
     /// Pods left out of snapshots past [`MAX_PODS`], since the start.
     pub pods_left_out: u64,
+    /// Snapshots pushed without (some of) the pods' adapter lists to fit
+    /// `push.max_snapshot_bytes`, since the start.
+    pub snapshots_trimmed: u64,
+}
+
+/// The snapshot's JSON within `max` bytes: as it is, or without the pods' waiting adapter
+/// lists, then without their running ones too (what was dropped, when anything was). The filter
+/// refuses a larger snapshot whole (413), every pool's pods with it; a pod's adapter lists are
+/// what can grow past any bound that keeps the rest (the counts of pods and of adapters are
+/// bounded, a name's length too, their product is not small).
+fn fit(snapshot: &mut Snapshot, max: usize) -> Result<(Vec<u8>, Option<&'static str>), String> {
+    let encode =
+        |s: &Snapshot| serde_json::to_vec(s).map_err(|e| format!("cannot serialise it (bug): {e}"));
+    let json = encode(snapshot)?;
+    if json.len() <= max {
+        return Ok((json, None));
+    }
+    for (what, running_too) in [("waiting adapter lists", false), ("adapter lists", true)] {
+        for pool in &mut snapshot.pools {
+            for pod in &mut pool.pods {
+                if let Some(lora) = &mut pod.lora {
+                    lora.waiting.clear();
+                    if running_too {
+                        lora.running.clear();
+                    }
+                }
+            }
+        }
+        let json = encode(snapshot)?;
+        if json.len() <= max {
+            return Ok((json, Some(what)));
+        }
+    }
+    Err(format!(
+        "{} bytes without any adapter list, over push.max_snapshot_bytes ({max})",
+        encode(snapshot)?.len()
+    ))
 }
 
 /// A pod whose values the snapshot would refuse (values this reader should have caught, from
@@ -162,6 +199,8 @@ pub struct Aggregator {
     /// them ([`quarantine`]); and pods left out past [`MAX_PODS`].
     quarantined: u64,
     left_out: u64,
+    /// Snapshots pushed without (some of) the pods' adapter lists, to fit ([`fit`]).
+    trimmed: u64,
     quarantine_gate: LogGate,
     failure_gate: LogGate,
     /// Pods that fell back to whole scrapes (`filter_metrics`), and their log lines' limit (a
@@ -223,6 +262,7 @@ impl Aggregator {
             invalid_gate: LogGate::new(Duration::from_secs(10)),
             quarantined: 0,
             left_out: 0,
+            trimmed: 0,
             quarantine_gate: LogGate::new(Duration::from_secs(10)),
             failure_gate: LogGate::new(Duration::from_secs(10)),
             filter_fallbacks: 0,
@@ -517,11 +557,23 @@ impl Aggregator {
             }
             return;
         }
-        let json = match serde_json::to_vec(&snapshot) {
-            Ok(v) => Bytes::from(v),
+        let mut snapshot = snapshot;
+        let json = match fit(&mut snapshot, self.cfg.push.max_snapshot_bytes) {
+            Ok((v, trimmed)) => {
+                if let Some(what) = trimmed {
+                    self.trimmed += 1;
+                    if let Some(held) = self.quarantine_gate.allow(now) {
+                        tracing::warn!(max = self.cfg.push.max_snapshot_bytes, dropped = what, suppressed = held,
+                            "the snapshot was over push.max_snapshot_bytes: pushed without the pods' adapter lists");
+                    }
+                }
+                Bytes::from(v)
+            }
             Err(e) => {
                 self.invalid_snapshots += 1;
-                tracing::error!(error = %e, "cannot serialise the snapshot (bug)");
+                if let Some(held) = self.invalid_gate.allow(now) {
+                    tracing::error!(error = %e, suppressed = held, "not publishing the snapshot");
+                }
                 return;
             }
         };
@@ -536,6 +588,7 @@ impl Aggregator {
             invalid_snapshots: self.invalid_snapshots,
             pods_quarantined: self.quarantined,
             pods_left_out: self.left_out,
+            snapshots_trimmed: self.trimmed,
             filter_fallbacks: self.filter_fallbacks,
         };
         self.publish.send_replace(Some(Arc::new(published)));
@@ -1030,6 +1083,60 @@ mod tests {
         assert_eq!(p.snapshot.pools[0].pods.len(), MAX_PODS);
         assert_eq!(p.status[0].len(), MAX_PODS);
         assert!(p.pods_left_out >= 5 && p.snapshot.validate().is_ok());
+        h.stop.cancel();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_snapshot_over_its_size_is_pushed_without_adapter_lists() {
+        let lora = |i: u16| {
+            let names = |kind: &str, n: usize| {
+                (0..n)
+                    .map(|j| format!("{kind}-adapter-{i}-{j:0>24}"))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            };
+            format!(
+                "{BODY}vllm:lora_requests_info{{max_lora=\"4\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} 1\n",
+                names("run", 10),
+                names("wait", 30)
+            )
+        };
+        // (max bytes, what must be left): the waiting lists go first, then the running ones.
+        for (max, running_kept) in [(4_000, true), (1_500, false)] {
+            let mut cfg = (*config()).clone();
+            cfg.push.max_snapshot_bytes = max;
+            let mut h = start(Arc::new(cfg), &[1, 2, 3]);
+            for port in [1, 2, 3] {
+                h.fleet.set(
+                    &format!("http://127.0.0.1:{port}/metrics"),
+                    0,
+                    Some(&lora(port)),
+                );
+            }
+            h.rounds.recv().await.unwrap();
+            h.rounds.recv().await.unwrap();
+            let p = h.rx.borrow().clone().unwrap();
+            assert!(p.json.len() <= max, "{} > {max}", p.json.len());
+            assert_eq!(Snapshot::from_json(&p.json, 1 << 20).unwrap(), p.snapshot);
+            for port in [1, 2, 3] {
+                let l = pod(&p, port).lora.as_ref().unwrap();
+                assert!(
+                    l.waiting.is_empty() && l.running.is_empty() != running_kept,
+                    "{max}"
+                );
+                assert_eq!(l.max_loras, 4);
+            }
+            assert!(p.snapshots_trimmed >= 1);
+            h.stop.cancel();
+        }
+        // Within its size, a snapshot keeps its lists.
+        let mut h = start(config(), &[1]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(&lora(1)));
+        h.rounds.recv().await.unwrap();
+        h.rounds.recv().await.unwrap();
+        let p = h.rx.borrow().clone().unwrap();
+        assert_eq!(pod(&p, 1).lora.as_ref().unwrap().waiting.len(), 30);
+        assert_eq!(p.snapshots_trimmed, 0);
         h.stop.cancel();
     }
 

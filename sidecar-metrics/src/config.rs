@@ -244,6 +244,10 @@ pub struct PushConfig {
     pub timeout_ms: u64,
     #[serde(default)]
     pub ready: ReadyPolicy,
+    /// The largest snapshot pushed, bytes: the filter's `ingest.max_snapshot_bytes` (5 MiB by
+    /// default there too). A larger one is trimmed first (adapter lists), not refused.
+    #[serde(default = "d_max_snapshot")]
+    pub max_snapshot_bytes: usize,
 }
 
 /// The prefix-record relay (`relay`): every `interval_ms` each Envoy pushed to is asked for its
@@ -478,6 +482,9 @@ fn d_urls() -> Vec<String> {
 fn d_push_timeout() -> u64 {
     DEFAULT_PUSH_TIMEOUT_MS
 }
+fn d_max_snapshot() -> usize {
+    5 * 1024 * 1024
+}
 fn d_dns_refresh() -> u64 {
     DEFAULT_DNS_REFRESH_MS
 }
@@ -522,6 +529,7 @@ impl Default for PushConfig {
             token_file: None,
             timeout_ms: d_push_timeout(),
             ready: ReadyPolicy::All,
+            max_snapshot_bytes: d_max_snapshot(),
         }
     }
 }
@@ -776,6 +784,9 @@ impl Config {
         }
         if self.push.timeout_ms == 0 {
             return Err(field("push.timeout_ms", "must be positive"));
+        }
+        if self.push.max_snapshot_bytes < 64 * 1024 {
+            return Err(field("push.max_snapshot_bytes", "must be at least 65536"));
         }
         if !(10..=60_000).contains(&self.prefix.interval_ms) {
             return Err(field("prefix.interval_ms", "must be between 10 and 60000"));

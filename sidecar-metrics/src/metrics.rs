@@ -189,6 +189,17 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
         );
         header(
             &mut out,
+            "gpuroute_sidecar_snapshots_trimmed_total",
+            "counter",
+            "Snapshots pushed without (some of) the pods' adapter lists, to fit push.max_snapshot_bytes.",
+        );
+        let _ = writeln!(
+            out,
+            "gpuroute_sidecar_snapshots_trimmed_total {}",
+            p.snapshots_trimmed
+        );
+        header(
+            &mut out,
             "gpuroute_sidecar_pods_left_out_total",
             "counter",
             "Pods left out of snapshots past the schema's 10,000.",
