@@ -11,7 +11,7 @@ use crate::relay::{
     valid_replica, Relay, LOAD_PEER_PATH, MAX_PEER_BODY, MAX_REPLICA_LEN, PEER_PATH, REPLICA_HEADER,
 };
 use axum::body::Bytes;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -59,19 +59,17 @@ pub fn router(state: AppState) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_handler))
         .route("/debug/snapshot", get(debug_snapshot))
-        .route(
-            PEER_PATH,
-            post(prefix_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
-        )
-        .route(
-            LOAD_PEER_PATH,
-            post(load_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
-        )
+        .route(PEER_PATH, post(prefix_from_peer))
+        .route(LOAD_PEER_PATH, post(load_from_peer))
         .with_state(state)
 }
 
 /// How long a peer has to finish its TLS handshake before its connection is closed.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A connection [`serve`] speaks HTTP over: plain TCP, or TLS over it.
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send> Io for T {}
 
 /// How long a client may take to send a request's headers, and how long a connection may sit
 /// idle between requests: then it is closed (hyper's `header_read_timeout`, which since hyper
@@ -131,33 +129,24 @@ pub async fn serve(
         tokio::spawn(async move {
             let _slot = slot;
             let _ = tcp.set_nodelay(true);
-            let service = TowerToHyperService::new(app);
-            match acceptor {
-                None => {
-                    let conn = builder.serve_connection(TokioIo::new(tcp), service);
-                    tokio::select! {
-                        _ = conn => {}
-                        _ = stop.cancelled() => {}
-                    }
-                }
+            let io: Box<dyn Io> = match acceptor {
+                None => Box::new(tcp),
                 Some(acceptor) => {
                     let peer = tcp.peer_addr().ok();
-                    let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
-                        .await
-                    {
-                        Ok(Ok(tls)) => tls,
+                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                        Ok(Ok(tls)) => Box::new(tls),
                         Ok(Err(e)) => {
                             tracing::debug!(?peer, error = %e, "{what} listener: TLS handshake refused");
                             return;
                         }
                         Err(_) => return,
-                    };
-                    let conn = builder.serve_connection(TokioIo::new(tls), service);
-                    tokio::select! {
-                        _ = conn => {}
-                        _ = stop.cancelled() => {}
                     }
                 }
+            };
+            let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(app));
+            tokio::select! {
+                _ = conn => {}
+                _ = stop.cancelled() => {}
             }
         });
     }
@@ -175,14 +164,8 @@ pub fn metrics_router(state: AppState) -> Router {
 /// The peers' listener (`prefix.listen`): `POST /v1/prefix`, `POST /v1/load` and nothing else.
 pub fn peer_router(state: AppState) -> Router {
     Router::new()
-        .route(
-            PEER_PATH,
-            post(prefix_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
-        )
-        .route(
-            LOAD_PEER_PATH,
-            post(load_from_peer).layer(DefaultBodyLimit::max(MAX_PEER_BODY)),
-        )
+        .route(PEER_PATH, post(prefix_from_peer))
+        .route(LOAD_PEER_PATH, post(load_from_peer))
         .with_state(state)
 }
 

@@ -165,50 +165,32 @@ pub fn render(published: Option<&Published>, push: &[std::sync::Arc<PushTarget>]
             "gpuroute_sidecar_snapshot_version {}",
             p.snapshot.version
         );
-        header(
-            &mut out,
-            "gpuroute_sidecar_snapshots_invalid_total",
-            "counter",
-            "Snapshots that failed their own validation and were not pushed (a bug).",
-        );
-        let _ = writeln!(
-            out,
-            "gpuroute_sidecar_snapshots_invalid_total {}",
-            p.invalid_snapshots
-        );
-        header(
-            &mut out,
-            "gpuroute_sidecar_pods_quarantined_total",
-            "counter",
-            "Pods published without their values, as unhealthy, because the snapshot would have refused them.",
-        );
-        let _ = writeln!(
-            out,
-            "gpuroute_sidecar_pods_quarantined_total {}",
-            p.pods_quarantined
-        );
-        header(
-            &mut out,
-            "gpuroute_sidecar_snapshots_trimmed_total",
-            "counter",
-            "Snapshots pushed without (some of) the pods' adapter lists, to fit push.max_snapshot_bytes.",
-        );
-        let _ = writeln!(
-            out,
-            "gpuroute_sidecar_snapshots_trimmed_total {}",
-            p.snapshots_trimmed
-        );
-        header(
-            &mut out,
-            "gpuroute_sidecar_pods_left_out_total",
-            "counter",
-            "Pods left out of snapshots past the schema's 10,000.",
-        );
-        let _ = writeln!(
-            out,
-            "gpuroute_sidecar_pods_left_out_total {}",
-            p.pods_left_out
-        );
+        let totals = [
+            (
+                "gpuroute_sidecar_snapshots_invalid_total",
+                "Snapshots that failed their own validation and were not pushed (a bug).",
+                p.invalid_snapshots,
+            ),
+            (
+                "gpuroute_sidecar_pods_quarantined_total",
+                "Pods published without their values, as unhealthy, because the snapshot would have refused them.",
+                p.pods_quarantined,
+            ),
+            (
+                "gpuroute_sidecar_snapshots_trimmed_total",
+                "Snapshots pushed without (some of) the pods' adapter lists, to fit push.max_snapshot_bytes.",
+                p.snapshots_trimmed,
+            ),
+            (
+                "gpuroute_sidecar_pods_left_out_total",
+                "Pods left out of snapshots past the schema's 10,000.",
+                p.pods_left_out,
+            ),
+        ];
+        for (name, help, n) in totals {
+            header(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {n}");
+        }
     }
     header(
         &mut out,
