@@ -92,6 +92,7 @@ ROUTER = {
 OVERRIDE_HOST = "envoy.load_balancing_policies.override_host"
 INGEST_PATH = render.DEFAULT_INGEST_PATH
 DEFAULT_MAX_SNAPSHOT = 8 * 1024 * 1024  # core/src/config.rs, `default_max_snapshot_bytes`
+SIDECAR_MAX_SNAPSHOT = 5 * 1024 * 1024  # sidecar-metrics/src/config.rs, `d_max_snapshot`
 # A port nothing listens on: requests routed to a pool fail fast (connection refused).
 DEAD_ENDPOINT = "127.0.0.1:1"
 ENVOY_START_TIMEOUT_S = 30
@@ -491,6 +492,17 @@ def sidecar_config(configmap, key="sidecar.yaml"):
     return cfg
 
 
+def check_snapshot_limit(ingest, side):
+    """The aggregator trims what it pushes to its push.max_snapshot_bytes (adapter lists first);
+    the filter refuses a snapshot over its ingest.max_snapshot_bytes whole, every pool's pods with
+    it. The first must not be over the second."""
+    pushed = (side.get("push") or {}).get("max_snapshot_bytes", SIDECAR_MAX_SNAPSHOT)
+    taken = ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT)
+    if pushed > taken:
+        raise CheckError(f"the aggregator's push.max_snapshot_bytes {pushed} is over the filter's "
+                         f"ingest.max_snapshot_bytes {taken}: a snapshot between them is refused whole")
+
+
 def port_of(url):
     m = re.match(r"https?://[^/:]+:(\d+)(/.*)?$", url)
     if not m:
@@ -566,6 +578,7 @@ def check_common(plugin, sidecar_cm, secret, listener_port, buffer_limit, route_
     max_snapshot = ingest.get("max_snapshot_bytes", DEFAULT_MAX_SNAPSHOT)
     if max_snapshot > buffer_limit:
         raise CheckError(f"ingest.max_snapshot_bytes {max_snapshot} is over the listener's buffer limit {buffer_limit}")
+    check_snapshot_limit(ingest, side)
     # Envoy's own 413, 503 and 504 in the API's shape, exactly as the local configuration has
     # them (render.py), the 413 naming this max_body_bytes.
     if local_replies != render.local_reply_config(max_body, ingest):
@@ -955,6 +968,7 @@ def k8s_consistency(manifests):
     # Pushes go to the Envoy in the pod, at the ingest listener of the bootstrap it runs.
     stack = load_stack()
     want = int(stack["ingest"].rsplit(":", 1)[1])
+    check_snapshot_limit(stack["filter_config"].get("ingest") or {}, cfg)
     for url in cfg["push"]["urls"]:
         port, path = port_of(url)
         if not url.startswith("http://127.0.0.1:") or port != want or path != INGEST_PATH:

@@ -244,8 +244,9 @@ pub struct PushConfig {
     pub timeout_ms: u64,
     #[serde(default)]
     pub ready: ReadyPolicy,
-    /// The largest snapshot pushed, bytes: the filter's `ingest.max_snapshot_bytes` (5 MiB by
-    /// default there too). A larger one is trimmed first (adapter lists), not refused.
+    /// The largest snapshot pushed, bytes: at most the filter's `ingest.max_snapshot_bytes` (5 MiB
+    /// in the shipped Envoy Gateway and Istio configurations; 8 MiB by the filter's default). A
+    /// larger one is trimmed first (adapter lists), not refused.
     #[serde(default = "d_max_snapshot")]
     pub max_snapshot_bytes: usize,
 }

@@ -191,3 +191,41 @@ def test_a_manifest_without_one_stats_tags_key_is_refused():
         cc.sync_stats_tags("a: 1\n", cc.render.STATS_TAGS)
     with pytest.raises(cc.CheckError, match="found 2"):
         cc.sync_stats_tags("a:\n  stats_tags:\n  - x\nb:\n  stats_tags:\n  - y\n", cc.render.STATS_TAGS)
+
+
+def with_pushed_limit(manifests, configmap, key, limit):
+    """The manifests with the aggregator's push.max_snapshot_bytes set in each ConfigMap
+    `configmap` (Envoy Gateway's and Istio's have the same name)."""
+    manifests = copy.deepcopy(manifests)
+    cms = [d for docs in manifests.values() for d in docs
+           if d["kind"] == "ConfigMap" and d["metadata"]["name"] == configmap]
+    assert cms, configmap
+    for cm in cms:
+        cfg = yaml.safe_load(cm["data"][key])
+        cfg.setdefault("push", {})["max_snapshot_bytes"] = limit
+        cm["data"][key] = yaml.safe_dump(cfg)
+    return manifests
+
+
+SHIPPED_PAIRS = {
+    # flavour: (its manifests, the check, the aggregator's ConfigMap and key, the filter's limit)
+    "envoy-gateway": (cc.load_manifests, lambda m: cc.eg_fragment(m, Path("/nonexistent.wasm")),
+                      ("gpuroute-sidecar", "sidecar.yaml"), 5 * 1024 * 1024),
+    "istio": (cc.load_manifests, lambda m: cc.istio_fragment(m, Path("/nonexistent.wasm")),
+              ("gpuroute-sidecar", "sidecar.yaml"), 5 * 1024 * 1024),
+    # deploy/kubernetes runs the local bootstrap, whose filter keeps the default 8 MiB.
+    "kubernetes": (cc.k8s_manifests, cc.k8s_consistency,
+                   ("gpuroute-sidecar-metrics", cc.K8S_SIDECAR_KEY), cc.DEFAULT_MAX_SNAPSHOT),
+}
+
+
+@pytest.mark.parametrize("flavour", SHIPPED_PAIRS)
+def test_the_aggregator_never_pushes_a_snapshot_the_filter_would_refuse_whole(flavour):
+    load, check, (configmap, key), filter_limit = SHIPPED_PAIRS[flavour]
+    manifests = load()
+    check(manifests)  # as shipped
+    # Up to the filter's limit is fine; one byte over fails, naming both options.
+    check(with_pushed_limit(manifests, configmap, key, filter_limit))
+    with pytest.raises(cc.CheckError, match=f"push.max_snapshot_bytes {filter_limit + 1} is over the filter's "
+                                            f"ingest.max_snapshot_bytes {filter_limit}"):
+        check(with_pushed_limit(manifests, configmap, key, filter_limit + 1))
