@@ -201,7 +201,11 @@ pub struct Aggregator {
     left_out: u64,
     /// Snapshots pushed without (some of) the pods' adapter lists, to fit ([`fit`]).
     trimmed: u64,
+    /// One log limit each: a condition that holds every round (pods left out) must not keep
+    /// the others' warnings from ever being logged.
     quarantine_gate: LogGate,
+    left_out_gate: LogGate,
+    trim_gate: LogGate,
     failure_gate: LogGate,
     /// Pods that fell back to whole scrapes (`filter_metrics`), and their log lines' limit (a
     /// fleet of SGLang pods falls back all at once).
@@ -264,6 +268,8 @@ impl Aggregator {
             left_out: 0,
             trimmed: 0,
             quarantine_gate: LogGate::new(Duration::from_secs(10)),
+            left_out_gate: LogGate::new(Duration::from_secs(10)),
+            trim_gate: LogGate::new(Duration::from_secs(10)),
             failure_gate: LogGate::new(Duration::from_secs(10)),
             filter_fallbacks: 0,
             fallback_gate: LogGate::new(Duration::from_secs(10)),
@@ -479,7 +485,7 @@ impl Aggregator {
             if states.len() > room {
                 let over = states.len() - room;
                 self.left_out += over as u64;
-                if let Some(held) = self.quarantine_gate.allow(now) {
+                if let Some(held) = self.left_out_gate.allow(now) {
                     tracing::error!(pool = %pool.name, left_out = over, suppressed = held,
                         "more than {MAX_PODS} pods in all: the rest are left out of the snapshot");
                 }
@@ -562,7 +568,7 @@ impl Aggregator {
             Ok((v, trimmed)) => {
                 if let Some(what) = trimmed {
                     self.trimmed += 1;
-                    if let Some(held) = self.quarantine_gate.allow(now) {
+                    if let Some(held) = self.trim_gate.allow(now) {
                         tracing::warn!(max = self.cfg.push.max_snapshot_bytes, dropped = what, suppressed = held,
                             "the snapshot was over push.max_snapshot_bytes: pushed without the pods' adapter lists");
                     }
@@ -1072,35 +1078,88 @@ mod tests {
         h.stop.cancel();
     }
 
+    /// A pod's metrics with 10 running and 30 waiting adapters of long names.
+    fn lora(i: u16) -> String {
+        let names = |kind: &str, n: usize| {
+            (0..n)
+                .map(|j| format!("{kind}-adapter-{i}-{j:0>24}"))
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        format!(
+            "{BODY}vllm:lora_requests_info{{max_lora=\"4\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} 1\n",
+            names("run", 10),
+            names("wait", 30)
+        )
+    }
+
+    /// What is logged on this thread while it is held: a `#[tokio::test]` runs the aggregator
+    /// it spawns on its own thread, so the aggregator's lines are here.
+    #[derive(Clone, Default)]
+    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Logs {
+        fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+            let logs = Logs::default();
+            let writer = logs.clone();
+            let guard = tracing::subscriber::set_default(
+                tracing_subscriber::fmt()
+                    .with_writer(move || writer.clone())
+                    .with_ansi(false)
+                    .finish(),
+            );
+            (logs, guard)
+        }
+        fn count(&self, what: &str) -> usize {
+            String::from_utf8_lossy(&self.0.lock().unwrap())
+                .matches(what)
+                .count()
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn pods_past_the_schemas_limit_are_left_out_not_the_snapshot() {
+        const LEFT_OUT: &str = "the rest are left out of the snapshot";
+        const TRIMMED: &str = "pushed without the pods' adapter lists";
         let ports: Vec<u16> = (1..=(MAX_PODS as u16 + 5)).collect();
-        let mut h = start(config(), &ports);
-        h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(BODY));
-        h.rounds.recv().await.unwrap();
-        h.rounds.recv().await.unwrap();
-        let p = h.rx.borrow().clone().unwrap();
-        assert_eq!(p.snapshot.pools[0].pods.len(), MAX_PODS);
-        assert_eq!(p.status[0].len(), MAX_PODS);
-        assert!(p.pods_left_out >= 5 && p.snapshot.validate().is_ok());
-        h.stop.cancel();
+        // The second time, the size limit is under the first snapshot's size: its adapter lists
+        // go too, each round, as pods are left out each round. Both are logged.
+        let mut max = config().push.max_snapshot_bytes;
+        for trimmed in [false, true] {
+            let (logs, _guard) = Logs::capture();
+            let mut cfg = (*config()).clone();
+            cfg.push.max_snapshot_bytes = max;
+            let mut h = start(Arc::new(cfg), &ports);
+            h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(&lora(1)));
+            h.rounds.recv().await.unwrap();
+            h.rounds.recv().await.unwrap();
+            let p = h.rx.borrow().clone().unwrap();
+            assert_eq!(p.snapshot.pools[0].pods.len(), MAX_PODS);
+            assert_eq!(p.status[0].len(), MAX_PODS);
+            assert!(p.pods_left_out >= 5 && p.snapshot.validate().is_ok());
+            let lists = pod(&p, 1).lora.as_ref().unwrap();
+            assert_eq!(lists.waiting.is_empty(), trimmed);
+            assert_eq!(p.snapshots_trimmed >= 1, trimmed);
+            // Once each within the log limit's 10 s, two rounds apart.
+            assert_eq!(logs.count(LEFT_OUT), 1);
+            assert_eq!(logs.count(TRIMMED), usize::from(trimmed));
+            max = p.json.len() - 1;
+            h.stop.cancel();
+        }
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_snapshot_over_its_size_is_pushed_without_adapter_lists() {
-        let lora = |i: u16| {
-            let names = |kind: &str, n: usize| {
-                (0..n)
-                    .map(|j| format!("{kind}-adapter-{i}-{j:0>24}"))
-                    .collect::<Vec<_>>()
-                    .join(",")
-            };
-            format!(
-                "{BODY}vllm:lora_requests_info{{max_lora=\"4\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} 1\n",
-                names("run", 10),
-                names("wait", 30)
-            )
-        };
         // (max bytes, what must be left): the waiting lists go first, then the running ones.
         for (max, running_kept) in [(4_000, true), (1_500, false)] {
             let mut cfg = (*config()).clone();
