@@ -912,6 +912,14 @@ impl FilterConfig {
         }
     }
 
+    /// The longest `stale_after_ms` of any pool: a snapshot older than this says nothing any
+    /// pool reads.
+    pub fn longest_stale_after_ms(&self) -> u64 {
+        (0..self.pools.len())
+            .map(|i| self.pool_scoring(i).stale_after_ms)
+            .fold(self.scoring.stale_after_ms, u64::max)
+    }
+
     /// Whether `path` (without query) is an inference path.
     pub fn is_inference_path(&self, path: &str) -> bool {
         self.inference_paths.iter().any(|p| p == path)
@@ -923,6 +931,23 @@ mod tests {
     use super::*;
 
     const MINIMAL: &str = r#"{"pools":[{"name":"llama","models":["llama-3"]}]}"#;
+
+    #[test]
+    fn the_longest_stale_after_ms_is_any_pools() {
+        let c = FilterConfig::from_json(MINIMAL.as_bytes()).unwrap();
+        assert_eq!(c.longest_stale_after_ms(), 1_000);
+        let c = FilterConfig::from_json(
+            br#"{"scoring":{"stale_after_ms":300},"pools":[{"name":"a","models":["a"]},
+               {"name":"b","models":["b"],"scoring":{"stale_after_ms":3000}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.longest_stale_after_ms(), 3_000);
+        let c = FilterConfig::from_json(
+            br#"{"scoring":{"stale_after_ms":5000},"pools":[{"name":"a","models":["a"],"scoring":{"stale_after_ms":300}}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.longest_stale_after_ms(), 5_000);
+    }
 
     #[test]
     fn minimal_config_gets_documented_defaults() {

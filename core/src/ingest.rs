@@ -176,7 +176,32 @@ pub fn authorized(header: Option<&str>, token: &str) -> bool {
     a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The version a pushed snapshot must be newer than: the current snapshot's (`current`), while
+/// routing may still read it. Once it was received more than `stale_after_ms` ago (the longest
+/// of the pools', [`crate::config::Config::longest_stale_after_ms`]), every pod in it is stale
+/// and any valid snapshot replaces it. Else one version from a clock that ran ahead (an
+/// aggregator restarted after its clock stepped back, or a single bad push) would have every
+/// later push refused, and the gateway failing open, until Envoy restarted.
+pub fn version_floor(
+    current: Option<StoredHeader>,
+    now_ms: u64,
+    stale_after_ms: u64,
+) -> Option<u64> {
+    current
+        .filter(|h| now_ms.saturating_sub(h.received_at_ms) <= stale_after_ms)
+        .map(|h| h.version)
+}
+
+/// The warning logged when a snapshot replaced a stale one of a version not older than its own.
+pub fn went_back(old: u64, new: u64) -> String {
+    format!(
+        "gpuroute: snapshot version {new} replaced the stale snapshot of version {old}: \
+         versions went back (the aggregator restarted with its clock behind, or a version ran ahead)"
+    )
+}
+
 /// Validates a pushed snapshot against the size limit, the schema and the stored version.
+/// `current`: the version it must be newer than ([`version_floor`]).
 pub fn accept(body: &[u8], max_bytes: usize, current: Option<u64>) -> Result<Snapshot, ApiError> {
     let snap = Snapshot::from_json(body, max_bytes).map_err(|e| match e {
         SnapshotError::TooLarge { .. } => ApiError::snapshot_too_large(e.to_string()),
@@ -295,6 +320,27 @@ mod tests {
         assert_eq!(e.status, 400);
         assert!(e.message.contains("not newer"), "{}", e.message);
         assert_eq!(accept(&snap(3), 1 << 20, Some(5)).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn a_stale_snapshot_is_replaced_whatever_its_version() {
+        let runaway = StoredHeader {
+            received_at_ms: 10_000,
+            version: u64::MAX,
+        };
+        // Read by routing until `stale_after_ms` after it came: nothing older replaces it.
+        for now in [10_000, 11_000] {
+            let floor = version_floor(Some(runaway), now, 1_000);
+            assert_eq!(floor, Some(u64::MAX));
+            assert_eq!(accept(&snap(7), 1 << 20, floor).unwrap_err().status, 400);
+        }
+        // Then every pod in it is stale, and any valid snapshot replaces it.
+        let floor = version_floor(Some(runaway), 11_001, 1_000);
+        assert_eq!(floor, None);
+        assert!(accept(&snap(7), 1 << 20, floor).is_ok());
+        // A clock that went back since it came does not make it fresh for longer.
+        assert_eq!(version_floor(Some(runaway), 9_000, 1_000), Some(u64::MAX));
+        assert_eq!(version_floor(None, 11_001, 1_000), None);
     }
 
     #[test]

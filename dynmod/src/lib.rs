@@ -42,7 +42,7 @@ use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::{IdMap, NameMap};
-use gpuroute_core::ingest::{self, Endpoint};
+use gpuroute_core::ingest::{self, Endpoint, StoredHeader};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PodLoad};
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix;
@@ -1055,7 +1055,16 @@ impl Filter {
         let Some(ing) = config.settings.ingest.as_ref() else {
             return;
         };
-        let current = current_fleet().map(|f| f.version);
+        let stale_after_ms = config.settings.longest_stale_after_ms();
+        let header = |f: &FleetState| StoredHeader {
+            received_at_ms: f.received_at_ms,
+            version: f.version,
+        };
+        let current = ingest::version_floor(
+            current_fleet().map(|f| header(&f)),
+            now_ms(),
+            stale_after_ms,
+        );
         let accepted = s.with_request_body(|b| ingest::accept(b, ing.max_snapshot_bytes, current));
         let snap = match accepted {
             Ok(snap) => snap,
@@ -1078,20 +1087,29 @@ impl Filter {
         };
         let pods: usize = snap.pools.iter().map(|p| p.pods.len()).sum();
         let fleet = Arc::new(FleetState::new(snap, now_ms()));
+        let mut went_back = None;
         {
             let mut slot = FLEET.write().unwrap_or_else(PoisonError::into_inner);
             // Re-checked under the lock: of two racing pushes the older never wins.
-            if let Some(old) = slot.as_ref().filter(|old| old.version >= fleet.version) {
+            let old = slot.as_deref().map(header);
+            let floor = ingest::version_floor(old, fleet.received_at_ms, stale_after_ms);
+            if let Some(v) = floor.filter(|v| *v >= fleet.version) {
                 let e = ApiError::bad_snapshot(format!(
-                    "snapshot version {} is not newer than the current version {}",
-                    fleet.version, old.version
+                    "snapshot version {} is not newer than the current version {v}",
+                    fleet.version
                 ));
                 drop(slot);
                 config.count(m.ingest_rejected_id(Endpoint::Snapshot, "invalid"));
                 self.reply_error(s, &e);
                 return;
             }
+            if let Some(old) = old.filter(|h| h.version >= fleet.version) {
+                went_back = Some(ingest::went_back(old.version, fleet.version));
+            }
             *slot = Some(fleet);
+        }
+        if let Some(warning) = went_back {
+            host::log(abi::LOG_WARN, &warning);
         }
         {
             let mut p = config.pending.lock();

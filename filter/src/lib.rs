@@ -906,10 +906,13 @@ impl Http {
             Endpoint::Prefix if method == "GET" => return self.export_answer(w),
             Endpoint::Load if method == "GET" => return self.load_answer(w),
             Endpoint::Prefix | Endpoint::Load => None,
-            Endpoint::Snapshot => host::get_shared(SNAPSHOT_VERSION_KEY)
-                .0
-                .and_then(|b| StoredHeader::decode(&b))
-                .map(|h| h.version),
+            Endpoint::Snapshot => ingest::version_floor(
+                host::get_shared(SNAPSHOT_VERSION_KEY)
+                    .0
+                    .and_then(|b| StoredHeader::decode(&b)),
+                host::now_ms(),
+                w.engine.config.longest_stale_after_ms(),
+            ),
         };
         self.mode = Mode::Ingest { endpoint, current };
         if end_of_stream {
@@ -1082,22 +1085,33 @@ impl Http {
         let stored = ingest::encode_stored(header, &body);
         // Compare-and-swap on the snapshot itself, re-checking the version each time, so two
         // racing pushes can never leave the older one in place.
+        let stale_after_ms = w.engine.config.longest_stale_after_ms();
         let mut stored_ok = false;
+        let mut replaced = None;
         for _ in 0..CAS_ATTEMPTS {
             let (old, cas) = host::get_shared(SNAPSHOT_KEY);
-            if let Some(h) = old.as_deref().and_then(StoredHeader::decode) {
-                if h.version >= snap.version {
+            let old = old.as_deref().and_then(StoredHeader::decode);
+            match ingest::version_floor(old, header.received_at_ms, stale_after_ms) {
+                Some(v) if v >= snap.version => {
                     w.stats.ingest_rejected(Endpoint::Snapshot, "invalid");
                     return self.reply_error(&ApiError::bad_snapshot(format!(
-                        "snapshot version {} is not newer than the current version {}",
-                        snap.version, h.version
+                        "snapshot version {} is not newer than the current version {v}",
+                        snap.version
                     )));
                 }
+                _ => {}
             }
+            replaced = old.filter(|h| h.version >= snap.version);
             if host::set_shared(SNAPSHOT_KEY, &stored, cas).is_ok() {
                 stored_ok = true;
                 break;
             }
+        }
+        if let (true, Some(old)) = (stored_ok, replaced) {
+            host::log(
+                LogLevel::Warn,
+                &ingest::went_back(old.version, snap.version),
+            );
         }
         // The binary form before the version that announces it. Not storing it would cost the
         // other workers the JSON's decode, nothing else.

@@ -706,6 +706,39 @@ def test_snapshot_ages_out(pods):
         e.stop()
 
 
+def test_a_runaway_version_is_replaced_once_its_snapshot_is_stale(pods):
+    """A version from a clock that ran ahead does not lock the ingest: refused below it while
+    any pool may still read its snapshot (qwen's 3 s here), replaced by any valid one after."""
+    config = dict(CONFIG, scoring={"stale_after_ms": 300})
+    config["pools"] = [dict(p) for p in CONFIG["pools"]]
+    config["pools"][1]["scoring"] = {"stale_after_ms": 3_000}
+    e = Envoy("filter", pools_of(pods), config, envoy_args=("--file-flush-interval-msec", "100"))
+    try:
+        runaway = fresh(pods, [{"waiting": 4}, {"waiting": 0}, {"waiting": 4}])
+        runaway["version"] = 2**64 - 1
+        assert e.push(runaway)[0] == 204
+        assert served_by(e.chat("llama-3-8b")) == "llama-1"
+        later = fresh(pods, [{"waiting": 4}, {"waiting": 4}, {"waiting": 0}])
+        later["version"] = 1
+        s, _, body, _ = e.push(later)
+        assert s == 400 and f"not newer than the current version {2**64 - 1}" in body["error"]["message"]
+        time.sleep(0.5)  # past llama's 300 ms, not qwen's 3 s
+        assert e.push(later)[0] == 400
+        time.sleep(3.0)
+        assert e.push(later)[0] == 204
+        assert served_by(e.chat("llama-3-8b")) == "llama-2"
+        # From there versions increase from the new one.
+        assert e.push(later)[0] == 400
+        later["version"] = 2
+        assert e.push(later)[0] == 204
+        deadline = time.time() + 5
+        while "versions went back" not in e.log() and time.time() < deadline:
+            time.sleep(0.1)
+        assert "replaced the stale snapshot of version 18446744073709551615" in e.log()
+    finally:
+        e.stop()
+
+
 def test_missing_snapshot_fails_open(pods):
     e = Envoy("filter", pools_of(pods), CONFIG)
     try:
