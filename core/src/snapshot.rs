@@ -475,10 +475,16 @@ impl PodSnapshot {
 
     /// Checks the pod's fields; `f` names the pod in an error ("pools[0].pods[3]").
     pub fn validate(&self, f: impl Fn() -> String) -> Result<(), SnapshotError> {
-        if self.address.parse::<SocketAddr>().is_err() {
+        let Ok(addr) = self.address.parse::<SocketAddr>() else {
             return Err(field_err(
                 format!("{}.address", f()),
                 format!("{:?} is not ip:port", self.address),
+            ));
+        };
+        if let Some(why) = unusable(&addr, &self.address) {
+            return Err(field_err(
+                format!("{}.address", f()),
+                format!("{:?} {why}", self.address),
             ));
         }
         // Engines report KV use as a fraction; allow a rounding hair above 1.
@@ -525,6 +531,47 @@ impl PodSnapshot {
 }
 
 /// A name is 1 to [`MAX_NAME_LEN`] bytes; `field` names it in the error.
+/// Why an address that parsed cannot name a pod, if it cannot. The filter writes it into
+/// `x-gateway-destination-endpoint`, and Envoy's `override_host` finds the pod only when it is
+/// written as Envoy writes its hosts' addresses: the standard form (RFC 5952 for IPv6, what
+/// `SocketAddr` displays). `[0::1]:8000` is a pod Envoy would not find, and a second spelling of
+/// a pod would pass the duplicate check.
+fn unusable(addr: &SocketAddr, written: &str) -> Option<String> {
+    if addr.port() == 0 {
+        return Some("has port 0".into());
+    }
+    match addr {
+        // The parser takes an IPv4 address only in its standard form (four decimal octets, no
+        // leading zeros): only the port can be written another way ("08000"). The common case,
+        // checked without writing the address out.
+        SocketAddr::V4(_)
+            if written
+                .rsplit(':')
+                .next()
+                .is_some_and(|p| !p.starts_with('0')) =>
+        {
+            return None;
+        }
+        SocketAddr::V6(a) if a.scope_id() != 0 || a.flowinfo() != 0 => {
+            return Some("has a zone id".into());
+        }
+        _ => {}
+    }
+    // Compared as it is written out: no allocation for an address in the standard form.
+    struct Rest<'a>(&'a str);
+    impl std::fmt::Write for Rest<'_> {
+        fn write_str(&mut self, part: &str) -> std::fmt::Result {
+            self.0 = self.0.strip_prefix(part).ok_or(std::fmt::Error)?;
+            Ok(())
+        }
+    }
+    let mut rest = Rest(written);
+    if std::fmt::write(&mut rest, format_args!("{addr}")).is_ok() && rest.0.is_empty() {
+        return None;
+    }
+    Some(format!("is not in the standard form Envoy writes: {addr}"))
+}
+
 fn check_name(field: impl FnOnce() -> String, name: &str) -> Result<(), SnapshotError> {
     if name.is_empty() {
         return Err(field_err(field(), "must not be empty"));
@@ -600,6 +647,19 @@ mod tests {
     }
 
     #[test]
+    fn addresses_in_the_standard_form_are_pods() {
+        for a in [
+            "10.0.0.1:8000",
+            "[::1]:8000",
+            "[2001:db8::1]:65535",
+            "[fe80::a:0:0:1]:1",
+        ] {
+            let pod = PodSnapshot::new(a, 1);
+            assert!(pod.validate(String::new).is_ok(), "{a}");
+        }
+    }
+
+    #[test]
     fn rejects_what_the_picker_cannot_use() {
         type Mutation = Box<dyn Fn(&mut Snapshot)>;
         let cases: Vec<(Mutation, &str)> = vec![
@@ -611,6 +671,36 @@ mod tests {
             (
                 Box::new(|s| s.pools[0].pods[1].address = "10.0.0.1:8000".into()),
                 "pools[0].pods[1].address: duplicate pod",
+            ),
+            // Addresses Envoy would not find among its hosts' (an audit's: the pick went to
+            // `[0::1]`, the request to whatever least_request chose).
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "[0::1]:8000".into()),
+                "pools[0].pods[0].address: \"[0::1]:8000\" is not in the standard form Envoy writes: [::1]:8000",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "[0:0:0:0:0:0:0:1]:8000".into()),
+                "is not in the standard form Envoy writes: [::1]:8000",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "[2001:DB8::1]:8000".into()),
+                "is not in the standard form Envoy writes: [2001:db8::1]:8000",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "10.0.0.1:08000".into()),
+                "is not in the standard form Envoy writes: 10.0.0.1:8000",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "010.0.0.1:8000".into()),
+                "pools[0].pods[0].address: \"010.0.0.1:8000\" is not",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "10.0.0.3:0".into()),
+                "pools[0].pods[0].address: \"10.0.0.3:0\" has port 0",
+            ),
+            (
+                Box::new(|s| s.pools[0].pods[0].address = "[fe80::1%2]:8000".into()),
+                "has a zone id",
             ),
             (
                 Box::new(|s| s.pools[0].pods[0].kv_cache_usage = Some(f64::NAN)),

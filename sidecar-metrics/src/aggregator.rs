@@ -493,16 +493,19 @@ impl Aggregator {
                 weights.truncate(room);
             }
             let (mut pods, caps) = pool_snapshot(&states, &weights, self.cfg.capacity.estimate);
-            for pod in &mut pods {
-                if let Err(e) = pod.validate(|| format!("pod {}", pod.address)) {
-                    self.quarantined += 1;
-                    if let Some(held) = self.quarantine_gate.allow(now) {
-                        tracing::warn!(pool = %pool.name, error = %e, suppressed = held,
-                            "a pod's values would get the snapshot refused: published without them, as unhealthy");
-                    }
-                    quarantine(pod);
+            pods.retain_mut(|pod| {
+                let Err(e) = pod.validate(|| format!("pod {}", pod.address)) else {
+                    return true;
+                };
+                self.quarantined += 1;
+                if let Some(held) = self.quarantine_gate.allow(now) {
+                    tracing::warn!(pool = %pool.name, error = %e, suppressed = held,
+                        "a pod's values would get the snapshot refused: published without them, as unhealthy");
                 }
-            }
+                quarantine(pod);
+                // An address no pod can have (port 0, a zone id): not published at all.
+                pod.validate(String::new).is_ok()
+            });
             let mut st = Vec::with_capacity(states.len());
             for p in &states {
                 total += 1;
@@ -1125,6 +1128,25 @@ mod tests {
                 .matches(what)
                 .count()
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pod_at_an_address_envoy_cannot_have_is_left_out_not_the_snapshot() {
+        // Port 0: what a discovery should never hand over, and the snapshot refuses.
+        let mut h = start(config(), &[1, 0]);
+        h.fleet.set("http://127.0.0.1:1/metrics", 0, Some(BODY));
+        h.fleet.set("http://127.0.0.1:0/metrics", 0, Some(BODY));
+        h.rounds.recv().await.unwrap();
+        h.rounds.recv().await.unwrap();
+        let p = h.rx.borrow().clone().unwrap();
+        let addrs: Vec<_> = p.snapshot.pools[0]
+            .pods
+            .iter()
+            .map(|p| &p.address)
+            .collect();
+        assert_eq!(addrs, ["127.0.0.1:1"]);
+        assert!(p.snapshot.validate().is_ok() && pod(&p, 1).healthy);
+        h.stop.cancel();
     }
 
     #[tokio::test(start_paused = true)]

@@ -932,6 +932,14 @@ impl PoolConfig {
                         ),
                     )
                 })?;
+                // What the filter's snapshot refuses: Envoy would find no such host.
+                let zone = matches!(addr, SocketAddr::V6(a) if a.scope_id() != 0);
+                if addr.port() == 0 || zone {
+                    return Err(field(
+                        format!("{pf}.address"),
+                        format!("{:?}: port 0 or an IPv6 zone id", pod.address),
+                    ));
+                }
                 if !seen.insert(addr) {
                     return Err(field(
                         format!("{pf}.address"),
@@ -1096,6 +1104,8 @@ pools:
             (MINIMAL.replace("capacity: 3", "capacity: 0"), "pools[0].pods[1].capacity"),
             (MINIMAL.replace("127.0.0.1:18001", "pod-a"), "pools[0].pods[0].address"),
             (MINIMAL.replace("127.0.0.1:18002", "127.0.0.1:18001"), "duplicate pod"),
+            (MINIMAL.replace("127.0.0.1:18001", "127.0.0.1:0"), "pools[0].pods[0].address"),
+            (MINIMAL.replace("127.0.0.1:18001", "\"[fe80::1%2]:8000\""), "pools[0].pods[0].address"),
             (MINIMAL.replace("interval_ms: 100", "interval_ms: 1"), "interval_ms"),
             (MINIMAL.replace("interval_ms: 100", "interval_ms: 100\nintervl: 3"), "intervl"),
             (MINIMAL.replace("listen: 127.0.0.1:9100", "listen: nowhere"), "listen"),

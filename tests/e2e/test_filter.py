@@ -1144,6 +1144,13 @@ def test_ingest_rejects_bad_token_and_bad_snapshot_and_keeps_the_old_one(envoy, 
     bad["pools"][0]["pods"][0]["kv_cache_usage"] = 7
     s, _, body, _ = envoy.push(bad)
     assert s == 400 and "kv_cache_usage" in body["error"]["message"]
+    # A pod Envoy would not find among its hosts (the port written as 0PORT), which would also
+    # pass as a second pod beside the same one written plainly.
+    respelled = json.loads(json.dumps(other))
+    ip, port = respelled["pools"][0]["pods"][0]["address"].rsplit(":", 1)
+    respelled["pools"][0]["pods"][0]["address"] = f"{ip}:0{port}"
+    s, _, body, _ = envoy.push(respelled)
+    assert s == 400 and f"is not in the standard form Envoy writes: {ip}:{port}" in body["error"]["message"]
     older = json.loads(json.dumps(other))
     older["version"] = good["version"] - 1
     s, _, body, _ = envoy.push(older)
@@ -1151,7 +1158,7 @@ def test_ingest_rejects_bad_token_and_bad_snapshot_and_keeps_the_old_one(envoy, 
     # Still routing by the good snapshot.
     assert Counter(served_by(envoy.chat("llama-3-8b")) for _ in range(5)) == {"llama-2": 5}
     assert envoy.stat(STAT_PREFIX + "gpuroute.snapshot.rejected.unauthorized") >= 1
-    assert envoy.stat(STAT_PREFIX + "gpuroute.snapshot.rejected.invalid") >= 3
+    assert envoy.stat(STAT_PREFIX + "gpuroute.snapshot.rejected.invalid") >= 4
 
 
 def test_ingest_path_is_not_reachable_from_the_traffic_listener_without_loopback(envoy):
