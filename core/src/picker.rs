@@ -302,13 +302,22 @@ fn effective_load(pod: &PodState, load: Option<&PodLoad>, avg_tokens: f64) -> Lo
 /// A pod's capacity rounded to a step of sqrt(2) (..., 0.71, 1, 1.41, 2, 2.83, ...). Estimates
 /// of identical GPUs differ by some tens of percent with the batch each happens to run, and
 /// acting on that noise would feed back into it (more traffic, bigger batch, lower estimate);
-/// real generation gaps (2-3x) survive the rounding.
+/// real generation gaps (2-3x) survive the rounding. Kept within 2^-10..2^10 of the reference
+/// pod: the snapshot allows any capacity over 0, and one of 1e-300 made every wait over it
+/// infinite or so large that the other pods' queues no longer told them apart (an audit: a
+/// pod with 3 waiting took as many requests as an idle one, and a score came out NaN).
 pub fn speed_class(capacity: f64) -> f64 {
     if !(capacity.is_finite() && capacity > 0.0) {
         return 1.0;
     }
-    2f64.powf((capacity.log2() * 2.0).round() / 2.0)
+    let log2 = capacity
+        .log2()
+        .clamp(-SPEED_CLASS_LOG2_RANGE, SPEED_CLASS_LOG2_RANGE);
+    2f64.powf((log2 * 2.0).round() / 2.0)
 }
+
+/// [`speed_class`]'s range, in powers of two either side of capacity 1.
+const SPEED_CLASS_LOG2_RANGE: f64 = 10.0;
 
 /// KV-cache capacity in tokens, when the pod reports its block size and count.
 fn kv_tokens(s: &crate::snapshot::PodSnapshot) -> Option<f64> {
@@ -1270,6 +1279,29 @@ mod tests {
             None,
         );
         assert_eq!(best(&d), 0);
+    }
+
+    #[test]
+    fn a_pod_of_any_capacity_leaves_the_others_queues_telling_them_apart() {
+        for cap in [1e-3, 1e-6, 1e-300, 5e-324] {
+            let mut slow = pod(1, 0, 0, 0.1);
+            slow.capacity = cap;
+            // Pod 1 has 3 waiting, pod 2 nothing: pod 2 every time, whatever the seed.
+            let p = pool(vec![slow, pod(2, 3, 0, 0.1), pod(3, 0, 0, 0.1)]);
+            for seed in 0..50 {
+                let (d, e) = explained(&p, &RequestFeatures::default(), seed);
+                assert_eq!(best(&d), 2, "capacity {cap}, seed {seed}");
+                assert!(
+                    e.scored
+                        .iter()
+                        .all(|b| b.total.is_finite() && b.queue.is_finite()),
+                    "capacity {cap}: {:?}",
+                    e.scored
+                );
+            }
+        }
+        assert_eq!(speed_class(5e-324), 2f64.powi(-10));
+        assert_eq!(speed_class(1e300), 2f64.powi(10));
     }
 
     #[test]
