@@ -5,7 +5,7 @@
 //! `core/tests/config_reference.rs` fails when the two part.
 
 use serde::Deserialize;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use thiserror::Error;
 
 /// Top-level filter configuration.
@@ -96,7 +96,7 @@ pub struct FilterConfig {
     /// target, on every worker and gateway replica, so its turns stay on one version and its
     /// KV cache; the weights divide conversations, not requests. For canary rollouts of a new
     /// model or adapter version, and A/B tests.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_keys")]
     pub splits: BTreeMap<String, Vec<SplitTarget>>,
 }
 
@@ -125,7 +125,7 @@ pub struct PoolConfig {
     pub models: Vec<String>,
     /// Extra names clients may use, mapped to one of `models`. The body is rewritten to the
     /// target name, since the pods do not know the alias.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_keys")]
     pub aliases: BTreeMap<String, String>,
     /// LoRA adapters served on top of the pool's base model.
     #[serde(default)]
@@ -630,6 +630,71 @@ pub struct ConfigError {
     pub reason: String,
 }
 
+/// A JSON object read into a map, refusing a key given twice: serde's maps keep the last value
+/// without a word, so `{"a": "m1", "a": "m2"}` would serve `a` as `m2` while the operator reads
+/// `m1` first. The configuration's structs refuse a field given twice already.
+fn unique_keys<'de, D, V>(de: D) -> Result<BTreeMap<String, V>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Entries<V>(std::marker::PhantomData<V>);
+    impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Entries<V> {
+        type Value = BTreeMap<String, V>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an object")
+        }
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if out.contains_key(&key) {
+                    return Err(serde::de::Error::custom(format!("{key:?} is given twice")));
+                }
+                let value = map.next_value()?;
+                out.insert(key, value);
+            }
+            Ok(out)
+        }
+    }
+    de.deserialize_map(Entries(std::marker::PhantomData))
+}
+
+/// A name the filter writes into a request header (`x-gateway-pool`, `x-gateway-model-name`):
+/// no control characters, which Envoy refuses in a header value (every request of the pool
+/// would get Envoy's 503 "invalid header value", while the stats counted them picked).
+fn check_header_safe(field: impl FnOnce() -> String, name: &str) -> Result<(), ConfigError> {
+    if name.chars().any(|c| c.is_ascii_control()) {
+        return Err(cfg_err(
+            field(),
+            format!("{name:?} has a control character"),
+        ));
+    }
+    Ok(())
+}
+
+/// Names that share a stat name would share their counters (`llama.8b` and `llama_8b` are
+/// both `llama_8b` in Envoy's stats, [`crate::fleet::stat_segment`]): refused. `seen` maps
+/// each stat name to the name that took it.
+fn distinct_stat<'a>(
+    seen: &mut HashMap<String, &'a str>,
+    name: &'a str,
+    field: impl FnOnce() -> String,
+) -> Result<(), ConfigError> {
+    match seen.insert(crate::fleet::stat_segment(name), name) {
+        Some(other) if other != name => Err(cfg_err(
+            field(),
+            format!(
+                "{name:?} and {other:?} have the same stat name {:?}: their counters would be one",
+                crate::fleet::stat_segment(name)
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn cfg_err(field: impl Into<String>, reason: impl Into<String>) -> ConfigError {
     ConfigError {
         field: field.into(),
@@ -656,18 +721,21 @@ impl FilterConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let mut pool_names = HashSet::new();
+        let mut pool_stats = HashMap::new();
         let mut names = HashSet::new();
         for (i, pool) in self.pools.iter().enumerate() {
             let f = format!("pools[{i}]");
             if pool.name.is_empty() {
                 return Err(cfg_err(format!("{f}.name"), "must not be empty"));
             }
+            check_header_safe(|| format!("{f}.name"), &pool.name)?;
             if !pool_names.insert(pool.name.as_str()) {
                 return Err(cfg_err(
                     format!("{f}.name"),
                     format!("duplicate pool {:?}", pool.name),
                 ));
             }
+            distinct_stat(&mut pool_stats, &pool.name, || format!("{f}.name"))?;
             // A standby pool serves only as another pool's failover: no names of its own.
             let standby = self.pools.iter().any(|p| p.failover.contains(&pool.name));
             if pool.models.is_empty() && !standby {
@@ -710,6 +778,7 @@ impl FilterConfig {
                 if name.is_empty() {
                     return Err(cfg_err(format!("{f}.{kind}"), "empty name"));
                 }
+                check_header_safe(|| format!("{f}.{kind}"), name)?;
                 if !names.insert(name.as_str()) {
                     return Err(cfg_err(
                         format!("{f}.{kind}"),
@@ -735,6 +804,7 @@ impl FilterConfig {
                 ));
             }
         }
+        self.validate_models_path()?;
         if let Some(h) = &self.hold {
             if !(1..=60_000).contains(&h.max_wait_ms) {
                 return Err(cfg_err("hold.max_wait_ms", "must be between 1 and 60000"));
@@ -854,12 +924,47 @@ impl FilterConfig {
 
     /// Splits name new public models whose targets are served names (`served`: every model,
     /// alias and adapter of the pools).
+    /// `models_path` answers `GET` for itself and every path under it: none of the paths the
+    /// filter serves otherwise may be among them (an ingest path there is taken as ingest, an
+    /// inference path answered as a model lookup on `GET`).
+    fn validate_models_path(&self) -> Result<(), ConfigError> {
+        let m = &self.models_path;
+        if m.is_empty() {
+            return Ok(());
+        }
+        if !m.starts_with('/') {
+            return Err(cfg_err("models_path", "must start with '/' (or be empty)"));
+        }
+        let ingest = self
+            .ingest
+            .iter()
+            .flat_map(|i| [&i.path, &i.prefix_path, &i.load_path]);
+        let taken = self
+            .inference_paths
+            .iter()
+            .chain(ingest)
+            .filter(|p| !p.is_empty());
+        for p in taken {
+            if crate::routing::ModelsQuery::of(p, m).is_some() {
+                return Err(cfg_err(
+                    "models_path",
+                    format!("{p:?} is {m:?} or under it, and is an inference or ingest path"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn validate_splits(&self, served: &HashSet<&str>) -> Result<(), ConfigError> {
+        let mut split_stats = HashMap::new();
         for (name, targets) in &self.splits {
             let f = format!("splits.{name}");
             if name.is_empty() {
                 return Err(cfg_err("splits", "empty split name"));
             }
+            check_header_safe(|| f.clone(), name)?;
+            distinct_stat(&mut split_stats, name, || f.clone())?;
+            let mut target_stats = HashMap::new();
             if served.contains(name.as_str()) {
                 return Err(cfg_err(
                     f,
@@ -889,6 +994,7 @@ impl FilterConfig {
                         format!("target {:?} is listed twice", t.model),
                     ));
                 }
+                distinct_stat(&mut target_stats, &t.model, || format!("{tf}.model"))?;
                 if t.weight > MAX_SPLIT_WEIGHT {
                     return Err(cfg_err(
                         format!("{tf}.weight"),
@@ -1205,6 +1311,57 @@ mod tests {
             (
                 r#"{"pools":[{"name":"p","models":["m"]}],"hold":{"order":"random"}}"#,
                 "unknown variant `random`",
+            ),
+            // Found by an audit: each was accepted and then misbehaved.
+            // Two pools counted as one in Envoy's stats.
+            (
+                r#"{"pools":[{"name":"llama.8b","models":["m"]},{"name":"llama_8b","models":["n"]}]}"#,
+                r#"pools[1].name: "llama_8b" and "llama.8b" have the same stat name "llama_8b""#,
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m.1","m_1"]}],"splits":{"s.x":[{"model":"m.1","weight":1}],"s_x":[{"model":"m.1","weight":1}]}}"#,
+                "splits.s_x: ",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m.1","m_1"]}],"splits":{"s":[{"model":"m.1","weight":1},{"model":"m_1","weight":1}]}}"#,
+                "splits.s[1].model",
+            ),
+            // Names Envoy refuses in a header value.
+            (
+                r#"{"pools":[{"name":"p\nx","models":["m"]}]}"#,
+                "pools[0].name: \"p\\nx\" has a control character",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m\u0000"]}]}"#,
+                "pools[0].models",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"aliases":{"a\u007f":"m"}}]}"#,
+                "pools[0].aliases",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s\t":[{"model":"m","weight":1}]}}"#,
+                "has a control character",
+            ),
+            // A key given twice (serde would keep the last without a word).
+            (
+                r#"{"pools":[{"name":"p","models":["m","m2"],"aliases":{"a":"m","a":"m2"}}]}"#,
+                r#"pools[0].aliases: "a" is given twice"#,
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"]}],"splits":{"s":[{"model":"m","weight":1}],"s":[{"model":"m","weight":2}]}}"#,
+                r#"splits: "s" is given twice"#,
+            ),
+            // Paths that models_path would answer.
+            (
+                r#"{"pools":[],"models_path":"/v1/chat/completions"}"#,
+                "models_path",
+            ),
+            (r#"{"pools":[],"models_path":"/v1"}"#, "models_path"),
+            (r#"{"pools":[],"models_path":"v1/models"}"#, "models_path"),
+            (
+                r#"{"pools":[],"ingest":{"token":"token-long-enough","path":"/v1/models"}}"#,
+                r#"models_path: "/v1/models" is "/v1/models" or under it"#,
             ),
         ];
         for (json, needle) in cases {

@@ -739,6 +739,24 @@ def test_a_runaway_version_is_replaced_once_its_snapshot_is_stale(pods):
         e.stop()
 
 
+@pytest.mark.parametrize("change, message", [
+    # Two pools Envoy's stats would count as one.
+    ({"pools": [{"name": "llama.8b", "models": ["m"]}, {"name": "llama_8b", "models": ["n"]}]},
+     'pools[1].name: "llama_8b" and "llama.8b" have the same stat name'),
+    # A pool name Envoy refuses in the x-gateway-pool header (its requests would all get 503).
+    ({"pools": [{"name": "p\nx", "models": ["m"]}]}, 'pools[0].name: "p\\nx" has a control character'),
+    # A models_path answering an inference path.
+    ({"models_path": "/v1"}, 'models_path: "/v1/chat/completions" is "/v1" or under it'),
+], ids=["stat-names", "control-character", "models-path"])
+def test_envoy_refuses_a_configuration_that_would_misroute_or_miscount(pods, change, message):
+    """Each was accepted before (an audit): Envoy now refuses to start with the configuration,
+    and its log names the field."""
+    config = dict(CONFIG, **change)
+    with pytest.raises(RuntimeError) as refused:
+        Envoy("filter", pools_of(pods), config, ready_timeout=10).stop()
+    assert message in str(refused.value), str(refused.value)[-1500:]
+
+
 def test_missing_snapshot_fails_open(pods):
     e = Envoy("filter", pools_of(pods), CONFIG)
     try:
