@@ -180,15 +180,21 @@ impl LoadTable {
     }
 
     /// Adds another worker's table to this one, pod by pod (by key). A table counts if it
-    /// belongs to this table's snapshot version or to `previous`, the one before it: a worker
-    /// that has not installed the newest snapshot yet (it will within its refresh interval or
-    /// its tick) still counts, its deltas measured from the snapshot before, which can only
-    /// count a request the newest snapshot already reflects twice for that moment; leaving it
-    /// out would hide all of that worker's requests instead (measured: the bursty benchmark's
-    /// p99 TTFT 4% worse at two workers). Older tables are workers that are gone. Returns
-    /// whether it was added.
+    /// belongs to this table's snapshot version, or to `previous` (the version the reader had
+    /// before this one) or any version between them: a worker that has not installed the newest
+    /// snapshot yet (it will within its refresh interval or its tick) still counts, its deltas
+    /// measured from the snapshot before, which can only count a request the newest snapshot
+    /// already reflects twice for that moment; leaving it out would hide all of that worker's
+    /// requests instead (measured: the bursty benchmark's p99 TTFT 4% worse at two workers).
+    /// The versions between: a reader that was idle installs only the newest snapshot when it
+    /// wakes, and the other worker may be one push behind it, on a version the reader never
+    /// saw (an audit: the first request after an idle spell did not count the other worker's
+    /// requests). Older tables are workers that are gone. After versions went back (a reset,
+    /// `previous` above this one), only this version counts. Returns whether it was added.
     pub fn add_table(&mut self, other: &LoadTable, previous: Option<u64>) -> bool {
-        if other.version != self.version && Some(other.version) != previous {
+        let since_previous =
+            previous.is_some_and(|p| p <= other.version && other.version < self.version);
+        if other.version != self.version && !since_previous {
             return false;
         }
         for (i, o) in other.pods.iter().enumerate() {
@@ -546,6 +552,17 @@ mod tests {
         assert!(c.finish(2, 1, 7, None));
         assert!(sum.add_table(&c, None));
         assert_eq!(sum.pods[1].delta(), 0);
+        // A reader that was idle went from version 2 straight to 4: a worker on 3, which that
+        // reader never installed, counts; one on 1 (gone) does not.
+        let mut skipped = LoadTable::zeroed(4, &[1, 2]);
+        assert!(skipped.add_table(&late, Some(2)));
+        assert_eq!(skipped.pods[0].delta(), 1);
+        let mut gone = LoadTable::default();
+        gone.rebase(1, &[1, 2]);
+        assert!(!skipped.add_table(&gone, Some(2)));
+        // After versions went back (10 before, 4 now), only version 4 counts.
+        assert!(!LoadTable::zeroed(4, &[1, 2]).add_table(&late, Some(10)));
+        assert!(!LoadTable::zeroed(4, &[1, 2]).add_table(&old, Some(10)));
     }
 
     #[test]

@@ -467,9 +467,14 @@ impl Worker {
     /// decisions, and the gauges and batched counters out to Envoy.
     fn tick(&mut self) {
         // Something to exchange: requests routed, or in-flight counts changed (requests
-        // finished), since the last tick.
+        // finished), since the last tick; or requests of this worker still in flight. Their
+        // table must follow each new snapshot within a tick: the other workers count a table
+        // only of the newest snapshot or the one before, and at the idle tick (320 ms, three
+        // of the aggregator's pushes) a worker whose requests were all still queued at their
+        // pods dropped out of the others' view half the time (an audit: the other worker sent
+        // new requests to such a pod as if it were idle).
         let active = self.routed != self.routed_at_tick
-            || self.loads.values().any(|pl| pl.dirty)
+            || self.loads.values().any(|pl| pl.dirty || !pl.own.is_idle())
             || !self.held.is_empty();
         self.routed_at_tick = self.routed;
         if self.register_tried && self.id == UNREGISTERED {

@@ -5,6 +5,7 @@ import concurrent.futures
 import contextlib
 import http.client
 import json
+import re
 import socket
 import sys
 import threading
@@ -14,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from harness import (RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, documented_stats, pod_picks_stat,
+from harness import (RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, Pusher, documented_stats, pod_picks_stat,
                      settle, snapshot)
 from stubpod import StubPod, serving
 
@@ -1459,6 +1460,71 @@ def test_a_request_that_ended_on_one_worker_no_longer_counts_on_the_other(pods):
         for c in conns.values():
             c.close()
         e.stop()
+
+
+def test_a_quiet_workers_requests_in_prefill_count_on_the_other_worker_as_snapshots_come(pods):
+    """Worker B has one streamed request queued at pod X and routes nothing more; snapshots come
+    every 100 ms, as sidecar-metrics pushes them. Worker A must count that request on X for as
+    long as it is queued. Before, B's tick slowed to `idle_tick_ms` (320 ms) once it routed
+    nothing, its table fell more than a snapshot behind between its ticks, and A left it out
+    half the time (an audit: 61 of 123 probes scored X as idle, 31 were sent there); and A's
+    first request after its own idle spell left it out too, A having skipped B's version."""
+    a, b = StubPod("quiet-a"), StubPod("quiet-b")
+    # Debug header on; the other options at their defaults (tick 20 ms, idle tick 320 ms).
+    config = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True,
+              "scoring": {"stale_after_ms": 60_000}}
+    e = Envoy("filter", [{"name": "llama", "endpoints": [a.address, b.address]}], config, concurrency=2)
+    pusher, conns = None, {}
+    try:
+        pusher = Pusher([e], {"llama": [{"address": a.address}, {"address": b.address}]}, interval_s=0.1)
+        conns = connection_per_worker(e, 2)
+        worker_a, worker_b = conns.values()
+
+        def chat(c, content, stream=False):
+            body = {"model": "llama-3-8b", "stream": stream, "messages": [{"role": "user", "content": content}]}
+            c.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+
+        for c in conns.values():  # each worker joins the exchange with a routed request
+            chat(c, "warm")
+            r = c.getresponse()
+            r.read()
+        # B's streamed request: both pods hold it, then the one it went to keeps holding.
+        for p in (a, b):
+            p.hold = threading.Event()
+        before = {p: len(p.requests) for p in (a, b)}
+        chat(worker_b, "a long prompt on worker B", stream=True)
+        deadline = time.time() + 10
+        while all(len(p.requests) == before[p] for p in (a, b)) and time.time() < deadline:
+            time.sleep(0.01)
+        x, y = (a, b) if len(a.requests) > before[a] else (b, a)
+        y.hold.set()
+        time.sleep(1.5)  # B routes nothing: its tick slows down (before, to 320 ms)
+        blind = []
+        for i in range(40):
+            chat(worker_a, f"probe {i}")
+            try:
+                r = worker_a.getresponse()
+            except TimeoutError:  # sent to X, which holds it
+                blind.append((x.name, "no answer: X holds it"))
+                break
+            r.read()
+            debug = r.getheader("x-gateway-debug")
+            queue = {addr: float(q) for addr, q in re.findall(r"(127\.0\.0\.1:\d+) total=[-\d.]+ queue=([-\d.]+)", debug)}
+            if r.getheader("x-served-by") != y.name or not queue[x.address] < queue[y.address]:
+                blind.append((r.getheader("x-served-by"), debug))
+            time.sleep(0.05)
+        assert not blind, f"{len(blind)} of 40 probes did not count B's request on {x.name}: {blind[:3]}"
+    finally:
+        for p in (a, b):
+            if p.hold is not None:
+                p.hold.set()
+        if pusher:
+            pusher.stop()
+        for c in conns.values():
+            c.close()
+        e.stop()
+        a.close()
+        b.close()
 
 
 @contextlib.contextmanager
