@@ -399,11 +399,18 @@ fn push_bounded<T>(values: &mut Vec<T>, x: T) {
     values.push(x);
 }
 
+/// This Envoy's requests in flight per pod, per pool (re-aligned with each new snapshot): one
+/// set for the process, like the snapshot, whatever filter configuration routed them. Each
+/// configuration kept its own before, so after a change (an LDS update) the new one routed as
+/// if the requests still running under the old one (for as long as they drain) were not there
+/// (an audit: a pod with a stream in progress scored as idle, and got the next request).
+/// Locked after a configuration's `router` when both are held, never before.
+static LOADS: LazyLock<parking_lot::Mutex<NameMap<String, LoadTable>>> =
+    LazyLock::new(Default::default);
+
 /// Routing state of one filter configuration, shared by all workers.
 struct Router {
     engine: Engine,
-    /// In-flight requests per pod, per pool (re-aligned with each new snapshot).
-    loads: NameMap<String, LoadTable>,
     rng: SplitMix64,
     /// Other gateway replicas' requests in prefill (`ingest.load_path`).
     replicas: ReplicaView,
@@ -516,7 +523,6 @@ impl Config {
             reader,
             router: parking_lot::Mutex::new(Router {
                 engine,
-                loads: NameMap::default(),
                 rng: SplitMix64::new(seed),
                 replicas: ReplicaView::default(),
             }),
@@ -615,8 +621,7 @@ impl Config {
 
     /// Counts a change in a pod's in-flight load (first byte back, or the end of the request).
     fn complete(&self, pool: &str, op: Completion) {
-        let mut r = self.router.lock();
-        if let Some(t) = r.loads.get_mut(pool) {
+        if let Some(t) = LOADS.lock().get_mut(pool) {
             op.apply(t);
         }
     }
@@ -939,17 +944,12 @@ impl Filter {
         }
     }
 
-    /// This Envoy's own requests in prefill per pool and pod (every routing configuration's
-    /// tables), for the other gateway replicas.
+    /// This Envoy's own requests in prefill per pool and pod, for the other gateway replicas.
     fn load_answer(&mut self, s: Stream) {
-        let mut tables: Vec<(String, LoadTable)> = Vec::new();
-        for (_, c) in routing_configs() {
-            let r = c.router.lock();
-            for (pool, t) in r.loads.iter() {
-                tables.push((pool.clone(), t.clone()));
-            }
-        }
-        let load = ReplicaLoad::from_tables(tables.iter().map(|(p, t)| (p.as_str(), t)));
+        let load = {
+            let loads = LOADS.lock();
+            ReplicaLoad::from_tables(loads.iter().map(|(p, t)| (p.as_str(), t)))
+        };
         self.config
             .pending
             .lock()
@@ -1209,13 +1209,14 @@ impl Filter {
         let cfg = &config.settings;
         let m = &config.metrics;
         let r = &mut *guard;
+        let mut loads = LOADS.lock();
         // Again after an overflow: in the pool it went to, with that pool's table.
         let (pool_state, table, mut choice) = loop {
             let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
-            if !r.loads.contains_key(&*prep.pool) {
-                r.loads.insert(prep.pool.to_string(), LoadTable::default());
+            if !loads.contains_key(&*prep.pool) {
+                loads.insert(prep.pool.to_string(), LoadTable::default());
             }
-            let Some(table) = r.loads.get_mut(&*prep.pool) else {
+            let Some(table) = loads.get_mut(&*prep.pool) else {
                 return Ok(());
             };
             if let (Some(f), Some(p)) = (fleet.as_deref(), pool_state) {
@@ -1268,6 +1269,7 @@ impl Filter {
             // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
             any_pod = pool_state.and_then(|p| Engine::any_pod(p, &mut r.rng));
         }
+        drop(loads);
         drop(guard);
 
         let pool = &*prep.pool;

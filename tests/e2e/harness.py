@@ -342,17 +342,25 @@ class LdsListener:
         before = updates()
         self.listeners = json.loads(json.dumps(self.listeners))
         for listener in self.listeners:
-            config = wasm_filter(listener)["typed_config"]["config"]
-            plugin = config["configuration"]
+            f = gpuroute_filter(listener)["typed_config"]
+            # The proxy-wasm filter's plugin configuration, or the dynamic module's.
+            plugin = f["config"]["configuration"] if "config" in f else f["filter_config"]
             plugin["value"] = json.dumps(dict(json.loads(plugin["value"]), **options), separators=(",", ":"))
             if wasm is not None:
-                config["vm_config"]["code"]["local"]["filename"] = str(wasm)
+                f["config"]["vm_config"]["code"]["local"]["filename"] = str(wasm)
         self._write()
         deadline = time.time() + timeout_s
         while updates() <= before:
             if time.time() > deadline:
                 raise RuntimeError("Envoy did not take the new listeners")
             time.sleep(0.05)
+
+
+def gpuroute_filter(listener):
+    """The filter of a rendered listener, either build."""
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    names = ("envoy.filters.http.wasm", "envoy.filters.http.dynamic_modules")
+    return next(f for f in hcm["http_filters"] if f["name"] in names)
 
 
 def wasm_filter(listener):

@@ -1527,6 +1527,54 @@ def test_a_quiet_workers_requests_in_prefill_count_on_the_other_worker_as_snapsh
         b.close()
 
 
+def test_requests_in_flight_under_the_old_configuration_count_under_the_new(tmp_path):
+    """A change of the filter's configuration (an LDS update) while a request is in flight at
+    pod X: the new configuration counts it on X for as long as it runs (the old filter chain
+    drains meanwhile; 30 s here). The dynamic module kept a table per configuration before, so
+    the new one sent the next request to X as if it were idle (an audit)."""
+    a, b = StubPod("change-a"), StubPod("change-b")
+    lds = LdsListener(tmp_path / "lds")
+    config = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True,
+              "scoring": {"stale_after_ms": 60_000}}
+    e = Envoy("filter", [{"name": "llama", "endpoints": [a.address, b.address]}], config,
+              workdir=tmp_path / "envoy", patch=lds.patch,
+              envoy_args=["--drain-time-s", "30", "--drain-strategy", "immediate"])
+    ex = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        assert e.push(snapshot({"llama": [{"address": a.address}, {"address": b.address}]}))[0] == 204
+        for p in (a, b):
+            p.hold = threading.Event()
+        ex.submit(e.chat, "llama-3-8b", "a long one", timeout=120)
+        deadline = time.time() + 10
+        while not (a.requests or b.requests) and time.time() < deadline:
+            time.sleep(0.01)
+        x, y = (a, b) if a.requests else (b, a)
+        y.hold.set()
+
+        def probe():
+            try:
+                s, h, _, _ = e.chat("llama-3-8b", "probe", timeout=5)
+            except TimeoutError:
+                raise AssertionError(f"a probe went to {x.name}, which holds it: its request was not counted") from None
+            queue = dict(re.findall(r"(127\.0\.0\.1:\d+) total=[-\d.]+ queue=([-\d.]+)", h["x-gateway-debug"]))
+            return s, h["x-served-by"], float(queue[x.address]), float(queue[y.address])
+
+        status, served, qx, qy = probe()
+        assert (status, served) == (200, y.name) and qx < qy
+        lds.change(e, timeout_s=10, tick_ms=21)
+        for _ in range(5):
+            status, served, qx, qy = probe()
+            assert (status, served) == (200, y.name) and qx < qy, (served, qx, qy)
+    finally:
+        for p in (a, b):
+            if p.hold is not None:
+                p.hold.set()
+        ex.shutdown(wait=True)
+        e.stop()
+        a.close()
+        b.close()
+
+
 @contextlib.contextmanager
 def one_slow_pod_gateway(config, workers):
     """A gateway of `workers` worker threads in front of one pod that can hold requests, with a
