@@ -18,6 +18,7 @@ use sidecar_metrics::app::{self, RunOptions};
 use sidecar_metrics::config::{Config, KubernetesConfig, PoolConfig};
 use sidecar_metrics::discovery::{kubernetes, Update};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{broadcast, mpsc};
@@ -42,6 +43,11 @@ struct Store {
 struct FakeApi {
     store: Arc<Mutex<Store>>,
     events: broadcast::Sender<Ev>,
+    /// The next this many LISTs (watch starts) are accepted and never answered.
+    hang_lists: Arc<AtomicUsize>,
+    hang_watches: Arc<AtomicUsize>,
+    /// Requests left hanging so far.
+    hung: Arc<AtomicUsize>,
 }
 
 impl FakeApi {
@@ -49,6 +55,23 @@ impl FakeApi {
         FakeApi {
             store: Arc::default(),
             events: broadcast::channel(1024).0,
+            hang_lists: Arc::default(),
+            hang_watches: Arc::default(),
+            hung: Arc::default(),
+        }
+    }
+
+    /// Never returns when the request is one of those to leave hanging.
+    async fn maybe_hang(&self, q: &HashMap<String, String>) {
+        let counter = if q.get("watch").map(String::as_str) == Some("true") {
+            &self.hang_watches
+        } else {
+            &self.hang_lists
+        };
+        let take = counter.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if take.is_ok() {
+            self.hung.fetch_add(1, Ordering::SeqCst);
+            std::future::pending::<()>().await;
         }
     }
 
@@ -129,6 +152,7 @@ async fn handle_pods(
     _ns: Path<String>,
     q: Query<HashMap<String, String>>,
 ) -> Response {
+    s.0.maybe_hang(&q.0).await;
     respond(s.0, "pods", "PodList", "v1", q.0)
 }
 
@@ -137,6 +161,7 @@ async fn handle_pools(
     _ns: Path<String>,
     q: Query<HashMap<String, String>>,
 ) -> Response {
+    s.0.maybe_hang(&q.0).await;
     respond(
         s.0,
         "inferencepools",
@@ -169,7 +194,8 @@ fn respond(
             .body(Body::from(body.to_string()))
             .unwrap();
     }
-    // Watch: replay history after the requested version, then follow live events.
+    // Watch: replay history after the requested version, then follow live events, until the
+    // watch's timeoutSeconds (as the API server does).
     let since: u64 = q
         .get("resourceVersion")
         .and_then(|v| v.parse().ok())
@@ -186,8 +212,13 @@ fn respond(
         async move { keep }
     });
     let q2 = q.clone();
+    let timeout: u64 = q
+        .get("timeoutSeconds")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3600);
     let lines = futures::stream::iter(replay)
         .chain(live)
+        .take_until(tokio::time::sleep(Duration::from_secs(timeout)))
         .filter(move |e| {
             let keep = e.resource == resource && matches(&e.object, &q2);
             async move { keep }
@@ -222,9 +253,13 @@ fn pod(name: &str, ip: &str, app: &str, ready: bool) -> Value {
     })
 }
 
-fn client(addr: std::net::SocketAddr) -> kube::Client {
+fn client(addr: std::net::SocketAddr) -> kubernetes::ApiClient {
+    client_with(addr, kubernetes::READ_TIMEOUT)
+}
+
+fn client_with(addr: std::net::SocketAddr, read_timeout: Duration) -> kubernetes::ApiClient {
     let cfg = kube::Config::new(format!("http://{addr}").parse().unwrap());
-    kube::Client::try_from(cfg).unwrap()
+    kubernetes::ApiClient::new(cfg, read_timeout).unwrap()
 }
 
 fn pool(k: KubernetesConfig) -> PoolConfig {
@@ -241,7 +276,7 @@ fn pool(k: KubernetesConfig) -> PoolConfig {
 
 /// Waits for the next update and returns it as `(address, ready)` pairs.
 async fn next(rx: &mut mpsc::UnboundedReceiver<Update>) -> Vec<(String, bool)> {
-    let u = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+    let u = tokio::time::timeout(Duration::from_secs(30), rx.recv())
         .await
         .expect("an update")
         .unwrap();
@@ -358,6 +393,44 @@ async fn inference_pool_selector_and_target_ports_are_followed() {
     while !last.is_empty() {
         last = next(&mut rx).await;
     }
+    stop.cancel();
+}
+
+/// An API server that accepts a LIST, or the start of a watch, and never answers: the request
+/// fails after the client's read timeout and discovery goes on (before, the pod list froze for
+/// good, without a word in the log).
+#[tokio::test]
+async fn a_hung_list_or_watch_start_times_out_and_discovery_recovers() {
+    let api = FakeApi::new();
+    api.put("pods", pod("a", "127.0.0.2", "vllm", true));
+    api.hang_lists.store(1, Ordering::SeqCst);
+    let addr = api.serve().await;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let stop = CancellationToken::new();
+    let k = KubernetesConfig {
+        namespace: "llm".into(),
+        selector: Some("app=vllm".into()),
+        port: Some(8000),
+        inference_pool: None,
+    };
+    // Read timeout 2 s: watches ask the server to end them after 1 s.
+    let c = client_with(addr, Duration::from_secs(2));
+    assert_eq!(c.watch_timeout_secs, 1);
+    tokio::spawn(kubernetes::run(0, pool(k.clone()), k, c, tx, stop.clone()));
+    let deadline = Duration::from_secs(60);
+    let first = tokio::time::timeout(deadline, rx.recv())
+        .await
+        .expect("the pod list after the hung LIST")
+        .unwrap();
+    assert_eq!(first.targets.len(), 1);
+    assert_eq!(api.hung.load(Ordering::SeqCst), 1);
+
+    // The watch ends after its 1 s; the next watch start hangs. A change made while it hangs
+    // arrives once it has timed out and the watch is started again.
+    api.hang_watches.store(1, Ordering::SeqCst);
+    assert!(eventually(deadline, || api.hung.load(Ordering::SeqCst) == 2).await);
+    api.put("pods", pod("a", "127.0.0.2", "vllm", false));
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), false)]);
     stop.cancel();
 }
 

@@ -10,6 +10,14 @@
 //! condition is not `True`; it is dropped when it is deleted or starts terminating
 //! (`deletionTimestamp`), since a terminating vLLM drains and must not get new requests.
 //! RBAC: `get`/`list`/`watch` on `pods` and on `inferencepools` (see `deploy/kubernetes/`).
+//!
+//! Every request to the API server has a read timeout ([`READ_TIMEOUT`]): a LIST or the start of
+//! a watch that the server accepted and never answers fails after it, is logged, and is tried
+//! again (a LIST from scratch). kube-rs sets none by default, and its watcher's idle timeout only
+//! covers a watch stream that has started, so one hung request used to freeze the pool's pod
+//! list for good. Each watch asks the server to end it after [`ApiClient::watch_timeout_secs`],
+//! shorter than the read timeout, so a healthy watch with nothing to say ends (and is resumed
+//! from its resourceVersion, without a LIST) before the read timeout could take it for hung.
 
 use super::{Target, Update, UpdateTx};
 use crate::config::{KubernetesConfig, PoolConfig};
@@ -33,6 +41,46 @@ pub enum KubeError {
     Client(#[source] kube::Error),
 }
 
+/// The longest the API server may leave a request without a byte (the response's headers or
+/// its next part) before the request fails and is tried again. A LIST of thousands of pods
+/// starts answering within seconds; 60 s leaves a loaded API server room.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A Kubernetes API client whose requests cannot hang (see the module's documentation), and
+/// the server-side timeout its watches ask for.
+#[derive(Clone)]
+pub struct ApiClient {
+    pub client: kube::Client,
+    /// `timeoutSeconds` of every watch: below the client's read timeout.
+    pub watch_timeout_secs: u32,
+}
+
+impl ApiClient {
+    /// From the in-cluster configuration or `KUBECONFIG` (as `kube::Client::try_default`), with
+    /// [`READ_TIMEOUT`].
+    pub async fn infer() -> Result<ApiClient, KubeError> {
+        let cfg = kube::Config::infer()
+            .await
+            .map_err(|e| KubeError::Client(kube::Error::InferConfig(e)))?;
+        ApiClient::new(cfg, READ_TIMEOUT)
+    }
+
+    /// From `cfg`, with `read_timeout` (at least 2 s) on every request; watches ask the server to
+    /// end them after three quarters of it (45 s for the default 60 s).
+    pub fn new(mut cfg: kube::Config, read_timeout: Duration) -> Result<ApiClient, KubeError> {
+        let read_timeout = read_timeout.max(Duration::from_secs(2));
+        cfg.read_timeout = Some(read_timeout);
+        // Counted from when a request is sent, not from when its pooled connection went idle.
+        cfg.reset_reader_on_write = true;
+        let watch_timeout_secs =
+            u32::try_from((read_timeout.as_secs() * 3 / 4).max(1)).unwrap_or(u32::MAX);
+        Ok(ApiClient {
+            client: kube::Client::try_from(cfg).map_err(KubeError::Client)?,
+            watch_timeout_secs,
+        })
+    }
+}
+
 /// The `InferencePool` resource of the Gateway API Inference Extension, v1.
 pub fn inference_pool_resource() -> ApiResource {
     ApiResource {
@@ -49,7 +97,7 @@ pub async fn run(
     pool_index: usize,
     pool: PoolConfig,
     k: KubernetesConfig,
-    client: kube::Client,
+    client: ApiClient,
     tx: UpdateTx,
     shutdown: CancellationToken,
 ) {
@@ -145,14 +193,15 @@ async fn watch_pods(
     namespace: &str,
     selector: &str,
     ports: &[u16],
-    client: kube::Client,
+    client: ApiClient,
     tx: &UpdateTx,
     shutdown: &CancellationToken,
 ) {
-    let api: Api<Pod> = Api::namespaced(client, namespace);
-    let mut stream = watcher::watcher(api, watcher::Config::default().labels(selector))
-        .default_backoff()
-        .boxed();
+    let api: Api<Pod> = Api::namespaced(client.client, namespace);
+    let cfg = watcher::Config::default()
+        .labels(selector)
+        .timeout(client.watch_timeout_secs);
+    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
     let mut pods: BTreeMap<String, PodEntry> = BTreeMap::new();
     let mut buffer: Option<BTreeMap<String, PodEntry>> = None;
     let mut initialised = false;
@@ -262,13 +311,15 @@ async fn watch_inference_pool(
     pool: &PoolConfig,
     namespace: &str,
     name: &str,
-    client: kube::Client,
+    client: ApiClient,
     tx: &UpdateTx,
     shutdown: &CancellationToken,
 ) {
     let ar = inference_pool_resource();
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &ar);
-    let cfg = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let api: Api<DynamicObject> = Api::namespaced_with(client.client.clone(), namespace, &ar);
+    let cfg = watcher::Config::default()
+        .fields(&format!("metadata.name={name}"))
+        .timeout(client.watch_timeout_secs);
     let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
     let mut current: Option<((String, Vec<u16>), CancellationToken)> = None;
     let mut gate = LogGate::new(Duration::from_secs(30));

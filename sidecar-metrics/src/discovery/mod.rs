@@ -79,7 +79,7 @@ pub type UpdateTx = mpsc::UnboundedSender<Update>;
 #[derive(Clone, Default)]
 pub struct Deps {
     pub resolver: Option<Arc<dyn dns::Resolver>>,
-    pub kube_client: Option<kube::Client>,
+    pub kube_client: Option<kubernetes::ApiClient>,
 }
 
 /// Starts one discovery task per dynamic pool and sends the static pools' lists at once.
@@ -118,9 +118,7 @@ pub async fn spawn_all(
             let client = match &kube_client {
                 Some(c) => c.clone(),
                 None => {
-                    let c = kube::Client::try_default()
-                        .await
-                        .map_err(kubernetes::KubeError::Client)?;
+                    let c = kubernetes::ApiClient::infer().await?;
                     kube_client = Some(c.clone());
                     c
                 }
