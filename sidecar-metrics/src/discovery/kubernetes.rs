@@ -8,7 +8,10 @@
 //!
 //! A pod becomes a target once it has an IP; it is listed but never healthy while its `Ready`
 //! condition is not `True`; it is dropped when it is deleted or starts terminating
-//! (`deletionTimestamp`), since a terminating vLLM drains and must not get new requests.
+//! (`deletionTimestamp`), since a terminating vLLM drains and must not get new requests, and
+//! when it has finished (phase `Failed` or `Succeeded`: evicted, completed), since its IP is
+//! free for another pod to take. Two pods at one address (an IP reused before the API server
+//! forgot the old pod, host networking) are one endpoint: the `Ready` one is listed.
 //! RBAC: `get`/`list`/`watch` on `pods` and on `inferencepools` (see `deploy/kubernetes/`).
 //!
 //! Every request to the API server has a read timeout ([`READ_TIMEOUT`]): a LIST or the start of
@@ -139,6 +142,8 @@ struct PodEntry {
     ip: Option<IpAddr>,
     ready: bool,
     terminating: bool,
+    /// Phase `Failed` or `Succeeded`: its containers have stopped for good.
+    finished: bool,
 }
 
 fn entry(pod: &Pod) -> PodEntry {
@@ -153,6 +158,9 @@ fn entry(pod: &Pod) -> PodEntry {
             .and_then(|ip| ip.parse().ok()),
         ready,
         terminating: pod.metadata.deletion_timestamp.is_some(),
+        finished: status
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|p| p == "Failed" || p == "Succeeded"),
     }
 }
 
@@ -167,7 +175,7 @@ fn key(pod: &Pod) -> String {
 fn targets(pool: &PoolConfig, pods: &BTreeMap<String, PodEntry>, ports: &[u16]) -> Vec<Target> {
     let mut out: Vec<Target> = pods
         .values()
-        .filter(|p| !p.terminating)
+        .filter(|p| !p.terminating && !p.finished)
         .filter_map(|p| p.ip.map(|ip| (p, ip)))
         .flat_map(|(p, ip)| {
             ports.iter().map(move |port| {
@@ -178,8 +186,10 @@ fn targets(pool: &PoolConfig, pods: &BTreeMap<String, PodEntry>, ports: &[u16]) 
             })
         })
         .collect();
-    out.sort_by_key(|t| t.address);
-    // Two pods with one IP (host networking) would be one endpoint to the gateway.
+    // Two pods with one IP (host networking, an IP reused while the old pod is still listed)
+    // would be one endpoint to the gateway: the ready one is kept (a stable sort, so among
+    // equals the first by uid).
+    out.sort_by(|a, b| a.address.cmp(&b.address).then(b.ready.cmp(&a.ready)));
     out.dedup_by_key(|t| t.address);
     out
 }
@@ -442,6 +452,61 @@ mod tests {
         }))
         .unwrap();
         assert!(pool_spec(&empty).unwrap_err().contains("empty"));
+    }
+
+    fn test_pool() -> PoolConfig {
+        PoolConfig {
+            name: "p".into(),
+            engine: None,
+            metrics_path: None,
+            metrics_scheme: Default::default(),
+            pods: None,
+            dns: None,
+            kubernetes: None,
+        }
+    }
+
+    /// An evicted (or completed) pod keeps its IP in the API until it is deleted; the kubelet
+    /// may give the IP to a new pod meanwhile. Before, the finished pod was listed (and
+    /// scraped), and at an IP taken again the pod whose uid sorted first won, so a live Ready
+    /// pod could be published as not ready for good.
+    #[test]
+    fn finished_pods_are_skipped_and_a_reused_ip_is_the_ready_pods() {
+        let pod = |uid: &str, ip: &str, phase: &str, ready: bool| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": format!("pod-{uid}"), "uid": uid},
+                "status": {"phase": phase, "podIP": ip,
+                    "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}]}
+            }))
+            .unwrap()
+        };
+        let mut map = BTreeMap::new();
+        for p in [
+            // Evicted, and its IP given to a live pod whose uid sorts after it.
+            pod("a", "127.0.0.2", "Failed", false),
+            pod("b", "127.0.0.2", "Running", true),
+            // Completed, its IP not reused: not scraped any more.
+            pod("c", "127.0.0.3", "Succeeded", false),
+            // Two running pods at one IP (host networking): the ready one, whatever the uids.
+            pod("d", "127.0.0.4", "Running", false),
+            pod("e", "127.0.0.4", "Running", true),
+            // Pending and running pods that are not ready are listed as before.
+            pod("f", "127.0.0.5", "Pending", false),
+        ] {
+            map.insert(key(&p), entry(&p));
+        }
+        let got: Vec<_> = targets(&test_pool(), &map, &[8000])
+            .iter()
+            .map(|t| (t.address.to_string(), t.ready, t.name.clone().unwrap()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("127.0.0.2:8000".into(), true, "pod-b".into()),
+                ("127.0.0.4:8000".into(), true, "pod-e".into()),
+                ("127.0.0.5:8000".into(), false, "pod-f".into()),
+            ]
+        );
     }
 
     #[test]
