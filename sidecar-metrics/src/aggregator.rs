@@ -15,7 +15,7 @@
 //! the runtime's worker threads and send their result back over a channel.
 
 use crate::config::Config;
-use crate::discovery::{Target, Update};
+use crate::discovery::{Target, Update, UpdateRx};
 use crate::engine::Reading;
 use crate::metrics::Histogram;
 use crate::pod::{pool_snapshot, PodState};
@@ -278,11 +278,7 @@ impl Aggregator {
     }
 
     /// Runs until `shutdown`, taking pod lists from `updates`.
-    pub async fn run(
-        mut self,
-        mut updates: mpsc::UnboundedReceiver<Update>,
-        shutdown: CancellationToken,
-    ) {
+    pub async fn run(mut self, mut updates: UpdateRx, shutdown: CancellationToken) {
         let interval = Duration::from_millis(self.cfg.interval_ms);
         let deadline_after = Duration::from_millis(self.cfg.publish_deadline_ms());
         let mut tick = tokio::time::interval(interval);
@@ -699,7 +695,7 @@ mod tests {
         fleet: Arc<FakeFleet>,
         rx: PublishRx,
         rounds: mpsc::UnboundedReceiver<RoundReport>,
-        updates: mpsc::UnboundedSender<Update>,
+        updates: crate::discovery::UpdateTx,
         stop: CancellationToken,
     }
 
@@ -707,7 +703,7 @@ mod tests {
         let fleet = Arc::new(FakeFleet::default());
         let (obs_tx, rounds) = mpsc::unbounded_channel();
         let (agg, rx) = Aggregator::new(cfg, fleet.clone(), WallClock::system(), Some(obs_tx));
-        let (updates, up_rx) = mpsc::unbounded_channel();
+        let (updates, up_rx) = crate::discovery::channel();
         updates
             .send(static_update(0, ports.iter().map(|p| target(*p)).collect()))
             .unwrap();
@@ -830,7 +826,7 @@ mod tests {
         fleet.0.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
         let (obs_tx, mut rounds) = mpsc::unbounded_channel();
         let (agg, rx) = Aggregator::new(config(), fleet.clone(), WallClock::system(), Some(obs_tx));
-        let (updates, up_rx) = mpsc::unbounded_channel();
+        let (updates, up_rx) = crate::discovery::channel();
         updates.send(static_update(0, vec![target(1)])).unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(agg.run(up_rx, stop.clone()));
@@ -993,7 +989,7 @@ mod tests {
         let fleet = Arc::new(FakeFleet::default());
         fleet.set("http://127.0.0.1:1/metrics", 1, Some(BODY));
         let (agg, rx) = Aggregator::new(cfg, fleet, WallClock::system(), None);
-        let (updates, up_rx) = mpsc::unbounded_channel();
+        let (updates, up_rx) = crate::discovery::channel();
         updates.send(static_update(0, vec![target(1)])).unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(agg.run(up_rx, stop.clone()));
@@ -1018,7 +1014,7 @@ mod tests {
         };
         let fleet = Arc::new(FakeFleet::default());
         let (agg, rx) = Aggregator::new(cfg, fleet, WallClock::system(), None);
-        let (updates, up_rx) = mpsc::unbounded_channel();
+        let (updates, up_rx) = crate::discovery::channel();
         updates.send(static_update(0, vec![target(1)])).unwrap();
         let stop = CancellationToken::new();
         tokio::spawn(agg.run(up_rx, stop.clone()));

@@ -123,7 +123,7 @@ pub async fn start(
         WallClock::system(),
         opts.round_observer,
     );
-    let (up_tx, up_rx) = mpsc::unbounded_channel();
+    let (up_tx, up_rx) = discovery::channel();
     let mut tasks = JoinSet::new();
     let peer_resolver = opts.deps.resolver.clone();
     for h in discovery::spawn_all(&cfg, opts.deps, up_tx, shutdown.clone()).await? {

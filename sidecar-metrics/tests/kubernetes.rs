@@ -16,12 +16,12 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use sidecar_metrics::app::{self, RunOptions};
 use sidecar_metrics::config::{Config, KubernetesConfig, PoolConfig};
-use sidecar_metrics::discovery::{kubernetes, Update};
+use sidecar_metrics::discovery::{self, kubernetes, UpdateRx};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::broadcast;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Clone, Debug)]
@@ -54,7 +54,7 @@ impl FakeApi {
     fn new() -> FakeApi {
         FakeApi {
             store: Arc::default(),
-            events: broadcast::channel(1024).0,
+            events: broadcast::channel(16384).0,
             hang_lists: Arc::default(),
             hang_watches: Arc::default(),
             hung: Arc::default(),
@@ -275,7 +275,7 @@ fn pool(k: KubernetesConfig) -> PoolConfig {
 }
 
 /// Waits for the next update and returns it as `(address, ready)` pairs.
-async fn next(rx: &mut mpsc::UnboundedReceiver<Update>) -> Vec<(String, bool)> {
+async fn next(rx: &mut UpdateRx) -> Vec<(String, bool)> {
     let u = tokio::time::timeout(Duration::from_secs(30), rx.recv())
         .await
         .expect("an update")
@@ -293,7 +293,7 @@ async fn label_selector_pods_join_leave_and_change_readiness() {
     api.put("pods", pod("b", "127.0.0.3", "vllm", false));
     api.put("pods", pod("other", "127.0.0.9", "web", true));
     let addr = api.serve().await;
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = discovery::channel();
     let stop = CancellationToken::new();
     let k = KubernetesConfig {
         namespace: "llm".into(),
@@ -365,7 +365,7 @@ async fn inference_pool_selector_and_target_ports_are_followed() {
     api.put("inferencepools", json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
         "metadata": {"name": "unrelated"}, "spec": {"selector": {"matchLabels": {"app": "web"}}, "targetPorts": [{"number": 1}]}}));
     let addr = api.serve().await;
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = discovery::channel();
     let stop = CancellationToken::new();
     let k = KubernetesConfig {
         namespace: "llm".into(),
@@ -405,7 +405,7 @@ async fn a_hung_list_or_watch_start_times_out_and_discovery_recovers() {
     api.put("pods", pod("a", "127.0.0.2", "vllm", true));
     api.hang_lists.store(1, Ordering::SeqCst);
     let addr = api.serve().await;
-    let (tx, mut rx) = mpsc::unbounded_channel();
+    let (tx, mut rx) = discovery::channel();
     let stop = CancellationToken::new();
     let k = KubernetesConfig {
         namespace: "llm".into(),
@@ -431,6 +431,54 @@ async fn a_hung_list_or_watch_start_times_out_and_discovery_recovers() {
     assert!(eventually(deadline, || api.hung.load(Ordering::SeqCst) == 2).await);
     api.put("pods", pod("a", "127.0.0.2", "vllm", false));
     assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), false)]);
+    stop.cancel();
+}
+
+/// 2,000 pods turn NotReady in one burst while the aggregator is busy. Before, every event
+/// queued the whole list on an unbounded channel (2,000 lists of 2,000 pods, O(n^2) to build and
+/// in memory); now only the newest list waits, and the burst ends in the right state.
+#[tokio::test]
+async fn a_burst_of_changes_leaves_only_the_newest_list_waiting() {
+    const N: usize = 2000;
+    let ip = |i: usize| format!("127.1.{}.{}", i / 250, i % 250 + 1);
+    let api = FakeApi::new();
+    for i in 0..N {
+        api.put("pods", pod(&format!("p{i:05}"), &ip(i), "vllm", true));
+    }
+    let addr = api.serve().await;
+    let (tx, mut rx) = discovery::channel();
+    let stop = CancellationToken::new();
+    let k = KubernetesConfig {
+        namespace: "llm".into(),
+        selector: Some("app=vllm".into()),
+        port: Some(8000),
+        inference_pool: None,
+    };
+    tokio::spawn(kubernetes::run(
+        0,
+        pool(k.clone()),
+        k,
+        client(addr),
+        tx,
+        stop.clone(),
+    ));
+    let first = next(&mut rx).await;
+    assert_eq!((first.len(), first.iter().filter(|p| p.1).count()), (N, N));
+    for i in 0..N {
+        api.put("pods", pod(&format!("p{i:05}"), &ip(i), "vllm", false));
+    }
+    // The aggregator is busy for a while, then takes what waits, as it comes.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut taken = 0;
+    loop {
+        let l = next(&mut rx).await;
+        taken += 1;
+        assert_eq!(l.len(), N);
+        if l.iter().all(|p| !p.1) {
+            break;
+        }
+    }
+    assert!(taken <= 50, "{taken} lists taken for one burst");
     stop.cancel();
 }
 

@@ -95,7 +95,6 @@ pub async fn run(
 mod tests {
     use super::*;
     use std::sync::Mutex;
-    use tokio::sync::mpsc;
 
     /// Answers from a script, one entry per call; the last entry repeats.
     struct Scripted(Mutex<Vec<std::io::Result<Vec<&'static str>>>>);
@@ -151,7 +150,7 @@ mod tests {
             port: 8000,
             refresh_ms: 1000,
         };
-        let (tx, mut rx) = mpsc::unbounded_channel();
+        let (tx, mut rx) = crate::discovery::channel();
         let stop = CancellationToken::new();
         let task = tokio::spawn(run(3, pool(), dns, Arc::new(script), tx, stop.clone()));
 

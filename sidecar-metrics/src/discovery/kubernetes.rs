@@ -25,7 +25,7 @@
 use super::{Target, Update, UpdateTx};
 use crate::config::{KubernetesConfig, PoolConfig};
 use crate::util::LogGate;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
@@ -194,8 +194,57 @@ fn targets(pool: &PoolConfig, pods: &BTreeMap<String, PodEntry>, ports: &[u16]) 
     out
 }
 
+/// Most watch events taken at once before the pool's list is built again.
+const MAX_EVENTS_AT_ONCE: usize = 100_000;
+
+/// The pool's list is built (and handed to the aggregator) at most once per this, however fast
+/// the watch's events come; the first change after a quiet spell goes at once. The watch
+/// delivers one event per read of the connection, so taking the events that are ready alone
+/// coalesced little: 10,000 pods turning NotReady cost ~8,600 builds of 10,000 targets.
+const MIN_BUILD_GAP: Duration = Duration::from_millis(100);
+
+/// The pods of one watch, as its events leave them.
+#[derive(Default)]
+struct PodSet {
+    pods: BTreeMap<String, PodEntry>,
+    /// The list being received (between `Init` and `InitDone`).
+    buffer: Option<BTreeMap<String, PodEntry>>,
+    initialised: bool,
+}
+
+impl PodSet {
+    /// Applies one event; true when the list of pods changed.
+    fn apply(&mut self, event: Event<Pod>) -> bool {
+        match event {
+            Event::Init => {
+                self.buffer = Some(BTreeMap::new());
+                false
+            }
+            Event::InitApply(p) => {
+                self.buffer
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(key(&p), entry(&p));
+                false
+            }
+            Event::InitDone => {
+                self.pods = self.buffer.take().unwrap_or_default();
+                self.initialised = true;
+                true
+            }
+            Event::Apply(p) => {
+                let e = entry(&p);
+                self.pods.insert(key(&p), e.clone()).as_ref() != Some(&e)
+            }
+            Event::Delete(p) => self.pods.remove(&key(&p)).is_some(),
+        }
+    }
+}
+
 /// Watches the pods matching `selector` and sends the pool's list after the initial list and
-/// after every change.
+/// after every change. Every event that is ready when one arrives is applied before the list is
+/// built, and the list is built at most every [`MIN_BUILD_GAP`]: a burst of changes (a zone's
+/// pods turning NotReady at once) then costs a build per 100 ms, not one of the whole pool per
+/// pod.
 #[allow(clippy::too_many_arguments)]
 async fn watch_pods(
     pool_index: usize,
@@ -212,48 +261,51 @@ async fn watch_pods(
         .labels(selector)
         .timeout(client.watch_timeout_secs);
     let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
-    let mut pods: BTreeMap<String, PodEntry> = BTreeMap::new();
-    let mut buffer: Option<BTreeMap<String, PodEntry>> = None;
-    let mut initialised = false;
+    let mut set = PodSet::default();
     let mut last_sent: Option<Vec<Target>> = None;
     let mut gate = LogGate::new(Duration::from_secs(30));
+    // A change not yet sent, and when the list was last built.
+    let mut dirty = false;
+    let mut last_build: Option<Instant> = None;
     loop {
-        let event = tokio::select! {
+        let due = last_build.map(|t| t + MIN_BUILD_GAP).filter(|_| dirty);
+        let mut event = tokio::select! {
             _ = shutdown.cancelled() => return,
-            e = stream.next() => e,
+            _ = tokio::time::sleep_until(due.unwrap_or_else(Instant::now)), if due.is_some() => {
+                None
+            }
+            e = stream.next() => Some(e),
         };
-        let changed = match event {
-            None => return,
-            Some(Ok(Event::Init)) => {
-                buffer = Some(BTreeMap::new());
-                false
-            }
-            Some(Ok(Event::InitApply(p))) => {
-                buffer
-                    .get_or_insert_with(BTreeMap::new)
-                    .insert(key(&p), entry(&p));
-                false
-            }
-            Some(Ok(Event::InitDone)) => {
-                pods = buffer.take().unwrap_or_default();
-                initialised = true;
-                gate.reset();
-                true
-            }
-            Some(Ok(Event::Apply(p))) => {
-                pods.insert(key(&p), entry(&p)).as_ref() != Some(&entry(&p))
-            }
-            Some(Ok(Event::Delete(p))) => pods.remove(&key(&p)).is_some(),
-            Some(Err(e)) => {
-                if let Some(held) = gate.allow(Instant::now()) {
-                    tracing::warn!(pool = %pool.name, namespace, selector, error = %e, suppressed = held,
-                        "kubernetes: pod watch failed; retrying with backoff, keeping the previous pod list");
+        let mut failed = false;
+        let mut taken = 0;
+        while let Some(ev) = event.take() {
+            match ev {
+                None => return,
+                Some(Ok(e)) => {
+                    if matches!(e, Event::InitDone) {
+                        gate.reset();
+                    }
+                    dirty |= set.apply(e) && set.initialised;
                 }
-                false
+                Some(Err(e)) => {
+                    if let Some(held) = gate.allow(Instant::now()) {
+                        tracing::warn!(pool = %pool.name, namespace, selector, error = %e, suppressed = held,
+                            "kubernetes: pod watch failed; retrying with backoff, keeping the previous pod list");
+                    }
+                    failed = true;
+                    break;
+                }
             }
-        };
-        if changed && initialised {
-            let t = targets(pool, &pods, ports);
+            taken += 1;
+            if taken < MAX_EVENTS_AT_ONCE {
+                event = stream.next().now_or_never();
+            }
+        }
+        let now = Instant::now();
+        if dirty && (failed || last_build.is_none_or(|t| now >= t + MIN_BUILD_GAP)) {
+            dirty = false;
+            last_build = Some(now);
+            let t = targets(pool, &set.pods, ports);
             if last_sent.as_ref() != Some(&t) {
                 tracing::info!(pool = %pool.name, namespace, selector, pods = t.len(),
                     ready = t.iter().filter(|t| t.ready).count(), "kubernetes: pod list changed");
