@@ -118,9 +118,24 @@ fn parse_engine(s: &str) -> Result<Engine, String> {
         .map_err(|_| format!("unknown engine {s:?} (vllm, sglang, trtllm, triton, tgi)"))
 }
 
+/// `RUST_LOG` (default `info`), with kube-rs's watcher held to errors unless `RUST_LOG` names
+/// kube-rs: it logs a warning of its own for every refused request of a watch (a 403 on every
+/// retry), which discovery already logs at most once per 30 s with a count of those held back.
+fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
+    let filter = rust_log
+        .and_then(|s| tracing_subscriber::EnvFilter::try_new(s).ok())
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
+    if rust_log.is_some_and(|s| s.contains("kube")) {
+        return filter;
+    }
+    match "kube_runtime::watcher=error".parse() {
+        Ok(d) => filter.add_directive(d),
+        Err(_) => filter,
+    }
+}
+
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let filter = log_filter(std::env::var("RUST_LOG").ok().as_deref());
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -419,4 +434,19 @@ async fn scrape_once(args: ScrapeOnceArgs) -> Result<()> {
         println!("  {line}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_filter;
+
+    #[test]
+    fn kube_runtime_watcher_warnings_are_held_back_unless_asked_for() {
+        for env in [None, Some("info"), Some("debug"), Some("not a filter")] {
+            let f = log_filter(env).to_string();
+            assert!(f.contains("kube_runtime::watcher=error"), "{env:?}: {f}");
+        }
+        let f = log_filter(Some("info,kube_runtime=debug")).to_string();
+        assert!(!f.contains("watcher=error"), "{f}");
+    }
 }

@@ -18,7 +18,7 @@ use sidecar_metrics::app::{self, RunOptions};
 use sidecar_metrics::config::{Config, KubernetesConfig, PoolConfig};
 use sidecar_metrics::discovery::{self, kubernetes, UpdateRx};
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::broadcast;
@@ -48,6 +48,10 @@ struct FakeApi {
     hang_watches: Arc<AtomicUsize>,
     /// Requests left hanging so far.
     hung: Arc<AtomicUsize>,
+    /// When not 0, every LIST is refused with this status (403: RBAC missing).
+    list_status: Arc<AtomicU16>,
+    /// LISTs asked for so far.
+    lists: Arc<AtomicUsize>,
 }
 
 impl FakeApi {
@@ -58,6 +62,8 @@ impl FakeApi {
             hang_lists: Arc::default(),
             hang_watches: Arc::default(),
             hung: Arc::default(),
+            list_status: Arc::default(),
+            lists: Arc::default(),
         }
     }
 
@@ -153,6 +159,19 @@ async fn handle_pods(
     q: Query<HashMap<String, String>>,
 ) -> Response {
     s.0.maybe_hang(&q.0).await;
+    if q.0.get("watch").map(String::as_str) != Some("true") {
+        s.0.lists.fetch_add(1, Ordering::SeqCst);
+        let code = s.0.list_status.load(Ordering::SeqCst);
+        if code != 0 {
+            let status = json!({"kind": "Status", "apiVersion": "v1", "metadata": {},
+                "status": "Failure", "message": "refused by the fake", "reason": "Forbidden", "code": code});
+            return Response::builder()
+                .status(code)
+                .header("content-type", "application/json")
+                .body(Body::from(status.to_string()))
+                .unwrap();
+        }
+    }
     respond(s.0, "pods", "PodList", "v1", q.0)
 }
 
@@ -431,6 +450,41 @@ async fn a_hung_list_or_watch_start_times_out_and_discovery_recovers() {
     assert!(eventually(deadline, || api.hung.load(Ordering::SeqCst) == 2).await);
     api.put("pods", pod("a", "127.0.0.2", "vllm", false));
     assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), false)]);
+    stop.cancel();
+}
+
+/// An API server that refuses every LIST (RBAC missing): the watch is tried again after 1, 2,
+/// 4, 8... s (up to 30 s), not every ~1 s forever as with kube-rs's backoff (reset by the
+/// watcher's `Init` before every LIST), and the pods come once the LIST is allowed.
+#[tokio::test]
+async fn a_refused_list_is_tried_again_less_and_less_often() {
+    let api = FakeApi::new();
+    api.put("pods", pod("a", "127.0.0.2", "vllm", true));
+    api.list_status.store(403, Ordering::SeqCst);
+    let addr = api.serve().await;
+    let (tx, mut rx) = discovery::channel();
+    let stop = CancellationToken::new();
+    let k = KubernetesConfig {
+        namespace: "llm".into(),
+        selector: Some("app=vllm".into()),
+        port: Some(8000),
+        inference_pool: None,
+    };
+    tokio::spawn(kubernetes::run(
+        0,
+        pool(k.clone()),
+        k,
+        client(addr),
+        tx,
+        stop.clone(),
+    ));
+    // Tries at ~0, 1, 3 and 7 s (each delay up to a fifth longer): 4 in 12 s; kube-rs's
+    // backoff alone made 7 or more.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let lists = api.lists.load(Ordering::SeqCst);
+    assert!((2..=5).contains(&lists), "{lists} LISTs in 12 s");
+    api.list_status.store(0, Ordering::SeqCst);
+    assert_eq!(next(&mut rx).await, vec![("127.0.0.2:8000".into(), true)]);
     stop.cancel();
 }
 

@@ -29,7 +29,6 @@ use futures::{FutureExt, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -194,6 +193,62 @@ fn targets(pool: &PoolConfig, pods: &BTreeMap<String, PodEntry>, ports: &[u16]) 
     out
 }
 
+/// First delay before a failed watch is tried again; it doubles with each failure in a row, up
+/// to [`RETRY_MAX`].
+const RETRY_MIN: Duration = Duration::from_secs(1);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+/// A failure this long after the watch was last tried again starts the delays over.
+const RETRY_RESET_AFTER: Duration = Duration::from_secs(120);
+
+/// The delays between tries of a failing watch. kube-rs's own backoff (`default_backoff`) is
+/// reset by every `Ok` event, and its watcher yields `Ok(Init)` before each LIST, so an API
+/// server that refused every LIST (RBAC missing: 403) got one LIST a second, forever. Here only
+/// progress starts the delays over: an event of a running watch (a pod added, changed or
+/// deleted), or a failure more than [`RETRY_RESET_AFTER`] after the last try (the watch ran
+/// that long). A successful LIST alone is not progress (a watch that fails right after its
+/// LIST, every time, would LIST in a loop).
+struct Retry {
+    delay: Duration,
+    /// When the watch was last tried again after a failure.
+    resumed: Option<Instant>,
+}
+
+impl Retry {
+    fn new() -> Retry {
+        Retry {
+            delay: RETRY_MIN,
+            resumed: None,
+        }
+    }
+
+    /// The delay before the next try after a failure at `now`: the current one, plus up to a
+    /// fifth at random so that many replicas refused at once do not retry in step.
+    fn failed(&mut self, now: Instant) -> Duration {
+        if self
+            .resumed
+            .is_some_and(|t| now.saturating_duration_since(t) >= RETRY_RESET_AFTER)
+        {
+            self.delay = RETRY_MIN;
+        }
+        let d = self.delay;
+        self.delay = (d * 2).min(RETRY_MAX);
+        self.resumed = None;
+        use std::hash::{BuildHasher, Hasher};
+        let r = std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish();
+        d + d.mul_f64((r % 1000) as f64 / 5000.0)
+    }
+
+    fn resumed(&mut self, now: Instant) {
+        self.resumed = Some(now);
+    }
+
+    fn progress(&mut self) {
+        self.delay = RETRY_MIN;
+    }
+}
+
 /// Most watch events taken at once before the pool's list is built again.
 const MAX_EVENTS_AT_ONCE: usize = 100_000;
 
@@ -260,7 +315,8 @@ async fn watch_pods(
     let cfg = watcher::Config::default()
         .labels(selector)
         .timeout(client.watch_timeout_secs);
-    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut stream = watcher::watcher(api, cfg).boxed();
+    let mut retry = Retry::new();
     let mut set = PodSet::default();
     let mut last_sent: Option<Vec<Target>> = None;
     let mut gate = LogGate::new(Duration::from_secs(30));
@@ -276,23 +332,27 @@ async fn watch_pods(
             }
             e = stream.next() => Some(e),
         };
-        let mut failed = false;
+        let mut failed = None;
         let mut taken = 0;
         while let Some(ev) = event.take() {
             match ev {
                 None => return,
                 Some(Ok(e)) => {
-                    if matches!(e, Event::InitDone) {
-                        gate.reset();
+                    match e {
+                        Event::InitDone => gate.reset(),
+                        Event::Apply(_) | Event::Delete(_) => retry.progress(),
+                        _ => {}
                     }
                     dirty |= set.apply(e) && set.initialised;
                 }
                 Some(Err(e)) => {
+                    let delay = retry.failed(Instant::now());
                     if let Some(held) = gate.allow(Instant::now()) {
                         tracing::warn!(pool = %pool.name, namespace, selector, error = %e, suppressed = held,
-                            "kubernetes: pod watch failed; retrying with backoff, keeping the previous pod list");
+                            retry_in_ms = delay.as_millis() as u64,
+                            "kubernetes: pod watch failed; keeping the previous pod list");
                     }
-                    failed = true;
+                    failed = Some(delay);
                     break;
                 }
             }
@@ -302,7 +362,7 @@ async fn watch_pods(
             }
         }
         let now = Instant::now();
-        if dirty && (failed || last_build.is_none_or(|t| now >= t + MIN_BUILD_GAP)) {
+        if dirty && (failed.is_some() || last_build.is_none_or(|t| now >= t + MIN_BUILD_GAP)) {
             dirty = false;
             last_build = Some(now);
             let t = targets(pool, &set.pods, ports);
@@ -319,6 +379,12 @@ async fn watch_pods(
                     return;
                 }
                 last_sent = Some(t);
+            }
+        }
+        if let Some(delay) = failed {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(delay) => retry.resumed(Instant::now()),
             }
         }
     }
@@ -382,7 +448,8 @@ async fn watch_inference_pool(
     let cfg = watcher::Config::default()
         .fields(&format!("metadata.name={name}"))
         .timeout(client.watch_timeout_secs);
-    let mut stream = watcher::watcher(api, cfg).default_backoff().boxed();
+    let mut stream = watcher::watcher(api, cfg).boxed();
+    let mut retry = Retry::new();
     let mut current: Option<((String, Vec<u16>), CancellationToken)> = None;
     let mut gate = LogGate::new(Duration::from_secs(30));
     let mut seen_in_init = false;
@@ -399,6 +466,7 @@ async fn watch_inference_pool(
             }
             Some(Ok(Event::InitApply(obj))) | Some(Ok(Event::Apply(obj))) => {
                 seen_in_init = true;
+                retry.progress();
                 match pool_spec(&obj) {
                     Ok(s) => Some(s),
                     Err(why) => {
@@ -414,11 +482,19 @@ async fn watch_inference_pool(
                 }
                 None
             }
-            Some(Ok(Event::Delete(_))) => None,
+            Some(Ok(Event::Delete(_))) => {
+                retry.progress();
+                None
+            }
             Some(Err(e)) => {
+                let delay = retry.failed(Instant::now());
                 if let Some(held) = gate.allow(Instant::now()) {
                     tracing::warn!(pool = %pool.name, namespace, inference_pool = name, error = %e, suppressed = held,
-                        "kubernetes: InferencePool watch failed; retrying with backoff");
+                        retry_in_ms = delay.as_millis() as u64, "kubernetes: InferencePool watch failed");
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(delay) => retry.resumed(Instant::now()),
                 }
                 continue;
             }
@@ -559,6 +635,32 @@ mod tests {
                 ("127.0.0.5:8000".into(), false, "pod-f".into()),
             ]
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_delays_double_to_30_s_and_start_over_only_after_progress() {
+        let mut r = Retry::new();
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            let d = r.failed(Instant::now());
+            seen.push(d);
+            tokio::time::advance(d).await;
+            r.resumed(Instant::now());
+        }
+        let base = [1, 2, 4, 8, 16, 30, 30, 30].map(Duration::from_secs);
+        for (d, b) in seen.iter().zip(base) {
+            assert!(*d >= b && *d <= b.mul_f64(1.2), "{seen:?}");
+        }
+        // A LIST that succeeds and a watch that fails at once: no progress, the delay stays.
+        assert!(r.failed(Instant::now()) >= RETRY_MAX);
+        // An event of a running watch starts the delays over.
+        r.progress();
+        assert!(r.failed(Instant::now()) < Duration::from_secs(2));
+        // So does a failure long after the last try.
+        assert!(r.failed(Instant::now()) >= Duration::from_secs(2));
+        r.resumed(Instant::now());
+        tokio::time::advance(RETRY_RESET_AFTER).await;
+        assert!(r.failed(Instant::now()) < Duration::from_secs(2));
     }
 
     #[test]
