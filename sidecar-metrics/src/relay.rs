@@ -2,8 +2,9 @@
 //!
 //! Each gateway replica's filter knows where its own workers sent which prompt prefixes; the
 //! filter's side of the exchange is `gpuroute_core::exchange`. Every `prefix.interval_ms` this
-//! task asks each Envoy it pushes snapshots to for its decisions since the last ask
-//! (`GET {prefix path}` with the cursor it was given last), and hands what it got to:
+//! task asks each Envoy it pushes snapshots to, each on its own clock (one slow to answer delays
+//! only its own records), for its decisions since the last ask (`GET {prefix path}` with the
+//! cursor it was given last), and hands what it got to:
 //! - the other Envoys it pushes to (`POST {prefix path}`), and
 //! - every peer, another replica's sidecar-metrics (`POST {peer}/v1/prefix`), which hands them
 //!   to its own Envoys ([`Relay::deliver_local`], behind the HTTP surface).
@@ -496,58 +497,76 @@ impl Relay {
         taken
     }
 
-    /// One round: ask every Envoy, relay what each had.
-    pub async fn round(self: &Arc<Self>, cursors: &mut [String]) {
+    /// Asks Envoy `i` for its records after `cursor` and hands what it had to the other targets.
+    async fn relay_from(self: &Arc<Self>, i: usize, cursor: &mut String) {
         if !self.has_targets() {
             // One replica (the peers found by DNS are only this pod): no one to relay to, and
             // not asking leaves the filter's workers without the export's work.
             return;
         }
-        for (i, cursor) in cursors.iter_mut().enumerate() {
-            let Some(body) = self.ask(i, cursor).await else {
-                continue;
-            };
-            let n = match decode_records(&body, MAX_IMPORT_RECORDS) {
-                Ok(r) => r.len(),
-                Err(why) => {
-                    let url = self.envoys.get(i).cloned().unwrap_or_default();
-                    self.failed(
-                        &self.stats.envoy_failures,
-                        "reading an Envoy's records",
-                        &url,
-                        why,
-                    );
-                    continue;
-                }
-            };
-            if n == 0 {
-                continue;
+        let Some(body) = self.ask(i, cursor).await else {
+            return;
+        };
+        let n = match decode_records(&body, MAX_IMPORT_RECORDS) {
+            Ok(r) => r.len(),
+            Err(why) => {
+                let url = self.envoys.get(i).cloned().unwrap_or_default();
+                self.failed(
+                    &self.stats.envoy_failures,
+                    "reading an Envoy's records",
+                    &url,
+                    why,
+                );
+                return;
             }
-            self.stats
-                .records_out
-                .fetch_add(n as u64, Ordering::Relaxed);
-            self.fan_out(body, i);
+        };
+        if n == 0 {
+            return;
         }
+        self.stats
+            .records_out
+            .fetch_add(n as u64, Ordering::Relaxed);
+        self.fan_out(body, i);
     }
 
-    /// Relays every `interval` until `shutdown` (the load relay: [`Relay::run_load`]).
+    /// One round: every Envoy asked at once, what each had relayed as soon as it answers.
+    pub async fn round(self: &Arc<Self>, cursors: &mut [String]) {
+        let asks = cursors
+            .iter_mut()
+            .enumerate()
+            .map(|(i, cursor)| self.relay_from(i, cursor));
+        futures::future::join_all(asks).await;
+    }
+
+    /// Relays every `interval` until `shutdown` (the load relay: [`Relay::run_load`]). Each
+    /// Envoy is asked on its own clock, so that one slow to answer (hung, or its node loaded)
+    /// delays only its own records: asked one after another, an Envoy that never answered held
+    /// every other one's asks for the whole timeout. An ask missed while the one before was
+    /// under way is skipped.
     pub async fn run(self: Arc<Self>, shutdown: CancellationToken) {
         if self.kind == Kind::Load {
             return self.run_load(shutdown).await;
         }
-        let mut cursors = vec![String::new(); self.envoys.len()];
-        let mut tick = tokio::time::interval(self.interval);
-        tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = tick.tick() => {}
-            }
-            tokio::select! {
-                _ = shutdown.cancelled() => return,
-                _ = self.round(&mut cursors) => {}
-            }
+        let mut set = JoinSet::new();
+        for i in 0..self.envoys.len() {
+            let (me, stop) = (self.clone(), shutdown.clone());
+            set.spawn(async move {
+                let mut cursor = String::new();
+                let mut tick = tokio::time::interval(me.interval);
+                tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tick.tick() => {}
+                    }
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = me.relay_from(i, &mut cursor) => {}
+                    }
+                }
+            });
         }
+        while set.join_next().await.is_some() {}
     }
 }
 
@@ -666,6 +685,37 @@ mod tests {
             2,
             "the peer got the first only"
         );
+    }
+
+    #[tokio::test]
+    async fn a_hung_envoy_delays_only_its_own_asks() {
+        // Envoy 0 accepts connections and never answers; Envoy 1 answers at once.
+        let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hole_addr = hole.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((c, _)) = hole.accept().await {
+                held.push(c);
+            }
+        });
+        let b = Fake::default();
+        *b.log.lock().unwrap() = Some(SyncLog::new(16));
+        let ub = serve(b.clone()).await;
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.push.timeout_ms = 5_000;
+        cfg.prefix.interval_ms = 50;
+        cfg.push.urls = vec![format!("http://{hole_addr}/s"), format!("{ub}/s")];
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(relay.clone().run(stop.clone()));
+        tokio::time::sleep(Duration::from_millis(2_000)).await;
+        stop.cancel();
+        task.await.unwrap();
+        // ~40 asks in 2 s at 50 ms; asked in turn behind the hung one, none (its ask takes the
+        // whole 5 s timeout).
+        let asked = b.asked.lock().unwrap().len();
+        assert!(asked >= 10, "Envoy 1 asked {asked} times in 2 s");
     }
 
     #[tokio::test]
