@@ -692,7 +692,8 @@ impl Config {
     }
 
     /// The producer name in effect: `source`, else `$HOSTNAME`, else `sidecar-metrics`. It names
-    /// the snapshots and, through the relay, this replica's in-flight counts.
+    /// the snapshots and, with a random part drawn at start (`relay::instance_name`), this
+    /// replica's in-flight counts.
     pub fn source_name(&self) -> String {
         self.source
             .clone()

@@ -8,7 +8,8 @@ use crate::config::ReadyPolicy;
 use crate::metrics;
 use crate::push::PushTarget;
 use crate::relay::{
-    valid_replica, Relay, LOAD_PEER_PATH, MAX_PEER_BODY, MAX_REPLICA_LEN, PEER_PATH, REPLICA_HEADER,
+    valid_replica, Relay, LOAD_PEER_PATH, MAX_PEER_BODY, MAX_REPLICA_LEN, PEER_PATH,
+    REPLICA_HEADER, SIDECAR_HEADER,
 };
 use axum::body::Bytes;
 use axum::extract::{Request, State};
@@ -63,6 +64,10 @@ pub fn router(state: AppState) -> Router {
         .route(LOAD_PEER_PATH, post(load_from_peer))
         .with_state(state)
 }
+
+/// The address a request's connection came from (set by [`serve`] on every request).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub Option<std::net::SocketAddr>);
 
 /// How long a peer has to finish its TLS handshake before its connection is closed.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
@@ -125,7 +130,9 @@ pub async fn serve(
             continue;
         };
         let acceptor = tls.as_ref().map(|t| t.borrow().clone());
-        let (app, stop, builder) = (app.clone(), shutdown.clone(), Arc::clone(&builder));
+        let from = PeerAddr(tcp.peer_addr().ok());
+        let app = app.clone().layer(axum::Extension(from));
+        let (stop, builder) = (shutdown.clone(), Arc::clone(&builder));
         tokio::spawn(async move {
             let _slot = slot;
             let _ = tcp.set_nodelay(true);
@@ -256,6 +263,11 @@ async fn load_from_peer(State(s): State<AppState>, req: Request) -> Response {
         )
             .into_response();
     };
+    let address = req
+        .extensions()
+        .get::<PeerAddr>()
+        .and_then(|p| p.0)
+        .map(|a| a.ip());
     let (headers, body) = match peer_body(req, &relay.token).await {
         Ok(read) => read,
         Err(answer) => return answer,
@@ -276,6 +288,17 @@ async fn load_from_peer(State(s): State<AppState>, req: Request) -> Response {
             format!("not in-flight counts: {why}\n"),
         )
             .into_response();
+    }
+    // Who sent it: the sidecar it names (one sidecar may reach this one at two addresses, its
+    // IPv4 and IPv6 one), else its address.
+    let sender = headers
+        .get(SIDECAR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .filter(|s| valid_replica(s))
+        .map(str::to_string)
+        .or_else(|| address.map(|a| a.to_string()));
+    if let Some(sender) = sender {
+        relay.note_sender(replica, &sender);
     }
     if relay.deliver_load(body, replica).await > 0 || relay.envoys.is_empty() {
         StatusCode::NO_CONTENT.into_response()
@@ -328,7 +351,10 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
              gpuroute_sidecar_replica_load_unchanged_total {}\n\
              # HELP gpuroute_sidecar_replica_load_bundled_total Peers' bodies of in-flight counts posted to an Envoy in one post with other replicas' (they came while a post to it was under way, or once its six posts a load interval were spent).\n\
              # TYPE gpuroute_sidecar_replica_load_bundled_total counter\n\
-             gpuroute_sidecar_replica_load_bundled_total {}\n",
+             gpuroute_sidecar_replica_load_bundled_total {}\n\
+             # HELP gpuroute_sidecar_replica_load_name_clashes_total Peers' bodies of in-flight counts under a replica name another sender (another address, or another sidecar) posted under within the last 10 s: the Envoys keep one entry per name, so one of them goes uncounted.\n\
+             # TYPE gpuroute_sidecar_replica_load_name_clashes_total counter\n\
+             gpuroute_sidecar_replica_load_name_clashes_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),
@@ -336,6 +362,7 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
             st.busy_skips.load(Ordering::Relaxed),
             st.unchanged.load(Ordering::Relaxed),
             st.bundled.load(Ordering::Relaxed),
+            st.name_clashes.load(Ordering::Relaxed),
         );
     }
     (

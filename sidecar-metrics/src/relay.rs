@@ -26,7 +26,9 @@
 
 mod load;
 
-pub use load::{replica_name, valid_replica, LOAD_PEER_PATH, MAX_REPLICA_LEN, REPLICA_HEADER};
+pub use load::{
+    instance_name, replica_name, valid_replica, LOAD_PEER_PATH, MAX_REPLICA_LEN, REPLICA_HEADER,
+};
 
 use crate::client::{self, HttpClient};
 use crate::config::{Config, DnsConfig};
@@ -52,6 +54,17 @@ static OCTETS: HeaderValue = HeaderValue::from_static("application/octet-stream"
 
 /// The path of the sidecar's own surface that takes peers' records.
 pub const PEER_PATH: &str = "/v1/prefix";
+
+/// The header naming the sidecar (its [`Relay::instance`]) a post to a peer comes from, so that
+/// the receiver can tell two senders apart even when one reaches it at two addresses.
+pub const SIDECAR_HEADER: &str = "x-gpuroute-sidecar";
+
+/// How long a replica name is remembered with the sender that last posted under it: another
+/// sender posting under it within this is a name clash.
+const CLASH_WINDOW: Duration = Duration::from_secs(10);
+
+/// The most replica names remembered with their sender (the filter keeps at most 256 replicas).
+const MAX_SENDERS: usize = 1_024;
 
 /// The largest body a peer may send, prefix records or in-flight counts (the filter's default
 /// `ingest.max_snapshot_bytes`).
@@ -103,6 +116,9 @@ pub struct RelayStats {
     /// The load relay: peers' bodies posted to an Envoy together with other replicas' (in a
     /// bundle), because they came while a post to it was under way or its budget was spent.
     pub bundled: AtomicU64,
+    /// The load relay: peers' bodies under a replica name another sender (another address, or
+    /// another sidecar's name) posted under within the last [`CLASH_WINDOW`].
+    pub name_clashes: AtomicU64,
 }
 
 /// The relay's targets and state.
@@ -139,6 +155,14 @@ pub struct Relay {
     replicas: Vec<String>,
     /// The load relay's keepalive, idle interval and what each target was last sent.
     load: load::LoadState,
+    /// This sidecar's name among the replicas ([`instance_name`]): what its Envoys' counts are
+    /// named after, and what it says it is to the peers ([`SIDECAR_HEADER`]).
+    pub instance: String,
+    /// The load relay: for each replica name peers posted under, the sender that last did (its
+    /// [`SIDECAR_HEADER`], else its address) and when.
+    senders: Mutex<std::collections::HashMap<String, (String, Instant)>>,
+    /// The log limit of name clashes, apart from the failures'.
+    clash_gate: Mutex<LogGate>,
 }
 
 /// A delivery under way to one target: the target is busy until this is dropped, whether the
@@ -170,13 +194,27 @@ impl Relay {
     /// The relay `cfg` asks for; `None` when it is off or has no one to relay to (one Envoy and
     /// no peer).
     pub fn from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
-        Relay::build(cfg, tls::fixed(client), Kind::Prefix, Arc::default())
+        let instance = instance_name(&cfg.source_name());
+        Relay::build(
+            cfg,
+            tls::fixed(client),
+            Kind::Prefix,
+            Arc::default(),
+            instance,
+        )
     }
 
     /// The in-flight count relay `cfg` asks for; `None` when it is off
     /// (`prefix.load_interval_ms: 0`) or has no one to relay to (one Envoy and no peer).
     pub fn load_from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
-        Relay::build(cfg, tls::fixed(client), Kind::Load, Arc::default())
+        let instance = instance_name(&cfg.source_name());
+        Relay::build(
+            cfg,
+            tls::fixed(client),
+            Kind::Load,
+            Arc::default(),
+            instance,
+        )
     }
 
     /// Both relays `cfg` asks for, prefix first, sharing the peers found by DNS: run
@@ -187,9 +225,16 @@ impl Relay {
         client: watch::Receiver<HttpClient>,
     ) -> (Option<Arc<Relay>>, Option<Arc<Relay>>) {
         let found: Arc<Mutex<Vec<String>>> = Arc::default();
+        let instance = instance_name(&cfg.source_name());
         (
-            Relay::build(cfg, client.clone(), Kind::Prefix, found.clone()),
-            Relay::build(cfg, client, Kind::Load, found),
+            Relay::build(
+                cfg,
+                client.clone(),
+                Kind::Prefix,
+                found.clone(),
+                instance.clone(),
+            ),
+            Relay::build(cfg, client, Kind::Load, found, instance),
         )
     }
 
@@ -198,6 +243,7 @@ impl Relay {
         client: watch::Receiver<HttpClient>,
         kind: Kind,
         found: Arc<Mutex<Vec<String>>>,
+        instance: String,
     ) -> Option<Arc<Relay>> {
         let p = &cfg.prefix;
         let on = match kind {
@@ -232,9 +278,8 @@ impl Relay {
             .iter()
             .filter_map(|u| beside(u, kind.peer_path()))
             .collect();
-        let source = cfg.source_name();
         let n = envoys.len();
-        let replicas = (0..n).map(|i| replica_name(&source, i, n)).collect();
+        let replicas = (0..n).map(|i| replica_name(&instance, i, n)).collect();
         let load = match kind {
             Kind::Prefix => load::LoadState::default(),
             Kind::Load => load::LoadState::new(
@@ -262,6 +307,9 @@ impl Relay {
             busy: Mutex::new(HashSet::new()),
             replicas,
             load,
+            instance,
+            senders: Mutex::default(),
+            clash_gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
         }))
     }
 
@@ -275,6 +323,45 @@ impl Relay {
                 suppressed = held,
                 "{} relay: {what} failed",
                 self.kind.name()
+            );
+        }
+    }
+
+    /// Notes that `sender` (a peer's [`SIDECAR_HEADER`], else its address) posted counts under
+    /// `replica`: when another sender did within [`CLASH_WINDOW`], two replicas share the name
+    /// and the receivers keep only one's counts, so it is counted (`name_clashes`) and logged at
+    /// most every 10 s.
+    pub fn note_sender(&self, replica: &str, sender: &str) {
+        let now = Instant::now();
+        let before = {
+            let mut senders = self.senders.lock().unwrap_or_else(|e| e.into_inner());
+            if senders.len() >= MAX_SENDERS && !senders.contains_key(replica) {
+                senders.retain(|_, (_, at)| now.saturating_duration_since(*at) < CLASH_WINDOW);
+                if senders.len() >= MAX_SENDERS {
+                    return;
+                }
+            }
+            let entry = (sender.to_string(), now);
+            match senders.insert(replica.to_string(), entry) {
+                Some((who, at))
+                    if who != sender && now.saturating_duration_since(at) < CLASH_WINDOW =>
+                {
+                    who
+                }
+                _ => return,
+            }
+        };
+        self.stats.name_clashes.fetch_add(1, Ordering::Relaxed);
+        let mut gate = self.clash_gate.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = gate.allow(now) {
+            tracing::warn!(
+                replica,
+                sender,
+                other = %before,
+                suppressed = held,
+                "load relay: two senders post in-flight counts under one replica name; the \
+                 Envoys keep one entry per name, so one replica's requests go uncounted (a \
+                 sidecar-metrics from before replica names were made unique, or another client)"
             );
         }
     }
@@ -337,16 +424,24 @@ impl Relay {
         }
     }
 
-    /// POSTs `body` to `url`, naming the replica it comes from when `replica` is given; whether
-    /// it was taken (2xx).
-    async fn post(&self, url: &str, body: Bytes, replica: Option<&str>) -> Result<(), String> {
-        let from = match replica {
-            Some(r) => Some(HeaderValue::from_str(r).map_err(|e| e.to_string())?),
-            None => None,
-        };
+    /// POSTs `body` to `url`, naming the replica it comes from when `replica` is given, and this
+    /// sidecar to a `peer`; whether it was taken (2xx).
+    async fn post(
+        &self,
+        url: &str,
+        body: Bytes,
+        peer: bool,
+        replica: Option<&str>,
+    ) -> Result<(), String> {
+        let value = |v: &str| HeaderValue::from_str(v).map_err(|e| e.to_string());
+        let from = replica.map(value).transpose()?;
+        let sidecar = peer.then(|| value(&self.instance)).transpose()?;
         let mut headers = vec![(client::AUTH, &self.auth), ("content-type", &OCTETS)];
         if let Some(from) = &from {
             headers.push((REPLICA_HEADER, from));
+        }
+        if let Some(sidecar) = &sidecar {
+            headers.push((SIDECAR_HEADER, sidecar));
         }
         let req = client::request(Method::POST, url, &headers, body).map_err(|e| e.to_string())?;
         let resp = self.exchange(req).await?;
@@ -376,7 +471,7 @@ impl Relay {
         peer: bool,
         replica: Option<String>,
     ) -> bool {
-        match self.post(&url, body, replica.as_deref()).await {
+        match self.post(&url, body, peer, replica.as_deref()).await {
             Ok(()) => true,
             Err(why) if peer => {
                 self.failed(&self.stats.peer_failures, "delivering to a peer", &url, why);

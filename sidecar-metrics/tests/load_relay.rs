@@ -51,15 +51,28 @@ impl FakeEnvoy {
         (f, format!("http://{addr}/gpuroute/v1/snapshot"))
     }
 
-    /// Bodies received from `replica`.
+    /// Bodies received from `replica`: a sidecar's replica name without the random part
+    /// drawn at its start (`gw-1/0` for `gw-1@0123abcd/0`), or a name as it came.
     fn from(&self, replica: &str) -> Vec<Vec<u8>> {
         self.got
             .lock()
             .unwrap()
             .iter()
-            .filter(|(_, r, _)| r == replica)
+            .filter(|(_, r, _)| r == replica || plain(r) == replica)
             .map(|(_, _, b)| b.clone())
             .collect()
+    }
+}
+
+/// `name` without the `@` and eight hex digits a sidecar draws at its start.
+fn plain(name: &str) -> String {
+    match name.split_once('@') {
+        Some((source, rest)) if rest.len() >= 8 && rest.is_char_boundary(8) => {
+            let (drawn, after) = rest.split_at(8);
+            assert!(drawn.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+            format!("{source}{after}")
+        }
+        _ => name.to_string(),
     }
 }
 
@@ -77,12 +90,17 @@ async fn counts_post(State(f): State<FakeEnvoy>, h: HeaderMap, body: Bytes) -> S
             .unwrap_or_default()
             .to_string()
     };
-    let post = (
-        header("authorization"),
-        header("x-gpuroute-replica"),
-        body.to_vec(),
-    );
-    f.got.lock().unwrap().push(post);
+    let auth = header("authorization");
+    // A bundle's entries each on its own.
+    let posted = match gpuroute_core::replica_load::bundle_entries(&body) {
+        None => vec![(auth, header("x-gpuroute-replica"), body.to_vec())],
+        Some(Ok(entries)) => entries
+            .into_iter()
+            .map(|(name, b)| (auth.clone(), name.to_string(), b.to_vec()))
+            .collect(),
+        Some(Err(_)) => return StatusCode::BAD_REQUEST,
+    };
+    f.got.lock().unwrap().extend(posted);
     if *f.refuse.lock().unwrap() {
         StatusCode::BAD_REQUEST
     } else {
@@ -386,4 +404,101 @@ async fn replicas_relay_over_mutual_tls_and_the_peers_listener_takes_no_one_else
         run.shutdown();
         run.wait(Duration::from_secs(5)).await;
     }
+}
+
+/// The value of metric `name` (a line `name value`) in `m`.
+fn metric(m: &str, name: &str) -> Option<u64> {
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.parse().ok())
+}
+
+#[tokio::test]
+async fn replicas_with_one_source_are_told_apart() {
+    // Replica A, whose Envoy takes the others' counts (its own peer a dead address, so that its
+    // relay runs); B and C relay to it. All three have the `source` of one shared ConfigMap.
+    let (a, ua) = FakeEnvoy::start(None).await;
+    let one = start(config("gw", vec![ua], vec![closed_port()])).await;
+    let peer = format!("http://{}", one.peer_addr.unwrap());
+    let (_b, ub) = FakeEnvoy::start(Some(&counts(1))).await;
+    let (_c, uc) = FakeEnvoy::start(Some(&counts(2))).await;
+    let two = start(config("gw", vec![ub], vec![peer.clone()])).await;
+    let three = start(config("gw", vec![uc], vec![peer])).await;
+    let names = || {
+        let mut n: Vec<String> = a.got.lock().unwrap().iter().map(|p| p.1.clone()).collect();
+        n.sort();
+        n.dedup();
+        n
+    };
+    // B's and C's counts both stand in A's Envoy, each under a name of its own.
+    let both = || {
+        let n = names();
+        n.iter().any(|r| a.from(r).contains(&counts(1)))
+            && n.iter().any(|r| a.from(r).contains(&counts(2)))
+    };
+    assert!(eventually(Duration::from_secs(5), both).await);
+    let n = names();
+    assert_eq!(n.len(), 2, "{n:?}");
+    for r in &n {
+        assert!(r.starts_with("gw@") && r.len() == "gw@".len() + 8, "{r}");
+        assert!(
+            a.from(r).iter().all(|b| *b == a.from(r)[0]),
+            "{r}: one replica each"
+        );
+    }
+    assert_eq!(
+        metric(
+            &metrics(one.local_addr).await,
+            "gpuroute_sidecar_replica_load_name_clashes_total"
+        ),
+        Some(0)
+    );
+    for run in [one, two, three] {
+        run.shutdown();
+        run.wait(Duration::from_secs(5)).await;
+    }
+}
+
+/// POSTs counts to `addr`'s `/v1/load` from `local` (a loopback address) under `replica`, as
+/// `sidecar` when given; the status.
+async fn post_from(local: &str, addr: SocketAddr, replica: &str, sidecar: Option<&str>) -> u16 {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .local_address(local.parse::<std::net::IpAddr>().unwrap())
+        .build()
+        .unwrap();
+    let mut req = client
+        .post(format!("http://{addr}/v1/load"))
+        .header("authorization", "Bearer tok")
+        .header("x-gpuroute-replica", replica)
+        .body(counts(1));
+    if let Some(s) = sidecar {
+        req = req.header("x-gpuroute-sidecar", s);
+    }
+    req.send().await.map_or(0, |r| r.status().as_u16())
+}
+
+#[tokio::test]
+async fn two_senders_under_one_replica_name_are_counted() {
+    let (_a, ua) = FakeEnvoy::start(None).await;
+    let run = start(config("gw-1", vec![ua], vec![closed_port()])).await;
+    let peer = run.peer_addr.unwrap();
+    let clashes = || async {
+        metric(
+            &metrics(run.local_addr).await,
+            "gpuroute_sidecar_replica_load_name_clashes_total",
+        )
+    };
+    // One sender, whichever of its addresses it comes from when it names itself (dual stack).
+    assert_eq!(post_from("127.0.0.1", peer, "gw-2", Some("s-2")).await, 204);
+    assert_eq!(post_from("127.0.0.2", peer, "gw-2", Some("s-2")).await, 204);
+    assert_eq!(post_from("127.0.0.1", peer, "gw-3", None).await, 204);
+    assert_eq!(post_from("127.0.0.1", peer, "gw-3", None).await, 204);
+    assert_eq!(clashes().await, Some(0));
+    // Two: another sidecar's name, another address.
+    assert_eq!(post_from("127.0.0.3", peer, "gw-2", Some("s-9")).await, 204);
+    assert_eq!(post_from("127.0.0.2", peer, "gw-3", None).await, 204);
+    assert_eq!(clashes().await, Some(2));
+    run.shutdown();
+    run.wait(Duration::from_secs(5)).await;
 }

@@ -221,16 +221,52 @@ pub(super) fn timeout(interval: Duration) -> Duration {
     (interval * 10).max(MIN_TIMEOUT)
 }
 
-/// The replica name of Envoy `i` of the `n` this sidecar pushes to: the snapshots' `source`
-/// with every character but visible ASCII (a space, a control or a non-ASCII character) made
-/// `_`, plus `/i` when it pushes to more than one, at most [`MAX_REPLICA_LEN`] characters.
-pub fn replica_name(source: &str, i: usize, n: usize) -> String {
+/// The longest part of the snapshots' `source` kept in an [`instance_name`]: room is left for
+/// the random part and for [`replica_name`]'s `/i`.
+const MAX_SOURCE_IN_NAME: usize = 100;
+
+/// A name for this sidecar among the replicas, drawn once per relay (per process, in the
+/// binary): `source` (the snapshots' `source`, `$HOSTNAME` or `sidecar-metrics`) with every
+/// character but visible ASCII (a space, a control or a non-ASCII character) made `_`, at most
+/// [`MAX_SOURCE_IN_NAME`] characters, then `@` and eight random hex digits. The random part
+/// keeps two replicas apart however they were named: without `$HOSTNAME` (systemd, `env -i`)
+/// every one was `sidecar-metrics`, and a shared ConfigMap's `source` names them all alike,
+/// and a receiver keeps one entry per name. A restart draws a new name; the one before expires
+/// in the filters after their `ingest.load_ttl_ms`.
+pub fn instance_name(source: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut name: String = source
+        .chars()
+        .map(|c| if c.is_ascii_graphic() { c } else { '_' })
+        .collect();
+    if name.is_empty() {
+        name = "sidecar-metrics".to_string();
+    }
+    // Only ASCII is left, so any byte length is a character boundary.
+    name.truncate(MAX_SOURCE_IN_NAME);
+    // Keyed from the OS's randomness once per process (std's `RandomState`), and apart for
+    // every name drawn in it.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(DRAWN.fetch_add(1, Ordering::Relaxed));
+    h.write_u32(std::process::id());
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    format!("{name}@{:08x}", h.finish() & 0xffff_ffff)
+}
+
+/// The replica name of Envoy `i` of the `n` this sidecar pushes to: `instance` (an
+/// [`instance_name`]) plus `/i` when it pushes to more than one, at most [`MAX_REPLICA_LEN`]
+/// characters.
+pub fn replica_name(instance: &str, i: usize, n: usize) -> String {
     let suffix = if n > 1 {
         format!("/{i}")
     } else {
         String::new()
     };
-    let mut name: String = source
+    let mut name: String = instance
         .chars()
         .map(|c| if c.is_ascii_graphic() { c } else { '_' })
         .collect();

@@ -57,6 +57,19 @@ impl Fake {
     }
 }
 
+/// A replica name without the random part of its [`instance_name`] (`gw-1@0123abcd/1` is
+/// `gw-1/1`), so that the tests can name what they expect.
+fn plain(name: &str) -> String {
+    match name.split_once('@') {
+        Some((source, rest)) if rest.len() >= 8 && rest.is_char_boundary(8) => {
+            let (drawn, after) = rest.split_at(8);
+            assert!(drawn.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
+            format!("{source}{after}")
+        }
+        _ => name.to_string(),
+    }
+}
+
 async fn fake_get(State(f): State<Fake>, h: HeaderMap) -> Response {
     f.reads.fetch_add(1, Ordering::SeqCst);
     if h.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer secret-token") {
@@ -78,7 +91,7 @@ async fn fake_post(State(f): State<Fake>, h: HeaderMap, body: Bytes) -> StatusCo
     f.posts.lock().unwrap().push(Instant::now());
     let auth = header("authorization");
     let posted = match gpuroute_core::replica_load::bundle_entries(&body) {
-        None => vec![(auth, header(REPLICA_HEADER), body.to_vec())],
+        None => vec![(auth, plain(&header(REPLICA_HEADER)), body.to_vec())],
         Some(Ok(entries)) => entries
             .into_iter()
             .map(|(name, b)| (auth.clone(), name.to_string(), b.to_vec()))
@@ -507,8 +520,13 @@ fn the_load_relay_follows_its_own_switch_and_the_prefix_relays_peers() {
     slow.prefix.load_interval_ms = 30;
     let load = Relay::load_from_config(&slow, client.clone()).unwrap();
     assert_eq!(load.load.idle_interval, Duration::from_millis(30));
-    assert_eq!(load.replicas, vec!["gw-1".to_string()]);
-    assert_eq!(prefix.map(|p| p.kind), Some(Kind::Prefix));
+    assert_eq!(load.replicas, vec![load.instance.clone()]);
+    assert!(load.instance.starts_with("gw-1@"), "{}", load.instance);
+    let prefix = prefix.unwrap();
+    assert_eq!(prefix.kind, Kind::Prefix);
+    // The two relays of one sidecar say the same name to the peers.
+    let (p2, l2) = Relay::pair_from_config(&cfg, crate::tls::fixed(client.clone()));
+    assert_eq!(p2.unwrap().instance, l2.unwrap().instance);
     // Its own switch: the prefix relay's does not turn it off, 0 does.
     cfg.prefix.enabled = false;
     let (prefix, load) = Relay::pair_from_config(&cfg, crate::tls::fixed(client.clone()));
@@ -525,6 +543,26 @@ fn the_timeout_is_ten_intervals_and_at_least_50_ms() {
         timeout(Duration::from_millis(20)),
         Duration::from_millis(200)
     );
+}
+
+#[test]
+fn each_sidecar_draws_a_name_of_its_own() {
+    let (a, b) = (instance_name("gw a\u{e4}"), instance_name("gw a\u{e4}"));
+    assert_ne!(a, b, "two draws, two names");
+    for name in [&a, &b] {
+        let (source, drawn) = name.split_once('@').unwrap();
+        assert_eq!(source, "gw_a_");
+        assert_eq!(drawn.len(), 8);
+        assert!(drawn.bytes().all(|c| c.is_ascii_hexdigit()), "{name}");
+        assert!(valid_replica(name));
+    }
+    assert!(instance_name("").starts_with("sidecar-metrics@"));
+    // A long source leaves room for the random part and an Envoy's index.
+    let long = instance_name(&"x".repeat(300));
+    let named = replica_name(&long, 11, 12);
+    assert!(named.len() <= MAX_REPLICA_LEN, "{named}");
+    assert!(named.ends_with("/11") && named.contains('@'), "{named}");
+    assert!(valid_replica(&named));
 }
 
 #[test]
