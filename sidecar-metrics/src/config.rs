@@ -283,8 +283,10 @@ pub struct PrefixRelayConfig {
     #[serde(default)]
     pub peers: Vec<String>,
     /// Peers found by DNS: a headless Service of the gateway pods, re-resolved every
-    /// `refresh_ms`, `port` being the sidecars' `listen` port. This pod's own address is left
-    /// out when the `POD_IP` environment variable names it (Kubernetes' downward API).
+    /// `refresh_ms`, `port` being the sidecars' `listen` port. This pod's own addresses are left
+    /// out when the `POD_IPS` or `POD_IP` environment variables name them (Kubernetes' downward
+    /// API: `status.podIPs`, both families on a dual-stack cluster, and `status.podIP`); any
+    /// other peer that answers as this sidecar itself is left out once it did.
     #[serde(default)]
     pub peers_dns: Option<DnsConfig>,
     /// Mutual TLS between the sidecars: `listen` serves `cert_file` and takes only peers whose

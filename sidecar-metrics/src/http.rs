@@ -230,16 +230,45 @@ async fn peer_body(req: Request, token: &str) -> Result<(HeaderMap, Bytes), Resp
     }
 }
 
-/// A peer's prefix records: checked (token, encoding), then handed to this replica's Envoys.
-/// 204 when at least one took them, 502 when none did.
+/// `answer` with [`SIDECAR_HEADER`] naming this sidecar: a sender that finds its own name
+/// there posted to itself, and leaves that peer out. Not told to a client without the token.
+fn signed(relay: &Relay, mut answer: Response) -> Response {
+    if answer.status() == StatusCode::UNAUTHORIZED {
+        return answer;
+    }
+    if let Ok(v) = header::HeaderValue::from_str(&relay.instance) {
+        answer.headers_mut().insert(SIDECAR_HEADER, v);
+    }
+    answer
+}
+
+/// What this sidecar answers a post from itself (its own address among its peers): taken,
+/// and nothing done with it. This replica's Envoys have its own counts and records already;
+/// handed back to them, they would count its requests twice.
+fn own_post(relay: &Relay) -> Response {
+    relay.dropped_own();
+    StatusCode::NO_CONTENT.into_response()
+}
+
+/// A peer's prefix records: checked (token, encoding), then handed to this replica's Envoys
+/// (unless they come from this sidecar itself: dropped). 204 when at least one took them, 502
+/// when none did.
 async fn prefix_from_peer(State(s): State<AppState>, req: Request) -> Response {
     let Some(relay) = s.relay else {
         return (StatusCode::NOT_FOUND, "the prefix relay is off here\n").into_response();
     };
-    let body = match peer_body(req, &relay.token).await {
-        Ok((_, body)) => body,
+    let answer = prefix_records(&relay, req).await;
+    signed(&relay, answer)
+}
+
+async fn prefix_records(relay: &Arc<Relay>, req: Request) -> Response {
+    let (headers, body) = match peer_body(req, &relay.token).await {
+        Ok(read) => read,
         Err(answer) => return answer,
     };
+    if relay.is_own(headers.get(SIDECAR_HEADER)) {
+        return own_post(relay);
+    }
     let n = match gpuroute_core::prefix::decode_records(&body, MAX_IMPORT_RECORDS) {
         Ok(r) => r.len(),
         Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
@@ -253,8 +282,9 @@ async fn prefix_from_peer(State(s): State<AppState>, req: Request) -> Response {
 
 /// A peer's in-flight counts: checked (token, the `x-gpuroute-replica` header naming where they
 /// come from, a body of counts as the filter writes them: a bad one would spoil the bundle it
-/// could go in), then handed to this replica's Envoys under that name. 204 when at least one
-/// took them, 502 when none did.
+/// could go in), then handed to this replica's Envoys under that name, unless they are this
+/// sidecar's own (its own name in `x-gpuroute-sidecar`, or one of its replica names: dropped).
+/// 204 when at least one took them, 502 when none did.
 async fn load_from_peer(State(s): State<AppState>, req: Request) -> Response {
     let Some(relay) = s.load else {
         return (
@@ -263,6 +293,11 @@ async fn load_from_peer(State(s): State<AppState>, req: Request) -> Response {
         )
             .into_response();
     };
+    let answer = load_counts(&relay, req).await;
+    signed(&relay, answer)
+}
+
+async fn load_counts(relay: &Arc<Relay>, req: Request) -> Response {
     let address = req
         .extensions()
         .get::<PeerAddr>()
@@ -282,6 +317,9 @@ async fn load_from_peer(State(s): State<AppState>, req: Request) -> Response {
         );
         return (StatusCode::BAD_REQUEST, why).into_response();
     };
+    if relay.is_own(headers.get(SIDECAR_HEADER)) || relay.is_own_replica(replica) {
+        return own_post(relay);
+    }
     if let Err(why) = gpuroute_core::replica_load::ReplicaLoad::decode(&body) {
         return (
             StatusCode::BAD_REQUEST,
@@ -323,12 +361,16 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
              gpuroute_sidecar_prefix_relay_failures_total{{target=\"peer\"}} {}\n\
              # HELP gpuroute_sidecar_prefix_relay_busy_skips_total Batches not sent to a target still busy with the batch before.\n\
              # TYPE gpuroute_sidecar_prefix_relay_busy_skips_total counter\n\
-             gpuroute_sidecar_prefix_relay_busy_skips_total {}\n",
+             gpuroute_sidecar_prefix_relay_busy_skips_total {}\n\
+             # HELP gpuroute_sidecar_prefix_relay_own_dropped_total Batches of prefix records from this sidecar to itself (its own address among its peers), dropped.\n\
+             # TYPE gpuroute_sidecar_prefix_relay_own_dropped_total counter\n\
+             gpuroute_sidecar_prefix_relay_own_dropped_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),
             st.peer_failures.load(Ordering::Relaxed),
             st.busy_skips.load(Ordering::Relaxed),
+            st.own_dropped.load(Ordering::Relaxed),
         );
     }
     if let Some(r) = &s.load {
@@ -354,7 +396,10 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
              gpuroute_sidecar_replica_load_bundled_total {}\n\
              # HELP gpuroute_sidecar_replica_load_name_clashes_total Peers' bodies of in-flight counts under a replica name another sender (another address, or another sidecar) posted under within the last 10 s: the Envoys keep one entry per name, so one of them goes uncounted.\n\
              # TYPE gpuroute_sidecar_replica_load_name_clashes_total counter\n\
-             gpuroute_sidecar_replica_load_name_clashes_total {}\n",
+             gpuroute_sidecar_replica_load_name_clashes_total {}\n\
+             # HELP gpuroute_sidecar_replica_load_own_dropped_total Bodies of in-flight counts from this sidecar to itself (its own address among its peers), dropped: taken, its Envoys would count their own requests twice.\n\
+             # TYPE gpuroute_sidecar_replica_load_own_dropped_total counter\n\
+             gpuroute_sidecar_replica_load_own_dropped_total {}\n",
             st.records_out.load(Ordering::Relaxed),
             st.records_in.load(Ordering::Relaxed),
             st.envoy_failures.load(Ordering::Relaxed),
@@ -363,6 +408,7 @@ async fn metrics_handler(State(s): State<AppState>) -> Response {
             st.unchanged.load(Ordering::Relaxed),
             st.bundled.load(Ordering::Relaxed),
             st.name_clashes.load(Ordering::Relaxed),
+            st.own_dropped.load(Ordering::Relaxed),
         );
     }
     (

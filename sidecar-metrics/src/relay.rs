@@ -59,6 +59,26 @@ pub const PEER_PATH: &str = "/v1/prefix";
 /// the receiver can tell two senders apart even when one reaches it at two addresses.
 pub const SIDECAR_HEADER: &str = "x-gpuroute-sidecar";
 
+/// How long a peer found to be this sidecar itself (it answered with this sidecar's
+/// [`SIDECAR_HEADER`]) is left out before it is tried again: a name (a static peer's) may come
+/// to mean another replica.
+const SELF_RECHECK: Duration = Duration::from_secs(60);
+
+/// This pod's addresses, as the downward API gives them: `POD_IPS` (`status.podIPs`, both
+/// families on a dual-stack cluster, comma-separated) and `POD_IP` (`status.podIP`, one).
+pub fn own_addresses(pod_ip: Option<&str>, pod_ips: Option<&str>) -> Vec<IpAddr> {
+    let mut ips: Vec<IpAddr> = pod_ips
+        .unwrap_or_default()
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .chain(pod_ip)
+        .filter_map(|v| v.trim().parse::<IpAddr>().ok())
+        .map(|ip| ip.to_canonical())
+        .collect();
+    ips.sort();
+    ips.dedup();
+    ips
+}
+
 /// How long a replica name is remembered with the sender that last posted under it: another
 /// sender posting under it within this is a name clash.
 const CLASH_WINDOW: Duration = Duration::from_secs(10);
@@ -119,6 +139,8 @@ pub struct RelayStats {
     /// The load relay: peers' bodies under a replica name another sender (another address, or
     /// another sidecar's name) posted under within the last [`CLASH_WINDOW`].
     pub name_clashes: AtomicU64,
+    /// Posts from this sidecar itself, dropped (its own address among its peers).
+    pub own_dropped: AtomicU64,
 }
 
 /// The relay's targets and state.
@@ -135,8 +157,11 @@ pub struct Relay {
     /// two relays so that one task resolves for both.
     found: Arc<Mutex<Vec<String>>>,
     dns: Option<DnsConfig>,
-    /// This pod's address (`POD_IP`), left out of the peers found.
-    own_ip: Option<IpAddr>,
+    /// This pod's addresses (`POD_IPS`, `POD_IP`), left out of the peers found.
+    own_ips: Vec<IpAddr>,
+    /// Peers (URLs, as in [`Relay::all_peers`]) that turned out to be this sidecar itself, and
+    /// when: left out for [`SELF_RECHECK`].
+    selves: Mutex<std::collections::HashMap<String, Instant>>,
     pub token: String,
     /// `Authorization: Bearer <token>`, for every request.
     auth: HeaderValue,
@@ -163,6 +188,8 @@ pub struct Relay {
     senders: Mutex<std::collections::HashMap<String, (String, Instant)>>,
     /// The log limit of name clashes, apart from the failures'.
     clash_gate: Mutex<LogGate>,
+    /// The log limit of posts from this sidecar to itself.
+    self_gate: Mutex<LogGate>,
 }
 
 /// A delivery under way to one target: the target is busy until this is dropped, whether the
@@ -295,7 +322,11 @@ impl Relay {
             peers,
             found,
             dns: p.peers_dns.clone(),
-            own_ip: std::env::var("POD_IP").ok().and_then(|v| v.parse().ok()),
+            own_ips: own_addresses(
+                std::env::var("POD_IP").ok().as_deref(),
+                std::env::var("POD_IPS").ok().as_deref(),
+            ),
+            selves: Mutex::default(),
             token: cfg.push.token.clone().unwrap_or_default(),
             auth: client::bearer(cfg.push.token.as_deref().unwrap_or_default()),
             interval,
@@ -310,6 +341,7 @@ impl Relay {
             instance,
             senders: Mutex::default(),
             clash_gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
+            self_gate: Mutex::new(LogGate::new(Duration::from_secs(10))),
         }))
     }
 
@@ -322,6 +354,47 @@ impl Relay {
                 error = %why,
                 suppressed = held,
                 "{} relay: {what} failed",
+                self.kind.name()
+            );
+        }
+    }
+
+    /// Whether `sidecar` (a [`SIDECAR_HEADER`] value) names this sidecar.
+    pub fn is_own(&self, sidecar: Option<&HeaderValue>) -> bool {
+        sidecar.is_some_and(|v| v.as_bytes() == self.instance.as_bytes())
+    }
+
+    /// Whether `replica` is one of this sidecar's replica names (its Envoys' counts).
+    pub fn is_own_replica(&self, replica: &str) -> bool {
+        self.replicas.iter().any(|r| r == replica)
+    }
+
+    /// Counts a post from this sidecar to itself that its peers' surface dropped, and logs it
+    /// at most every 10 s: taken, this replica's own counts would be counted twice by its
+    /// Envoys (and its own records handed back to them).
+    pub fn dropped_own(&self) {
+        self.stats.own_dropped.fetch_add(1, Ordering::Relaxed);
+        let mut gate = self.self_gate.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(held) = gate.allow(Instant::now()) {
+            tracing::warn!(
+                instance = %self.instance,
+                suppressed = held,
+                "{} relay: dropped a post from this sidecar to itself (one of its peers is its \
+                 own address); the sender leaves that peer out for a minute",
+                self.kind.name()
+            );
+        }
+    }
+
+    /// Leaves the peer `url` out for [`SELF_RECHECK`]: it answered as this sidecar.
+    fn found_self(&self, url: &str) {
+        let now = Instant::now();
+        let mut selves = self.selves.lock().unwrap_or_else(|e| e.into_inner());
+        selves.retain(|_, at| now.saturating_duration_since(*at) < SELF_RECHECK);
+        if selves.insert(url.to_string(), now).is_none() {
+            tracing::info!(
+                %url,
+                "{} relay: this peer is this sidecar itself; left out",
                 self.kind.name()
             );
         }
@@ -445,6 +518,9 @@ impl Relay {
         }
         let req = client::request(Method::POST, url, &headers, body).map_err(|e| e.to_string())?;
         let resp = self.exchange(req).await?;
+        if peer && self.is_own(resp.headers.get(SIDECAR_HEADER)) {
+            self.found_self(url);
+        }
         if resp.status.is_success() {
             Ok(())
         } else {
@@ -520,17 +596,29 @@ impl Relay {
         }
     }
 
-    /// The configured peers and those found by DNS.
+    /// The configured peers and those found by DNS, without those found to be this sidecar
+    /// itself within [`SELF_RECHECK`].
     pub fn all_peers(&self) -> Vec<String> {
         let mut all = self.peers.clone();
-        let found = self.found.lock().unwrap_or_else(|e| e.into_inner());
-        let path = self.kind.peer_path();
-        all.extend(
-            found
-                .iter()
-                .map(|base| format!("{base}{path}"))
-                .filter(|u| !self.peers.contains(u)),
-        );
+        {
+            let found = self.found.lock().unwrap_or_else(|e| e.into_inner());
+            let path = self.kind.peer_path();
+            all.extend(
+                found
+                    .iter()
+                    .map(|base| format!("{base}{path}"))
+                    .filter(|u| !self.peers.contains(u)),
+            );
+        }
+        let selves = self.selves.lock().unwrap_or_else(|e| e.into_inner());
+        if !selves.is_empty() {
+            let now = Instant::now();
+            all.retain(|u| {
+                selves
+                    .get(u)
+                    .is_none_or(|at| now.saturating_duration_since(*at) >= SELF_RECHECK)
+            });
+        }
         all
     }
 
@@ -555,7 +643,7 @@ impl Relay {
                 Ok(addrs) => {
                     let mut urls: Vec<String> = addrs
                         .iter()
-                        .filter(|a| Some(a.ip()) != self.own_ip)
+                        .filter(|a| !self.own_ips.contains(&a.ip().to_canonical()))
                         .map(|a| format!("{}://{a}", self.peer_scheme))
                         .collect();
                     urls.sort();
@@ -893,14 +981,22 @@ mod tests {
             refresh_ms: 20,
         });
         let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
-        // Stand-in for POD_IP (the test does not set process-wide environment variables).
+        // Stand-in for POD_IP and POD_IPS (the test does not set process-wide environment
+        // variables).
         let relay = Arc::new(Relay {
-            own_ip: Some("10.0.0.1".parse().unwrap()),
+            own_ips: own_addresses(Some("10.0.0.1"), Some("10.0.0.1,fd00::1")),
             ..Arc::try_unwrap(relay).unwrap()
         });
-        let addrs = ["10.0.0.2:1", "10.0.0.1:1", "10.0.0.3:1", "10.0.0.9:1"]
-            .map(|a| a.parse().unwrap())
-            .to_vec();
+        // A dual-stack headless Service: this pod under both its addresses.
+        let addrs = [
+            "10.0.0.2:1",
+            "10.0.0.1:1",
+            "[fd00::1]:1",
+            "10.0.0.3:1",
+            "10.0.0.9:1",
+        ]
+        .map(|a| a.parse().unwrap())
+        .to_vec();
         let dns = Arc::new(FakeDns(Mutex::new(Some(addrs))));
         let stop = CancellationToken::new();
         let task = tokio::spawn(relay.clone().find_peers(dns.clone(), stop.clone()));
@@ -921,6 +1017,23 @@ mod tests {
         assert!(relay.stats.peer_failures.load(Ordering::Relaxed) > 0);
         stop.cancel();
         task.await.unwrap();
+    }
+
+    #[test]
+    fn this_pods_addresses_are_those_of_both_downward_api_variables() {
+        let v4: IpAddr = "10.0.0.1".parse().unwrap();
+        let v6: IpAddr = "fd00::1".parse().unwrap();
+        assert_eq!(own_addresses(None, None), Vec::<IpAddr>::new());
+        assert_eq!(own_addresses(Some("10.0.0.1"), None), vec![v4]);
+        assert_eq!(
+            own_addresses(Some("fd00::1"), Some("10.0.0.1, fd00::1")),
+            vec![v4, v6]
+        );
+        // An IPv4 address as IPv6 writes it is the IPv4 one; what does not parse is left out.
+        assert_eq!(
+            own_addresses(Some("::ffff:10.0.0.1"), Some("nonsense,")),
+            vec![v4]
+        );
     }
 
     #[tokio::test]

@@ -31,6 +31,10 @@ struct FakeEnvoy {
     counts: Arc<Mutex<Option<Vec<u8>>>>,
     got: Arc<Mutex<Vec<Post>>>,
     refuse: Arc<Mutex<bool>>,
+    /// Its own routing decisions, given out to the prefix relay (none unless set).
+    decisions: Arc<Mutex<Option<gpuroute_core::prefix::SyncLog>>>,
+    /// Prefix records posted to it (bodies).
+    records: Arc<Mutex<Vec<Vec<u8>>>>,
 }
 
 impl FakeEnvoy {
@@ -44,6 +48,7 @@ impl FakeEnvoy {
                 post(|| async { StatusCode::NO_CONTENT }),
             )
             .route("/gpuroute/v1/load", get(counts_get).post(counts_post))
+            .route("/gpuroute/v1/prefix", get(prefix_get).post(prefix_post))
             .with_state(f.clone());
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
@@ -74,6 +79,26 @@ fn plain(name: &str) -> String {
         }
         _ => name.to_string(),
     }
+}
+
+/// The filter's side of the prefix exchange: its decisions after the cursor asked with.
+async fn prefix_get(State(f): State<FakeEnvoy>, h: HeaderMap) -> Response {
+    use gpuroute_core::exchange::{Cursor, Export, CURSOR_HEADER};
+    let after = h
+        .get(CURSOR_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    let mut e = Export::new(Cursor::parse(after));
+    if let Some(log) = f.decisions.lock().unwrap().as_ref() {
+        e.add_log(3, log);
+    }
+    let (body, cursor) = e.finish();
+    ([(CURSOR_HEADER, cursor)], body).into_response()
+}
+
+async fn prefix_post(State(f): State<FakeEnvoy>, body: Bytes) -> StatusCode {
+    f.records.lock().unwrap().push(body.to_vec());
+    StatusCode::NO_CONTENT
 }
 
 async fn counts_get(State(f): State<FakeEnvoy>) -> Response {
@@ -499,6 +524,58 @@ async fn two_senders_under_one_replica_name_are_counted() {
     assert_eq!(post_from("127.0.0.3", peer, "gw-2", Some("s-9")).await, 204);
     assert_eq!(post_from("127.0.0.2", peer, "gw-3", None).await, 204);
     assert_eq!(clashes().await, Some(2));
+    run.shutdown();
+    run.wait(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn a_sidecar_among_its_own_peers_takes_nothing_from_itself() {
+    // A shared static list of peers that names this replica too (the same happens with POD_IP
+    // unset, or of the other family than the one DNS gives): the sidecar's peers' listener is
+    // one of its peers. (Its port reserved and let go: the list must name it before it starts.)
+    let own = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let own_addr = own.local_addr().unwrap();
+    drop(own);
+    let (a, ua) = FakeEnvoy::start(Some(&counts(1))).await;
+    let mut log = gpuroute_core::prefix::SyncLog::new(16);
+    log.push(7, &[1, 2]);
+    *a.decisions.lock().unwrap() = Some(log);
+    let mut cfg = config(
+        "gw-1",
+        vec![ua],
+        vec![format!("http://{own_addr}"), closed_port()],
+    );
+    cfg.prefix.listen = Some(own_addr.to_string());
+    let run = start(cfg).await;
+    assert_eq!(run.peer_addr, Some(own_addr));
+    let dropped = |kind: &'static str| async move {
+        let m = metrics(run.local_addr).await;
+        let name = format!("gpuroute_sidecar_{kind}_own_dropped_total");
+        metric(&m, &name)
+    };
+    let echoed = || !a.got.lock().unwrap().is_empty() || !a.records.lock().unwrap().is_empty();
+    // The first post of each relay reaches the sidecar itself, which drops it...
+    let t0 = Instant::now();
+    while dropped("replica_load").await < Some(1) || dropped("prefix_relay").await < Some(1) {
+        if echoed() || t0.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...and that peer is then left out: no more posts to itself, where the load relay posted
+    // its unchanged counts every 20 ms (50 in a second).
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    // Its Envoy never got its own counts or records back.
+    let got = a.got.lock().unwrap().len();
+    assert_eq!(got, 0, "its own counts came back {got} times");
+    assert!(
+        a.records.lock().unwrap().is_empty(),
+        "its own records came back"
+    );
+    for kind in ["replica_load", "prefix_relay"] {
+        let n = dropped(kind).await;
+        assert!(n.is_some_and(|n| (1..=2).contains(&n)), "{kind}: {n:?}");
+    }
     run.shutdown();
     run.wait(Duration::from_secs(5)).await;
 }
