@@ -680,13 +680,8 @@ mod tests {
     fn config() -> Arc<Config> {
         let mut c = Config::default();
         c.pools.push(crate::config::PoolConfig {
-            name: "p".into(),
-            engine: None,
-            metrics_path: None,
-            metrics_scheme: Default::default(),
             pods: Some(vec![]),
-            dns: None,
-            kubernetes: None,
+            ..crate::config::PoolConfig::named("p")
         });
         Arc::new(c)
     }

@@ -670,13 +670,8 @@ impl Config {
                 })
                 .collect();
             let pool = PoolConfig {
-                name: name.trim().to_string(),
-                engine: None,
-                metrics_path: None,
-                metrics_scheme: Default::default(),
                 pods: Some(pods),
-                dns: None,
-                kubernetes: None,
+                ..PoolConfig::named(name.trim())
             };
             match self.pools.iter_mut().find(|p| p.name == pool.name) {
                 Some(existing) => *existing = pool,
@@ -899,6 +894,20 @@ impl Config {
 }
 
 impl PoolConfig {
+    /// A pool of this name with every option at its default and no source of pods yet (a
+    /// configuration needs one of `pods`, `dns` or `kubernetes` set).
+    pub fn named(name: impl Into<String>) -> PoolConfig {
+        PoolConfig {
+            name: name.into(),
+            engine: None,
+            metrics_path: None,
+            metrics_scheme: Default::default(),
+            pods: None,
+            dns: None,
+            kubernetes: None,
+        }
+    }
+
     fn validate(&self, f: &str) -> Result<(), ConfigError> {
         if self.name.is_empty() || self.name.len() > MAX_NAME_LEN {
             return Err(field(

@@ -281,15 +281,32 @@ fn client_with(addr: std::net::SocketAddr, read_timeout: Duration) -> kubernetes
     kubernetes::ApiClient::new(cfg, read_timeout).unwrap()
 }
 
+/// Discovery of pool 0's pods by the selector `app=vllm` in namespace `llm`, port 8000, through
+/// `client`: its updates, and the token that stops it.
+fn discover_vllm_pods(client: kubernetes::ApiClient) -> (UpdateRx, CancellationToken) {
+    let (tx, rx) = discovery::channel();
+    let stop = CancellationToken::new();
+    let k = KubernetesConfig {
+        namespace: "llm".into(),
+        selector: Some("app=vllm".into()),
+        port: Some(8000),
+        inference_pool: None,
+    };
+    tokio::spawn(kubernetes::run(
+        0,
+        pool(k.clone()),
+        k,
+        client,
+        tx,
+        stop.clone(),
+    ));
+    (rx, stop)
+}
+
 fn pool(k: KubernetesConfig) -> PoolConfig {
     PoolConfig {
-        name: "llama".into(),
-        engine: None,
-        metrics_path: None,
-        metrics_scheme: Default::default(),
-        pods: None,
-        dns: None,
         kubernetes: Some(k),
+        ..PoolConfig::named("llama")
     }
 }
 
@@ -312,22 +329,7 @@ async fn label_selector_pods_join_leave_and_change_readiness() {
     api.put("pods", pod("b", "127.0.0.3", "vllm", false));
     api.put("pods", pod("other", "127.0.0.9", "web", true));
     let addr = api.serve().await;
-    let (tx, mut rx) = discovery::channel();
-    let stop = CancellationToken::new();
-    let k = KubernetesConfig {
-        namespace: "llm".into(),
-        selector: Some("app=vllm".into()),
-        port: Some(8000),
-        inference_pool: None,
-    };
-    tokio::spawn(kubernetes::run(
-        0,
-        pool(k.clone()),
-        k,
-        client(addr),
-        tx,
-        stop.clone(),
-    ));
+    let (mut rx, stop) = discover_vllm_pods(client(addr));
 
     assert_eq!(
         next(&mut rx).await,
@@ -424,18 +426,10 @@ async fn a_hung_list_or_watch_start_times_out_and_discovery_recovers() {
     api.put("pods", pod("a", "127.0.0.2", "vllm", true));
     api.hang_lists.store(1, Ordering::SeqCst);
     let addr = api.serve().await;
-    let (tx, mut rx) = discovery::channel();
-    let stop = CancellationToken::new();
-    let k = KubernetesConfig {
-        namespace: "llm".into(),
-        selector: Some("app=vllm".into()),
-        port: Some(8000),
-        inference_pool: None,
-    };
     // Read timeout 2 s: watches ask the server to end them after 1 s.
     let c = client_with(addr, Duration::from_secs(2));
     assert_eq!(c.watch_timeout_secs, 1);
-    tokio::spawn(kubernetes::run(0, pool(k.clone()), k, c, tx, stop.clone()));
+    let (mut rx, stop) = discover_vllm_pods(c);
     let deadline = Duration::from_secs(60);
     let first = tokio::time::timeout(deadline, rx.recv())
         .await
@@ -462,22 +456,7 @@ async fn a_refused_list_is_tried_again_less_and_less_often() {
     api.put("pods", pod("a", "127.0.0.2", "vllm", true));
     api.list_status.store(403, Ordering::SeqCst);
     let addr = api.serve().await;
-    let (tx, mut rx) = discovery::channel();
-    let stop = CancellationToken::new();
-    let k = KubernetesConfig {
-        namespace: "llm".into(),
-        selector: Some("app=vllm".into()),
-        port: Some(8000),
-        inference_pool: None,
-    };
-    tokio::spawn(kubernetes::run(
-        0,
-        pool(k.clone()),
-        k,
-        client(addr),
-        tx,
-        stop.clone(),
-    ));
+    let (mut rx, stop) = discover_vllm_pods(client(addr));
     // Tries at ~0, 1, 3 and 7 s (each delay up to a fifth longer): 4 in 12 s; kube-rs's
     // backoff alone made 7 or more.
     tokio::time::sleep(Duration::from_secs(12)).await;
@@ -500,22 +479,7 @@ async fn a_burst_of_changes_leaves_only_the_newest_list_waiting() {
         api.put("pods", pod(&format!("p{i:05}"), &ip(i), "vllm", true));
     }
     let addr = api.serve().await;
-    let (tx, mut rx) = discovery::channel();
-    let stop = CancellationToken::new();
-    let k = KubernetesConfig {
-        namespace: "llm".into(),
-        selector: Some("app=vllm".into()),
-        port: Some(8000),
-        inference_pool: None,
-    };
-    tokio::spawn(kubernetes::run(
-        0,
-        pool(k.clone()),
-        k,
-        client(addr),
-        tx,
-        stop.clone(),
-    ));
+    let (mut rx, stop) = discover_vllm_pods(client(addr));
     let first = next(&mut rx).await;
     assert_eq!((first.len(), first.iter().filter(|p| p.1).count()), (N, N));
     for i in 0..N {

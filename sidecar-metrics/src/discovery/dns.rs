@@ -181,15 +181,7 @@ mod tests {
     }
 
     fn pool() -> PoolConfig {
-        PoolConfig {
-            name: "p".into(),
-            engine: None,
-            metrics_path: None,
-            metrics_scheme: Default::default(),
-            pods: None,
-            dns: None,
-            kubernetes: None,
-        }
+        PoolConfig::named("p")
     }
 
     #[tokio::test(start_paused = true)]

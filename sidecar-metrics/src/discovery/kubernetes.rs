@@ -583,15 +583,7 @@ mod tests {
     }
 
     fn test_pool() -> PoolConfig {
-        PoolConfig {
-            name: "p".into(),
-            engine: None,
-            metrics_path: None,
-            metrics_scheme: Default::default(),
-            pods: None,
-            dns: None,
-            kubernetes: None,
-        }
+        PoolConfig::named("p")
     }
 
     /// An evicted (or completed) pod keeps its IP in the API until it is deleted; the kubelet
@@ -688,13 +680,8 @@ mod tests {
             map.insert(key(&p), entry(&p));
         }
         let pool = PoolConfig {
-            name: "p".into(),
-            engine: None,
             metrics_path: Some("/m".into()),
-            metrics_scheme: Default::default(),
-            pods: None,
-            dns: None,
-            kubernetes: None,
+            ..PoolConfig::named("p")
         };
         let t = targets(&pool, &map, &[8000]);
         let got: Vec<_> = t

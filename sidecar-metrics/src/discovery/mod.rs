@@ -307,15 +307,7 @@ pools:
     }
 
     fn list(pool: usize, n: usize) -> Update {
-        let pc = PoolConfig {
-            name: "p".into(),
-            engine: None,
-            metrics_path: None,
-            metrics_scheme: Default::default(),
-            pods: None,
-            dns: None,
-            kubernetes: None,
-        };
+        let pc = PoolConfig::named("p");
         Update {
             pool,
             targets: (0..n)
