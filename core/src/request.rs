@@ -364,6 +364,31 @@ pub fn response_id(chunk: &[u8]) -> Option<&str> {
     std::str::from_utf8(id).ok()
 }
 
+/// The pod a Responses API answer's id is learned for, from the answer's head: `None` when it
+/// is not learned. Only a success is (`status` 2xx), in plain bytes (no `content_encoding` but
+/// `identity`): a 500 with an `id` in its body, or a gzip'd answer read as text, taught the
+/// gateway ids no pod holds. The pod is the one that answered (`upstream`, the address Envoy
+/// connected to), not necessarily the one picked (`picked`, 0 when the filter picked none): Envoy
+/// retries a refused connection on the next endpoint, and fails open to its own balancer, and
+/// the id belongs to the pod that stores the response. Without the upstream address, the pick.
+pub fn response_learner(
+    status: Option<&[u8]>,
+    content_encoding: Option<&[u8]>,
+    upstream: Option<&[u8]>,
+    picked: u64,
+) -> Option<u64> {
+    if !status.is_some_and(|s| s.len() == 3 && s[0] == b'2') {
+        return None;
+    }
+    if content_encoding.is_some_and(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity")) {
+        return None;
+    }
+    match upstream.and_then(|u| std::str::from_utf8(u).ok()) {
+        Some(addr) if !addr.is_empty() => Some(crate::prefix::pod_key(addr)),
+        _ => (picked != 0).then_some(picked),
+    }
+}
+
 /// The first bytes of a Responses API answer, gathered across the chunks it arrives in until
 /// they give its id ([`response_id`]): a server may send the start of its body apart.
 #[derive(Debug, Default)]
@@ -851,6 +876,38 @@ mod tests {
 
     fn messages(body: &str) -> InferenceRequest<'_> {
         parse(body.as_bytes(), Endpoint::Messages, 1 << 20, 1024).unwrap()
+    }
+
+    #[test]
+    fn a_response_id_is_learned_for_the_pod_that_answered_it_well() {
+        let a = crate::prefix::pod_key("10.0.0.1:8000");
+        let b = crate::prefix::pod_key("10.0.0.2:8000");
+        let ok = Some(&b"200"[..]);
+        // The pick, unless Envoy says another pod answered (a retry, or its own balancer).
+        assert_eq!(response_learner(ok, None, None, a), Some(a));
+        assert_eq!(
+            response_learner(ok, None, Some(b"10.0.0.2:8000"), a),
+            Some(b)
+        );
+        assert_eq!(
+            response_learner(ok, None, Some(b"10.0.0.2:8000"), 0),
+            Some(b)
+        );
+        assert_eq!(response_learner(ok, None, None, 0), None);
+        assert_eq!(
+            response_learner(Some(b"201"), Some(b"identity"), None, a),
+            Some(a)
+        );
+        // Not from a failure, nor from bytes that are not the body as written.
+        for status in [&b"500"[..], b"404", b"302", b"2", b"2000", b""] {
+            assert_eq!(response_learner(Some(status), None, None, a), None);
+        }
+        assert_eq!(response_learner(None, None, None, a), None);
+        assert_eq!(response_learner(ok, Some(b"gzip"), None, a), None);
+        assert_eq!(
+            response_learner(ok, Some(b"br"), Some(b"10.0.0.2:8000"), a),
+            None
+        );
     }
 
     #[test]

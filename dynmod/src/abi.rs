@@ -112,6 +112,9 @@ pub const LOG_ERROR: u32 = 4;
 pub const LOG_CRITICAL: u32 = 5;
 /// `source.address` in the attribute enum.
 pub const ATTRIBUTE_SOURCE_ADDRESS: u32 = 24;
+/// `upstream.address` in the attribute enum (after `source.port`, the `destination` pair and the
+/// fourteen `connection` attributes).
+pub const ATTRIBUTE_UPSTREAM_ADDRESS: u32 = 41;
 
 /// glibc's `RTLD_DEFAULT`: search the global scope (the Envoy executable exports the callbacks).
 const RTLD_DEFAULT: *mut c_void = std::ptr::null_mut();

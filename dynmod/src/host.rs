@@ -47,9 +47,18 @@ impl Stream {
     /// Every request header, in one call. The slices borrow Envoy's header map: they are valid
     /// until the current hook returns or the map is changed, whichever comes first.
     pub fn request_headers<'a>(self) -> Vec<(&'a [u8], &'a [u8])> {
+        self.headers(REQUEST_HEADERS)
+    }
+
+    /// Every response header, as [`Stream::request_headers`] gives the request's.
+    pub fn response_headers<'a>(self) -> Vec<(&'a [u8], &'a [u8])> {
+        self.headers(RESPONSE_HEADERS)
+    }
+
+    fn headers<'a>(self, map: u32) -> Vec<(&'a [u8], &'a [u8])> {
         // SAFETY: live filter pointer; the vector is sized by Envoy's own count first.
         unsafe {
-            let n = envoy_dynamic_module_callback_http_get_headers_size(self.0, REQUEST_HEADERS);
+            let n = envoy_dynamic_module_callback_http_get_headers_size(self.0, map);
             let mut hs = vec![
                 EnvoyHeader {
                     key_ptr: std::ptr::null(),
@@ -60,11 +69,7 @@ impl Stream {
                 n
             ];
             if n == 0
-                || !envoy_dynamic_module_callback_http_get_headers(
-                    self.0,
-                    REQUEST_HEADERS,
-                    hs.as_mut_ptr(),
-                )
+                || !envoy_dynamic_module_callback_http_get_headers(self.0, map, hs.as_mut_ptr())
             {
                 return Vec::new();
             }
@@ -235,15 +240,22 @@ impl Stream {
 
     /// The downstream peer's address (`ip:port` or `ip`).
     pub fn source_address(self) -> Option<String> {
+        self.attribute_string(ATTRIBUTE_SOURCE_ADDRESS)
+    }
+
+    /// The address of the upstream host Envoy sent the request to (`ip:port`), once it chose
+    /// one.
+    pub fn upstream_address(self) -> Option<String> {
+        self.attribute_string(ATTRIBUTE_UPSTREAM_ADDRESS)
+    }
+
+    fn attribute_string(self, attribute: u32) -> Option<String> {
         let mut out = EnvoyBuffer::EMPTY;
         let len_ptr: *mut usize = &mut out.len;
         // SAFETY: live filter pointer; `out` outlives the call.
         let ok = unsafe {
             envoy_dynamic_module_callback_http_filter_get_attribute_string(
-                self.0,
-                ATTRIBUTE_SOURCE_ADDRESS,
-                &mut out,
-                len_ptr,
+                self.0, attribute, &mut out, len_ptr,
             )
         };
         // SAFETY: valid until the hook returns; copied right away.

@@ -1263,11 +1263,15 @@ impl Filter {
                     .learns_response
                     .then(|| (pod_key, request::ResponseHead::default()));
             }
-        } else if matches!(choice.decision, Decision::FailOpen(_))
-            && cfg.data_plane == DataPlane::OriginalDst
-        {
-            // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
-            any_pod = pool_state.and_then(|p| Engine::any_pod(p, &mut r.rng));
+        } else if matches!(choice.decision, Decision::FailOpen(_)) {
+            // Envoy's balancer picks the pod: the id is learned for the one that answers.
+            self.learn_response = prep
+                .learns_response
+                .then(|| (0, request::ResponseHead::default()));
+            if cfg.data_plane == DataPlane::OriginalDst {
+                // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
+                any_pod = pool_state.and_then(|p| Engine::any_pod(p, &mut r.rng));
+            }
         }
         drop(loads);
         drop(guard);
@@ -1469,6 +1473,22 @@ impl Filter {
     fn on_response_headers(&mut self, s: Stream) {
         if let Some(d) = &self.debug {
             s.set_header(RESPONSE_HEADERS, headers::DEBUG, d);
+        }
+        // A Responses API answer: whether its id is learned, and for which pod (the one that
+        // answered).
+        if let Some((pod, _)) = self.learn_response.as_mut() {
+            let hs = s.response_headers();
+            let header = |name: &[u8]| hs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+            let upstream = s.upstream_address();
+            match request::response_learner(
+                header(b":status"),
+                header(b"content-encoding"),
+                upstream.as_deref().map(str::as_bytes),
+                *pod,
+            ) {
+                Some(answered) => *pod = answered,
+                None => self.learn_response = None,
+            }
         }
     }
 

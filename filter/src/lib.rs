@@ -1329,6 +1329,10 @@ impl Http {
                     .then(|| (pod_key, request::ResponseHead::default()));
             }
             Decision::FailOpen(reason) => {
+                // Envoy's balancer picks the pod: the id is learned for the one that answers.
+                self.learn_response = prep
+                    .learns_response
+                    .then(|| (0, request::ResponseHead::default()));
                 if reason.by_design() {
                     w.stats.pool_outcome(pool, "routed");
                 } else {
@@ -1594,6 +1598,23 @@ impl Http {
     fn on_response_headers(&mut self) -> Action {
         if let Some(d) = &self.debug {
             let _ = host::set_header(MapType::HttpResponseHeaders, headers::DEBUG, d);
+        }
+        // A Responses API answer: whether its id is learned, and for which pod (the one that
+        // answered). Only such requests pay for the header map and the property read.
+        if let Some((pod, _)) = self.learn_response.as_mut() {
+            let raw = host::get_header_map(MapType::HttpResponseHeaders);
+            let pairs = host::header_pairs(&raw);
+            let header = |name: &[u8]| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+            let upstream = host::get_property(&["upstream", "address"]);
+            match request::response_learner(
+                header(b":status"),
+                header(b"content-encoding"),
+                upstream.as_deref(),
+                *pod,
+            ) {
+                Some(answered) => *pod = answered,
+                None => self.learn_response = None,
+            }
         }
         Action::Continue
     }

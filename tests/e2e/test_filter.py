@@ -588,6 +588,47 @@ def test_a_turn_continuing_a_stored_response_goes_to_the_pod_that_holds_it(pods)
         e.stop()
 
 
+def test_a_stored_response_is_learned_for_the_pod_that_answered_it(tmp_path):
+    """The id of a Responses answer belongs to the pod that stored it, which is not always the
+    pod the filter picked: Envoy retries a refused connection on the next endpoint, and with no
+    snapshot yet it picks the pod itself. Before, the id was learned for the pick (the turns
+    continuing a retried answer went to the pod that never saw it: vLLM's 404 "response not
+    found"), and not at all when the filter failed open (an audit)."""
+    a, b = StubPod("answer-a"), StubPod("answer-b")
+    port_a = int(a.address.rsplit(":", 1)[1])
+    e = Envoy("filter", [{"name": "llama", "endpoints": [a.address, b.address]}],
+              {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True,
+               "scoring": {"stale_after_ms": 60_000}}, workdir=tmp_path / "envoy")
+
+    def snap(busy):
+        return snapshot({"llama": [{"address": p.address, "waiting": 4 if p is busy else 0} for p in (a, b)]})
+
+    def continued(rid):
+        turn = {"model": "llama-3-8b", "previous_response_id": rid, "input": "what was it?"}
+        return [e.request("POST", "/v1/responses", turn)[1]["x-served-by"] for _ in range(4)]
+
+    try:
+        # No snapshot: Envoy's balancer picks; the id is learned for the pod that answered.
+        s, h, first, _ = e.request("POST", "/v1/responses", {"model": "llama-3-8b", "input": "one"})
+        assert s == 200 and e.stat(STAT_PREFIX + "gpuroute.fail_open.no_snapshot") == 1
+        holder = h["x-served-by"]
+        assert e.push(snap(busy=a if holder == a.name else b))[0] == 204
+        assert continued(first["id"]) == [holder] * 4
+        # The pick refuses connections: Envoy retries on the next endpoint, which answers.
+        a.close()
+        assert e.push(snap(busy=b))[0] == 204
+        s, h, second, _ = e.request("POST", "/v1/responses", {"model": "llama-3-8b", "input": "two"})
+        assert (s, h["x-served-by"]) == (200, b.name) and "picked=" + a.address in h["x-gateway-debug"]
+        # The pick is back, and still the idler one: the turns go to the pod holding the answer.
+        a = StubPod("answer-a", port=port_a)
+        assert e.push(snap(busy=b))[0] == 204
+        assert continued(second["id"]) == [b.name] * 4
+    finally:
+        e.stop()
+        a.close()
+        b.close()
+
+
 def test_every_worker_takes_each_new_snapshot_and_reads_it_in_binary(pods):
     """The worker that takes a push stores the snapshot as JSON and in a binary form, which the
     other workers decode in a fraction of the JSON's time (README, "A new snapshot"). Each push
