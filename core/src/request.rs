@@ -364,6 +364,11 @@ pub fn response_id(chunk: &[u8]) -> Option<&str> {
     std::str::from_utf8(id).ok()
 }
 
+/// Whether an answer's `:status` is a success (2xx).
+pub fn is_success(status: &[u8]) -> bool {
+    status.len() == 3 && status[0] == b'2'
+}
+
 /// The pod a Responses API answer's id is learned for, from the answer's head: `None` when it
 /// is not learned. Only a success is (`status` 2xx), in plain bytes (no `content_encoding` but
 /// `identity`): a 500 with an `id` in its body, or a gzip'd answer read as text, taught the
@@ -377,7 +382,7 @@ pub fn response_learner(
     upstream: Option<&[u8]>,
     picked: u64,
 ) -> Option<u64> {
-    if !status.is_some_and(|s| s.len() == 3 && s[0] == b'2') {
+    if !status.is_some_and(is_success) {
         return None;
     }
     if content_encoding.is_some_and(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity")) {

@@ -1474,11 +1474,20 @@ impl Filter {
         if let Some(d) = &self.debug {
             s.set_header(RESPONSE_HEADERS, headers::DEBUG, d);
         }
+        if self.learn_response.is_none() && self.ttft_from.is_none() {
+            return;
+        }
+        let hs = s.response_headers();
+        let header = |name: &[u8]| hs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+        // A first token only from a success: an error's first byte (a pod's 503, Envoy's own
+        // when no pod took the request) timed as one pulled the histogram down just when
+        // things were worst.
+        if !header(b":status").is_some_and(request::is_success) {
+            self.ttft_from = None;
+        }
         // A Responses API answer: whether its id is learned, and for which pod (the one that
         // answered).
         if let Some((pod, _)) = self.learn_response.as_mut() {
-            let hs = s.response_headers();
-            let header = |name: &[u8]| hs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
             let upstream = s.upstream_address();
             match request::response_learner(
                 header(b":status"),

@@ -1599,12 +1599,22 @@ impl Http {
         if let Some(d) = &self.debug {
             let _ = host::set_header(MapType::HttpResponseHeaders, headers::DEBUG, d);
         }
+        if self.learn_response.is_none() && self.ttft_from.is_none() {
+            return Action::Continue;
+        }
+        // Only requests that learn a response's id or time a first token read the head.
+        let raw = host::get_header_map(MapType::HttpResponseHeaders);
+        let pairs = host::header_pairs(&raw);
+        let header = |name: &[u8]| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+        // A first token only from a success: an error's first byte (a pod's 503, Envoy's own
+        // when no pod took the request) timed as one pulled the histogram down just when
+        // things were worst.
+        if !header(b":status").is_some_and(request::is_success) {
+            self.ttft_from = None;
+        }
         // A Responses API answer: whether its id is learned, and for which pod (the one that
-        // answered). Only such requests pay for the header map and the property read.
+        // answered).
         if let Some((pod, _)) = self.learn_response.as_mut() {
-            let raw = host::get_header_map(MapType::HttpResponseHeaders);
-            let pairs = host::header_pairs(&raw);
-            let header = |name: &[u8]| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
             let upstream = host::get_property(&["upstream", "address"]);
             match request::response_learner(
                 header(b":status"),

@@ -659,11 +659,16 @@ def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
     in Prometheus's format, as deploy/monitoring reads it: the pool a label, the count and the
     sum."""
     slow = StubPod("slow-0", delay_s=0.15)
+    # A pool whose one pod refuses connections: its streamed requests get Envoy's 503.
+    gone = StubPod("gone-0")
+    gone.close()
     # One push for the whole test, which takes longer than the default staleness (1 s).
-    config = {"pools": [{"name": "slow", "models": ["m"]}], "scoring": {"stale_after_ms": 60_000}}
-    e = Envoy("filter", [{"name": "slow", "endpoints": [slow.address]}], config)
+    config = {"pools": [{"name": "slow", "models": ["m"]}, {"name": "gone", "models": ["g"]}],
+              "scoring": {"stale_after_ms": 60_000}}
+    e = Envoy("filter", [{"name": "slow", "endpoints": [slow.address]},
+                         {"name": "gone", "endpoints": [gone.address]}], config)
     try:
-        assert e.push(snapshot({"slow": [{"address": slow.address}]}))[0] == 204
+        assert e.push(snapshot({"slow": [{"address": slow.address}], "gone": [{"address": gone.address}]}))[0] == 204
         streamed = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         for _ in range(16):
             assert e.request("POST", "/v1/chat/completions", streamed)[0] == 200
@@ -705,6 +710,17 @@ def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
             if after["decisions"] > got["decisions"]:
                 break
         assert after["decisions"] > got["decisions"] and after["count"] == got["count"], (got, after)
+        # An error's first byte is no first token: 64 streamed requests to the pool whose pod
+        # refuses connections (Envoy's 503; proxy-wasm times about 8 of them), none timed.
+        # Before, each timed one was, at a few ms, pulling the histogram down when pods failed.
+        for _ in range(64):
+            assert e.request("POST", "/v1/chat/completions", dict(streamed, model="g"))[0] == 503
+        final = settled(lambda g: g["decisions"] > after["decisions"])
+        assert final["decisions"] > after["decisions"], (after, final)
+        with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+            gone_counts = [line for line in r.read().decode().splitlines()
+                           if line.startswith("envoy_gpuroute_pool_ttft_ms_count{") and 'gpuroute_pool="gone"' in line]
+        assert all(line.endswith(" 0") for line in gone_counts), gone_counts
     finally:
         e.stop()
         slow.close()
