@@ -394,6 +394,68 @@ pub fn response_learner(
     }
 }
 
+/// A streamed Responses API answer read until its first event that is not part of its
+/// preamble: vLLM sends `response.created` and `response.in_progress` (others
+/// `response.queued` too) before the engine has produced anything, so the answer's first byte
+/// is not its first token, as it is for a chat stream. The event that ends the preamble (an
+/// output item, a delta, an error) ends the request's prefill. Events are read whole (they end
+/// at a blank line), across chunks; one without a `data:` line (a keep-alive comment) is no
+/// output. Past [`FIRST_OUTPUT_MAX`] bytes without one it gives up and takes that as the end.
+#[derive(Debug, Default)]
+pub struct FirstOutput {
+    event: Vec<u8>,
+    read: usize,
+}
+
+/// How much of a Responses stream [`FirstOutput`] reads at most for its first output.
+pub const FIRST_OUTPUT_MAX: usize = 64 * 1024;
+
+impl FirstOutput {
+    /// Reads the next chunk of the answer: whether it holds the first event past the preamble
+    /// (or the reading gave up).
+    pub fn push(&mut self, chunk: &[u8]) -> bool {
+        self.read += chunk.len();
+        if self.read > FIRST_OUTPUT_MAX {
+            return true;
+        }
+        self.event.extend_from_slice(chunk);
+        loop {
+            let Some((end, next)) = event_end(&self.event) else {
+                return false;
+            };
+            if is_output(&self.event[..end]) {
+                return true;
+            }
+            self.event.drain(..next);
+        }
+    }
+}
+
+/// Where the first event in `b` ends (before its blank line) and the next begins.
+fn event_end(b: &[u8]) -> Option<(usize, usize)> {
+    let at = b.windows(2).position(|w| w == b"\n\n" || w == b"\n\r")?;
+    let next = if b[at + 1] == b'\n' {
+        at + 2
+    } else if b.get(at + 2) == Some(&b'\n') {
+        at + 3
+    } else {
+        return event_end(&b[at + 2..]).map(|(e, n)| (at + 2 + e, at + 2 + n));
+    };
+    Some((at, next))
+}
+
+/// Whether an event is output: it has data, and is none of the preamble's (its type is the
+/// only `"response.…"` string value in it; the response object it may carry has none).
+fn is_output(event: &[u8]) -> bool {
+    const PREAMBLE: [&[u8]; 3] = [
+        b"\"response.created\"",
+        b"\"response.in_progress\"",
+        b"\"response.queued\"",
+    ];
+    let has = |pat: &[u8]| event.windows(pat.len()).any(|w| w == pat);
+    has(b"data:") && !PREAMBLE.iter().any(|p| has(p))
+}
+
 /// The first bytes of a Responses API answer, gathered across the chunks it arrives in until
 /// they give its id ([`response_id`]): a server may send the start of its body apart.
 #[derive(Debug, Default)]
@@ -881,6 +943,39 @@ mod tests {
 
     fn messages(body: &str) -> InferenceRequest<'_> {
         parse(body.as_bytes(), Endpoint::Messages, 1 << 20, 1024).unwrap()
+    }
+
+    #[test]
+    fn a_responses_stream_has_its_first_output_after_its_preamble() {
+        let created = "event: response.created\ndata: {\"response\":{\"id\":\"resp_1\",\"text\":{\"format\":{\"type\":\"text\"}}},\"type\":\"response.created\"}\n\n";
+        let progress =
+            "event: response.in_progress\ndata: {\"type\": \"response.in_progress\"}\n\n";
+        let delta = "event: response.output_text.delta\ndata: {\"delta\":\"\\\"response.created\\\"\",\"type\":\"response.output_text.delta\"}\n\n";
+        // Whole events, one chunk each: only the delta is output (its text quoting a preamble
+        // event's name, escaped, does not count).
+        let mut f = FirstOutput::default();
+        assert!(!f.push(created.as_bytes()) && !f.push(progress.as_bytes()));
+        assert!(!f.push(b": keep-alive\n\n"));
+        assert!(f.push(delta.as_bytes()));
+        // The same bytes a byte at a time, and with CRLF line ends, and data lines only.
+        for text in [
+            format!("{created}{progress}{delta}"),
+            format!("{created}{progress}{delta}").replace('\n', "\r\n"),
+            format!("{created}{progress}{delta}").replace("event: ", "x-event: "),
+        ] {
+            let mut f = FirstOutput::default();
+            let at = text.bytes().position(|b| f.push(&[b]));
+            assert!(
+                at.is_some_and(|i| i >= created.len() + progress.len()),
+                "{text:?}: {at:?}"
+            );
+        }
+        // An error ends the preamble too; so does reading past the limit.
+        let mut f = FirstOutput::default();
+        assert!(f.push(b"data: {\"type\":\"error\",\"message\":\"boom\"}\n\n"));
+        let mut f = FirstOutput::default();
+        assert!(!f.push(created.as_bytes()));
+        assert!(f.push(&vec![b'x'; FIRST_OUTPUT_MAX]));
     }
 
     #[test]

@@ -729,6 +729,8 @@ struct Filter {
     /// A Responses API request's pod and its answer's first bytes, until they give the answer's
     /// id.
     learn_response: Option<(u64, request::ResponseHead)>,
+    /// A streamed Responses API answer, read until its first output (`FirstOutput`).
+    first_output: Option<request::FirstOutput>,
     debug: Option<String>,
     held: Option<Held>,
     /// Wakes this stream on its worker once it has been held; deleted at its end.
@@ -1262,6 +1264,8 @@ impl Filter {
                 self.learn_response = prep
                     .learns_response
                     .then(|| (pod_key, request::ResponseHead::default()));
+                self.first_output =
+                    (prep.learns_response && prep.stream).then(request::FirstOutput::default);
             }
         } else if matches!(choice.decision, Decision::FailOpen(_)) {
             // Envoy's balancer picks the pod: the id is learned for the one that answers.
@@ -1474,7 +1478,8 @@ impl Filter {
         if let Some(d) = &self.debug {
             s.set_header(RESPONSE_HEADERS, headers::DEBUG, d);
         }
-        if self.learn_response.is_none() && self.ttft_from.is_none() {
+        if self.learn_response.is_none() && self.ttft_from.is_none() && self.first_output.is_none()
+        {
             return;
         }
         let hs = s.response_headers();
@@ -1484,6 +1489,8 @@ impl Filter {
         // things were worst.
         if !header(b":status").is_some_and(request::is_success) {
             self.ttft_from = None;
+            // An error has no preamble to read past: its first byte ends the prefill.
+            self.first_output = None;
         }
         // A Responses API answer: whether its id is learned, and for which pod (the one that
         // answered).
@@ -1514,6 +1521,14 @@ impl Filter {
                 self.config.router.lock().engine.learn_response(&id, pod);
                 self.config.count(self.config.metrics.responses_learned);
             }
+        }
+        // A Responses stream's first output comes after its preamble events, read until then.
+        if let Some(first) = self.first_output.as_mut() {
+            let output = s.with_response_chunk(usize::MAX, |c| first.push(c));
+            if !output && !end_of_stream {
+                return;
+            }
+            self.first_output = None;
         }
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
@@ -1662,6 +1677,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         picked: None,
         ttft_from: None,
         learn_response: None,
+        first_output: None,
         debug: None,
         held: None,
         wake: None,

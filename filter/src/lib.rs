@@ -780,6 +780,7 @@ impl Root {
             body_size: 0,
             form_scanned: 0,
             learn_response: None,
+            first_output: None,
             picked: None,
             ttft_from: None,
             debug: None,
@@ -843,6 +844,8 @@ struct Http {
     /// A Responses API request's pod and its answer's first bytes, until they give the answer's
     /// id.
     learn_response: Option<(u64, request::ResponseHead)>,
+    /// A streamed Responses API answer, read until its first output (`FirstOutput`).
+    first_output: Option<request::FirstOutput>,
     picked: Option<InFlight>,
     /// When a streamed request whose decision time is sampled was routed (ns): its time to the
     /// first response byte goes to its pool's `ttft_ms`.
@@ -1327,6 +1330,8 @@ impl Http {
                 self.learn_response = prep
                     .learns_response
                     .then(|| (pod_key, request::ResponseHead::default()));
+                self.first_output =
+                    (prep.learns_response && prep.stream).then(request::FirstOutput::default);
             }
             Decision::FailOpen(reason) => {
                 // Envoy's balancer picks the pod: the id is learned for the one that answers.
@@ -1599,7 +1604,8 @@ impl Http {
         if let Some(d) = &self.debug {
             let _ = host::set_header(MapType::HttpResponseHeaders, headers::DEBUG, d);
         }
-        if self.learn_response.is_none() && self.ttft_from.is_none() {
+        if self.learn_response.is_none() && self.ttft_from.is_none() && self.first_output.is_none()
+        {
             return Action::Continue;
         }
         // Only requests that learn a response's id or time a first token read the head.
@@ -1611,6 +1617,8 @@ impl Http {
         // things were worst.
         if !header(b":status").is_some_and(request::is_success) {
             self.ttft_from = None;
+            // An error has no preamble to read past: its first byte ends the prefill.
+            self.first_output = None;
         }
         // A Responses API answer: whether its id is learned, and for which pod (the one that
         // answered).
@@ -1651,7 +1659,16 @@ impl Http {
             }
         }
         // The first streamed chunk is the first token (vLLM sends its first SSE event with the
-        // first output): the pod's prefill of this request is over.
+        // first output): the pod's prefill of this request is over. A Responses stream's first
+        // output comes after its preamble events, read here until then.
+        if let Some(first) = self.first_output.as_mut() {
+            let chunk =
+                host::get_buffer(BufferType::HttpResponseBody, 0, body_size).unwrap_or_default();
+            if !first.push(&chunk) && !end_of_stream {
+                return Action::Continue;
+            }
+            self.first_output = None;
+        }
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 complete(&self.worker, &p.pool, op);

@@ -726,6 +726,70 @@ def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
         slow.close()
 
 
+def test_a_responses_streams_first_token_comes_after_its_preamble():
+    """vLLM streams a Responses answer's `response.created` and `response.in_progress` events
+    before the engine has produced anything: the first byte is not the first token, as it is
+    for a chat stream. The request stays in prefill, and its time to first token runs, until the
+    first event past them (here 1 s later). Before, both ended at the preamble (an audit: 3-6 ms
+    timed for 1.5 s of prefill, and the gateway's counts showed the pod idle meanwhile)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    address = "127.0.0.1:%d" % listener.getsockname()[1]
+
+    def event(kind, data):
+        return f"event: {kind}\ndata: {json.dumps(dict(data, type=kind))}\n\n".encode()
+
+    def chunk(b):
+        return b"%x\r\n%s\r\n" % (len(b), b)
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += conn.recv(65536)
+            length = int(re.search(rb"content-length: *(\d+)", head, re.I).group(1))
+            body = head.split(b"\r\n\r\n", 1)[1]
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n")
+            response = {"id": "resp_pre_1", "object": "response", "text": {"format": {"type": "text"}}}
+            conn.sendall(chunk(event("response.created", {"response": response})
+                               + event("response.in_progress", {"response": response})))
+            time.sleep(1.0)
+            conn.sendall(chunk(event("response.output_text.delta", {"delta": "hi"}))
+                         + chunk(event("response.completed", {"response": response})) + b"0\r\n\r\n")
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    config = {"pools": [{"name": "r", "models": ["m"]}], "scoring": {"stale_after_ms": 60_000}}
+    e = Envoy("filter", [{"name": "r", "endpoints": [address]}], config)
+    try:
+        assert e.push(snapshot({"r": [{"address": address}]}))[0] == 204
+        # The worker's first request: its decision, and so its first token, is timed.
+        s, _, _, raw = e.request("POST", "/v1/responses", {"model": "m", "input": "hi", "stream": True}, timeout=10)
+        assert s == 200 and b"response.completed" in raw, raw[:200]
+
+        def ttft():
+            with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+                lines = r.read().decode().splitlines()
+            got = {}
+            for line in lines:
+                for part in ("count", "sum"):
+                    if line.startswith(f"envoy_gpuroute_pool_ttft_ms_{part}{{") and 'gpuroute_pool="r"' in line:
+                        got[part] = float(line.rsplit(" ", 1)[1])
+            return got
+
+        deadline = time.time() + 8  # Envoy flushes its stats every 5 s
+        while ttft().get("count", 0) < 1 and time.time() < deadline:
+            time.sleep(0.2)
+        got = ttft()
+        assert got.get("count") == 1 and got["sum"] >= 900, got
+    finally:
+        e.stop()
+        listener.close()
+
+
 def test_fail_open_without_fresh_metrics(envoy, pods):
     before = envoy.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
     stale = fresh(pods)
