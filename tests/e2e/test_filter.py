@@ -651,6 +651,23 @@ def test_every_worker_takes_each_new_snapshot_and_reads_it_in_binary(pods):
         e.stop()
 
 
+def ttft_histogram(e, pool):
+    """Pool `pool`'s time-to-first-byte histogram's count and sum, and the decision-time
+    histogram's count (the requests sampled), as of Envoy's last stats flush (every 5 s by
+    default), which publishes both at once; read in Prometheus's format, as deploy/monitoring
+    reads them."""
+    with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    got = {}
+    for line in lines:
+        for part in ("count", "sum"):
+            if line.startswith(f"envoy_gpuroute_pool_ttft_ms_{part}{{") and f'gpuroute_pool="{pool}"' in line:
+                got[part] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("envoy_gpuroute_decision_us_count{"):
+            got["decisions"] = float(line.rsplit(" ", 1)[1])
+    return got
+
+
 def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
     """`gpuroute.pool.<pool>.ttft_ms`: a streamed request's time from its routing decision to
     the first byte of its answer (the pod's queue and prefill), for the requests whose decision
@@ -674,19 +691,7 @@ def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
             assert e.request("POST", "/v1/chat/completions", streamed)[0] == 200
 
         def family():
-            """The time-to-first-byte histogram's count and sum, and the decision-time
-            histogram's count (the requests sampled), as of Envoy's last stats flush (every 5 s
-            by default), which publishes both at once."""
-            with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
-                lines = r.read().decode().splitlines()
-            got = {}
-            for line in lines:
-                for part in ("count", "sum"):
-                    if line.startswith(f"envoy_gpuroute_pool_ttft_ms_{part}{{") and 'gpuroute_pool="slow"' in line:
-                        got[part] = float(line.rsplit(" ", 1)[1])
-                if line.startswith("envoy_gpuroute_decision_us_count{"):
-                    got["decisions"] = float(line.rsplit(" ", 1)[1])
-            return got
+            return ttft_histogram(e, "slow")
 
         def settled(ok):
             deadline = time.time() + 8
@@ -717,10 +722,7 @@ def test_streamed_requests_time_to_first_byte_is_recorded_per_pool():
             assert e.request("POST", "/v1/chat/completions", dict(streamed, model="g"))[0] == 503
         final = settled(lambda g: g["decisions"] > after["decisions"])
         assert final["decisions"] > after["decisions"], (after, final)
-        with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
-            gone_counts = [line for line in r.read().decode().splitlines()
-                           if line.startswith("envoy_gpuroute_pool_ttft_ms_count{") and 'gpuroute_pool="gone"' in line]
-        assert all(line.endswith(" 0") for line in gone_counts), gone_counts
+        assert ttft_histogram(e, "gone").get("count", 0) == 0, ttft_histogram(e, "gone")
     finally:
         e.stop()
         slow.close()
@@ -770,20 +772,10 @@ def test_a_responses_streams_first_token_comes_after_its_preamble():
         s, _, _, raw = e.request("POST", "/v1/responses", {"model": "m", "input": "hi", "stream": True}, timeout=10)
         assert s == 200 and b"response.completed" in raw, raw[:200]
 
-        def ttft():
-            with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
-                lines = r.read().decode().splitlines()
-            got = {}
-            for line in lines:
-                for part in ("count", "sum"):
-                    if line.startswith(f"envoy_gpuroute_pool_ttft_ms_{part}{{") and 'gpuroute_pool="r"' in line:
-                        got[part] = float(line.rsplit(" ", 1)[1])
-            return got
-
         deadline = time.time() + 8  # Envoy flushes its stats every 5 s
-        while ttft().get("count", 0) < 1 and time.time() < deadline:
+        while ttft_histogram(e, "r").get("count", 0) < 1 and time.time() < deadline:
             time.sleep(0.2)
-        got = ttft()
+        got = ttft_histogram(e, "r")
         assert got.get("count") == 1 and got["sum"] >= 900, got
     finally:
         e.stop()
