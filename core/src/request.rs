@@ -342,26 +342,127 @@ fn parse_chat_serde(
 /// The longest response id [`response_id`] takes (vLLM's and OpenAI's are ~40 bytes).
 const MAX_RESPONSE_ID: usize = 256;
 
-/// The id of a Responses API answer, from the first bytes of its body: the value of the first
-/// `"id"` key, in a JSON answer (`{"id":"resp_...",...`) and in a stream's first event alike
-/// (`data: {"type":"response.created",...,"response":{"id":"resp_...`). `None` when it is not
-/// there (an error answer, a chunk that ends before it) or is not a plain string of printable
-/// ASCII up to [`MAX_RESPONSE_ID`] bytes.
-pub fn response_id(chunk: &[u8]) -> Option<&str> {
-    const KEY: &[u8] = b"\"id\"";
-    let at = chunk.windows(KEY.len()).position(|w| w == KEY)?;
-    let rest = chunk[at + KEY.len()..].trim_ascii_start();
-    let rest = rest
-        .strip_prefix(b":")?
-        .trim_ascii_start()
-        .strip_prefix(b"\"")?;
-    let end = rest.iter().position(|b| *b == b'"')?;
-    let id = &rest[..end];
+/// The id of a Responses API answer, from the first bytes of its body: the answer's own `id`,
+/// the top-level one of a JSON answer (`{"id":"resp_...",...`), and in a stream the `id` of the
+/// `response` its first event carries (`data: {"type":"response.created",...,"response":{"id":
+/// "resp_...`). Read by structure, not as the first `"id"` anywhere: a server that writes its
+/// keys sorted puts `conversation: {"id": "conv_..."}` first, and one that echoed a client's
+/// `metadata` before the id would let that client name an id of another's (an audit; vLLM writes
+/// the id first). `None` when it is not there (an error answer, bytes that end before it) or is
+/// not a plain string of printable ASCII up to [`MAX_RESPONSE_ID`] bytes.
+pub fn response_id(head: &[u8]) -> Option<&str> {
+    let json = head.trim_ascii_start();
+    let id = if json.first() == Some(&b'{') {
+        member(json, b"id")?
+    } else {
+        let data = first_data(head)?;
+        match member(data, b"response") {
+            Some(response) => member(response, b"id")?,
+            None => member(data, b"id")?,
+        }
+    };
+    let (id, _) = json_string(id, 0)?;
     let plain = id.iter().all(|b| b.is_ascii_graphic() && *b != b'\\');
     if id.is_empty() || id.len() > MAX_RESPONSE_ID || !plain {
         return None;
     }
     std::str::from_utf8(id).ok()
+}
+
+/// The bytes after the first `data:` line start of an event stream.
+fn first_data(b: &[u8]) -> Option<&[u8]> {
+    let mut line = 0;
+    loop {
+        if let Some(rest) = b[line..].strip_prefix(b"data:") {
+            return Some(rest);
+        }
+        line += b[line..].iter().position(|c| *c == b'\n')? + 1;
+    }
+}
+
+/// Deepest nesting [`member`] walks through.
+const MAX_JSON_DEPTH: usize = 32;
+
+/// The value of `key` in the JSON object `b` starts with (after whitespace): the bytes from the
+/// value on. `None` when the object does not have it, or `b` ends before it.
+fn member<'a>(b: &'a [u8], key: &[u8]) -> Option<&'a [u8]> {
+    let mut i = skip_ws(b, 0);
+    if b.get(i) != Some(&b'{') {
+        return None;
+    }
+    i += 1;
+    loop {
+        i = skip_ws(b, i);
+        match b.get(i)? {
+            b'}' => return None,
+            b',' => {
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        let (k, after) = json_string(b, i)?;
+        i = skip_ws(b, after);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        i = skip_ws(b, i + 1);
+        if k == key {
+            return b.get(i..);
+        }
+        i = skip_value(b, i, 0)?;
+    }
+}
+
+fn skip_ws(b: &[u8], mut i: usize) -> usize {
+    while b.get(i).is_some_and(u8::is_ascii_whitespace) {
+        i += 1;
+    }
+    i
+}
+
+/// The raw contents of the JSON string at `b[i]` (escapes kept) and where it ends.
+fn json_string(b: &[u8], i: usize) -> Option<(&[u8], usize)> {
+    if b.get(i) != Some(&b'"') {
+        return None;
+    }
+    let mut j = i + 1;
+    loop {
+        match b.get(j)? {
+            b'\\' => j += 2,
+            b'"' => return Some((b.get(i + 1..j)?, j + 1)),
+            _ => j += 1,
+        }
+    }
+}
+
+/// Where the JSON value at `b[i]` ends; `None` when `b` ends first (or nests too deep).
+fn skip_value(b: &[u8], i: usize, depth: usize) -> Option<usize> {
+    match *b.get(i)? {
+        b'"' => json_string(b, i).map(|(_, end)| end),
+        open @ (b'{' | b'[') => {
+            if depth >= MAX_JSON_DEPTH {
+                return None;
+            }
+            let close = if open == b'{' { b'}' } else { b']' };
+            let mut j = i + 1;
+            loop {
+                j = skip_ws(b, j);
+                match *b.get(j)? {
+                    c if c == close => return Some(j + 1),
+                    b',' | b':' => j += 1,
+                    _ => j = skip_value(b, j, depth + 1)?,
+                }
+            }
+        }
+        _ => {
+            // A number or a literal: it ends where the structure goes on.
+            let len = b[i..]
+                .iter()
+                .position(|c| matches!(c, b',' | b'}' | b']') || c.is_ascii_whitespace())?;
+            Some(i + len.max(1))
+        }
+    }
 }
 
 /// Whether an answer's `:status` is a success (2xx).
@@ -1518,6 +1619,19 @@ mod tests {
         );
         let sse = b"event: response.created\ndata: {\"type\":\"response.created\",\"sequence_number\":0,\"response\":{\"id\":\"resp_9\",\"object\":\"response\"}}\n\n";
         assert_eq!(response_id(sse), Some("resp_9"));
+        // The answer's own id, not the first "id" in it (an audit): keys sorted, or a client's
+        // metadata echoed before the id; in a stream, the response's, its event's fields sorted.
+        let sorted = br#"{"conversation":{"id":"conv_abc"},"created_at":1,"id":"resp_sorted","metadata":{"id":"x"}}"#;
+        assert_eq!(response_id(sorted), Some("resp_sorted"));
+        let echoed = br#"{"object":"response","metadata":{"id":"resp_victim"},"output":[{"id":"msg_1","content":[]}],"id":"resp_real"}"#;
+        assert_eq!(response_id(echoed), Some("resp_real"));
+        let sse_sorted = b": ping\n\nevent: response.created\ndata: {\"response\": {\"conversation\": {\"id\": \"conv_1\"}, \"id\": \"resp_7\", \"n\": -1.5e3, \"ok\": true, \"t\": [1, {\"id\": \"x\"}]}, \"type\": \"response.created\"}\n\n";
+        assert_eq!(response_id(sse_sorted), Some("resp_7"));
+        // The id inside a string value is no key.
+        assert_eq!(
+            response_id(br#"{"note":"\"id\":\"resp_fake\"","id":"resp_true"}"#),
+            Some("resp_true")
+        );
         let long = format!(r#"{{"id":"{}"}}"#, "r".repeat(MAX_RESPONSE_ID + 1));
         for none in [
             &br#"{"object":"error","message":"not found","code":404}"#[..],
@@ -1526,6 +1640,8 @@ mod tests {
             br#"{"id":"","x":1}"#,
             br#"{"id":7}"#,
             br#"{"id":"with space"}"#,
+            br#"{"metadata":{"id":"resp_only_nested"},"object":"response"}"#,
+            br#"{"metadata":{"id":"resp_cut_before_own"#,
             long.as_bytes(),
             b"",
         ] {
