@@ -1487,7 +1487,8 @@ impl Filter {
         // A first token only from a success: an error's first byte (a pod's 503, Envoy's own
         // when no pod took the request) timed as one pulled the histogram down just when
         // things were worst.
-        if !header(b":status").is_some_and(request::is_success) {
+        let status = header(b":status");
+        if !status.is_some_and(request::is_success) {
             self.ttft_from = None;
             // An error has no preamble to read past: its first byte ends the prefill.
             self.first_output = None;
@@ -1497,7 +1498,7 @@ impl Filter {
         if let Some((pod, _)) = self.learn_response.as_mut() {
             let upstream = s.upstream_address();
             match request::response_learner(
-                header(b":status"),
+                status,
                 header(b"content-encoding"),
                 upstream.as_deref().map(str::as_bytes),
                 *pod,
@@ -1512,19 +1513,36 @@ impl Filter {
     /// A Responses API answer's first chunk also gives its id: a later turn continuing it goes
     /// to this pod, which holds it.
     fn on_response_body(&mut self, s: Stream, end_of_stream: bool) {
-        if let Some((pod, head)) = self.learn_response.as_mut() {
-            let (pod, found) = (*pod, s.with_response_chunk(head.room(), |c| head.push(c)));
+        // A Responses answer's chunk, copied once for its id and for its first output: as much
+        // as either still reads.
+        let want = match (&self.learn_response, &self.first_output) {
+            (_, Some(_)) => usize::MAX,
+            (Some((_, head)), None) => head.room(),
+            (None, None) => 0,
+        };
+        let (learn, first) = (&mut self.learn_response, &mut self.first_output);
+        let (found, output) = if want == 0 {
+            (None, None)
+        } else {
+            s.with_response_chunk(want, |c| {
+                let found = learn.as_mut().and_then(|(pod, head)| {
+                    let n = c.len().min(head.room());
+                    head.push(&c[..n]).map(|id| (*pod, id))
+                });
+                (found, first.as_mut().map(|f| f.push(c)))
+            })
+        };
+        if let Some((_, head)) = &self.learn_response {
             if found.is_some() || head.room() == 0 || end_of_stream {
                 self.learn_response = None;
             }
-            if let Some(id) = found {
-                self.config.router.lock().engine.learn_response(&id, pod);
-                self.config.count(self.config.metrics.responses_learned);
-            }
+        }
+        if let Some((pod, id)) = found {
+            self.config.router.lock().engine.learn_response(&id, pod);
+            self.config.count(self.config.metrics.responses_learned);
         }
         // A Responses stream's first output comes after its preamble events, read until then.
-        if let Some(first) = self.first_output.as_mut() {
-            let output = s.with_response_chunk(usize::MAX, |c| first.push(c));
+        if let Some(output) = output {
             if !output && !end_of_stream {
                 return;
             }

@@ -1615,7 +1615,8 @@ impl Http {
         // A first token only from a success: an error's first byte (a pod's 503, Envoy's own
         // when no pod took the request) timed as one pulled the histogram down just when
         // things were worst.
-        if !header(b":status").is_some_and(request::is_success) {
+        let status = header(b":status");
+        if !status.is_some_and(request::is_success) {
             self.ttft_from = None;
             // An error has no preamble to read past: its first byte ends the prefill.
             self.first_output = None;
@@ -1625,7 +1626,7 @@ impl Http {
         if let Some((pod, _)) = self.learn_response.as_mut() {
             let upstream = host::get_property(&["upstream", "address"]);
             match request::response_learner(
-                header(b":status"),
+                status,
                 header(b"content-encoding"),
                 upstream.as_deref(),
                 *pod,
@@ -1638,13 +1639,22 @@ impl Http {
     }
 
     fn on_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        // A Responses answer's chunk, read once for its id and for its first output: as much as
+        // either still reads.
+        let want = match (&self.learn_response, &self.first_output) {
+            (_, Some(_)) => body_size,
+            (Some((_, head)), None) => body_size.min(head.room()),
+            (None, None) => 0,
+        };
+        let chunk = if want > 0 {
+            host::get_buffer(BufferType::HttpResponseBody, 0, want).unwrap_or_default()
+        } else {
+            Vec::new()
+        };
         // A Responses API answer's id, from its first bytes: a later turn continuing it goes to
         // this pod, which holds it.
         if let Some((pod, head)) = self.learn_response.as_mut() {
-            let chunk =
-                host::get_buffer(BufferType::HttpResponseBody, 0, body_size.min(head.room()))
-                    .unwrap_or_default();
-            let (pod, found) = (*pod, head.push(&chunk));
+            let (pod, found) = (*pod, head.push(&chunk[..chunk.len().min(head.room())]));
             if found.is_some() || head.room() == 0 || end_of_stream {
                 self.learn_response = None;
             }
@@ -1662,8 +1672,6 @@ impl Http {
         // first output): the pod's prefill of this request is over. A Responses stream's first
         // output comes after its preamble events, read here until then.
         if let Some(first) = self.first_output.as_mut() {
-            let chunk =
-                host::get_buffer(BufferType::HttpResponseBody, 0, body_size).unwrap_or_default();
             if !first.push(&chunk) && !end_of_stream {
                 return Action::Continue;
             }

@@ -221,27 +221,19 @@ impl Relay {
     /// The relay `cfg` asks for; `None` when it is off or has no one to relay to (one Envoy and
     /// no peer).
     pub fn from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
-        let instance = instance_name(&cfg.source_name());
-        Relay::build(
-            cfg,
-            tls::fixed(client),
-            Kind::Prefix,
-            Arc::default(),
-            instance,
-        )
+        Relay::alone(cfg, client, Kind::Prefix)
     }
 
     /// The in-flight count relay `cfg` asks for; `None` when it is off
     /// (`prefix.load_interval_ms: 0`) or has no one to relay to (one Envoy and no peer).
     pub fn load_from_config(cfg: &Config, client: HttpClient) -> Option<Arc<Relay>> {
+        Relay::alone(cfg, client, Kind::Load)
+    }
+
+    /// One relay of `kind`, with peers of its own and a name drawn for it.
+    fn alone(cfg: &Config, client: HttpClient, kind: Kind) -> Option<Arc<Relay>> {
         let instance = instance_name(&cfg.source_name());
-        Relay::build(
-            cfg,
-            tls::fixed(client),
-            Kind::Load,
-            Arc::default(),
-            instance,
-        )
+        Relay::build(cfg, tls::fixed(client), kind, Arc::default(), instance)
     }
 
     /// Both relays `cfg` asks for, prefix first, sharing the peers found by DNS: run

@@ -184,6 +184,27 @@ mod tests {
         PoolConfig::named("p")
     }
 
+    /// DNS discovery of pool `index` (`vllm.llm.svc.cluster.local`, port 8000, every second)
+    /// through `script`: its updates, its stop token and its task.
+    fn watch(
+        index: usize,
+        script: Scripted,
+    ) -> (
+        crate::discovery::UpdateRx,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let dns = DnsConfig {
+            name: "vllm.llm.svc.cluster.local".into(),
+            port: 8000,
+            refresh_ms: 1000,
+        };
+        let (tx, rx) = crate::discovery::channel();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(run(index, pool(), dns, Arc::new(script), tx, stop.clone()));
+        (rx, stop, task)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn re_resolves_sends_changes_only_and_survives_failures() {
         let script = Scripted(Mutex::new(vec![
@@ -192,14 +213,7 @@ mod tests {
             Err(std::io::Error::other("SERVFAIL")),
             Ok(vec!["127.0.0.2", "::1"]),
         ]));
-        let dns = DnsConfig {
-            name: "vllm.llm.svc.cluster.local".into(),
-            port: 8000,
-            refresh_ms: 1000,
-        };
-        let (tx, mut rx) = crate::discovery::channel();
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(run(3, pool(), dns, Arc::new(script), tx, stop.clone()));
+        let (mut rx, stop, task) = watch(3, script);
 
         let first = rx.recv().await.unwrap();
         assert_eq!(first.pool, 3);
@@ -253,14 +267,7 @@ mod tests {
             gone(),
             Ok(vec!["127.0.0.3"]),
         ]));
-        let dns = DnsConfig {
-            name: "vllm.llm.svc.cluster.local".into(),
-            port: 8000,
-            refresh_ms: 1000,
-        };
-        let (tx, mut rx) = crate::discovery::channel();
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(run(0, pool(), dns, Arc::new(script), tx, stop.clone()));
+        let (mut rx, stop, task) = watch(0, script);
         let mut lists = Vec::new();
         for _ in 0..3 {
             let u = tokio::time::timeout(Duration::from_secs(60), rx.recv())
