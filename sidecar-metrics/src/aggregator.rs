@@ -1087,40 +1087,6 @@ mod tests {
         )
     }
 
-    /// What is logged on this thread while it is held: a `#[tokio::test]` runs the aggregator
-    /// it spawns on its own thread, so the aggregator's lines are here.
-    #[derive(Clone, Default)]
-    struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-    impl std::io::Write for Logs {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    impl Logs {
-        fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
-            let logs = Logs::default();
-            let writer = logs.clone();
-            let guard = tracing::subscriber::set_default(
-                tracing_subscriber::fmt()
-                    .with_writer(move || writer.clone())
-                    .with_ansi(false)
-                    .finish(),
-            );
-            (logs, guard)
-        }
-        fn count(&self, what: &str) -> usize {
-            String::from_utf8_lossy(&self.0.lock().unwrap())
-                .matches(what)
-                .count()
-        }
-    }
-
     #[tokio::test(start_paused = true)]
     async fn a_pod_at_an_address_envoy_cannot_have_is_left_out_not_the_snapshot() {
         // Port 0: what a discovery should never hand over, and the snapshot refuses.
@@ -1149,7 +1115,7 @@ mod tests {
         // go too, each round, as pods are left out each round. Both are logged.
         let mut max = config().push.max_snapshot_bytes;
         for trimmed in [false, true] {
-            let (logs, _guard) = Logs::capture();
+            let (logs, _guard) = crate::util::Logs::capture();
             let mut cfg = (*config()).clone();
             cfg.push.max_snapshot_bytes = max;
             let mut h = start(Arc::new(cfg), &ports);

@@ -614,8 +614,9 @@ impl Relay {
         all
     }
 
-    /// Resolves `prefix.peers_dns` every `refresh_ms` until `shutdown` (a failed resolution
-    /// keeps the peers found before).
+    /// Resolves `prefix.peers_dns` every `refresh_ms` until `shutdown`. A name that does not
+    /// exist (NXDOMAIN: a headless Service with no ready gateway pod) leaves no peer found by
+    /// DNS, as it empties a pool; any other failure keeps the peers found before.
     pub async fn find_peers(
         self: Arc<Self>,
         resolver: Arc<dyn Resolver>,
@@ -631,7 +632,22 @@ impl Relay {
                 _ = shutdown.cancelled() => return,
                 _ = tick.tick() => {}
             }
-            match resolver.resolve(&dns.name, dns.port).await {
+            let resolved = match resolver.resolve(&dns.name, dns.port).await {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    if !self
+                        .found
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .is_empty()
+                    {
+                        tracing::warn!(name = %dns.name, error = %e,
+                            "relay: the peers' name does not exist; no peer found by DNS");
+                    }
+                    Ok(Vec::new())
+                }
+                r => r,
+            };
+            match resolved {
                 Ok(addrs) => {
                     let mut urls: Vec<String> = addrs
                         .iter()
@@ -958,7 +974,7 @@ mod tests {
                     .map(|a| std::net::SocketAddr::new(a.ip(), port))
                     .collect()
             });
-            Box::pin(async move { r.ok_or_else(|| std::io::Error::other("no such name")) })
+            Box::pin(async move { r.ok_or_else(|| std::io::Error::other("server failure")) })
         }
     }
 
@@ -1009,6 +1025,52 @@ mod tests {
         assert!(relay.stats.peer_failures.load(Ordering::Relaxed) > 0);
         stop.cancel();
         task.await.unwrap();
+    }
+
+    /// A name that does not exist, as CoreDNS answers for a headless Service with no ready pod.
+    struct NoSuchName;
+
+    impl Resolver for NoSuchName {
+        fn resolve(
+            &self,
+            _name: &str,
+            _port: u16,
+        ) -> futures::future::BoxFuture<'static, std::io::Result<Vec<std::net::SocketAddr>>>
+        {
+            Box::pin(async {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "Name or service not known",
+                ))
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_peers_name_that_no_longer_exists_leaves_only_the_listed_peers() {
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.prefix.peers = vec!["http://10.0.0.9:9100".into()];
+        cfg.prefix.peers_dns = Some(DnsConfig {
+            name: "gateway-headless".into(),
+            port: 9100,
+            refresh_ms: 20,
+        });
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
+        *relay.found.lock().unwrap() = vec!["http://10.0.0.2:9100".into()];
+        let (logs, _guard) = crate::util::Logs::capture();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(relay.clone().find_peers(Arc::new(NoSuchName), stop.clone()));
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        stop.cancel();
+        task.await.unwrap();
+        assert_eq!(relay.all_peers(), ["http://10.0.0.9:9100/v1/prefix"]);
+        assert_eq!(relay.stats.peer_failures.load(Ordering::Relaxed), 0);
+        assert_eq!(
+            logs.count("the peers' name does not exist"),
+            1,
+            "warned once"
+        );
     }
 
     #[test]

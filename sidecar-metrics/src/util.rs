@@ -98,3 +98,45 @@ mod tests {
         assert_eq!(c.ms_at(Instant::now()), a + 250);
     }
 }
+
+#[cfg(test)]
+pub(crate) use test_logs::Logs;
+
+#[cfg(test)]
+mod test_logs {
+    use std::sync::Arc;
+
+    /// What is logged on this thread while it is held (tests): a `#[tokio::test]` runs the tasks
+    /// it spawns on its own thread, so their lines are here.
+    #[derive(Clone, Default)]
+    pub(crate) struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Logs {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Logs {
+        pub(crate) fn capture() -> (Logs, tracing::subscriber::DefaultGuard) {
+            let logs = Logs::default();
+            let writer = logs.clone();
+            let guard = tracing::subscriber::set_default(
+                tracing_subscriber::fmt()
+                    .with_writer(move || writer.clone())
+                    .with_ansi(false)
+                    .finish(),
+            );
+            (logs, guard)
+        }
+        pub(crate) fn count(&self, what: &str) -> usize {
+            String::from_utf8_lossy(&self.0.lock().unwrap())
+                .matches(what)
+                .count()
+        }
+    }
+}
