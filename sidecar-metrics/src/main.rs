@@ -118,20 +118,27 @@ fn parse_engine(s: &str) -> Result<Engine, String> {
         .map_err(|_| format!("unknown engine {s:?} (vllm, sglang, trtllm, triton, tgi)"))
 }
 
-/// `RUST_LOG` (default `info`), with kube-rs's watcher held to errors unless `RUST_LOG` names
-/// kube-rs: it logs a warning of its own for every refused request of a watch (a 403 on every
-/// retry), which discovery already logs at most once per 30 s with a count of those held back.
+/// `RUST_LOG` (default `info`), with kube-rs's own lines held back unless `RUST_LOG` names
+/// kube-rs: its watcher logs a warning for every refused request of a watch (a 403 on every
+/// retry), and its client an error for every failed request, with the outer message only
+/// ("client error (SendRequest)" for a timeout). Discovery logs each failure itself, with its
+/// causes, at most once per 30 s with a count of those held back.
 fn log_filter(rust_log: Option<&str>) -> tracing_subscriber::EnvFilter {
-    let filter = rust_log
+    let mut filter = rust_log
         .and_then(|s| tracing_subscriber::EnvFilter::try_new(s).ok())
         .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info"));
     if rust_log.is_some_and(|s| s.contains("kube")) {
         return filter;
     }
-    match "kube_runtime::watcher=error".parse() {
-        Ok(d) => filter.add_directive(d),
-        Err(_) => filter,
+    for d in [
+        "kube_runtime::watcher=error",
+        "kube_client::client::builder=off",
+    ] {
+        if let Ok(d) = d.parse() {
+            filter = filter.add_directive(d);
+        }
     }
+    filter
 }
 
 fn init_logging(format: LogFormat) {
@@ -445,8 +452,15 @@ mod tests {
         for env in [None, Some("info"), Some("debug"), Some("not a filter")] {
             let f = log_filter(env).to_string();
             assert!(f.contains("kube_runtime::watcher=error"), "{env:?}: {f}");
+            assert!(
+                f.contains("kube_client::client::builder=off"),
+                "{env:?}: {f}"
+            );
         }
         let f = log_filter(Some("info,kube_runtime=debug")).to_string();
-        assert!(!f.contains("watcher=error"), "{f}");
+        assert!(
+            !f.contains("watcher=error") && !f.contains("builder=off"),
+            "{f}"
+        );
     }
 }

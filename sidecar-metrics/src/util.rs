@@ -1,4 +1,5 @@
-//! Small helpers shared by the modules: a log rate limiter and the wall clock.
+//! Small helpers shared by the modules: a log rate limiter, an error's causes and the wall
+//! clock.
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
@@ -73,9 +74,65 @@ impl WallClock {
     }
 }
 
+/// `e` and each of its causes, as "outer: inner: ...", a message that repeats its cause's
+/// text left out. kube's and hyper's own messages name only their layer ("client error
+/// (SendRequest)" for a read timeout); the cause says what happened.
+pub fn with_causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut last = out.clone();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let text = c.to_string();
+        if !text.is_empty() && !last.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        last = text;
+        cur = c.source();
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug)]
+    struct Layer(&'static str, Option<Box<Layer>>);
+
+    impl std::fmt::Display for Layer {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+
+    impl std::error::Error for Layer {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.1.as_deref().map(|l| l as _)
+        }
+    }
+
+    #[test]
+    fn an_error_is_written_with_its_causes_once_each() {
+        let e = Layer(
+            "client error (SendRequest)",
+            Some(Box::new(Layer(
+                "operation timed out",
+                Some(Box::new(Layer("operation timed out", None))),
+            ))),
+        );
+        assert_eq!(
+            with_causes(&e),
+            "client error (SendRequest): operation timed out"
+        );
+        // A message that already names its cause is not repeated.
+        let e = Layer(
+            "HyperError: refused",
+            Some(Box::new(Layer("refused", None))),
+        );
+        assert_eq!(with_causes(&e), "HyperError: refused");
+        assert_eq!(with_causes(&Layer("alone", None)), "alone");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn gate_opens_once_per_period_and_counts_the_rest() {

@@ -348,7 +348,7 @@ async fn watch_pods(
                 Some(Err(e)) => {
                     let delay = retry.failed(Instant::now());
                     if let Some(held) = gate.allow(Instant::now()) {
-                        tracing::warn!(pool = %pool.name, namespace, selector, error = %e, suppressed = held,
+                        tracing::warn!(pool = %pool.name, namespace, selector, error = %crate::util::with_causes(&e), suppressed = held,
                             retry_in_ms = delay.as_millis() as u64,
                             "kubernetes: pod watch failed; keeping the previous pod list");
                     }
@@ -489,7 +489,7 @@ async fn watch_inference_pool(
             Some(Err(e)) => {
                 let delay = retry.failed(Instant::now());
                 if let Some(held) = gate.allow(Instant::now()) {
-                    tracing::warn!(pool = %pool.name, namespace, inference_pool = name, error = %e, suppressed = held,
+                    tracing::warn!(pool = %pool.name, namespace, inference_pool = name, error = %crate::util::with_causes(&e), suppressed = held,
                         retry_in_ms = delay.as_millis() as u64, "kubernetes: InferencePool watch failed");
                 }
                 tokio::select! {
