@@ -1160,19 +1160,10 @@ impl Filter {
             }
         };
         // Only a whole body is held: a form that streams on cannot wait.
-        let holdable = match cfg.hold {
-            Some(h) if complete => {
-                let room = config.held.lock().len() < h.max_held;
-                if !room {
-                    config.count(m.hold.as_ref().and_then(|h| h.full));
-                }
-                room
-            }
-            _ => false,
-        };
+        let hold = cfg.hold.filter(|_| complete);
         let mut guard = config.router.lock();
         let prep = guard.engine.prepare_read(read);
-        let affinity_hold = cfg.hold.is_some_and(|h| h.affinity_wait() > 0);
+        let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
         let dispatched = self.dispatch(
             s,
             guard,
@@ -1181,9 +1172,20 @@ impl Filter {
             now,
             complete,
             t0,
-            holdable,
+            hold.is_some(),
             affinity_hold,
         );
+        let dispatched = match dispatched {
+            // It would be held, and `max_held` are: counted, and decided again without holding
+            // (it goes to a saturated pod at once). Only such a request is counted, not every
+            // request while the queue is full (another pool's, a shed one).
+            Err((prep, _)) if hold.is_some_and(|h| config.held.lock().len() >= h.max_held) => {
+                config.count(m.hold.as_ref().and_then(|h| h.full));
+                let guard = config.router.lock();
+                self.dispatch(s, guard, *prep, &fleet, now, complete, t0, false, false)
+            }
+            d => d,
+        };
         if let Err((prep, reason)) = dispatched {
             self.hold(s, prep, reason, &fleet, now, t0);
         }

@@ -1183,16 +1183,25 @@ impl Http {
         }
         // Only a whole body is held: a form that streams on cannot wait.
         let hold = w.engine.config.hold.filter(|_| complete);
-        let holdable = hold.is_some_and(|h| {
-            let room = w.held.len() < h.max_held;
-            if !room {
-                w.stats.inc("gpuroute.hold.full");
-            }
-            room
-        });
         let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
         let len = body.len();
-        match self.dispatch(w, &mut prep, t0, len, complete, holdable, affinity_hold) {
+        let mut dispatched = self.dispatch(
+            w,
+            &mut prep,
+            t0,
+            len,
+            complete,
+            hold.is_some(),
+            affinity_hold,
+        );
+        if dispatched.is_err() && hold.is_some_and(|h| w.held.len() >= h.max_held) {
+            // It would be held, and the worker holds `max_held`: counted, and decided again
+            // without holding (it goes to a saturated pod at once). Only such a request is
+            // counted, not every request while the queue is full (another pool's, a shed one).
+            w.stats.inc("gpuroute.hold.full");
+            dispatched = self.dispatch(w, &mut prep, t0, len, complete, false, false);
+        }
+        match dispatched {
             Ok(action) => Some(action),
             Err(reason) => {
                 let priority = self.head.priority.unwrap_or(0);

@@ -160,13 +160,49 @@ def test_sheddable_requests_are_shed_and_a_full_worker_sends_at_once(gw, pods):
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         held = [ex.submit(ask, gw, f"held {i}") for i in range(3)]
         wait_for(lambda: stat(gw, "gpuroute.held") == 3, what="three to be held")
+        # A sheddable request is shed, as it would be with room to hold: it was never to be
+        # held, so it is not counted as turned away by a full queue.
+        assert ask(gw, "batch job", priority=-1)[0] == 429
+        time.sleep(0.3)  # past a flush of the module's counts (every tick_ms)
+        assert gw.stat(STAT_PREFIX + "gpuroute.hold.full") == full
         # max_held is 3: the fourth goes to a saturated pod at once.
         s, pod, _, took = ask(gw, "one too many")
         assert s == 200 and pod in ("p0", "p1", "p2") and took < 2
-        assert gw.stat(STAT_PREFIX + "gpuroute.hold.full") == full + 1
+        wait_for(lambda: gw.stat(STAT_PREFIX + "gpuroute.hold.full") == full + 1, what="hold.full")
         assert not any(f.done() for f in held)
         push(gw, pods, [{}, {}, {}])
         assert all(f.result(10)[0] == 200 for f in held)
+
+
+def test_a_full_hold_queue_counts_only_the_requests_it_turns_away(pods):
+    """`hold.full` counts the requests that would have been held had the queue room, not every
+    request while it is full: requests to another pool with room go as always, uncounted
+    (before, each was counted)."""
+    with serving(["q0"]) as other:
+        e = Envoy("filter", endpoints(pods) + [{"name": "qwen", "endpoints": [other["q0"].address]}],
+                  {"pools": [POOLS, {"name": "qwen", "models": ["qwen"]}], "scoring": SCORING,
+                   "hold": {"max_wait_ms": 10_000, "max_held": 1}})
+        try:
+            snap = snapshot({"llama": [dict({"address": pods[f"p{i}"].address}, **SATURATED) for i in range(3)],
+                             "qwen": [{"address": other["q0"].address}]})
+            assert e.push(snap)[0] == 204
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                held = ex.submit(ask, e, "held")
+                wait_for(lambda: stat(e, "gpuroute.held") == 1, what="one held")
+                body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
+                for _ in range(3):
+                    s, h, _, _ = e.request("POST", "/v1/chat/completions", body)
+                    assert (s, h.get("x-served-by")) == (200, "q0")
+                time.sleep(0.3)  # past a flush of the module's counts (every tick_ms)
+                assert stat(e, "gpuroute.hold.full") == 0
+                # One to the saturated pool: turned away by the full queue, counted.
+                assert ask(e, "too many")[0] == 200
+                wait_for(lambda: stat(e, "gpuroute.hold.full") == 1, what="hold.full")
+                assert not held.done()
+                push(e, pods, [{}, {}, {}])
+                assert held.result(10)[0] == 200
+        finally:
+            e.stop()
 
 
 def test_each_worker_holds_and_sends_its_own(pods):
