@@ -10,6 +10,9 @@
 //!   the keys), and is read when the binary form is not of the current version;
 //! - [`SNAPSHOT_VERSION_KEY`]: the 16-byte header alone. Workers read this small key per request
 //!   and decode a big one only when the version changed.
+//!
+//! And [`STALE_WINDOW_KEY`]: the longest `stale_after_ms` of the configurations that route in this
+//! VM, for the ingest's [`version_floor`] (the ingest listener's own configuration has no pools).
 
 use crate::config::IngestConfig;
 use crate::error::ApiError;
@@ -21,6 +24,24 @@ pub const SNAPSHOT_KEY: &str = "gpuroute.snapshot";
 pub const SNAPSHOT_BINARY_KEY: &str = "gpuroute.snapshot.binary";
 /// Shared-data key of its version header.
 pub const SNAPSHOT_VERSION_KEY: &str = "gpuroute.snapshot.version";
+
+/// Shared-data key of the longest `stale_after_ms` of any configuration that routes, 8 bytes
+/// little-endian ([`widen_stale_window`]).
+pub const STALE_WINDOW_KEY: &str = "gpuroute.snapshot.stale_window_ms";
+
+/// The value [`STALE_WINDOW_KEY`] holds read as milliseconds (0 when unset or malformed).
+pub fn decode_stale_window(b: Option<&[u8]>) -> u64 {
+    b.and_then(|b| <[u8; 8]>::try_from(b).ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
+/// What [`STALE_WINDOW_KEY`] should hold once a configuration whose longest `stale_after_ms` is
+/// `mine` is loaded, `None` when it already holds as long a window. The window only widens
+/// (until Envoy restarts): the ingest listener cannot tell a configuration that was replaced
+/// from one still routing, and a window too long only keeps a runaway version a little longer.
+pub fn widen_stale_window(current: Option<&[u8]>, mine: u64) -> Option<[u8; 8]> {
+    (mine > decode_stale_window(current)).then(|| mine.to_le_bytes())
+}
 
 /// Received-at time and version of the stored snapshot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,7 +199,8 @@ pub fn authorized(header: Option<&str>, token: &str) -> bool {
 
 /// The version a pushed snapshot must be newer than: the current snapshot's (`current`), while
 /// routing may still read it. Once it was received more than `stale_after_ms` ago (the longest
-/// of the pools', [`crate::config::Config::longest_stale_after_ms`]), every pod in it is stale
+/// of the pools', [`crate::config::Config::longest_stale_after_ms`], of every configuration that
+/// routes: [`STALE_WINDOW_KEY`]), every pod in it is stale
 /// and any valid snapshot replaces it. Else one version from a clock that ran ahead (an
 /// aggregator restarted after its clock stepped back, or a single bad push) would have every
 /// later push refused, and the gateway failing open, until Envoy restarted.
@@ -301,6 +323,21 @@ mod tests {
             }],
         })
         .unwrap()
+    }
+
+    #[test]
+    fn the_stale_window_only_widens() {
+        assert_eq!(decode_stale_window(None), 0);
+        assert_eq!(decode_stale_window(Some(b"short")), 0);
+        let five = widen_stale_window(None, 5_000).unwrap();
+        assert_eq!(decode_stale_window(Some(&five)), 5_000);
+        // The ingest listener's own 1 s default, or a shorter configuration later: unchanged.
+        assert_eq!(widen_stale_window(Some(&five), 1_000), None);
+        assert_eq!(widen_stale_window(Some(&five), 5_000), None);
+        let ten = widen_stale_window(Some(&five), 10_000).unwrap();
+        assert_eq!(decode_stale_window(Some(&ten)), 10_000);
+        // A malformed value is replaced.
+        assert!(widen_stale_window(Some(b"bad"), 1).is_some());
     }
 
     #[test]

@@ -1057,7 +1057,12 @@ impl Filter {
         let Some(ing) = config.settings.ingest.as_ref() else {
             return;
         };
-        let stale_after_ms = config.settings.longest_stale_after_ms();
+        // While any live configuration that routes may still read the current snapshot (the
+        // ingest listener's own has no pools).
+        let stale_after_ms = routing_configs()
+            .iter()
+            .map(|(_, c)| c.settings.longest_stale_after_ms())
+            .fold(config.settings.longest_stale_after_ms(), u64::max);
         let header = |f: &FleetState| StoredHeader {
             received_at_ms: f.received_at_ms,
             version: f.version,

@@ -34,6 +34,7 @@ use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{
     self, Endpoint, Stored, StoredHeader, SNAPSHOT_BINARY_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY,
+    STALE_WINDOW_KEY,
 };
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
 use gpuroute_core::picker::{Decision, HoldReason};
@@ -427,6 +428,15 @@ impl Worker {
         }
     }
 
+    /// How long a stored snapshot may still be read by some configuration of this VM: this
+    /// one's longest `stale_after_ms`, or a routing configuration's (`STALE_WINDOW_KEY`), the
+    /// ingest listener's own having no pools.
+    fn stale_window_ms(&self) -> u64 {
+        let shared = host::get_shared(STALE_WINDOW_KEY).0;
+        ingest::decode_stale_window(shared.as_deref())
+            .max(self.engine.config.longest_stale_after_ms())
+    }
+
     /// Gives this worker's id back when Envoy deletes its plugin instance (its configuration was
     /// removed): its published tables and prefix records are emptied first, so nothing reads a
     /// dead worker's counts, and a later worker reuses the id.
@@ -675,6 +685,19 @@ fn update_registry<R>(change: impl FnMut(&mut WorkerSet) -> Option<R>) -> Option
     update_shared(WORKERS_KEY, WorkerSet::decode, WorkerSet::encode, change)
 }
 
+/// Widens `STALE_WINDOW_KEY` to `ms` (a routing configuration's longest `stale_after_ms`) if
+/// it is shorter, compare-and-swapped against other workers doing the same, and read again
+/// after each write (a first write has no CAS token to race with).
+fn publish_stale_window(ms: u64) {
+    for _ in 0..CAS_ATTEMPTS {
+        let (cur, cas) = host::get_shared(STALE_WINDOW_KEY);
+        let Some(v) = ingest::widen_stale_window(cur.as_deref(), ms) else {
+            return;
+        };
+        let _ = host::set_shared(STALE_WINDOW_KEY, &v, cas);
+    }
+}
+
 /// [`update_shared`] of the board of prefix sequence numbers.
 fn update_board<R>(change: impl FnMut(&mut SyncBoard) -> Option<R>) -> Option<(R, SyncBoard)> {
     update_shared(SYNC_BOARD_KEY, SyncBoard::decode, SyncBoard::encode, change)
@@ -708,6 +731,9 @@ impl Root {
         let tick = tick_ms.min(u64::from(u32::MAX)) as u32;
         let refresh_ns = config.shared_refresh_ms.saturating_mul(1_000_000);
         let routes = !config.pools.is_empty();
+        if routes {
+            publish_stale_window(config.longest_stale_after_ms());
+        }
         let hold_order = config.hold.map(|h| h.order).unwrap_or_default();
         let seed = host::now_nanos() ^ (u64::from(self.id) << 32);
         let stats = Stats::new(config.max_pod_stats);
@@ -919,7 +945,7 @@ impl Http {
                     .0
                     .and_then(|b| StoredHeader::decode(&b)),
                 host::now_ms(),
-                w.engine.config.longest_stale_after_ms(),
+                w.stale_window_ms(),
             ),
         };
         self.mode = Mode::Ingest { endpoint, current };
@@ -1093,7 +1119,7 @@ impl Http {
         let stored = ingest::encode_stored(header, &body);
         // Compare-and-swap on the snapshot itself, re-checking the version each time, so two
         // racing pushes can never leave the older one in place.
-        let stale_after_ms = w.engine.config.longest_stale_after_ms();
+        let stale_after_ms = w.stale_window_ms();
         let mut stored_ok = false;
         let mut replaced = None;
         for _ in 0..CAS_ATTEMPTS {

@@ -822,7 +822,10 @@ def test_snapshot_ages_out(pods):
 
 def test_a_runaway_version_is_replaced_once_its_snapshot_is_stale(pods):
     """A version from a clock that ran ahead does not lock the ingest: refused below it while
-    any pool may still read its snapshot (qwen's 3 s here), replaced by any valid one after."""
+    any pool may still read its snapshot (qwen's 3 s here), replaced by any valid one after. The
+    window is the routing configuration's, though the ingest listener's own has no pools (its
+    default 1 s: before, an older version was taken after 1 s while routing still read the
+    snapshot; an audit)."""
     config = dict(CONFIG, scoring={"stale_after_ms": 300})
     config["pools"] = [dict(p) for p in CONFIG["pools"]]
     config["pools"][1]["scoring"] = {"stale_after_ms": 3_000}
@@ -836,9 +839,9 @@ def test_a_runaway_version_is_replaced_once_its_snapshot_is_stale(pods):
         later["version"] = 1
         s, _, body, _ = e.push(later)
         assert s == 400 and f"not newer than the current version {2**64 - 1}" in body["error"]["message"]
-        time.sleep(0.5)  # past llama's 300 ms, not qwen's 3 s
+        time.sleep(1.5)  # past llama's 300 ms and the ingest listener's 1 s, not qwen's 3 s
         assert e.push(later)[0] == 400
-        time.sleep(3.0)
+        time.sleep(2.0)
         assert e.push(later)[0] == 204
         assert served_by(e.chat("llama-3-8b")) == "llama-2"
         # From there versions increase from the new one.
