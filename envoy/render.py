@@ -319,16 +319,18 @@ def local_reply_config(max_body, ingest=None):
     }
 
 
-def openai_404():
-    return openai_error(404, "no route: use an OpenAI inference path or /v1/models", "invalid_request_error", "not_found")
+def openai_404(models_path="/v1/models"):
+    """`models_path`: the filter's (`""`: not served, so not named)."""
+    hint = f" or {models_path}" if models_path else ""
+    return openai_error(404, f"no route: use an OpenAI inference path{hint}", "invalid_request_error", "not_found")
 
 
 JSON_CONTENT_TYPE = [{"header": {"key": "content-type", "value": "application/json"}, "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
 
 
-def catch_all_404():
+def catch_all_404(models_path="/v1/models"):
     """The route of every path no other route takes: the 404 in OpenAI's shape, labelled JSON."""
-    return {"match": {"prefix": "/"}, "direct_response": openai_404(), "response_headers_to_add": JSON_CONTENT_TYPE}
+    return {"match": {"prefix": "/"}, "direct_response": openai_404(models_path), "response_headers_to_add": JSON_CONTENT_TYPE}
 
 
 def upstream_tls(tls):
@@ -488,7 +490,7 @@ def render(desc):
                     "response_headers_to_add": JSON_CONTENT_TYPE,
                 }
             )
-        routes.append(catch_all_404())
+        routes.append(catch_all_404(fcfg.get("models_path", "/v1/models")))
     else:
         routes.append(
             {"match": {"prefix": "/"}, "route": {"cluster": "pool_" + pools[0]["name"], "timeout": timeout, "retry_policy": retry}}

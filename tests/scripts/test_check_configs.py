@@ -3,6 +3,7 @@ dynamic module: what `make validate` relies on to say the variant is what Envoy 
 kustomize would make of it."""
 
 import copy
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -229,3 +230,21 @@ def test_the_aggregator_never_pushes_a_snapshot_the_filter_would_refuse_whole(fl
     with pytest.raises(cc.CheckError, match=f"push.max_snapshot_bytes {filter_limit + 1} is over the filter's "
                                             f"ingest.max_snapshot_bytes {filter_limit}"):
         check(with_pushed_limit(manifests, configmap, key, filter_limit + 1))
+
+
+@pytest.mark.parametrize("models_path, hint", [(None, " or /v1/models"), ("/models", " or /models"), ("", "")])
+def test_the_catch_all_404_names_the_models_path_the_filter_serves(models_path, hint):
+    """The 404 of a path no route takes points at the filter's models path, or at none when it
+    serves none (before, always at /v1/models: with models_path "/models" that path was the
+    404 itself)."""
+    fcfg = {"pools": [{"name": "p", "models": ["m"]}]}
+    if models_path is not None:
+        fcfg["models_path"] = models_path
+    desc = {"mode": "filter", "pools": [{"name": "p", "endpoints": ["127.0.0.1:1"]}], "filter_config": fcfg,
+            "listen": "127.0.0.1:1", "admin": "127.0.0.1:2", "wasm": "x.wasm"}
+    listener = cc.render.render(desc)["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    last = hcm["route_config"]["virtual_hosts"][0]["routes"][-1]
+    assert last["match"] == {"prefix": "/"}
+    body = json.loads(last["direct_response"]["body"]["inline_string"])
+    assert body["error"]["message"] == f"no route: use an OpenAI inference path{hint}"
