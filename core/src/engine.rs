@@ -697,6 +697,24 @@ impl Engine {
         &self.reader.routes
     }
 
+    /// Brings a held request that moved to a failover pool (it overflowed, or its pool had no
+    /// pod) back to the pool it was for, once the snapshot shows that pool with room again
+    /// ([`has_room_by_snapshot`]), before it is decided again: held where it moved to, it would
+    /// otherwise wait there (and go to a saturated pod when its wait ran out) while its own
+    /// pool had room and later requests went there. Whether it moved.
+    pub fn homeward(&self, fleet: Option<&FleetState>, now_ms: u64, prep: &mut Prepared) -> bool {
+        let Some(origin) = prep.failed_over.as_ref().map(|f| f.origin) else {
+            return false;
+        };
+        if self.reader.serving(fleet, now_ms, origin, true) != Some(true) {
+            return false;
+        }
+        prep.failed_over = None;
+        prep.pool = self.reader.routes.pool_name_shared(origin);
+        prep.target = prep.target.in_pool(origin);
+        true
+    }
+
     /// Moves a request that [`Engine::decide`] found its pool saturated for to the pool `to`
     /// ([`Decision::Overflow`]): the shell then decides again, with that pool's in-flight table.
     /// Step 1's work stands (the same model, body and prompt hashes; the prefix index knows pods,
@@ -1716,6 +1734,29 @@ mod tests {
             p.failed_over.unwrap().stat(&p.pool),
             "gpuroute.overflow.llama.to.dr"
         );
+        // Held where it overflowed to, a request goes home once the snapshot shows its pool
+        // with room, and not before; so does one that failed over (its pool had no pod).
+        let (mut p, _) = decided(&mut e, "llama-3", &state(&[busy, full], &dr_idle));
+        assert_eq!(&*p.pool, "dr");
+        assert!(!e.homeward(Some(&state(&[busy, full], &dr_idle)), 1_100, &mut p));
+        assert_eq!(&*p.pool, "dr");
+        assert!(e.homeward(Some(&state(&[busy, idle], &dr_idle)), 1_100, &mut p));
+        assert_eq!(
+            (&*p.pool, p.target.pool, p.failed_over.as_ref()),
+            ("llama", 0, None)
+        );
+        assert!(!e.homeward(Some(&state(&[busy, idle], &dr_idle)), 1_100, &mut p));
+        let mut failed_over = e
+            .prepare_in(
+                "/v1/chat/completions",
+                &chat("llama-3", "hi"),
+                ctx(&state(&[], &dr_busy), 1_100),
+            )
+            .unwrap();
+        assert_eq!(&*failed_over.pool, "dr");
+        assert!(!e.homeward(Some(&state(&[], &dr_idle)), 1_100, &mut failed_over));
+        assert!(e.homeward(Some(&state(&[idle], &dr_idle)), 1_100, &mut failed_over));
+        assert_eq!(&*failed_over.pool, "llama");
         // Saturated by what was sent since the snapshot: the pick sends it on as soon as the
         // in-flight table says so (one pod with room in the snapshot, 4 waiting: one more sent
         // to it fills its queue).

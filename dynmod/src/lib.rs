@@ -1436,7 +1436,9 @@ impl Filter {
         let affinity_hold = limits.may_await(waited_ms);
         let fleet = current_fleet();
         let guard = config.router.lock();
-        let prep = held.prep;
+        let mut prep = held.prep;
+        // Moved to a failover pool and held there: back to its own once that has room.
+        guard.engine.homeward(fleet.as_deref(), now_ms(), &mut prep);
         match self.dispatch(
             s,
             guard,

@@ -1755,10 +1755,13 @@ impl Http {
         let Ok(mut w) = worker.try_borrow_mut() else {
             return Release::Nothing;
         };
-        let Some(held) = self.held.take() else {
+        let Some(mut held) = self.held.take() else {
             return Release::Nothing;
         };
         let now_ns = host::now_nanos();
+        // Moved to a failover pool and held there: back to its own once that has room.
+        w.engine
+            .homeward(w.fleet.as_ref(), now_ns / 1_000_000, &mut held.prep);
         let limits = w.engine.config.hold.unwrap_or_default();
         let waited_ms = now_ns.saturating_sub(held.since_ns) / 1_000_000;
         let expired = limits.expired(waited_ms);

@@ -205,6 +205,51 @@ def test_a_full_hold_queue_counts_only_the_requests_it_turns_away(pods):
             e.stop()
 
 
+def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
+    """A request whose pool was saturated overflows to its failover pool; that one full too, it
+    is held there. Once a snapshot shows its own pool with room it goes there, not after its
+    whole wait to a saturated pod of the failover pool while later requests overtook it (an
+    audit: both held went to the burst pod after 8 s)."""
+    scoring = {"stale_after_ms": 60_000, "queue_threshold": 2}
+    with serving(["l0", "l1", "b0"]) as pods:
+        e = Envoy("filter", [{"name": "llama", "endpoints": [pods["l0"].address, pods["l1"].address]},
+                             {"name": "burst", "endpoints": [pods["b0"].address]}],
+                  {"pools": [{"name": "llama", "models": ["llama-3-8b"], "failover": ["burst"], "overflow": True,
+                              "scoring": scoring}, {"name": "burst", "models": [], "scoring": scoring}],
+                   "hold": {"max_wait_ms": 8_000}, "debug_header": True})
+
+        def push_loads(llama, burst):
+            snap = snapshot({"llama": [dict({"address": pods[n].address}, **llama) for n in ("l0", "l1")],
+                             "burst": [dict({"address": pods["b0"].address}, **burst)]})
+            assert e.push(snap)[0] == 204
+
+        gate = threading.Event()
+        pods["b0"].hold = gate
+        try:
+            push_loads(SATURATED, {})
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                # Two fill the burst pod (kept in flight there), two are held.
+                sent = []
+                for i in range(4):
+                    sent.append(ex.submit(ask_with_headers, e, f"request {i}"))
+                    time.sleep(0.2)
+                wait_for(lambda: stat(e, "gpuroute.held") == 2, what="two held")
+                assert len(pods["b0"].requests) == 2
+                t0 = time.time()
+                push_loads({}, {"waiting": 2})
+                for f in sent[2:]:
+                    s, pod, _, _, h = f.result(10)
+                    assert s == 200 and pod in ("l0", "l1"), (s, pod, h.get("x-gateway-debug"))
+                    assert "overflow" not in h.get("x-gateway-debug", ""), h.get("x-gateway-debug")
+                assert time.time() - t0 < 3
+                gate.set()
+                assert [f.result(10)[:2] for f in sent[:2]] == [(200, "b0")] * 2
+            assert stat(e, "gpuroute.hold.expired") == 0
+        finally:
+            gate.set()
+            e.stop()
+
+
 def test_each_worker_holds_and_sends_its_own(pods):
     """Two Envoy workers, each holding requests that reached it (the kernel spreads the
     connections): when the pool has room, both send theirs, each from its own tick."""
