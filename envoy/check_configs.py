@@ -209,13 +209,23 @@ def yaml_scalar(s):
 
 
 def sync_stats_tags(text, tags):
-    """`text` (a manifest) with the list under its one `stats_tags:` key replaced by `tags`,
-    each `- tag_name: ...` / `  regex: ...` at the key's indentation. Everything else in the
-    text, comments included, is kept byte for byte."""
+    """`text` (a manifest) with the list under its one `stats_tags:` key replaced by `tags`."""
+    return sync_list(text, "stats_tags", tags)
+
+
+def yaml_value(v):
+    """`v` on one line: a string as `yaml_scalar`, anything else in flow style (JSON)."""
+    return yaml_scalar(v) if isinstance(v, str) else json.dumps(v)
+
+
+def sync_list(text, key, items):
+    """`text` (a manifest) with the list under its one `key:` key replaced by `items` (dicts),
+    each `- field: ...` / `  field: ...` at the key's indentation. Everything else in the text,
+    comments included, is kept byte for byte."""
     lines = text.splitlines(keepends=True)
-    keys = [i for i, line in enumerate(lines) if line.strip() == "stats_tags:"]
+    keys = [i for i, line in enumerate(lines) if line.strip() == f"{key}:"]
     if len(keys) != 1:
-        raise CheckError(f"expected one `stats_tags:` key, found {len(keys)}")
+        raise CheckError(f"expected one `{key}:` key, found {len(keys)}")
     at = keys[0]
     indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
     end = at + 1
@@ -227,9 +237,9 @@ def sync_stats_tags(text, tags):
             break
         end += 1
     new = []
-    for tag in tags:
-        new.append(f"{indent}- tag_name: {yaml_scalar(tag['tag_name'])}\n")
-        new.append(f"{indent}  regex: {yaml_scalar(tag['regex'])}\n")
+    for item in items:
+        for n, (field, value) in enumerate(item.items()):
+            new.append(f"{indent}{'- ' if n == 0 else '  '}{field}: {yaml_value(value)}\n")
     return "".join(lines[: at + 1] + new + lines[end:])
 
 
@@ -240,10 +250,10 @@ def regenerate():
         print(f"wrote envoy/local/{name}")
     for path in STATS_TAGS_COPIES:
         old = path.read_text()
-        new = sync_stats_tags(old, render.STATS_TAGS)
+        new = sync_list(sync_stats_tags(old, render.STATS_TAGS), "histogram_bucket_settings", render.HISTOGRAM_BUCKETS)
         if new != old:
             path.write_text(new)
-            print(f"wrote the stats_tags of {path.relative_to(ROOT)}")
+            print(f"wrote the stats_tags and histogram_bucket_settings of {path.relative_to(ROOT)}")
 
 
 def check_drift(name, mode, runtime):
@@ -836,6 +846,10 @@ def check_stats_tags(doc, where):
         names = [t.get("tag_name") for t in tags or []]
         raise CheckError(f"{where}: stats_config.stats_tags must be envoy/render.py's STATS_TAGS (the tags here: "
                          f"{names}); `.venv/bin/python envoy/check_configs.py --regenerate` rewrites them")
+    if (doc.get("stats_config") or {}).get("histogram_bucket_settings") != render.HISTOGRAM_BUCKETS:
+        raise CheckError(f"{where}: stats_config.histogram_bucket_settings must be envoy/render.py's HISTOGRAM_BUCKETS "
+                         "(the buckets the dashboard's quantiles need); `.venv/bin/python envoy/check_configs.py "
+                         "--regenerate` rewrites them")
 
 
 def proto_merge(dst, src):

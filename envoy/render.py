@@ -92,6 +92,24 @@ STATS_TAGS = [
     {"tag_name": "gpuroute_target", "regex": STAT_NAME + rf"(?:split|failover|overflow)\.{SEGMENT}\.to(\.({SEGMENT}))$"},
 ]
 
+# Bucket bounds of the filter's histograms in /stats/prometheus, where Prometheus'
+# histogram_quantile interpolates within a bucket. Envoy's defaults (..., 100, 250, 500, 1000,
+# 2500, 5000, ...) are too coarse for them: a TTFT of 1.25 s read as a p99 of 2.5 s, a hold of
+# 126 ms as 247 ms (an audit). Each bound here is at most ~1.3x the one before in the range
+# that matters (TTFT 50 ms-10 s, hold 10 ms-10 s, decision 5 us-1 ms), so the interpolated
+# quantile is off by at most that step. Envoy's own /stats summary is unaffected.
+HISTOGRAM_BUCKETS = [
+    {"match": {"suffix": ".ttft_ms"}, "buckets": [
+        10, 25, 50, 65, 80, 100, 130, 160, 200, 250, 320, 400, 500, 650, 800, 1000, 1300, 1600, 2000,
+        2500, 3200, 4000, 5000, 6500, 8000, 10000, 15000, 20000, 30000, 60000]},
+    {"match": {"suffix": ".hold_ms"}, "buckets": [
+        1, 5, 10, 13, 16, 20, 25, 32, 40, 50, 65, 80, 100, 130, 160, 200, 250, 320, 400, 500, 650, 800,
+        1000, 1300, 1600, 2000, 2500, 3200, 4000, 5000, 6500, 8000, 10000, 20000, 60000]},
+    {"match": {"suffix": ".decision_us"}, "buckets": [
+        1, 2, 3, 5, 6.5, 8, 10, 13, 16, 20, 25, 32, 40, 50, 65, 80, 100, 130, 160, 200, 250, 320, 400, 500,
+        650, 800, 1000, 2000, 5000, 10000]},
+]
+
 
 FILE_ACCESS_LOG = "envoy.access_loggers.file"
 FILE_ACCESS_LOG_TYPE = "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog"
@@ -572,7 +590,7 @@ def render(desc):
         clusters.append(admin_cluster(admin))
     return {
         "admin": {"address": addr(admin)},
-        "stats_config": {"stats_tags": STATS_TAGS},
+        "stats_config": {"stats_tags": STATS_TAGS, "histogram_bucket_settings": HISTOGRAM_BUCKETS},
         "static_resources": {"listeners": listeners, "clusters": clusters},
     }
 

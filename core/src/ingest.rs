@@ -90,6 +90,17 @@ pub enum Endpoint {
     Load,
 }
 
+/// Why an ingest endpoint refuses a request, as its counters name it
+/// (`gpuroute.<endpoint>.rejected.<reason>`). The proxy-wasm build adds `not_stored` (shared
+/// data did not take it); the dynamic module stores in its own memory.
+pub const REJECT_REASONS: [&str; 5] = [
+    "method",
+    "forbidden",
+    "unauthorized",
+    "too_large",
+    "invalid",
+];
+
 impl Endpoint {
     pub const ALL: [Endpoint; 3] = [Endpoint::Snapshot, Endpoint::Prefix, Endpoint::Load];
 

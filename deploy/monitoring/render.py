@@ -26,6 +26,9 @@ RULES = HERE / "gpuroute-rules.yaml"
 # pool selector (a regex; all pools by default), `$__rate_interval` Grafana's rate window.
 
 PICKS = 'envoy_(dynamicmodulescustom_)?gpuroute_pool_picks'
+# The dashboard's pools: those with requests of their own, and those whose requests all moved to
+# another pool (counted under the pool that took them, with this one in `gpuroute_pool`).
+POOL_SERIES = '{__name__=~"envoy_gpuroute_(pool_requests|failover_to|overflow_to)"}'
 OVERFLOWED = 'sum by (gpuroute_pool) (rate(envoy_gpuroute_overflow_to{gpuroute_pool=~"$pool"}[$__rate_interval]))'
 ROWS = [
     ("Routing", [
@@ -170,8 +173,8 @@ def dashboard():
             {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
              "current": {}, "hide": 0},
             {"name": "pool", "label": "Pool", "type": "query", "datasource": ds,
-             "query": {"query": "label_values(envoy_gpuroute_pool_requests, gpuroute_pool)", "refId": "pools"},
-             "definition": "label_values(envoy_gpuroute_pool_requests, gpuroute_pool)",
+             "query": {"query": f"label_values({POOL_SERIES}, gpuroute_pool)", "refId": "pools"},
+             "definition": f"label_values({POOL_SERIES}, gpuroute_pool)",
              "refresh": 2, "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "hide": 0, "sort": 1},
         ]},
         "annotations": {"list": []},
@@ -321,7 +324,10 @@ TESTS = [
         ("GpurouteDecisionSlow", "15m", [({}, "The filter's routing decision takes 2.485k us at p99")]),
     ]),
     ("The Wasm VM is reloaded once", [
-        series("envoy_wasm_gpuroute_vm_reload", GW, "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1"),
+        series("envoy_wasm_gpuroute_vm_reload_success", GW, "0 0 0 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1 1"),
+        # Envoy's vm_reload stays 0 through a reload; the requests answered while it backed off.
+        series("envoy_wasm_gpuroute_vm_reload", GW, "0x23"),
+        series("envoy_wasm_gpuroute_vm_reload_backoff", GW, "0 0 0 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6 6"),
     ], [
         ("GpurouteWasmVmReloaded", "5m", [(GW, "The filter's Wasm VM was reloaded on gw-0")]),
         ("GpurouteWasmVmReloaded", "22m", []),

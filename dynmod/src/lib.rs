@@ -73,13 +73,6 @@ const REJECTED: &[&str] = &[
     "method_not_allowed",
     "other",
 ];
-const INGEST_REJECTED: &[&str] = &[
-    "method",
-    "forbidden",
-    "unauthorized",
-    "too_large",
-    "invalid",
-];
 
 /// The accepted snapshot, shared by every worker and every filter configuration.
 static FLEET: RwLock<Option<Arc<FleetState>>> = RwLock::new(None);
@@ -231,7 +224,7 @@ impl Metrics {
                 .iter()
                 .flat_map(|ep| {
                     let prefix = format!("gpuroute.{}.rejected", ep.stat());
-                    named(&prefix, INGEST_REJECTED)
+                    named(&prefix, &ingest::REJECT_REASONS)
                         .into_iter()
                         .map(move |(r, id)| ((*ep, r), id))
                 })
@@ -483,6 +476,9 @@ struct Config {
     /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
     /// the configuration, which also ends the ticker thread.
     scheduler: Mutex<Option<Scheduler>>,
+    /// When this configuration was loaded: before any snapshot, the snapshot-age gauge is how
+    /// long it has run without one.
+    created: Instant,
     /// Requests held while their pool is saturated (`hold`), from every worker, in the order
     /// they are to go.
     held: parking_lot::Mutex<HoldQueue<HeldEntry>>,
@@ -529,6 +525,7 @@ impl Config {
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
             scheduler: Mutex::new(None),
+            created: Instant::now(),
             held: parking_lot::Mutex::new(HoldQueue::new(hold_order)),
             next_held: AtomicU64::new(1),
         })
@@ -573,13 +570,24 @@ impl Config {
             for ms in p.hold_ms {
                 stats.histogram(h.wait_ms, ms);
             }
-            stats.gauge(h.gauge, self.held.lock().len() as u64);
+            // Every live configuration's held (they share the gauge): during an LDS change the
+            // old one still holds requests the new one's queue does not have.
+            let held: usize = routing_configs()
+                .iter()
+                .map(|(_, c)| c.held.lock().len())
+                .sum();
+            stats.gauge(h.gauge, held as u64);
         }
         if let Some(n) = p.snapshot_pods {
             stats.gauge(m.snapshot_pods, n);
         }
-        if let Some(f) = current_fleet() {
-            stats.gauge(m.snapshot_age, f.age_ms(now_ms()));
+        match current_fleet() {
+            Some(f) => stats.gauge(m.snapshot_age, f.age_ms(now_ms())),
+            // Not 0 ("fresh") before any snapshot: how long this configuration has run without one.
+            None if !self.settings.pools.is_empty() => {
+                stats.gauge(m.snapshot_age, self.created.elapsed().as_millis() as u64)
+            }
+            None => {}
         }
     }
 

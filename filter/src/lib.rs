@@ -161,6 +161,8 @@ struct Worker {
     /// `idle_tick_ms`), `routed` at the last tick, and the ticks in a row with nothing to
     /// exchange.
     tick_now_ms: u64,
+    /// When this worker's configuration was loaded (unix ms).
+    started_ms: u64,
     routed_at_tick: u64,
     idle_ticks: u32,
     /// The exchange between gateway replicas: when this worker last looked whether its records
@@ -646,11 +648,16 @@ impl Worker {
         }
     }
 
+    /// The snapshot's age; before any snapshot, how long this worker has run without one
+    /// (not no series, nor 0: `GpurouteSnapshotStale` then fires for a gateway that never got
+    /// one, traffic or not, as for one whose aggregator stopped).
     fn snapshot_age_gauge(&mut self) {
-        if let Some(f) = &self.fleet {
-            let age = f.age_ms(host::now_ms());
-            self.stats.gauge("gpuroute.snapshot.age_ms", age);
-        }
+        let now = host::now_ms();
+        let age = match &self.fleet {
+            Some(f) => f.age_ms(now),
+            None => now.saturating_sub(self.started_ms),
+        };
+        self.stats.gauge("gpuroute.snapshot.age_ms", age);
     }
 }
 
@@ -736,7 +743,10 @@ impl Root {
         }
         let hold_order = config.hold.map(|h| h.order).unwrap_or_default();
         let seed = host::now_nanos() ^ (u64::from(self.id) << 32);
-        let stats = Stats::new(config.max_pod_stats);
+        let mut stats = Stats::new(config.max_pod_stats);
+        if config.ingest.is_some() {
+            stats.define_ingest_rejected();
+        }
         let mut worker = Worker {
             engine: Engine::new(config),
             fleet: None,
@@ -760,6 +770,7 @@ impl Root {
             refresh_ns,
             routed: 0,
             tick_now_ms: tick_ms,
+            started_ms: host::now_ms(),
             routed_at_tick: 0,
             idle_ticks: 0,
             export_checked_ms: 0,

@@ -51,7 +51,7 @@ use crate::host;
 use gpuroute_core::engine::{FailedOver, SplitTaken};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment as sanitize, PodStatSet, OTHER_POD};
 use gpuroute_core::idmap::{IdMap, NameMap};
-use gpuroute_core::ingest::Endpoint;
+use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
 use std::sync::Arc;
 
@@ -163,6 +163,18 @@ impl Stats {
         let id = host::define_metric(kind, name);
         self.ids.insert(name.to_string(), id);
         id
+    }
+
+    /// The ingest endpoints' refusal counters, defined at 0 so that Prometheus sees each
+    /// series before its first refusal: a counter that appears at 1 has no earlier sample for
+    /// `increase()`, and an alert on one bad push would never fire (an audit).
+    pub fn define_ingest_rejected(&mut self) {
+        for ep in Endpoint::ALL {
+            for reason in ingest::REJECT_REASONS.into_iter().chain(["not_stored"]) {
+                let name = format!("gpuroute.{}.rejected.{reason}", ep.stat());
+                self.id(MetricType::Counter, &name);
+            }
+        }
     }
 
     pub fn inc(&mut self, name: &str) {

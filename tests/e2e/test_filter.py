@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 
 from harness import (RUNTIME, STAT_PREFIX, TOKEN, TRAP_WASM, Envoy, LdsListener, Pusher, documented_stats, pod_picks_stat,
-                     settle, snapshot)
+                     settle, snapshot, wait_for)
 from stubpod import StubPod, serving
 
 CONFIG = {
@@ -872,6 +872,26 @@ def test_envoy_refuses_a_configuration_that_would_misroute_or_miscount(pods, cha
     with pytest.raises(RuntimeError) as refused:
         Envoy("filter", pools_of(pods), config, ready_timeout=10).stop()
     assert message in str(refused.value), str(refused.value)[-1500:]
+
+
+def test_before_any_snapshot_its_age_grows_and_the_ingest_counters_read_zero(pods):
+    """Before the first push the snapshot-age gauge says how long the gateway has gone without
+    one (the module's read 0, "fresh"; proxy-wasm's had no series), so GpurouteSnapshotStale
+    fires for a gateway that never got a snapshot. The ingest's refusal counters exist at 0, so
+    a first refusal is an increase Prometheus sees (proxy-wasm's appeared at 1, and an alert on
+    one bad push never fired). Both from audits, 2026-12-07."""
+    e = Envoy("filter", pools_of(pods), CONFIG)
+    try:
+        with urllib.request.urlopen(f"http://{e.admin}/stats/prometheus", timeout=5) as r:
+            text = r.read().decode()
+        reasons = set(re.findall(r'^envoy_gpuroute_snapshot_rejected\{[^}]*gpuroute_reason="(\w+)"[^}]*\} 0$', text, re.M))
+        assert {"unauthorized", "invalid", "too_large", "forbidden", "method"} <= reasons, reasons
+        age = STAT_PREFIX + "gpuroute.snapshot.age_ms"
+        wait_for(lambda: e.stats().get(age, 0) >= 1500, what="the age of no snapshot to grow", timeout=10)
+        assert e.push(fresh(pods, [{}, {}, {}]))[0] == 204
+        wait_for(lambda: e.stats().get(age, 10**9) < 1000, what="a fresh snapshot's age", timeout=5)
+    finally:
+        e.stop()
 
 
 def test_missing_snapshot_fails_open(pods):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from harness import STAT_PREFIX, Envoy, documented_stats, snapshot, wait_for
+from harness import STAT_PREFIX, Envoy, LdsListener, documented_stats, snapshot, wait_for
 from stubpod import serving
 
 POOLS = {"name": "llama", "models": ["llama-3-8b"]}
@@ -248,6 +248,33 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
         finally:
             gate.set()
             e.stop()
+
+
+def test_requests_held_under_a_replaced_configuration_stay_counted_and_go(pods, tmp_path):
+    """An LDS change while requests are held: the held ones, under the old configuration (its
+    filter chain draining), stay in the `gpuroute.held` gauge and go once the pool has room. The
+    module's gauge dropped to 0 while the new configuration, holding none, wrote it (an audit);
+    every configuration now writes all of theirs."""
+    lds = LdsListener(tmp_path / "lds")
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING, "hold": {"max_wait_ms": 20_000}},
+              workdir=tmp_path / "envoy", patch=lds.patch,
+              envoy_args=["--drain-time-s", "10", "--drain-strategy", "immediate"])
+    try:
+        push(e, pods, [SATURATED] * 3)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            held = [ex.submit(ask, e, f"held {i}") for i in range(3)]
+            wait_for(lambda: stat(e, "gpuroute.held") == 3, what="three held")
+            lds.change(e, timeout_s=10, tick_ms=21)
+            seen = []
+            for _ in range(25):
+                time.sleep(0.1)
+                seen.append(stat(e, "gpuroute.held"))
+            assert min(seen) == 3, seen
+            push(e, pods, [{}, {}, {}])
+            assert [f.result(10)[0] for f in held] == [200] * 3
+        wait_for(lambda: stat(e, "gpuroute.held") == 0, what="none held")
+    finally:
+        e.stop()
 
 
 def test_each_worker_holds_and_sends_its_own(pods):
