@@ -30,6 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 #[path = "../tests/common/fake_kube.rs"]
 mod fake_kube;
+#[path = "common/proc_stat.rs"]
+mod proc_stat;
 
 const USAGE: &str = "discovery_storm [--pods N (10000, at most 16000: the fake API's event buffer)] [--busy-ms MS (0)] [--timeout-s S (600)]";
 
@@ -134,19 +136,6 @@ fn status_kb(field: &str) -> Result<u64> {
         .context("not a number")
 }
 
-/// This process's CPU time (user + system) in seconds, from `/proc/self/stat`.
-fn cpu_seconds() -> Result<f64> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("bad stat")?;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let utime: f64 = f.get(11).context("no utime")?.parse()?;
-    let stime: f64 = f.get(12).context("no stime")?.parse()?;
-    // sysconf(_SC_CLK_TCK)
-    // SAFETY: sysconf has no preconditions.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok((utime + stime) / ticks)
-}
-
 async fn measure(o: Opts) -> Result<()> {
     let mut child = Command::new(std::env::current_exe()?)
         .args(["--serve-api", "--pods", &o.pods.to_string()])
@@ -194,7 +183,7 @@ async fn measure(o: Opts) -> Result<()> {
     }
     let listed = started.elapsed();
     let rss_before = status_kb("VmHWM")?;
-    let cpu_before = cpu_seconds()?;
+    let cpu_before = proc_stat::cpu_seconds("self")?;
 
     writeln!(stdin, "storm")?;
     stdin.flush()?;
@@ -220,7 +209,7 @@ async fn measure(o: Opts) -> Result<()> {
         }
     }
     let settled = storm.elapsed();
-    let cpu = cpu_seconds()? - cpu_before;
+    let cpu = proc_stat::cpu_seconds("self")? - cpu_before;
     let rss_after = status_kb("VmHWM")?;
     stop.cancel();
     drop(stdin);

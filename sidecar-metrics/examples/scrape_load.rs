@@ -36,6 +36,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const TOKEN: &str = "load-test-token";
 
+#[path = "common/proc_stat.rs"]
+mod proc_stat;
 #[path = "../tests/common/tls_pod.rs"]
 mod tls_pod;
 
@@ -125,28 +127,6 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(measure(o))
-}
-
-/// CPU time (user + system) of a process, from `/proc/<pid>/stat`, in seconds.
-fn cpu_seconds(pid: &str, ticks_per_s: f64) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the command name, which is in parentheses and may contain spaces.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).context("bad stat")?;
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the whole line, 12 and 13 after the name.
-    let utime: f64 = f.get(11).context("no utime")?.parse()?;
-    let stime: f64 = f.get(12).context("no stime")?.parse()?;
-    Ok((utime + stime) / ticks_per_s)
-}
-
-fn clock_ticks() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|o| String::from_utf8(o.stdout).ok())
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(100.0)
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
@@ -254,7 +234,6 @@ async fn measure(o: Opts) -> Result<()> {
     )
     .await?;
 
-    let ticks = clock_ticks();
     eprintln!(
         "fleet: {} pods{}, {body_bytes} bytes per /metrics body; aggregator: interval {} ms, {} worker threads; warm-up {} s, measuring {} s",
         ports.len(), if o.tls { " serving HTTPS" } else { "" }, o.interval_ms, o.workers, o.warmup, o.seconds
@@ -267,8 +246,8 @@ async fn measure(o: Opts) -> Result<()> {
             opening.push(r);
         }
     }
-    let cpu0 = cpu_seconds("self", ticks)?;
-    let fleet0 = cpu_seconds(&child_pid, ticks).unwrap_or(0.0);
+    let cpu0 = proc_stat::cpu_seconds("self")?;
+    let fleet0 = proc_stat::cpu_seconds(&child_pid).unwrap_or(0.0);
     let t0 = Instant::now();
     let mut rounds = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(o.seconds);
@@ -279,8 +258,8 @@ async fn measure(o: Opts) -> Result<()> {
         }
     }
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = cpu_seconds("self", ticks)? - cpu0;
-    let fleet_cpu = cpu_seconds(&child_pid, ticks).unwrap_or(0.0) - fleet0;
+    let cpu = proc_stat::cpu_seconds("self")? - cpu0;
+    let fleet_cpu = proc_stat::cpu_seconds(&child_pid).unwrap_or(0.0) - fleet0;
 
     let last = running.published.borrow().clone();
     let push = running.push[0].stats();
