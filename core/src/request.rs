@@ -205,6 +205,19 @@ struct Part<'a> {
 
 // Separators that cannot appear in normal text keep "ab"+"c" distinct from "a"+"bc". ASCII: one
 // byte each (`PromptText::sep` relies on it).
+/// Prompt tokens a content part carrying inline media (an image, audio or a file as base64)
+/// counts for, in place of its bytes: a vision model spends on the order of a thousand tokens
+/// on an image (LLaVA-1.5 576, a 1024x1024 image ~1,300 in Qwen2-VL, ~765 in OpenAI's tiling),
+/// not one per 4 bytes of its base64 (a 3 MB JPEG read as a million tokens, and its pod as busy
+/// for that long: an audit).
+pub const MEDIA_PART_TOKENS: usize = 1024;
+
+/// Whether a raw content part carries inline media: its base64 (`data:image/png;base64,...`,
+/// Anthropic's `"type": "base64"` source, an `input_audio`'s or a file's data).
+fn carries_media(raw: &str) -> bool {
+    memchr::memmem::find(raw.as_bytes(), b"base64").is_some()
+}
+
 const FIELD_SEP: char = '\u{1f}';
 const ITEM_SEP: char = '\u{1e}';
 const _: () = assert!(FIELD_SEP.is_ascii() && ITEM_SEP.is_ascii());
@@ -804,6 +817,17 @@ impl PromptText {
         }
     }
 
+    /// A content part other than text, raw: its JSON goes into the text (different images give
+    /// different text), and counts for its bytes, or for [`MEDIA_PART_TOKENS`] when it carries
+    /// inline media.
+    fn push_part(&mut self, raw: &str) {
+        let before = self.len;
+        self.push(raw);
+        if carries_media(raw) {
+            self.len = before + raw.len().min(MEDIA_PART_TOKENS * 4);
+        }
+    }
+
     /// One separator (ASCII, so one byte).
     #[inline]
     fn sep(&mut self, c: char) {
@@ -933,7 +957,7 @@ impl PromptText {
                 for part in parts {
                     match part {
                         scan::Part::Text(t) => self.push_text(*t),
-                        scan::Part::Raw(raw) => self.push(raw),
+                        scan::Part::Raw(raw) => self.push_part(raw),
                     }
                     self.sep(FIELD_SEP);
                 }
@@ -969,7 +993,7 @@ impl PromptText {
                     for part in parts {
                         match serde_json::from_str::<Part<'_>>(part.get()) {
                             Ok(Part { text: Some(t) }) => self.push(&t),
-                            _ => self.push(part.get()),
+                            _ => self.push_part(part.get()),
                         }
                         self.sep(FIELD_SEP);
                     }
@@ -1381,6 +1405,57 @@ mod tests {
         assert_eq!(summary(scanned), general);
         let prompt = general.unwrap().0;
         assert!(prompt.contains("be \"brief\"") && prompt.contains(r#"{"url":"data:x"}"#));
+    }
+
+    #[test]
+    fn an_inline_image_counts_as_media_tokens_not_as_its_base64() {
+        let image = "A".repeat(400_000);
+        let chat = format!(
+            r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"what is this?"}},{{"type":"image_url","image_url":{{"url":"data:image/jpeg;base64,{image}"}}}}]}}]}}"#
+        );
+        let without = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"text","text":"what is this?"}]}]}"#;
+        let tokens = |body: &str, ep| {
+            parse(body.as_bytes(), ep, 4096, 1024)
+                .unwrap()
+                .estimated_prompt_tokens()
+        };
+        let base = tokens(without, Endpoint::Chat) as usize;
+        // The part's separator aside, the image counts MEDIA_PART_TOKENS, not 100,000.
+        let with = tokens(&chat, Endpoint::Chat) as usize;
+        assert!(
+            (base + MEDIA_PART_TOKENS..=base + MEDIA_PART_TOKENS + 1).contains(&with),
+            "{base} {with}"
+        );
+        // Both readers agree (the scanner's and serde's).
+        let general = parse_general(
+            chat.as_bytes(),
+            Endpoint::Chat,
+            PromptText::new(4096, 16, chat.len()),
+        )
+        .map(|r| r.prompt_len)
+        .map_err(|e| e.status);
+        let scanned = parse_chat_scan(chat.as_bytes(), PromptText::new(4096, 16, chat.len()))
+            .expect("scanned")
+            .map(|r| r.prompt_len)
+            .map_err(|e| e.status);
+        assert_eq!(scanned, general);
+        // Anthropic's base64 source, and a Responses input_image, likewise.
+        let messages = format!(
+            r#"{{"model":"m","max_tokens":9,"messages":[{{"role":"user","content":[{{"type":"image","source":{{"type":"base64","media_type":"image/png","data":"{image}"}}}}]}}]}}"#
+        );
+        assert!(tokens(&messages, Endpoint::Messages) < 2 * MEDIA_PART_TOKENS as u32);
+        let responses = format!(
+            r#"{{"model":"m","input":[{{"role":"user","content":[{{"type":"input_image","image_url":"data:image/png;base64,{image}"}}]}}]}}"#
+        );
+        assert!(tokens(&responses, Endpoint::Responses) < 2 * MEDIA_PART_TOKENS as u32);
+        // A part without inline media (an image by URL, a tool result) counts for its bytes.
+        let url = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"https://example.com/cat.png"}}]}]}"#;
+        assert!(tokens(url, Endpoint::Chat) < 40);
+        let result = format!(
+            r#"{{"model":"m","max_tokens":9,"messages":[{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"t","content":"{}"}}]}}]}}"#,
+            "x".repeat(40_000)
+        );
+        assert!(tokens(&result, Endpoint::Messages) > 10_000);
     }
 
     #[test]
