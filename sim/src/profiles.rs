@@ -38,7 +38,7 @@ pub struct GpuProfile {
     pub name: &'static str,
     /// Human-readable model name.
     pub description: &'static str,
-    /// Device memory in bytes.
+    /// Device memory in bytes: `nvidia-smi`'s `memory.total` (MiB x 2^20).
     pub memory_bytes: f64,
     /// Peak memory bandwidth in bytes/s.
     pub memory_bandwidth: f64,
@@ -46,42 +46,57 @@ pub struct GpuProfile {
     pub bf16_flops: f64,
 }
 
+/// Bytes in a MiB.
+const MIB: f64 = 1024.0 * 1024.0;
+
 /// The built-in GPU profiles.
 ///
+/// `memory_bytes` is the device's total memory as `nvidia-smi` reports it (`memory.total`, in
+/// MiB), the figure vLLM's `gpu_memory_utilization` is a fraction of. The datasheets' "80 GB"
+/// of HBM is 80 GiB (85.9e9 bytes), not 80e9: before 2026-12-07 these profiles said 80e9, 7%
+/// short, which left Qwen3-32B on an H100 1,013 KV blocks instead of 2,198 (see
+/// `num_gpu_blocks`). What CUDA itself reports as the total (`cudaMemGetInfo`, which vLLM reads
+/// and logs as `total_gpu_memory`) is a further ~0.5 GiB below `nvidia-smi`'s (vLLM logs
+/// 79.1-79.3 GiB on 80 GB cards): not modelled, worth ~115 of Qwen3-32B's blocks on an H100.
+///
 /// - H100 SXM5 80GB: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS dense BF16 (the datasheet's 1,979 is
-///   with 2:4 sparsity). NVIDIA H100 Tensor Core GPU datasheet.
+///   with 2:4 sparsity). NVIDIA H100 Tensor Core GPU datasheet. `nvidia-smi` on an "NVIDIA H100
+///   80GB HBM3": 81,559 MiB total (of the 81,920 MiB = 80 GiB of HBM3).
 /// - A100 SXM4 80GB: 80 GB HBM2e, 2,039 GB/s, 312 TFLOPS dense BF16. NVIDIA A100 datasheet.
-/// - L40S: 48 GB GDDR6, 864 GB/s, 362.05 TFLOPS dense BF16 (733 with sparsity). NVIDIA L40S
-///   datasheet.
+///   `nvidia-smi` on an "NVIDIA A100-SXM4-80GB": 81,920 MiB total (80 GiB).
+/// - L40S: 48 GB GDDR6 with ECC, 864 GB/s, 362.05 TFLOPS dense BF16 (733 with sparsity). NVIDIA
+///   L40S datasheet. `nvidia-smi` on an "NVIDIA L40S": 46,068 MiB total (48.3e9 bytes; 48 GiB
+///   less the ECC reservation).
 /// - A10 / A10G: 24 GB GDDR6, 600 GB/s, 125 TFLOPS dense BF16 (250 with sparsity). NVIDIA A10
 ///   datasheet; AWS's A10G (G5 instances) has the same 24 GB / 600 GB/s memory system, and AWS
-///   does not publish a separate tensor figure, so the A10's is used.
+///   does not publish a separate tensor figure, so the A10's is used. `nvidia-smi` on an "NVIDIA
+///   A10G" and on an "NVIDIA A10": 23,028 MiB total (24.1e9 bytes).
 pub const GPUS: &[GpuProfile] = &[
     GpuProfile {
         name: "h100",
         description: "NVIDIA H100 SXM5 80GB",
-        memory_bytes: 80e9,
+        memory_bytes: 81_559.0 * MIB,
         memory_bandwidth: 3.35e12,
         bf16_flops: 989e12,
     },
     GpuProfile {
         name: "a100",
         description: "NVIDIA A100 SXM4 80GB",
-        memory_bytes: 80e9,
+        memory_bytes: 81_920.0 * MIB,
         memory_bandwidth: 2.039e12,
         bf16_flops: 312e12,
     },
     GpuProfile {
         name: "l40s",
         description: "NVIDIA L40S 48GB",
-        memory_bytes: 48e9,
+        memory_bytes: 46_068.0 * MIB,
         memory_bandwidth: 864e9,
         bf16_flops: 362.05e12,
     },
     GpuProfile {
         name: "a10g",
         description: "NVIDIA A10G / A10 24GB",
-        memory_bytes: 24e9,
+        memory_bytes: 23_028.0 * MIB,
         memory_bandwidth: 600e9,
         bf16_flops: 125e12,
     },
@@ -136,7 +151,8 @@ pub const BYTES_PER_ELEMENT: f64 = 2.0;
 ///   4 KV heads, max_position_embeddings 32768 (`config.json`).
 /// - Qwen3-8B: 8.2B parameters, 36 layers, 32 heads x 128, 8 KV heads, max 40960 (`config.json`).
 /// - Qwen3-32B: 32.8B parameters, 64 layers, 64 heads x 128, 8 KV heads, max 40960
-///   (`config.json`); fits one 80 GB GPU only with a small KV cache.
+///   (`config.json`); 65.6e9 bytes of weights leave an 80 GB GPU ~35k tokens of KV cache
+///   (2,198 blocks of 16 on an H100, 2,279 on an A100).
 /// - Whisper large-v3: below.
 pub const MODELS: &[ModelProfile] = &[
     ModelProfile {
@@ -243,6 +259,11 @@ pub fn model(model_name: &str, arch: Option<&str>) -> Result<&'static ModelProfi
 
 /// KV-cache capacity in blocks of `block_size` tokens, the way vLLM sizes it: device memory x
 /// `gpu_memory_utilization`, minus weights and the non-KV reserve, over the bytes of one block.
+/// vLLM's profile run (`determine_available_memory`) takes `total_gpu_memory x
+/// gpu_memory_utilization` and subtracts the weights, the activation peak of a dummy
+/// `max_num_batched_tokens` batch and the non-torch allocations it measured; here the last two
+/// are `NON_KV_RESERVE_BYTES`, a fixed estimate, and a fleet file's `num_gpu_blocks` overrides
+/// the result as `num_gpu_blocks_override` does.
 pub fn num_gpu_blocks(
     gpu: &GpuProfile,
     model: &ModelProfile,
@@ -290,16 +311,60 @@ mod tests {
     }
 
     #[test]
+    fn memory_is_what_nvidia_smi_reports() {
+        // 80 GB of HBM is 80 GiB: 81,920 MiB on an A100, of which an H100 shows 81,559 MiB
+        assert_eq!(gpu("a100").unwrap().memory_bytes, 85_899_345_920.0);
+        assert_eq!(gpu("h100").unwrap().memory_bytes, 85_520_809_984.0);
+        assert_eq!(gpu("l40s").unwrap().memory_bytes, 46_068.0 * 1_048_576.0);
+        assert_eq!(gpu("a10g").unwrap().memory_bytes, 23_028.0 * 1_048_576.0);
+    }
+
+    #[test]
+    fn qwen3_32b_on_an_h100_holds_2198_blocks() {
+        let m = model("Qwen/Qwen3-32B", None).unwrap();
+        // KV per token: 2 (K, V) x 64 layers x 8 KV heads x 128 x 2 bytes = 262,144 (256 KiB);
+        // a block of 16 tokens: 4 MiB = 4,194,304 bytes.
+        assert_eq!(m.kv_bytes_per_token(), 262_144.0);
+        // 81,559 MiB = 85,520,809,984 bytes; x 0.9 = 76,968,728,986
+        // - weights 32.8e9 x 2 = 65,600,000,000 - reserve 2 GiB = 2,147,483,648
+        // = 9,221,245,338 bytes / 4,194,304 = 2,198.5 -> 2,198 blocks (35,168 tokens)
+        assert_eq!(num_gpu_blocks(gpu("h100").unwrap(), m, 0.9, 16), 2_198);
+        // A100, 81,920 MiB = 85,899,345,920 x 0.9 = 77,309,411,328 - 65.6e9 - 2 GiB
+        // = 9,561,927,680 / 4,194,304 = 2,279.7 -> 2,279 blocks
+        assert_eq!(num_gpu_blocks(gpu("a100").unwrap(), m, 0.9, 16), 2_279);
+        // with the 80e9 bytes these profiles said before: 72e9 - 65.6e9 - 2 GiB = 4,252,516,352
+        // / 4,194,304 = 1,013 blocks, less than half
+        let mut decimal = gpu("h100").unwrap().clone();
+        decimal.memory_bytes = 80e9;
+        assert_eq!(num_gpu_blocks(&decimal, m, 0.9, 16), 1_013);
+    }
+
+    #[test]
+    fn llama_8b_on_an_a100_holds_28181_blocks() {
+        let m = model("meta-llama/Llama-3.1-8B-Instruct", None).unwrap();
+        // KV per token 2 x 32 x 8 x 128 x 2 = 131,072; a block of 16: 2 MiB = 2,097,152 bytes.
+        // 85,899,345,920 x 0.9 = 77,309,411,328 - weights 8.03e9 x 2 = 16,060,000,000
+        // - 2 GiB = 59,101,927,680 / 2,097,152 = 28,181.8 -> 28,181 blocks (450,896 tokens)
+        assert_eq!(num_gpu_blocks(gpu("a100").unwrap(), m, 0.9, 16), 28_181);
+        // the H100's 81,559 MiB: 76,968,728,986 - 16.06e9 - 2 GiB = 58,761,245,338
+        // / 2,097,152 = 28,019.4 -> 28,019
+        assert_eq!(num_gpu_blocks(gpu("h100").unwrap(), m, 0.9, 16), 28_019);
+    }
+
+    #[test]
     fn capacity_is_larger_on_bigger_memory() {
         let m = model("meta-llama/Llama-3.1-8B-Instruct", None).unwrap();
         let h = num_gpu_blocks(gpu("h100").unwrap(), m, 0.9, 16);
         let l = num_gpu_blocks(gpu("l40s").unwrap(), m, 0.9, 16);
         let a = num_gpu_blocks(gpu("a10g").unwrap(), m, 0.9, 16);
-        // H100: (72e9 - 16.06e9 - 2.15e9) / 2 MiB = ~25.6k blocks (~410k tokens)
-        assert!(h > 25_000 && h < 26_000, "{h}");
+        // L40S: 46,068 MiB x 0.9 = 43,475,219,251 - 16.06e9 - 2 GiB = 25,267,735,603
+        // / 2 MiB = 12,048 blocks; A10G: 23,028 MiB x 0.9 = 21,731,947,315 - 16.06e9 - 2 GiB
+        // = 3,524,463,667 / 2 MiB = 1,680 blocks
+        assert_eq!((l, a), (12_048, 1_680));
         assert!(h > l && l > a && a > 0, "{h} {l} {a}");
-        // 32B weights do not fit a 24 GB card
+        // 32B weights do not fit a 24 GB card, nor with a useful cache a 48 GB one
         let big = model("Qwen/Qwen3-32B", None).unwrap();
         assert_eq!(num_gpu_blocks(gpu("a10g").unwrap(), big, 0.9, 16), 0);
+        assert_eq!(num_gpu_blocks(gpu("l40s").unwrap(), big, 0.9, 16), 0);
     }
 }
