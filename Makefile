@@ -111,7 +111,7 @@ bench-envoy: setup build ## latency, req/s and CPU per request through Envoy: pl
 	$(PY) scripts/envoy_overhead.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(ASK),--ask $(ASK)) $(if $(FLOOR_CALLBACKS),--floor-callbacks)
 
 bench-envoy-instr: setup build ## CPU instructions per request through Envoy, counted by callgrind (reproducible across runs; needs valgrind; ~4 min); COMPARE_WASM=name=path as above; SIM=1 adds simulated cache misses and mispredicted branches
-	$(PY) scripts/envoy_instructions.py $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(SIM),--sim)
+	$(PY) scripts/envoy_instructions.py --requests 2000 --shared-refresh-ms 600000 $(if $(COMPARE_WASM),--compare-wasm $(COMPARE_WASM)) $(if $(SIM),--sim)
 
 profile-wasm: setup wasm ## the filter's own code per request by wasm function: the .wasm under Node's V8 with a minimal host, CPU profile summed (~1 min)
 	@mkdir -p target/bench/wasm-profile && rm -f target/bench/wasm-profile/*.cpuprofile
