@@ -232,8 +232,11 @@ fn a_burst_pool_takes_only_what_the_steady_pool_cannot_and_cuts_the_tail() {
         n, with.overflowed,
         "the burst pool serves only what overflowed"
     );
+    // Offered ~108% of the H100s' capacity, at least ~8% cannot stay on them; the same two
+    // A100s in the pool all the time serve 16-25% (burst-pool-as-one-pool). Before the
+    // 2026-12-07 recalibration (1.5x against the undersized cache) this overflowed 5-8%.
     assert!(
-        n * 10 < requests.len() as u64,
+        n * 5 < requests.len() as u64,
         "only the peaks: {n} of {} requests",
         requests.len()
     );
