@@ -151,6 +151,8 @@ struct Body<'a> {
     previous_response_id: Option<&'a RawValue>,
     #[serde(borrow, default)]
     n: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
 }
 
 /// A chat body in the documented shape, read in one pass. The other endpoints' prompt fields are
@@ -171,6 +173,8 @@ struct ChatBody<'a> {
     _input: Option<IgnoredAny>,
     #[serde(default, rename = "instructions")]
     _instructions: Option<IgnoredAny>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
 }
 
 /// A Messages API body: the system prompt is a top-level field, not a message. The OpenAI
@@ -185,6 +189,8 @@ struct MessagesBody<'a> {
     system: Option<&'a RawValue>,
     #[serde(borrow, default)]
     messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -285,6 +291,7 @@ fn parse_messages(body: &[u8], mut prompt: PromptText) -> Result<InferenceReques
         prompt.sep(ITEM_SEP);
     }
     prompt.messages(raw.messages);
+    prompt.unhashed(raw.tools.map(RawValue::get));
     Ok(prompt.finish(model, is_true(raw.stream.map(RawValue::get))))
 }
 
@@ -311,6 +318,7 @@ fn parse_messages_scan(
             prompt.system_first(system, body.len());
         }
         prompt.scanned(&collected.messages);
+        prompt.unhashed(head.tools);
         prompt.finish(model, is_true(head.stream))
     }))
 }
@@ -323,10 +331,10 @@ fn parse_chat_scan(
     // The messages go into the prompt text as they are read; if the scanner declines, the
     // caller starts the next tier with a new text.
     let head = scan::chat_each(body, &mut prompt)?;
-    Some(
-        model_field(body, head.model)
-            .map(|model| prompt.finish(model, is_true(head.stream)).with_n(head.n)),
-    )
+    Some(model_field(body, head.model).map(|model| {
+        prompt.unhashed(head.tools);
+        prompt.finish(model, is_true(head.stream)).with_n(head.n)
+    }))
 }
 
 /// Chat, second tier: one typed `serde_json` pass (any content shape).
@@ -339,6 +347,7 @@ fn parse_chat_serde(
         stream,
         messages: Some(messages),
         n,
+        tools,
         ..
     }) = serde_json::from_slice::<ChatBody<'_>>(body)
     else {
@@ -346,6 +355,7 @@ fn parse_chat_serde(
     };
     Some(model_field(body, model.map(RawValue::get)).map(|model| {
         prompt.message_list(&messages);
+        prompt.unhashed(tools.map(RawValue::get));
         prompt
             .finish(model, is_true(stream.map(RawValue::get)))
             .with_n(n.map(RawValue::get))
@@ -614,6 +624,7 @@ fn parse_general(
         .map_err(|e| ApiError::invalid_json(format!("invalid JSON body: {e}")))?;
     let model = model_field(body, raw.model.map(RawValue::get))?;
     let stream = is_true(raw.stream.map(RawValue::get));
+    prompt.unhashed(raw.tools.map(RawValue::get));
     // Completions prompts the body holds (a batch is a request each on the pod).
     let mut prompts = 1;
     match endpoint {
@@ -826,6 +837,13 @@ impl PromptText {
         if carries_media(raw) {
             self.len = before + raw.len().min(MEDIA_PART_TOKENS * 4);
         }
+    }
+
+    /// Prompt the model reads that the text leaves out: a request's `tools`, which the chat
+    /// template writes into the prompt (tens of KB for an agent's tool set), count toward its
+    /// size; they are not hashed (where a template puts them differs).
+    fn unhashed(&mut self, raw: Option<&str>) {
+        self.len += raw.map_or(0, str::len);
     }
 
     /// One separator (ASCII, so one byte).
@@ -1456,6 +1474,59 @@ mod tests {
             "x".repeat(40_000)
         );
         assert!(tokens(&result, Endpoint::Messages) > 10_000);
+    }
+
+    #[test]
+    fn tools_count_toward_the_prompt_size_but_not_its_text() {
+        let tools = format!(
+            r#"[{{"type":"function","function":{{"name":"f","description":"{}","parameters":{{"type":"object"}}}}}}]"#,
+            "d".repeat(20_000)
+        );
+        let chat = |tools: &str| {
+            format!(
+                r#"{{"model":"m","tools":{tools},"messages":[{{"role":"user","content":"hi"}}]}}"#
+            )
+        };
+        let plain = chat("[]");
+        let with = chat(&tools);
+        let a = parse(plain.as_bytes(), Endpoint::Chat, 4096, 1024).unwrap();
+        let b = parse(with.as_bytes(), Endpoint::Chat, 4096, 1024).unwrap();
+        assert_eq!(a.prompt, b.prompt, "the hash reads the messages only");
+        assert_eq!(b.prompt_len - a.prompt_len, tools.len() - 2);
+        // The scanner, the typed chat parser and the general one agree.
+        let lens = [
+            parse_chat_scan(with.as_bytes(), PromptText::new(4096, 16, with.len()))
+                .expect("scanned"),
+            parse_chat_serde(with.as_bytes(), PromptText::new(4096, 16, with.len()))
+                .expect("typed"),
+            Ok(parse_general(
+                with.as_bytes(),
+                Endpoint::Chat,
+                PromptText::new(4096, 16, with.len()),
+            )
+            .unwrap()),
+        ]
+        .map(|r| r.unwrap().prompt_len);
+        assert!(lens.iter().all(|&l| l == lens[0]), "{lens:?}");
+        // Anthropic's Messages API and the Responses API likewise.
+        let messages = format!(
+            r#"{{"model":"m","max_tokens":9,"tools":{tools},"messages":[{{"role":"user","content":"hi"}}]}}"#
+        );
+        let m = parse(messages.as_bytes(), Endpoint::Messages, 4096, 1024).unwrap();
+        let general = parse_messages(
+            messages.as_bytes(),
+            PromptText::new(4096, 16, messages.len()),
+        )
+        .unwrap();
+        assert_eq!(m.prompt_len, general.prompt_len);
+        assert!(m.prompt_len > tools.len());
+        let responses = format!(r#"{{"model":"m","tools":{tools},"input":"hi"}}"#);
+        assert!(
+            parse(responses.as_bytes(), Endpoint::Responses, 4096, 1024)
+                .unwrap()
+                .prompt_len
+                > tools.len()
+        );
     }
 
     #[test]

@@ -25,6 +25,8 @@ pub struct ChatHead<'a> {
     pub stream: Option<&'a str>,
     /// The `n` value's raw text (how many choices to generate).
     pub n: Option<&'a str>,
+    /// The `tools` value's raw text (the chat template writes it into the prompt).
+    pub tools: Option<&'a str>,
 }
 
 /// A chat body as [`chat`] reads it: the head and the messages in a list.
@@ -46,6 +48,8 @@ pub struct MessagesHead<'a> {
     pub model: Option<&'a str>,
     pub stream: Option<&'a str>,
     pub system: Option<Content<'a>>,
+    /// The `tools` value's raw text.
+    pub tools: Option<&'a str>,
 }
 
 /// A Messages API body as [`messages`] reads it: the head and the messages in a list.
@@ -580,9 +584,10 @@ impl<'a> Scanner<'a> {
         let mut model = None;
         let mut stream = None;
         let mut n = None;
+        let mut tools = None;
         let mut messages = false;
-        let mut seen = [false; 7];
-        const FIELDS: [&str; 7] = [
+        let mut seen = [false; 8];
+        const FIELDS: [&str; 8] = [
             "model",
             "stream",
             "messages",
@@ -590,6 +595,7 @@ impl<'a> Scanner<'a> {
             "prompt",
             "input",
             "instructions",
+            "tools",
         ];
         self.object_fields(FIELDS, &mut seen, |slot, s| {
             match slot {
@@ -600,13 +606,19 @@ impl<'a> Scanner<'a> {
                     messages = true;
                 }
                 Some(3) => n = Some(s.value(1)?),
+                Some(7) => tools = Some(s.value(1)?),
                 _ => {
                     s.value(1)?;
                 }
             }
             Some(())
         })?;
-        messages.then_some(ChatHead { model, stream, n })
+        messages.then_some(ChatHead {
+            model,
+            stream,
+            n,
+            tools,
+        })
     }
 
     /// The `model` value: its string token, or `Some(None)` for null. Anything else declines
@@ -627,9 +639,10 @@ impl<'a> Scanner<'a> {
             model: None,
             stream: None,
             system: None,
+            tools: None,
         };
-        let mut seen = [false; 4];
-        const FIELDS: [&str; 4] = ["model", "stream", "messages", "system"];
+        let mut seen = [false; 5];
+        const FIELDS: [&str; 5] = ["model", "stream", "messages", "system", "tools"];
         self.object_fields(FIELDS, &mut seen, |slot, s| {
             match slot {
                 Some(0) => out.model = s.model()?,
@@ -643,6 +656,7 @@ impl<'a> Scanner<'a> {
                     }
                 }
                 Some(3) => out.system = s.content(1)?,
+                Some(4) => out.tools = Some(s.value(1)?),
                 _ => {
                     s.value(1)?;
                 }
