@@ -30,8 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 #[path = "../tests/common/fake_kube.rs"]
 mod fake_kube;
-#[path = "common/proc_stat.rs"]
-mod proc_stat;
+#[path = "common/harness.rs"]
+mod harness;
 
 const USAGE: &str = "discovery_storm [--pods N (10000, at most 16000: the fake API's event buffer)] [--busy-ms MS (0)] [--timeout-s S (600)]";
 
@@ -51,12 +51,7 @@ fn opts() -> Result<Opts> {
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        let mut num = |name: &str| -> Result<u64> {
-            args.next()
-                .with_context(|| format!("{name} needs a value"))?
-                .parse()
-                .with_context(|| format!("{name} needs a number"))
-        };
+        let mut num = |name: &str| harness::number(&mut args, name);
         match a.as_str() {
             "--pods" => o.pods = (num("--pods")? as usize).clamp(1, 16_000),
             "--busy-ms" => o.busy_ms = num("--busy-ms")?,
@@ -183,7 +178,7 @@ async fn measure(o: Opts) -> Result<()> {
     }
     let listed = started.elapsed();
     let rss_before = status_kb("VmHWM")?;
-    let cpu_before = proc_stat::cpu_seconds("self")?;
+    let cpu_before = harness::cpu_seconds("self")?;
 
     writeln!(stdin, "storm")?;
     stdin.flush()?;
@@ -209,7 +204,7 @@ async fn measure(o: Opts) -> Result<()> {
         }
     }
     let settled = storm.elapsed();
-    let cpu = proc_stat::cpu_seconds("self")? - cpu_before;
+    let cpu = harness::cpu_seconds("self")? - cpu_before;
     let rss_after = status_kb("VmHWM")?;
     stop.cancel();
     drop(stdin);

@@ -36,8 +36,8 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const TOKEN: &str = "load-test-token";
 
-#[path = "common/proc_stat.rs"]
-mod proc_stat;
+#[path = "common/harness.rs"]
+mod harness;
 #[path = "../tests/common/tls_pod.rs"]
 mod tls_pod;
 
@@ -80,12 +80,7 @@ fn opts() -> Result<Opts> {
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
-        let mut num = |name: &str| -> Result<u64> {
-            args.next()
-                .with_context(|| format!("{name} needs a value"))?
-                .parse()
-                .with_context(|| format!("{name} needs a number"))
-        };
+        let mut num = |name: &str| harness::number(&mut args, name);
         match a.as_str() {
             "--pods" => o.pods = num("--pods")? as usize,
             "--seconds" => o.seconds = num("--seconds")?,
@@ -246,8 +241,8 @@ async fn measure(o: Opts) -> Result<()> {
             opening.push(r);
         }
     }
-    let cpu0 = proc_stat::cpu_seconds("self")?;
-    let fleet0 = proc_stat::cpu_seconds(&child_pid).unwrap_or(0.0);
+    let cpu0 = harness::cpu_seconds("self")?;
+    let fleet0 = harness::cpu_seconds(&child_pid).unwrap_or(0.0);
     let t0 = Instant::now();
     let mut rounds = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(o.seconds);
@@ -258,8 +253,8 @@ async fn measure(o: Opts) -> Result<()> {
         }
     }
     let wall = t0.elapsed().as_secs_f64();
-    let cpu = proc_stat::cpu_seconds("self")? - cpu0;
-    let fleet_cpu = proc_stat::cpu_seconds(&child_pid).unwrap_or(0.0) - fleet0;
+    let cpu = harness::cpu_seconds("self")? - cpu0;
+    let fleet_cpu = harness::cpu_seconds(&child_pid).unwrap_or(0.0) - fleet0;
 
     let last = running.published.borrow().clone();
     let push = running.push[0].stats();

@@ -1,5 +1,5 @@
-//! A process's CPU time from `/proc`, for the load harnesses. Included by path
-//! (`#[path = "common/proc_stat.rs"] mod proc_stat;`).
+//! What the load harnesses share: reading their flags' numbers, and a process's CPU time from
+//! `/proc`. Included by path (`#[path = "common/harness.rs"] mod harness;`).
 
 use anyhow::{Context, Result};
 
@@ -16,4 +16,12 @@ pub fn cpu_seconds(pid: &str) -> Result<f64> {
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     Ok((utime + stime) / ticks)
+}
+
+/// The number after the flag `name`, taken from `args`.
+pub fn number(args: &mut impl Iterator<Item = String>, name: &str) -> Result<u64> {
+    args.next()
+        .with_context(|| format!("{name} needs a value"))?
+        .parse()
+        .with_context(|| format!("{name} needs a number"))
 }
