@@ -40,7 +40,7 @@ use gpuroute_core::exchange::{CURSOR_HEADER, MAX_IMPORT_RECORDS};
 use gpuroute_core::prefix::decode_records;
 use http::{HeaderValue, Method};
 use std::collections::HashSet;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -77,6 +77,24 @@ pub fn own_addresses(pod_ip: Option<&str>, pod_ips: Option<&str>) -> Vec<IpAddr>
     ips.sort();
     ips.dedup();
     ips
+}
+
+/// The peers found by DNS, in one address family: on a dual-stack cluster a headless Service
+/// answers every gateway pod under an A and an AAAA record, and posting to both would send each
+/// peer everything twice. The family kept is that of this pod's primary address (`POD_IP`,
+/// `status.podIP`: the family Kubernetes lists first); without one, both are kept.
+fn one_family(addrs: Vec<SocketAddr>, primary: Option<IpAddr>) -> Vec<SocketAddr> {
+    let Some(primary) = primary else {
+        return addrs;
+    };
+    let both = addrs.iter().any(|a| a.is_ipv4()) && addrs.iter().any(|a| a.is_ipv6());
+    if !both {
+        return addrs;
+    }
+    addrs
+        .into_iter()
+        .filter(|a| a.ip().to_canonical().is_ipv4() == primary.is_ipv4())
+        .collect()
 }
 
 /// How long a replica name is remembered with the sender that last posted under it: another
@@ -159,6 +177,9 @@ pub struct Relay {
     dns: Option<DnsConfig>,
     /// This pod's addresses (`POD_IPS`, `POD_IP`), left out of the peers found.
     own_ips: Vec<IpAddr>,
+    /// This pod's primary address (`POD_IP`): its family is the one peers are posted to when
+    /// DNS answers both ([`one_family`]).
+    primary_ip: Option<IpAddr>,
     /// Peers (URLs, as in [`Relay::all_peers`]) that turned out to be this sidecar itself, and
     /// when: left out for [`SELF_RECHECK`].
     selves: Mutex<std::collections::HashMap<String, Instant>>,
@@ -318,6 +339,10 @@ impl Relay {
                 std::env::var("POD_IP").ok().as_deref(),
                 std::env::var("POD_IPS").ok().as_deref(),
             ),
+            primary_ip: std::env::var("POD_IP")
+                .ok()
+                .and_then(|v| v.trim().parse::<IpAddr>().ok())
+                .map(|ip| ip.to_canonical()),
             selves: Mutex::default(),
             token: cfg.push.token.clone().unwrap_or_default(),
             auth: client::bearer(cfg.push.token.as_deref().unwrap_or_default()),
@@ -649,7 +674,7 @@ impl Relay {
             };
             match resolved {
                 Ok(addrs) => {
-                    let mut urls: Vec<String> = addrs
+                    let mut urls: Vec<String> = one_family(addrs, self.primary_ip)
                         .iter()
                         .filter(|a| !self.own_ips.contains(&a.ip().to_canonical()))
                         .map(|a| format!("{}://{a}", self.peer_scheme))
@@ -998,14 +1023,18 @@ mod tests {
         // variables).
         let relay = Arc::new(Relay {
             own_ips: own_addresses(Some("10.0.0.1"), Some("10.0.0.1,fd00::1")),
+            primary_ip: "10.0.0.1".parse().ok(),
             ..Arc::try_unwrap(relay).unwrap()
         });
-        // A dual-stack headless Service: this pod under both its addresses.
+        // A dual-stack headless Service: this pod and each peer under both their addresses;
+        // the peers are posted to in this pod's primary family only.
         let addrs = [
             "10.0.0.2:1",
             "10.0.0.1:1",
             "[fd00::1]:1",
+            "[fd00::2]:1",
             "10.0.0.3:1",
+            "[fd00::3]:1",
             "10.0.0.9:1",
         ]
         .map(|a| a.parse().unwrap())
@@ -1068,6 +1097,28 @@ mod tests {
             1,
             "warned once"
         );
+    }
+
+    #[test]
+    fn dual_stack_peers_are_posted_to_in_the_primary_family_only() {
+        let addrs = |list: &[&str]| -> Vec<SocketAddr> {
+            list.iter().map(|a| a.parse().unwrap()).collect()
+        };
+        let both = addrs(&["10.0.0.2:1", "[fd00::2]:1", "10.0.0.3:1", "[fd00::3]:1"]);
+        let v4 = "10.0.0.1".parse().ok();
+        let v6 = "fd00::1".parse().ok();
+        assert_eq!(
+            one_family(both.clone(), v4),
+            addrs(&["10.0.0.2:1", "10.0.0.3:1"])
+        );
+        assert_eq!(
+            one_family(both.clone(), v6),
+            addrs(&["[fd00::2]:1", "[fd00::3]:1"])
+        );
+        // Without POD_IP, or with one family only, nothing is left out.
+        assert_eq!(one_family(both.clone(), None), both);
+        let only_v6 = addrs(&["[fd00::2]:1"]);
+        assert_eq!(one_family(only_v6.clone(), v4), only_v6);
     }
 
     #[test]
