@@ -787,6 +787,29 @@ impl Relay {
 }
 
 #[cfg(test)]
+#[path = "../tests/common/replica_name.rs"]
+mod replica_name;
+
+/// What the relays' unit tests share.
+#[cfg(test)]
+mod test_support {
+    pub use super::replica_name::{plain, posted};
+
+    /// A port that accepts connections and never answers: `http://ip:port`.
+    pub async fn blackhole() -> String {
+        let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = hole.local_addr().unwrap();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((c, _)) = hole.accept().await {
+                held.push(c);
+            }
+        });
+        format!("http://{addr}")
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::Config;
@@ -865,19 +888,12 @@ mod tests {
         *a.log.lock().unwrap() = Some(SyncLog::new(16));
         let (ua, ub) = (serve(a.clone()).await, serve(b.clone()).await);
         // Accepts connections and never answers.
-        let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let hole_addr = hole.local_addr().unwrap();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((c, _)) = hole.accept().await {
-                held.push(c);
-            }
-        });
+        let hole = super::test_support::blackhole().await;
         let mut cfg = Config::default();
         cfg.push.token = Some("secret-token".into());
         cfg.push.timeout_ms = 2_000;
         cfg.push.urls = vec![format!("{ua}/s"), format!("{ub}/s")];
-        cfg.prefix.peers = vec![format!("http://{hole_addr}")];
+        cfg.prefix.peers = vec![hole];
         let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
         let mut cursors = vec![String::new(); 2];
         let t0 = Instant::now();
@@ -906,14 +922,7 @@ mod tests {
     #[tokio::test]
     async fn a_hung_envoy_delays_only_its_own_asks() {
         // Envoy 0 accepts connections and never answers; Envoy 1 answers at once.
-        let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let hole_addr = hole.local_addr().unwrap();
-        tokio::spawn(async move {
-            let mut held = Vec::new();
-            while let Ok((c, _)) = hole.accept().await {
-                held.push(c);
-            }
-        });
+        let hole = super::test_support::blackhole().await;
         let b = Fake::default();
         *b.log.lock().unwrap() = Some(SyncLog::new(16));
         let ub = serve(b.clone()).await;
@@ -921,7 +930,7 @@ mod tests {
         cfg.push.token = Some("secret-token".into());
         cfg.push.timeout_ms = 5_000;
         cfg.prefix.interval_ms = 50;
-        cfg.push.urls = vec![format!("http://{hole_addr}/s"), format!("{ub}/s")];
+        cfg.push.urls = vec![format!("{hole}/s"), format!("{ub}/s")];
         let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
         let stop = CancellationToken::new();
         let task = tokio::spawn(relay.clone().run(stop.clone()));

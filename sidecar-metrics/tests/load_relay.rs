@@ -6,6 +6,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "common/replica_name.rs"]
+mod replica_name;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -13,6 +15,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use common::eventually;
+use replica_name::plain;
 use sidecar_metrics::app::{self, RunOptions, Running};
 use sidecar_metrics::config::{Config, Overrides, TlsConfig};
 use std::net::SocketAddr;
@@ -69,18 +72,6 @@ impl FakeEnvoy {
     }
 }
 
-/// `name` without the `@` and eight hex digits a sidecar draws at its start.
-fn plain(name: &str) -> String {
-    match name.split_once('@') {
-        Some((source, rest)) if rest.len() >= 8 && rest.is_char_boundary(8) => {
-            let (drawn, after) = rest.split_at(8);
-            assert!(drawn.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
-            format!("{source}{after}")
-        }
-        _ => name.to_string(),
-    }
-}
-
 /// The filter's side of the prefix exchange: its decisions after the cursor asked with.
 async fn prefix_get(State(f): State<FakeEnvoy>, h: HeaderMap) -> Response {
     use gpuroute_core::exchange::{Cursor, Export, CURSOR_HEADER};
@@ -116,14 +107,8 @@ async fn counts_post(State(f): State<FakeEnvoy>, h: HeaderMap, body: Bytes) -> S
             .to_string()
     };
     let auth = header("authorization");
-    // A bundle's entries each on its own.
-    let posted = match gpuroute_core::replica_load::bundle_entries(&body) {
-        None => vec![(auth, header("x-gpuroute-replica"), body.to_vec())],
-        Some(Ok(entries)) => entries
-            .into_iter()
-            .map(|(name, b)| (auth.clone(), name.to_string(), b.to_vec()))
-            .collect(),
-        Some(Err(_)) => return StatusCode::BAD_REQUEST,
+    let Some(posted) = replica_name::posted(auth, header("x-gpuroute-replica"), &body) else {
+        return StatusCode::BAD_REQUEST;
     };
     f.got.lock().unwrap().extend(posted);
     if *f.refuse.lock().unwrap() {

@@ -236,13 +236,7 @@ const MAX_SOURCE_IN_NAME: usize = 100;
 pub fn instance_name(source: &str) -> String {
     use std::hash::{BuildHasher, Hasher};
     static DRAWN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let mut name: String = source
-        .chars()
-        .map(|c| if c.is_ascii_graphic() { c } else { '_' })
-        .collect();
-    if name.is_empty() {
-        name = "sidecar-metrics".to_string();
-    }
+    let mut name = visible_ascii(source);
     // Only ASCII is left, so any byte length is a character boundary.
     name.truncate(MAX_SOURCE_IN_NAME);
     // Keyed from the OS's randomness once per process (std's `RandomState`), and apart for
@@ -266,16 +260,24 @@ pub fn replica_name(instance: &str, i: usize, n: usize) -> String {
     } else {
         String::new()
     };
-    let mut name: String = instance
+    let mut name = visible_ascii(instance);
+    // Only ASCII is left, so any byte length is a character boundary.
+    name.truncate(MAX_REPLICA_LEN.saturating_sub(suffix.len()));
+    name + &suffix
+}
+
+/// `name` with every character but visible ASCII as `_` (what the filter takes in a replica
+/// name); `sidecar-metrics` when empty.
+fn visible_ascii(name: &str) -> String {
+    let name: String = name
         .chars()
         .map(|c| if c.is_ascii_graphic() { c } else { '_' })
         .collect();
     if name.is_empty() {
-        name = "sidecar-metrics".to_string();
+        "sidecar-metrics".to_string()
+    } else {
+        name
     }
-    // Only ASCII is left, so any byte length is a character boundary.
-    name.truncate(MAX_REPLICA_LEN.saturating_sub(suffix.len()));
-    name + &suffix
 }
 
 /// Whether `name` is a replica name the filter takes: 1 to [`MAX_REPLICA_LEN`] visible ASCII

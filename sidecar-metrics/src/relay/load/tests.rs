@@ -1,6 +1,7 @@
 //! The in-flight count relay against real HTTP servers on 127.0.0.1: fake Envoys (their
 //! `GET`/`POST {load_path}`) and fake peers (`POST /v1/load`).
 
+use super::super::test_support::{blackhole, plain, posted};
 use super::super::{Kind, Relay};
 use super::*;
 use crate::config::{Config, DnsConfig};
@@ -57,19 +58,6 @@ impl Fake {
     }
 }
 
-/// A replica name without the random part of its [`instance_name`] (`gw-1@0123abcd/1` is
-/// `gw-1/1`), so that the tests can name what they expect.
-fn plain(name: &str) -> String {
-    match name.split_once('@') {
-        Some((source, rest)) if rest.len() >= 8 && rest.is_char_boundary(8) => {
-            let (drawn, after) = rest.split_at(8);
-            assert!(drawn.bytes().all(|b| b.is_ascii_hexdigit()), "{name}");
-            format!("{source}{after}")
-        }
-        _ => name.to_string(),
-    }
-}
-
 async fn fake_get(State(f): State<Fake>, h: HeaderMap) -> Response {
     f.reads.fetch_add(1, Ordering::SeqCst);
     if h.get("authorization").and_then(|v| v.to_str().ok()) != Some("Bearer secret-token") {
@@ -90,13 +78,8 @@ async fn fake_post(State(f): State<Fake>, h: HeaderMap, body: Bytes) -> StatusCo
     };
     f.posts.lock().unwrap().push(Instant::now());
     let auth = header("authorization");
-    let posted = match gpuroute_core::replica_load::bundle_entries(&body) {
-        None => vec![(auth, plain(&header(REPLICA_HEADER)), body.to_vec())],
-        Some(Ok(entries)) => entries
-            .into_iter()
-            .map(|(name, b)| (auth.clone(), name.to_string(), b.to_vec()))
-            .collect(),
-        Some(Err(_)) => return StatusCode::BAD_REQUEST,
+    let Some(posted) = posted(auth, plain(&header(REPLICA_HEADER)), &body) else {
+        return StatusCode::BAD_REQUEST;
     };
     f.got.lock().unwrap().extend(posted);
     f.refuse.lock().unwrap().unwrap_or(StatusCode::NO_CONTENT)
@@ -111,19 +94,6 @@ async fn serve(f: Fake) -> String {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(l, app).await });
-    format!("http://{addr}")
-}
-
-/// A port that accepts connections and never answers.
-async fn blackhole() -> String {
-    let hole = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = hole.local_addr().unwrap();
-    tokio::spawn(async move {
-        let mut held = Vec::new();
-        while let Ok((c, _)) = hole.accept().await {
-            held.push(c);
-        }
-    });
     format!("http://{addr}")
 }
 
