@@ -83,7 +83,7 @@ STAT_NAME = r"^(?:wasmcustom|dynamicmodulescustom)\.gpuroute\."
 SEGMENT = r"[\w-]+"
 STATS_TAGS = [
     {"tag_name": "gpuroute_runtime", "regex": r"^((wasm|dynamicmodules)custom\.)gpuroute\."},
-    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|to\.)"},
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|ejections$|to\.)"},
     {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.(.+))\.picks$"},
     {"tag_name": "gpuroute_reason", "regex": STAT_NAME + rf"(?:fail_open|{SEGMENT}\.rejected)(\.({SEGMENT}))$"},

@@ -63,6 +63,10 @@ pub struct FilterConfig {
     /// wait in its queue).
     #[serde(default)]
     pub hold: Option<HoldConfig>,
+    /// Passive health: a pod that answers server errors in a row leaves the picks for a while
+    /// ([`crate::outlier`]).
+    #[serde(default)]
+    pub outlier_detection: OutlierConfig,
     /// Pick endpoints. `false` keeps body-based routing to the pool (headers, errors,
     /// `/v1/models`) and leaves the pod to Envoy's load balancer: a baseline for benchmarks, or
     /// a first rollout step.
@@ -484,6 +488,61 @@ fn default_hold_max_held() -> usize {
     256
 }
 
+/// Passive health (`outlier_detection`): which answers leave a pod out of the picks, and for how
+/// long. Named and defaulted as Envoy's own outlier detection (`consecutive_5xx` 5, at most half
+/// the pool out), which the filter cannot use: Envoy's `override_host` load balancer sends a
+/// request to the host the filter names whether Envoy ejected that host or not.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OutlierConfig {
+    /// Answers in a row with status 500, 502, 503 or 504 that eject a pod; 0: never.
+    #[serde(default = "default_consecutive_5xx")]
+    pub consecutive_5xx: u32,
+    /// How long a pod ejected for the first time in a row stays out (ms); the n-th time in a
+    /// row, n times this, at most `max_ejection_ms`.
+    #[serde(default = "default_base_ejection_ms")]
+    pub base_ejection_ms: u64,
+    #[serde(default = "default_max_ejection_ms")]
+    pub max_ejection_ms: u64,
+    /// The most of a pool's pods out at once, in percent of its pods in the snapshot (at least
+    /// one pod).
+    #[serde(default = "default_max_ejection_percent")]
+    pub max_ejection_percent: u32,
+}
+
+impl Default for OutlierConfig {
+    fn default() -> OutlierConfig {
+        OutlierConfig {
+            consecutive_5xx: default_consecutive_5xx(),
+            base_ejection_ms: default_base_ejection_ms(),
+            max_ejection_ms: default_max_ejection_ms(),
+            max_ejection_percent: default_max_ejection_percent(),
+        }
+    }
+}
+
+fn default_consecutive_5xx() -> u32 {
+    // Envoy's default: one failed request, or a client's retries of one poison prompt (the
+    // OpenAI SDKs retry twice), does not eject a pod; a pod failing everything is out after
+    // five requests.
+    5
+}
+fn default_base_ejection_ms() -> u64 {
+    // Long enough that a broken pod takes five requests per 10 s at most, short enough that a
+    // pod that recovered (a restarted engine) is back soon; a pod still broken then is out
+    // twice as long, and so on.
+    10_000
+}
+fn default_max_ejection_ms() -> u64 {
+    300_000
+}
+fn default_max_ejection_percent() -> u32 {
+    // A fault that fails every pod (a bad model rollout, a request pattern every engine
+    // rejects with 500) must not take the whole pool out: the other half keeps serving, and
+    // keeps answering with the errors the client needs to see.
+    50
+}
+
 /// Snapshot ingest endpoint.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -815,6 +874,31 @@ impl FilterConfig {
             if h.affinity_wait_ms > 60_000 {
                 return Err(cfg_err("hold.affinity_wait_ms", "must be at most 60000"));
             }
+        }
+        let o = &self.outlier_detection;
+        if o.consecutive_5xx > 1_000 {
+            return Err(cfg_err(
+                "outlier_detection.consecutive_5xx",
+                "must be at most 1000",
+            ));
+        }
+        if !(1..=3_600_000).contains(&o.base_ejection_ms) {
+            return Err(cfg_err(
+                "outlier_detection.base_ejection_ms",
+                "must be between 1 and 3600000",
+            ));
+        }
+        if !(o.base_ejection_ms..=3_600_000).contains(&o.max_ejection_ms) {
+            return Err(cfg_err(
+                "outlier_detection.max_ejection_ms",
+                "must be between base_ejection_ms and 3600000",
+            ));
+        }
+        if o.max_ejection_percent > 100 {
+            return Err(cfg_err(
+                "outlier_detection.max_ejection_percent",
+                "must be at most 100",
+            ));
         }
         if !(1..=64 * 1024 * 1024).contains(&self.max_body_bytes) {
             return Err(cfg_err("max_body_bytes", "must be between 1 and 64 MiB"));

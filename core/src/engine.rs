@@ -17,6 +17,7 @@ use crate::fleet::{adapter_key, FleetState, PoolState};
 use crate::form;
 use crate::headers;
 use crate::load::{InFlight, PodLoad};
+use crate::outlier::{self, Ejection, Outliers};
 use crate::picker::{format_breakdown, Decision, Explain, FailOpen, Picker, RequestFeatures};
 use crate::picker::{has_room_by_snapshot, uncached_tokens};
 use crate::prefix::{self, Anchor, PodMatch, PrefixIndex, SyncLog, SyncRecord};
@@ -302,6 +303,8 @@ pub struct Engine {
     recorded: Vec<u64>,
     /// Adapter homes per pool, for the snapshot version they were computed from.
     adapter_homes: HashMap<String, (u64, HashMap<u64, u64>)>,
+    /// The pods' answers: which are out of the picks for their server errors.
+    pub outliers: Outliers,
 }
 
 /// Weight of the newest request in the prompt-size moving average: ~64 requests of memory,
@@ -596,6 +599,7 @@ impl Engine {
             prompt_reuse: vec![1.0; config.pools.len()],
             recorded: Vec::new(),
             adapter_homes: HashMap::new(),
+            outliers: Outliers::new(config.outlier_detection.clone()),
             config,
         }
     }
@@ -778,6 +782,7 @@ impl Engine {
         let Some(picker) = self.pickers.get(prep.target.pool) else {
             return none(Decision::FailOpen(FailOpen::UnknownPool));
         };
+        self.outliers.refresh(now_ms);
         let features = RequestFeatures {
             adapter: prep.target.adapter.as_deref().map(adapter_key),
             prompt_tokens: prep.prompt_tokens,
@@ -802,6 +807,7 @@ impl Engine {
             holdable,
             affinity_hold,
             overflow_to: self.reader.overflow_target(Some(fleet), now_ms, prep),
+            ejected: self.outliers.ejected(),
         };
         let mut explain = Explain::default();
         let decision = picker.pick(
@@ -899,6 +905,26 @@ impl Engine {
         self.adapter_homes
             .get(&pool.name)
             .and_then(|(_, h)| h.get(&adapter).copied())
+    }
+
+    /// An answer from `pod_key` to a request routed to `pool`, by its `:status`: a server error
+    /// counts toward ejecting the pod, any other answer ends its run ([`crate::outlier`]).
+    /// Returns the ejection it caused.
+    pub fn answered(
+        &mut self,
+        pool: &str,
+        pod_key: u64,
+        status: Option<&[u8]>,
+        fleet: Option<&FleetState>,
+        now_ms: u64,
+    ) -> Option<Ejection> {
+        if !status.is_some_and(outlier::is_server_error) {
+            self.outliers.success(pod_key, now_ms);
+            return None;
+        }
+        let pods = fleet.and_then(|f| f.pool(pool)).map_or(0, |p| p.pods.len());
+        self.outliers
+            .server_error(pod_key, outlier::pool_key(pool), pods, now_ms)
     }
 
     /// Step 3: remember that the prompt went to `pod_key`, locally and for the other workers.

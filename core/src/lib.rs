@@ -32,6 +32,7 @@ pub mod hold;
 pub mod idmap;
 pub mod ingest;
 pub mod load;
+pub mod outlier;
 pub mod picker;
 pub mod prefix;
 pub mod replica_load;

@@ -62,6 +62,9 @@ pub struct RequestFeatures<'a> {
     /// saturated (`pools[].overflow`: the pool's first failover pool with room), before it is
     /// shed, held or sent to a saturated pod ([`Decision::Overflow`]).
     pub overflow_to: Option<usize>,
+    /// Pods out of the picks for their server errors ([`crate::outlier::Outliers::ejected`]):
+    /// candidates only when no other pod is.
+    pub ejected: &'a [u64],
 }
 
 impl RequestFeatures<'_> {
@@ -202,6 +205,8 @@ pub enum LeftOut {
     Saturated,
     /// An adapter request, and other pods hold the adapter (running it, or its home).
     AdapterElsewhere,
+    /// Out of the picks for its server errors ([`crate::outlier`]) while another pod was not.
+    Ejected,
 }
 
 impl LeftOut {
@@ -212,6 +217,7 @@ impl LeftOut {
             LeftOut::Ramping => "ramping",
             LeftOut::Saturated => "saturated",
             LeftOut::AdapterElsewhere => "adapter-elsewhere",
+            LeftOut::Ejected => "ejected",
         }
     }
 }
@@ -373,6 +379,25 @@ impl Picker {
         // (pod index, load, saturated, then, once the candidates are known: expected wait, the
         // prompt's matched depth on the pod, and whether the pod served the conversation).
         let mut cands: Vec<Cand> = Vec::with_capacity(pool.pods.len());
+        let cand = |i: usize| {
+            let l = effective_load(
+                &pool.pods[i],
+                loads_ok.then(|| &loads[i]),
+                req.avg_prompt_tokens,
+            );
+            let saturated = over(&l, sc.queue_threshold, sc.kv_threshold);
+            Cand {
+                i,
+                load: l,
+                saturated,
+                wait: 0.0,
+                depth: 0,
+                served: None,
+                held_up: 0.0,
+            }
+        };
+        // Fresh pods out for their server errors: candidates only if no other pod is.
+        let mut ejected: Vec<usize> = Vec::new();
         for (i, pod) in pool.pods.iter().enumerate() {
             if !pod.fresh(snapshot_age_ms, sc.stale_after_ms) {
                 if let Some(e) = explain.as_deref_mut() {
@@ -385,6 +410,10 @@ impl Picker {
                 }
                 continue;
             }
+            if !req.ejected.is_empty() && req.ejected.contains(&pod.key) {
+                ejected.push(i);
+                continue;
+            }
             let w = pod.snap.ramp_weight;
             if w < 1.0 && rng.next_f64() >= w {
                 if let Some(e) = explain.as_deref_mut() {
@@ -392,17 +421,13 @@ impl Picker {
                 }
                 continue;
             }
-            let l = effective_load(pod, loads_ok.then(|| &loads[i]), req.avg_prompt_tokens);
-            let saturated = over(&l, sc.queue_threshold, sc.kv_threshold);
-            cands.push(Cand {
-                i,
-                load: l,
-                saturated,
-                wait: 0.0,
-                depth: 0,
-                served: None,
-                held_up: 0.0,
-            });
+            cands.push(cand(i));
+        }
+        if cands.is_empty() {
+            cands.extend(ejected.drain(..).map(cand));
+        } else if let Some(e) = explain.as_deref_mut() {
+            e.left_out
+                .extend(ejected.iter().map(|&i| (i, LeftOut::Ejected)));
         }
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
@@ -980,6 +1005,44 @@ mod tests {
             None,
         );
         assert_eq!(d, Decision::FailOpen(FailOpen::NoFreshPod));
+    }
+
+    #[test]
+    fn ejected_pods_are_candidates_only_when_no_other_pod_is() {
+        // Pod 0 is the idlest, and out for its server errors.
+        let p = pool(vec![
+            pod(1, 0, 0, 0.1),
+            pod(2, 3, 8, 0.5),
+            pod(3, 4, 8, 0.5),
+        ]);
+        let out = [p.pods[0].key];
+        let req = RequestFeatures {
+            ejected: &out,
+            ..Default::default()
+        };
+        assert_eq!(best(&pick(&p, &RequestFeatures::default())), 0);
+        for seed in 0..20 {
+            let (d, e) = explained(&p, &req, seed);
+            let Decision::Picked(ranked) = d else {
+                panic!("{d:?}")
+            };
+            assert!(!ranked.contains(&0), "{ranked:?}");
+            assert!(e.left_out.contains(&(0, LeftOut::Ejected)), "{e:?}");
+        }
+        // The others unhealthy or stale: the ejected pod is picked rather than failing open.
+        let mut alone = pool(vec![
+            pod(1, 0, 0, 0.1),
+            pod(2, 0, 0, 0.1),
+            pod(3, 0, 0, 0.1),
+        ]);
+        alone.pods[1].snap.healthy = false;
+        alone.pods[2].age_at_generation_ms = 60_000;
+        let out = [alone.pods[0].key];
+        let req = RequestFeatures {
+            ejected: &out,
+            ..Default::default()
+        };
+        assert_eq!(pick(&alone, &req), Decision::Picked(vec![0]));
     }
 
     #[test]

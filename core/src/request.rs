@@ -512,9 +512,17 @@ pub fn response_learner(
     if content_encoding.is_some_and(|e| !e.trim_ascii().eq_ignore_ascii_case(b"identity")) {
         return None;
     }
+    Some(answered_by(upstream, picked)).filter(|&k| k != 0)
+}
+
+/// The key of the pod that answered: the upstream address Envoy connected to
+/// (`upstream.address`), or without it `picked`, the pod the filter picked (0: none). Envoy
+/// retries a refused connection on the next endpoint, and picks the pod itself when the filter
+/// fails open, so the two can differ.
+pub fn answered_by(upstream: Option<&[u8]>, picked: u64) -> u64 {
     match upstream.and_then(|u| std::str::from_utf8(u).ok()) {
-        Some(addr) if !addr.is_empty() => Some(crate::prefix::pod_key(addr)),
-        _ => (picked != 0).then_some(picked),
+        Some(addr) if !addr.is_empty() => crate::prefix::pod_key(addr),
+        _ => picked,
     }
 }
 

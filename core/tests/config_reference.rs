@@ -79,6 +79,7 @@ fn every_option_is_documented_and_every_documented_option_exists() {
         "ingest",
         "pools[]",
         "hold",
+        "outlier_detection",
     ];
     let mut options = options(&sections, fields_at);
     // A section that is off unless present has a row of its own too, for what turning it on does.

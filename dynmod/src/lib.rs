@@ -44,6 +44,7 @@ use gpuroute_core::hold::HoldQueue;
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PodLoad};
+use gpuroute_core::outlier;
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix;
 use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
@@ -56,7 +57,7 @@ use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -136,6 +137,8 @@ struct Metrics {
     decision_us: Option<usize>,
     /// Per pool: `gpuroute.pool.<pool>.ttft_ms`.
     ttft: NameMap<String, Option<usize>>,
+    /// Per pool: `gpuroute.pool.<pool>.ejections` (pods out of the picks for server errors).
+    ejections: NameMap<String, Option<usize>>,
     picks: Option<usize>,
     /// `hold` (defined only when it is on): `gpuroute.hold.{held,affinity,released,expired,
     /// cancelled,full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
@@ -247,6 +250,14 @@ impl Metrics {
                 .map(|p| {
                     let name = format!("gpuroute.pool.{}.ttft_ms", stat_segment(&p.name));
                     (p.name.clone(), d.histogram(&name))
+                })
+                .collect(),
+            ejections: config
+                .pools
+                .iter()
+                .map(|p| {
+                    let name = format!("gpuroute.pool.{}.ejections", stat_segment(&p.name));
+                    (p.name.clone(), d.counter(&name, &[]))
                 })
                 .collect(),
             picks: d.counter(
@@ -471,6 +482,9 @@ struct Config {
     /// lock is held for microseconds; std's parks almost at once, and waking a parked worker
     /// costs more than the wait (`shared_engine` in core/benches/decision.rs).
     router: parking_lot::Mutex<Router>,
+    /// Whether the router's passive health has a pod on record
+    /// ([`gpuroute_core::outlier::Outliers::tracking`]): only then does a success take the lock.
+    outliers_tracking: AtomicBool,
     metrics: Metrics,
     pending: parking_lot::Mutex<Pending>,
     /// Wakes the main thread to flush `pending`; taken out (and deleted) when Envoy destroys
@@ -522,6 +536,7 @@ impl Config {
                 rng: SplitMix64::new(seed),
                 replicas: ReplicaView::default(),
             }),
+            outliers_tracking: AtomicBool::new(false),
             metrics,
             pending: parking_lot::Mutex::new(Pending::default()),
             scheduler: Mutex::new(None),
@@ -1495,16 +1510,23 @@ impl Filter {
         if let Some(d) = &self.debug {
             s.set_header(RESPONSE_HEADERS, headers::DEBUG, d);
         }
-        if self.learn_response.is_none() && self.ttft_from.is_none() && self.first_output.is_none()
-        {
+        let head = self.learn_response.is_some()
+            || self.ttft_from.is_some()
+            || self.first_output.is_some();
+        // A picked pod's answer tells passive health how it did.
+        if !head && self.picked.is_none() {
             return;
         }
         let hs = s.response_headers();
         let header = |name: &[u8]| hs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+        let status = header(b":status");
+        self.answered(s, status);
+        if !head {
+            return;
+        }
         // A first token only from a success: an error's first byte (a pod's 503, Envoy's own
         // when no pod took the request) timed as one pulled the histogram down just when
         // things were worst.
-        let status = header(b":status");
         if !status.is_some_and(request::is_success) {
             self.ttft_from = None;
             // An error has no preamble to read past: its first byte ends the prefill.
@@ -1523,6 +1545,59 @@ impl Filter {
                 Some(answered) => *pod = answered,
                 None => self.learn_response = None,
             }
+        }
+    }
+
+    /// Tells passive health how the picked pod answered (`status`, the answer's `:status`): a
+    /// server error counts toward ejecting the pod that gave it, another answer ends its run
+    /// ([`gpuroute_core::outlier`]). Only a server error, or an answer while some pod is on
+    /// record, takes the router's lock.
+    fn answered(&self, s: Stream, status: Option<&[u8]>) {
+        let Some(p) = &self.picked else {
+            return;
+        };
+        let server_error = status.is_some_and(outlier::is_server_error);
+        if !server_error && !self.config.outliers_tracking.load(Ordering::Relaxed) {
+            return;
+        }
+        // The pod that answered: Envoy may have retried a refused connection on a fallback.
+        let upstream = s.upstream_address();
+        let pod = request::answered_by(upstream.as_deref().map(str::as_bytes), p.pod_key);
+        let fleet = current_fleet();
+        let (ejection, tracking) = {
+            let mut r = self.config.router.lock();
+            if !r.engine.outliers.enabled() {
+                return;
+            }
+            let e = r
+                .engine
+                .answered(&p.pool, pod, status, fleet.as_deref(), now_ms());
+            (e, r.engine.outliers.tracking())
+        };
+        self.config
+            .outliers_tracking
+            .store(tracking, Ordering::Relaxed);
+        if let Some(e) = ejection {
+            let id = self
+                .config
+                .metrics
+                .ejections
+                .get(&*p.pool)
+                .copied()
+                .flatten();
+            self.config.count(id);
+            host::log(
+                abi::LOG_WARN,
+                &format!(
+                    "gpuroute: pod {} of pool {} ejected for {} ms after {} server errors in a row (status {}; ejection {} in a row)",
+                    upstream.as_deref().unwrap_or("(picked)"),
+                    p.pool,
+                    e.for_ms,
+                    self.config.settings.outlier_detection.consecutive_5xx,
+                    String::from_utf8_lossy(status.unwrap_or_default()),
+                    e.times,
+                ),
+            );
         }
     }
 

@@ -35,6 +35,13 @@ extern "C" {
         return_map_data: *mut *mut u8,
         return_map_size: *mut usize,
     ) -> u32;
+    fn proxy_get_header_map_value(
+        map_type: u32,
+        key_data: *const u8,
+        key_size: usize,
+        return_value_data: *mut *mut u8,
+        return_value_size: *mut usize,
+    ) -> u32;
     fn proxy_replace_header_map_value(
         map_type: u32,
         key_data: *const u8,
@@ -168,6 +175,25 @@ pub fn get_header_map(map: MapType) -> Vec<u8> {
         match Status::from_raw(proxy_get_header_map_pairs(map as u32, &mut data, &mut size)) {
             Status::Ok => take(data, size),
             _ => Vec::new(),
+        }
+    }
+}
+
+/// One header's value (`None` when the map has no such header), in one host call: cheaper than
+/// [`get_header_map`] for one header.
+pub fn get_header(map: MapType, name: &str) -> Option<Vec<u8>> {
+    let (mut data, mut size) = (null_mut(), 0usize);
+    // SAFETY: pointer and length of a live string; the value as in `get_buffer`.
+    unsafe {
+        match Status::from_raw(proxy_get_header_map_value(
+            map as u32,
+            name.as_ptr(),
+            name.len(),
+            &mut data,
+            &mut size,
+        )) {
+            Status::Ok => Some(take(data, size)),
+            _ => None,
         }
     }
 }

@@ -37,6 +37,7 @@ use gpuroute_core::ingest::{
     STALE_WINDOW_KEY,
 };
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
+use gpuroute_core::outlier;
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
 use gpuroute_core::replica_load::{self, ReplicaLoad, ReplicaLoads};
@@ -1652,6 +1653,11 @@ impl Http {
         }
         if self.learn_response.is_none() && self.ttft_from.is_none() && self.first_output.is_none()
         {
+            // A picked pod's answer tells passive health how it did: its status alone.
+            if self.picked.is_some() {
+                let status = host::get_header(MapType::HttpResponseHeaders, ":status");
+                self.answered(status.as_deref());
+            }
             return Action::Continue;
         }
         // Only requests that learn a response's id or time a first token read the head.
@@ -1662,6 +1668,7 @@ impl Http {
         // when no pod took the request) timed as one pulled the histogram down just when
         // things were worst.
         let status = header(b":status");
+        self.answered(status);
         if !status.is_some_and(request::is_success) {
             self.ttft_from = None;
             // An error has no preamble to read past: its first byte ends the prefill.
@@ -1682,6 +1689,47 @@ impl Http {
             }
         }
         Action::Continue
+    }
+
+    /// Tells passive health how the picked pod answered (`status`, the answer's `:status`):
+    /// a server error counts toward ejecting the pod that gave it, another answer ends its run
+    /// ([`gpuroute_core::outlier`]). Only a server error, or an answer while some pod is on
+    /// record, costs more than a look at the status.
+    fn answered(&mut self, status: Option<&[u8]>) {
+        let Some(p) = &self.picked else {
+            return;
+        };
+        let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) else {
+            return;
+        };
+        let w = &mut *w;
+        let server_error = status.is_some_and(outlier::is_server_error);
+        if !w.engine.outliers.enabled() || !(server_error || w.engine.outliers.tracking()) {
+            return;
+        }
+        // The pod that answered: Envoy may have retried a refused connection on a fallback.
+        let upstream = host::get_property(&["upstream", "address"]);
+        let pod = request::answered_by(upstream.as_deref(), p.pod_key);
+        let now = host::now_ms();
+        if let Some(e) = w
+            .engine
+            .answered(&p.pool, pod, status, w.fleet.as_ref(), now)
+        {
+            w.stats.ejection(&p.pool);
+            let address = upstream.as_deref().map(String::from_utf8_lossy);
+            host::log(
+                LogLevel::Warn,
+                &format!(
+                    "gpuroute: pod {} of pool {} ejected for {} ms after {} server errors in a row (status {}; ejection {} in a row)",
+                    address.as_deref().unwrap_or("(picked)"),
+                    p.pool,
+                    e.for_ms,
+                    w.engine.config.outlier_detection.consecutive_5xx,
+                    String::from_utf8_lossy(status.unwrap_or_default()),
+                    e.times,
+                ),
+            );
+        }
     }
 
     fn on_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {

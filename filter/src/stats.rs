@@ -278,6 +278,11 @@ impl Stats {
         }
     }
 
+    /// A pod of `pool` left the picks for its server errors ([`gpuroute_core::outlier`]).
+    pub fn ejection(&mut self, pool: &str) {
+        self.inc(&format!("gpuroute.pool.{}.ejections", sanitize(pool)));
+    }
+
     pub fn pool_outcome(&mut self, pool: &str, outcome: &str) {
         self.inc(&format!(
             "gpuroute.pool.{}.requests.{outcome}",

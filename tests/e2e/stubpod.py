@@ -86,6 +86,9 @@ class StubPod:
         self.requests = []
         self.started = []
         self.load = {"waiting": 0, "running": 0, "kv": 0.05}
+        # The status of every answer (the body is the same record): a pod whose engine fails
+        # while its /metrics still answer.
+        self.status = 200
         self.conns = set()
         # Set by close(): a connection accepted just before it, whose handler thread had not
         # registered in `conns` yet, must not serve either.
@@ -180,7 +183,7 @@ class StubPod:
                     hold.wait(60)
                 if pod.delay_s:
                     time.sleep(pod.delay_s)
-                self._send(200, "application/json", json.dumps(rec).encode())
+                self._send(pod.status, "application/json", json.dumps(rec).encode())
 
             do_POST = _answer
             do_DELETE = _answer
