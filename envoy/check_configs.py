@@ -248,6 +248,8 @@ def regenerate():
     for name, (mode, runtime) in LOCAL_OUTPUTS.items():
         (LOCAL / name).write_text(render_local(stack, mode, runtime))
         print(f"wrote envoy/local/{name}")
+    K8S_ENVOY.write_text(render_k8s_envoy(load_k8s_stack()))
+    print(f"wrote {K8S_ENVOY.relative_to(ROOT)}")
     for path in STATS_TAGS_COPIES:
         old = path.read_text()
         new = sync_list(sync_stats_tags(old, render.STATS_TAGS), "histogram_bucket_settings", render.HISTOGRAM_BUCKETS)
@@ -932,6 +934,51 @@ def loopback_any_port(listener):
 
 K8S = ROOT / "deploy" / "kubernetes"
 K8S_SIDECAR_KEY = "config.yaml"
+# The example gateway's Envoy: its stack description and its rendering, ConfigMap gpuroute-envoy.
+K8S_STACK = K8S / "envoy-stack.json"
+K8S_ENVOY = K8S / "envoy-config.yaml"
+K8S_ENVOY_KEY = "envoy.yaml"
+
+
+def load_k8s_stack():
+    with open(K8S_STACK) as f:
+        return json.load(f)
+
+
+def render_k8s_envoy(stack):
+    """ConfigMap gpuroute-envoy: the example gateway's Envoy bootstrap, rendered from
+    deploy/kubernetes/envoy-stack.json."""
+    body = yaml.dump(render.render(copy.deepcopy(stack)), Dumper=_PlainDumper, sort_keys=False,
+                     default_flow_style=False, width=1 << 20, allow_unicode=True)
+    lines = [
+        "GENERATED from deploy/kubernetes/envoy-stack.json by envoy/render.py. Do not edit: edit",
+        "envoy-stack.json, then run `.venv/bin/python envoy/check_configs.py --regenerate`;",
+        "`make validate` fails while this file and envoy-stack.json disagree.",
+        "",
+        "The Envoy of the example gateway (gateway.yaml): the OpenAI API on %s, Prometheus' stats"
+        % stack["listen"],
+        "on %s, admin and snapshot ingest on loopback (%s, %s). Pools %s (the"
+        % (stack["metrics"], stack["admin"], stack["ingest"], ", ".join(p["name"] for p in stack["pools"])),
+        "sidecar's, ORIGINAL_DST: Envoy connects to the pod the filter names). The filter: %s," % stack["wasm"],
+        "from ConfigMap gpuroute-wasm (README).",
+    ]
+    head = "".join("# " + ln + "\n" if ln else "#\n" for ln in lines)
+    doc = "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: gpuroute-envoy\n  namespace: llm\ndata:\n"
+    doc += f"  {K8S_ENVOY_KEY}: |\n" + "".join("    " + ln + "\n" for ln in body.splitlines())
+    return head + doc
+
+
+def check_k8s_drift():
+    if K8S_ENVOY.read_text() != render_k8s_envoy(load_k8s_stack()):
+        raise CheckError("differs from envoy-stack.json's rendering; run "
+                         "`.venv/bin/python envoy/check_configs.py --regenerate` and commit")
+    return "matches envoy-stack.json"
+
+
+def validate_k8s_envoy(envoy, wasm):
+    cm = yaml.safe_load(K8S_ENVOY.read_text())
+    envoy.validate("k8s-envoy", set_wasm_path(yaml.safe_load(cm["data"][K8S_ENVOY_KEY]), wasm))
+    return "valid"
 
 
 def k8s_manifests():
@@ -948,8 +995,9 @@ def k8s_manifests():
 
 def k8s_consistency(manifests):
     """The example gateway Deployment, sidecar-metrics' ConfigMap, the token Secret, the RBAC
-    and the peers' Service agree with each other and with the local Envoy bootstrap the
-    Deployment's Envoy runs (envoy/local/stack.json: its ingest port)."""
+    and the peers' Service agree with each other and with the Envoy bootstrap the Deployment's
+    Envoy runs (ConfigMap gpuroute-envoy, from deploy/kubernetes/envoy-stack.json): its pools,
+    token, ports, and where the filter and the bootstrap are mounted."""
     o = Objects(manifests, "deploy/kubernetes")
     deploy = o.one("Deployment", "gpuroute-gateway")
     pod = deploy["spec"]["template"]
@@ -979,14 +1027,37 @@ def k8s_consistency(manifests):
         if get.get("path") != path or ports.get(get.get("port")) != listen_port:
             raise CheckError(f"{probe} asks {get}, not {path} on listen's port {listen_port}")
     check_metrics_port(cm, side, K8S_SIDECAR_KEY)
+    # The Envoy container runs the bootstrap of ConfigMap gpuroute-envoy (envoy-stack.json) with
+    # the filter from ConfigMap gpuroute-envoy's wasm path, and serves on its listener's port.
+    stack = load_k8s_stack()
+    envoy = containers["envoy"]
+    envoy_mounts = {m["mountPath"]: volumes.get(m["name"], {}) for m in envoy.get("volumeMounts", [])}
+    config_arg = envoy["args"][envoy["args"].index("-c") + 1]
+    envoy_cm = o.one("ConfigMap", "gpuroute-envoy")
+    if envoy_mounts.get(os.path.dirname(config_arg), {}).get("configMap", {}).get("name") != envoy_cm["metadata"]["name"] \
+            or os.path.basename(config_arg) != K8S_ENVOY_KEY:
+        raise CheckError(f"Envoy reads {config_arg}, which is not ConfigMap gpuroute-envoy's {K8S_ENVOY_KEY}")
+    wasm_volume = envoy_mounts.get(os.path.dirname(stack["wasm"]), {}).get("configMap", {}).get("name")
+    if wasm_volume != "gpuroute-wasm":
+        raise CheckError(f"the filter {stack['wasm']} is not in a mounted ConfigMap gpuroute-wasm ({wasm_volume})")
+    envoy_ports = {p["name"]: p["containerPort"] for p in envoy.get("ports", [])}
+    for name, key in (("http", "listen"), ("envoy-metrics", "metrics")):
+        host, port = stack[key].rsplit(":", 1)
+        if host != "0.0.0.0" or envoy_ports.get(name) != int(port):
+            raise CheckError(f"Envoy's {key} {stack[key]} is not container port {name} ({envoy_ports.get(name)}) on every address")
+    side_pools = sorted(p["name"] for p in cfg["pools"])
+    envoy_pools = sorted(p["name"] for p in stack["filter_config"]["pools"])
+    if side_pools != envoy_pools:
+        raise CheckError(f"sidecar pools {side_pools} != the filter's pools {envoy_pools}")
+    if secret.get("stringData", {}).get("token") != stack["filter_config"]["ingest"]["token"]:
+        raise CheckError("the Secret's token differs from the filter's ingest.token (envoy-stack.json)")
     # Pushes go to the Envoy in the pod, at the ingest listener of the bootstrap it runs.
-    stack = load_stack()
     want = int(stack["ingest"].rsplit(":", 1)[1])
     check_snapshot_limit(stack["filter_config"].get("ingest") or {}, cfg)
     for url in cfg["push"]["urls"]:
         port, path = port_of(url)
         if not url.startswith("http://127.0.0.1:") or port != want or path != INGEST_PATH:
-            raise CheckError(f"push URL {url}: want http://127.0.0.1:{want}{INGEST_PATH} (envoy/local/stack.json's ingest)")
+            raise CheckError(f"push URL {url}: want http://127.0.0.1:{want}{INGEST_PATH} (envoy-stack.json's ingest)")
     # RBAC: the pod's ServiceAccount may read pods and InferencePools.
     sa = o.one("ServiceAccount")
     if pod["spec"].get("serviceAccountName") != sa["metadata"]["name"]:
@@ -1003,7 +1074,7 @@ def k8s_consistency(manifests):
     if any(v not in ("get", "list", "watch") for _, _, v in granted):
         raise CheckError("the Role grants more than reading")
     check_peers({}, cm, o.one("Service", "gpuroute-gateway-peers"), pod["metadata"]["labels"], K8S_SIDECAR_KEY)
-    return "the Deployment, the sidecar's configuration, token, probes, RBAC and peers' Service agree"
+    return "the Deployment, the sidecar's and Envoy's configurations, token, probes, RBAC and peers' Service agree"
 
 
 # ---- Envoy Gateway ---------------------------------------------------------------------------
@@ -1285,6 +1356,10 @@ def check_access_log(hcm_config):
 # ---- Istio -----------------------------------------------------------------------------------
 
 
+# Istio's `gateway` Helm chart's Service: port -> the pod's target port.
+ISTIO_CHART_TARGET_PORTS = {80: 80, 443: 443}
+
+
 def istio_fragment(manifests, wasm):
     """Istio's gateway listener and clusters for the manifests, patched by the EnvoyFilter."""
     o = Objects(manifests, "istio")
@@ -1354,8 +1429,15 @@ def istio_fragment(manifests, wasm):
                 raise CheckError(f"route {h.get('name')}: neither route nor directResponse")
             routes.append(r)
 
-    # The pod listens on the gateway Service's target port (8080 for port 80 in Istio's chart).
-    port = 8080
+    # The pod listens on the gateway Service's target port for the Gateway's server port: Istio's
+    # `gateway` Helm chart maps each port to itself (istio/istio
+    # manifests/charts/gateway/values.yaml: http2 port 80, targetPort 80; the pod may bind 80
+    # through the net.ipv4.ip_unprivileged_port_start sysctl the chart sets). istioctl's older
+    # istio-ingressgateway profile maps 80 to 8080 instead (envoy/istio/README.md says so).
+    servers = gw["spec"]["servers"]
+    port = ISTIO_CHART_TARGET_PORTS.get(servers[0]["port"]["number"])
+    if port is None:
+        raise CheckError(f"the Gateway's port {servers[0]['port']['number']} is not one the gateway chart's Service has")
     listener = {
         "name": f"0.0.0.0_{port}",
         "address": {"socket_address": {"address": "0.0.0.0", "port_value": port}},
@@ -1762,6 +1844,8 @@ def main():
         checks.append((f"drift     envoy/local/{name}", lambda n=name, m=mode, r=runtime: check_drift(n, m, r)))
     for name in LOCAL_OUTPUTS:
         checks.append((f"validate  envoy/local/{name}", lambda n=name: validate_local_file(envoy, n, wasm)))
+    checks.append(("drift     deploy/kubernetes/envoy-config.yaml", check_k8s_drift))
+    checks.append(("validate  deploy/kubernetes/envoy-config.yaml", lambda: validate_k8s_envoy(envoy, wasm)))
     for mode in ("filter", "filter_original_dst", "round_robin", "least_request"):
         checks.append((f"validate  render.py mode {mode}", lambda m=mode: validate_mode(envoy, m, wasm)))
     checks.append(("validate  render.py mode filter, dynamic module",
