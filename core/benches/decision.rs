@@ -498,7 +498,7 @@ impl Shared {
 /// `install_json`: the same from the JSON, as before the binary form).
 fn snapshot_install(c: &mut Criterion) {
     let mut group = c.benchmark_group("snapshot");
-    for pods in [64usize, 1_000] {
+    for pods in [64usize, 1_000, 10_000] {
         let json = serde_json::to_vec(&snapshot(pods)).unwrap_or_default();
         let header = StoredHeader {
             received_at_ms: NOW - 10,
@@ -524,6 +524,17 @@ fn snapshot_install(c: &mut Criterion) {
                 let snap = ingest::decode_stored_binary(&binary, header)
                     .unwrap_or_else(|| panic!("binary"));
                 black_box(FleetState::new(snap, header.received_at_ms))
+            })
+        });
+        // Each worker's in-flight table of the pool, aligned with the new version (the same
+        // pods in the same places, as a push of the same fleet brings).
+        let keys: Vec<u64> = (0..pods as u64).map(|k| k * 7919 + 1).collect();
+        let mut table = gpuroute_core::load::LoadTable::default();
+        let mut version = 0;
+        group.bench_with_input(BenchmarkId::new("rebase", pods), &pods, |b, _| {
+            b.iter(|| {
+                version += 1;
+                black_box(table.rebase(version, &keys))
             })
         });
         eprintln!(

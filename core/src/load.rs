@@ -21,6 +21,8 @@
 //! chunked prefill as "running", so a pod busy prefilling long prompts looks idle in its
 //! metrics; the first streamed chunk marks the end of prefill, which the filter sees directly.
 
+use crate::idmap::IdMap;
+
 const MAGIC: &[u8; 4] = b"GPL2";
 const HEADER: usize = 4 + 8 + 4;
 const ENTRY: usize = 8 + 6 * 4;
@@ -136,10 +138,29 @@ impl LoadTable {
             return false;
         }
         let same_version = self.version == version;
+        // Each pod's old entry: at its own index when the pod kept its place (the usual new
+        // version of the same fleet), else by key. A search of the old table per pod made this
+        // O(pods^2) on every push: 27 ms natively, 38 ms in V8 at 10,000 pods (a scale audit).
+        let mut by_key: Option<IdMap<u64, usize>> = None;
+        let old_pods = &self.pods;
         let pods = keys
             .iter()
-            .map(|&key| {
-                let old = self.pods.iter().find(|p| p.key == key).copied();
+            .enumerate()
+            .map(|(i, &key)| {
+                let old = match old_pods.get(i) {
+                    Some(p) if p.key == key => Some(*p),
+                    _ => by_key
+                        .get_or_insert_with(|| {
+                            old_pods
+                                .iter()
+                                .enumerate()
+                                .map(|(j, p)| (p.key, j))
+                                .collect()
+                        })
+                        .get(&key)
+                        .and_then(|&j| old_pods.get(j))
+                        .copied(),
+                };
                 match old {
                     // Same snapshot, different layout (should not happen): keep the bases.
                     Some(p) if same_version => p,
@@ -577,6 +598,39 @@ mod tests {
     }
 
     proptest! {
+        #[test]
+        fn rebase_carries_each_pods_counts_whatever_the_new_order(
+            old in proptest::collection::btree_set(1u64..40, 0..20),
+            new in proptest::collection::vec(1u64..40, 0..20),
+            shift in 0usize..20,
+        ) {
+            // Distinct new keys (a snapshot's pods are), in any order, some kept in place.
+            let mut seen = std::collections::HashSet::new();
+            let mut new: Vec<u64> = new.into_iter().filter(|k| seen.insert(*k)).collect();
+            let mut old: Vec<u64> = old.into_iter().collect();
+            let n = old.len();
+            if n > 0 {
+                old.rotate_left(shift % n);
+            }
+            let mut t = LoadTable::default();
+            t.rebase(1, &old);
+            for (i, &k) in old.iter().enumerate() {
+                for _ in 0..k % 3 {
+                    t.add(i, 1, k as u32, Some(1));
+                }
+            }
+            let before = t.clone();
+            if new.len() > 2 {
+                new.swap(0, 1);
+            }
+            t.rebase(2, &new);
+            for (p, &k) in t.pods.iter().zip(&new) {
+                let want = before.pods.iter().find(|o| o.key == k).map_or(0, |o| o.inflight);
+                prop_assert_eq!(p.key, k);
+                prop_assert_eq!((p.inflight, p.base), (want, want));
+            }
+        }
+
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = LoadTable::decode(&bytes);

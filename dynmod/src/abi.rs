@@ -190,6 +190,14 @@ callbacks! {
         header_type: u32,
         result: *mut EnvoyHeader,
     ) -> bool = false;
+    fn envoy_dynamic_module_callback_http_get_header(
+        filter: FilterEnvoyPtr,
+        header_type: u32,
+        key: ModuleBuffer,
+        result: *mut EnvoyBuffer,
+        index: usize,
+        optional_size: *mut usize,
+    ) -> bool = false;
     fn envoy_dynamic_module_callback_http_set_header(
         filter: FilterEnvoyPtr,
         header_type: u32,

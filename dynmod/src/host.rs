@@ -50,6 +50,25 @@ impl Stream {
         self.headers(REQUEST_HEADERS)
     }
 
+    /// One response header's first value (`None` without it), borrowed from Envoy's map as
+    /// [`Stream::request_headers`]' are: one call, no vector of every header.
+    pub fn response_header<'a>(self, name: &str) -> Option<&'a [u8]> {
+        let mut out = EnvoyBuffer::EMPTY;
+        // SAFETY: live filter pointer; the key outlives the call; `out` is written by Envoy.
+        let ok = unsafe {
+            envoy_dynamic_module_callback_http_get_header(
+                self.0,
+                RESPONSE_HEADERS,
+                ModuleBuffer::of(name.as_bytes()),
+                &mut out,
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        // SAFETY: valid until the current hook returns or the map changes.
+        (ok && !out.ptr.is_null()).then(|| unsafe { out.as_slice() })
+    }
+
     /// Every response header, as [`Stream::request_headers`] gives the request's.
     pub fn response_headers<'a>(self) -> Vec<(&'a [u8], &'a [u8])> {
         self.headers(RESPONSE_HEADERS)

@@ -1513,17 +1513,17 @@ impl Filter {
         let head = self.learn_response.is_some()
             || self.ttft_from.is_some()
             || self.first_output.is_some();
-        // A picked pod's answer tells passive health how it did.
-        if !head && self.picked.is_none() {
+        if !head {
+            // A picked pod's answer tells passive health how it did: its status alone.
+            if self.picked.is_some() {
+                self.answered(s, s.response_header(":status"));
+            }
             return;
         }
         let hs = s.response_headers();
         let header = |name: &[u8]| hs.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
         let status = header(b":status");
         self.answered(s, status);
-        if !head {
-            return;
-        }
         // A first token only from a success: an error's first byte (a pod's 503, Envoy's own
         // when no pod took the request) timed as one pulled the histogram down just when
         // things were worst.
