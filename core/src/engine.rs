@@ -146,6 +146,16 @@ pub struct Prepared {
     /// Set for conversations: the rendezvous key is then the conversation's key, and it is
     /// recorded in the index too, so the pods that served earlier turns are known.
     conversation: Option<u64>,
+    /// For conversations: the key of the whole prompt as read ([`prefix::turn_keys`]), recorded
+    /// in the index so the next turn finds the pods that hold it; and the key of the previous
+    /// turn's prompt, looked up. `turn_cut`: the prompt reached the limit after the
+    /// conversation key, so a previous turn that reached it too has the same `turn` key.
+    turn: Option<u64>,
+    history: Option<u64>,
+    turn_cut: bool,
+    /// The pods credited as holding the conversation: those that served its previous turn
+    /// (`history`) when known, else those that served any turn with its conversation key (all
+    /// that open alike: the same system prompt and first user message).
     conversation_pods: Vec<u64>,
     /// For adapter requests: the index key of the adapter, and the pod it was last sent to
     /// (likely still loaded there even when no request of it is running).
@@ -213,12 +223,13 @@ impl Prepared {
         self.response_key.is_some()
     }
 
-    /// Hashes recorded in the index: the anchors, plus the conversation and adapter keys.
+    /// Hashes recorded in the index: the anchors, plus the conversation, turn and adapter keys.
     /// `out` is cleared first.
     pub fn anchor_hashes(&self, out: &mut Vec<u64>) {
         out.clear();
         out.extend(self.anchors.iter().map(|a| a.hash));
         out.extend(self.conversation);
+        out.extend(self.turn);
         out.extend(self.adapter_anchor);
     }
 }
@@ -479,10 +490,7 @@ impl Reader {
                     // A form has no prompt: its boundary, which clients draw at random for each
                     // request, spreads uploads over the targets by their weights.
                     (None, Format::Form(boundary)) => boundary.as_bytes(),
-                    (None, Format::Json(_)) => req
-                        .conversation_len
-                        .and_then(|n| text.get(..n))
-                        .unwrap_or(text),
+                    (None, Format::Json(_)) => req.conversation_key_text().unwrap_or(text),
                 };
                 // A target whose pool the snapshot shows unable to serve is passed over; with
                 // no snapshot, or a pool it does not list, nothing is known against it.
@@ -536,12 +544,23 @@ impl Reader {
             )
         };
         // A conversation's identity: stable across its turns, distinct between conversations
-        // that only share a system prompt.
+        // that only share a system prompt (however long).
         let conversation = req
-            .conversation_len
+            .conversation_key_text()
             .filter(|_| !model_only)
-            .and_then(|n| req.prompt.as_bytes().get(..n))
             .map(|k| prefix::conversation_key(k, seed));
+        // And where it stands: what this turn leaves on its pod, and what the previous turn did.
+        let (history, turn) = match conversation {
+            Some(_) => {
+                let (h, t) = prefix::turn_keys(req.prompt.as_bytes(), req.history_len(), seed);
+                (h, Some(t))
+            }
+            None => (None, None),
+        };
+        // A cut past the key only: a cut within it (a system prompt past the limit) is the same
+        // for every conversation with that system prompt.
+        let turn_cut = req.prompt_cut(p.block_chars.saturating_mul(p.max_blocks))
+            && req.conversation_text.is_none();
         let home_key = conversation.or_else(|| prefix::home_key(&anchors, p.home_blocks));
         // Where this adapter went lately: the same index, under a key no prompt hash can take
         // by accident (its own seed domain).
@@ -565,6 +584,9 @@ impl Reader {
             prefix_blocks: blocks as u32,
             home_key,
             conversation,
+            turn,
+            history,
+            turn_cut,
             conversation_pods: Vec::new(),
             adapter_anchor,
             adapter_recent: None,
@@ -665,10 +687,7 @@ impl Engine {
             };
         }
         self.prefix.lookup(&prep.anchors, &mut prep.matches);
-        prep.conversation_pods = prep
-            .conversation
-            .map(|k| self.prefix.pods_of(k))
-            .unwrap_or_default();
+        prep.conversation_pods = self.conversation_pods(prep);
         // Requests with a prompt to match count towards their pool's share of reused prompts.
         if let Some(r) = self.prompt_reuse.get_mut(prep.target.pool) {
             if !prep.model_only && prep.prefix_blocks > 0 {
@@ -680,6 +699,27 @@ impl Engine {
             .adapter_anchor
             .and_then(|k| self.prefix.latest_pod_of(k));
         self.look_up_response(prep);
+    }
+
+    /// The pods credited as holding a conversation ([`Prepared::conversation_pods`]). Those
+    /// that served its previous turn are the evidence: conversations that open alike (a common
+    /// greeting, a fixed task template) share the conversation key, and the pods recorded under
+    /// it (at most four) may be theirs, not this one's. When the prompt reached the limit, a
+    /// previous turn that did too left the same text; one that did not ended at the last
+    /// assistant message. Without either on record (the first turn, a record lost or not yet
+    /// exchanged, an older gateway's record), the pods recorded under the conversation key.
+    fn conversation_pods(&self, prep: &Prepared) -> Vec<u64> {
+        if prep.conversation.is_none() {
+            return Vec::new();
+        }
+        let cut = prep.turn.filter(|_| prep.turn_cut);
+        for key in [cut, prep.history, prep.conversation].into_iter().flatten() {
+            let pods = self.prefix.pods_of(key);
+            if !pods.is_empty() {
+                return pods;
+            }
+        }
+        Vec::new()
     }
 
     /// Looks up the pod holding the stored response a turn continues (done by
@@ -2171,6 +2211,145 @@ mod tests {
             pods.push(idx);
         }
         assert!(pods.iter().all(|x| *x == pods[0]), "{pods:?}");
+    }
+
+    /// A chat body of `messages` for the test model.
+    fn chat_of(messages: &serde_json::Value) -> Vec<u8> {
+        serde_json::to_vec(&serde_json::json!({"model": "llama-3", "messages": messages})).unwrap()
+    }
+
+    /// Picks for `body` on the idle `fleet` (which pod, and its key).
+    fn pick(e: &mut Engine, f: &FleetState, body: &[u8]) -> (Prepared, usize, u64) {
+        let p = e.prepare("/v1/chat/completions", body).unwrap();
+        let opts = DecideOptions {
+            now_ms: 1_010,
+            ..Default::default()
+        };
+        let c = e.decide(&p, Some(f), &[], opts, &mut SplitMix64::new(7));
+        (p, c.picked_index.unwrap(), c.picked_key.unwrap())
+    }
+
+    /// Audit finding: a system prompt longer than the prompt limit (256 blocks x 64 B = 16 KiB;
+    /// an agent's rules and tools) left the first user message past the cut, so every
+    /// conversation with it had the same key: a follow-up went to the pods of other
+    /// conversations (16 of 16 trials at 17,000 and 40,000 B). Five conversations, each placed
+    /// on its own pod by load; the follow-up of one goes back to its pod.
+    #[test]
+    fn a_system_prompt_longer_than_the_limit_still_tells_conversations_apart() {
+        let f = fleet(8);
+        let keys = f.pool("llama").unwrap().keys.clone();
+        for len in [8_000usize, 17_000, 40_000] {
+            let system: String = "Rule: always check the repository state before editing files. "
+                .chars()
+                .cycle()
+                .take(len)
+                .collect();
+            for trial in 0..8usize {
+                let mut e = engine();
+                let task = |c: usize| format!("Task {c}-{trial}: fix bug #{c} in module m{c}");
+                for c in 0..5 {
+                    let first = serde_json::json!([{"role": "system", "content": system},
+                        {"role": "user", "content": task(c)}]);
+                    let p = e.prepare("/v1/chat/completions", &chat_of(&first)).unwrap();
+                    e.commit(&p, keys[(trial + c) % 8]);
+                }
+                let follow_up = serde_json::json!([{"role": "system", "content": system},
+                    {"role": "user", "content": task(0)},
+                    {"role": "assistant", "content": "I found the bug in module m0. ".repeat(20)},
+                    {"role": "user", "content": "Now add a test."}]);
+                let (_, i, _) = pick(&mut e, &f, &chat_of(&follow_up));
+                assert_eq!(i, trial % 8, "system prompt of {len} B, trial {trial}");
+            }
+        }
+    }
+
+    /// Audit finding: conversations that open alike (the same system prompt and first user
+    /// message: "Hi", a fixed task template) share the conversation key, and the pods that
+    /// served any of them (at most four on record) were credited with the conversation, while
+    /// the pod holding this one's history was not once four others came after it (20 of 20
+    /// third turns left it). The credit now goes to the pods that served its previous turn.
+    #[test]
+    fn conversations_that_open_alike_keep_their_own_pods() {
+        let f = fleet(8);
+        let keys = f.pool("llama").unwrap().keys.clone();
+        let system = "You are a helpful assistant for ACME Corp. Answer concisely. ".repeat(6);
+        for opening in [
+            "Hi",
+            "Hello! I have a question about my long-running invoice dispute",
+        ] {
+            for trial in 0..16usize {
+                let mut e = engine();
+                let open = serde_json::json!([{"role": "system", "content": system},
+                    {"role": "user", "content": opening}]);
+                // Conversation A's first turn, placed on a pod by load, then its second.
+                let (p, _, _) = pick(&mut e, &f, &chat_of(&open));
+                let home = trial % 8;
+                e.commit(&p, keys[home]);
+                let answer = format!("Hello! (conversation A, trial {trial}) ").repeat(30);
+                let mut a = open.as_array().unwrap().clone();
+                a.push(serde_json::json!({"role": "assistant", "content": answer}));
+                a.push(serde_json::json!({"role": "user", "content": "Tell me about order 1234."}));
+                let (p, i, k) = pick(&mut e, &f, &chat_of(&a.clone().into()));
+                assert_eq!(i, home, "second turn, trial {trial}");
+                e.commit(&p, k);
+                // Four other users open alike; load puts them on four other pods.
+                for u in 1..=4 {
+                    let p = e.prepare("/v1/chat/completions", &chat_of(&open)).unwrap();
+                    e.commit(&p, keys[(home + u) % 8]);
+                }
+                a.push(
+                    serde_json::json!({"role": "assistant", "content": "It shipped. ".repeat(10)}),
+                );
+                a.push(serde_json::json!({"role": "user", "content": "When will it arrive?"}));
+                let (_, i, _) = pick(&mut e, &f, &chat_of(&a.into()));
+                assert_eq!(i, home, "third turn, opening {opening:?}, trial {trial}");
+            }
+        }
+    }
+
+    /// The previous turn's pods are exchanged like the rest of a decision: a worker that did not
+    /// make it credits them too, and a record without the turn key (an older build's) leaves
+    /// the pods under the conversation key credited, as before.
+    #[test]
+    fn the_previous_turn_is_learned_through_the_sync_log() {
+        let f = fleet(8);
+        let keys = f.pool("llama").unwrap().keys.clone();
+        let turn1 = serde_json::json!([{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"}]);
+        let turn2 = serde_json::json!([{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Order 7?"}]);
+        let turn3 = serde_json::json!([{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Order 7?"}, {"role": "assistant", "content": "Shipped."},
+            {"role": "user", "content": "When?"}]);
+        let mut a = engine();
+        let p1 = a.prepare("/v1/chat/completions", &chat_of(&turn1)).unwrap();
+        a.commit(&p1, keys[1]);
+        let p2 = a.prepare("/v1/chat/completions", &chat_of(&turn2)).unwrap();
+        assert_eq!(p2.conversation_pods, [keys[1]]);
+        a.commit(&p2, keys[5]);
+        let mut recs = Vec::new();
+        SyncLog::decode_after(&a.sync_payload(0), 0, &mut recs);
+        let mut b = engine();
+        b.apply_sync(&recs);
+        let p3 = b.prepare("/v1/chat/completions", &chat_of(&turn3)).unwrap();
+        assert_eq!(p3.conversation_pods, [keys[5]]);
+        // The same records as an older build sent them: anchors and conversation key only.
+        let mut old = engine();
+        for (r, p) in recs.iter_mut().zip([&p1, &p2]) {
+            let turn = p.turn.unwrap();
+            r.anchors.retain(|h| *h != turn);
+        }
+        old.apply_sync(&recs);
+        let p3 = old
+            .prepare("/v1/chat/completions", &chat_of(&turn3))
+            .unwrap();
+        let mut pods = p3.conversation_pods.clone();
+        pods.sort_unstable();
+        let mut both = vec![keys[1], keys[5]];
+        both.sort_unstable();
+        assert_eq!(pods, both);
     }
 
     #[test]

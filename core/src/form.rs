@@ -173,6 +173,7 @@ impl Fields {
             prompt: String::new(),
             prompt_len: 0,
             conversation_len: None,
+            conversation_text: None,
             previous_response: None,
             sequences: 1,
         }

@@ -26,7 +26,7 @@
 use crate::idmap::Generations;
 use crate::rng::mix64;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
-use xxhash_rust::xxh64::xxh64;
+use xxhash_rust::xxh64::{xxh64, Xxh64};
 
 /// Seed of the hash chain: prefixes of different models (or adapters, whose KV differs) never
 /// collide.
@@ -138,6 +138,24 @@ pub fn home_key(anchors: &[Anchor], home_blocks: usize) -> Option<u64> {
 pub fn conversation_key(text: &[u8], seed: u64) -> u64 {
     xxh64(text, seed ^ 0x636f_6e76)
 }
+
+/// Keys of a conversation's turns, from its prompt text (`request::InferenceRequest::prompt`):
+/// `(history, state)`. `state` stands for the whole text and is recorded against the pod the
+/// turn goes to; `history` for its first `history_len` bytes (the previous turn's text, see
+/// `request::InferenceRequest::history_len`) and is looked up: the next turn finds the pods that
+/// hold this conversation's history, not those of any conversation that opens alike. One pass
+/// over the text for both.
+pub fn turn_keys(text: &[u8], history_len: Option<usize>, seed: u64) -> (Option<u64>, u64) {
+    let mut h = Xxh64::new(seed ^ TURN_DOMAIN);
+    let (front, back) = text.split_at(history_len.unwrap_or(0).min(text.len()));
+    h.update(front);
+    let history = history_len.map(|_| h.digest());
+    h.update(back);
+    (history, h.digest())
+}
+
+/// Seed domain of [`turn_keys`]: no anchor, conversation or adapter key is the same by accident.
+const TURN_DOMAIN: u64 = 0x7475_726e;
 
 /// Pods known to hold one anchor; 4 is plenty (a prefix on more pods is hot everywhere).
 const PODS_PER_ANCHOR: usize = 4;

@@ -94,8 +94,14 @@ pub struct InferenceRequest<'a> {
     /// For conversations (chat messages, Responses API message items): the length of the
     /// leading part of `prompt` that identifies the conversation: everything before the first
     /// user message plus up to `home_chars` of it. Every later turn repeats it unchanged, and two
-    /// conversations that share only a system prompt differ in it.
+    /// conversations that share only a system prompt differ in it (when it runs past the prompt
+    /// limit, [`InferenceRequest::conversation_text`] holds it whole).
     pub conversation_len: Option<usize>,
+    /// The conversation's identifying text when the prompt limit cut into it (a system prompt
+    /// longer than the limit: an agent's rules and tool descriptions run to tens of KB); `None`
+    /// when it lies within `prompt` (`prompt[..conversation_len]`), the usual case. Without it
+    /// every conversation with such a system prompt had the same key.
+    pub conversation_text: Option<Vec<u8>>,
     /// Responses API: the `previous_response_id` a turn continues (a stored response, held by
     /// the pod that made it).
     pub previous_response: Option<Cow<'a, str>>,
@@ -124,6 +130,40 @@ impl InferenceRequest<'_> {
     fn with_n(mut self, n: Option<&str>) -> Self {
         self.sequences = sequences(n);
         self
+    }
+
+    /// The text that identifies the conversation ([`InferenceRequest::conversation_len`]), whole
+    /// even when the prompt limit cut into it; `None` for a prompt without conversation
+    /// structure.
+    pub fn conversation_key_text(&self) -> Option<&[u8]> {
+        match &self.conversation_text {
+            Some(t) => Some(t),
+            None => self
+                .conversation_len
+                .and_then(|n| self.prompt.as_bytes().get(..n)),
+        }
+    }
+
+    /// Whether the prompt text reached `limit` (the `prompt_limit` it was parsed with), so
+    /// that what followed was left out.
+    pub fn prompt_cut(&self, limit: usize) -> bool {
+        self.prompt.len().saturating_add(CUT_SLACK) > limit
+    }
+
+    /// Where the conversation stood at its previous turn: the length of the leading part of
+    /// `prompt` before its last assistant message (a turn repeats the previous turn's messages,
+    /// then adds the answer and a new message). `None` without an assistant message after the
+    /// first user message (an assistant message before it, a scripted greeting, is the same in
+    /// every conversation that opens alike).
+    pub fn history_len(&self) -> Option<usize> {
+        // The item separator before the role: the assistant message's start.
+        const MARKER: &str = "\u{1e}assistant\u{1f}";
+        const _: () = assert!(MARKER.as_bytes()[0] == ITEM_SEP as u8);
+        let text = &self.prompt;
+        // The key's extent may fall within a character (it is a byte count).
+        let key = (self.conversation_len?..=text.len()).find(|&k| text.is_char_boundary(k))?;
+        let at = text.get(key..)?.rfind(MARKER)?;
+        Some(key + at + 1)
     }
 
     /// Prompt tokens, estimated at 4 bytes per token (the usual rule of thumb for English text
@@ -245,6 +285,45 @@ fn push_sep(text: &mut String, c: char) {
 /// full length is still measured. `home_chars` bounds how much of the first user message goes
 /// into [`InferenceRequest::conversation_len`].
 pub fn parse(
+    body: &[u8],
+    endpoint: Endpoint,
+    prompt_limit: usize,
+    home_chars: usize,
+) -> Result<InferenceRequest<'_>, ApiError> {
+    let mut r = parse_within(body, endpoint, prompt_limit, home_chars)?;
+    if key_cut(&r, endpoint, prompt_limit) {
+        // Read again without the limit (the text is shorter than the body), for the key alone.
+        // Only conversations whose system prompt reaches the limit pay for it.
+        if let Ok(whole) = parse_within(body, endpoint, body.len(), home_chars) {
+            if let Some(n) = whole.conversation_len {
+                let mut text = whole.prompt.into_bytes();
+                text.truncate(n);
+                r.conversation_text = Some(text);
+            }
+        }
+    }
+    Ok(r)
+}
+
+/// Bytes within which a text that reached the limit ends: a cut falls on a character boundary
+/// (up to 3 bytes short of it), and a separator may follow.
+const CUT_SLACK: usize = 4;
+
+/// Whether the prompt limit may have cut into a conversation's identifying text: the text
+/// reached the limit, and no user message was read before it, or the key runs up to the cut.
+fn key_cut(r: &InferenceRequest<'_>, endpoint: Endpoint, limit: usize) -> bool {
+    let conversational = matches!(
+        endpoint,
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses
+    );
+    conversational
+        && r.prompt_cut(limit)
+        && r.conversation_len
+            .is_none_or(|n| n.saturating_add(2 * CUT_SLACK) >= r.prompt.len())
+}
+
+/// [`parse`] with the prompt text cut at `prompt_limit`, the conversation key too.
+fn parse_within(
     body: &[u8],
     endpoint: Endpoint,
     prompt_limit: usize,
@@ -882,6 +961,7 @@ impl PromptText {
             stream,
             prompt_len: self.len,
             conversation_len: self.conversation_len,
+            conversation_text: None,
             prompt: self.text,
             previous_response: None,
             sequences: 1,
@@ -1345,6 +1425,103 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.conversation_len, None);
+    }
+
+    /// A system prompt longer than the prompt limit used to leave the first user message past
+    /// the cut: every conversation with it had the same key (the audit's 17 and 40 KB system
+    /// prompts). The key now holds the whole system prompt and the first user message, in every
+    /// shape that has one; the prompt itself is still cut at the limit.
+    #[test]
+    fn a_system_prompt_past_the_limit_keeps_the_first_user_message_in_the_key() {
+        let system = "Rule: check the repository state before editing. ".repeat(400); // 20 KB
+        let chat_body = |first: &str, more: &str| {
+            format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{first}"}}{more}]}}"#
+            )
+        };
+        let messages_body = |first: &str| {
+            format!(
+                r#"{{"model":"m","max_tokens":9,"system":"{system}","messages":[{{"role":"user","content":"{first}"}}]}}"#
+            )
+        };
+        let responses_body = |first: &str| {
+            format!(
+                r#"{{"model":"m","input":[{{"role":"system","content":"{system}"}},{{"role":"user","content":"{first}"}}]}}"#
+            )
+        };
+        let later = r#",{"role":"assistant","content":"Done."},{"role":"user","content":"Next."}"#;
+        let limit = 16_384;
+        let key = |body: &str, endpoint| {
+            let r = parse(body.as_bytes(), endpoint, limit, 1024).unwrap();
+            assert!(r.prompt.len() <= limit);
+            // The same key as the whole prompt text gives.
+            let whole = parse(body.as_bytes(), endpoint, 1 << 20, 1024).unwrap();
+            assert_eq!(whole.conversation_text, None);
+            let n = whole.conversation_len.unwrap();
+            assert_eq!(
+                r.conversation_key_text(),
+                Some(&whole.prompt.as_bytes()[..n])
+            );
+            r.conversation_key_text().unwrap().to_vec()
+        };
+        let shapes = [
+            (
+                chat_body("Fix bug 1.", ""),
+                chat_body("Fix bug 2.", ""),
+                Endpoint::Chat,
+            ),
+            (
+                messages_body("Fix bug 1."),
+                messages_body("Fix bug 2."),
+                Endpoint::Messages,
+            ),
+            (
+                responses_body("Fix bug 1."),
+                responses_body("Fix bug 2."),
+                Endpoint::Responses,
+            ),
+        ];
+        for (one, two, endpoint) in shapes {
+            let a = key(&one, endpoint);
+            assert!(a.ends_with(b"Fix bug 1."), "{endpoint:?}");
+            assert_ne!(a, key(&two, endpoint), "{endpoint:?}");
+        }
+        assert_eq!(
+            key(&chat_body("Fix bug 1.", later), Endpoint::Chat),
+            key(&chat_body("Fix bug 1.", ""), Endpoint::Chat)
+        );
+        // A key within the limit is the prompt's own text, as before (no second read).
+        let short = chat_body("Fix bug 1.", later).replace(&system, "Be brief.");
+        let r = parse(short.as_bytes(), Endpoint::Chat, limit, 1024).unwrap();
+        assert_eq!(r.conversation_text, None);
+        assert!(r.conversation_key_text().unwrap().ends_with(b"Fix bug 1."));
+    }
+
+    /// A turn's history is the text before its last assistant message: the previous turn's
+    /// whole prompt text. A scripted assistant greeting before the first user message is not
+    /// (every conversation opening alike has it).
+    #[test]
+    fn the_history_is_the_previous_turns_text() {
+        let turn1 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#,
+        );
+        let turn2 = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},
+            {"role":"assistant","content":"Hello!"},{"role":"user","content":"Order 7?"}]}"#,
+        );
+        let tools = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{}"}}]},
+            {"role":"tool","content":"42"}]}"#,
+        );
+        assert_eq!(turn1.history_len(), None);
+        assert_eq!(turn2.history_len(), Some(turn1.prompt.len()));
+        assert_eq!(&turn2.prompt[..turn1.prompt.len()], turn1.prompt);
+        assert_eq!(tools.history_len(), Some(turn1.prompt.len()));
+        let greeting = chat(
+            r#"{"model":"m","messages":[{"role":"assistant","content":"How can I help?"},{"role":"user","content":"Hi"}]}"#,
+        );
+        assert_eq!(greeting.history_len(), None);
     }
 
     #[test]
