@@ -432,18 +432,6 @@ impl Picker {
         if cands.is_empty() {
             return Decision::FailOpen(FailOpen::NoFreshPod);
         }
-        let all_saturated = cands.iter().all(|c| c.saturated);
-        if all_saturated {
-            if let Some(to) = req.overflow_to {
-                return Decision::Overflow(to);
-            }
-            if req.sheddable {
-                return Decision::Shed;
-            }
-            if req.holdable {
-                return Decision::Hold(HoldReason::Saturated);
-            }
-        }
         // An adapter request keeps to the pods that hold its adapter (it runs there, or it is the
         // adapter's home) while any of them is under `lora_queue_threshold`, saturated or not:
         // copying an adapter to another pod takes a slot that pod's own adapters rely on and
@@ -456,6 +444,23 @@ impl Picker {
             adapter.is_some_and(|a| holds_adapter(&pool.pods[c.i], a, req))
                 && !over(&c.load, sc.lora_queue_threshold, sc.kv_threshold)
         };
+        let all_saturated = cands.iter().all(|c| c.saturated);
+        if all_saturated {
+            // Not while one of its adapter's pods keeps it (`keeps`): the failover pool would
+            // load the adapter, evicting one of its own, for a request that pod takes under
+            // `lora_queue_threshold` (with `queue_threshold: 1`, four of four requests for an
+            // adapter its pod ran with one waiting went to the burst pool, an audit). It then
+            // stays, as in a pool without overflow: shed, held or picked below.
+            if let Some(to) = req.overflow_to.filter(|_| !cands.iter().any(keeps)) {
+                return Decision::Overflow(to);
+            }
+            if req.sheddable {
+                return Decision::Shed;
+            }
+            if req.holdable {
+                return Decision::Hold(HoldReason::Saturated);
+            }
+        }
         if !all_saturated {
             // With `hold`, a request for a saturated pod's prompt or adapter may wait for it.
             if let Some(pod) = self.awaited_pod_for(pool, req, adapter, &cands) {
@@ -1578,6 +1583,65 @@ mod tests {
                 (2, LeftOut::AdapterElsewhere)
             ]
         );
+    }
+
+    #[test]
+    fn an_adapter_request_its_pod_keeps_does_not_overflow() {
+        // Both pods have one waiting (saturated at `queue_threshold: 1`, under
+        // `lora_queue_threshold`, 5); pod 0 runs the adapter.
+        let mut p = busy_and_idle(&["sql"], 1, 1);
+        p.pods[1].snap.waiting = 1;
+        let low = Picker::new(
+            ScoringConfig {
+                queue_threshold: 1.0,
+                ..Default::default()
+            },
+            2,
+        );
+        let go = |p: &PoolState, r: &RequestFeatures<'_>| {
+            low.pick(p, &[], r, 0, &mut SplitMix64::new(1), None)
+        };
+        let base = RequestFeatures {
+            overflow_to: Some(3),
+            ..Default::default()
+        };
+        let sql = RequestFeatures {
+            adapter: Some(adapter_key("sql")),
+            ..base.clone()
+        };
+        // A base-model request goes over; the adapter's request stays on the pod running it.
+        assert_eq!(go(&p, &base), Decision::Overflow(3));
+        assert_eq!(go(&p, &sql), Decision::Picked(vec![0]));
+        // Its home with a free slot keeps it too (nothing runs it yet).
+        let mut homed = p.clone();
+        homed.pods[0].lora_running.clear();
+        let home = RequestFeatures {
+            adapter_home: Some(homed.pods[0].key),
+            ..sql.clone()
+        };
+        assert_eq!(go(&homed, &home), Decision::Picked(vec![0]));
+        // It stays as in a pool without overflow: shed or held as the README says a request
+        // is while every pod is saturated.
+        let shed = RequestFeatures {
+            sheddable: true,
+            ..sql.clone()
+        };
+        assert_eq!(go(&p, &shed), Decision::Shed);
+        let hold = RequestFeatures {
+            holdable: true,
+            ..sql.clone()
+        };
+        assert_eq!(go(&p, &hold), Decision::Hold(HoldReason::Saturated));
+        // At `lora_queue_threshold` its pod no longer keeps it: it goes over.
+        let mut full = p.clone();
+        full.pods[0].snap.waiting = 5;
+        assert_eq!(go(&full, &sql), Decision::Overflow(3));
+        // So does an adapter no pod holds.
+        let other = RequestFeatures {
+            adapter: Some(adapter_key("chat")),
+            ..base.clone()
+        };
+        assert_eq!(go(&p, &other), Decision::Overflow(3));
     }
 
     #[test]

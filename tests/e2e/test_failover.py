@@ -213,3 +213,36 @@ def test_a_standby_pool_is_not_listed_and_cannot_be_asked_for(envoy):
     s, _, body, _ = envoy.request("POST", "/v1/chat/completions",
                                   {"model": "dr", "messages": [{"role": "user", "content": "hi"}]})
     assert s == 404 and body["error"]["code"] == "model_not_found", body
+
+
+def test_an_adapter_request_stays_on_its_adapters_pod_under_lora_queue_threshold(envoy, pods):
+    """Every llama pod saturated (2 waiting, `queue_threshold: 2`), llama-0 running `sql` far
+    under `scoring.lora_queue_threshold` (5): `sql` requests keep to llama-0, as in a pool without
+    overflow, instead of loading the adapter on the failover pool. Before, all four went over (an
+    audit: `overflow=main->burst`). At the adapter's threshold they go over."""
+    def push_lora(waiting_0):
+        def pod(name, waiting, running, slots):
+            return {"address": pods[name].address, "waiting": waiting, "running": 2,
+                    "lora": {"max_loras": slots, "running": running, "waiting": []}}
+        snap = snapshot({
+            # llama-1's one slot is taken: only llama-0 holds `sql`.
+            "llama": [pod("llama-0", waiting_0, ["sql"], 4), pod("llama-1", 2, ["other"], 1)],
+            **{pool: [{"address": p.address} for n, p in pods.items() if POD_POOL[n] == pool]
+               for pool in POOLS if pool != "llama"},
+        })
+        assert envoy.push(snap)[0] == 204
+
+    before = failed_over(envoy, "dr", "overflow")
+    push_lora(2)
+    for i in range(4):
+        _, _, h = send(envoy, "sql", f"adapter {i}")
+        assert h["x-served-by"] == "llama-0" and h["x-gateway-debug"].startswith("pool=llama;"), h
+    assert failed_over(envoy, "dr", "overflow") == before
+    # A base-model request goes over as before.
+    assert send(envoy, "llama-3", "base")[0] == "dr"
+    # llama-0 at lora_queue_threshold: the adapter's request goes over too.
+    push_lora(5)
+    pool, _, h = send(envoy, "sql", "adapter at threshold")
+    assert pool == "dr" and h["x-gateway-debug"].startswith("overflow=llama->dr; pool=dr"), h
+    assert failed_over(envoy, "dr", "overflow") == before + 2
+    push(envoy, pods)
