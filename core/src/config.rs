@@ -734,6 +734,29 @@ fn check_header_safe(field: impl FnOnce() -> String, name: &str) -> Result<(), C
     Ok(())
 }
 
+/// An adapter name the pods' metrics can carry: vLLM's `vllm:lora_requests_info` lists the
+/// running adapters joined by commas, and `sidecar-metrics` splits the list at commas and trims
+/// each name (Unicode whitespace, as `str::trim`). A pod running `sql,v2` was published as
+/// running `sql` and `v2`: requests for `sql,v2` went to pods that never ran it, and requests
+/// for `sql` to the pod running `sql,v2` (an audit). Such names are refused.
+fn check_adapter_name(field: impl FnOnce() -> String, name: &str) -> Result<(), ConfigError> {
+    if name.contains(',') {
+        return Err(cfg_err(
+            field(),
+            format!(
+                "{name:?} has a comma: vLLM's lora_requests_info joins adapter names with commas"
+            ),
+        ));
+    }
+    if name.trim() != name {
+        return Err(cfg_err(
+            field(),
+            format!("{name:?} starts or ends with whitespace, which the pods' metrics lose"),
+        ));
+    }
+    Ok(())
+}
+
 /// Names that share a stat name would share their counters (`llama.8b` and `llama_8b` are
 /// both `llama_8b` in Envoy's stats, [`crate::fleet::stat_segment`]): refused. `seen` maps
 /// each stat name to the name that took it.
@@ -838,6 +861,9 @@ impl FilterConfig {
                     return Err(cfg_err(format!("{f}.{kind}"), "empty name"));
                 }
                 check_header_safe(|| format!("{f}.{kind}"), name)?;
+                if kind == "adapters" {
+                    check_adapter_name(|| format!("{f}.{kind}"), name)?;
+                }
                 if !names.insert(name.as_str()) {
                     return Err(cfg_err(
                         format!("{f}.{kind}"),
@@ -1273,6 +1299,18 @@ mod tests {
             (
                 r#"{"pools":[{"name":"p","models":["m"],"failover":["q"]},{"name":"q","models":[],"adapters":["a"]}]}"#,
                 "pools[1].adapters",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"adapters":["ok","sql,v2"]}]}"#,
+                "pools[0].adapters",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"adapters":[" padded "]}]}"#,
+                "pools[0].adapters",
+            ),
+            (
+                r#"{"pools":[{"name":"p","models":["m"],"adapters":["nel\u0085"]}]}"#,
+                "pools[0].adapters",
             ),
             (
                 r#"{"pools":[{"name":"p","models":["m"],"failover":["q"]},{"name":"q","models":[]}],"default_pool":"q"}"#,

@@ -864,7 +864,13 @@ def test_a_runaway_version_is_replaced_once_its_snapshot_is_stale(pods):
     ({"pools": [{"name": "p\nx", "models": ["m"]}]}, 'pools[0].name: "p\\nx" has a control character'),
     # A models_path answering an inference path.
     ({"models_path": "/v1"}, 'models_path: "/v1/chat/completions" is "/v1" or under it'),
-], ids=["stat-names", "control-character", "models-path"])
+    # Adapter names the pods' metrics cannot carry: vLLM joins running adapters with commas,
+    # and sidecar-metrics splits there and trims (a pod running `sql,v2` read as `sql` and `v2`).
+    ({"pools": [{"name": "llama", "models": ["m"], "adapters": ["sql", "sql,v2"]}]},
+     'pools[0].adapters: "sql,v2" has a comma'),
+    ({"pools": [{"name": "llama", "models": ["m"], "adapters": [" padded "]}]},
+     'pools[0].adapters: " padded " starts or ends with whitespace'),
+], ids=["stat-names", "control-character", "models-path", "adapter-comma", "adapter-whitespace"])
 def test_envoy_refuses_a_configuration_that_would_misroute_or_miscount(pods, change, message):
     """Each was accepted before (an audit): Envoy now refuses to start with the configuration,
     and its log names the field."""
