@@ -6,9 +6,10 @@
 //! Plain rendezvous hashing gives each adapter a pod, but unevenly: with 16 adapters on 4 pods
 //! of 4 slots, some pods get 6 adapters and churn through their slots while others hold 2. Here
 //! each pod gets a quota (its capacity share of the adapters, never more than its slots while
-//! the adapters fit in the pool's slots) and each adapter, in a fixed order, takes its
-//! highest-ranked pod in plain rendezvous order that still has room. So a pod's share of
-//! adapters follows its capacity and every adapter can stay loaded.
+//! the adapters fit in the pool's slots; past them, its slots and its capacity share of the
+//! excess) and each adapter, in a fixed order, takes its highest-ranked pod in plain rendezvous
+//! order that still has room. So a pod's share of adapters follows its capacity and every
+//! adapter can stay loaded.
 //!
 //! Capacity enters through the quotas only, not the ranking. Any speed estimate moves with load
 //! (the mean-latency one `sidecar-metrics` used before its decode-step estimate spread over
@@ -42,38 +43,11 @@ pub fn partition(adapters: &[u64], pods: &[SlotPod]) -> HashMap<u64, u64> {
     if pods.is_empty() {
         return homes;
     }
-    let n = adapters.len();
-    let total_w: f64 = pods.iter().map(|p| p.weight.max(1e-6)).sum();
-    let total_slots: usize = pods.iter().map(|p| p.slots as usize).sum();
-    // Capacity-proportional shares, rounded up.
-    let mut quota: Vec<usize> = pods
-        .iter()
-        .map(|p| ((n as f64) * p.weight.max(1e-6) / total_w).ceil() as usize)
-        .collect();
-    if n <= total_slots {
-        // Everything fits: never more adapters than slots on a pod, topped up where there is
-        // room (fastest pods first) until the quotas cover every adapter.
-        for (q, p) in quota.iter_mut().zip(pods) {
-            *q = (*q).min(p.slots as usize);
-        }
-        let mut order: Vec<usize> = (0..pods.len()).collect();
-        order.sort_by(|a, b| {
-            pods[*b]
-                .weight
-                .total_cmp(&pods[*a].weight)
-                .then(pods[*a].key.cmp(&pods[*b].key))
-        });
-        while quota.iter().sum::<usize>() < n {
-            let Some(&i) = order.iter().find(|&&i| quota[i] < pods[i].slots as usize) else {
-                break;
-            };
-            quota[i] += 1;
-        }
-    }
-    let mut load = vec![0usize; pods.len()];
     let mut sorted: Vec<u64> = adapters.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
+    let quota = quotas(sorted.len(), pods);
+    let mut load = vec![0usize; pods.len()];
     let mut ranked: Vec<usize> = (0..pods.len()).collect();
     for a in sorted {
         ranked.sort_by_key(|&i| std::cmp::Reverse((hrw_weight(a, pods[i].key), pods[i].key)));
@@ -86,6 +60,65 @@ pub fn partition(adapters: &[u64], pods: &[SlotPod]) -> HashMap<u64, u64> {
         homes.insert(a, pods[i].key);
     }
     homes
+}
+
+/// How many of `n` adapters each pod may be home to.
+fn quotas(n: usize, pods: &[SlotPod]) -> Vec<usize> {
+    let weight = |p: &SlotPod| p.weight.max(1e-6);
+    // Summed in key order, so the pods' order cannot move a share across an integer by an ulp.
+    let mut by_key: Vec<usize> = (0..pods.len()).collect();
+    by_key.sort_by_key(|&i| pods[i].key);
+    let total_w: f64 = by_key.iter().map(|&i| weight(&pods[i])).sum();
+    let total_slots: usize = pods.iter().map(|p| p.slots as usize).sum();
+    if n > total_slots {
+        // More adapters than slots (or slots unknown, 0): every pod is home to as many as its
+        // slots, and the excess is shared by capacity, largest remainder first, so the quotas sum
+        // to exactly `n`. Before, each pod took ceil(n * w / W) whatever its slots: past the
+        // pool's slots some pods overfilled while others left slots empty, and one adapter past
+        // them moved up to half the homes ([16, 4, 4, 4] slots, 28 -> 29 adapters: 14 moved,
+        // homes per pod [5, 8, 8, 8]).
+        let excess = n - total_slots;
+        let share = |i: usize| excess as f64 * weight(&pods[i]) / total_w;
+        let mut quota: Vec<usize> = pods
+            .iter()
+            .enumerate()
+            .map(|(i, p)| p.slots as usize + share(i).floor() as usize)
+            .collect();
+        let given: usize = quota.iter().sum();
+        let mut order = by_key;
+        // Largest remainder first, then by key: the same order whatever the pods' order.
+        order.sort_by(|&a, &b| {
+            let rem = |i: usize| share(i) - share(i).floor();
+            rem(b)
+                .total_cmp(&rem(a))
+                .then(pods[a].key.cmp(&pods[b].key))
+        });
+        for &i in order.iter().cycle().take(n.saturating_sub(given)) {
+            quota[i] += 1;
+        }
+        return quota;
+    }
+    // Everything fits: capacity-proportional shares rounded up, never more adapters than slots
+    // on a pod, topped up where there is room (fastest pods first) until the quotas cover every
+    // adapter.
+    let mut quota: Vec<usize> = pods
+        .iter()
+        .map(|p| (((n as f64) * weight(p) / total_w).ceil() as usize).min(p.slots as usize))
+        .collect();
+    let mut order: Vec<usize> = (0..pods.len()).collect();
+    order.sort_by(|a, b| {
+        pods[*b]
+            .weight
+            .total_cmp(&pods[*a].weight)
+            .then(pods[*a].key.cmp(&pods[*b].key))
+    });
+    while quota.iter().sum::<usize>() < n {
+        let Some(&i) = order.iter().find(|&&i| quota[i] < pods[i].slots as usize) else {
+            break;
+        };
+        quota[i] += 1;
+    }
+    quota
 }
 
 #[cfg(test)]
@@ -135,6 +168,66 @@ mod tests {
         let ps = pods(4, 2);
         let c = counts(&partition(&adapters, &ps), &ps);
         assert_eq!(c, [10, 10, 10, 10]);
+    }
+
+    /// Homes of `n` adapters on pods of `slots` slots each (equal speeds).
+    fn homes(n: usize, slots: &[u32]) -> (HashMap<u64, u64>, Vec<SlotPod>) {
+        let ps: Vec<SlotPod> = slots
+            .iter()
+            .zip(pods(slots.len() as u64, 0))
+            .map(|(&slots, p)| SlotPod { slots, ..p })
+            .collect();
+        let adapters: Vec<u64> = (0..n).map(|i| adapter_key(&format!("c{i}"))).collect();
+        (partition(&adapters, &ps), ps)
+    }
+
+    #[test]
+    fn past_the_pools_slots_every_pod_fills_its_slots_and_shares_the_rest() {
+        // Before: [4, 4, 4, 4] slots, 17 adapters gave [2, 5, 5, 5] (one pod's slots unused);
+        // [16, 4, 4, 4], 29 gave [5, 8, 8, 8].
+        for (slots, n) in [
+            (vec![4, 4, 4, 4], 17),
+            (vec![16, 4, 4, 4], 29),
+            (vec![8, 8, 4, 4], 25),
+            (vec![8; 8], 65),
+            (vec![16, 4, 4, 4], 60),
+        ] {
+            let (h, ps) = homes(n, &slots);
+            let c = counts(&h, &ps);
+            assert_eq!(c.iter().sum::<usize>(), n, "{slots:?}");
+            let total: u32 = slots.iter().sum();
+            let excess = n - total as usize;
+            // Its slots, and an equal share of the excess (equal speeds) within one.
+            for (c, s) in c.iter().zip(&slots) {
+                let extra = c - *s as usize;
+                assert!(
+                    extra.abs_diff(excess / slots.len()) <= 1,
+                    "{slots:?} {n}: {c:?}"
+                );
+            }
+        }
+        // The excess by capacity: a pod twice as fast takes twice the adapters past its slots.
+        let mut ps = pods(3, 2);
+        ps[0].weight = 2.0;
+        let adapters: Vec<u64> = (0..26).map(|i| adapter_key(&format!("w{i}"))).collect();
+        assert_eq!(counts(&partition(&adapters, &ps), &ps), [12, 7, 7]);
+    }
+
+    #[test]
+    fn one_adapter_past_the_pools_slots_moves_few_homes() {
+        // Moved before, in this order: 3, 14, 9 and 7 homes; now 2, 0, 0 and 2 (the new adapter
+        // moves no home, or one whose place it takes).
+        for (slots, n) in [
+            (vec![4, 4, 4, 4], 16),
+            (vec![16, 4, 4, 4], 28),
+            (vec![8, 8, 4, 4], 24),
+            (vec![8; 8], 64),
+        ] {
+            let (a, _) = homes(n, &slots);
+            let (b, _) = homes(n + 1, &slots);
+            let moved = a.iter().filter(|(k, v)| b[*k] != **v).count();
+            assert!(moved <= 2, "{slots:?} {n} -> {}: {moved} moved", n + 1);
+        }
     }
 
     #[test]
