@@ -9,9 +9,10 @@
 #![allow(clippy::panic, clippy::unwrap_used, clippy::expect_used)]
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion};
+use gpuroute_core::adapters::{partition, SlotPod};
 use gpuroute_core::config::FilterConfig;
 use gpuroute_core::engine::{DecideOptions, Engine, Prepared, Reader, RequestContext};
-use gpuroute_core::fleet::FleetState;
+use gpuroute_core::fleet::{adapter_key, FleetState};
 use gpuroute_core::ingest::{self, StoredHeader};
 use gpuroute_core::load::LoadTable;
 use gpuroute_core::picker::Decision;
@@ -546,5 +547,34 @@ fn snapshot_install(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench, shared_engine, snapshot_install);
+/// The adapter partition ([`partition`]): recomputed only when a pool's pods, slots or speed
+/// classes change, but then on the request path.
+fn adapter_partition(c: &mut Criterion) {
+    let mut group = c.benchmark_group("adapter_partition");
+    for (adapters, pods) in [(16usize, 4u64), (1_000, 32), (5_000, 64)] {
+        let keys: Vec<u64> = (0..adapters)
+            .map(|i| adapter_key(&format!("lora-{i}")))
+            .collect();
+        let ps: Vec<SlotPod> = (1..=pods)
+            .map(|k| SlotPod {
+                key: k.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+                weight: 1.0,
+                slots: 4,
+            })
+            .collect();
+        let id = format!("{adapters}x{pods}");
+        group.bench_function(BenchmarkId::new("partition", id), |b| {
+            b.iter(|| black_box(partition(&keys, &ps).len()))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(
+    benches,
+    bench,
+    shared_engine,
+    snapshot_install,
+    adapter_partition
+);
 criterion_main!(benches);
