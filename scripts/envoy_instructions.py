@@ -64,7 +64,7 @@ character of its contents a `\\u` escape (a run of them, read two escapes at a t
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
                                      [--keep DIR] [--sim] [--config-changes N] [--workers N]
-                                     [--tick-ms MS] [--serving-thread] [--access-log] [--body chat|chat-lines|chat-unicode|chat-cjk|messages-blocks]
+                                     [--tick-ms MS] [--serving-thread] [--access-log] [--body chat|chat-lines|chat-unicode|chat-cjk|chat-long-system|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
 
@@ -158,6 +158,22 @@ def chat_cjk_body():
     return json.dumps({"model": "llama-3-8b", "stream": False, "max_tokens": 64, "messages": messages}).encode()
 
 
+def chat_long_system_body():
+    """An agent's turn: a ~20 KB system prompt (its rules and tool descriptions), past the
+    prompt limit the filter hashes (`prefix.max_blocks` x 64 B = 16 KiB), then a user message,
+    an answer and a question. The conversation key reaches past that limit (the whole system
+    prompt and the first user message), so the body is read a second time for it."""
+    rule = "Rule {}: before editing a file, read it and the tests that cover it; never guess a path. "
+    system = "".join(rule.format(i) for i in range(230))
+    messages = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Fix the failing test in core/src/request.rs."},
+        {"role": "assistant", "content": "I read the test: it expects the key to cover the first user message."},
+        {"role": "user", "content": "Good, now make it pass."},
+    ]
+    return json.dumps({"model": "llama-3-8b", "stream": False, "max_tokens": 64, "messages": messages}).encode()
+
+
 # --body: the request's path and body.
 def streamed(body):
     """The same request asking for a streamed answer: the filter then counts it in prefill until
@@ -183,6 +199,8 @@ BODIES = {
     "chat-cjk": ("/v1/chat/completions", chat_cjk_body,
                  "4 KB chat body in Japanese, every character a \\u escape as Python writes it"),
     "messages-blocks": ("/v1/messages", messages_blocks_body, "4 KB Messages API body (content blocks)"),
+    "chat-long-system": ("/v1/chat/completions", chat_long_system_body,
+                         "20 KB chat body, its system prompt past the 16 KiB prompt limit"),
     "chat-stream": ("/v1/chat/completions", lambda: streamed(chat_body()), "4 KB chat body, streamed (\"stream\": true)"),
     "chat-model-last": ("/v1/chat/completions", lambda: model_last(chat_body()),
                         "4 KB chat body, `model` after `messages` (as OpenAI's Python SDK writes it)"),

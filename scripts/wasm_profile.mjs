@@ -70,6 +70,8 @@ const env = {
   },
   proxy_set_buffer_bytes: () => 0,
   proxy_get_header_map_pairs: (type, pp, sp) => { give(headers, pp, sp); return 0; },
+  // One header: the answer's status (the filter reads it for passive health).
+  proxy_get_header_map_value: (type, kp, kl, pp, sp) => { give(enc.encode('200'), pp, sp); return 0; },
   proxy_replace_header_map_value: () => 0,
   proxy_add_header_map_value: () => 0,
   proxy_remove_header_map_value: () => 0,

@@ -551,16 +551,15 @@ impl Reader {
             .map(|k| prefix::conversation_key(k, seed));
         // And where it stands: what this turn leaves on its pod, and what the previous turn did.
         let (history, turn) = match conversation {
-            Some(_) => {
-                let (h, t) = prefix::turn_keys(req.prompt.as_bytes(), req.history_len(), seed);
+            Some(c) => {
+                let (h, t) = prefix::turn_keys(req.prompt.as_bytes(), req.history_len(), c);
                 (h, Some(t))
             }
             None => (None, None),
         };
         // A cut past the key only: a cut within it (a system prompt past the limit) is the same
         // for every conversation with that system prompt.
-        let turn_cut = req.prompt_cut(p.block_chars.saturating_mul(p.max_blocks))
-            && req.conversation_text.is_none();
+        let turn_cut = req.prompt_cut(p.block_chars.saturating_mul(p.max_blocks));
         let home_key = conversation.or_else(|| prefix::home_key(&anchors, p.home_blocks));
         // Where this adapter went lately: the same index, under a key no prompt hash can take
         // by accident (its own seed domain).

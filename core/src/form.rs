@@ -173,7 +173,7 @@ impl Fields {
             prompt: String::new(),
             prompt_len: 0,
             conversation_len: None,
-            conversation_text: None,
+            last_assistant: None,
             previous_response: None,
             sequences: 1,
         }

@@ -94,14 +94,11 @@ pub struct InferenceRequest<'a> {
     /// For conversations (chat messages, Responses API message items): the length of the
     /// leading part of `prompt` that identifies the conversation: everything before the first
     /// user message plus up to `home_chars` of it. Every later turn repeats it unchanged, and two
-    /// conversations that share only a system prompt differ in it (when it runs past the prompt
-    /// limit, [`InferenceRequest::conversation_text`] holds it whole).
+    /// conversations that share only a system prompt differ in it. The prompt limit does not cut
+    /// into it (`PromptText::limit`): the text is then longer than the limit, up to the key's end.
     pub conversation_len: Option<usize>,
-    /// The conversation's identifying text when the prompt limit cut into it (a system prompt
-    /// longer than the limit: an agent's rules and tool descriptions run to tens of KB); `None`
-    /// when it lies within `prompt` (`prompt[..conversation_len]`), the usual case. Without it
-    /// every conversation with such a system prompt had the same key.
-    pub conversation_text: Option<Vec<u8>>,
+    /// Where the last assistant message of the text starts, as written ([`Self::history_len`]).
+    pub last_assistant: Option<usize>,
     /// Responses API: the `previous_response_id` a turn continues (a stored response, held by
     /// the pod that made it).
     pub previous_response: Option<Cow<'a, str>>,
@@ -132,16 +129,11 @@ impl InferenceRequest<'_> {
         self
     }
 
-    /// The text that identifies the conversation ([`InferenceRequest::conversation_len`]), whole
-    /// even when the prompt limit cut into it; `None` for a prompt without conversation
-    /// structure.
+    /// The text that identifies the conversation ([`InferenceRequest::conversation_len`]);
+    /// `None` for a prompt without conversation structure.
     pub fn conversation_key_text(&self) -> Option<&[u8]> {
-        match &self.conversation_text {
-            Some(t) => Some(t),
-            None => self
-                .conversation_len
-                .and_then(|n| self.prompt.as_bytes().get(..n)),
-        }
+        self.conversation_len
+            .and_then(|n| self.prompt.as_bytes().get(..n))
     }
 
     /// Whether the prompt text reached `limit` (the `prompt_limit` it was parsed with), so
@@ -156,14 +148,10 @@ impl InferenceRequest<'_> {
     /// first user message (an assistant message before it, a scripted greeting, is the same in
     /// every conversation that opens alike).
     pub fn history_len(&self) -> Option<usize> {
-        // The item separator before the role: the assistant message's start.
-        const MARKER: &str = "\u{1e}assistant\u{1f}";
-        const _: () = assert!(MARKER.as_bytes()[0] == ITEM_SEP as u8);
-        let text = &self.prompt;
-        // The key's extent may fall within a character (it is a byte count).
-        let key = (self.conversation_len?..=text.len()).find(|&k| text.is_char_boundary(k))?;
-        let at = text.get(key..)?.rfind(MARKER)?;
-        Some(key + at + 1)
+        // Recorded as the text was written: a search of the text for the last assistant role
+        // cost ~2,000 Envoy instructions on a 4 KB chat request.
+        self.last_assistant
+            .filter(|&a| self.conversation_len.is_some_and(|key| a > key))
     }
 
     /// Prompt tokens, estimated at 4 bytes per token (the usual rule of thumb for English text
@@ -281,49 +269,22 @@ fn push_sep(text: &mut String, c: char) {
     }
 }
 
-/// Parses a request body. `prompt_limit` caps the prompt text kept for hashing (bytes); the
-/// full length is still measured. `home_chars` bounds how much of the first user message goes
-/// into [`InferenceRequest::conversation_len`].
-pub fn parse(
-    body: &[u8],
-    endpoint: Endpoint,
-    prompt_limit: usize,
-    home_chars: usize,
-) -> Result<InferenceRequest<'_>, ApiError> {
-    let mut r = parse_within(body, endpoint, prompt_limit, home_chars)?;
-    if key_cut(&r, endpoint, prompt_limit) {
-        // Read again without the limit (the text is shorter than the body), for the key alone.
-        // Only conversations whose system prompt reaches the limit pay for it.
-        if let Ok(whole) = parse_within(body, endpoint, body.len(), home_chars) {
-            if let Some(n) = whole.conversation_len {
-                let mut text = whole.prompt.into_bytes();
-                text.truncate(n);
-                r.conversation_text = Some(text);
-            }
-        }
-    }
-    Ok(r)
-}
+/// The role whose messages end a turn's history ([`InferenceRequest::history_len`]).
+const ASSISTANT: &str = "assistant";
+
+/// The longest text a conversation's key may take before its first user message is read
+/// ([`PromptText::limit`]): a system prompt longer still is cut there, and conversations with it
+/// share one key again.
+pub const KEY_TEXT_MAX: usize = 256 * 1024;
 
 /// Bytes within which a text that reached the limit ends: a cut falls on a character boundary
 /// (up to 3 bytes short of it), and a separator may follow.
 const CUT_SLACK: usize = 4;
 
-/// Whether the prompt limit may have cut into a conversation's identifying text: the text
-/// reached the limit, and no user message was read before it, or the key runs up to the cut.
-fn key_cut(r: &InferenceRequest<'_>, endpoint: Endpoint, limit: usize) -> bool {
-    let conversational = matches!(
-        endpoint,
-        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses
-    );
-    conversational
-        && r.prompt_cut(limit)
-        && r.conversation_len
-            .is_none_or(|n| n.saturating_add(2 * CUT_SLACK) >= r.prompt.len())
-}
-
-/// [`parse`] with the prompt text cut at `prompt_limit`, the conversation key too.
-fn parse_within(
+/// Parses a request body. `prompt_limit` caps the prompt text kept for hashing (bytes); the
+/// full length is still measured. `home_chars` bounds how much of the first user message goes
+/// into [`InferenceRequest::conversation_len`].
+pub fn parse(
     body: &[u8],
     endpoint: Endpoint,
     prompt_limit: usize,
@@ -337,7 +298,18 @@ fn parse_within(
     }
     // The prompt text is shorter than the body in every shape we read (a message's JSON around
     // its text is longer than the two separators that replace it): one allocation holds it.
-    let prompt = || PromptText::new(prompt_limit, home_chars, body.len());
+    let keyed = matches!(
+        endpoint,
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses
+    );
+    let prompt = || {
+        let p = PromptText::new(prompt_limit, home_chars, body.len());
+        if keyed {
+            p.keyed()
+        } else {
+            p
+        }
+    };
     if endpoint == Endpoint::Chat {
         // Fast paths; a body they do not take (not valid JSON, `messages` absent, null or not a
         // list of message objects, ...) goes the general way, which decides.
@@ -387,7 +359,7 @@ fn parse_messages_scan(
     mut prompt: PromptText,
 ) -> Option<Result<InferenceRequest<'_>, ApiError>> {
     let mut collected = scan::Collect::default();
-    let head = if body.len() > prompt.limit {
+    let head = if body.len() > prompt.base_limit {
         scan::messages_each(body, &mut collected)?
     } else {
         scan::messages_each(body, &mut prompt)?
@@ -826,7 +798,7 @@ impl<'a> scan::ChatSink<'a> for PromptText {
     fn open(&mut self, role: &'static str, most: usize) -> bool {
         // Role, field separator, content, item separator.
         let most = role.len().saturating_add(most).saturating_add(2);
-        if self.text.len().saturating_add(most) > self.limit {
+        if self.text.len().saturating_add(most) > self.limit() {
             return false;
         }
         self.text.reserve(most);
@@ -851,8 +823,11 @@ impl<'a> scan::ChatSink<'a> for PromptText {
     #[inline(always)]
     fn close(&mut self, role: &'static str) {
         let start = self.opened + role.len() + 1;
+        if role == ASSISTANT {
+            self.last_assistant = Some(self.opened);
+        }
         if self.conversation_len.is_none() && role == "user" {
-            self.conversation_len = Some(self.text.len().min(start + self.home_chars));
+            self.key_ends(self.text.len().min(start + self.home_chars));
         }
         push_sep(&mut self.text, ITEM_SEP);
         self.len += self.text.len() - self.opened;
@@ -867,7 +842,19 @@ impl<'a> scan::ChatSink<'a> for PromptText {
 struct PromptText {
     text: String,
     len: usize,
-    limit: usize,
+    /// The prompt limit ([`parse`]'s `prompt_limit`); [`PromptText::limit`] is the text's.
+    base_limit: usize,
+    /// [`PromptText::limit`], kept as a field: the scanner reads it for every message.
+    cut_at: usize,
+    /// A conversational request (chat, Messages, Responses): its text is not cut before its
+    /// conversation key is whole ([`PromptText::limit`]).
+    keyed: bool,
+    /// Where the first user message's text ends (once [`PromptText::conversation_len`] is set):
+    /// past the prompt limit, the text is cut after that message's separator.
+    key_end: usize,
+    /// Where the last assistant message written whole into the text starts (its role's first
+    /// byte): a turn's history ends there ([`InferenceRequest::history_len`]).
+    last_assistant: Option<usize>,
     home_chars: usize,
     conversation_len: Option<usize>,
     /// Where the message the scanner opened last starts in `text` ([`scan::ChatSink::open`]).
@@ -879,31 +866,68 @@ impl PromptText {
         PromptText {
             text: String::with_capacity(limit.min(body_len)),
             len: 0,
-            limit,
+            base_limit: limit,
+            cut_at: limit,
+            keyed: false,
+            key_end: 0,
+            last_assistant: None,
             home_chars,
             conversation_len: None,
             opened: 0,
         }
     }
 
+    /// A conversational request's text ([`PromptText::keyed`]).
+    fn keyed(mut self) -> Self {
+        self.keyed = true;
+        self.cut_at = self.base_limit.max(KEY_TEXT_MAX);
+        self
+    }
+
+    /// The first user message ends at `key_end` in the text: the conversation key is whole, and
+    /// the text is cut at the prompt limit from now on, or right after that message.
+    #[inline]
+    fn key_ends(&mut self, key_len: usize) {
+        self.conversation_len = Some(key_len);
+        self.key_end = self.text.len();
+        // The message's item separator too, which every path writes after it.
+        self.cut_at = self.base_limit.max(self.key_end + 1);
+    }
+
+    /// Where the text is cut. A conversation's text is not cut before its key is whole (the
+    /// text before the first user message and `home_chars` of it, however long: an agent's
+    /// rules and tool descriptions run to tens of KB, and with the key cut every conversation
+    /// with that system prompt had the same one, an audit's 40 conversations on 2 of 8 pods);
+    /// at most [`KEY_TEXT_MAX`], where a system prompt longer still merges conversations again.
+    /// Then at the prompt limit, or at the end of the key's message when that is past it. The
+    /// anchors hash at most `max_blocks` of it either way.
+    #[inline(always)]
+    fn limit(&self) -> usize {
+        self.cut_at
+    }
+
     /// Role, separator and content of one message; the first user message fixes the
     /// conversation key's extent.
     fn message(&mut self, role: Option<&str>, content: impl FnOnce(&mut Self)) {
+        let at = self.text.len();
         if let Some(r) = role {
             self.push(r);
         }
         self.sep(FIELD_SEP);
+        if role == Some(ASSISTANT) && self.text.len() == at + ASSISTANT.len() + 1 {
+            self.last_assistant = Some(at);
+        }
         let start = self.text.len();
         content(self);
         if self.conversation_len.is_none() && role == Some("user") {
-            self.conversation_len = Some(self.text.len().min(start + self.home_chars));
+            self.key_ends(self.text.len().min(start + self.home_chars));
         }
     }
 
     #[inline]
     fn push(&mut self, s: &str) {
         self.len += s.len();
-        let room = self.limit.saturating_sub(self.text.len());
+        let room = self.limit().saturating_sub(self.text.len());
         if s.len() <= room {
             append(&mut self.text, s);
         } else if room > 0 {
@@ -937,7 +961,7 @@ impl PromptText {
     #[inline]
     fn sep(&mut self, c: char) {
         self.len += 1;
-        if self.text.len() < self.limit {
+        if self.text.len() < self.limit() {
             push_sep(&mut self.text, c);
         }
     }
@@ -961,7 +985,7 @@ impl PromptText {
             stream,
             prompt_len: self.len,
             conversation_len: self.conversation_len,
-            conversation_text: None,
+            last_assistant: self.last_assistant,
             prompt: self.text,
             previous_response: None,
             sequences: 1,
@@ -981,11 +1005,19 @@ impl PromptText {
             write(self);
             return;
         }
-        let mut front = PromptText::new(self.limit, self.home_chars, room);
+        let mut front = PromptText::new(self.base_limit, self.home_chars, room);
+        if self.keyed {
+            front = front.keyed();
+        }
         write(&mut front);
         self.text.insert_str(0, &front.text);
         self.len += front.len;
         self.conversation_len = self.conversation_len.map(|n| n + front.text.len());
+        self.key_end += front.text.len();
+        if self.conversation_len.is_some() {
+            self.cut_at = self.base_limit.max(self.key_end + 1);
+        }
+        self.last_assistant = self.last_assistant.map(|a| a + front.text.len());
     }
 
     /// Messages read by the scanner: contents already unescaped, `tool_calls` raw.
@@ -1013,18 +1045,21 @@ impl PromptText {
         let calls = m.tool_calls.unwrap_or_default();
         // Role, field separator, content, tool calls, item separator.
         let most = role.len() + 1 + content.max_len() + calls.len() + 1;
-        if self.text.len().saturating_add(most) > self.limit {
+        if self.text.len().saturating_add(most) > self.limit() {
             return self.scanned_general(m);
         }
         self.text.reserve(most);
         let before = self.text.len();
         append(&mut self.text, role);
         push_sep(&mut self.text, FIELD_SEP);
+        if role == ASSISTANT {
+            self.last_assistant = Some(before);
+        }
         let start = self.text.len();
         content.append_to(&mut self.text);
         append(&mut self.text, calls);
         if self.conversation_len.is_none() && m.role == Some("user") {
-            self.conversation_len = Some(self.text.len().min(start + self.home_chars));
+            self.key_ends(self.text.len().min(start + self.home_chars));
         }
         push_sep(&mut self.text, ITEM_SEP);
         self.len += self.text.len() - before;
@@ -1033,7 +1068,7 @@ impl PromptText {
     /// A text read by the scanner: decoded straight into the prompt text when it fits at its
     /// token's length, else through [`PromptText::push`], which cuts it at the limit.
     fn push_text(&mut self, t: scan::Text<'_>) {
-        if t.max_len() <= self.limit.saturating_sub(self.text.len()) {
+        if t.max_len() <= self.limit().saturating_sub(self.text.len()) {
             let before = self.text.len();
             t.append_to(&mut self.text);
             self.len += self.text.len() - before;
@@ -1430,7 +1465,8 @@ mod tests {
     /// A system prompt longer than the prompt limit used to leave the first user message past
     /// the cut: every conversation with it had the same key (the audit's 17 and 40 KB system
     /// prompts). The key now holds the whole system prompt and the first user message, in every
-    /// shape that has one; the prompt itself is still cut at the limit.
+    /// shape that has one: the text is not cut before the key's end, and is cut there (what
+    /// follows it is left out), in one read of the body.
     #[test]
     fn a_system_prompt_past_the_limit_keeps_the_first_user_message_in_the_key() {
         let system = "Rule: check the repository state before editing. ".repeat(400); // 20 KB
@@ -1453,10 +1489,14 @@ mod tests {
         let limit = 16_384;
         let key = |body: &str, endpoint| {
             let r = parse(body.as_bytes(), endpoint, limit, 1024).unwrap();
-            assert!(r.prompt.len() <= limit);
+            let n = r.conversation_len.unwrap();
+            // Cut right after the key's message (20 KB of system prompt, a few bytes of it).
+            assert!(
+                r.prompt.len() > limit && r.prompt.len() <= n + 2,
+                "{endpoint:?}"
+            );
             // The same key as the whole prompt text gives.
             let whole = parse(body.as_bytes(), endpoint, 1 << 20, 1024).unwrap();
-            assert_eq!(whole.conversation_text, None);
             let n = whole.conversation_len.unwrap();
             assert_eq!(
                 r.conversation_key_text(),
@@ -1490,11 +1530,25 @@ mod tests {
             key(&chat_body("Fix bug 1.", later), Endpoint::Chat),
             key(&chat_body("Fix bug 1.", ""), Endpoint::Chat)
         );
-        // A key within the limit is the prompt's own text, as before (no second read).
+        // A key within the limit, as before: the text goes on to the limit.
         let short = chat_body("Fix bug 1.", later).replace(&system, "Be brief.");
         let r = parse(short.as_bytes(), Endpoint::Chat, limit, 1024).unwrap();
-        assert_eq!(r.conversation_text, None);
         assert!(r.conversation_key_text().unwrap().ends_with(b"Fix bug 1."));
+        assert!(r.prompt.ends_with("Next.\u{1e}"), "{:?}", r.prompt);
+        // Past KEY_TEXT_MAX of system prompt, the text is cut there, key or no key.
+        let huge = chat_body("Fix bug 1.", "").replace(&system, &system.repeat(14));
+        let r = parse(huge.as_bytes(), Endpoint::Chat, limit, 1024).unwrap();
+        assert!(r.prompt.len() <= KEY_TEXT_MAX + 1, "and the item separator");
+        assert_eq!(r.conversation_len, Some(KEY_TEXT_MAX));
+    }
+
+    /// [`InferenceRequest::history_len`] by a search of the text: the start of the last
+    /// assistant role written whole after the conversation key.
+    fn oracle_history(r: &InferenceRequest<'_>) -> Option<usize> {
+        let marker = "\u{1e}assistant\u{1f}";
+        let text = &r.prompt;
+        let key = (r.conversation_len?..=text.len()).find(|&k| text.is_char_boundary(k))?;
+        Some(key + text.get(key..)?.rfind(marker)? + 1)
     }
 
     /// A turn's history is the text before its last assistant message: the previous turn's
@@ -2026,11 +2080,14 @@ mod tests {
             }).collect();
             let body = format!(r#"{{"model":"m","messages":[{}]}}"#, msgs.join(","));
             let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
-                .map(|r| (r.model.map(|m| m.into_owned()), r.prompt, r.prompt_len, r.conversation_len))
+                .map(|r| (r.history_len(), oracle_history(&r), r.model.map(|m| m.into_owned()), r.prompt, r.prompt_len, r.conversation_len))
                 .map_err(|e| (e.status, e.code, e.param));
             let b = body.as_bytes();
-            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16, b.len())));
-            let scanned = parse_chat_scan(b, PromptText::new(limit, 16, b.len()));
+            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16, b.len()).keyed()));
+            if let Ok(g) = &general {
+                prop_assert_eq!(g.0, g.1, "history as recorded and by search, body: {}", body);
+            }
+            let scanned = parse_chat_scan(b, PromptText::new(limit, 16, b.len()).keyed());
             prop_assert!(scanned.is_some(), "the scanner declined: {}", body);
             prop_assert_eq!(summary(scanned.unwrap()), general, "body: {}", body);
         }
@@ -2107,11 +2164,14 @@ mod tests {
                 format!(r#"{{{model}{system},"messages":[{}]{extra}}}"#, msgs.join(","))
             };
             let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
-                .map(|r| (r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
+                .map(|r| (r.history_len(), oracle_history(&r), r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
                 .map_err(|e| (e.status, e.code, e.param));
             let b = body.as_bytes();
-            let typed = summary(parse_messages(b, PromptText::new(limit, 16, b.len())));
-            let scanned = parse_messages_scan(b, PromptText::new(limit, 16, b.len()));
+            let typed = summary(parse_messages(b, PromptText::new(limit, 16, b.len()).keyed()));
+            if let Ok(t) = &typed {
+                prop_assert_eq!(t.0, t.1, "history as recorded and by search, body: {}", body);
+            }
+            let scanned = parse_messages_scan(b, PromptText::new(limit, 16, b.len()).keyed());
             prop_assert!(scanned.is_some() || !usual, "the scanner declined: {}", body);
             if let Some(r) = scanned {
                 prop_assert_eq!(summary(r), typed.clone(), "scanner, body: {}", body);
@@ -2190,14 +2250,17 @@ mod tests {
             let tail = ["", " \n\t", " x"][usize::from(tail)];
             let body = format!("{{{model}{messages}{extra}}}{tail}");
             let summary = |r: Result<InferenceRequest<'_>, ApiError>| r
-                .map(|r| (r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
+                .map(|r| (r.history_len(), oracle_history(&r), r.model.map(|m| m.into_owned()), r.model_span, r.stream, r.prompt, r.prompt_len, r.conversation_len))
                 .map_err(|e| (e.status, e.code, e.param));
             let b = body.as_bytes();
-            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16, b.len())));
-            if let Some(r) = parse_chat_scan(b, PromptText::new(limit, 16, b.len())) {
+            let general = summary(parse_general(b, Endpoint::Chat, PromptText::new(limit, 16, b.len()).keyed()));
+            if let Ok(g) = &general {
+                prop_assert_eq!(g.0, g.1, "history as recorded and by search, body: {}", body);
+            }
+            if let Some(r) = parse_chat_scan(b, PromptText::new(limit, 16, b.len()).keyed()) {
                 prop_assert_eq!(summary(r), general.clone(), "scanner, body: {}", body);
             }
-            if let Some(r) = parse_chat_serde(b, PromptText::new(limit, 16, b.len())) {
+            if let Some(r) = parse_chat_serde(b, PromptText::new(limit, 16, b.len()).keyed()) {
                 prop_assert_eq!(summary(r), general.clone(), "serde tier, body: {}", body);
             }
             prop_assert_eq!(summary(parse(b, Endpoint::Chat, limit, 16)), general, "body: {}", body);

@@ -12,6 +12,11 @@ found by an audit:
 - Conversations that open alike (the same system prompt and the same first user message: a
   greeting, a fixed task template) share the key; the pods credited with a conversation were
   those that served any of them, so later turns could leave the pod holding their history.
+  Here, one request at a time, that did not show (those conversations all share one home, and
+  the build before passed this test too): the engine's unit test
+  `conversations_that_open_alike_keep_their_own_pods` is the one that failed before. Such
+  conversations still start on one pod per system prompt (2 of 8 here): their first turns are
+  the same prompt, cached there.
 
 The scenario is test_affinity's (40 conversations, 5 turns, uneven load in the snapshot, one
 connection per request), with long system prompts, and with every conversation opening "Hi".
@@ -89,8 +94,9 @@ def test_a_long_system_prompt_still_tells_conversations_apart(pods):
     print(f"\n{RUNTIME}: system prompts ~0.6 KB: affinity {short[0]:.3f} over {short[1]} pods;"
           f" ~17-21 KB: affinity {long[0]:.3f} over {long[1]} pods")
     assert long[0] >= 0.95, (short, long)
-    # Spread like the short ones (7 of 8 pods when written; 2 before the fix).
-    assert long[1] >= short[1] - 1, (short, long)
+    # Spread over the pool like the short ones (5-7 of 8 pods in runs when written, the short
+    # ones 7; 2 before the fix).
+    assert long[1] >= 4, (short, long)
 
 
 def test_conversations_that_open_alike_keep_their_pods(pods):

@@ -61,27 +61,25 @@ def test_a_pod_failing_every_request_leaves_the_picks_and_comes_back(stack):
     for p in pods.values():
         p.delay_s = 0.05
     pods["a"].status = 500
-    # Bursts until one finds the pod out everywhere: the module reads every answer's status and
-    # takes it out after five; a proxy-wasm worker reads a sample of them (one in 8) until it
-    # sees an error, then every answer, and counts the answers it routed itself. Before passive
-    # health, a third of every burst failed and none ever came clean.
-    failed, rounds = 0, 0
-    while True:
+    # Bursts until two in a row find the pod out everywhere: the module reads every answer's
+    # status and takes it out after five; a proxy-wasm worker reads a sample of them (one in 8)
+    # until it sees an error, then every answer, and counts the answers it routed itself (one
+    # clean burst can be luck: a worker not yet done may have sent none of its requests there).
+    # Before passive health, a third of every burst failed and none ever came clean.
+    failed, rounds, clean = 0, 0, 0
+    while clean < 2:
         got = burst(envoy, 40, f"broken {rounds}")
         rounds += 1
         assert got[(200, "b")] + got[(200, "c")] + got[(500, "a")] == 40, got
-        if got[(500, "a")] == 0:
-            break
         failed += got[(500, "a")]
-        assert rounds < 15, f"still failing after {rounds} bursts ({failed} failed)"
+        clean = clean + 1 if got[(500, "a")] == 0 else 0
+        assert rounds < 20, f"still failing after {rounds} bursts ({failed} failed)"
     wait_for(lambda: ejections(envoy) >= 1, what="the ejection counted")
     if RUNTIME == "dynamic":
         # Five in a row, plus requests already on their way when it went out.
         assert 5 <= failed <= 5 + 4, failed
     else:
         assert 5 <= failed <= 2 * (5 + 40), failed
-    # While it is out, nothing goes to it.
-    assert burst(envoy, 40, "out")[(500, "a")] == 0
 
     # Fixed, and back once its ejection is over.
     pods["a"].status = 200
