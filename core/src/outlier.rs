@@ -9,8 +9,8 @@
 //! `override_host` load balancer sends a request to the host the filter names whether Envoy
 //! ejected it or not (Envoy 1.40, verified: the host flagged `failed_outlier_check` kept its
 //! third). So the filter keeps its own, per filter instance (in the proxy-wasm build each worker
-//! counts the answers it routed; the dynamic module counts all of a configuration's), with
-//! Envoy's semantics and defaults:
+//! counts the answers it routed and shares the pods it ejects through an [`EjectionBoard`]; the
+//! dynamic module counts all of a configuration's), with Envoy's semantics and defaults:
 //!
 //! - `consecutive_5xx` answers in a row with status 500, 502, 503 or 504 from a pod eject it;
 //!   any other answer from it ends the run (a 4xx is the client's doing; 501 and 505 say what
@@ -57,6 +57,78 @@ pub struct Ejection {
     pub for_ms: u64,
     /// How many times in a row the pod was ejected (this one included).
     pub times: u32,
+}
+
+impl Ejection {
+    /// The warning both builds log: `pod` (its address, or how it is known), its `pool`, the
+    /// run of `errors` that ejected it and the last `status`.
+    pub fn message(&self, pod: &str, pool: &str, errors: u32, status: &[u8]) -> String {
+        format!(
+            "gpuroute: pod {pod} of pool {pool} ejected for {} ms after {errors} server errors in a row (status {}; ejection {} in a row)",
+            self.for_ms,
+            String::from_utf8_lossy(status),
+            self.times,
+        )
+    }
+}
+
+/// The ejections every proxy-wasm worker of one Envoy publishes and reads (a shared-data value):
+/// a worker that ejects a pod puts it here, and the others take it out of their picks too at
+/// their next tick, instead of each finding it out with its own failed requests (with 8 workers,
+/// ~8 x 13 of them a round). Pod keys and the time each is out until.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EjectionBoard {
+    pub entries: Vec<(u64, u64)>,
+}
+
+const BOARD_MAGIC: &[u8; 4] = b"GPE1";
+
+impl EjectionBoard {
+    /// A malformed or empty value is an empty board.
+    pub fn decode(bytes: &[u8]) -> EjectionBoard {
+        let Some(rest) = bytes.strip_prefix(BOARD_MAGIC.as_slice()) else {
+            return EjectionBoard::default();
+        };
+        if rest.len() % 16 != 0 {
+            return EjectionBoard::default();
+        }
+        let word = |b: &[u8]| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(b);
+            u64::from_le_bytes(a)
+        };
+        EjectionBoard {
+            entries: rest
+                .chunks_exact(16)
+                .map(|e| (word(&e[..8]), word(&e[8..])))
+                .collect(),
+        }
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(4 + 16 * self.entries.len());
+        out.extend_from_slice(BOARD_MAGIC);
+        for (pod, until) in &self.entries {
+            out.extend_from_slice(&pod.to_le_bytes());
+            out.extend_from_slice(&until.to_le_bytes());
+        }
+        out
+    }
+
+    /// `pod` out until `until_ms`; entries over at `now_ms` are dropped, and past
+    /// [`MAX_TRACKED`] the ones ending soonest.
+    pub fn put(&mut self, pod: u64, until_ms: u64, now_ms: u64) {
+        self.entries
+            .retain(|&(p, until)| p != pod && until > now_ms);
+        if until_ms > now_ms {
+            self.entries.push((pod, until_ms));
+        }
+        if self.entries.len() > MAX_TRACKED {
+            self.entries
+                .sort_unstable_by_key(|&(_, until)| std::cmp::Reverse(until));
+            self.entries.truncate(MAX_TRACKED);
+        }
+    }
 }
 
 /// The answers' record of one filter instance.
@@ -141,6 +213,27 @@ impl Outliers {
         // The cached list is stale now.
         self.next_change_ms = 0;
         Some(Ejection { for_ms, times })
+    }
+
+    /// Another worker's ejections ([`EjectionBoard`]): each pod still out at `now_ms` is out
+    /// here too, until the same time (not counted toward this worker's pool caps' decisions of
+    /// its own, which the ejecting worker made).
+    pub fn adopt(&mut self, board: &EjectionBoard, now_ms: u64) {
+        if self.config.consecutive_5xx == 0 {
+            return;
+        }
+        for &(pod, until) in &board.entries {
+            if until <= now_ms || (self.pods.len() >= MAX_TRACKED && !self.pods.contains_key(&pod))
+            {
+                continue;
+            }
+            let r = self.pods.entry(pod).or_default();
+            if until > r.until_ms {
+                r.until_ms = until;
+                r.errors = 0;
+                self.next_change_ms = 0;
+            }
+        }
     }
 
     /// Pods of pool `pool` out at `now_ms`.
@@ -295,6 +388,38 @@ mod tests {
         });
         assert_eq!(fail_until_ejected(&mut zero, 5, 10, 0), 5);
         assert_eq!(errors_to_eject(&mut zero, 6, 0, 10, 0), None);
+    }
+
+    #[test]
+    fn workers_share_their_ejections_through_the_board() {
+        let mut a = outliers();
+        let mut b = outliers();
+        let mut board = EjectionBoard::default();
+        assert_eq!(fail_until_ejected(&mut a, 7, 4, 1_000), 5);
+        board.put(7, a.pods[&7].until_ms, 1_000);
+        board.put(8, 900, 1_000);
+        let board = EjectionBoard::decode(&board.encode());
+        assert_eq!(
+            board.entries,
+            [(7, 11_000)],
+            "an entry already over is left out"
+        );
+        b.adopt(&board, 2_000);
+        assert_eq!(b.ejected_at(2_000), &[7]);
+        assert!(b.ejected_at(11_000).is_empty());
+        // A success from it once back forgets it, as for its own.
+        b.success(7, 11_000);
+        assert!(!b.tracking());
+        // Garbage is an empty board.
+        for bad in [&b""[..], b"GPE1\x01", b"XXXX"] {
+            assert_eq!(EjectionBoard::decode(bad), EjectionBoard::default());
+        }
+        let mut off = Outliers::new(OutlierConfig {
+            consecutive_5xx: 0,
+            ..OutlierConfig::default()
+        });
+        off.adopt(&board, 2_000);
+        assert!(off.ejected_at(2_000).is_empty());
     }
 
     #[test]

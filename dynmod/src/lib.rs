@@ -1588,14 +1588,11 @@ impl Filter {
             self.config.count(id);
             host::log(
                 abi::LOG_WARN,
-                &format!(
-                    "gpuroute: pod {} of pool {} ejected for {} ms after {} server errors in a row (status {}; ejection {} in a row)",
+                &e.message(
                     upstream.as_deref().unwrap_or("(picked)"),
-                    p.pool,
-                    e.for_ms,
+                    &p.pool,
                     self.config.settings.outlier_detection.consecutive_5xx,
-                    String::from_utf8_lossy(status.unwrap_or_default()),
-                    e.times,
+                    status.unwrap_or_default(),
                 ),
             );
         }

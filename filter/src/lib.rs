@@ -122,6 +122,9 @@ fn sync_key(id: u32) -> String {
 /// Shared-data key of the newest published sequence of every worker's prefix records
 /// (`SyncBoard`).
 const SYNC_BOARD_KEY: &str = "gpuroute.sync.board";
+/// The pods the workers ejected for their server errors ([`outlier::EjectionBoard`]): written
+/// by a worker when it ejects one, read by every worker on its tick.
+const EJECTIONS_KEY: &str = "gpuroute.outlier.ejected";
 
 /// Per-plugin-instance state in one worker VM.
 struct Worker {
@@ -166,6 +169,8 @@ struct Worker {
     /// When the exchange last ran (ns): the time `read_others` and `install_fleet` judge the
     /// pools' idleness by.
     exchange_ns: u64,
+    /// The CAS of `EJECTIONS_KEY` as last read.
+    ejections_cas: Option<u32>,
     published_ns: u64,
     refresh_ns: u64,
     /// Requests routed, for the decision-time sample.
@@ -310,6 +315,9 @@ impl Worker {
         if tick || self.replicas_seen {
             self.read_replicas();
         }
+        if tick {
+            self.read_ejections();
+        }
     }
 
     /// Adds the other gateway replicas' requests in prefill on each pod of `pool` (fresh at
@@ -334,6 +342,22 @@ impl Worker {
             &p.keys,
             now_ms,
         );
+    }
+
+    /// Takes out of its picks the pods other workers ejected (`EJECTIONS_KEY`), when the board
+    /// changed since it last read it.
+    fn read_ejections(&mut self) {
+        if !self.engine.outliers.enabled() {
+            return;
+        }
+        let (bytes, cas) = host::get_shared(EJECTIONS_KEY);
+        if cas != self.ejections_cas {
+            self.ejections_cas = cas;
+            let board = outlier::EjectionBoard::decode(bytes.as_deref().unwrap_or_default());
+            self.engine
+                .outliers
+                .adopt(&board, self.exchange_ns / 1_000_000);
+        }
     }
 
     /// Re-reads the other gateway replicas' requests in prefill (posted to `ingest.load_path`,
@@ -403,31 +427,23 @@ impl Worker {
     fn pool_load(&mut self, pool: &str, now_ns: u64) -> Option<&mut PoolLoad> {
         let fleet = self.fleet.as_ref()?;
         let p = fleet.pool(pool)?;
-        // Back after an idle spell: the others' tables were not read meanwhile.
-        if let Some(pl) = self.loads.get_mut(pool) {
-            if now_ns.saturating_sub(pl.routed_ns) > POOL_IDLE_NS {
-                let peers = &self.peers;
-                pl.read_peers(
-                    pool,
-                    fleet,
-                    self.previous_version,
-                    peers,
-                    peers.iter().copied(),
-                );
-            }
-            pl.routed_ns = now_ns;
-        }
         if !self.loads.contains_key(pool) {
-            let mut pl = PoolLoad {
+            let pl = PoolLoad {
                 key: load_key(pool, self.id),
-                routed_ns: now_ns,
+                // Never routed: the other workers' tables are read below.
+                routed_ns: 0,
                 own: LoadTable::zeroed(fleet.version, &p.keys),
                 dirty: false,
                 peer_tables: PeerTables::default(),
                 others: LoadTable::zeroed(fleet.version, &p.keys),
                 replicas: replica_load::Aligned::default(),
             };
-            // Every other worker's table at once: this worker knows nothing of the pool yet.
+            self.loads.insert(pool.to_string(), pl);
+        }
+        let pl = self.loads.get_mut(pool)?;
+        // New, or back after an idle spell: every other worker's table at once (this worker
+        // knows nothing of the pool yet, or did not read it meanwhile).
+        if now_ns.saturating_sub(pl.routed_ns) > POOL_IDLE_NS {
             let peers = &self.peers;
             pl.read_peers(
                 pool,
@@ -436,9 +452,8 @@ impl Worker {
                 peers,
                 peers.iter().copied(),
             );
-            self.loads.insert(pool.to_string(), pl);
         }
-        let pl = self.loads.get_mut(pool)?;
+        pl.routed_ns = now_ns;
         pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
         Some(pl)
     }
@@ -811,6 +826,7 @@ impl Root {
             previous_version: None,
             refreshed_ns: 0,
             exchange_ns: 0,
+            ejections_cas: None,
             published_ns: 0,
             refresh_ns,
             routed: 0,
@@ -1778,17 +1794,25 @@ impl Http {
             .answered(&p.pool, pod, status, w.fleet.as_ref(), now)
         {
             w.stats.ejection(&p.pool);
+            // The other workers take it out at their next tick.
+            let until = now.saturating_add(e.for_ms);
+            update_shared(
+                EJECTIONS_KEY,
+                outlier::EjectionBoard::decode,
+                outlier::EjectionBoard::encode,
+                |b| {
+                    b.put(pod, until, now);
+                    Some(())
+                },
+            );
             let address = upstream.as_deref().map(String::from_utf8_lossy);
             host::log(
                 LogLevel::Warn,
-                &format!(
-                    "gpuroute: pod {} of pool {} ejected for {} ms after {} server errors in a row (status {}; ejection {} in a row)",
+                &e.message(
                     address.as_deref().unwrap_or("(picked)"),
-                    p.pool,
-                    e.for_ms,
+                    &p.pool,
                     w.engine.config.outlier_detection.consecutive_5xx,
-                    String::from_utf8_lossy(status.unwrap_or_default()),
-                    e.times,
+                    status.unwrap_or_default(),
                 ),
             );
         }

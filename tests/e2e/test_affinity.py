@@ -79,18 +79,21 @@ def conversation_turns():
     return out
 
 
-def run(gateways, pods, push=True, gap_s=0.0):
+def run(gateways, pods, push=True, gap_s=0.0, turns=None, first=1):
+    """(the share of follow-up turns from turn `first` on that reach the pod of the previous
+    turn, the number of pods the conversations' last turns went to), for `turns` (default
+    `conversation_turns()`) sent round the `gateways`."""
     # Same content for every replica, as each replica's own aggregator would report it.
     pusher = Pusher(gateways, loaded_pools(pods)) if push else None
     last = {}
     same = total = 0
-    for i, (g, t, messages) in enumerate(conversation_turns()):
+    for i, (g, t, messages) in enumerate(conversation_turns() if turns is None else turns):
         gw = gateways[i % len(gateways)]
         body = {"model": "llama-3-8b", "messages": messages}
         s, h, _, _ = gw.request("POST", "/v1/chat/completions", body, {"connection": "close"})
         assert s == 200
         pod = h["x-served-by"]
-        if t > 0:
+        if t >= first:
             total += 1
             same += pod == last[g]
         last[g] = pod

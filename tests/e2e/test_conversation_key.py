@@ -27,7 +27,7 @@ import random
 import pytest
 
 import test_affinity as ta
-from harness import RUNTIME, Envoy, Pusher
+from harness import RUNTIME, Envoy
 from stubpod import serving
 
 
@@ -68,23 +68,10 @@ def measure(pods, opening=None, system_repeat=8):
     previous turn) and the number of pods the conversations' last turns went to. The second
     turn is left out: while conversations that open alike have said nothing else, nothing
     tells them apart."""
-    pools = [{"name": "llama", "endpoints": [p.address for p in pods]}]
-    gw = Envoy("filter", pools, ta.CONFIG)
-    pusher = Pusher([gw], ta.loaded_pools(pods))
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], ta.CONFIG)
     try:
-        last, same, total = {}, 0, 0
-        for g, t, messages in turns(opening, system_repeat):
-            body = {"model": "llama-3-8b", "messages": messages}
-            s, h, _, _ = gw.request("POST", "/v1/chat/completions", body, {"connection": "close"})
-            assert s == 200
-            pod = h["x-served-by"]
-            if t > 1:
-                total += 1
-                same += pod == last[g]
-            last[g] = pod
-        return same / total, len(set(last.values()))
+        return ta.run([gw], pods, turns=turns(opening, system_repeat), first=2)
     finally:
-        pusher.stop()
         gw.stop()
 
 

@@ -12,12 +12,14 @@ as it failed.
 
 import collections
 import concurrent.futures
+import json
 import time
 
 import pytest
 
 from harness import RUNTIME, STAT_PREFIX, Envoy, Pusher, wait_for
 from stubpod import pools_by, serving
+from test_filter import connection_per_worker
 
 BASE_EJECTION_MS = 3000
 CONFIG = {
@@ -108,3 +110,44 @@ def test_at_most_half_a_pool_is_out_when_every_pod_fails(stack):
     assert elapsed < BASE_EJECTION_MS / 1000, f"the burst outlasted an ejection: {elapsed:.1f} s"
     engines = 2 if RUNTIME == "wasm" else 1
     assert ejections(envoy) <= engines, ejections(envoy)
+
+
+@pytest.mark.skipif(RUNTIME != "wasm", reason="the dynamic module's workers share one record")
+def test_a_pod_one_worker_ejects_is_out_on_the_other_workers_too():
+    """A proxy-wasm worker counts the answers it routed; the pods it ejects go on a board in
+    Envoy's shared data, and the other workers take them out of their picks at their next tick
+    (20 ms) instead of each failing ~8 + 5 requests of its own first. Worker 1 alone meets the
+    failing pod and ejects it; worker 2, which never routed to it, then sends it nothing, and
+    counts no ejection of its own. Before the board it sent it a third of its requests."""
+    with serving(POD_POOL) as pods:
+        envoy = Envoy("filter", pools_by(pods, POD_POOL, ["llama"]), CONFIG, concurrency=2)
+        pusher = Pusher([envoy], {"llama": [{"address": p.address} for p in pods.values()]})
+        conns = connection_per_worker(envoy, 2)
+        try:
+            first, second = conns.values()
+
+            def send(conn, n, tag):
+                got = collections.Counter()
+                for i in range(n):
+                    body = json.dumps({"model": "llama-3", "messages": [{"role": "user", "content": f"{tag} {i}"}]})
+                    conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                    r = conn.getresponse()
+                    r.read()
+                    got[(r.status, r.getheader("x-served-by"))] += 1
+                return got
+
+            pods["a"].status = 500
+            sent = 0
+            while ejections(envoy) < 1:
+                assert send(first, 10, f"first {sent}")[(200, "a")] == 0
+                sent += 10
+                assert sent < 400, "never ejected"
+            time.sleep(0.2)
+            got = send(second, 60, "second")
+            assert got[(500, "a")] == 0, got
+            assert ejections(envoy) == 1
+        finally:
+            for c in conns.values():
+                c.close()
+            pusher.stop()
+            envoy.stop()
