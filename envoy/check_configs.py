@@ -172,19 +172,18 @@ class _PlainDumper(yaml.SafeDumper):
         return True
 
 
+def dump_yaml(config):
+    """An Envoy configuration as the shipped YAML files write it (keys in render.py's order, no
+    anchors, no line wrapping)."""
+    return yaml.dump(config, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False,
+                     width=1 << 20, allow_unicode=True)
+
+
 def render_local(stack, mode, runtime="wasm"):
     desc = copy.deepcopy(stack)
     desc["mode"] = mode
     desc["runtime"] = runtime
-    body = yaml.dump(
-        render.render(desc),
-        Dumper=_PlainDumper,
-        sort_keys=False,
-        default_flow_style=False,
-        width=1 << 20,
-        allow_unicode=True,
-    )
-    return header(mode, stack, runtime) + body
+    return header(mode, stack, runtime) + dump_yaml(render.render(desc))
 
 
 def load_stack():
@@ -948,8 +947,7 @@ def load_k8s_stack():
 def render_k8s_envoy(stack):
     """ConfigMap gpuroute-envoy: the example gateway's Envoy bootstrap, rendered from
     deploy/kubernetes/envoy-stack.json."""
-    body = yaml.dump(render.render(copy.deepcopy(stack)), Dumper=_PlainDumper, sort_keys=False,
-                     default_flow_style=False, width=1 << 20, allow_unicode=True)
+    body = dump_yaml(render.render(copy.deepcopy(stack)))
     lines = [
         "GENERATED from deploy/kubernetes/envoy-stack.json by envoy/render.py. Do not edit: edit",
         "envoy-stack.json, then run `.venv/bin/python envoy/check_configs.py --regenerate`;",

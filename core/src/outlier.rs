@@ -185,7 +185,6 @@ impl Outliers {
         if threshold == 0 || (self.pods.len() >= MAX_TRACKED && !self.pods.contains_key(&pod)) {
             return None;
         }
-        let out_now = self.ejected_in(pool, now_ms);
         let r = self.pods.entry(pod).or_default();
         r.pool = pool;
         if r.until_ms > now_ms {
@@ -196,11 +195,13 @@ impl Outliers {
         if r.errors < threshold {
             return None;
         }
+        // The pool's pods out now (this one is not): counted only for a run that would eject.
         let most = (pool_pods * self.config.max_ejection_percent as usize / 100).max(1);
-        if out_now >= most {
+        if self.ejected_in(pool, now_ms) >= most {
             // Ejected once another pod of the pool is back, if it still fails then.
             return None;
         }
+        let r = self.pods.get_mut(&pod)?;
         r.times = r.times.saturating_add(1);
         let for_ms = self
             .config
@@ -264,17 +265,19 @@ impl Outliers {
     pub fn ejected(&self) -> &[u64] {
         &self.ejected
     }
-
-    /// [`Outliers::refresh`], then [`Outliers::ejected`].
-    pub fn ejected_at(&mut self, now_ms: u64) -> &[u64] {
-        self.refresh(now_ms);
-        &self.ejected
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Outliers {
+        /// [`Outliers::refresh`], then [`Outliers::ejected`].
+        fn ejected_at(&mut self, now_ms: u64) -> &[u64] {
+            self.refresh(now_ms);
+            &self.ejected
+        }
+    }
 
     fn outliers() -> Outliers {
         Outliers::new(OutlierConfig::default())

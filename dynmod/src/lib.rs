@@ -550,6 +550,12 @@ impl Config {
         self.pending.lock().count(id);
     }
 
+    /// Whether passive health is on (`outlier_detection.consecutive_5xx` > 0): without it no
+    /// answer's status is read.
+    fn outliers_on(&self) -> bool {
+        self.settings.outlier_detection.consecutive_5xx > 0
+    }
+
     /// Hands the pending metric updates to Envoy (main thread, `on_http_filter_config_scheduled`).
     fn flush(&self, stats: ConfigStats) {
         let p = std::mem::take(&mut *self.pending.lock());
@@ -1515,7 +1521,7 @@ impl Filter {
             || self.first_output.is_some();
         if !head {
             // A picked pod's answer tells passive health how it did: its status alone.
-            if self.picked.is_some() {
+            if self.picked.is_some() && self.config.outliers_on() {
                 self.answered(s, s.response_header(":status"));
             }
             return;
@@ -1553,7 +1559,7 @@ impl Filter {
     /// ([`gpuroute_core::outlier`]). Only a server error, or an answer while some pod is on
     /// record, takes the router's lock.
     fn answered(&self, s: Stream, status: Option<&[u8]>) {
-        let Some(p) = &self.picked else {
+        let Some(p) = self.picked.as_ref().filter(|_| self.config.outliers_on()) else {
             return;
         };
         let server_error = status.is_some_and(outlier::is_server_error);
@@ -1566,9 +1572,6 @@ impl Filter {
         let fleet = current_fleet();
         let (ejection, tracking) = {
             let mut r = self.config.router.lock();
-            if !r.engine.outliers.enabled() {
-                return;
-            }
             let e = r
                 .engine
                 .answered(&p.pool, pod, status, fleet.as_deref(), now_ms());

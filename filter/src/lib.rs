@@ -1437,7 +1437,8 @@ impl Http {
                 if flight.in_prefill && sampled {
                     self.ttft_from = Some(t0);
                 }
-                self.watch_status = sampled;
+                // Only with passive health on: reading the status costs a host call.
+                self.watch_status = sampled && w.engine.outliers.enabled();
                 self.picked = Some(flight);
                 self.learn_response = prep
                     .learns_response
