@@ -237,8 +237,6 @@ struct Part<'a> {
     text: Option<Cow<'a, str>>,
 }
 
-// Separators that cannot appear in normal text keep "ab"+"c" distinct from "a"+"bc". ASCII: one
-// byte each (`PromptText::sep` relies on it).
 /// Prompt tokens a content part carrying inline media (an image, audio or a file as base64)
 /// counts for, in place of its bytes: a vision model spends on the order of a thousand tokens
 /// on an image (LLaVA-1.5 576, a 1024x1024 image ~1,300 in Qwen2-VL, ~765 in OpenAI's tiling),
@@ -252,9 +250,17 @@ fn carries_media(raw: &str) -> bool {
     memchr::memmem::find(raw.as_bytes(), b"base64").is_some()
 }
 
+// Separators that cannot appear in normal text keep "ab"+"c" distinct from "a"+"bc". ASCII: one
+// byte each (`PromptText::sep` relies on it).
 const FIELD_SEP: char = '\u{1f}';
 const ITEM_SEP: char = '\u{1e}';
-const _: () = assert!(FIELD_SEP.is_ascii() && ITEM_SEP.is_ascii());
+/// Between two parts of a content list: a line break, as engines join a message's text parts
+/// before the chat template reads them (vLLM's `"\n".join(texts)` in its chat_utils for the
+/// string content format, TensorRT-LLM's OpenAI server alike). A content of one text part is
+/// then the text of the same content as a string, and `["a", "b"]` that of `"a\nb"`: the same
+/// prompt on the pod, the same cached prefix, so the same pods.
+const PART_SEP: char = '\n';
+const _: () = assert!(FIELD_SEP.is_ascii() && ITEM_SEP.is_ascii() && PART_SEP.is_ascii());
 
 /// Appends a separator (ASCII, see [`FIELD_SEP`]) as one byte. `String::push` encodes any
 /// character, and LLVM kept it out of line: a call per separator (~750 instructions per request
@@ -693,8 +699,23 @@ fn parse_general(
             prompt.value(raw.input);
         }
         Endpoint::Responses => {
-            prompt.value(raw.instructions);
-            prompt.value(raw.input);
+            // As the engine reads it (vLLM's Responses API builds the chat it templates so):
+            // `instructions` a leading system message, a string `input` one user message, a
+            // list of input items each a message. The text is then a chat body's with the same
+            // messages, whose prefix the pod caches alike.
+            if let Some(instructions) = raw.instructions.filter(|s| s.get() != "null") {
+                prompt.message(Some("system"), |p| p.content(instructions));
+                prompt.sep(ITEM_SEP);
+            }
+            match raw.input {
+                Some(input) if input.get().starts_with('"') => {
+                    prompt.message(Some("user"), |p| p.content(input));
+                    prompt.sep(ITEM_SEP);
+                }
+                input => {
+                    prompt.value(input);
+                }
+            }
             // A string, or nothing: any other value is the server's to refuse.
             let previous = raw
                 .previous_response_id
@@ -813,11 +834,11 @@ impl<'a> scan::ChatSink<'a> for PromptText {
         &mut self.text
     }
 
-    /// A part's text is followed by a field separator, as [`PromptText::scanned_content`]
-    /// writes it. Within the room `open` checked: a part's JSON around its text is longer.
+    /// Two parts' texts are joined by [`PART_SEP`], as [`PromptText::scanned_content`] joins
+    /// them. Within the room `open` checked: a part's JSON around its text is longer.
     #[inline(always)]
-    fn end_part(&mut self) {
-        push_sep(&mut self.text, FIELD_SEP);
+    fn between_parts(&mut self) {
+        push_sep(&mut self.text, PART_SEP);
     }
 
     #[inline(always)]
@@ -1095,12 +1116,14 @@ impl PromptText {
         match content {
             scan::Content::Text(t) => self.push_text(*t),
             scan::Content::Parts(parts) => {
-                for part in parts {
+                for (i, part) in parts.iter().enumerate() {
+                    if i > 0 {
+                        self.sep(PART_SEP);
+                    }
                     match part {
                         scan::Part::Text(t) => self.push_text(*t),
                         scan::Part::Raw(raw) => self.push_part(raw),
                     }
-                    self.sep(FIELD_SEP);
                 }
             }
         }
@@ -1121,7 +1144,8 @@ impl PromptText {
     }
 
     /// A content value: a string, or an array of parts whose `text` is taken (other parts, such
-    /// as images, contribute their raw JSON so different images give different text).
+    /// as images, contribute their raw JSON so different images give different text), joined by
+    /// [`PART_SEP`].
     fn content(&mut self, raw: &RawValue) {
         let text = raw.get();
         if text.starts_with('"') {
@@ -1131,12 +1155,14 @@ impl PromptText {
         } else if text.starts_with('[') {
             match serde_json::from_str::<Vec<&RawValue>>(text) {
                 Ok(parts) => {
-                    for part in parts {
+                    for (i, part) in parts.iter().enumerate() {
+                        if i > 0 {
+                            self.sep(PART_SEP);
+                        }
                         match serde_json::from_str::<Part<'_>>(part.get()) {
                             Ok(Part { text: Some(t) }) => self.push(&t),
                             _ => self.push_part(part.get()),
                         }
-                        self.sep(FIELD_SEP);
                     }
                 }
                 Err(_) => self.push(text),
@@ -1630,8 +1656,96 @@ mod tests {
             1024,
         )
         .unwrap();
-        assert!(r.prompt.starts_with("You are terse."));
-        assert!(r.prompt.contains("user\u{1f}hi"));
+        assert_eq!(
+            r.prompt,
+            "system\u{1f}You are terse.\u{1e}user\u{1f}hi\u{1e}"
+        );
+    }
+
+    /// Text parts read as the text an engine joins them into, and a Responses body as the chat
+    /// an engine builds from it: the same prompt on the pod, the same text here, so the same
+    /// pods (before, a content of one text part and the same content as a string hashed apart,
+    /// as did a Responses body's `instructions` and a chat system message).
+    #[test]
+    fn a_content_of_text_parts_reads_as_the_string_the_engine_joins_them_into() {
+        // Every tier that takes the body gives the same text and length; returns them.
+        let chat = |messages: &str| {
+            let body = format!(r#"{{"model":"m","messages":[{messages}]}}"#);
+            let b = body.as_bytes();
+            let text = || PromptText::new(4096, 16, b.len()).keyed();
+            let summary = |r: Result<InferenceRequest<'_>, ApiError>| {
+                let r = r.expect("parsed");
+                (r.prompt, r.prompt_len, r.conversation_len)
+            };
+            let general = summary(parse_general(b, Endpoint::Chat, text()));
+            if let Some(r) = parse_chat_scan(b, text()) {
+                assert_eq!(summary(r), general, "scanner: {body}");
+            }
+            if let Some(r) = parse_chat_serde(b, text()) {
+                assert_eq!(summary(r), general, "serde tier: {body}");
+            }
+            general
+        };
+        let string =
+            chat(r#"{"role":"system","content":"Be brief."},{"role":"user","content":"A\nB"}"#);
+        for parts in [
+            // The scanner's plain form, compact and spaced.
+            r#"{"role":"system","content":[{"type":"text","text":"Be brief."}]},{"role":"user","content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]}"#,
+            r#"{"role": "system", "content": [{"type": "text", "text": "Be brief."}]}, {"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]}"#,
+            // Parts with other fields (the scanner hands the message over).
+            r#"{"role":"system","content":[{"type":"text","text":"Be brief.","cache_control":{"type":"ephemeral"}}]},{"role":"user","content":[{"text":"A","type":"text"},{"type":"text","text":"B"}]}"#,
+            // One as a string, the other as parts.
+            r#"{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]}"#,
+        ] {
+            assert_eq!(chat(parts), string, "{parts}");
+        }
+        // Other parts stay apart from the text around them.
+        let image = chat(
+            r#"{"role":"user","content":[{"type":"text","text":"A"},{"type":"image_url","image_url":{"url":"u"}},{"type":"text","text":"B"}]}"#,
+        );
+        assert_eq!(
+            image.0,
+            "user\u{1f}A\n{\"type\":\"image_url\",\"image_url\":{\"url\":\"u\"}}\nB\u{1e}"
+        );
+        // An empty list reads as an empty string.
+        assert_eq!(
+            chat(r#"{"role":"user","content":[]}"#),
+            chat(r#"{"role":"user","content":""}"#)
+        );
+
+        // The Messages API and the Responses API read as chat with the same messages.
+        let of = |body: &str, endpoint| {
+            let r = parse(body.as_bytes(), endpoint, 4096, 16).unwrap();
+            (r.prompt, r.prompt_len, r.conversation_len)
+        };
+        for (body, endpoint) in [
+            (
+                r#"{"model":"m","max_tokens":9,"system":[{"type":"text","text":"Be brief."}],"messages":[{"role":"user","content":[{"type":"text","text":"A"},{"type":"text","text":"B"}]}]}"#,
+                Endpoint::Messages,
+            ),
+            (
+                r#"{"model":"m","instructions":"Be brief.","input":"A\nB"}"#,
+                Endpoint::Responses,
+            ),
+            (
+                r#"{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":[{"type":"input_text","text":"A"},{"type":"input_text","text":"B"}]}]}"#,
+                Endpoint::Responses,
+            ),
+            (
+                r#"{"model":"m","input":[{"role":"system","content":"Be brief."},{"role":"user","content":"A\nB"}]}"#,
+                Endpoint::Responses,
+            ),
+        ] {
+            assert_eq!(of(body, endpoint), string, "{body}");
+        }
+        // Without instructions, a string input is the one user message.
+        assert_eq!(
+            of(
+                r#"{"model":"m","input":"A","instructions":null}"#,
+                Endpoint::Responses
+            ),
+            chat(r#"{"role":"user","content":"A"}"#)
+        );
     }
 
     #[test]
@@ -1934,7 +2048,7 @@ mod tests {
         let body = br#"{"model":"m","previous_response_id":"resp_7","input":"and then?"}"#;
         let r = parse(body, Endpoint::Responses, 1024, 64).unwrap();
         assert_eq!(r.previous_response.as_deref(), Some("resp_7"));
-        assert_eq!(r.prompt, "and then?\u{1e}");
+        assert_eq!(r.prompt, "user\u{1f}and then?\u{1e}");
         let escaped = br#"{"model":"m","previous_response_id":"resp_\u0037","input":"x"}"#;
         let r = parse(escaped, Endpoint::Responses, 1024, 64).unwrap();
         assert_eq!(r.previous_response.as_deref(), Some("resp_7"));

@@ -151,8 +151,9 @@ pub trait ChatSink<'a> {
     fn open(&mut self, role: &'static str, most: usize) -> bool;
     /// The text the opened message's content is appended to.
     fn text(&mut self) -> &mut String;
-    /// One text part of a list is in the text.
-    fn end_part(&mut self);
+    /// Another text part of the list follows the one in the text (parts are joined as engines
+    /// join them, see [`crate::request`]'s `PART_SEP`).
+    fn between_parts(&mut self);
     /// The opened message's content is in the text.
     fn close(&mut self, role: &'static str);
     /// The message opened last is not in the plain form after all (another field follows its
@@ -179,7 +180,7 @@ impl<'a> ChatSink<'a> for Collect<'a> {
     fn text(&mut self) -> &mut String {
         &mut self.unused
     }
-    fn end_part(&mut self) {}
+    fn between_parts(&mut self) {}
     fn close(&mut self, _: &'static str) {}
     fn undo(&mut self) {}
 }
@@ -889,8 +890,8 @@ impl<'a> Scanner<'a> {
     }
 
     /// A list of text parts in the plain form, spaced as its message (`spaced`), at its `[`:
-    /// each part's text written into the sink's text, then the part's end. `None` at anything
-    /// else (an empty list, a part with other fields or spacing).
+    /// each part's text written into the sink's text, with the sink's separator between two.
+    /// `None` at anything else (an empty list, a part with other fields or spacing).
     #[inline(always)]
     fn plain_parts_into(&mut self, sink: &mut impl ChatSink<'a>, spaced: bool) -> Option<()> {
         let (form, comma): (&[u8], &[u8]) = if spaced {
@@ -910,7 +911,6 @@ impl<'a> Scanner<'a> {
                 return None;
             }
             self.i += 1;
-            sink.end_part();
             if self.peek()? == b']' {
                 self.i += 1;
                 return Some(());
@@ -919,6 +919,7 @@ impl<'a> Scanner<'a> {
                 return None;
             }
             self.i += comma.len();
+            sink.between_parts();
         }
     }
 
