@@ -217,7 +217,7 @@ fn bench(c: &mut Criterion) {
     let split_ctx = RequestContext {
         fleet: Some(&split_fleet),
         now_ms: NOW,
-        split_key: None,
+        ..RequestContext::default()
     };
     assert!(e
         .prepare_in("/v1/chat/completions", &split_body, split_ctx)
@@ -251,7 +251,7 @@ fn bench(c: &mut Criterion) {
     let at = |fleet| RequestContext {
         fleet: Some(fleet),
         now_ms: NOW,
-        split_key: None,
+        ..RequestContext::default()
     };
     let cfg = br#"{"pools":[{"name":"llama","models":["llama-3-8b"]},{"name":"standby","models":["s"]}]}"#;
     let plain = Engine::new(FilterConfig::from_json(cfg).unwrap_or_else(|e| panic!("{e}")));
@@ -458,7 +458,7 @@ impl Shared {
         let ctx = RequestContext {
             fleet: Some(fleet),
             now_ms: NOW,
-            split_key: None,
+            ..RequestContext::default()
         };
         let decide = |e: &mut Engine, p: Prepared, rng: &mut SplitMix64| {
             let opts = DecideOptions {

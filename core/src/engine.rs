@@ -73,6 +73,9 @@ pub struct RequestContext<'a> {
     pub now_ms: u64,
     /// `x-gateway-split-key`: keys a split instead of the conversation.
     pub split_key: Option<&'a str>,
+    /// A split's target already chosen, by its index: the one holding the stored response a
+    /// turn continues ([`Engine::follow_response`]).
+    pub split_target: Option<usize>,
 }
 
 /// The target a request to a split took.
@@ -83,6 +86,9 @@ pub struct SplitTaken {
     pub target: usize,
     /// Moved off the target its key names, whose pool could not serve.
     pub rerouted: bool,
+    /// The target whose pool holds the stored response the turn continues, whatever its key
+    /// names ([`Engine::follow_response`]).
+    pub response: bool,
 }
 
 impl SplitTaken {
@@ -205,6 +211,13 @@ impl Prepared {
     /// it with [`Engine::note_response`], then look again ([`Engine::look_up_response`]).
     pub fn missed_response(&self) -> Option<u64> {
         self.response_key.filter(|_| self.response_pod.is_none())
+    }
+
+    /// A turn sent to a split that continues a stored response whose pod is known: one that
+    /// [`Engine::follow_response`] may read again.
+    #[inline]
+    pub fn may_follow_response(&self) -> bool {
+        self.split.is_some() && self.response_pod.is_some()
     }
 
     /// The least prefill a pod is known to leave this request: its prompt tokens less the
@@ -475,6 +488,7 @@ impl Reader {
             fleet,
             now_ms,
             split_key,
+            split_target,
         } = ctx;
         let p = &self.prefix;
         let model_only = matches!(endpoint, Endpoint::CountTokens | Endpoint::Tokenize);
@@ -496,13 +510,18 @@ impl Reader {
                 // no snapshot, or a pool it does not list, nothing is known against it.
                 let serving =
                     |t: &Target| self.serving(fleet, now_ms, t.pool, false).unwrap_or(true);
-                let Some((target, t, rerouted)) = s.pick_serving(s.key(text), serving) else {
+                let chosen = match split_target.and_then(|j| Some((j, s.target(j)?))) {
+                    Some((j, t)) => Some((j, t, false)),
+                    None => s.pick_serving(s.key(text), serving),
+                };
+                let Some((target, t, rerouted)) = chosen else {
                     return Err(ApiError::model_not_found(&s.name));
                 };
                 let taken = SplitTaken {
                     split: s.clone(),
                     target,
                     rerouted,
+                    response: split_target.is_some(),
                 };
                 (t.clone(), Some(taken))
             }
@@ -798,6 +817,66 @@ impl Engine {
             .and_then(|k| self.responses.get_and_keep(k));
     }
 
+    /// A turn that continues a stored response (`previous_response_id`), sent to a split, goes
+    /// to the split's target whose pool holds the response's pod, whatever its own key names:
+    /// the request is read again with that target when it took another. A split keys a
+    /// conversation by its first user message, which such a turn does not repeat (the pod
+    /// holds the history), so its key is its new input's, and the target that names may have
+    /// no pod holding the response: vLLM answers 404 there. Only such turns are read twice,
+    /// and only when their own key named another target. A target of weight 0 is followed too:
+    /// the response is nowhere else.
+    #[inline]
+    pub fn follow_response(
+        &mut self,
+        prep: &mut Prepared,
+        path: &str,
+        body: &[u8],
+        ctx: RequestContext<'_>,
+    ) -> Result<(), ApiError> {
+        if !prep.may_follow_response() {
+            return Ok(());
+        }
+        self.read_for_response(prep, path, body, ctx)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn read_for_response(
+        &mut self,
+        prep: &mut Prepared,
+        path: &str,
+        body: &[u8],
+        ctx: RequestContext<'_>,
+    ) -> Result<(), ApiError> {
+        let Some(j) = self.response_target(prep, ctx.fleet) else {
+            return Ok(());
+        };
+        let ctx = RequestContext {
+            split_target: Some(j),
+            ..ctx
+        };
+        let Read(mut again) = self.reader.read(path, body, ctx)?;
+        self.look_up(&mut again);
+        *prep = again;
+        Ok(())
+    }
+
+    /// The split target to read a turn again with ([`Engine::follow_response`]): the first
+    /// whose pool the snapshot shows holding the turn's stored response on a healthy pod, when
+    /// the target taken does not.
+    fn response_target(&self, prep: &Prepared, fleet: Option<&FleetState>) -> Option<usize> {
+        let (taken, pod, fleet) = (prep.split.as_ref()?, prep.response_pod?, fleet?);
+        let holds = |t: &Target| {
+            fleet
+                .pool(self.reader.routes.pool_name(t.pool))
+                .is_some_and(|p| p.pods.iter().any(|q| q.key == pod && q.snap.healthy))
+        };
+        if taken.response || holds(&prep.target) {
+            return None;
+        }
+        taken.split.targets().position(|(t, _)| holds(t))
+    }
+
     /// What reads requests for this engine; a clone reads them apart from it.
     pub fn reader(&self) -> &Reader {
         &self.reader
@@ -968,8 +1047,12 @@ impl Engine {
             }
             if let Some(taken) = &prep.split {
                 let (split, target) = taken.names();
-                let rerouted = if taken.rerouted { " (rerouted)" } else { "" };
-                d = format!("split={split}->{target}{rerouted}; {d}");
+                let why = match (taken.rerouted, taken.response) {
+                    (true, _) => " (rerouted)",
+                    (_, true) => " (response)",
+                    _ => "",
+                };
+                d = format!("split={split}->{target}{why}; {d}");
             }
             choice.debug = Some(d);
         }
@@ -1250,7 +1333,7 @@ mod tests {
         RequestContext {
             fleet: Some(fleet),
             now_ms,
-            split_key: None,
+            ..RequestContext::default()
         }
     }
 
@@ -1558,6 +1641,91 @@ mod tests {
             let c = e.decide(&p, Some(fleet), &[], opts, &mut rng);
             let d = c.debug.unwrap();
             assert!(d.starts_with(want), "{d}");
+        }
+    }
+
+    /// A Responses turn continuing a stored response, sent to a split, goes to the target whose
+    /// pool holds the response: its own key (its new input's) names either target, and vLLM on
+    /// the other target's pods answers 404. Before, half such turns took the other target.
+    #[test]
+    fn a_split_turn_continuing_a_stored_response_takes_the_target_holding_it() {
+        let cfg = r#"{"pools":[{"name":"old","models":["m-v1"]},{"name":"new","models":["m-v2"]}],
+            "splits":{"m":[{"model":"m-v1","weight":1},{"model":"m-v2","weight":1}]}}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        let fleet = fleet_of(
+            &[
+                ("old", &[("10.0.0.1:8000", true), ("10.0.0.2:8000", true)]),
+                ("new", &[("10.0.1.1:8000", true), ("10.0.1.2:8000", true)]),
+            ],
+            1_000,
+        );
+        let key_of = |pool: &str, i: usize| fleet.pool(pool).unwrap().pods[i].key;
+        e.learn_response("resp_old", key_of("old", 1));
+        e.learn_response("resp_new", key_of("new", 0));
+        let turn = |previous: &str, i: usize| {
+            serde_json::to_vec(&serde_json::json!(
+                {"model": "m", "previous_response_id": previous, "input": format!("and {i}?")}
+            ))
+            .unwrap()
+        };
+        let opts = DecideOptions {
+            now_ms: 1_100,
+            debug: true,
+            ..DecideOptions::default()
+        };
+        let prepare = |e: &mut Engine, body: &[u8]| {
+            let path = "/v1/responses";
+            let mut p = e.prepare_in(path, body, ctx(&fleet, 1_100)).unwrap();
+            e.follow_response(&mut p, path, body, ctx(&fleet, 1_100))
+                .unwrap();
+            p
+        };
+        let mut own_key_elsewhere = 0;
+        for i in 0..40 {
+            for (previous, pool, held) in [
+                ("resp_old", "old", key_of("old", 1)),
+                ("resp_new", "new", key_of("new", 0)),
+            ] {
+                let body = turn(previous, i);
+                // What the turn's own key names (an unknown response: nothing to follow).
+                let own = prepare(&mut e, &turn("resp_unknown", i));
+                own_key_elsewhere += usize::from(&*own.pool != pool);
+                let p = prepare(&mut e, &body);
+                assert_eq!(&*p.pool, pool, "{previous} {i}");
+                let sent = p.rewrite.as_ref().unwrap().apply(&body);
+                let sent: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+                assert_eq!(sent["model"], if pool == "old" { "m-v1" } else { "m-v2" });
+                let c = e.decide(&p, Some(&fleet), &[], opts, &mut SplitMix64::new(1));
+                assert_eq!(c.picked_key, Some(held));
+                assert!(c.pinned_response);
+                let d = c.debug.unwrap();
+                let why = if &*own.pool != pool {
+                    " (response)"
+                } else {
+                    ""
+                };
+                assert!(
+                    d.starts_with(&format!(
+                        "split=m->m-v{}{why}; ",
+                        1 + usize::from(pool == "new")
+                    )),
+                    "{d}"
+                );
+            }
+        }
+        // The keys alone sent about half the turns to the other target.
+        assert!(
+            (20..=60).contains(&own_key_elsewhere),
+            "{own_key_elsewhere}"
+        );
+        // A response whose pod is gone from the snapshot (or unhealthy) is not followed: the
+        // turn's own key decides, as for an unknown one.
+        e.learn_response("resp_gone", 12345);
+        for i in 0..10 {
+            let gone = prepare(&mut e, &turn("resp_gone", i));
+            let own = prepare(&mut e, &turn("resp_unknown", i));
+            assert_eq!(gone.pool, own.pool);
+            assert!(!gone.split.unwrap().response);
         }
     }
 

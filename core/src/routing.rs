@@ -134,6 +134,11 @@ impl Split {
             .map(|t| (t.target.as_ref(), u64::from(t.weight)))
     }
 
+    /// Target `i`, in configuration order.
+    pub fn target(&self, i: usize) -> Option<&Arc<Target>> {
+        self.targets.get(i).map(|t| &t.target)
+    }
+
     /// The served name of target `i`, as configured.
     pub fn target_name(&self, i: usize) -> &str {
         self.targets

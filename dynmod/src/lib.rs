@@ -1171,18 +1171,17 @@ impl Filter {
         let fleet = current_fleet();
         let now = now_ms();
 
-        let read = s.with_request_body(|body| {
-            let ctx = RequestContext {
-                fleet: fleet.as_deref(),
-                now_ms: now,
-                split_key: self.head.split_key.as_deref(),
-            };
-            match &self.head.form_boundary {
-                None => config.reader.read(&self.head.path, body, ctx).map(Some),
-                Some(b) => config
-                    .reader
-                    .read_form(&self.head.path, body, b, complete, ctx),
-            }
+        let ctx = RequestContext {
+            fleet: fleet.as_deref(),
+            now_ms: now,
+            split_key: self.head.split_key.as_deref(),
+            split_target: None,
+        };
+        let read = s.with_request_body(|body| match &self.head.form_boundary {
+            None => config.reader.read(&self.head.path, body, ctx).map(Some),
+            Some(b) => config
+                .reader
+                .read_form(&self.head.path, body, b, complete, ctx),
         });
         let read = match read {
             Ok(Some(r)) => r,
@@ -1196,7 +1195,18 @@ impl Filter {
         // Only a whole body is held: a form that streams on cannot wait.
         let hold = cfg.hold.filter(|_| complete);
         let mut guard = config.router.lock();
-        let prep = guard.engine.prepare_read(read);
+        let mut prep = guard.engine.prepare_read(read);
+        if prep.may_follow_response() {
+            let path = self.head.path.as_str();
+            let again = s
+                .with_request_body(|body| guard.engine.follow_response(&mut prep, path, body, ctx));
+            if let Err(e) = again {
+                drop(guard);
+                config.count(m.rejected_id(e.code.as_deref()));
+                self.reply_error(s, &e);
+                return true;
+            }
+        }
         let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
         let dispatched = self.dispatch(
             s,

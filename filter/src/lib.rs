@@ -1241,6 +1241,17 @@ impl Http {
         self.reply(204, "", "text/plain")
     }
 
+    /// What the engine reads of the request besides its path and body.
+    #[inline(always)]
+    fn context<'a>(&'a self, fleet: Option<&'a FleetState>, now_ms: u64) -> RequestContext<'a> {
+        RequestContext {
+            fleet,
+            now_ms,
+            split_key: self.head.split_key.as_deref(),
+            split_target: None,
+        }
+    }
+
     /// Routes the request, its body (of `size` bytes) whole.
     fn route(&mut self, w: &mut Worker, size: usize) -> Action {
         self.route_body(w, size, true).unwrap_or(Action::Continue)
@@ -1258,11 +1269,7 @@ impl Http {
         }
         w.refresh_shared_throttled(t0);
         let now = t0 / 1_000_000;
-        let ctx = RequestContext {
-            fleet: w.fleet.as_ref(),
-            now_ms: now,
-            split_key: self.head.split_key.as_deref(),
-        };
+        let ctx = self.context(w.fleet.as_ref(), now);
         let mut prep = match &self.head.form_boundary {
             None => match w.engine.prepare_in(&self.path, &body, ctx) {
                 Ok(p) => p,
@@ -1278,6 +1285,12 @@ impl Http {
             // Another worker may have served it: its slot says so before any tick.
             if w.note_shared_response(key) {
                 w.engine.look_up_response(&mut prep);
+            }
+        }
+        if prep.may_follow_response() {
+            let ctx = self.context(w.fleet.as_ref(), now);
+            if let Err(e) = w.engine.follow_response(&mut prep, &self.path, &body, ctx) {
+                return Some(self.reject(w, &e));
             }
         }
         if let Some(taken) = &prep.split {

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from harness import STAT_PREFIX, Envoy, snapshot
+from harness import STAT_PREFIX, Envoy, Pusher, snapshot
 from stubpod import pools_by, serving
 
 CONFIG = {
@@ -111,6 +111,44 @@ def test_a_split_divides_conversations_by_weight_and_rewrites_the_model(envoy, p
         pod, echo = send(envoy, "chat", rest, path="/v1/messages",
                          extra={"system": system["content"], "max_tokens": 16})
         assert json.loads(echo["body"])["model"] == took[i]
+
+
+def test_a_responses_turn_continuing_a_stored_response_keeps_its_version(envoy, pods):
+    """Responses API through a split: a turn that continues a stored response
+    (`previous_response_id`) goes to the version, and the pod, whose answer carried the id. The
+    split keys a conversation by its first user message, which such a turn does not repeat (the
+    pod holds the history): each turn was keyed by its own new input, and with weights 3 : 1
+    about a third of them took the other version's pool, where vLLM answers 404."""
+    pusher = Pusher([envoy], {
+        "stable": [{"address": p.address} for n, p in pods.items() if POD_POOL[n] == "stable"],
+        "canary": [{"address": pods["canary-0"].address}]})
+    try:
+        turns, followed = continue_responses(envoy)
+    finally:
+        pusher.stop()
+    # The turns whose own key named the other version: about a third (24 of 72 expected).
+    print(f"\n{followed} of {turns} turns took their response's version over their own key's")
+    assert followed >= 8, followed
+
+
+def continue_responses(envoy):
+    """24 Responses conversations of 4 turns through the split, each turn continuing the one
+    before: (turns that continued one, those whose own key named another version)."""
+    turns = followed = 0
+    for i in range(24):
+        s, h, answer, _ = envoy.request("POST", "/v1/responses", {
+            "model": "chat", "instructions": "You answer in one sentence.", "input": f"Remember {i}."})
+        assert s == 200 and answer["id"].startswith("resp_"), (s, answer)
+        held = h["x-served-by"]
+        for t in range(3):
+            turn = {"model": "chat", "previous_response_id": answer["id"], "input": f"What was it? ({t})"}
+            s, h, answer, raw = envoy.request("POST", "/v1/responses", turn)
+            assert s == 200, (s, raw[:300])
+            assert h["x-served-by"] == held, (i, t, h["x-gateway-debug"])
+            assert json.loads(answer["body"])["model"] == POOL_MODEL[POD_POOL[held]]
+            turns += 1
+            followed += "(response);" in h["x-gateway-debug"]
+    return turns, followed
 
 
 def test_every_worker_and_replica_gives_a_conversation_the_same_version(envoy, pods):
