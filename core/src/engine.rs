@@ -992,7 +992,12 @@ impl Engine {
             sheddable,
             holdable,
             affinity_hold,
-            overflow_to: self.reader.overflow_target(Some(fleet), now_ms, prep),
+            // Not a turn continuing a stored response that a pod of this pool holds: no other
+            // pool's pod has the response (vLLM answers 404 there).
+            overflow_to: match prep.response_pod {
+                Some(k) if pool.pods.iter().any(|p| p.key == k && p.snap.healthy) => None,
+                _ => self.reader.overflow_target(Some(fleet), now_ms, prep),
+            },
             ejected: self.outliers.ejected(),
         };
         let mut explain = Explain::default();
@@ -2099,6 +2104,17 @@ mod tests {
         assert!(matches!(decision(&table), Decision::Picked(_)));
         table.add(1, 1, 100, Some(100));
         assert_eq!(decision(&table), Decision::Overflow(1));
+        // A turn continuing a stored response that a pod of the pool holds stays there: no
+        // other pool's pod has the response (vLLM answers 404). It overflowed with the rest.
+        let held = fleet.pool("llama").unwrap().pods[1].key;
+        e.learn_response("resp_held", held);
+        let turn = br#"{"model":"llama-3","previous_response_id":"resp_held","input":"and?"}"#;
+        let cont = e
+            .prepare_in("/v1/responses", turn, ctx(&fleet, 1_100))
+            .unwrap();
+        let c = e.decide(&cont, Some(&fleet), &table.pods, opts, &mut SplitMix64::new(1));
+        assert!(c.pinned_response, "{:?}", c.decision);
+        assert_eq!(c.picked_key, Some(held));
         // Moved to dr, whose snapshot showed room, and dr full too by what was sent it since:
         // on down the list, to burst, as llama's overflow; at the end of the list, no further.
         let mut p = p.clone();

@@ -246,3 +246,24 @@ def test_an_adapter_request_stays_on_its_adapters_pod_under_lora_queue_threshold
     assert pool == "dr" and h["x-gateway-debug"].startswith("overflow=llama->dr; pool=dr"), h
     assert failed_over(envoy, "dr", "overflow") == before + 2
     push(envoy, pods)
+
+
+def test_a_turn_continuing_a_stored_response_stays_on_its_pod_while_the_pool_overflows(envoy, pods):
+    """Responses API with overflow: every llama pod saturated, a turn that continues a stored
+    response a llama pod holds goes to that pod (no other pool's pod has the response: vLLM
+    answers 404 there), while a new conversation goes over. Before, the turn went over with the
+    rest (df34236's build: served by dr-0)."""
+    push(envoy, pods)
+    s, h, first, _ = envoy.request("POST", "/v1/responses", {"model": "llama-3", "input": "remember 42"})
+    assert s == 200 and POD_POOL[h["x-served-by"]] == "llama", (s, h)
+    held = h["x-served-by"]
+    push(envoy, pods, busy={"llama"})
+    # Either worker: the one that served the answer wrote the id's shared slot.
+    for i in range(4):
+        turn = {"model": "llama-3", "previous_response_id": first["id"], "input": f"what was it? ({i})"}
+        s, h, _, _ = envoy.request("POST", "/v1/responses", turn)
+        assert (s, h["x-served-by"]) == (200, held), (s, h)
+        assert h["x-gateway-debug"].startswith("previous-response; pool=llama;"), h
+    s, h, _, _ = envoy.request("POST", "/v1/responses", {"model": "llama-3", "input": "a new one"})
+    assert s == 200 and POD_POOL[h["x-served-by"]] == "dr", (s, h)
+    push(envoy, pods)
