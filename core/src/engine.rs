@@ -1009,6 +1009,19 @@ impl Engine {
             rng,
             debug.then_some(&mut explain),
         );
+        // Nor when the pool has no pod with fresh metrics (the aggregator down, its snapshot
+        // past stale_after_ms): failing open, Envoy's balancer would send the turn to any pod,
+        // and every other one answers 404. The snapshot's address is the pod's last known.
+        let decision = match (decision, prep.response_pod) {
+            (Decision::FailOpen(FailOpen::NoFreshPod), Some(k)) => pool
+                .pods
+                .iter()
+                .position(|p| p.key == k && p.snap.healthy)
+                .map_or(Decision::FailOpen(FailOpen::NoFreshPod), |i| {
+                    Decision::Picked(vec![i])
+                }),
+            (d, _) => d,
+        };
         let mut choice = none(decision);
         // A turn that continues a stored response goes to the pod that holds it: no other can
         // answer it. Only a healthy pod: one that failed has lost what it held in memory.
@@ -2828,6 +2841,20 @@ mod tests {
             .unwrap()
             .starts_with("previous-response; pool=llama"));
         assert_ne!(first(&mut a, &f, &turn("resp_2")).picked_key, Some(held));
+        // Every pod's metrics stale (the aggregator down): the turn still goes to its pod, alone,
+        // where an unknown one fails open (before, both failed open: any pod, 404 on three of
+        // four).
+        let stale = DecideOptions {
+            now_ms: 60_000,
+            ..opts
+        };
+        let p = a.prepare("/v1/responses", &turn("resp_1")).unwrap();
+        let c = a.decide(&p, Some(&f), &table.pods, stale, &mut SplitMix64::new(1));
+        assert!(c.pinned_response, "{:?}", c.decision);
+        assert_eq!(c.decision, Decision::Picked(vec![2]));
+        let p = a.prepare("/v1/responses", &turn("resp_2")).unwrap();
+        let c = a.decide(&p, Some(&f), &table.pods, stale, &mut SplitMix64::new(1));
+        assert_eq!(c.decision, Decision::FailOpen(FailOpen::NoFreshPod));
 
         // Another worker learns it from the first one's sync records.
         let mut b = engine();

@@ -820,6 +820,35 @@ def test_snapshot_ages_out(pods):
         e.stop()
 
 
+def test_a_turn_continuing_a_stored_response_reaches_its_pod_with_the_metrics_stale(pods):
+    """The aggregator down: every pod's metrics past stale_after_ms, the gateway fails open
+    (Envoy's balancer picks) and a turn continuing a stored response reached its pod by chance;
+    vLLM answers 404 on the others (the build before: 3 of 3 pods served such turns). It now
+    goes to its pod at the snapshot's last address; other requests fail open as before."""
+    e = Envoy("filter", pools_of(pods), dict(CONFIG, scoring={"stale_after_ms": 300}))
+    try:
+        assert e.push(fresh(pods))[0] == 204
+        s, h, first, _ = e.request("POST", "/v1/responses", {"model": "llama-3-8b", "input": "remember 42"})
+        assert s == 200 and first["id"].startswith("resp_"), first
+        held = h["x-served-by"]
+        time.sleep(0.5)
+        stat = lambda: e.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
+        before = stat()
+        turn = {"model": "llama-3-8b", "previous_response_id": first["id"], "input": "what was it?"}
+        served = []
+        for _ in range(12):
+            s, h, _, _ = e.request("POST", "/v1/responses", turn)
+            assert s == 200
+            served.append(h["x-served-by"])
+        assert served == [held] * 12, served
+        assert stat() == before
+        # A new conversation fails open.
+        e.request("POST", "/v1/responses", {"model": "llama-3-8b", "input": "hi"})
+        assert stat() == before + 1
+    finally:
+        e.stop()
+
+
 def test_a_runaway_version_is_replaced_once_its_snapshot_is_stale(pods):
     """A version from a clock that ran ahead does not lock the ingest: refused below it while
     any pool may still read its snapshot (qwen's 3 s here), replaced by any valid one after. The
