@@ -869,7 +869,8 @@ impl Engine {
         let holds = |t: &Target| {
             fleet
                 .pool(self.reader.routes.pool_name(t.pool))
-                .is_some_and(|p| p.pods.iter().any(|q| q.key == pod && q.snap.healthy))
+                .and_then(|p| p.healthy_pod(pod))
+                .is_some()
         };
         if taken.response || holds(&prep.target) {
             return None;
@@ -969,6 +970,9 @@ impl Engine {
             return none(Decision::FailOpen(FailOpen::UnknownPool));
         };
         self.outliers.refresh(now_ms);
+        // A turn continuing a stored response that a pod of this pool holds: that pod, alone
+        // able to answer it (vLLM answers 404 elsewhere).
+        let response_at = prep.response_pod.and_then(|k| pool.healthy_pod(k));
         let features = RequestFeatures {
             adapter: prep.target.adapter.as_deref().map(adapter_key),
             prompt_tokens: prep.prompt_tokens,
@@ -992,11 +996,10 @@ impl Engine {
             sheddable,
             holdable,
             affinity_hold,
-            // Not a turn continuing a stored response that a pod of this pool holds: no other
-            // pool's pod has the response (vLLM answers 404 there).
-            overflow_to: match prep.response_pod {
-                Some(k) if pool.pods.iter().any(|p| p.key == k && p.snap.healthy) => None,
-                _ => self.reader.overflow_target(Some(fleet), now_ms, prep),
+            // Not such a turn: no other pool's pod has its response.
+            overflow_to: match response_at {
+                Some(_) => None,
+                None => self.reader.overflow_target(Some(fleet), now_ms, prep),
             },
             ejected: self.outliers.ejected(),
         };
@@ -1012,32 +1015,22 @@ impl Engine {
         // Nor when the pool has no pod with fresh metrics (the aggregator down, its snapshot
         // past stale_after_ms): failing open, Envoy's balancer would send the turn to any pod,
         // and every other one answers 404. The snapshot's address is the pod's last known.
-        let decision = match (decision, prep.response_pod) {
-            (Decision::FailOpen(FailOpen::NoFreshPod), Some(k)) => pool
-                .pods
-                .iter()
-                .position(|p| p.key == k && p.snap.healthy)
-                .map_or(Decision::FailOpen(FailOpen::NoFreshPod), |i| {
-                    Decision::Picked(vec![i])
-                }),
+        let decision = match (decision, response_at) {
+            (Decision::FailOpen(FailOpen::NoFreshPod), Some(i)) => Decision::Picked(vec![i]),
             (d, _) => d,
         };
         let mut choice = none(decision);
         // A turn that continues a stored response goes to the pod that holds it: no other can
-        // answer it. Only a healthy pod: one that failed has lost what it held in memory.
-        let pinned = match (&mut choice.decision, prep.response_pod) {
-            (Decision::Picked(ranked), Some(k)) => pool
-                .pods
-                .iter()
-                .position(|p| p.key == k && p.snap.healthy)
-                .map(|i| {
-                    // First, the others after it as fallbacks, as many in all as before.
-                    let n = ranked.len();
-                    ranked.retain(|r| *r != i);
-                    ranked.insert(0, i);
-                    ranked.truncate(n);
-                })
-                .is_some(),
+        // answer it.
+        let pinned = match (&mut choice.decision, response_at) {
+            (Decision::Picked(ranked), Some(i)) => {
+                // First, the others after it as fallbacks, as many in all as before.
+                let n = ranked.len();
+                ranked.retain(|r| *r != i);
+                ranked.insert(0, i);
+                ranked.truncate(n);
+                true
+            }
             _ => false,
         };
         choice.pinned_response = pinned;
@@ -1156,7 +1149,7 @@ impl Engine {
     ) -> Option<(&'f str, &'f str)> {
         let pod = self.responses.get(response_key(id))?;
         fleet.pools.iter().find_map(|pool| {
-            let p = pool.pods.iter().find(|p| p.key == pod && p.snap.healthy)?;
+            let p = &pool.pods[pool.healthy_pod(pod)?];
             Some((pool.name.as_str(), p.snap.address.as_str()))
         })
     }
@@ -2125,7 +2118,13 @@ mod tests {
         let cont = e
             .prepare_in("/v1/responses", turn, ctx(&fleet, 1_100))
             .unwrap();
-        let c = e.decide(&cont, Some(&fleet), &table.pods, opts, &mut SplitMix64::new(1));
+        let c = e.decide(
+            &cont,
+            Some(&fleet),
+            &table.pods,
+            opts,
+            &mut SplitMix64::new(1),
+        );
         assert!(c.pinned_response, "{:?}", c.decision);
         assert_eq!(c.picked_key, Some(held));
         // Moved to dr, whose snapshot showed room, and dr full too by what was sent it since:

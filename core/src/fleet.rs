@@ -164,6 +164,14 @@ impl PoolState {
             .iter()
             .any(|p| p.fresh(snapshot_age_ms, stale_after_ms))
     }
+
+    /// The index of the pod `key`, while the snapshot shows it healthy: where a stored
+    /// response is kept (a pod that failed has lost what it held in memory).
+    pub fn healthy_pod(&self, key: u64) -> Option<usize> {
+        self.pods
+            .iter()
+            .position(|p| p.key == key && p.snap.healthy)
+    }
 }
 
 /// A whole decoded snapshot.
