@@ -84,6 +84,11 @@ SEGMENT = r"[\w-]+"
 STATS_TAGS = [
     {"tag_name": "gpuroute_runtime", "regex": r"^((wasm|dynamicmodules)custom\.)gpuroute\."},
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|ejections$|to\.)"},
+    # `hold`'s counters (`gpuroute.hold.<pool>.<event>`) and held gauge (`gpuroute.held.<pool>`):
+    # the pool taken out leaves the names they had before they had one (`envoy_gpuroute_hold_held`,
+    # `envoy_gpuroute_held`), so a query that sums them reads as it did.
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"hold(\.({SEGMENT}))\.(?:held|affinity|released|expired|cancelled|full)$"},
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"held(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.(.+))\.picks$"},
     {"tag_name": "gpuroute_reason", "regex": STAT_NAME + rf"(?:fail_open|{SEGMENT}\.rejected)(\.({SEGMENT}))$"},

@@ -3,6 +3,59 @@
 //! configuration), each with its own handle to wake a held request.
 
 use crate::config::HoldOrder;
+use crate::fleet::stat_segment;
+
+/// What befell a request `hold` held (or, `Full`, would have held): counted in
+/// `gpuroute.hold.<pool>.<event>` ([`hold_stat`]) of the pool it was first held in, wherever a
+/// later decision moves it (back home from a failover pool, `Engine::homeward`). Both shells.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum HoldEvent {
+    Held,
+    /// It waited for the saturated pod caching its prompt or adapter (once per request).
+    Affinity,
+    Released,
+    Expired,
+    /// Its client left, or its stream was reset, while it was held.
+    Cancelled,
+    /// Not held: the queue was full (`max_held`).
+    Full,
+}
+
+impl HoldEvent {
+    /// Every event, in the order of `as usize`.
+    pub const ALL: [HoldEvent; 6] = [
+        HoldEvent::Held,
+        HoldEvent::Affinity,
+        HoldEvent::Released,
+        HoldEvent::Expired,
+        HoldEvent::Cancelled,
+        HoldEvent::Full,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HoldEvent::Held => "held",
+            HoldEvent::Affinity => "affinity",
+            HoldEvent::Released => "released",
+            HoldEvent::Expired => "expired",
+            HoldEvent::Cancelled => "cancelled",
+            HoldEvent::Full => "full",
+        }
+    }
+}
+
+/// The counter of `event` for `pool`: `gpuroute.hold.<pool>.<event>`. Envoy's tag extraction
+/// (envoy/render.py) takes the pool into `gpuroute_pool`, leaving `gpuroute.hold.<event>`: the
+/// Prometheus name the process-wide counter had.
+pub fn hold_stat(pool: &str, event: HoldEvent) -> String {
+    format!("gpuroute.hold.{}.{}", stat_segment(pool), event.name())
+}
+
+/// The gauge of the requests held in `pool` now: `gpuroute.held.<pool>` (`gpuroute.held` once
+/// Envoy took the pool into `gpuroute_pool`).
+pub fn held_stat(pool: &str) -> String {
+    format!("gpuroute.held.{}", stat_segment(pool))
+}
 
 /// Held requests, in the order they are to go: higher `x-gateway-priority` first; among equal
 /// priorities by arrival, or with [`HoldOrder::Shortest`] the shortest prefill first (arrival
@@ -63,6 +116,18 @@ mod tests {
 
     fn order(q: &HoldQueue<&'static str>) -> Vec<&'static str> {
         q.iter().copied().collect()
+    }
+
+    #[test]
+    fn hold_stats_name_the_pool_as_one_segment_and_events_in_their_index_order() {
+        assert_eq!(
+            hold_stat("llama-3.1:8b", HoldEvent::Cancelled),
+            "gpuroute.hold.llama-3_1_8b.cancelled"
+        );
+        assert_eq!(held_stat("burst"), "gpuroute.held.burst");
+        for (i, e) in HoldEvent::ALL.iter().enumerate() {
+            assert_eq!(*e as usize, i);
+        }
     }
 
     #[test]

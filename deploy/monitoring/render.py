@@ -83,8 +83,9 @@ ROWS = [
              f' or 0 * {OVERFLOWED}))',
              "{{gpuroute_pool}}"),
         ]),
-        ("Held requests (hold)", "short", [
-            ("sum(max_over_time(envoy_gpuroute_held[$__rate_interval]))", "held (the most at once)"),
+        ("Held requests by pool (hold)", "short", [
+            ('sum by (gpuroute_pool) (max_over_time(envoy_gpuroute_held{gpuroute_pool=~"$pool"}[$__rate_interval]))',
+             "{{gpuroute_pool}} held (the most at once)"),
             ("histogram_quantile(0.99, sum by (le) (rate(envoy_gpuroute_hold_ms_bucket[$__rate_interval])))", "p99 wait (ms)"),
         ]),
     ]),
@@ -296,9 +297,11 @@ TESTS = [
         ("GpurouteShedding", "10m", [({"gpuroute_pool": "llama"}, "Pool llama sheds 0.50 requests/s")]),
     ]),
     ("Held requests run out their wait", [
-        series("envoy_gpuroute_hold_expired", GW, "0+6x15"),
+        series("envoy_gpuroute_hold_expired", {**GW, "gpuroute_pool": "llama"}, "0+6x15"),
+        series("envoy_gpuroute_hold_expired", {**GW, "gpuroute_pool": "qwen"}, "0+0x15"),
     ], [
-        ("GpurouteHoldExpiring", "10m", [(GW, "Held requests wait out hold.max_wait_ms on gw-0")]),
+        ("GpurouteHoldExpiring", "10m", [({**GW, "gpuroute_pool": "llama"},
+                                          "Held requests of pool llama wait out hold.max_wait_ms on gw-0")]),
     ]),
     ("A quarter of the turns by stored response miss their pod", [
         series("envoy_gpuroute_responses_pinned", GW, "0+30x40"),

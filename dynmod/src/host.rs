@@ -282,10 +282,16 @@ impl Stream {
     }
 }
 
-/// Metric updates through the filter configuration, outside any stream (used on the main
-/// thread, from `on_http_filter_config_scheduled`).
+/// Metric updates through the filter configuration, outside any stream (from
+/// `on_http_filter_config_scheduled` and `on_http_filter_config_destroy`).
 #[derive(Clone, Copy)]
 pub struct ConfigStats(pub ConfigEnvoyPtr);
+
+// SAFETY: kept in the module's configuration only to be used from Envoy's hooks for that same
+// configuration (scheduled, destroy), during which Envoy's configuration object is live; Envoy's
+// stats are safe to update from any thread.
+unsafe impl Send for ConfigStats {}
+unsafe impl Sync for ConfigStats {}
 
 /// Metric labels (or label names) as Envoy takes them.
 fn buffers(labels: &[&str]) -> Vec<ModuleBuffer> {

@@ -40,7 +40,7 @@ use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment, FleetState, PodStatSet, OTHER_POD};
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
-use gpuroute_core::hold::HoldQueue;
+use gpuroute_core::hold::{held_stat, hold_stat, HoldEvent, HoldQueue};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PodLoad};
@@ -140,8 +140,9 @@ struct Metrics {
     /// Per pool: `gpuroute.pool.<pool>.ejections` (pods out of the picks for server errors).
     ejections: NameMap<String, Option<usize>>,
     picks: Option<usize>,
-    /// `hold` (defined only when it is on): `gpuroute.hold.{held,affinity,released,expired,
-    /// cancelled,full}`, the `gpuroute.held` gauge and the `gpuroute.hold_ms` histogram.
+    /// `hold` (defined only when it is on): per pool `gpuroute.hold.<pool>.{held,affinity,
+    /// released,expired,cancelled,full}` and the `gpuroute.held.<pool>` gauge, and the
+    /// `gpuroute.hold_ms` histogram.
     hold: Option<HoldMetrics>,
 }
 
@@ -154,14 +155,19 @@ struct FailoverIds {
 }
 
 struct HoldMetrics {
-    held: Option<usize>,
-    affinity: Option<usize>,
-    released: Option<usize>,
-    expired: Option<usize>,
-    cancelled: Option<usize>,
-    full: Option<usize>,
-    gauge: Option<usize>,
+    /// Each configured pool's index in `pools`.
+    index: NameMap<String, usize>,
+    /// Per pool: its counters, in [`HoldEvent::ALL`]'s order, and its held gauge.
+    pools: Vec<([Option<usize>; 6], Option<usize>)>,
     wait_ms: Option<usize>,
+}
+
+impl HoldMetrics {
+    /// The counter of `event` for a request held (or, `Full`, to be held) in `pool`.
+    fn id(&self, pool: &str, event: HoldEvent) -> Option<usize> {
+        let (counters, _) = self.pools.get(*self.index.get(pool)?)?;
+        counters.get(event as usize).copied().flatten()
+    }
 }
 
 impl Metrics {
@@ -265,13 +271,21 @@ impl Metrics {
                 &["gpuroute_pool", "gpuroute_endpoint"],
             ),
             hold: config.hold.map(|_| HoldMetrics {
-                held: d.counter("gpuroute.hold.held", &[]),
-                affinity: d.counter("gpuroute.hold.affinity", &[]),
-                released: d.counter("gpuroute.hold.released", &[]),
-                expired: d.counter("gpuroute.hold.expired", &[]),
-                cancelled: d.counter("gpuroute.hold.cancelled", &[]),
-                full: d.counter("gpuroute.hold.full", &[]),
-                gauge: d.gauge("gpuroute.held"),
+                index: config
+                    .pools
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| (p.name.clone(), i))
+                    .collect(),
+                pools: config
+                    .pools
+                    .iter()
+                    .map(|p| {
+                        let counters =
+                            HoldEvent::ALL.map(|e| d.counter(&hold_stat(&p.name, e), &[]));
+                        (counters, d.gauge(&held_stat(&p.name)))
+                    })
+                    .collect(),
                 wait_ms: d.histogram("gpuroute.hold_ms"),
             }),
         }
@@ -497,6 +511,8 @@ struct Config {
     /// they are to go.
     held: parking_lot::Mutex<HoldQueue<HeldEntry>>,
     next_held: AtomicU64,
+    /// Envoy's side of this configuration, for the last flush when Envoy destroys it.
+    envoy: ConfigStats,
 }
 
 /// The pods that have a picks label of their own (`max_pod_stats`), for the whole process:
@@ -543,6 +559,7 @@ impl Config {
             created: Instant::now(),
             held: parking_lot::Mutex::new(HoldQueue::new(hold_order)),
             next_held: AtomicU64::new(1),
+            envoy: ConfigStats(definer.0),
         })
     }
 
@@ -591,13 +608,20 @@ impl Config {
             for ms in p.hold_ms {
                 stats.histogram(h.wait_ms, ms);
             }
-            // Every live configuration's held (they share the gauge): during an LDS change the
-            // old one still holds requests the new one's queue does not have.
-            let held: usize = routing_configs()
-                .iter()
-                .map(|(_, c)| c.held.lock().len())
-                .sum();
-            stats.gauge(h.gauge, held as u64);
+            // Every live configuration's held in each of this one's pools (they share the
+            // gauges): during an LDS change the old one still holds requests the new one's
+            // queue does not have. By the pool each was first held in, as its counters.
+            let mut held = vec![0u64; h.pools.len()];
+            for (_, c) in routing_configs() {
+                for e in c.held.lock().iter() {
+                    if let Some(n) = h.index.get(&*e.pool).and_then(|i| held.get_mut(*i)) {
+                        *n += 1;
+                    }
+                }
+            }
+            for ((_, gauge), n) in h.pools.iter().zip(held) {
+                stats.gauge(*gauge, n);
+            }
         }
         if let Some(n) = p.snapshot_pods {
             stats.gauge(m.snapshot_pods, n);
@@ -740,8 +764,11 @@ struct Held {
     id: u64,
     /// When it was first held: with `hold`'s limits, how long it may still wait.
     since: Instant,
-    /// It has waited for that pod (counted once, `gpuroute.hold.affinity`).
+    /// It has waited for that pod (counted once, `gpuroute.hold.<pool>.affinity`).
     waited_for_affinity: bool,
+    /// The pool it was first held in: its hold counters and its place in the held gauge
+    /// (`HeldEntry::pool`), wherever a later decision moves it (`Engine::homeward`, overflow).
+    pool: Arc<str>,
 }
 
 /// One HTTP stream (`on_http_filter_new`).
@@ -1224,7 +1251,11 @@ impl Filter {
             // (it goes to a saturated pod at once). Only such a request is counted, not every
             // request while the queue is full (another pool's, a shed one).
             Err((prep, _)) if hold.is_some_and(|h| config.held.lock().len() >= h.max_held) => {
-                config.count(m.hold.as_ref().and_then(|h| h.full));
+                let full = m
+                    .hold
+                    .as_ref()
+                    .and_then(|h| h.id(&prep.pool, HoldEvent::Full));
+                config.count(full);
                 let guard = config.router.lock();
                 self.dispatch(s, guard, *prep, &fleet, now, complete, t0, false, false)
             }
@@ -1446,18 +1477,22 @@ impl Filter {
         let priority = self.head.priority.unwrap_or(0);
         let prefill = prep.least_prefill(config.settings.prefix.block_tokens());
         config.held.lock().push(priority, prefill, entry);
+        let pool = prep.pool.clone();
+        if let Some(m) = config.metrics.hold.as_ref() {
+            let mut p = config.pending.lock();
+            p.count(m.id(&pool, HoldEvent::Held));
+            if for_affinity {
+                p.count(m.id(&pool, HoldEvent::Affinity));
+            }
+        }
         self.held = Some(Held {
             prep,
             id,
             since: t0,
             waited_for_affinity: for_affinity,
+            pool,
         });
         self.mode = Mode::Held;
-        let m = config.metrics.hold.as_ref();
-        config.count(m.and_then(|h| h.held));
-        if for_affinity {
-            config.count(m.and_then(|h| h.affinity));
-        }
     }
 
     /// Woken on this stream's worker (`Config::wake_held`): a held request decides again, and goes
@@ -1493,7 +1528,8 @@ impl Filter {
                 let awaits = reason.awaited_pod().unwrap_or(0);
                 let for_affinity = awaits != 0;
                 if for_affinity && !held.waited_for_affinity {
-                    config.count(config.metrics.hold.as_ref().and_then(|h| h.affinity));
+                    let m = config.metrics.hold.as_ref();
+                    config.count(m.and_then(|h| h.id(&held.pool, HoldEvent::Affinity)));
                 }
                 config.still_held(held.id, awaits);
                 self.held = Some(Held {
@@ -1505,8 +1541,13 @@ impl Filter {
             Ok(()) => {
                 config.unhold(held.id);
                 if let Some(h) = &config.metrics.hold {
+                    let event = if expired {
+                        HoldEvent::Expired
+                    } else {
+                        HoldEvent::Released
+                    };
                     let mut p = config.pending.lock();
-                    p.count(if expired { h.expired } else { h.released });
+                    p.count(h.id(&held.pool, event));
                     p.hold_ms.push(waited_ms);
                 }
                 if let Some(d) = self.debug.as_mut() {
@@ -1671,8 +1712,9 @@ impl Filter {
         });
         if let Some(h) = self.held.take() {
             if self.config.unhold(h.id) {
-                let cancelled = self.config.metrics.hold.as_ref().and_then(|h| h.cancelled);
-                self.config.count(cancelled);
+                let m = self.config.metrics.hold.as_ref();
+                self.config
+                    .count(m.and_then(|m| m.id(&h.pool, HoldEvent::Cancelled)));
             }
         }
         // Out of the queue (above, or when it was sent): no other thread commits through it.
@@ -1761,6 +1803,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
         if let Some(s) = scheduler {
             s.delete();
         }
+        // What its last streams counted since the last tick, and the held gauges without its
+        // requests: Envoy destroys a configuration after its last stream (each holds it), so the
+        // requests held when an LDS change's drain ended are counted `hold.<pool>.cancelled`
+        // here (no tick flushes for it any more; they were lost before). Envoy's side is whole
+        // until this hook returns.
+        c.flush(c.envoy);
     }
 }
 

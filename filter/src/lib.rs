@@ -30,7 +30,7 @@ use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::FleetState;
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
-use gpuroute_core::hold::HoldQueue;
+use gpuroute_core::hold::{HoldEvent, HoldQueue};
 use gpuroute_core::idmap::NameMap;
 use gpuroute_core::ingest::{
     self, Endpoint, Stored, StoredHeader, SNAPSHOT_BINARY_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY,
@@ -894,11 +894,14 @@ struct Held {
     size: usize,
     /// When it was first held (ns): with `hold`'s limits, how long it may still wait.
     since_ns: u64,
-    /// It has waited for that pod (counted once, `gpuroute.hold.affinity`).
+    /// It has waited for that pod (counted once, `gpuroute.hold.<pool>.affinity`).
     waited_for_affinity: bool,
     /// The pod it waits for, when its last decision held it for the pod that caches its prompt or
     /// adapter: only that pod's room, or a tick, makes deciding again worth it.
     awaits: Option<u64>,
+    /// The pool it was first held in: its hold counters and its place in the held gauge, wherever
+    /// a later decision moves it (`Engine::homeward`, overflow).
+    pool: Arc<str>,
 }
 
 /// What deciding again for a held request came to.
@@ -1313,7 +1316,7 @@ impl Http {
             // It would be held, and the worker holds `max_held`: counted, and decided again
             // without holding (it goes to a saturated pod at once). Only such a request is
             // counted, not every request while the queue is full (another pool's, a shed one).
-            w.stats.inc("gpuroute.hold.full");
+            w.stats.hold(&prep.pool, HoldEvent::Full);
             dispatched = self.dispatch(w, &mut prep, t0, len, complete, false, false);
         }
         match dispatched {
@@ -1324,18 +1327,20 @@ impl Http {
                 w.held.push(priority, prefill, self.id);
                 let awaits = reason.awaited_pod();
                 let for_affinity = awaits.is_some();
+                let pool = prep.pool.clone();
+                w.stats.hold(&pool, HoldEvent::Held);
+                if for_affinity {
+                    w.stats.hold(&pool, HoldEvent::Affinity);
+                }
+                w.stats.held(&pool, 1);
                 self.held = Some(Held {
                     prep: Box::new(prep),
                     size: len,
                     since_ns: t0,
                     waited_for_affinity: for_affinity,
                     awaits,
+                    pool,
                 });
-                w.stats.inc("gpuroute.hold.held");
-                if for_affinity {
-                    w.stats.inc("gpuroute.hold.affinity");
-                }
-                w.stats.gauge_add("gpuroute.held", 1);
                 Some(Action::Pause)
             }
         }
@@ -1893,11 +1898,11 @@ impl Http {
             complete(&self.worker, &p.pool, p.finished());
             p.pod_key
         });
-        if self.held.take().is_some() {
+        if let Some(held) = self.held.take() {
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
                 w.held.remove(|c| *c == self.id);
-                w.stats.inc("gpuroute.hold.cancelled");
-                w.stats.gauge_add("gpuroute.held", -1);
+                w.stats.hold(&held.pool, HoldEvent::Cancelled);
+                w.stats.held(&held.pool, -1);
             }
         }
         freed
@@ -1952,7 +1957,7 @@ impl Http {
                 let awaits = reason.awaited_pod();
                 let first_wait = awaits.is_some() && !held.waited_for_affinity;
                 if first_wait {
-                    w.stats.inc("gpuroute.hold.affinity");
+                    w.stats.hold(&held.pool, HoldEvent::Affinity);
                 }
                 self.held = Some(Held {
                     prep,
@@ -1967,12 +1972,13 @@ impl Http {
             }
             Ok(action) => {
                 w.held.remove(|c| *c == self.id);
-                w.stats.gauge_add("gpuroute.held", -1);
-                w.stats.inc(if expired {
-                    "gpuroute.hold.expired"
+                w.stats.held(&held.pool, -1);
+                let event = if expired {
+                    HoldEvent::Expired
                 } else {
-                    "gpuroute.hold.released"
-                });
+                    HoldEvent::Released
+                };
+                w.stats.hold(&held.pool, event);
                 w.stats.histogram("gpuroute.hold_ms", waited_ms);
                 if let Some(d) = self.debug.as_mut() {
                     *d = engine::held_debug(waited_ms, d);

@@ -31,12 +31,13 @@
 //!   that holds their response, and those that could not be)
 //! - `gpuroute.idle_wakes` (counter: a routed request found its worker's tick slowed down by
 //!   idling, `idle_tick_ms`, and restored it)
-//! - `gpuroute.hold.{held,affinity,released,expired,cancelled,full}` (counters: requests held
-//!   while their pool was saturated, or the pod caching their prompt or adapter was, `hold`;
+//! - `gpuroute.hold.<pool>.{held,affinity,released,expired,cancelled,full}` (counters: requests
+//!   held while their pool was saturated, or the pod caching their prompt or adapter was, `hold`;
 //!   those that waited for that pod; sent when a pod had room; sent after `max_wait_ms` to a
 //!   saturated pod; whose client left while held; not held because the worker held `max_held`),
-//!   `gpuroute.held` (gauge: requests held now, all workers), `gpuroute.hold_ms` (histogram:
-//!   how long each held request waited)
+//!   `gpuroute.held.<pool>` (gauge: requests held now, all workers), each by the pool the
+//!   request was first held in (a request held where it overflowed counts there, wherever it
+//!   goes), `gpuroute.hold_ms` (histogram: how long each held request waited)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request, and so
@@ -50,6 +51,7 @@ use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::engine::{FailedOver, SplitTaken};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment as sanitize, PodStatSet, OTHER_POD};
+use gpuroute_core::hold::{held_stat, hold_stat, HoldEvent};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
@@ -69,6 +71,8 @@ pub struct Stats {
     /// counted: by the pool they left, the pool they went to and whether they overflowed. A
     /// configuration has few such pairs, so a scan.
     moved: Vec<Moved>,
+    /// Per pool: its hold counters and held gauge ([`HoldEvent`]), once it held a request.
+    hold: NameMap<String, HoldIds>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
     /// `max_pod_stats`: how many pods, in all, the Envoy gives a picks counter of their own
@@ -101,6 +105,12 @@ struct Moved {
     id: Option<u32>,
 }
 
+/// A pool's hold counters, in [`HoldEvent::ALL`]'s order, and its held gauge.
+struct HoldIds {
+    counters: [Option<u32>; 6],
+    gauge: Option<u32>,
+}
+
 #[derive(Default)]
 struct PoolIds {
     picked: Option<u32>,
@@ -121,6 +131,7 @@ impl Stats {
             hot: NameMap::default(),
             splits: IdMap::default(),
             moved: Vec::new(),
+            hold: NameMap::default(),
             pending: IdMap::default(),
             max_pod_stats,
             refused: IdMap::default(),
@@ -193,13 +204,6 @@ impl Stats {
         }
     }
 
-    /// Moves a gauge by `delta` (a gauge every worker moves, such as a count across workers).
-    pub fn gauge_add(&mut self, name: &str, delta: i64) {
-        if let Some(id) = self.id(MetricType::Gauge, name) {
-            host::increment_metric(id, delta);
-        }
-    }
-
     pub fn histogram(&mut self, name: &str, value: u64) {
         if let Some(id) = self.id(MetricType::Histogram, name) {
             host::record_metric(id, value);
@@ -253,6 +257,37 @@ impl Stats {
         };
         if let Some(id) = id {
             *self.pending.entry(id).or_insert(0) += 1;
+        }
+    }
+
+    /// A pool's hold counters and gauge, all defined at its first hold event (so that each
+    /// series is there, at 0, before its first count).
+    fn hold_ids(&mut self, pool: &str) -> Option<&HoldIds> {
+        if !self.hold.contains_key(pool) {
+            let counters = HoldEvent::ALL
+                .map(|e| host::define_metric(MetricType::Counter, &hold_stat(pool, e)));
+            let gauge = host::define_metric(MetricType::Gauge, &held_stat(pool));
+            self.hold
+                .insert(pool.to_string(), HoldIds { counters, gauge });
+        }
+        self.hold.get(pool)
+    }
+
+    /// Counts a hold event of a request held in `pool` (or, `Full`, that would have been).
+    pub fn hold(&mut self, pool: &str, event: HoldEvent) {
+        let i = event as usize;
+        let id = self
+            .hold_ids(pool)
+            .and_then(|h| h.counters.get(i).copied().flatten());
+        if let Some(id) = id {
+            host::increment_metric(id, 1);
+        }
+    }
+
+    /// Moves `pool`'s held gauge (every worker moves it: the count across workers).
+    pub fn held(&mut self, pool: &str, delta: i64) {
+        if let Some(id) = self.hold_ids(pool).and_then(|h| h.gauge) {
+            host::increment_metric(id, delta);
         }
     }
 

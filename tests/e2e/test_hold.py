@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -55,6 +56,15 @@ def ask_with_headers(gw, text, priority=None, timeout=20):
     return s, h.get("x-served-by"), reply, time.time() - t0, h
 
 
+def by_pool(gw, family):
+    """A family's values on /stats/prometheus, by their `gpuroute_pool` label (Envoy's tag
+    extraction, envoy/render.py's STATS_TAGS)."""
+    with urllib.request.urlopen(f"http://{gw.admin}/stats/prometheus", timeout=5) as r:
+        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith(family + "{")]
+    return {ln.split('gpuroute_pool="')[1].split('"')[0] if 'gpuroute_pool="' in ln else None:
+            int(float(ln.rsplit(" ", 1)[1])) for ln in lines}
+
+
 def served(pods):
     return sum(len(p.requests) for p in pods.values())
 
@@ -72,18 +82,18 @@ def room_after(gw, pods):
     """Every test leaves the pool with room and nothing held."""
     yield
     push(gw, pods, [{}, {}, {}])
-    wait_for(lambda: stat(gw, "gpuroute.held") == 0, what="the held requests to go")
+    wait_for(lambda: stat(gw, "gpuroute.held.llama") == 0, what="the held requests to go")
 
 
 def test_a_request_waits_at_the_gateway_until_a_pod_has_room(gw, pods):
     push(gw, pods, [SATURATED] * 3)
-    before = (served(pods), gw.stat(STAT_PREFIX + "gpuroute.hold.held"), gw.stat(STAT_PREFIX + "gpuroute.hold.released"))
+    before = (served(pods), gw.stat(STAT_PREFIX + "gpuroute.hold.llama.held"), gw.stat(STAT_PREFIX + "gpuroute.hold.llama.released"))
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
         pending = ex.submit(ask_with_headers, gw, "wait for me")
-        wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the request to be held")
+        wait_for(lambda: stat(gw, "gpuroute.held.llama") == 1, what="the request to be held")
         time.sleep(0.3)  # a few ticks: still held, no pod has it
         assert not pending.done() and served(pods) == before[0]
-        assert gw.stat(STAT_PREFIX + "gpuroute.hold.held") == before[1] + 1
+        assert gw.stat(STAT_PREFIX + "gpuroute.hold.llama.held") == before[1] + 1
         # p2's queue empties: the request goes there, within a tick or two.
         pushed = time.time()
         push(gw, pods, [SATURATED, SATURATED, {"waiting": 0}])
@@ -95,8 +105,8 @@ def test_a_request_waits_at_the_gateway_until_a_pod_has_room(gw, pods):
     assert held_ms and 300 <= int(held_ms.group(1)) < 10_000, headers["x-gateway-debug"]
     assert reply["headers"]["x-gateway-pool"] == "llama"
     assert took < 2, f"{took:.2f} s from room to the request's answer"
-    assert gw.stat(STAT_PREFIX + "gpuroute.hold.released") == before[2] + 1
-    assert stat(gw, "gpuroute.held") == 0
+    assert gw.stat(STAT_PREFIX + "gpuroute.hold.llama.released") == before[2] + 1
+    assert stat(gw, "gpuroute.held.llama") == 0
     assert gw.stat(STAT_PREFIX + "gpuroute.pool.llama.requests.picked") > 0  # batched to the tick
 
 
@@ -111,14 +121,14 @@ def test_the_held_go_by_priority_and_only_as_many_as_there_is_room_for(gw, pods)
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             first = ex.submit(ask, gw, "standard, first")
-            wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the first to be held")
+            wait_for(lambda: stat(gw, "gpuroute.held.llama") == 1, what="the first to be held")
             urgent = ex.submit(ask, gw, "urgent, second", priority=5)
-            wait_for(lambda: stat(gw, "gpuroute.held") == 2, what="the second to be held")
+            wait_for(lambda: stat(gw, "gpuroute.held.llama") == 2, what="the second to be held")
             push(gw, pods, [{"waiting": 4}, SATURATED, SATURATED])
             wait_for(lambda: len(p0.requests) > start["p0"], what="p0 to get a request")
             assert "urgent" in p0.requests[-1]["body"], p0.requests[-1]
             time.sleep(0.3)
-            assert stat(gw, "gpuroute.held") == 1 and not first.done(), \
+            assert stat(gw, "gpuroute.held.llama") == 1 and not first.done(), \
                 "the first went too, onto a pod that had room for one"
             push(gw, pods, [SATURATED, {"waiting": 0}, SATURATED])
             s, pod, reply, _ = first.result(10)
@@ -134,17 +144,17 @@ def test_the_held_go_by_priority_and_only_as_many_as_there_is_room_for(gw, pods)
 
 def test_a_client_that_leaves_while_held_is_forgotten(gw, pods):
     push(gw, pods, [SATURATED] * 3)
-    cancelled = gw.stat(STAT_PREFIX + "gpuroute.hold.cancelled")
+    cancelled = gw.stat(STAT_PREFIX + "gpuroute.hold.llama.cancelled")
     before = served(pods)
     host, port = gw.listen.rsplit(":", 1)
     body = b'{"model":"llama-3-8b","messages":[{"role":"user","content":"bye"}]}'
     c = socket.create_connection((host, int(port)), timeout=5)
     c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
               b"content-length: %d\r\n\r\n%s" % (len(body), body))
-    wait_for(lambda: stat(gw, "gpuroute.held") == 1, what="the request to be held")
+    wait_for(lambda: stat(gw, "gpuroute.held.llama") == 1, what="the request to be held")
     c.close()
-    wait_for(lambda: stat(gw, "gpuroute.held") == 0, what="the request to be forgotten")
-    assert gw.stat(STAT_PREFIX + "gpuroute.hold.cancelled") == cancelled + 1
+    wait_for(lambda: stat(gw, "gpuroute.held.llama") == 0, what="the request to be forgotten")
+    assert gw.stat(STAT_PREFIX + "gpuroute.hold.llama.cancelled") == cancelled + 1
     # Nothing reached a pod, and the gateway serves on.
     push(gw, pods, [{}, {}, {}])
     time.sleep(0.1)
@@ -156,19 +166,19 @@ def test_sheddable_requests_are_shed_and_a_full_worker_sends_at_once(gw, pods):
     push(gw, pods, [SATURATED] * 3)
     s, _, reply, took = ask(gw, "batch job", priority=-1)
     assert s == 429 and took < 2, reply
-    full = gw.stat(STAT_PREFIX + "gpuroute.hold.full")
+    full = gw.stat(STAT_PREFIX + "gpuroute.hold.llama.full")
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         held = [ex.submit(ask, gw, f"held {i}") for i in range(3)]
-        wait_for(lambda: stat(gw, "gpuroute.held") == 3, what="three to be held")
+        wait_for(lambda: stat(gw, "gpuroute.held.llama") == 3, what="three to be held")
         # A sheddable request is shed, as it would be with room to hold: it was never to be
         # held, so it is not counted as turned away by a full queue.
         assert ask(gw, "batch job", priority=-1)[0] == 429
         time.sleep(0.3)  # past a flush of the module's counts (every tick_ms)
-        assert gw.stat(STAT_PREFIX + "gpuroute.hold.full") == full
+        assert gw.stat(STAT_PREFIX + "gpuroute.hold.llama.full") == full
         # max_held is 3: the fourth goes to a saturated pod at once.
         s, pod, _, took = ask(gw, "one too many")
         assert s == 200 and pod in ("p0", "p1", "p2") and took < 2
-        wait_for(lambda: gw.stat(STAT_PREFIX + "gpuroute.hold.full") == full + 1, what="hold.full")
+        wait_for(lambda: gw.stat(STAT_PREFIX + "gpuroute.hold.llama.full") == full + 1, what="hold.full")
         assert not any(f.done() for f in held)
         push(gw, pods, [{}, {}, {}])
         assert all(f.result(10)[0] == 200 for f in held)
@@ -188,16 +198,17 @@ def test_a_full_hold_queue_counts_only_the_requests_it_turns_away(pods):
             assert e.push(snap)[0] == 204
             with concurrent.futures.ThreadPoolExecutor(2) as ex:
                 held = ex.submit(ask, e, "held")
-                wait_for(lambda: stat(e, "gpuroute.held") == 1, what="one held")
+                wait_for(lambda: stat(e, "gpuroute.held.llama") == 1, what="one held")
                 body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}]}
                 for _ in range(3):
                     s, h, _, _ = e.request("POST", "/v1/chat/completions", body)
                     assert (s, h.get("x-served-by")) == (200, "q0")
                 time.sleep(0.3)  # past a flush of the module's counts (every tick_ms)
-                assert stat(e, "gpuroute.hold.full") == 0
-                # One to the saturated pool: turned away by the full queue, counted.
+                assert stat(e, "gpuroute.hold.llama.full") == 0
+                # One to the saturated pool: turned away by the full queue, counted in its pool.
                 assert ask(e, "too many")[0] == 200
-                wait_for(lambda: stat(e, "gpuroute.hold.full") == 1, what="hold.full")
+                wait_for(lambda: stat(e, "gpuroute.hold.llama.full") == 1, what="hold.full")
+                assert (stat(e, "gpuroute.hold.qwen.full"), stat(e, "gpuroute.held.qwen")) == (0, 0)
                 assert not held.done()
                 push(e, pods, [{}, {}, {}])
                 assert held.result(10)[0] == 200
@@ -209,7 +220,9 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
     """A request whose pool was saturated overflows to its failover pool; that one full too, it
     is held there. Once a snapshot shows its own pool with room it goes there, not after its
     whole wait to a saturated pod of the failover pool while later requests overtook it (an
-    audit: both held went to the burst pod after 8 s)."""
+    audit: both held went to the burst pod after 8 s). Its hold counts and the held gauge are
+    the failover pool's, where it was held, though it went home (before, one count for every
+    pool: no telling which was holding)."""
     scoring = {"stale_after_ms": 60_000, "queue_threshold": 2}
     with serving(["l0", "l1", "b0"]) as pods:
         e = Envoy("filter", [{"name": "llama", "endpoints": [pods["l0"].address, pods["l1"].address]},
@@ -233,8 +246,15 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
                 for i in range(4):
                     sent.append(ex.submit(ask_with_headers, e, f"request {i}"))
                     time.sleep(0.2)
-                wait_for(lambda: stat(e, "gpuroute.held") == 2, what="two held")
+                wait_for(lambda: stat(e, "gpuroute.held.burst") == 2, what="two held")
                 assert len(pods["b0"].requests) == 2
+                assert (stat(e, "gpuroute.held.llama"), e.stat(STAT_PREFIX + "gpuroute.hold.burst.held"),
+                        stat(e, "gpuroute.hold.llama.held")) == (0, 2, 0)
+                # In Prometheus, the names the process-wide stats had, the pool a label (llama's
+                # series at 0: the module defines every pool's at once, the proxy-wasm build a
+                # pool's at its first hold).
+                for family in ("envoy_gpuroute_held", "envoy_gpuroute_hold_held"):
+                    assert {p: n for p, n in by_pool(e, family).items() if n} == {"burst": 2}, family
                 t0 = time.time()
                 push_loads({}, {"waiting": 2})
                 for f in sent[2:]:
@@ -244,7 +264,10 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
                 assert time.time() - t0 < 3
                 gate.set()
                 assert [f.result(10)[:2] for f in sent[:2]] == [(200, "b0")] * 2
-            assert stat(e, "gpuroute.hold.expired") == 0
+            wait_for(lambda: stat(e, "gpuroute.held.burst") == 0, what="none held")
+            assert {n: e.stat(STAT_PREFIX + f"gpuroute.hold.{n}") for n in
+                    ("burst.held", "burst.released", "burst.expired", "llama.held", "llama.released")} == \
+                {"burst.held": 2, "burst.released": 2, "burst.expired": 0, "llama.held": 0, "llama.released": 0}
         finally:
             gate.set()
             e.stop()
@@ -252,7 +275,7 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
 
 def test_requests_held_under_a_replaced_configuration_stay_counted_and_go(pods, tmp_path):
     """An LDS change while requests are held: the held ones, under the old configuration (its
-    filter chain draining), stay in the `gpuroute.held` gauge and go once the pool has room. The
+    filter chain draining), stay in the `gpuroute.held.<pool>` gauge and go once the pool has room. The
     module's gauge dropped to 0 while the new configuration, holding none, wrote it (an audit);
     every configuration now writes all of theirs."""
     lds = LdsListener(tmp_path / "lds")
@@ -263,16 +286,16 @@ def test_requests_held_under_a_replaced_configuration_stay_counted_and_go(pods, 
         push(e, pods, [SATURATED] * 3)
         with concurrent.futures.ThreadPoolExecutor(3) as ex:
             held = [ex.submit(ask, e, f"held {i}") for i in range(3)]
-            wait_for(lambda: stat(e, "gpuroute.held") == 3, what="three held")
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 3, what="three held")
             lds.change(e, timeout_s=10, tick_ms=21)
             seen = []
             for _ in range(25):
                 time.sleep(0.1)
-                seen.append(stat(e, "gpuroute.held"))
+                seen.append(stat(e, "gpuroute.held.llama"))
             assert min(seen) == 3, seen
             push(e, pods, [{}, {}, {}])
             assert [f.result(10)[0] for f in held] == [200] * 3
-        wait_for(lambda: stat(e, "gpuroute.held") == 0, what="none held")
+        wait_for(lambda: stat(e, "gpuroute.held.llama") == 0, what="none held")
     finally:
         e.stop()
 
@@ -288,15 +311,15 @@ def test_each_worker_holds_and_sends_its_own(pods):
             # Until both workers hold some (each request on a connection of its own).
             while len(held) < 16 and (len(held) < 4 or len(e.worker_connections()) < 2):
                 held.append(ex.submit(ask, e, f"worker test {len(held)}"))
-                wait_for(lambda: stat(e, "gpuroute.held") == len(held), what=f"{len(held)} held")
+                wait_for(lambda: stat(e, "gpuroute.held.llama") == len(held), what=f"{len(held)} held")
             assert len(e.worker_connections()) == 2, e.worker_connections()
             time.sleep(0.2)
             assert not any(f.done() for f in held)
             push(e, pods, [{}, {}, {}])
             answers = [f.result(10) for f in held]
         assert all(a[0] == 200 for a in answers), answers
-        wait_for(lambda: stat(e, "gpuroute.held") == 0, what="none held")
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.released") == len(held)
+        wait_for(lambda: stat(e, "gpuroute.held.llama") == 0, what="none held")
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.released") == len(held)
     finally:
         e.stop()
 
@@ -327,21 +350,21 @@ def test_a_request_waits_for_the_saturated_pod_that_caches_its_prompt(pods):
     try:
         home, i, loads = cache_on_one_pod(e, pods)
         push(e, pods, loads)
-        waited = e.stat(STAT_PREFIX + "gpuroute.hold.affinity")
+        waited = e.stat(STAT_PREFIX + "gpuroute.hold.llama.affinity")
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             follow_up = ex.submit(ask_with_headers, e, DOCUMENT % tuple(range(300)) + " Second question?")
-            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the follow-up to be held")
-            assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == waited + 1
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 1, what="the follow-up to be held")
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.affinity") == waited + 1
             # Another request of the pool is not held behind it: it goes to a pod with room.
             s, pod, reply, took = ask(e, "an unrelated short question")
             assert s == 200 and pod != home and took < 2, (pod, reply)
             time.sleep(0.3)
-            assert not follow_up.done() and stat(e, "gpuroute.held") == 1
+            assert not follow_up.done() and stat(e, "gpuroute.held.llama") == 1
             push(e, pods, [{}, {}, {}])
             s, pod, reply, _, headers = follow_up.result(10)
         assert (s, pod) == (200, home), reply
         assert re.match(r"held=\d+ms; pool=llama; picked=", headers["x-gateway-debug"]), headers
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.released") == 1
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.released") == 1
     finally:
         e.stop()
 
@@ -357,15 +380,15 @@ def test_a_pod_that_gets_room_takes_the_held_request_it_suits(pods):
         push(e, pods, [SATURATED] * 3)
         with concurrent.futures.ThreadPoolExecutor(2) as ex:
             follow_up = ex.submit(ask, e, DOCUMENT % tuple(range(300)) + " Second question?")
-            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the follow-up to be held")
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 1, what="the follow-up to be held")
             unrelated = ex.submit(ask, e, "an unrelated short question")
-            wait_for(lambda: stat(e, "gpuroute.held") == 2, what="both to be held")
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 2, what="both to be held")
             push(e, pods, [{} if j == other else SATURATED for j in range(3)])
             s, pod, reply, _ = unrelated.result(10)
             assert (s, pod) == (200, f"p{other}"), reply
             time.sleep(0.3)
-            assert not follow_up.done() and stat(e, "gpuroute.held") == 1
-            assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 1
+            assert not follow_up.done() and stat(e, "gpuroute.held.llama") == 1
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.affinity") == 1
             push(e, pods, [{}, {}, {}])
             s, pod, reply, _ = follow_up.result(10)
         assert (s, pod) == (200, home), reply
@@ -385,8 +408,8 @@ def test_an_adapter_request_waits_for_its_adapters_saturated_pod(pods):
         with concurrent.futures.ThreadPoolExecutor(1) as ex:
             body = {"model": "sql-lora", "messages": [{"role": "user", "content": "count the rows"}]}
             adapter = ex.submit(e.request, "POST", "/v1/chat/completions", body, {}, timeout=20)
-            wait_for(lambda: stat(e, "gpuroute.held") == 1, what="the adapter request to be held")
-            assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 1
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 1, what="the adapter request to be held")
+            assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.affinity") == 1
             s, pod, reply, took = ask(e, "a base-model question")
             assert s == 200 and pod in ("p1", "p2") and took < 2, (pod, reply)
             time.sleep(0.3)
@@ -417,7 +440,7 @@ def test_past_its_wait_an_adapter_request_goes_to_its_pod_under_lora_queue_thres
             took = time.time() - t0
             assert s == 200 and h.get("x-served-by") in want, (waiting, h.get("x-served-by"), reply)
             assert 0.4 <= took < 2.5, (waiting, took)
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 2
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.affinity") == 2
     finally:
         e.stop()
 
@@ -432,9 +455,9 @@ def test_a_request_waits_for_its_prompts_pod_at_most_affinity_wait_ms(pods):
         s, pod, reply, took = ask(e, DOCUMENT % tuple(range(300)) + " Second question?")
         assert s == 200 and pod != home, (pod, reply)
         assert 0.4 <= took < 2.5, took
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.affinity") == 1
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.released") == 1
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.expired") == 0
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.affinity") == 1
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.released") == 1
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.expired") == 0
     finally:
         e.stop()
     e = prefix_gateway(pods, 0)
@@ -443,7 +466,7 @@ def test_a_request_waits_for_its_prompts_pod_at_most_affinity_wait_ms(pods):
         push(e, pods, loads)
         s, pod, reply, took = ask(e, DOCUMENT % tuple(range(300)) + " Second question?")
         assert s == 200 and pod != home and took < 2, (pod, reply)
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.held") == 0
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.held") == 0
     finally:
         e.stop()
 
@@ -468,7 +491,7 @@ def test_with_order_shortest_the_shortest_prefill_goes_first(pods):
                                ("cached", DOCUMENT % tuple(range(300)) + " Second question?"),
                                ("short", "short " + "words " * 200)]:
                 asked[name] = ex.submit(ask, e, text)
-                wait_for(lambda: stat(e, "gpuroute.held") == len(asked), what=f"{name} to be held")
+                wait_for(lambda: stat(e, "gpuroute.held.llama") == len(asked), what=f"{name} to be held")
 
             def got(pod):
                 return [r["body"] for r in pods[pod].requests[start[pod]:]]
@@ -480,7 +503,7 @@ def test_with_order_shortest_the_shortest_prefill_goes_first(pods):
                 wait_for(lambda: got(f"p{j}"), what=f"p{j} to get a request")
                 assert len(got(f"p{j}")) == 1 and marker in got(f"p{j}")[0], (name, got(f"p{j}")[0][:60])
                 time.sleep(0.2)
-                assert stat(e, "gpuroute.held") == 3 - left
+                assert stat(e, "gpuroute.held.llama") == 3 - left
             keep.set()
             push(e, pods, [{}, {}, {}])
             assert all(f.result(10)[0] == 200 for f in asked.values())
@@ -496,7 +519,9 @@ def test_every_hold_stat_is_documented(gw):
     shows is one the README names."""
     patterns = documented_stats()
     shown = sorted({n.removeprefix(STAT_PREFIX) for n in gw.stats() if n.startswith(STAT_PREFIX)})
-    assert {"gpuroute.hold.held", "gpuroute.hold.released", "gpuroute.hold.cancelled", "gpuroute.held"} <= set(shown)
+    assert {"gpuroute.hold.llama.held", "gpuroute.hold.llama.released", "gpuroute.hold.llama.cancelled", "gpuroute.held.llama"} <= set(shown)
+    # No process-wide hold counter beside the pool's (a sum in Prometheus would count twice).
+    assert not {"gpuroute.hold.held", "gpuroute.held"} & set(shown), shown
     undocumented = [n for n in shown if not any(p.fullmatch(n) for p in patterns)]
     assert not undocumented, f"stats the README does not name: {undocumented}"
 
@@ -506,13 +531,42 @@ def test_a_held_request_goes_to_a_saturated_pod_after_max_wait(pods):
                                           "hold": {"max_wait_ms": 400}})
     try:
         push(e, pods, [SATURATED] * 3)
-        expired = e.stat(STAT_PREFIX + "gpuroute.hold.expired")
+        expired = e.stat(STAT_PREFIX + "gpuroute.hold.llama.expired")
         s, pod, reply, took = ask(e, "patience")
         assert s == 200 and pod in ("p0", "p1", "p2"), reply
         assert 0.4 <= took < 2.5, took
-        assert e.stat(STAT_PREFIX + "gpuroute.hold.expired") == expired + 1
-        assert stat(e, "gpuroute.held") == 0
+        assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.expired") == expired + 1
+        assert stat(e, "gpuroute.held.llama") == 0
         hist = e.stats("hold_ms")
         assert any("gpuroute.hold_ms" in k for k in hist), hist
+    finally:
+        e.stop()
+
+
+def test_requests_held_when_a_replaced_configurations_drain_ends_count_as_cancelled(pods, tmp_path):
+    """An LDS change while requests are held, the pool saturated past the old filter chain's
+    drain: Envoy resets the held requests when the drain ends, and each is counted in
+    `hold.<pool>.cancelled` and leaves the `gpuroute.held.<pool>` gauge, as a client that leaves is. The module
+    lost them: the old configuration's counts waited for a flush that never came once Envoy
+    destroyed it."""
+    lds = LdsListener(tmp_path / "lds")
+    e = Envoy("filter", endpoints(pods), {"pools": [POOLS], "scoring": SCORING, "hold": {"max_wait_ms": 30_000}},
+              workdir=tmp_path / "envoy", patch=lds.patch, envoy_args=lds.envoy_args)
+    try:
+        push(e, pods, [SATURATED] * 3)
+        before = served(pods)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            held = [ex.submit(ask, e, f"held {i}", timeout=30) for i in range(3)]
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 3, what="three held")
+            lds.change(e, timeout_s=10, tick_ms=21)
+            # The old chain drains for a second, then its connections close: the held are reset.
+            for f in held:
+                with pytest.raises(Exception):
+                    f.result(15)
+        wait_for(lambda: stat(e, "gpuroute.hold.llama.cancelled") == 3, what="three cancelled", timeout=5)
+        wait_for(lambda: stat(e, "gpuroute.held.llama") == 0, what="none held", timeout=5)
+        assert served(pods) == before
+        time.sleep(0.5)  # a few of the new configuration's flushes: nothing counted twice
+        assert (stat(e, "gpuroute.hold.llama.cancelled"), stat(e, "gpuroute.held.llama")) == (3, 0)
     finally:
         e.stop()

@@ -60,7 +60,7 @@ EXPECTED_ALERTS = {
     "GpurouteFailingOpen": {"gpuroute_pool": "mistral"},
     "GpurouteSnapshotsRejected": {"gpuroute_reason": "unauthorized"},
     "GpurouteShedding": {"gpuroute_pool": "llama"},
-    "GpurouteHoldExpiring": {},
+    "GpurouteHoldExpiring": {"gpuroute_pool": "llama"},
     "GpurouteScrapesFailing": {},
     "GpuroutePoolDegraded": {"gpuroute_pool": "mistral"},
     "GpurouteResponsesUnpinned": {},  # half the turns name an id the gateway never saw
