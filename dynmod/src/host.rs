@@ -400,6 +400,11 @@ impl StreamScheduler {
         StreamScheduler(self.0)
     }
 
+    /// Whether `other` is a copy of this scheduler.
+    pub fn is(&self, other: &StreamScheduler) -> bool {
+        self.0 == other.0
+    }
+
     pub fn delete(self) {
         // SAFETY: deleted once, by its owner, after every copy was removed.
         unsafe { envoy_dynamic_module_callback_http_filter_scheduler_delete(self.0) }

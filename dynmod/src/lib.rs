@@ -1717,8 +1717,13 @@ impl Filter {
                     .count(m.and_then(|m| m.id(&h.pool, HoldEvent::Cancelled)));
             }
         }
-        // Out of the queue (above, or when it was sent): no other thread commits through it.
         if let Some(w) = self.wake.take() {
+            // Out of the queue before it is deleted, under the queue's lock: the ticker and the
+            // other workers commit through the queue's copies. `self.held` is not enough: a held
+            // request the module answers when it decides again (`on_scheduled`, which took
+            // `self.held`) ends inside that answer (Envoy runs `stream_complete` within
+            // `send_response` outside its filter iteration), before `on_scheduled` takes it out.
+            self.config.held.lock().remove(|e| e.wake.is(&w));
             w.delete();
         }
         if let Some(pod) = freed {
