@@ -812,6 +812,48 @@ struct Filter {
     held: Option<Held>,
     /// Wakes this stream on its worker once it has been held; deleted at its end.
     wake: Option<StreamScheduler>,
+    /// `Some` while `on_scheduled` runs: its local reply, sent after it returns.
+    deferred_reply: Option<Option<Reply>>,
+}
+
+/// A local reply `on_scheduled` decided on.
+struct Reply {
+    status: u32,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+/// What `on_scheduled` leaves to do once the Filter is no longer borrowed. Outside Envoy's filter
+/// iteration (a scheduled event), a local reply ends the stream inside `send_response`, and a
+/// resumed request whose route answers at once (a direct response, no healthy upstream) does so
+/// inside `continue_decoding`: Envoy then runs this stream's `response_headers`,
+/// `response_body` and `stream_complete` hooks within the call, each taking the Filter as
+/// `&mut` while `on_scheduled` still held it (two live `&mut`, undefined behaviour).
+#[derive(Default)]
+#[must_use]
+struct After {
+    reply: Option<Reply>,
+    resume: bool,
+    /// The request went: the next held request of its pool may fit too.
+    sent: Option<Arc<Config>>,
+}
+
+impl After {
+    fn run(self, s: Stream) {
+        if let Some(r) = self.reply {
+            let headers: Vec<(&str, &str)> = r
+                .headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            s.send_response(r.status, &headers, &r.body);
+        } else if self.resume {
+            s.continue_decoding();
+        }
+        if let Some(config) = self.sent {
+            config.wake_held(Wake::Sent);
+        }
+    }
 }
 
 impl Filter {
@@ -821,6 +863,18 @@ impl Filter {
 
     fn reply_with(&mut self, s: Stream, status: u16, body: &str, headers: &[(&str, &str)]) {
         self.mode = Mode::Answered;
+        if let Some(slot) = self.deferred_reply.as_mut() {
+            // `on_scheduled`: sent once the Filter is no longer borrowed ([`After`]).
+            *slot = Some(Reply {
+                status: u32::from(status),
+                headers: headers
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                body: body.as_bytes().to_vec(),
+            });
+            return;
+        }
         s.send_response(u32::from(status), headers, body.as_bytes());
     }
 
@@ -1520,10 +1574,17 @@ impl Filter {
     /// Woken on this stream's worker (`Config::wake_held`): a held request decides again, and goes
     /// if a pod has room (the pod caching its prompt or adapter, while it may wait for that) or its
     /// wait ran out.
-    fn on_scheduled(&mut self, s: Stream) {
+    fn on_scheduled(&mut self, s: Stream) -> After {
         let Some(held) = self.held.take() else {
-            return;
+            return After::default();
         };
+        self.deferred_reply = Some(None);
+        let mut after = self.decide_again(s, held);
+        after.reply = self.deferred_reply.take().flatten();
+        after
+    }
+
+    fn decide_again(&mut self, s: Stream, held: Held) -> After {
         let config = Arc::clone(&self.config);
         // Before it decides: a pod that frees up meanwhile wakes it once more.
         config.asked(held.id);
@@ -1561,6 +1622,7 @@ impl Filter {
                     waited_for_affinity: held.waited_for_affinity || for_affinity,
                     ..held
                 });
+                After::default()
             }
             Ok(()) => {
                 config.unhold(held.id);
@@ -1577,12 +1639,15 @@ impl Filter {
                 if let Some(d) = self.debug.as_mut() {
                     *d = engine::held_debug(waited_ms, d);
                 }
-                if !matches!(self.mode, Mode::Answered) {
+                let resume = !matches!(self.mode, Mode::Answered);
+                if resume {
                     self.mode = Mode::Pass;
-                    s.continue_decoding();
                 }
-                // The next held request of the pool may fit too.
-                config.wake_held(Wake::Sent);
+                After {
+                    reply: None,
+                    resume,
+                    sent: Some(config),
+                }
             }
         }
     }
@@ -1878,6 +1943,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         debug: None,
         held: None,
         wake: None,
+        deferred_reply: None,
     };
     Box::into_raw(Box::new(filter)).cast()
 }
@@ -2032,8 +2098,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     f: *mut c_void,
     _event: u64,
 ) {
-    if let Some(f) = filter(f) {
-        f.on_scheduled(Stream(envoy));
+    // The Filter's borrow ends with this statement: what `After` does may run its other hooks.
+    let after = filter(f).map(|f| f.on_scheduled(Stream(envoy)));
+    if let Some(after) = after {
+        after.run(Stream(envoy));
     }
 }
 

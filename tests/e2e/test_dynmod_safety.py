@@ -140,3 +140,40 @@ def test_held_requests_whose_waits_run_out_together_wake_each_other_once():
                 s.close()
         finally:
             gw.stop()
+
+
+def test_a_released_request_whose_route_answers_at_once_is_answered():
+    """A held request released from `on_http_filter_scheduled` whose route answers at once (no
+    route for its pool here: the route table's direct 503) is answered inside
+    `continue_decoding`, where Envoy runs the stream's response and completion hooks; the module
+    resumes it only once it no longer borrows the stream's state (before, those hooks took a
+    second `&mut` to it while `on_scheduled` held one: undefined behaviour, seen with a probe
+    build, not as a wrong answer). The answer carries the debug header written on release."""
+
+    def no_pool_routes(config):
+        for listener in config["static_resources"]["listeners"]:
+            for chain in listener.get("filter_chains", []):
+                for f in chain.get("filters", []):
+                    rc = f.get("typed_config", {}).get("route_config")
+                    for vh in (rc or {}).get("virtual_hosts", []):
+                        vh["routes"] = [r for r in vh["routes"]
+                                        if not any(h.get("name") == "x-gateway-pool"
+                                                   for h in r["match"].get("headers", []))]
+
+    with serving(["p0"]) as pods:
+        addr = pods["p0"].address
+        gw = Envoy("filter", [{"name": "llama", "endpoints": [addr]}],
+                   {"pools": [{"name": "llama", "models": ["llama-3-8b"]}],
+                    "scoring": {"stale_after_ms": 60_000}, "debug_header": True,
+                    "hold": {"max_wait_ms": 200}},
+                   patch=no_pool_routes)
+        try:
+            assert gw.push(snapshot({"llama": [{"address": addr, "waiting": 9}]}))[0] == 204
+            for _ in range(3):
+                status, headers, _, _ = gw.chat("llama-3-8b")
+                assert status == 503
+                assert headers.get("x-gateway-debug", "").startswith("held=")
+            assert gw.alive()
+            wait_for(lambda: held(gw) == 0, 5, "none held")
+        finally:
+            gw.stop()
