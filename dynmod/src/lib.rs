@@ -1364,6 +1364,18 @@ impl Filter {
         let m = &config.metrics;
         let r = &mut *guard;
         let mut loads = LOADS.lock();
+        // A newer snapshot than the one this request read came in meanwhile when another worker
+        // rebased the pool's table to it: decide on that one. Rebasing the shared table back to
+        // the older one dropped the in-flight counts of the pods only the newer one has, which
+        // then read idle (an audit, by reading: a race of microseconds between two workers).
+        let newer;
+        let fleet = match (fleet.as_deref(), loads.get(&*prep.pool)) {
+            (Some(f), Some(t)) if t.version > f.version => {
+                newer = current_fleet();
+                &newer
+            }
+            _ => fleet,
+        };
         // Again after an overflow: in the pool it went to, with that pool's table.
         let (pool_state, table, mut choice) = loop {
             let pool_state = fleet.as_deref().and_then(|f| f.pool(&prep.pool));
