@@ -62,6 +62,7 @@ $(BASE_WASM): tests/e2e/upgrade_base.txt
 
 native: ## build the native binaries (aggregator, simulator, benchmark tools, the dynamic-module filter)
 	$(CARGO) build --release -p sidecar-metrics -p fleet-sim -p gpuroute-bench -p gpuroute-dynmod
+	$(CARGO) build --release -p gpuroute-dynmod --features panic-probe --target-dir target/dynmod-panic
 
 build: wasm native ## build everything
 
@@ -82,6 +83,7 @@ lint: ## rustfmt, clippy -D warnings (native and wasm32)
 	$(CARGO) clippy -p gpuroute-wasm-floor --features callbacks --target $(WASM_TARGET) --target-dir target/wasm-floor-callbacks -- -D warnings
 	$(CARGO) clippy -p gpuroute-wasm-floor --features experiments --target $(WASM_TARGET) --target-dir target/wasm-floor-experiments -- -D warnings
 	$(CARGO) clippy -p gpuroute-wasm-floor --features experiments --all-targets -- -D warnings
+	$(CARGO) clippy -p gpuroute-dynmod --features panic-probe --target-dir target/dynmod-panic -- -D warnings
 
 validate: $(VENV)/.ready wasm native ## envoy --mode validate on every shipped Envoy config
 	$(PY) envoy/check_configs.py --envoy $(ENVOY) --wasm $(WASM)

@@ -140,6 +140,8 @@ struct Metrics {
     /// Per pool: `gpuroute.pool.<pool>.ejections` (pods out of the picks for server errors).
     ejections: NameMap<String, Option<usize>>,
     picks: Option<usize>,
+    /// `gpuroute.module.panics`: panics caught in a hook ([`guarded`]).
+    panics: Option<usize>,
     /// `hold` (defined only when it is on): per pool `gpuroute.hold.<pool>.{held,affinity,
     /// released,expired,cancelled,full}` and the `gpuroute.held.<pool>` gauge, and the
     /// `gpuroute.hold_ms` histogram.
@@ -270,6 +272,7 @@ impl Metrics {
                 "gpuroute.pool.picks",
                 &["gpuroute_pool", "gpuroute_endpoint"],
             ),
+            panics: d.counter("gpuroute.module.panics", &[]),
             hold: config.hold.map(|_| HoldMetrics {
                 index: config
                     .pools
@@ -593,6 +596,11 @@ impl Config {
         let m = &self.metrics;
         for (id, n) in p.counts {
             stats.counter(Some(id), &[], n);
+        }
+        // Process-wide; every configuration's counter is the one Envoy stat.
+        let panics = PANICS.swap(0, Ordering::Relaxed);
+        if panics > 0 {
+            stats.counter(m.panics, &[], panics);
         }
         let limit = self.settings.max_pod_stats;
         let mut admitted = POD_STATS.lock();
@@ -1851,6 +1859,52 @@ fn peer_is_loopback(s: Stream) -> bool {
 /// a mismatch; the callbacks this module needs are checked for real by `abi::init`.
 static ABI_VERSION: &[u8] = b"v0.2.0\0";
 
+/// Panics caught in hooks since the last flush ([`guarded`]).
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
+/// Runs a hook's body. A panic unwinding out of an `extern "C"` function aborts the process:
+/// Envoy, with every request in it. Caught here, logged and counted (`gpuroute.module.panics`),
+/// the hook answers `fallback`: the request goes on unrouted, to Envoy's own balancing, and the
+/// locks it held are released as it unwinds. No panic is known (the audits' fuzzing of the
+/// parsers and of the decisions found none); this is the floor under one found later.
+fn guarded<R>(hook: &'static str, fallback: R, body: impl FnOnce() -> R) -> R {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) {
+        Ok(r) => r,
+        Err(e) => {
+            let what = e
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| e.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("(no message)");
+            PANICS.fetch_add(1, Ordering::Relaxed);
+            host::log(
+                abi::LOG_ERROR,
+                &format!(
+                    "gpuroute: caught a panic in {hook}: {what}; the request goes on unrouted"
+                ),
+            );
+            fallback
+        }
+    }
+}
+
+/// Test builds (`panic-probe`): the hook panics when the request says so in
+/// `x-gpuroute-panic`, so that the e2e tests can check what [`guarded`] does.
+#[cfg(feature = "panic-probe")]
+#[allow(clippy::panic)]
+fn probe(s: Stream, hook: &str) {
+    let asked = s.request_headers().iter().any(|(k, v)| {
+        k.eq_ignore_ascii_case(b"x-gpuroute-panic") && v.eq_ignore_ascii_case(hook.as_bytes())
+    });
+    if asked {
+        panic!("panic-probe in {hook}");
+    }
+}
+
+#[cfg(not(feature = "panic-probe"))]
+#[inline(always)]
+fn probe(_: Stream, _: &str) {}
+
 /// Resolves the Envoy callbacks; null (Envoy refuses the module) if one is missing.
 #[no_mangle]
 pub extern "C" fn envoy_dynamic_module_on_program_init() -> *const u8 {
@@ -1874,36 +1928,41 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     _name: EnvoyBuffer,
     config: EnvoyBuffer,
 ) -> *const c_void {
-    match Config::new(config.as_slice(), &Definer(config_envoy)) {
-        Ok(c) => {
-            let c = Arc::new(c);
-            let id = NEXT_CONFIG_ID.fetch_add(1, Ordering::Relaxed);
-            lock(&CONFIGS).push((id, Arc::downgrade(&c)));
-            match Scheduler::new(config_envoy) {
-                Some(s) => Config::start_ticker(&c, s),
-                None => host::log(
-                    abi::LOG_ERROR,
-                    "gpuroute: no config scheduler: stats stay at 0",
-                ),
+    guarded("config_new", std::ptr::null(), || {
+        match Config::new(config.as_slice(), &Definer(config_envoy)) {
+            Ok(c) => {
+                let c = Arc::new(c);
+                let id = NEXT_CONFIG_ID.fetch_add(1, Ordering::Relaxed);
+                lock(&CONFIGS).push((id, Arc::downgrade(&c)));
+                match Scheduler::new(config_envoy) {
+                    Some(s) => Config::start_ticker(&c, s),
+                    None => host::log(
+                        abi::LOG_ERROR,
+                        "gpuroute: no config scheduler: stats stay at 0",
+                    ),
+                }
+                Arc::into_raw(c).cast()
             }
-            Arc::into_raw(c).cast()
+            Err(e) => {
+                host::log(
+                    abi::LOG_CRITICAL,
+                    &format!("gpuroute: invalid configuration: {e}"),
+                );
+                std::ptr::null()
+            }
         }
-        Err(e) => {
-            host::log(
-                abi::LOG_CRITICAL,
-                &format!("gpuroute: invalid configuration: {e}"),
-            );
-            std::ptr::null()
-        }
-    }
+    })
 }
 
 /// # Safety
 /// `config` is a pointer returned by `on_http_filter_config_new`, destroyed once.
 #[no_mangle]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(config: *const c_void) {
-    if !config.is_null() {
-        let c = Arc::from_raw(config.cast::<Config>());
+    if config.is_null() {
+        return;
+    }
+    let c = Arc::from_raw(config.cast::<Config>());
+    guarded("config_destroy", (), || {
         // Main thread: delete the scheduler here; the ticker sees it gone and stops.
         let scheduler = lock(&c.scheduler).take();
         if let Some(s) = scheduler {
@@ -1915,7 +1974,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_destroy(conf
         // here (no tick flushes for it any more; they were lost before). Envoy's side is whole
         // until this hook returns.
         c.flush(c.envoy);
-    }
+    });
 }
 
 /// # Safety
@@ -1927,7 +1986,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_scheduled(
     _event: u64,
 ) {
     if let Some(c) = config.cast::<Config>().as_ref() {
-        c.flush(ConfigStats(config_envoy));
+        guarded("config_scheduled", (), || {
+            c.flush(ConfigStats(config_envoy))
+        });
     }
 }
 
@@ -1974,8 +2035,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
     f: *mut c_void,
     end_of_stream: bool,
 ) -> u32 {
-    filter(f).map_or(abi::HEADERS_CONTINUE, |f| {
-        f.on_request_headers(Stream(envoy), end_of_stream)
+    guarded("request_headers", abi::HEADERS_CONTINUE, || {
+        probe(Stream(envoy), "request_headers");
+        filter(f).map_or(abi::HEADERS_CONTINUE, |f| {
+            f.on_request_headers(Stream(envoy), end_of_stream)
+        })
     })
 }
 
@@ -1987,8 +2051,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
     f: *mut c_void,
     end_of_stream: bool,
 ) -> u32 {
-    filter(f).map_or(abi::BODY_CONTINUE, |f| {
-        f.on_request_body(Stream(envoy), end_of_stream)
+    guarded("request_body", abi::BODY_CONTINUE, || {
+        probe(Stream(envoy), "request_body");
+        filter(f).map_or(abi::BODY_CONTINUE, |f| {
+            f.on_request_body(Stream(envoy), end_of_stream)
+        })
     })
 }
 
@@ -1999,8 +2066,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     envoy: FilterEnvoyPtr,
     f: *mut c_void,
 ) -> u32 {
-    filter(f).map_or(abi::TRAILERS_CONTINUE, |f| {
-        f.on_request_trailers(Stream(envoy))
+    guarded("request_trailers", abi::TRAILERS_CONTINUE, || {
+        filter(f).map_or(abi::TRAILERS_CONTINUE, |f| {
+            f.on_request_trailers(Stream(envoy))
+        })
     })
 }
 
@@ -2012,9 +2081,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
     f: *mut c_void,
     _end_of_stream: bool,
 ) -> u32 {
-    if let Some(f) = filter(f) {
-        f.on_response_headers(Stream(envoy));
-    }
+    guarded("response_headers", (), || {
+        probe(Stream(envoy), "response_headers");
+        if let Some(f) = filter(f) {
+            f.on_response_headers(Stream(envoy));
+        }
+    });
     0
 }
 
@@ -2026,9 +2098,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
     f: *mut c_void,
     end_of_stream: bool,
 ) -> u32 {
-    if let Some(f) = filter(f) {
-        f.on_response_body(Stream(envoy), end_of_stream);
-    }
+    guarded("response_body", (), || {
+        if let Some(f) = filter(f) {
+            f.on_response_body(Stream(envoy), end_of_stream);
+        }
+    });
     0
 }
 
@@ -2047,9 +2121,11 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
     _envoy: FilterEnvoyPtr,
     f: *mut c_void,
 ) {
-    if let Some(f) = filter(f) {
-        f.on_end();
-    }
+    guarded("stream_complete", (), || {
+        if let Some(f) = filter(f) {
+            f.on_end();
+        }
+    });
 }
 
 /// # Safety
@@ -2059,7 +2135,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(f: *mut c_v
     if !f.is_null() {
         let mut f = Box::from_raw(f.cast::<Filter>());
         // A stream reset before `stream_complete` still leaves the in-flight table.
-        f.on_end();
+        guarded("filter_destroy", (), move || f.on_end());
     }
 }
 
@@ -2110,11 +2186,14 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
     f: *mut c_void,
     _event: u64,
 ) {
-    // The Filter's borrow ends with this statement: what `After` does may run its other hooks.
-    let after = filter(f).map(|f| f.on_scheduled(Stream(envoy)));
-    if let Some(after) = after {
-        after.run(Stream(envoy));
-    }
+    guarded("scheduled", (), || {
+        // The Filter's borrow ends with this statement: what `After` does may run its other
+        // hooks.
+        let after = filter(f).map(|f| f.on_scheduled(Stream(envoy)));
+        if let Some(after) = after {
+            after.run(Stream(envoy));
+        }
+    });
 }
 
 /// No per-route configuration: a null answer (only consulted when a route sets one).

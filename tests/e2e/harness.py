@@ -147,18 +147,20 @@ class Envoy:
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
                  listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None, wasm=None,
-                 wrap=None, ready_timeout=30, envoy_args=()):
+                 wrap=None, ready_timeout=30, envoy_args=(), module_dir=None):
         """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
         (benchmarks use it for reference gateways the shipped renderer does not describe).
         `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway; `wasm`, the
         .wasm it loads (benchmarks load reference builds). `wrap`, a command line Envoy runs
         under (a profiler; it then needs the real binary, `envoy_binary()`, not pip's launcher),
         and `ready_timeout`, how long Envoy may take to become ready (seconds). `envoy_args`: more
-        command-line options for Envoy."""
+        command-line options for Envoy. `module_dir`: where the dynamic module is loaded from
+        (default GPUROUTE_MODULE_DIR, or target/release)."""
         self.wrap = list(wrap or [])
         self.envoy_args = list(envoy_args)
         self.runtime = runtime or RUNTIME
         self.wasm = Path(wasm) if wasm else WASM
+        self.module_dir = Path(module_dir) if module_dir else MODULE_DIR
         self.dir = Path(workdir) if workdir else work_dir("gpuroute-e2e-")
         self.dir.mkdir(parents=True, exist_ok=True)
         # Ports the harness picks are free when picked but not reserved: another process can
@@ -210,7 +212,7 @@ class Envoy:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(MODULE_DIR)},
+            env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(self.module_dir)},
         )
 
     def _wait_ready(self, timeout=30):

@@ -12,7 +12,7 @@ import concurrent.futures
 
 import pytest
 
-from harness import RUNTIME, STAT_PREFIX, Envoy, snapshot, wait_for
+from harness import ROOT, RUNTIME, STAT_PREFIX, Envoy, snapshot, wait_for
 from stubpod import serving
 
 pytestmark = pytest.mark.skipif(RUNTIME != "dynamic", reason="the dynamic module's own hooks")
@@ -177,3 +177,46 @@ def test_a_released_request_whose_route_answers_at_once_is_answered():
             wait_for(lambda: held(gw) == 0, 5, "none held")
         finally:
             gw.stop()
+
+
+# The module built with its `panic-probe` feature (make native): a request naming a hook in
+# `x-gpuroute-panic` makes that hook panic.
+PANIC_MODULE_DIR = ROOT / "target" / "dynmod-panic" / "release"
+
+
+def test_a_panic_in_a_hook_is_caught_and_the_request_goes_on_unrouted():
+    """A panic unwinding out of an `extern "C"` hook aborts the process: Envoy and every request
+    in it. No panic is known (the audits' fuzzing found none); each hook catches one, logs it,
+    counts it in `gpuroute.module.panics`, and lets the stream go on: a request whose routing
+    it cut short gets the shipped route table's 503 `routing_unavailable` (retryable, as from a
+    worker whose proxy-wasm VM failed), one already routed its answer, and Envoy keeps serving
+    (the build before aborted at the first)."""
+    if not (PANIC_MODULE_DIR / "libgpuroute.so").exists():
+        pytest.fail(f"the panic-probe build is missing: {PANIC_MODULE_DIR} (`make native` builds it)")
+    with serving(["p0", "p1"]) as pods:
+        addrs = [pods["p0"].address, pods["p1"].address]
+        gw = Envoy("filter", [{"name": "llama", "endpoints": addrs}],
+                   {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True,
+                    "scoring": {"stale_after_ms": 60_000}},
+                   concurrency=2, module_dir=PANIC_MODULE_DIR)
+        try:
+            assert gw.push(snapshot({"llama": [{"address": a} for a in addrs]}))[0] == 204
+            body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}]}
+            hooks = ["request_headers", "request_body", "response_headers"]
+            for hook in hooks * 3:
+                s, h, answer, raw = gw.request("POST", "/v1/chat/completions", body, {"x-gpuroute-panic": hook})
+                if hook == "response_headers":
+                    assert s == 200 and h["x-served-by"] in ("p0", "p1"), (hook, s, raw[:200])
+                else:
+                    assert (s, answer["error"]["code"]) == (503, "routing_unavailable"), (hook, s, raw[:200])
+                assert gw.proc.poll() is None, f"Envoy exited after a panic in {hook}"
+            # The requests after them are routed as before.
+            for _ in range(4):
+                s, h, _, _ = gw.request("POST", "/v1/chat/completions", body)
+                assert s == 200 and h["x-gateway-debug"].startswith("pool=llama"), h
+            wait_for(lambda: gw.stat(STAT_PREFIX + "gpuroute.module.panics") == 9, 5, "9 panics counted")
+        finally:
+            gw.stop()
+        # Envoy writes its log file out at exit.
+        for hook in hooks:
+            assert f"gpuroute: caught a panic in {hook}: panic-probe in {hook}" in gw.log()
