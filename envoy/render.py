@@ -86,7 +86,9 @@ STATS_TAGS = [
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|ejections$|to\.)"},
     # `hold`'s counters (`gpuroute.hold.<pool>.<event>`) and held gauge (`gpuroute.held.<pool>`):
     # the pool taken out leaves the names they had before they had one (`envoy_gpuroute_hold_held`,
-    # `envoy_gpuroute_held`), so a query that sums them reads as it did.
+    # `envoy_gpuroute_held`), so a query that sums them reads as it did. One tag name with three
+    # patterns: Envoy logs "Skipping duplicate tag for" (a warning, without the name, at the 1st,
+    # 2nd, 4th, ... time) when a stat that took its pool from one meets the others; expected.
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"hold(\.({SEGMENT}))\.(?:held|affinity|released|expired|cancelled|full)$"},
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"held(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
