@@ -824,24 +824,11 @@ impl Engine {
     /// holds the history), so its key is its new input's, and the target that names may have
     /// no pod holding the response: vLLM answers 404 there. Only such turns are read twice,
     /// and only when their own key named another target. A target of weight 0 is followed too:
-    /// the response is nowhere else.
-    #[inline]
-    pub fn follow_response(
-        &mut self,
-        prep: &mut Prepared,
-        path: &str,
-        body: &[u8],
-        ctx: RequestContext<'_>,
-    ) -> Result<(), ApiError> {
-        if !prep.may_follow_response() {
-            return Ok(());
-        }
-        self.read_for_response(prep, path, body, ctx)
-    }
-
+    /// the response is nowhere else. The shells call it for the turns
+    /// [`Prepared::may_follow_response`] names, so that the plain path makes no call.
     #[cold]
     #[inline(never)]
-    fn read_for_response(
+    pub fn follow_response(
         &mut self,
         prep: &mut Prepared,
         path: &str,
