@@ -77,6 +77,9 @@ const REJECTED: &[&str] = &[
 
 /// The accepted snapshot, shared by every worker and every filter configuration.
 static FLEET: RwLock<Option<Arc<FleetState>>> = RwLock::new(None);
+/// The version of the snapshot in [`FLEET`] (written with it): a request that read another one
+/// can tell without the lock.
+static FLEET_VERSION: AtomicU64 = AtomicU64::new(0);
 
 /// Every live filter configuration, by a process-wide id: the prefix-record exchange between
 /// gateway replicas (`exchange`) arrives on the ingest listener's configuration and reads or
@@ -1252,6 +1255,7 @@ impl Filter {
             if let Some(old) = old.filter(|h| h.version >= fleet.version) {
                 went_back = Some(ingest::went_back(old.version, fleet.version));
             }
+            FLEET_VERSION.store(fleet.version, Ordering::Relaxed);
             *slot = Some(fleet);
         }
         if let Some(warning) = went_back {
@@ -1372,13 +1376,13 @@ impl Filter {
         let m = &config.metrics;
         let r = &mut *guard;
         let mut loads = LOADS.lock();
-        // A newer snapshot than the one this request read came in meanwhile when another worker
-        // rebased the pool's table to it: decide on that one. Rebasing the shared table back to
-        // the older one dropped the in-flight counts of the pods only the newer one has, which
-        // then read idle (an audit, by reading: a race of microseconds between two workers).
+        // Another snapshot came in since this request read one: decide on it. Another worker
+        // may have rebased the shared table to it already, and rebasing back to the older one
+        // dropped the in-flight counts of the pods only the newer one has, which then read idle
+        // (an audit, by reading: a race of microseconds between two workers).
         let newer;
-        let fleet = match (fleet.as_deref(), loads.get(&*prep.pool)) {
-            (Some(f), Some(t)) if t.version > f.version => {
+        let fleet = match fleet.as_deref() {
+            Some(f) if FLEET_VERSION.load(Ordering::Relaxed) != f.version => {
                 newer = current_fleet();
                 &newer
             }
