@@ -63,7 +63,7 @@ With `--body chat-cjk` the conversation is in Japanese, as Python writes it by d
 character of its contents a `\\u` escape (a run of them, read two escapes at a time).
 
 Usage: scripts/envoy_instructions.py [--requests 1000] [--compare-wasm NAME=PATH ...] [--only NAME ...]
-                                     [--keep DIR] [--sim] [--config-changes N] [--workers N]
+                                     [--keep DIR] [--sim] [--config-changes N] [--workers N] [--pods N]
                                      [--tick-ms MS] [--serving-thread] [--access-log] [--body chat|chat-lines|chat-unicode|chat-cjk|chat-long-system|messages-blocks]
 Writes target/bench/envoy-instructions.json. Needs valgrind (Debian's package).
 """
@@ -335,6 +335,10 @@ def main():
                     help="the request names a weighted split (`splits`: `assistant`, one version, llama-3-8b, "
                          "at weight 100) instead of its model: the filter's split path and its counter on every "
                          "request (filter builds only: measure them with --only)")
+    ap.add_argument("--pods", type=int, default=0, metavar="N",
+                    help="the pool has N pods: the 8 upstream ports and N - 8 unhealthy ones (never picked, so "
+                         "scoring is unchanged): what a large pool costs the in-flight tables and their "
+                         "exchange between workers (with --workers)")
     ap.add_argument("--no-stats-tags", action="store_true",
                     help="every gateway without render.py's STATS_TAGS (the tag extraction that labels the "
                          "filter's stats for Prometheus), as before 2026-12-06's thirtieth session")
@@ -355,6 +359,9 @@ def main():
         config["splits"] = {"assistant": [{"model": "llama-3-8b", "weight": 100}]}
         body = json.dumps(dict(json.loads(body), model="assistant")).encode()
     pods = pod_snapshot(up)
+    for i in range(max(0, args.pods - len(pods["llama"]))):
+        pods["llama"].append({"address": f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}:8000",
+                              "healthy": False})
     if args.failover:
         config["pools"] = [{"name": "down", "models": ["llama-3-8b"], "failover": ["llama"]},
                            {"name": "llama", "models": []}]
@@ -423,6 +430,7 @@ def main():
     changes += ", each request written to the access log" if args.access_log else ""
     changes += ", without the stats' tag extraction" if args.no_stats_tags else ""
     changes += ", the request for a weighted split" if args.split else ""
+    changes += f", a pool of {args.pods} pods ({args.pods - 8} unhealthy)" if args.pods > 8 else ""
     changes += ", the request's pool down and failing over" if args.failover else ""
     print(f"\n{body_label}, {args.requests} requests on one connection after {WARMUP} warm-up{changes}, "
           "instructions of the gateway Envoy per request (callgrind):")
@@ -443,7 +451,7 @@ def main():
     out = ROOT / "target" / "bench" / "envoy-instructions.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"requests": args.requests, "warmup": WARMUP, "config_changes": args.config_changes,
-                               "workers": args.workers,
+                               "workers": args.workers, "pods": max(args.pods, 8),
                                "tick_ms": config["tick_ms"], "shared_refresh_ms": config.get("shared_refresh_ms"),
                                "serving_thread": args.serving_thread, "access_log": args.access_log, "simulated_last_level": args.ll if args.sim else None,
                                "instructions_per_request": result,

@@ -16,6 +16,14 @@
 //! gateway's. Pods are keyed by [`crate::prefix::pod_key`], so a new snapshot that adds, drops or reorders
 //! pods carries the counts over by identity.
 //!
+//! A worker publishes its table as a [`SparseTable`] (`GPL3`): only the pods it has a count on,
+//! each with its place in the snapshot's list, so reading and summing the other workers' tables
+//! costs what they have in flight, not the pool's size (a dense table is 32 bytes a pod: at 1,000
+//! pods and four workers the exchange was ~700,000 instructions a request). Builds before it
+//! read only the dense form (`GPL2`), which a worker still writes on its tick for them (during a
+//! change of the filter both builds share the keys), and which this build reads when a worker
+//! has published no sparse table (an earlier build's).
+//!
 //! It also keeps each pod's **prefill backlog** from this gateway: requests sent whose first
 //! response byte has not come back yet, and their prompt tokens. Engines report a request in
 //! chunked prefill as "running", so a pod busy prefilling long prompts looks idle in its
@@ -26,6 +34,10 @@ use crate::idmap::IdMap;
 const MAGIC: &[u8; 4] = b"GPL2";
 const HEADER: usize = 4 + 8 + 4;
 const ENTRY: usize = 8 + 6 * 4;
+const SPARSE_MAGIC: &[u8; 4] = b"GPL3";
+const SPARSE_HEADER: usize = 4 + 8 + 4;
+/// A sparse entry: the pod's index in the snapshot's list, then its dense entry.
+const SPARSE_ENTRY: usize = 4 + ENTRY;
 
 /// One pod's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -61,6 +73,44 @@ impl PodLoad {
         self.add_prefill(o.prefill, o.prefill_tokens);
     }
 
+    /// Whether every count is zero: adding it to another changes nothing.
+    pub fn is_zero(&self) -> bool {
+        (self.inflight
+            | self.base
+            | self.tokens
+            | self.base_tokens
+            | self.prefill
+            | self.prefill_tokens)
+            == 0
+    }
+
+    fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.key.to_le_bytes());
+        for v in [
+            self.inflight,
+            self.base,
+            self.tokens,
+            self.base_tokens,
+            self.prefill,
+            self.prefill_tokens,
+        ] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    /// Reads an entry as [`PodLoad::write`] wrote it (`e`: [`ENTRY`] bytes).
+    fn read(e: &[u8]) -> PodLoad {
+        PodLoad {
+            key: u64::from_le_bytes(arr8(e, 0)),
+            inflight: u32::from_le_bytes(arr4(e, 8)),
+            base: u32::from_le_bytes(arr4(e, 12)),
+            tokens: u32::from_le_bytes(arr4(e, 16)),
+            base_tokens: u32::from_le_bytes(arr4(e, 20)),
+            prefill: u32::from_le_bytes(arr4(e, 24)),
+            prefill_tokens: u32::from_le_bytes(arr4(e, 28)),
+        }
+    }
+
     /// Adds `requests` in prefill with `tokens` of prompt (another gateway replica's).
     pub fn add_prefill(&mut self, requests: u32, tokens: u32) {
         self.prefill = self.prefill.saturating_add(requests);
@@ -77,7 +127,7 @@ pub struct LoadTable {
 }
 
 impl LoadTable {
-    /// Decodes the shared-data value; an empty or malformed value is an empty table.
+    /// Decodes the dense form (`GPL2`); an empty or malformed value is an empty table.
     pub fn decode(bytes: &[u8]) -> LoadTable {
         let Some(rest) = bytes.strip_prefix(MAGIC.as_slice()) else {
             return LoadTable::default();
@@ -91,18 +141,7 @@ impl LoadTable {
         if body.len() != n * ENTRY {
             return LoadTable::default();
         }
-        let pods = body
-            .chunks_exact(ENTRY)
-            .map(|e| PodLoad {
-                key: u64::from_le_bytes(arr8(e, 0)),
-                inflight: u32::from_le_bytes(arr4(e, 8)),
-                base: u32::from_le_bytes(arr4(e, 12)),
-                tokens: u32::from_le_bytes(arr4(e, 16)),
-                base_tokens: u32::from_le_bytes(arr4(e, 20)),
-                prefill: u32::from_le_bytes(arr4(e, 24)),
-                prefill_tokens: u32::from_le_bytes(arr4(e, 28)),
-            })
-            .collect();
+        let pods = body.chunks_exact(ENTRY).map(PodLoad::read).collect();
         LoadTable { version, pods }
     }
 
@@ -112,15 +151,41 @@ impl LoadTable {
         out.extend_from_slice(&self.version.to_le_bytes());
         out.extend_from_slice(&(self.pods.len() as u32).to_le_bytes());
         for p in &self.pods {
-            out.extend_from_slice(&p.key.to_le_bytes());
-            out.extend_from_slice(&p.inflight.to_le_bytes());
-            out.extend_from_slice(&p.base.to_le_bytes());
-            out.extend_from_slice(&p.tokens.to_le_bytes());
-            out.extend_from_slice(&p.base_tokens.to_le_bytes());
-            out.extend_from_slice(&p.prefill.to_le_bytes());
-            out.extend_from_slice(&p.prefill_tokens.to_le_bytes());
+            p.write(&mut out);
         }
         out
+    }
+
+    /// The sparse form (`GPL3`, [`SparseTable`]): the pods with a count, each with its index.
+    pub fn encode_sparse(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(SPARSE_HEADER + 4 * SPARSE_ENTRY);
+        out.extend_from_slice(SPARSE_MAGIC);
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        let mut n = 0u32;
+        for (i, p) in self.pods.iter().enumerate() {
+            if !p.is_zero() {
+                out.extend_from_slice(&(i as u32).to_le_bytes());
+                p.write(&mut out);
+                n += 1;
+            }
+        }
+        out[12..16].copy_from_slice(&n.to_le_bytes());
+        out
+    }
+
+    /// Adds a sparse table of this table's snapshot version, pod by pod (by key: an entry whose
+    /// index names another pod is left out). Returns whether it was added.
+    pub fn add_sparse(&mut self, other: &SparseTable) -> bool {
+        if other.version != self.version {
+            return false;
+        }
+        for (i, o) in &other.entries {
+            if let Some(p) = self.pods.get_mut(*i as usize).filter(|p| p.key == o.key) {
+                p.add(o);
+            }
+        }
+        true
     }
 
     /// Whether the table is aligned with snapshot `version` whose pods have these keys.
@@ -213,9 +278,7 @@ impl LoadTable {
     /// requests). Older tables are workers that are gone. After versions went back (a reset,
     /// `previous` above this one), only this version counts. Returns whether it was added.
     pub fn add_table(&mut self, other: &LoadTable, previous: Option<u64>) -> bool {
-        let since_previous =
-            previous.is_some_and(|p| p <= other.version && other.version < self.version);
-        if other.version != self.version && !since_previous {
+        if !counts(other.version, self.version, previous) {
             return false;
         }
         for (i, o) in other.pods.iter().enumerate() {
@@ -290,6 +353,63 @@ impl LoadTable {
     }
 }
 
+/// A worker's in-flight table as published for the others (`GPL3`): its pods with a count, each
+/// with its index in the snapshot's list, whatever the pool's size.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SparseTable {
+    /// Snapshot version the `base` values (and the indices) belong to.
+    pub version: u64,
+    /// (index in the snapshot's pods, counts), ascending by index.
+    pub entries: Vec<(u32, PodLoad)>,
+}
+
+impl SparseTable {
+    /// Decodes a published table: the sparse form, or the dense one an earlier build writes
+    /// (its pods with a count taken). An empty or malformed value is an empty table.
+    pub fn decode(bytes: &[u8]) -> SparseTable {
+        if bytes.starts_with(MAGIC) {
+            let dense = LoadTable::decode(bytes);
+            let entries = dense
+                .pods
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| !p.is_zero())
+                .map(|(i, p)| (i as u32, *p))
+                .collect();
+            return SparseTable {
+                version: dense.version,
+                entries,
+            };
+        }
+        let Some(rest) = bytes.strip_prefix(SPARSE_MAGIC.as_slice()) else {
+            return SparseTable::default();
+        };
+        if rest.len() < SPARSE_HEADER - 4 {
+            return SparseTable::default();
+        }
+        let version = u64::from_le_bytes(arr8(rest, 0));
+        let n = u32::from_le_bytes(arr4(rest, 8)) as usize;
+        let body = &rest[12..];
+        if body.len() != n.saturating_mul(SPARSE_ENTRY) {
+            return SparseTable::default();
+        }
+        let entries = body
+            .chunks_exact(SPARSE_ENTRY)
+            .map(|e| (u32::from_le_bytes(arr4(e, 0)), PodLoad::read(&e[4..])))
+            .collect();
+        SparseTable { version, entries }
+    }
+
+    /// As a dense table of only its pods (not aligned with a snapshot): for readers that go by
+    /// key.
+    pub fn into_table(self) -> LoadTable {
+        LoadTable {
+            version: self.version,
+            pods: self.entries.into_iter().map(|(_, p)| p).collect(),
+        }
+    }
+}
+
 /// The other workers' published tables of one pool as this worker last read them, by worker id.
 ///
 /// An exchange reads a bounded number of them, in turn (`workers::Turn`), and sums all it
@@ -297,12 +417,12 @@ impl LoadTable {
 /// same host calls however many workers Envoy runs.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PeerTables {
-    tables: Vec<(u32, LoadTable)>,
+    tables: Vec<(u32, SparseTable)>,
 }
 
 impl PeerTables {
     /// Records what was read of worker `peer`'s table; `None` (nothing published) forgets it.
-    pub fn store(&mut self, peer: u32, table: Option<LoadTable>) {
+    pub fn store(&mut self, peer: u32, table: Option<SparseTable>) {
         let held = self.tables.iter_mut().find(|(id, _)| *id == peer);
         match (held, table) {
             (Some(held), Some(t)) => held.1 = t,
@@ -318,13 +438,43 @@ impl PeerTables {
     }
 
     /// The tables held, summed into one aligned with snapshot `version` whose pods have these
-    /// `keys` (`previous` as in [`LoadTable::add_table`]).
-    pub fn sum(&self, version: u64, keys: &[u64], previous: Option<u64>) -> LoadTable {
-        let mut sum = LoadTable::zeroed(version, keys);
+    /// `keys` (which tables count: [`LoadTable::add_table`]'s rule, with `previous`). Each
+    /// entry goes to its pod by index, or by key when the index names another pod (a table of
+    /// the snapshot before, whose list differed). Linear in the entries held, not in the pods.
+    pub fn sum(&self, version: u64, keys: &[u64], previous: Option<u64>) -> SparseTable {
+        let mut entries: Vec<(u32, PodLoad)> = Vec::new();
+        let mut by_key: Option<IdMap<u64, usize>> = None;
         for (_, t) in &self.tables {
-            sum.add_table(t, previous);
+            if !counts(t.version, version, previous) {
+                continue;
+            }
+            for (i, o) in &t.entries {
+                let at = match keys.get(*i as usize) {
+                    Some(k) if *k == o.key => Some(*i as usize),
+                    _ => by_key
+                        .get_or_insert_with(|| {
+                            keys.iter().enumerate().map(|(j, k)| (*k, j)).collect()
+                        })
+                        .get(&o.key)
+                        .copied(),
+                };
+                if let Some(at) = at {
+                    entries.push((at as u32, *o));
+                }
+            }
         }
-        sum
+        entries.sort_unstable_by_key(|(i, _)| *i);
+        let mut summed: Vec<(u32, PodLoad)> = Vec::with_capacity(entries.len());
+        for (i, p) in entries {
+            match summed.last_mut() {
+                Some((j, q)) if *j == i => q.add(&p),
+                _ => summed.push((i, p)),
+            }
+        }
+        SparseTable {
+            version,
+            entries: summed,
+        }
     }
 
     /// Workers whose table is held.
@@ -335,6 +485,12 @@ impl PeerTables {
     pub fn is_empty(&self) -> bool {
         self.tables.is_empty()
     }
+}
+
+/// Whether a table of snapshot `table` counts for a reader on `version` that had `previous`
+/// before it ([`LoadTable::add_table`]).
+fn counts(table: u64, version: u64, previous: Option<u64>) -> bool {
+    table == version || previous.is_some_and(|p| p <= table && table < version)
 }
 
 fn arr8(b: &[u8], at: usize) -> [u8; 8] {
@@ -456,6 +612,17 @@ mod tests {
         assert!(t.is_idle());
     }
 
+    fn sparse(t: &LoadTable) -> SparseTable {
+        SparseTable::decode(&t.encode_sparse())
+    }
+
+    /// `peers` summed, as a dense table (what a worker's view adds them to).
+    fn summed(peers: &PeerTables, version: u64, keys: &[u64], previous: Option<u64>) -> LoadTable {
+        let mut t = LoadTable::zeroed(version, keys);
+        assert!(t.add_sparse(&peers.sum(version, keys, previous)));
+        t
+    }
+
     fn table(version: u64, keys: &[u64], inflight: &[u32]) -> LoadTable {
         let mut t = LoadTable::zeroed(version, keys);
         for (p, n) in t.pods.iter_mut().zip(inflight) {
@@ -469,16 +636,16 @@ mod tests {
         let keys = [1, 2];
         let mut peers = PeerTables::default();
         // Exchange 1 reads worker 3, exchange 2 worker 5: the sum holds both.
-        peers.store(3, Some(table(7, &keys, &[2, 0])));
-        peers.store(5, Some(table(7, &keys, &[1, 4])));
-        let sum = peers.sum(7, &keys, None);
+        peers.store(3, Some(sparse(&table(7, &keys, &[2, 0]))));
+        peers.store(5, Some(sparse(&table(7, &keys, &[1, 4]))));
+        let sum = summed(&peers, 7, &keys, None);
         assert_eq!(
             sum.pods.iter().map(|p| p.inflight).collect::<Vec<_>>(),
             vec![3, 4]
         );
         // A newer read of worker 3 replaces its older one instead of adding to it.
-        peers.store(3, Some(table(7, &keys, &[0, 1])));
-        let sum = peers.sum(7, &keys, None);
+        peers.store(3, Some(sparse(&table(7, &keys, &[0, 1]))));
+        let sum = summed(&peers, 7, &keys, None);
         assert_eq!(
             sum.pods.iter().map(|p| p.inflight).collect::<Vec<_>>(),
             vec![1, 5]
@@ -491,26 +658,26 @@ mod tests {
         let keys = [1];
         let mut peers = PeerTables::default();
         for id in [0, 1, 2] {
-            peers.store(id, Some(table(7, &keys, &[10])));
+            peers.store(id, Some(sparse(&table(7, &keys, &[10]))));
         }
         peers.store(1, None);
-        assert_eq!(peers.sum(7, &keys, None).pods[0].inflight, 20);
+        assert_eq!(summed(&peers, 7, &keys, None).pods[0].inflight, 20);
         peers.retain_live(&[2, 9]);
-        assert_eq!(peers.sum(7, &keys, None).pods[0].inflight, 10);
+        assert_eq!(summed(&peers, 7, &keys, None).pods[0].inflight, 10);
         peers.retain_live(&[]);
         assert!(peers.is_empty());
-        assert_eq!(peers.sum(7, &keys, None), LoadTable::zeroed(7, &keys));
+        assert_eq!(summed(&peers, 7, &keys, None), LoadTable::zeroed(7, &keys));
     }
 
     #[test]
     fn peer_tables_of_an_older_snapshot_count_only_as_the_previous_one() {
         let keys = [1];
         let mut peers = PeerTables::default();
-        peers.store(0, Some(table(6, &keys, &[1])));
-        peers.store(1, Some(table(5, &keys, &[100])));
-        peers.store(2, Some(table(7, &keys, &[10])));
+        peers.store(0, Some(sparse(&table(6, &keys, &[1]))));
+        peers.store(1, Some(sparse(&table(5, &keys, &[100]))));
+        peers.store(2, Some(sparse(&table(7, &keys, &[10]))));
         // Version 7 now, 6 the one before: version 5's table is a worker long gone.
-        assert_eq!(peers.sum(7, &keys, Some(6)).pods[0].inflight, 11);
+        assert_eq!(summed(&peers, 7, &keys, Some(6)).pods[0].inflight, 11);
     }
 
     #[test]
@@ -587,7 +754,49 @@ mod tests {
     }
 
     #[test]
+    fn sparse_tables_carry_only_the_pods_with_a_count() {
+        let keys: Vec<u64> = (100..1_100).collect();
+        let mut t = LoadTable::zeroed(4, &keys);
+        t.add(7, 1, 300, Some(300));
+        t.add(900, 2, 50, None);
+        let bytes = t.encode_sparse();
+        assert_eq!(bytes.len(), SPARSE_HEADER + 2 * SPARSE_ENTRY);
+        let back = SparseTable::decode(&bytes);
+        assert_eq!(back.version, 4);
+        assert_eq!(back.entries, vec![(7, t.pods[7]), (900, t.pods[900])]);
+        // A pod whose requests all ended since the snapshot still carries its base (the
+        // snapshot counted them): the others must see its negative delta.
+        t.rebase(5, &keys);
+        assert!(t.finish(107, 1, 300, Some(300)));
+        let back = SparseTable::decode(&t.encode_sparse());
+        assert_eq!(back.entries.len(), 2);
+        assert_eq!(back.entries[0].1.delta(), -1);
+        // An earlier build's dense table reads as the same entries.
+        assert_eq!(SparseTable::decode(&t.encode()), back);
+        // Added to a view, as the dense table was.
+        let mut view = LoadTable::zeroed(5, &keys);
+        assert!(view.add_sparse(&back));
+        let mut dense = LoadTable::zeroed(5, &keys);
+        assert!(dense.add_table(&t, None));
+        assert_eq!(view, dense);
+        // Of another snapshot: not added.
+        let mut other = LoadTable::zeroed(6, &keys);
+        assert!(!other.add_sparse(&back));
+        assert!(other.is_idle());
+    }
+
+    #[test]
     fn garbage_decodes_to_an_empty_table() {
+        assert_eq!(SparseTable::decode(b"GPL3\x01"), SparseTable::default());
+        let mut t = LoadTable::zeroed(1, &[1, 2]);
+        t.add(1, 1, 1, None);
+        let mut bytes = t.encode_sparse();
+        bytes.pop();
+        assert_eq!(SparseTable::decode(&bytes), SparseTable::default());
+        // A count of entries past the body (a length that would overflow) reads as nothing.
+        let mut huge = t.encode_sparse();
+        huge[12..16].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(SparseTable::decode(&huge), SparseTable::default());
         assert_eq!(LoadTable::decode(b""), LoadTable::default());
         assert_eq!(LoadTable::decode(b"GPL2\x01"), LoadTable::default());
         let mut t = LoadTable::default();
@@ -634,6 +843,42 @@ mod tests {
         #[test]
         fn decode_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
             let _ = LoadTable::decode(&bytes);
+            let _ = SparseTable::decode(&bytes);
+            let mut sparse = b"GPL3".to_vec();
+            sparse.extend_from_slice(&bytes);
+            let _ = SparseTable::decode(&sparse);
+        }
+
+        /// The sparse tables sum to what the dense ones did, whatever the tables' versions and
+        /// layouts: each peer's table dense and added pod by pod (the exchange before the sparse
+        /// form) against its sparse form summed by index.
+        #[test]
+        fn sparse_tables_sum_as_the_dense_ones(
+            peers in proptest::collection::vec(
+                (5u64..9, proptest::collection::vec((0u32..3, 0u32..2, 0u32..500), 6), any::<bool>()),
+                0..5),
+            previous in proptest::option::of(5u64..9),
+        ) {
+            let keys: Vec<u64> = (1..=6).collect();
+            let version = 8;
+            let mut dense = LoadTable::zeroed(version, &keys);
+            let mut held = PeerTables::default();
+            for (id, (v, counts, reversed)) in peers.iter().enumerate() {
+                let mut layout = keys.clone();
+                if *reversed {
+                    layout.reverse();
+                }
+                let mut t = LoadTable::zeroed(*v, &layout);
+                for (p, (inflight, prefill, tokens)) in t.pods.iter_mut().zip(counts) {
+                    p.inflight = *inflight;
+                    p.base = inflight / 2;
+                    p.tokens = *tokens;
+                    p.add_prefill(*prefill, tokens / 2);
+                }
+                dense.add_table(&LoadTable::decode(&t.encode()), previous);
+                held.store(id as u32, Some(sparse(&t)));
+            }
+            prop_assert_eq!(summed(&held, version, &keys, previous), dense);
         }
 
         #[test]

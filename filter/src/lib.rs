@@ -36,7 +36,7 @@ use gpuroute_core::ingest::{
     self, Endpoint, Stored, StoredHeader, SNAPSHOT_BINARY_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY,
     STALE_WINDOW_KEY,
 };
-use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables};
+use gpuroute_core::load::{Completion, InFlight, LoadTable, PeerTables, SparseTable};
 use gpuroute_core::outlier;
 use gpuroute_core::picker::{Decision, HoldReason};
 use gpuroute_core::prefix::{self, SyncBoard, SyncLog};
@@ -112,9 +112,26 @@ const POOL_DROP_NS: u64 = 60_000_000_000;
 
 const JSON: &str = "application/json";
 
-/// Shared-data key of one worker's in-flight table of `pool` (built once per pool and worker).
+/// Shared-data key of one worker's in-flight table of `pool` in the dense form (`GPL2`), which
+/// builds before the sparse form read: written on the tick (built once per pool and worker).
 fn load_key(pool: &str, worker: u32) -> String {
     format!("gpuroute.load.{pool}.{worker}")
+}
+/// Shared-data key of one worker's in-flight table of `pool` in the sparse form (`GPL3`), which
+/// this build reads and writes at every exchange. (`load2`, not `load.`: no pool name makes one
+/// key the other.)
+fn sparse_load_key(pool: &str, worker: u32) -> String {
+    format!("gpuroute.load2.{pool}.{worker}")
+}
+/// A worker's table of `pool` as published: the sparse form, else (nothing there, or emptied
+/// by a worker that gave the id back) the dense one, an earlier build's.
+fn read_load(pool: &str, worker: u32) -> Option<SparseTable> {
+    match host::get_shared(&sparse_load_key(pool, worker)).0 {
+        Some(b) if !b.is_empty() => Some(SparseTable::decode(&b)),
+        _ => host::get_shared(&load_key(pool, worker))
+            .0
+            .map(|b| SparseTable::decode(&b)),
+    }
 }
 fn sync_key(id: u32) -> String {
     format!("gpuroute.sync.{id}")
@@ -207,8 +224,10 @@ struct Worker {
 /// reads that many of their tables in turn, so each is at most a few exchanges old. No
 /// compare-and-swap: every table has one writer.
 struct PoolLoad {
-    /// Shared-data key `own` is published under.
+    /// Shared-data key `own` is published under in the dense form, for earlier builds.
     key: String,
+    /// Shared-data key `own` is published under in the sparse form.
+    sparse_key: String,
     /// When this worker last routed a request to the pool (ns): the exchange reads the other
     /// workers' tables only of pools it routed to within `POOL_IDLE_NS`.
     routed_ns: u64,
@@ -216,10 +235,12 @@ struct PoolLoad {
     own: LoadTable,
     /// `own` changed since it was last published.
     dirty: bool,
+    /// `own` changed since it was last published in the dense form (on the tick).
+    dense_dirty: bool,
     /// The other workers' tables as last read.
     peer_tables: PeerTables,
     /// `peer_tables` of this snapshot (or the one before), summed (see `LoadTable::add_table`).
-    others: LoadTable,
+    others: SparseTable,
     /// The other gateway replicas' requests in prefill on each pod, aligned with `own`.
     replicas: replica_load::Aligned,
 }
@@ -241,9 +262,7 @@ impl PoolLoad {
         };
         self.peer_tables.retain_live(live);
         for other in turn {
-            let table = host::get_shared(&load_key(pool, other)).0;
-            self.peer_tables
-                .store(other, table.map(|b| LoadTable::decode(&b)));
+            self.peer_tables.store(other, read_load(pool, other));
         }
         self.others = self.peer_tables.sum(fleet.version, &p.keys, previous);
     }
@@ -293,6 +312,7 @@ impl Worker {
             if gone {
                 // Its last word: nothing in flight, on this snapshot. The others stop counting
                 // the table once two snapshots newer than it came.
+                let _ = host::set_shared(&pl.sparse_key, &pl.own.encode_sparse(), None);
                 let _ = host::set_shared(&pl.key, &pl.own.encode(), None);
             }
             !gone
@@ -310,7 +330,7 @@ impl Worker {
             self.read_registry();
         }
         self.refresh_fleet();
-        self.publish_loads();
+        self.publish_loads(tick);
         self.read_others(tick);
         if tick || self.replicas_seen {
             self.read_replicas();
@@ -384,15 +404,24 @@ impl Worker {
     fn publish_loads_throttled(&mut self, now_ns: u64, force: bool) {
         if force || now_ns.wrapping_sub(self.published_ns) >= self.refresh_ns {
             self.published_ns = now_ns;
-            self.publish_loads();
+            self.publish_loads(false);
         }
     }
 
-    /// Publishes the tables that changed (no compare-and-swap: this worker is their only writer).
-    fn publish_loads(&mut self) {
+    /// Publishes the tables that changed (no compare-and-swap: this worker is their only writer),
+    /// in the sparse form; with `dense` (the tick), also in the dense form for earlier builds
+    /// that may share the keys during a change of the filter (they then see this worker's
+    /// requests a tick late). The dense form is 32 bytes a pod whatever is in flight: written at
+    /// every exchange, it cost a worker at 1,000 pods ~100,000 instructions a request.
+    fn publish_loads(&mut self, dense: bool) {
         for pl in self.loads.values_mut() {
-            if pl.dirty && host::set_shared(&pl.key, &pl.own.encode(), None).is_ok() {
+            if pl.dirty && host::set_shared(&pl.sparse_key, &pl.own.encode_sparse(), None).is_ok() {
                 pl.dirty = false;
+                pl.dense_dirty = true;
+            }
+            if dense && pl.dense_dirty && host::set_shared(&pl.key, &pl.own.encode(), None).is_ok()
+            {
+                pl.dense_dirty = false;
             }
         }
     }
@@ -430,12 +459,14 @@ impl Worker {
         if !self.loads.contains_key(pool) {
             let pl = PoolLoad {
                 key: load_key(pool, self.id),
+                sparse_key: sparse_load_key(pool, self.id),
                 // Never routed: the other workers' tables are read below.
                 routed_ns: 0,
                 own: LoadTable::zeroed(fleet.version, &p.keys),
                 dirty: false,
+                dense_dirty: false,
                 peer_tables: PeerTables::default(),
-                others: LoadTable::zeroed(fleet.version, &p.keys),
+                others: SparseTable::default(),
                 replicas: replica_load::Aligned::default(),
             };
             self.loads.insert(pool.to_string(), pl);
@@ -485,6 +516,7 @@ impl Worker {
         // Tables made before (a failed take) move to this id's keys.
         for (pool, pl) in self.loads.iter_mut() {
             pl.key = load_key(pool, id);
+            pl.sparse_key = sparse_load_key(pool, id);
             pl.dirty = true;
         }
     }
@@ -506,6 +538,7 @@ impl Worker {
             return;
         }
         for pl in self.loads.values() {
+            let _ = host::set_shared(&pl.sparse_key, &[], None);
             let _ = host::set_shared(&pl.key, &[], None);
         }
         let _ = host::set_shared(&sync_key(self.id), &[], None);
@@ -545,7 +578,10 @@ impl Worker {
         // pods dropped out of the others' view half the time (an audit: the other worker sent
         // new requests to such a pod as if it were idle).
         let active = self.routed != self.routed_at_tick
-            || self.loads.values().any(|pl| pl.dirty || !pl.own.is_idle())
+            || self
+                .loads
+                .values()
+                .any(|pl| pl.dirty || pl.dense_dirty || !pl.own.is_idle())
             || !self.held.is_empty();
         self.routed_at_tick = self.routed;
         if self.register_tried && self.id == UNREGISTERED {
@@ -1055,14 +1091,14 @@ impl Http {
         // The pools' names come from the snapshot, which a worker that routes nothing (the
         // ingest listener's) has not decoded otherwise.
         w.refresh_fleet();
-        w.publish_loads();
+        w.publish_loads(false);
         let live = read_shared(WORKERS_KEY, WorkerSet::decode);
         let mut tables: Vec<(&str, LoadTable)> = Vec::new();
         if let Some(fleet) = &w.fleet {
             for pool in &fleet.pools {
                 for id in live.ids() {
-                    if let (Some(b), _) = host::get_shared(&load_key(&pool.name, id)) {
-                        tables.push((pool.name.as_str(), LoadTable::decode(&b)));
+                    if let Some(t) = read_load(&pool.name, id) {
+                        tables.push((pool.name.as_str(), t.into_table()));
                     }
                 }
             }
@@ -1391,7 +1427,7 @@ impl Http {
         if let Some(pl) = w.pool_load(&prep.pool, t0) {
             view.version = pl.own.version;
             view.pods.extend_from_slice(&pl.own.pods);
-            view.add_table(&pl.others, None);
+            view.add_sparse(&pl.others);
         }
         w.add_replicas(&prep.pool, &mut view, now);
         let opts = DecideOptions {
