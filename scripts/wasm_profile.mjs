@@ -122,6 +122,12 @@ const pods = Array.from({ length: 8 }, (_, i) => ({
   address: `127.0.0.1:${9000 + i}`, healthy: true, last_scrape_ms: nowMs, engine: 'vllm',
   waiting: 0, running: 4, kv_cache_usage: 0.3,
 }));
+// GPUROUTE_PROFILE_PODS=N: the pool padded to N pods with unhealthy ones (never picked), for
+// what a large pool costs a request past scoring.
+for (let i = pods.length; i < Number(process.env.GPUROUTE_PROFILE_PODS || 0); i++) {
+  pods.push({ address: `10.${(i >> 16) & 255}.${(i >> 8) & 255}.${i & 255}:8000`, healthy: false,
+    last_scrape_ms: nowMs, engine: 'vllm' });
+}
 requestBody = enc.encode(JSON.stringify({
   schema: 1, version: 1, source: 'profile', generated_at_ms: nowMs, pools: [{ name: 'llama', pods }],
 }));

@@ -485,7 +485,13 @@ impl Worker {
             );
         }
         pl.routed_ns = now_ns;
-        pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
+        // Installing a snapshot re-bases the table of every pool it has (`install_fleet`, which
+        // compares every key: a snapshot can replace a stale one of the same version), and a new
+        // table starts aligned; so on the request path the version and the length tell. Every
+        // key compared here cost 110,000 instructions a request at 10,000 pods.
+        if pl.own.version != fleet.version || pl.own.pods.len() != p.keys.len() {
+            pl.dirty |= pl.own.rebase(fleet.version, &p.keys);
+        }
         Some(pl)
     }
 
