@@ -113,7 +113,10 @@ impl Export {
     /// shared-data value). The next cursor holds only the exporters added: a worker gone since
     /// drops out of it. The records are copied as they are encoded, not decoded.
     pub fn add_encoded(&mut self, id: u32, encoded: &[u8]) {
-        let after = self.after.get(id);
+        let held = crate::prefix::encoded_after(encoded, 0)
+            .last()
+            .map(|(seq, _)| seq);
+        let after = self.after(id, held);
         let mut newest = after;
         for (seq, bytes) in crate::prefix::encoded_after(encoded, after) {
             self.body.extend_from_slice(bytes);
@@ -125,8 +128,24 @@ impl Export {
 
     /// Adds exporter `id`'s records newer than the cursor, from its log.
     pub fn add_log(&mut self, id: u32, log: &SyncLog) {
-        let after = self.after.get(id);
+        let after = self.after(id, log.records_after(0).last().map(|r| r.seq));
         self.add(id, after, log.records_after(after));
+    }
+
+    /// Where exporter `id`'s records are read from, `held` its newest record (`None`: it holds
+    /// none). Within one Envoy an exporter's sequence numbers only grow, so an exporter holding
+    /// records that are all older than the cursor is a new one under the same id: the Envoy
+    /// restarted while the relay beside it kept its cursor (the dynamic module's logs number
+    /// from 1 again, the proxy-wasm workers from the same generation's base). It is read from
+    /// its start. Before, its records were skipped until it had routed past the cursor: after
+    /// a restart, as many decisions as the Envoy had routed before it (an audit, 2026-12-07:
+    /// 0 of 10 relayed, then 9-14 of the next 45, with 40 routed before the restart).
+    fn after(&self, id: u32, held: Option<u64>) -> u64 {
+        let after = self.after.get(id);
+        match held {
+            Some(newest) if newest < after => 0,
+            _ => after,
+        }
     }
 
     fn add<'a>(&mut self, id: u32, after: u64, records: impl Iterator<Item = &'a SyncRecord>) {
@@ -237,6 +256,36 @@ mod tests {
         third.add_encoded(0, b"garbage");
         assert!(third.is_empty());
         assert_eq!(third.finish().1, "0:4");
+    }
+
+    #[test]
+    fn an_exporter_numbering_below_the_cursor_restarted_and_is_read_from_its_start() {
+        // The cursor a relay kept from before the Envoy restarted: 40 records of exporter 0.
+        let cursor = Cursor::parse("0:40,1:7");
+        // After the restart, exporter 0 numbers from 1 again (the dynamic module's logs) and
+        // routed 3 decisions before the relay asked; exporter 1 has none yet.
+        let log = log_of(&[31, 32, 33], 0);
+        let mut export = Export::new(cursor.clone());
+        export.add_log(0, &log);
+        export.add_log(1, &SyncLog::new(8));
+        assert_eq!(export.len(), 3, "all of the restarted exporter's records");
+        assert_eq!(
+            export.finish().1,
+            "0:3,1:7",
+            "an exporter without records keeps its place"
+        );
+        // The same from a ring in shared data (the proxy-wasm workers).
+        let mut export = Export::new(cursor.clone());
+        export.add_encoded(0, &log.encode());
+        assert_eq!(export.len(), 3);
+        assert_eq!(export.finish().1, "0:3");
+        // An exporter whose newest record is at or past the cursor is the same one: only the
+        // records after it.
+        let long = log_of(&(0..45).collect::<Vec<u64>>(), 0);
+        let mut export = Export::new(cursor);
+        export.add_log(0, &long);
+        assert_eq!(export.len(), 5);
+        assert_eq!(export.finish().1, "0:45");
     }
 
     #[test]
