@@ -273,7 +273,7 @@ async fn prefix_records(relay: &Arc<Relay>, req: Request) -> Response {
         Ok(r) => r.len(),
         Err(why) => return (StatusCode::BAD_REQUEST, format!("{why}\n")).into_response(),
     };
-    if relay.deliver_local(body, n).await > 0 || relay.envoys.is_empty() {
+    if relay.deliver_local(body, n).await || relay.envoys.is_empty() {
         StatusCode::NO_CONTENT.into_response()
     } else {
         (StatusCode::BAD_GATEWAY, "no Envoy took the records\n").into_response()

@@ -697,24 +697,33 @@ impl Relay {
         }
     }
 
-    /// A peer's records (checked by the caller) to every Envoy of this replica; how many took
-    /// them.
-    pub async fn deliver_local(self: &Arc<Self>, body: Bytes, records: usize) -> usize {
+    /// A peer's records (checked by the caller) to every Envoy of this replica; whether one
+    /// took them, told as soon as one did: the posts to the others go on without the peer
+    /// waiting for them. Before, the peer's answer waited for the slowest Envoy, so one hung
+    /// Envoy here held every post for the whole `push.timeout_ms`, the peer counted it failed
+    /// and skipped its next batches as busy meanwhile, and this replica's healthy Envoy took a
+    /// fraction of them (an audit, 2026-12-07: 6 of 40 decisions).
+    pub async fn deliver_local(self: &Arc<Self>, body: Bytes, records: usize) -> bool {
         self.stats
             .records_in
             .fetch_add(records as u64, Ordering::Relaxed);
-        let mut set = JoinSet::new();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for url in &self.envoys {
-            set.spawn(
-                self.clone()
-                    .post_counted(url.clone(), body.clone(), false, None),
-            );
+            let post = self
+                .clone()
+                .post_counted(url.clone(), body.clone(), false, None);
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let _ = tx.send(post.await);
+            });
         }
-        let mut taken = 0;
-        while let Some(r) = set.join_next().await {
-            taken += usize::from(r.unwrap_or(false));
+        drop(tx);
+        while let Some(taken) = rx.recv().await {
+            if taken {
+                return true;
+            }
         }
-        taken
+        false
     }
 
     /// Asks Envoy `i` for its records after `cursor` and hands what it had to the other targets.
@@ -965,6 +974,35 @@ mod tests {
         pods.sort();
         assert_eq!(pods, vec![1, 2], "each Envoy's record reached the peer");
         assert_eq!(relay.stats.busy_skips.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn a_peers_records_are_taken_once_one_envoy_took_them_whatever_a_hung_one_does() {
+        let b = Fake::default();
+        let ub = serve(b.clone()).await;
+        // Envoy 0 accepts connections and never answers.
+        let hole = super::test_support::blackhole().await;
+        let mut cfg = Config::default();
+        cfg.push.token = Some("secret-token".into());
+        cfg.push.timeout_ms = 2_000;
+        cfg.push.urls = vec![format!("{hole}/s"), format!("{ub}/s")];
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
+        let mut log = SyncLog::new(4);
+        log.push(5, &[1]);
+        let t0 = Instant::now();
+        assert!(relay.deliver_local(Bytes::from(log.encode()), 1).await);
+        assert!(
+            t0.elapsed() < Duration::from_millis(1_000),
+            "answered after {:?}, not at the hung Envoy's timeout",
+            t0.elapsed()
+        );
+        assert_eq!(b.got.lock().unwrap().len(), 1);
+        // None takes them: told once every post failed.
+        cfg.push.urls = vec![format!("{hole}/s")];
+        cfg.prefix.peers = vec![hole.clone()];
+        cfg.push.timeout_ms = 100;
+        let relay = Relay::from_config(&cfg, crate::push::client()).unwrap();
+        assert!(!relay.deliver_local(Bytes::from(log.encode()), 1).await);
     }
 
     #[tokio::test]
