@@ -2,7 +2,7 @@
 //! Both shells keep one (the proxy-wasm filter per worker, the dynamic module per filter
 //! configuration), each with its own handle to wake a held request.
 
-use crate::config::HoldOrder;
+use crate::config::{FilterConfig, HoldOrder};
 use crate::fleet::stat_segment;
 
 /// What befell a request `hold` held (or, `Full`, would have held): counted in
@@ -55,6 +55,19 @@ pub fn hold_stat(pool: &str, event: HoldEvent) -> String {
 /// Envoy took the pool into `gpuroute_pool`).
 pub fn held_stat(pool: &str) -> String {
     format!("gpuroute.held.{}", stat_segment(pool))
+}
+
+/// The pools whose hold stats a configuration defines, at 0, as it is read: with `hold` on,
+/// every configured pool (a request is held in its own pool or in a failover pool it overflowed
+/// to, both configured); none with it off. Before their first count: a counter that first
+/// appears at 1 gives Prometheus's `increase()` no earlier sample, so its first count never
+/// alerts. Both shells define these, so both expose the same series from the start.
+pub fn stat_pools(config: &FilterConfig) -> impl Iterator<Item = &str> {
+    let pools = match config.hold {
+        Some(_) => config.pools.as_slice(),
+        None => &[],
+    };
+    pools.iter().map(|p| p.name.as_str())
 }
 
 /// Held requests, in the order they are to go: higher `x-gateway-priority` first; among equal
@@ -128,6 +141,19 @@ mod tests {
         for (i, e) in HoldEvent::ALL.iter().enumerate() {
             assert_eq!(*e as usize, i);
         }
+    }
+
+    #[test]
+    fn with_hold_on_every_configured_pool_has_hold_stats_and_none_without() {
+        let pools = r#""pools":[{"name":"llama","models":["m"],"failover":["burst"],"overflow":true},
+                               {"name":"burst","models":[]},{"name":"qwen","models":["q"]}]"#;
+        let on = FilterConfig::from_json(format!(r#"{{{pools},"hold":{{}}}}"#).as_bytes()).unwrap();
+        assert_eq!(
+            stat_pools(&on).collect::<Vec<_>>(),
+            ["llama", "burst", "qwen"]
+        );
+        let off = FilterConfig::from_json(format!("{{{pools}}}").as_bytes()).unwrap();
+        assert_eq!(stat_pools(&off).count(), 0);
     }
 
     #[test]

@@ -40,7 +40,7 @@ use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment, FleetState, PodStatSet, OTHER_POD};
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
-use gpuroute_core::hold::{held_stat, hold_stat, HoldEvent, HoldQueue};
+use gpuroute_core::hold::{self, held_stat, hold_stat, HoldEvent, HoldQueue};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PodLoad};
@@ -276,20 +276,16 @@ impl Metrics {
                 &["gpuroute_pool", "gpuroute_endpoint"],
             ),
             panics: d.counter("gpuroute.module.panics", &[]),
+            // The pools the proxy-wasm build defines them for too (`hold::stat_pools`).
             hold: config.hold.map(|_| HoldMetrics {
-                index: config
-                    .pools
-                    .iter()
+                index: hold::stat_pools(config)
                     .enumerate()
-                    .map(|(i, p)| (p.name.clone(), i))
+                    .map(|(i, p)| (p.to_string(), i))
                     .collect(),
-                pools: config
-                    .pools
-                    .iter()
+                pools: hold::stat_pools(config)
                     .map(|p| {
-                        let counters =
-                            HoldEvent::ALL.map(|e| d.counter(&hold_stat(&p.name, e), &[]));
-                        (counters, d.gauge(&held_stat(&p.name)))
+                        let counters = HoldEvent::ALL.map(|e| d.counter(&hold_stat(p, e), &[]));
+                        (counters, d.gauge(&held_stat(p)))
                     })
                     .collect(),
                 wait_ms: d.histogram("gpuroute.hold_ms"),

@@ -848,6 +848,7 @@ impl Root {
         if config.ingest.is_some() {
             stats.define_ingest_rejected();
         }
+        stats.define_hold(gpuroute_core::hold::stat_pools(&config));
         let mut worker = Worker {
             engine: Engine::new(config),
             fleet: None,

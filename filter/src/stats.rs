@@ -37,7 +37,8 @@
 //!   saturated pod; whose client left while held; not held because the worker held `max_held`),
 //!   `gpuroute.held.<pool>` (gauge: requests held now, all workers), each by the pool the
 //!   request was first held in (a request held where it overflowed counts there, wherever it
-//!   goes), `gpuroute.hold_ms` (histogram: how long each held request waited)
+//!   goes), every pool's defined at 0 with the configuration (`hold` on), `gpuroute.hold_ms`
+//!   (histogram: how long each held request waited)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request, and so
@@ -71,7 +72,8 @@ pub struct Stats {
     /// counted: by the pool they left, the pool they went to and whether they overflowed. A
     /// configuration has few such pairs, so a scan.
     moved: Vec<Moved>,
-    /// Per pool: its hold counters and held gauge ([`HoldEvent`]), once it held a request.
+    /// Per pool: its hold counters and held gauge ([`HoldEvent`]), defined with the
+    /// configuration ([`Stats::define_hold`]).
     hold: NameMap<String, HoldIds>,
     /// Increments of hot counters not yet handed to Envoy (flushed on the tick).
     pending: IdMap<u32, i64>,
@@ -260,24 +262,27 @@ impl Stats {
         }
     }
 
-    /// A pool's hold counters and gauge, all defined at its first hold event (so that each
-    /// series is there, at 0, before its first count).
-    fn hold_ids(&mut self, pool: &str) -> Option<&HoldIds> {
-        if !self.hold.contains_key(pool) {
+    /// Defines the hold counters and held gauge of every pool that may hold (`pools`,
+    /// [`gpuroute_core::hold::stat_pools`]) as the configuration is read, as the dynamic module
+    /// does: each series is there, at 0, before its first count (a counter that first appears at
+    /// 1 gives Prometheus's `increase()` nothing, so a pool's first `full` never alerted).
+    pub fn define_hold<'a>(&mut self, pools: impl Iterator<Item = &'a str>) {
+        for pool in pools {
             let counters = HoldEvent::ALL
                 .map(|e| host::define_metric(MetricType::Counter, &hold_stat(pool, e)));
             let gauge = host::define_metric(MetricType::Gauge, &held_stat(pool));
             self.hold
                 .insert(pool.to_string(), HoldIds { counters, gauge });
         }
-        self.hold.get(pool)
     }
 
-    /// Counts a hold event of a request held in `pool` (or, `Full`, that would have been).
+    /// Counts a hold event of a request held in `pool` (or, `Full`, that would have been). Every
+    /// pool's ids are there with `hold` on ([`Stats::define_hold`]); without it nothing is held.
     pub fn hold(&mut self, pool: &str, event: HoldEvent) {
         let i = event as usize;
         let id = self
-            .hold_ids(pool)
+            .hold
+            .get(pool)
             .and_then(|h| h.counters.get(i).copied().flatten());
         if let Some(id) = id {
             host::increment_metric(id, 1);
@@ -286,7 +291,7 @@ impl Stats {
 
     /// Moves `pool`'s held gauge (every worker moves it: the count across workers).
     pub fn held(&mut self, pool: &str, delta: i64) {
-        if let Some(id) = self.hold_ids(pool).and_then(|h| h.gauge) {
+        if let Some(id) = self.hold.get(pool).and_then(|h| h.gauge) {
             host::increment_metric(id, delta);
         }
     }

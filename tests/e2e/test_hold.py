@@ -14,13 +14,15 @@ import urllib.request
 
 import pytest
 
-from harness import STAT_PREFIX, Envoy, LdsListener, documented_stats, snapshot, wait_for
+from harness import STAT_PREFIX, Envoy, LdsListener, documented_stats, settle, snapshot, wait_for
 from stubpod import serving
 
 POOLS = {"name": "llama", "models": ["llama-3-8b"]}
 # Metrics that stay fresh for the whole test: the test pushes every change itself.
 SCORING = {"stale_after_ms": 60_000}
 SATURATED = {"waiting": 9}  # over the default queue threshold (5 waiting per unit of speed)
+# What befalls a held request, each counted per pool: `gpuroute.hold.<pool>.<event>`.
+HOLD_EVENTS = ("held", "affinity", "released", "expired", "cancelled", "full")
 
 @pytest.fixture(scope="module")
 def pods():
@@ -184,6 +186,35 @@ def test_sheddable_requests_are_shed_and_a_full_worker_sends_at_once(gw, pods):
         assert all(f.result(10)[0] == 200 for f in held)
 
 
+def test_every_pools_hold_stats_are_there_at_zero_before_its_first_hold(pods):
+    """With `hold` on, every pool's hold counters and held gauge are defined, at 0, when the
+    configuration is read, in both builds: Prometheus sees each series before its first count.
+    The proxy-wasm build defined a pool's at its first hold event, and a counter that first
+    appears at 1 gives `increase()` no earlier sample (a pool's first `full` never alerted).
+    Without `hold`, none (as the module always had it)."""
+    with serving(["q0"]) as other:
+        pools = endpoints(pods) + [{"name": "qwen", "endpoints": [other["q0"].address]}]
+        config = {"pools": [POOLS, {"name": "qwen", "models": ["qwen"]}], "scoring": SCORING}
+        want = {f"gpuroute.hold.{pool}.{event}" for pool in ("llama", "qwen") for event in HOLD_EVENTS} | \
+            {"gpuroute.held.llama", "gpuroute.held.qwen"}
+        e = Envoy("filter", pools, dict(config, hold={}))
+        try:
+            settle(lambda: want <= {n.removeprefix(STAT_PREFIX) for n in e.stats()})
+            shown = e.stats()
+            assert {n: shown.get(STAT_PREFIX + n) for n in sorted(want)} == {n: 0 for n in sorted(want)}
+            for family in ("envoy_gpuroute_hold_full", "envoy_gpuroute_hold_held", "envoy_gpuroute_held"):
+                assert by_pool(e, family) == {"llama": 0, "qwen": 0}, family
+        finally:
+            e.stop()
+        e = Envoy("filter", pools, config)
+        try:
+            assert e.chat("llama-3-8b")[0] == 200
+            time.sleep(0.3)  # past a flush of the module's counts (every tick_ms)
+            assert not [n for n in e.stats() if re.match(r"gpuroute\.(hold|held)", n.removeprefix(STAT_PREFIX))], e.stats()
+        finally:
+            e.stop()
+
+
 def test_a_full_hold_queue_counts_only_the_requests_it_turns_away(pods):
     """`hold.full` counts the requests that would have been held had the queue room, not every
     request while it is full: requests to another pool with room go as always, uncounted
@@ -251,10 +282,9 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
                 assert (stat(e, "gpuroute.held.llama"), e.stat(STAT_PREFIX + "gpuroute.hold.burst.held"),
                         stat(e, "gpuroute.hold.llama.held")) == (0, 2, 0)
                 # In Prometheus, the names the process-wide stats had, the pool a label (llama's
-                # series at 0: the module defines every pool's at once, the proxy-wasm build a
-                # pool's at its first hold).
+                # series at 0: both builds define every pool's with the configuration).
                 for family in ("envoy_gpuroute_held", "envoy_gpuroute_hold_held"):
-                    assert {p: n for p, n in by_pool(e, family).items() if n} == {"burst": 2}, family
+                    assert by_pool(e, family) == {"burst": 2, "llama": 0}, family
                 t0 = time.time()
                 push_loads({}, {"waiting": 2})
                 for f in sent[2:]:
