@@ -84,13 +84,15 @@ SEGMENT = r"[\w-]+"
 STATS_TAGS = [
     {"tag_name": "gpuroute_runtime", "regex": r"^((wasm|dynamicmodules)custom\.)gpuroute\."},
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|ejections$|to\.)"},
-    # `hold`'s counters (`gpuroute.hold.<pool>.<event>`) and held gauge (`gpuroute.held.<pool>`):
-    # the pool taken out leaves the names they had before they had one (`envoy_gpuroute_hold_held`,
-    # `envoy_gpuroute_held`), so a query that sums them reads as it did. One tag name with three
-    # patterns: Envoy logs "Skipping duplicate tag for" (a warning, without the name, at the 1st,
-    # 2nd, 4th, ... time) when a stat that took its pool from one meets the others; expected.
+    # `hold`'s counters (`gpuroute.hold.<pool>.<event>`), held gauge (`gpuroute.held.<pool>`) and
+    # wait histogram (`gpuroute.hold_ms.<pool>`): the pool taken out leaves the names they had
+    # before they had one (`envoy_gpuroute_hold_held`, `envoy_gpuroute_held`,
+    # `envoy_gpuroute_hold_ms_bucket`), so a query that sums them reads as it did. One tag name
+    # with three patterns: Envoy logs "Skipping duplicate tag for" (a warning, without the name,
+    # at the 1st, 2nd, 4th, ... time) when a stat that took its pool from one meets the others;
+    # expected.
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"hold(\.({SEGMENT}))\.(?:held|affinity|released|expired|cancelled|full)$"},
-    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"held(\.({SEGMENT}))$"},
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:held|hold_ms)(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.(.+))\.picks$"},
     {"tag_name": "gpuroute_reason", "regex": STAT_NAME + rf"(?:fail_open|{SEGMENT}\.rejected)(\.({SEGMENT}))$"},
@@ -109,7 +111,8 @@ HISTOGRAM_BUCKETS = [
     {"match": {"suffix": ".ttft_ms"}, "buckets": [
         10, 25, 50, 65, 80, 100, 130, 160, 200, 250, 320, 400, 500, 650, 800, 1000, 1300, 1600, 2000,
         2500, 3200, 4000, 5000, 6500, 8000, 10000, 15000, 20000, 30000, 60000]},
-    {"match": {"suffix": ".hold_ms"}, "buckets": [
+    # `gpuroute.hold_ms.<pool>`, and `gpuroute.hold_ms` of builds before it was per pool.
+    {"match": {"contains": ".gpuroute.hold_ms"}, "buckets": [
         1, 5, 10, 13, 16, 20, 25, 32, 40, 50, 65, 80, 100, 130, 160, 200, 250, 320, 400, 500, 650, 800,
         1000, 1300, 1600, 2000, 2500, 3200, 4000, 5000, 6500, 8000, 10000, 20000, 60000]},
     {"match": {"suffix": ".decision_us"}, "buckets": [

@@ -57,11 +57,20 @@ pub fn held_stat(pool: &str) -> String {
     format!("gpuroute.held.{}", stat_segment(pool))
 }
 
-/// The pools whose hold stats a configuration defines, at 0, as it is read: with `hold` on,
-/// every configured pool (a request is held in its own pool or in a failover pool it overflowed
-/// to, both configured); none with it off. Before their first count: a counter that first
-/// appears at 1 gives Prometheus's `increase()` no earlier sample, so its first count never
-/// alerts. Both shells define these, so both expose the same series from the start.
+/// The histogram of how long requests held in `pool` waited, ms: `gpuroute.hold_ms.<pool>`
+/// (`gpuroute.hold_ms` once Envoy took the pool into `gpuroute_pool`, the Prometheus name the
+/// one histogram of every pool had). Its buckets are the shipped configurations'
+/// (envoy/render.py's `HISTOGRAM_BUCKETS`, which match the name with and without the pool).
+pub fn hold_ms_stat(pool: &str) -> String {
+    format!("gpuroute.hold_ms.{}", stat_segment(pool))
+}
+
+/// The pools whose hold stats (counters, held gauge, wait histogram) a configuration defines, at
+/// 0, as it is read: with `hold` on, every configured pool (a request is held in its own pool or
+/// in a failover pool it overflowed to, both configured); none with it off. Before their first
+/// count: a counter that first appears at 1 gives Prometheus's `increase()` no earlier sample,
+/// so its first count never alerts. Both shells define these, so both expose the same series
+/// from the start.
 pub fn stat_pools(config: &FilterConfig) -> impl Iterator<Item = &str> {
     let pools = match config.hold {
         Some(_) => config.pools.as_slice(),
@@ -138,6 +147,10 @@ mod tests {
             "gpuroute.hold.llama-3_1_8b.cancelled"
         );
         assert_eq!(held_stat("burst"), "gpuroute.held.burst");
+        assert_eq!(
+            hold_ms_stat("llama-3.1:8b"),
+            "gpuroute.hold_ms.llama-3_1_8b"
+        );
         for (i, e) in HoldEvent::ALL.iter().enumerate() {
             assert_eq!(*e as usize, i);
         }
@@ -145,15 +158,17 @@ mod tests {
 
     #[test]
     fn with_hold_on_every_configured_pool_has_hold_stats_and_none_without() {
-        let pools = r#""pools":[{"name":"llama","models":["m"],"failover":["burst"],"overflow":true},
-                               {"name":"burst","models":[]},{"name":"qwen","models":["q"]}]"#;
-        let on = FilterConfig::from_json(format!(r#"{{{pools},"hold":{{}}}}"#).as_bytes()).unwrap();
+        // A standby pool, only another's failover, holds the requests that overflow to it.
+        let pools = r#""pools":[{"name":"llama","models":["m"],"failover":["burst"],
+                                 "overflow":true},
+                                {"name":"burst","models":[]},{"name":"qwen","models":["q"]}]"#;
+        let config = |hold: &str| FilterConfig::from_json(format!("{{{pools}{hold}}}").as_bytes());
+        let on = config(r#","hold":{}"#).unwrap();
         assert_eq!(
             stat_pools(&on).collect::<Vec<_>>(),
             ["llama", "burst", "qwen"]
         );
-        let off = FilterConfig::from_json(format!("{{{pools}}}").as_bytes()).unwrap();
-        assert_eq!(stat_pools(&off).count(), 0);
+        assert_eq!(stat_pools(&config("").unwrap()).count(), 0);
     }
 
     #[test]

@@ -86,7 +86,8 @@ ROWS = [
         ("Held requests by pool (hold)", "short", [
             ('sum by (gpuroute_pool) (max_over_time(envoy_gpuroute_held{gpuroute_pool=~"$pool"}[$__rate_interval]))',
              "{{gpuroute_pool}} held (the most at once)"),
-            ("histogram_quantile(0.99, sum by (le) (rate(envoy_gpuroute_hold_ms_bucket[$__rate_interval])))", "p99 wait (ms)"),
+            ('histogram_quantile(0.99, sum by (le, gpuroute_pool) (rate(envoy_gpuroute_hold_ms_bucket{gpuroute_pool=~"$pool"}[$__rate_interval])))',
+             "{{gpuroute_pool}} p99 wait (ms)"),
         ]),
     ]),
     ("Snapshot", [

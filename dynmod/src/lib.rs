@@ -40,7 +40,7 @@ use gpuroute_core::exchange::{self, Cursor, Export};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment, FleetState, PodStatSet, OTHER_POD};
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
-use gpuroute_core::hold::{self, held_stat, hold_stat, HoldEvent, HoldQueue};
+use gpuroute_core::hold::{self, held_stat, hold_ms_stat, hold_stat, HoldEvent, HoldQueue};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint, StoredHeader};
 use gpuroute_core::load::{Completion, InFlight, LoadTable, PodLoad};
@@ -146,8 +146,8 @@ struct Metrics {
     /// `gpuroute.module.panics`: panics caught in a hook ([`guarded`]).
     panics: Option<usize>,
     /// `hold` (defined only when it is on): per pool `gpuroute.hold.<pool>.{held,affinity,
-    /// released,expired,cancelled,full}` and the `gpuroute.held.<pool>` gauge, and the
-    /// `gpuroute.hold_ms` histogram.
+    /// released,expired,cancelled,full}`, the `gpuroute.held.<pool>` gauge and the
+    /// `gpuroute.hold_ms.<pool>` histogram.
     hold: Option<HoldMetrics>,
 }
 
@@ -162,16 +162,27 @@ struct FailoverIds {
 struct HoldMetrics {
     /// Each configured pool's index in `pools`.
     index: NameMap<String, usize>,
-    /// Per pool: its counters, in [`HoldEvent::ALL`]'s order, and its held gauge.
-    pools: Vec<([Option<usize>; 6], Option<usize>)>,
+    pools: Vec<PoolHoldIds>,
+}
+
+/// A pool's hold metrics.
+struct PoolHoldIds {
+    /// In [`HoldEvent::ALL`]'s order.
+    counters: [Option<usize>; HoldEvent::ALL.len()],
+    held: Option<usize>,
     wait_ms: Option<usize>,
 }
 
 impl HoldMetrics {
     /// The counter of `event` for a request held (or, `Full`, to be held) in `pool`.
     fn id(&self, pool: &str, event: HoldEvent) -> Option<usize> {
-        let (counters, _) = self.pools.get(*self.index.get(pool)?)?;
-        counters.get(event as usize).copied().flatten()
+        let ids = self.pools.get(*self.index.get(pool)?)?;
+        ids.counters.get(event as usize).copied().flatten()
+    }
+
+    /// The histogram of how long the requests held in `pool` waited.
+    fn wait_ms(&self, pool: &str) -> Option<usize> {
+        self.pools.get(*self.index.get(pool)?)?.wait_ms
     }
 }
 
@@ -283,12 +294,12 @@ impl Metrics {
                     .map(|(i, p)| (p.to_string(), i))
                     .collect(),
                 pools: hold::stat_pools(config)
-                    .map(|p| {
-                        let counters = HoldEvent::ALL.map(|e| d.counter(&hold_stat(p, e), &[]));
-                        (counters, d.gauge(&held_stat(p)))
+                    .map(|p| PoolHoldIds {
+                        counters: HoldEvent::ALL.map(|e| d.counter(&hold_stat(p, e), &[])),
+                        held: d.gauge(&held_stat(p)),
+                        wait_ms: d.histogram(&hold_ms_stat(p)),
                     })
                     .collect(),
-                wait_ms: d.histogram("gpuroute.hold_ms"),
             }),
         }
     }
@@ -353,8 +364,9 @@ struct Pending {
     /// `ttft_ms` histogram and the value, ms.
     first_token_ms: Vec<(usize, u64)>,
     snapshot_pods: Option<u64>,
-    /// How long each request released from `hold` since the last flush waited, ms.
-    hold_ms: Vec<u64>,
+    /// How long each request taken out of `hold` since the last flush waited: its pool's
+    /// `hold_ms` histogram and the value, ms.
+    hold_ms: Vec<(usize, u64)>,
 }
 
 /// The longest the snapshot-age gauge goes without an update when nothing else is pending.
@@ -626,8 +638,8 @@ impl Config {
             stats.histogram(Some(id), ms);
         }
         if let Some(h) = &m.hold {
-            for ms in p.hold_ms {
-                stats.histogram(h.wait_ms, ms);
+            for (id, ms) in p.hold_ms {
+                stats.histogram(Some(id), ms);
             }
             // Every live configuration's held in each of this one's pools (they share the
             // gauges): during an LDS change the old one still holds requests the new one's
@@ -640,8 +652,8 @@ impl Config {
                     }
                 }
             }
-            for ((_, gauge), n) in h.pools.iter().zip(held) {
-                stats.gauge(*gauge, n);
+            for (ids, n) in h.pools.iter().zip(held) {
+                stats.gauge(ids.held, n);
             }
         }
         if let Some(n) = p.snapshot_pods {
@@ -1654,7 +1666,9 @@ impl Filter {
                     };
                     let mut p = config.pending.lock();
                     p.count(h.id(&held.pool, event));
-                    p.hold_ms.push(waited_ms);
+                    if let Some(id) = h.wait_ms(&held.pool) {
+                        p.hold_ms.push((id, waited_ms));
+                    }
                 }
                 if let Some(d) = self.debug.as_mut() {
                     *d = engine::held_debug(waited_ms, d);

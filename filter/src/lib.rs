@@ -2022,7 +2022,7 @@ impl Http {
                     HoldEvent::Released
                 };
                 w.stats.hold(&held.pool, event);
-                w.stats.histogram("gpuroute.hold_ms", waited_ms);
+                w.stats.hold_waited(&held.pool, waited_ms);
                 if let Some(d) = self.debug.as_mut() {
                     *d = engine::held_debug(waited_ms, d);
                 }

@@ -37,8 +37,8 @@
 //!   saturated pod; whose client left while held; not held because the worker held `max_held`),
 //!   `gpuroute.held.<pool>` (gauge: requests held now, all workers), each by the pool the
 //!   request was first held in (a request held where it overflowed counts there, wherever it
-//!   goes), every pool's defined at 0 with the configuration (`hold` on), `gpuroute.hold_ms`
-//!   (histogram: how long each held request waited)
+//!   goes), `gpuroute.hold_ms.<pool>` (histogram: how long each request held there waited),
+//!   every pool's defined at 0 with the configuration (`hold` on)
 //!
 //! The two counters of the happy path (`picked`, `picks`) are batched in the worker and handed
 //! to Envoy on the root context's tick (`tick_ms`), saving two host calls per request, and so
@@ -52,7 +52,7 @@ use crate::abi::MetricType;
 use crate::host;
 use gpuroute_core::engine::{FailedOver, SplitTaken};
 use gpuroute_core::fleet::{pod_stat_key, stat_segment as sanitize, PodStatSet, OTHER_POD};
-use gpuroute_core::hold::{held_stat, hold_stat, HoldEvent};
+use gpuroute_core::hold::{held_stat, hold_ms_stat, hold_stat, HoldEvent};
 use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{self, Endpoint};
 use gpuroute_core::routing::{split_rerouted_stat, split_stat};
@@ -107,10 +107,11 @@ struct Moved {
     id: Option<u32>,
 }
 
-/// A pool's hold counters, in [`HoldEvent::ALL`]'s order, and its held gauge.
+/// A pool's hold counters, in [`HoldEvent::ALL`]'s order, its held gauge and its wait histogram.
 struct HoldIds {
-    counters: [Option<u32>; 6],
+    counters: [Option<u32>; HoldEvent::ALL.len()],
     gauge: Option<u32>,
+    wait_ms: Option<u32>,
 }
 
 #[derive(Default)]
@@ -262,17 +263,23 @@ impl Stats {
         }
     }
 
-    /// Defines the hold counters and held gauge of every pool that may hold (`pools`,
-    /// [`gpuroute_core::hold::stat_pools`]) as the configuration is read, as the dynamic module
-    /// does: each series is there, at 0, before its first count (a counter that first appears at
-    /// 1 gives Prometheus's `increase()` nothing, so a pool's first `full` never alerted).
+    /// Defines the hold counters, held gauge and wait histogram of every pool that may hold
+    /// (`pools`, [`gpuroute_core::hold::stat_pools`]) as the configuration is read, as the
+    /// dynamic module does: each series is there, at 0, before its first count (a counter that
+    /// first appears at 1 gives Prometheus's `increase()` nothing, so a pool's first `full`
+    /// never alerted).
     pub fn define_hold<'a>(&mut self, pools: impl Iterator<Item = &'a str>) {
         for pool in pools {
             let counters = HoldEvent::ALL
                 .map(|e| host::define_metric(MetricType::Counter, &hold_stat(pool, e)));
             let gauge = host::define_metric(MetricType::Gauge, &held_stat(pool));
-            self.hold
-                .insert(pool.to_string(), HoldIds { counters, gauge });
+            let wait_ms = host::define_metric(MetricType::Histogram, &hold_ms_stat(pool));
+            let ids = HoldIds {
+                counters,
+                gauge,
+                wait_ms,
+            };
+            self.hold.insert(pool.to_string(), ids);
         }
     }
 
@@ -293,6 +300,13 @@ impl Stats {
     pub fn held(&mut self, pool: &str, delta: i64) {
         if let Some(id) = self.hold.get(pool).and_then(|h| h.gauge) {
             host::increment_metric(id, delta);
+        }
+    }
+
+    /// How long a request held in `pool` waited before its decision took it out of the queue, ms.
+    pub fn hold_waited(&mut self, pool: &str, ms: u64) {
+        if let Some(id) = self.hold.get(pool).and_then(|h| h.wait_ms) {
+            host::record_metric(id, ms);
         }
     }
 

@@ -58,11 +58,16 @@ def ask_with_headers(gw, text, priority=None, timeout=20):
     return s, h.get("x-served-by"), reply, time.time() - t0, h
 
 
+def prometheus_lines(gw, family):
+    """The lines of a family on /stats/prometheus."""
+    with urllib.request.urlopen(f"http://{gw.admin}/stats/prometheus", timeout=5) as r:
+        return [ln for ln in r.read().decode().splitlines() if ln.startswith(family + "{")]
+
+
 def by_pool(gw, family):
     """A family's values on /stats/prometheus, by their `gpuroute_pool` label (Envoy's tag
     extraction, envoy/render.py's STATS_TAGS)."""
-    with urllib.request.urlopen(f"http://{gw.admin}/stats/prometheus", timeout=5) as r:
-        lines = [ln for ln in r.read().decode().splitlines() if ln.startswith(family + "{")]
+    lines = prometheus_lines(gw, family)
     return {ln.split('gpuroute_pool="')[1].split('"')[0] if 'gpuroute_pool="' in ln else None:
             int(float(ln.rsplit(" ", 1)[1])) for ln in lines}
 
@@ -204,6 +209,9 @@ def test_every_pools_hold_stats_are_there_at_zero_before_its_first_hold(pods):
             assert {n: shown.get(STAT_PREFIX + n) for n in sorted(want)} == {n: 0 for n in sorted(want)}
             for family in ("envoy_gpuroute_hold_full", "envoy_gpuroute_hold_held", "envoy_gpuroute_held"):
                 assert by_pool(e, family) == {"llama": 0, "qwen": 0}, family
+            # And each pool's wait histogram, no values yet.
+            hists = {n.removeprefix(STAT_PREFIX) for n in e.stats("hold_ms")}
+            assert hists == {"gpuroute.hold_ms.llama", "gpuroute.hold_ms.qwen"}, hists
         finally:
             e.stop()
         e = Envoy("filter", pools, config)
@@ -298,6 +306,10 @@ def test_a_request_held_where_it_overflowed_goes_home_once_its_pool_has_room():
             assert {n: e.stat(STAT_PREFIX + f"gpuroute.hold.{n}") for n in
                     ("burst.held", "burst.released", "burst.expired", "llama.held", "llama.released")} == \
                 {"burst.held": 2, "burst.released": 2, "burst.expired": 0, "llama.held": 0, "llama.released": 0}
+            # Their waits too (Envoy shows a histogram's new values after its stats flush, 5 s).
+            waits = {"burst": 2, "llama": 0}
+            settle(lambda: by_pool(e, "envoy_gpuroute_hold_ms_count") == waits, timeout=12)
+            assert by_pool(e, "envoy_gpuroute_hold_ms_count") == waits
         finally:
             gate.set()
             e.stop()
@@ -550,8 +562,8 @@ def test_every_hold_stat_is_documented(gw):
     patterns = documented_stats()
     shown = sorted({n.removeprefix(STAT_PREFIX) for n in gw.stats() if n.startswith(STAT_PREFIX)})
     assert {"gpuroute.hold.llama.held", "gpuroute.hold.llama.released", "gpuroute.hold.llama.cancelled", "gpuroute.held.llama"} <= set(shown)
-    # No process-wide hold counter beside the pool's (a sum in Prometheus would count twice).
-    assert not {"gpuroute.hold.held", "gpuroute.held"} & set(shown), shown
+    # No process-wide hold stat beside the pool's (a sum in Prometheus would count twice).
+    assert not {"gpuroute.hold.held", "gpuroute.held", "gpuroute.hold_ms"} & set(shown), shown
     undocumented = [n for n in shown if not any(p.fullmatch(n) for p in patterns)]
     assert not undocumented, f"stats the README does not name: {undocumented}"
 
@@ -567,8 +579,16 @@ def test_a_held_request_goes_to_a_saturated_pod_after_max_wait(pods):
         assert 0.4 <= took < 2.5, took
         assert e.stat(STAT_PREFIX + "gpuroute.hold.llama.expired") == expired + 1
         assert stat(e, "gpuroute.held.llama") == 0
-        hist = e.stats("hold_ms")
-        assert any("gpuroute.hold_ms" in k for k in hist), hist
+        # Its wait, in its pool's histogram (one for all pools before): in Prometheus the name
+        # the one histogram had, the pool a label, with the shipped buckets (13 ms is one of
+        # envoy/render.py's HISTOGRAM_BUCKETS, not one of Envoy's defaults). Envoy merges the
+        # workers' histograms into what it shows on its stats flush, every 5 s.
+        assert STAT_PREFIX + "gpuroute.hold_ms.llama" in e.stats("hold_ms")
+        settle(lambda: by_pool(e, "envoy_gpuroute_hold_ms_count") == {"llama": 1}, timeout=12)
+        assert by_pool(e, "envoy_gpuroute_hold_ms_count") == {"llama": 1}
+        buckets = {ln.split('le="')[1].split('"')[0]: int(float(ln.rsplit(" ", 1)[1]))
+                   for ln in prometheus_lines(e, "envoy_gpuroute_hold_ms_bucket") if 'gpuroute_pool="llama"' in ln}
+        assert (buckets.get("13"), buckets.get("320"), buckets.get("+Inf")) == (0, 0, 1), buckets
     finally:
         e.stop()
 

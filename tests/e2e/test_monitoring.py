@@ -391,6 +391,10 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     # defaults that had histogram_quantile read a 1.25 s TTFT p99 as 2.5 s.
     for family, le in [("envoy_gpuroute_pool_ttft_ms_bucket", "1300"), ("envoy_gpuroute_decision_us_bucket", "13")]:
         assert prom.query(f'count({family}{{le="{le}"}})'), (family, le)
+    # The held requests' waits by pool (one histogram for every pool before 2026-12-07), the
+    # name as it was, with the shipped buckets: every pool's, defined with the configuration.
+    waits = {s["metric"].get("gpuroute_pool") for s in prom.query('envoy_gpuroute_hold_ms_bucket{le="13"}')}
+    assert waits == {p["name"] for p in CONFIG["pools"]}, waits
 
     # Every recording rule has a value, every rule evaluates without error.
     groups = prom.api("rules")["groups"]
