@@ -91,7 +91,7 @@ STATS_TAGS = [
     # with three patterns: Envoy logs "Skipping duplicate tag for" (a warning, without the name,
     # at the 1st, 2nd, 4th, ... time) when a stat that took its pool from one meets the others;
     # expected.
-    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"hold(\.({SEGMENT}))\.(?:held|affinity|released|expired|cancelled|full)$"},
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"hold(\.({SEGMENT}))\.(?:held|affinity|released|expired|answered|cancelled|full)$"},
     {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:held|hold_ms)(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_outcome", "regex": STAT_NAME + rf"pool\.{SEGMENT}\.requests(\.({SEGMENT}))$"},
     {"tag_name": "gpuroute_endpoint", "regex": STAT_NAME + rf"pool\.{SEGMENT}(\.pod\.(.+))\.picks$"},

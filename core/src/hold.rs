@@ -8,13 +8,21 @@ use crate::fleet::stat_segment;
 /// What befell a request `hold` held (or, `Full`, would have held): counted in
 /// `gpuroute.hold.<pool>.<event>` ([`hold_stat`]) of the pool it was first held in, wherever a
 /// later decision moves it (back home from a failover pool, `Engine::homeward`). Both shells.
+/// Each held request leaves the queue once, as one of `Released`, `Expired`, `Answered` and
+/// `Cancelled`: `held` is their sum and the requests held now (the `gpuroute.held.<pool>` gauge).
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum HoldEvent {
     Held,
     /// It waited for the saturated pod caching its prompt or adapter (once per request).
     Affinity,
+    /// Sent before its wait ran out: a pod had room (or it failed open, its snapshot stale).
     Released,
+    /// Sent to a saturated pod once its wait (`max_wait_ms`) ran out.
     Expired,
+    /// Answered by the gateway itself when it decided again, sent to no pod: shed (a sheddable
+    /// request held for its prompt's pod while the rest of its pool filled up), or with
+    /// ORIGINAL_DST no pod to name (its pool gone from the snapshot). See [`HoldEvent::left`].
+    Answered,
     /// Its client left, or its stream was reset, while it was held.
     Cancelled,
     /// Not held: the queue was full (`max_held`).
@@ -23,14 +31,26 @@ pub enum HoldEvent {
 
 impl HoldEvent {
     /// Every event, in the order of `as usize`.
-    pub const ALL: [HoldEvent; 6] = [
+    pub const ALL: [HoldEvent; 7] = [
         HoldEvent::Held,
         HoldEvent::Affinity,
         HoldEvent::Released,
         HoldEvent::Expired,
+        HoldEvent::Answered,
         HoldEvent::Cancelled,
         HoldEvent::Full,
     ];
+
+    /// How a held request that a decision took out of the queue left it: `answered` (the
+    /// decision was the gateway's own answer, an error or a shed) before `expired` (its wait
+    /// ran out): a request answered so was sent nowhere, whether or not its wait had run out.
+    pub fn left(expired: bool, answered: bool) -> HoldEvent {
+        match (answered, expired) {
+            (true, _) => HoldEvent::Answered,
+            (false, true) => HoldEvent::Expired,
+            (false, false) => HoldEvent::Released,
+        }
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -38,6 +58,7 @@ impl HoldEvent {
             HoldEvent::Affinity => "affinity",
             HoldEvent::Released => "released",
             HoldEvent::Expired => "expired",
+            HoldEvent::Answered => "answered",
             HoldEvent::Cancelled => "cancelled",
             HoldEvent::Full => "full",
         }
@@ -154,6 +175,25 @@ mod tests {
         for (i, e) in HoldEvent::ALL.iter().enumerate() {
             assert_eq!(*e as usize, i);
         }
+        let names = HoldEvent::ALL.map(HoldEvent::name);
+        let want = [
+            "held",
+            "affinity",
+            "released",
+            "expired",
+            "answered",
+            "cancelled",
+            "full",
+        ];
+        assert_eq!(names, want);
+    }
+
+    #[test]
+    fn a_held_request_the_gateway_answers_counts_as_answered_whether_or_not_its_wait_ran_out() {
+        assert_eq!(HoldEvent::left(false, false), HoldEvent::Released);
+        assert_eq!(HoldEvent::left(true, false), HoldEvent::Expired);
+        assert_eq!(HoldEvent::left(false, true), HoldEvent::Answered);
+        assert_eq!(HoldEvent::left(true, true), HoldEvent::Answered);
     }
 
     #[test]

@@ -146,7 +146,7 @@ struct Metrics {
     /// `gpuroute.module.panics`: panics caught in a hook ([`guarded`]).
     panics: Option<usize>,
     /// `hold` (defined only when it is on): per pool `gpuroute.hold.<pool>.{held,affinity,
-    /// released,expired,cancelled,full}`, the `gpuroute.held.<pool>` gauge and the
+    /// released,expired,answered,cancelled,full}`, the `gpuroute.held.<pool>` gauge and the
     /// `gpuroute.hold_ms.<pool>` histogram.
     hold: Option<HoldMetrics>,
 }
@@ -1658,12 +1658,10 @@ impl Filter {
             }
             Ok(()) => {
                 config.unhold(held.id);
+                // The module answered it (shed, or no pod with ORIGINAL_DST): sent nowhere.
+                let answered = matches!(self.mode, Mode::Answered);
                 if let Some(h) = &config.metrics.hold {
-                    let event = if expired {
-                        HoldEvent::Expired
-                    } else {
-                        HoldEvent::Released
-                    };
+                    let event = HoldEvent::left(expired, answered);
                     let mut p = config.pending.lock();
                     p.count(h.id(&held.pool, event));
                     if let Some(id) = h.wait_ms(&held.pool) {
@@ -1673,7 +1671,7 @@ impl Filter {
                 if let Some(d) = self.debug.as_mut() {
                     *d = engine::held_debug(waited_ms, d);
                 }
-                let resume = !matches!(self.mode, Mode::Answered);
+                let resume = !answered;
                 if resume {
                     self.mode = Mode::Pass;
                 }

@@ -2016,12 +2016,9 @@ impl Http {
             Ok(action) => {
                 w.held.remove(|c| *c == self.id);
                 w.stats.held(&held.pool, -1);
-                let event = if expired {
-                    HoldEvent::Expired
-                } else {
-                    HoldEvent::Released
-                };
-                w.stats.hold(&held.pool, event);
+                // `Pause`: the filter answered it (shed, or no pod with ORIGINAL_DST), not sent.
+                let answered = matches!(action, Action::Pause);
+                w.stats.hold(&held.pool, HoldEvent::left(expired, answered));
                 w.stats.hold_waited(&held.pool, waited_ms);
                 if let Some(d) = self.debug.as_mut() {
                     *d = engine::held_debug(waited_ms, d);

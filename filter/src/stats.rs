@@ -31,10 +31,12 @@
 //!   that holds their response, and those that could not be)
 //! - `gpuroute.idle_wakes` (counter: a routed request found its worker's tick slowed down by
 //!   idling, `idle_tick_ms`, and restored it)
-//! - `gpuroute.hold.<pool>.{held,affinity,released,expired,cancelled,full}` (counters: requests
-//!   held while their pool was saturated, or the pod caching their prompt or adapter was, `hold`;
-//!   those that waited for that pod; sent when a pod had room; sent after `max_wait_ms` to a
-//!   saturated pod; whose client left while held; not held because the worker held `max_held`),
+//! - `gpuroute.hold.<pool>.{held,affinity,released,expired,answered,cancelled,full}` (counters:
+//!   requests held while their pool was saturated, or the pod caching their prompt or adapter
+//!   was, `hold`; those that waited for that pod; sent when a pod had room; sent after
+//!   `max_wait_ms` to a saturated pod; answered by the filter itself when it decided again, shed
+//!   or with ORIGINAL_DST no pod to name; whose client left while held; not held because the
+//!   worker held `max_held`),
 //!   `gpuroute.held.<pool>` (gauge: requests held now, all workers), each by the pool the
 //!   request was first held in (a request held where it overflowed counts there, wherever it
 //!   goes), `gpuroute.hold_ms.<pool>` (histogram: how long each request held there waited),

@@ -22,7 +22,7 @@ POOLS = {"name": "llama", "models": ["llama-3-8b"]}
 SCORING = {"stale_after_ms": 60_000}
 SATURATED = {"waiting": 9}  # over the default queue threshold (5 waiting per unit of speed)
 # What befalls a held request, each counted per pool: `gpuroute.hold.<pool>.<event>`.
-HOLD_EVENTS = ("held", "affinity", "released", "expired", "cancelled", "full")
+HOLD_EVENTS = ("held", "affinity", "released", "expired", "answered", "cancelled", "full")
 
 @pytest.fixture(scope="module")
 def pods():
@@ -74,6 +74,16 @@ def by_pool(gw, family):
 
 def served(pods):
     return sum(len(p.requests) for p in pods.values())
+
+
+def hold_counts(gw, pool, want):
+    """`pool`'s hold counters ({event: count}) once they read `want` (the module hands its counts
+    to Envoy every tick_ms), or after 3 s."""
+    def counts():
+        shown = gw.stats()
+        return {event: shown.get(f"{STAT_PREFIX}gpuroute.hold.{pool}.{event}", 0) for event in HOLD_EVENTS}
+    settle(lambda: counts() == want)
+    return counts()
 
 
 @pytest.fixture(scope="module")
@@ -589,6 +599,57 @@ def test_a_held_request_goes_to_a_saturated_pod_after_max_wait(pods):
         buckets = {ln.split('le="')[1].split('"')[0]: int(float(ln.rsplit(" ", 1)[1]))
                    for ln in prometheus_lines(e, "envoy_gpuroute_hold_ms_bucket") if 'gpuroute_pool="llama"' in ln}
         assert (buckets.get("13"), buckets.get("320"), buckets.get("+Inf")) == (0, 0, 1), buckets
+    finally:
+        e.stop()
+
+
+def test_a_held_request_whose_pool_left_the_snapshot_is_answered_and_counted_so(pods):
+    """ORIGINAL_DST: a held request whose pool is gone from the snapshot when it is decided again
+    has no pod to be sent to, and the gateway answers it 503 itself. It is counted
+    `hold.<pool>.answered`, not `released` (both builds counted it so before), which says a
+    request went to a pod; `held` stays the sum of how they left."""
+    e = Envoy("filter_original_dst", endpoints(pods), {"pools": [POOLS], "scoring": SCORING,
+                                                       "hold": {"max_wait_ms": 10_000}})
+    try:
+        push(e, pods, [SATURATED] * 3)
+        before = served(pods)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            pending = ex.submit(ask, e, "nowhere to go")
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 1, what="the request to be held")
+            assert e.push(snapshot({"other": [{"address": pods["p0"].address}]}))[0] == 204
+            s, pod, reply, _ = pending.result(10)
+        assert (s, pod, reply["error"]["code"]) == (503, None, "no_healthy_endpoints"), reply
+        assert served(pods) == before
+        counts = hold_counts(e, "llama", dict.fromkeys(HOLD_EVENTS, 0) | {"held": 1, "answered": 1})
+        assert counts == dict.fromkeys(HOLD_EVENTS, 0) | {"held": 1, "answered": 1}, counts
+        assert stat(e, "gpuroute.held.llama") == 0
+        assert counts["held"] == sum(counts[k] for k in ("released", "expired", "answered", "cancelled"))
+        assert by_pool(e, "envoy_gpuroute_hold_answered") == {"llama": 1}  # the pool a label, as the others'
+    finally:
+        e.stop()
+
+
+def test_a_sheddable_request_held_for_its_prompts_pod_is_shed_once_its_pool_fills_up(pods):
+    """A sheddable request (priority -1) waits for the saturated pod caching its prompt while
+    other pods have room (`affinity_wait_ms`); decided again once every pod is saturated, it is
+    shed (429), as it would have been had it come then: answered by the gateway, counted
+    `answered`, not `released` (before, in both builds)."""
+    e = prefix_gateway(pods, 5_000)
+    try:
+        _, _, loads = cache_on_one_pod(e, pods)
+        push(e, pods, loads)
+        before = served(pods)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            pending = ex.submit(ask, e, DOCUMENT % tuple(range(300)) + " Second question?", -1)
+            wait_for(lambda: stat(e, "gpuroute.held.llama") == 1, what="the request to be held for its pod")
+            push(e, pods, [SATURATED] * 3)
+            s, _, reply, _ = pending.result(10)
+        assert s == 429, reply
+        assert served(pods) == before
+        want = dict.fromkeys(HOLD_EVENTS, 0) | {"held": 1, "affinity": 1, "answered": 1}
+        assert hold_counts(e, "llama", want) == want
+        assert stat(e, "gpuroute.held.llama") == 0
+        assert e.stat(STAT_PREFIX + "gpuroute.pool.llama.requests.shed") == 1
     finally:
         e.stop()
 
