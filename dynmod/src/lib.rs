@@ -882,11 +882,20 @@ impl Filter {
 
     fn reply_with(&mut self, s: Stream, status: u16, body: &str, headers: &[(&str, &str)]) {
         self.mode = Mode::Answered;
+        // A reply after a decision (a shed request, or ORIGINAL_DST with no pod to fail open
+        // to) carries the decision's debug header, as the proxy-wasm build's does: Envoy does
+        // not run this filter's `response_headers` for its own local reply, where
+        // `on_response_headers` would add it.
+        let debug = self.debug.take();
+        let mut all = headers.to_vec();
+        if let Some(d) = debug.as_deref() {
+            all.push((headers::DEBUG, d));
+        }
         if let Some(slot) = self.deferred_reply.as_mut() {
             // `on_scheduled`: sent once the Filter is no longer borrowed ([`After`]).
             *slot = Some(Reply {
                 status: u32::from(status),
-                headers: headers
+                headers: all
                     .iter()
                     .map(|(k, v)| (k.to_string(), v.to_string()))
                     .collect(),
@@ -894,7 +903,7 @@ impl Filter {
             });
             return;
         }
-        s.send_response(u32::from(status), headers, body.as_bytes());
+        s.send_response(u32::from(status), &all, body.as_bytes());
     }
 
     /// Answers with `err` in the shape of the request path's API.

@@ -1956,8 +1956,12 @@ def test_non_inference_paths_pass_through_untouched(envoy, pods):
 def test_sheddable_requests_get_429_when_every_pod_is_saturated(envoy, pods):
     saturated = [{"waiting": 9, "kv_cache_usage": 0.9}] * 3
     assert envoy.push(fresh(pods, saturated))[0] == 204
-    s, _, body, _ = envoy.chat("llama-3-8b", headers={"x-gateway-priority": "-1"})
+    s, h, body, _ = envoy.chat("llama-3-8b", headers={"x-gateway-priority": "-1"})
     assert s == 429 and body["error"]["type"] == "rate_limit_error"
+    # With debug_header, the 429 says which pool shed it, in both builds (the dynamic module's
+    # local reply had no debug header until 2026-12-07: Envoy skips the module's own
+    # response_headers hook for a reply it sends).
+    assert h.get("x-gateway-debug") == "pool=llama", h
     # Normal priority is still served, by the least bad pod.
     s, h, _, _ = envoy.chat("llama-3-8b")
     assert s == 200 and h["x-served-by"].startswith("llama-")
