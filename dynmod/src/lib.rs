@@ -1498,7 +1498,11 @@ impl Filter {
                 if cfg.data_plane == DataPlane::OriginalDst {
                     match any_pod {
                         Some(addr) => s.set_header(REQUEST_HEADERS, headers::DESTINATION, &addr),
-                        None => answer = Some(("error", ApiError::no_endpoints(pool))),
+                        None => {
+                            // Answered, not failed open: one outcome per request.
+                            (outcome, fail_open) = (None, None);
+                            answer = Some(("error", ApiError::no_endpoints(pool)));
+                        }
                     }
                 }
             }

@@ -1512,13 +1512,6 @@ impl Http {
                 self.learn_response = prep
                     .learns_response
                     .then(|| (0, request::ResponseHead::default()));
-                if reason.by_design() {
-                    w.stats.pool_outcome(pool, "routed");
-                } else {
-                    w.stats.pool_outcome(pool, "fail_open");
-                    w.stats
-                        .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
-                }
                 if w.engine.config.data_plane == DataPlane::OriginalDst {
                     // No load balancer behind an ORIGINAL_DST cluster: pick any known pod.
                     let pool_state = w.fleet.as_ref().and_then(|f| f.pool(pool));
@@ -1532,10 +1525,18 @@ impl Http {
                             );
                         }
                         None => {
+                            // Answered, not failed open: one outcome per request.
                             w.stats.pool_outcome(pool, "error");
                             return Ok(self.reply_error(&ApiError::no_endpoints(pool)));
                         }
                     }
+                }
+                if reason.by_design() {
+                    w.stats.pool_outcome(pool, "routed");
+                } else {
+                    w.stats.pool_outcome(pool, "fail_open");
+                    w.stats
+                        .inc(&format!("gpuroute.fail_open.{}", reason.as_str()));
                 }
             }
             Decision::Shed => {

@@ -993,9 +993,13 @@ def test_a_forged_pool_header_reaches_no_pod_on_any_path(pods, mode):
 def test_original_dst_fails_open_to_a_known_pod(pods):
     e = Envoy("filter_original_dst", pools_of(pods), CONFIG)
     try:
-        # No snapshot at all: ORIGINAL_DST cannot route, so the filter answers 503.
+        # No snapshot at all: ORIGINAL_DST cannot route, so the filter answers 503, counted as
+        # an error and only so (both builds counted it failed open too, by its reason).
         s, _, body, _ = e.chat("llama-3-8b")
         assert s == 503 and body["error"]["code"] == "no_healthy_endpoints"
+        time.sleep(0.1)  # counters batched until the tick
+        outcomes = {k: v for k, v in e.stats().items() if ".pool.llama.requests." in k or ".fail_open." in k}
+        assert {k.rsplit(".", 1)[1]: v for k, v in outcomes.items() if v} == {"error": 1}, outcomes
         stale = fresh(pods)
         for pool in stale["pools"]:
             for p in pool["pods"]:
