@@ -338,7 +338,7 @@ async fn load_counts(relay: &Arc<Relay>, req: Request) -> Response {
     if let Some(sender) = sender {
         relay.note_sender(replica, &sender);
     }
-    if relay.deliver_load(body, replica).await > 0 || relay.envoys.is_empty() {
+    if relay.deliver_load(body, replica).await || relay.envoys.is_empty() {
         StatusCode::NO_CONTENT.into_response()
     } else {
         (StatusCode::BAD_GATEWAY, "no Envoy took the counts\n").into_response()

@@ -50,6 +50,7 @@
 use super::Relay;
 use crate::client;
 use bytes::Bytes;
+use futures::stream::{FuturesUnordered, StreamExt};
 use gpuroute_core::replica_load::{encode_bundle, ReplicaLoad, MAX_REPLICAS};
 use http::Method;
 use std::collections::HashMap;
@@ -413,21 +414,30 @@ impl Relay {
     }
 
     /// A peer's in-flight counts from replica `replica` (both checked by the caller) to every
-    /// Envoy of this replica; how many took them (or the newer body of the same replica that
-    /// replaced them while they waited). Each Envoy takes one post at a time, at most
-    /// `POSTS_PER_INTERVAL` an interval, each carrying everything that came meanwhile (its
-    /// `Outbox`).
-    pub async fn deliver_load(self: &Arc<Self>, body: Bytes, replica: &str) -> usize {
+    /// Envoy of this replica; whether one took them (or the newer body of the same replica that
+    /// replaced them while they waited), told as soon as one did: the posts to the others go
+    /// on. Each Envoy takes one post at a time, at most `POSTS_PER_INTERVAL` an interval, each
+    /// carrying everything that came meanwhile (its `Outbox`). Before, the peer's answer waited
+    /// for the slowest Envoy: one hung Envoy here held every post for the whole timeout, which
+    /// the peer's own (also `load_interval_ms`-scale) ran out first, so it counted the post
+    /// failed and its counts reached this replica's healthy Envoy about once per timeout, at or
+    /// past their `load_ttl_ms` (an audit, 2026-12-07: taken 19 times a second instead of 44,
+    /// 35 peer failures in 2 s).
+    pub async fn deliver_load(self: &Arc<Self>, body: Bytes, replica: &str) -> bool {
         self.stats.records_in.fetch_add(1, Ordering::Relaxed);
-        let waits: Vec<_> = (0..self.envoys.len())
+        let mut waits: FuturesUnordered<_> = (0..self.envoys.len())
             .filter_map(|i| self.enqueue(i, replica, body.clone()))
+            .map(|mut w| async move {
+                let done = w.wait_for(Option::is_some).await;
+                done.is_ok_and(|t| *t == Some(true))
+            })
             .collect();
-        let mut taken = 0;
-        for mut w in waits {
-            let done = w.wait_for(Option::is_some).await;
-            taken += usize::from(done.is_ok_and(|t| *t == Some(true)));
+        while let Some(taken) = waits.next().await {
+            if taken {
+                return true;
+            }
         }
-        taken
+        false
     }
 
     /// Puts `body` from `replica` into Envoy `i`'s outbox, in place of an earlier one from the
