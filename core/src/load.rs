@@ -35,7 +35,6 @@ const MAGIC: &[u8; 4] = b"GPL2";
 const HEADER: usize = 4 + 8 + 4;
 const ENTRY: usize = 8 + 6 * 4;
 const SPARSE_MAGIC: &[u8; 4] = b"GPL3";
-const SPARSE_HEADER: usize = 4 + 8 + 4;
 /// A sparse entry: the pod's index in the snapshot's list, then its dense entry.
 const SPARSE_ENTRY: usize = 4 + ENTRY;
 
@@ -129,18 +128,9 @@ pub struct LoadTable {
 impl LoadTable {
     /// Decodes the dense form (`GPL2`); an empty or malformed value is an empty table.
     pub fn decode(bytes: &[u8]) -> LoadTable {
-        let Some(rest) = bytes.strip_prefix(MAGIC.as_slice()) else {
+        let Some((version, body)) = framed(bytes, MAGIC, ENTRY) else {
             return LoadTable::default();
         };
-        if rest.len() < HEADER - 4 {
-            return LoadTable::default();
-        }
-        let version = u64::from_le_bytes(arr8(rest, 0));
-        let n = u32::from_le_bytes(arr4(rest, 8)) as usize;
-        let body = &rest[12..];
-        if body.len() != n * ENTRY {
-            return LoadTable::default();
-        }
         let pods = body.chunks_exact(ENTRY).map(PodLoad::read).collect();
         LoadTable { version, pods }
     }
@@ -158,7 +148,7 @@ impl LoadTable {
 
     /// The sparse form (`GPL3`, [`SparseTable`]): the pods with a count, each with its index.
     pub fn encode_sparse(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(SPARSE_HEADER + 4 * SPARSE_ENTRY);
+        let mut out = Vec::with_capacity(HEADER + 4 * SPARSE_ENTRY);
         out.extend_from_slice(SPARSE_MAGIC);
         out.extend_from_slice(&self.version.to_le_bytes());
         out.extend_from_slice(&0u32.to_le_bytes());
@@ -381,18 +371,9 @@ impl SparseTable {
                 entries,
             };
         }
-        let Some(rest) = bytes.strip_prefix(SPARSE_MAGIC.as_slice()) else {
+        let Some((version, body)) = framed(bytes, SPARSE_MAGIC, SPARSE_ENTRY) else {
             return SparseTable::default();
         };
-        if rest.len() < SPARSE_HEADER - 4 {
-            return SparseTable::default();
-        }
-        let version = u64::from_le_bytes(arr8(rest, 0));
-        let n = u32::from_le_bytes(arr4(rest, 8)) as usize;
-        let body = &rest[12..];
-        if body.len() != n.saturating_mul(SPARSE_ENTRY) {
-            return SparseTable::default();
-        }
         let entries = body
             .chunks_exact(SPARSE_ENTRY)
             .map(|e| (u32::from_le_bytes(arr4(e, 0)), PodLoad::read(&e[4..])))
@@ -491,6 +472,19 @@ impl PeerTables {
 /// before it ([`LoadTable::add_table`]).
 fn counts(table: u64, version: u64, previous: Option<u64>) -> bool {
     table == version || previous.is_some_and(|p| p <= table && table < version)
+}
+
+/// A table's version and entries, `entry` bytes each, from `magic`, the version, the count of
+/// entries and the entries (both forms' layout); `None` if it is not that.
+fn framed<'a>(bytes: &'a [u8], magic: &[u8; 4], entry: usize) -> Option<(u64, &'a [u8])> {
+    let rest = bytes.strip_prefix(magic.as_slice())?;
+    if rest.len() < HEADER - 4 {
+        return None;
+    }
+    let version = u64::from_le_bytes(arr8(rest, 0));
+    let n = u32::from_le_bytes(arr4(rest, 8)) as usize;
+    let body = &rest[12..];
+    (body.len() == n.saturating_mul(entry)).then_some((version, body))
 }
 
 fn arr8(b: &[u8], at: usize) -> [u8; 8] {
@@ -760,7 +754,7 @@ mod tests {
         t.add(7, 1, 300, Some(300));
         t.add(900, 2, 50, None);
         let bytes = t.encode_sparse();
-        assert_eq!(bytes.len(), SPARSE_HEADER + 2 * SPARSE_ENTRY);
+        assert_eq!(bytes.len(), HEADER + 2 * SPARSE_ENTRY);
         let back = SparseTable::decode(&bytes);
         assert_eq!(back.version, 4);
         assert_eq!(back.entries, vec![(7, t.pods[7]), (900, t.pods[900])]);
