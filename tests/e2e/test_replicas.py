@@ -291,6 +291,53 @@ def test_a_decision_reaches_the_other_replica_through_the_relay(pods, tls):
             gw.stop()
 
 
+def test_a_replicas_decisions_still_reach_the_other_after_its_envoy_restarts(pods):
+    """Replica A's Envoy restarts while its sidecar-metrics keeps running (the Envoy container
+    of the pod restarts alone). The sidecar's cursor into A's decisions is from before the
+    restart, and the new Envoy numbers its decisions from the start again (the dynamic module
+    from 1, the proxy-wasm workers from their generation's base): the relay reads an exporter
+    whose records all number below the cursor from its start. Before, A's decisions after the
+    restart were skipped until A had routed as many as before it (a relay audit: 0 of 10 with
+    the dynamic module)."""
+    gws, scs = relaying_replicas([pods, pods])
+    a, b = gws
+    name = STAT_PREFIX + "gpuroute.prefix.imported"
+
+    def relayed(n, question, timeout=3.0):
+        before = b.stats(name).get(name, 0)
+        for i in range(n):
+            turn(a, f"{question} ({i})")
+        t0 = time.time()
+        while b.stats(name).get(name, 0) < before + n and time.time() - t0 < timeout:
+            time.sleep(0.05)
+        return b.stats(name).get(name, 0) - before
+
+    try:
+        deadline = time.time() + 10
+        while not all(sc.ready() for sc in scs) and time.time() < deadline:
+            time.sleep(0.05)
+        turn(a, "warm-up: a first request registers A's worker")
+        time.sleep(0.5)
+        assert relayed(30, "Before the restart: does the frame bag fit a 52 cm gravel frame?") == 30
+        listen, admin, ingest = a.listen, a.admin, a.ingest
+        a.stop()
+        a = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG,
+                  listen=listen, admin=admin, ingest=ingest)
+        gws[0] = a
+        # The sidecar pushes the new Envoy a snapshot and asks it for its decisions meanwhile.
+        deadline = time.time() + 10
+        while not a.stats(STAT_PREFIX + "gpuroute.snapshot.accepted").get(
+                STAT_PREFIX + "gpuroute.snapshot.accepted", 0) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert relayed(10, "After the restart: which chain fits an eleven-speed cassette?") == 10
+    finally:
+        for sc in scs:
+            sc.stop()
+        for gw in gws:
+            gw.stop()
+
+
 LOAD = "/gpuroute/v1/load"
 
 
