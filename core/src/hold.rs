@@ -132,6 +132,21 @@ impl<T> HoldQueue<T> {
         self.entries.insert(at, (priority, tokens, item));
     }
 
+    /// Whether an entry `f` picks would go before a request of `priority` leaving
+    /// `prefill_tokens` to prefill, were it queued now ([`HoldQueue::push`]'s place). A request
+    /// that comes while such requests wait for room in its pool queues behind them: the room a
+    /// snapshot or another worker's request leaves is theirs first, not the newcomer's.
+    pub fn ahead(&self, priority: i64, prefill_tokens: u32, mut f: impl FnMut(&T) -> bool) -> bool {
+        let tokens = match self.order {
+            HoldOrder::Arrival => 0,
+            HoldOrder::Shortest => prefill_tokens,
+        };
+        self.entries
+            .iter()
+            .take_while(|(p, t, _)| !(priority > *p || (priority == *p && tokens < *t)))
+            .any(|(_, _, item)| f(item))
+    }
+
     /// Takes out the entries `f` picks; whether there was any.
     pub fn remove(&mut self, mut f: impl FnMut(&T) -> bool) -> bool {
         let n = self.entries.len();
@@ -223,6 +238,27 @@ mod tests {
         assert!(q.remove(|i| *i == "b"));
         assert!(!q.remove(|i| *i == "b"));
         assert_eq!((order(&q), q.len()), (vec!["urgent", "a", "c", "batch"], 4));
+    }
+
+    #[test]
+    fn ahead_names_the_entries_a_request_queued_now_would_wait_behind() {
+        let mut q = HoldQueue::new(HoldOrder::Arrival);
+        q.push(5, 0, "urgent");
+        q.push(0, 0, "standard");
+        assert!(q.ahead(0, 0, |i| *i == "urgent"));
+        // Arrival: one of the same priority queued earlier goes first.
+        assert!(q.ahead(0, 0, |i| *i == "standard"));
+        assert!(!q.ahead(5, 0, |i| *i == "standard"));
+        assert!(!q.ahead(6, 0, |_| true));
+        assert!(q.ahead(-3, 0, |_| true));
+        assert!(!q.ahead(-3, 0, |_| false));
+        let mut q = HoldQueue::new(HoldOrder::Shortest);
+        q.push(0, 100, "short");
+        q.push(0, 900, "long");
+        assert!(q.ahead(0, 500, |i| *i == "short"));
+        assert!(!q.ahead(0, 500, |i| *i == "long"));
+        assert!(q.ahead(0, 900, |i| *i == "long"));
+        assert!(!HoldQueue::<&str>::new(HoldOrder::Arrival).ahead(0, 0, |_| true));
     }
 
     #[test]

@@ -550,6 +550,9 @@ struct HeldEntry {
     /// ran out woke every other expired one again (`Wake::Sent`): N held requests whose waits
     /// ran out together posted ~N²/2 events to the workers (6,000 took Envoy from 0.2 to 1.3 GB).
     asked: AtomicBool,
+    /// Queued behind held requests of its pool on its arrival (`Filter::route_body`), not decided
+    /// yet: woken once one ahead decides to wait on (the room may suit it, not them).
+    behind: AtomicBool,
 }
 
 impl HeldEntry {
@@ -746,6 +749,7 @@ impl Config {
     /// Request `id`, held, decided again to wait for the pod `awaits` that caches its prompt or
     /// adapter (0: for its pool to have room): marked so. Waiting for its prompt's pod, it left the
     /// room it was asked about: the first request of its pool that waits for room is asked.
+    /// Waiting for room, the requests queued behind it on arrival are asked (once each).
     fn still_held(&self, id: u64, awaits: u64) {
         let held = self.held.lock();
         let Some(e) = held.iter().find(|e| e.id == id) else {
@@ -753,6 +757,13 @@ impl Config {
         };
         e.awaits.store(awaits, Ordering::Relaxed);
         if awaits == 0 {
+            // Its pool still has no room for it: those queued behind it on arrival decide once,
+            // the room there may be may suit them.
+            for n in held.iter().filter(|n| n.pool == e.pool) {
+                if n.behind.swap(false, Ordering::Relaxed) {
+                    n.ask();
+                }
+            }
             return;
         }
         let next = held
@@ -767,6 +778,7 @@ impl Config {
     fn asked(&self, id: u64) {
         if let Some(e) = self.held.lock().iter().find(|e| e.id == id) {
             e.asked.store(false, Ordering::Relaxed);
+            e.behind.store(false, Ordering::Relaxed);
         }
     }
 
@@ -1339,6 +1351,38 @@ impl Filter {
             }
         }
         let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
+        // Requests of its pool held for room go before it: the room a snapshot, or a request's
+        // end, left is theirs first (their wakes run on their workers after this request could
+        // take it). Queued behind them; the first is woken, and the room left after them is
+        // this one's in its turn (`Config::still_held` wakes it should theirs not suit them).
+        let priority = self.head.priority.unwrap_or(0);
+        let behind = hold.is_some_and(|h| {
+            if cfg.shed_sheddable && priority < 0 {
+                return false;
+            }
+            let held = config.held.lock();
+            !held.is_empty()
+                && held.len() < h.max_held
+                && held.ahead(
+                    priority,
+                    prep.least_prefill(cfg.prefix.block_tokens()),
+                    |e| e.awaits.load(Ordering::Relaxed) == 0 && *e.pool == *prep.pool,
+                )
+        });
+        if behind {
+            drop(guard);
+            self.hold(
+                s,
+                Box::new(prep),
+                HoldReason::Saturated,
+                &fleet,
+                now,
+                t0,
+                true,
+            );
+            config.wake_held(Wake::Sent);
+            return true;
+        }
         let dispatched = self.dispatch(
             s,
             guard,
@@ -1366,7 +1410,7 @@ impl Filter {
             d => d,
         };
         if let Err((prep, reason)) = dispatched {
-            self.hold(s, prep, reason, &fleet, now, t0);
+            self.hold(s, prep, reason, &fleet, now, t0, false);
         }
         true
     }
@@ -1560,7 +1604,9 @@ impl Filter {
 
     /// Holds the request (`dispatch` found its pool saturated): queued in `Config::held`, its
     /// stream stopped until `on_scheduled` sends it. Without a scheduler for the stream it goes
-    /// at once, to a saturated pod.
+    /// at once, to a saturated pod. `behind`: queued behind held requests of its pool on
+    /// arrival, not decided yet (`HeldEntry::behind`).
+    #[allow(clippy::too_many_arguments)]
     fn hold(
         &mut self,
         s: Stream,
@@ -1569,6 +1615,7 @@ impl Filter {
         fleet: &Option<Arc<FleetState>>,
         now: u64,
         t0: Instant,
+        behind: bool,
     ) {
         let config = Arc::clone(&self.config);
         let Some(h) = config.settings.hold else {
@@ -1594,6 +1641,7 @@ impl Filter {
             awaits: AtomicU64::new(awaits),
             wake,
             asked: AtomicBool::new(false),
+            behind: AtomicBool::new(behind),
         };
         let priority = self.head.priority.unwrap_or(0);
         let prefill = prep.least_prefill(config.settings.prefix.block_tokens());

@@ -29,7 +29,7 @@
 //! can panic: a context id the filter does not know, or a context already in use, gets the
 //! host's default (`Continue`).
 
-use crate::{Http, Release, Root, Worker};
+use crate::{Http, Pass, Release, Root, Worker};
 use gpuroute_core::idmap::IdMap;
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
@@ -198,26 +198,29 @@ pub extern "C" fn proxy_on_configure(context_id: u32, plugin_configuration_size:
 #[no_mangle]
 pub extern "C" fn proxy_on_tick(context_id: u32) {
     if let Some(Some(worker)) = with_root(context_id, Root::on_tick) {
-        release_held(&worker, context_id, None);
+        release_held(&worker, context_id, Pass::Tick);
     }
 }
 
 /// Decides again for the requests `worker` holds (`hold`), in their order, and continues those
 /// that now have a pod (or answers them), each through its own context; then makes `current`
-/// the effective context again. A pool found still saturated is not asked again in the pass.
-/// `freed`: the pass follows a request's end on that pod (None: a tick), and a request waiting
-/// for the pod that caches its prompt or adapter is asked only if it is that pod.
-fn release_held(worker: &Rc<RefCell<Worker>>, current: u32, freed: Option<u64>) {
+/// the effective context again. A pool found still saturated is not asked again in the pass
+/// (but for a request queued behind its held on arrival, decided once). `pass`: why
+/// (`Http::release`). Returns whether `current`, held, now has a pod: its callback, running,
+/// continues it (not `continue_request` from within it).
+fn release_held(worker: &Rc<RefCell<Worker>>, current: u32, pass: Pass) -> bool {
     let queue = match worker.try_borrow() {
-        Ok(w) if !w.held.is_empty() => w.held.iter().copied().collect::<Vec<_>>(),
-        _ => return,
+        Ok(w) if !w.held.is_empty() => w.held.iter().map(|q| q.id).collect::<Vec<_>>(),
+        _ => return false,
     };
     let mut blocked: Vec<Arc<str>> = Vec::new();
+    let mut goes = false;
     for id in queue {
         if crate::host::set_effective_context(id).is_err() {
             continue;
         }
-        match with_stream(id, |h| h.release(&blocked, freed)) {
+        match with_stream(id, |h| h.release(&blocked, pass)) {
+            Some(Release::Continue) if id == current => goes = true,
             Some(Release::Continue) => {
                 let _ = crate::host::continue_request();
             }
@@ -226,6 +229,21 @@ fn release_held(worker: &Rc<RefCell<Worker>>, current: u32, freed: Option<u64>) 
         }
     }
     let _ = crate::host::set_effective_context(current);
+    goes
+}
+
+/// What a callback that may have routed its request tells the host: a request queued behind
+/// held requests of its pool (`Http::queued_behind`) waits only for the pass that decides again
+/// for them and it, in their order, here: it goes now if the room left after them suits it.
+fn routed(context_id: u32, a: Option<Action>) -> u32 {
+    if a == Some(Action::Pause) {
+        if let Some(Some(worker)) = with_stream(context_id, Http::queued_behind) {
+            if release_held(&worker, context_id, Pass::Queued) {
+                return Action::Continue as u32;
+            }
+        }
+    }
+    action(a)
 }
 
 #[no_mangle]
@@ -234,9 +252,10 @@ pub extern "C" fn proxy_on_request_headers(
     _num_headers: usize,
     end_of_stream: u32,
 ) -> u32 {
-    action(with_stream(context_id, |h| {
-        h.on_request_headers(end_of_stream != 0)
-    }))
+    routed(
+        context_id,
+        with_stream(context_id, |h| h.on_request_headers(end_of_stream != 0)),
+    )
 }
 
 #[no_mangle]
@@ -245,14 +264,20 @@ pub extern "C" fn proxy_on_request_body(
     body_size: usize,
     end_of_stream: u32,
 ) -> u32 {
-    action(with_stream(context_id, |h| {
-        h.on_request_body(body_size, end_of_stream != 0)
-    }))
+    routed(
+        context_id,
+        with_stream(context_id, |h| {
+            h.on_request_body(body_size, end_of_stream != 0)
+        }),
+    )
 }
 
 #[no_mangle]
 pub extern "C" fn proxy_on_request_trailers(context_id: u32, _num_trailers: usize) -> u32 {
-    action(with_stream(context_id, Http::on_request_trailers))
+    routed(
+        context_id,
+        with_stream(context_id, Http::on_request_trailers),
+    )
 }
 
 #[no_mangle]
@@ -291,7 +316,7 @@ pub extern "C" fn proxy_on_delete(context_id: u32) {
     if let Some(mut s) = stream {
         // A request that ends leaves room on its pod for one its worker holds.
         if let (Some(pod), Some(worker)) = (s.on_end(), s.worker.clone()) {
-            release_held(&worker, context_id, Some(pod));
+            release_held(&worker, context_id, Pass::Ended(pod));
         }
     }
     if let Some(mut r) = root {

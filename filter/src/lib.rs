@@ -47,7 +47,7 @@ use gpuroute_core::routing::ModelsQuery;
 use gpuroute_core::snapshot::Snapshot;
 use gpuroute_core::workers::{self, Turn, WorkerSet};
 use stats::Stats;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;
@@ -204,9 +204,11 @@ struct Worker {
     /// are wanted, and the newest sequence it wrote for it.
     export_checked_ms: u64,
     exported_seq: u64,
-    /// Requests held while their pool is saturated (`hold`): their streams' context ids, in
-    /// the order they are to go.
-    held: HoldQueue<u32>,
+    /// Requests held while their pool is saturated (`hold`), in the order they are to go.
+    held: HoldQueue<Queued>,
+    /// A request was just queued behind held requests of its pool: the held are to be decided
+    /// again before its callback returns ([`Http::queued_behind`]).
+    pass_due: bool,
     /// Other gateway replicas' requests in prefill (`ingest.load_path`), as last read from
     /// shared data, with the compare-and-swap value it was read at; and whether any were
     /// there (the request path reads them only then: a gateway without replicas spends
@@ -880,6 +882,7 @@ impl Root {
             export_checked_ms: 0,
             exported_seq: 0,
             held: HoldQueue::new(hold_order),
+            pass_due: false,
             replicas: ReplicaLoads::default(),
             replicas_cas: None,
             replicas_seen: false,
@@ -945,6 +948,33 @@ struct Held {
     /// The pool it was first held in: its hold counters and its place in the held gauge, wherever
     /// a later decision moves it (`Engine::homeward`, overflow).
     pool: Arc<str>,
+    /// Queued behind held requests of its pool on its arrival, not decided yet: decided in the
+    /// pass that follows even if one ahead finds its pool still saturated (the room may suit
+    /// it, not them).
+    behind: bool,
+}
+
+/// A held request in its worker's queue.
+pub(crate) struct Queued {
+    /// Its stream's context id.
+    pub(crate) id: u32,
+    /// The pool it is held in.
+    pool: Arc<str>,
+    /// It waits for its pool to have room (not for the pod caching its prompt or adapter): a
+    /// request of the pool that comes meanwhile queues behind it.
+    for_room: Cell<bool>,
+}
+
+/// Why the held requests are decided again ([`Http::release`]).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pass {
+    /// The worker's tick: new snapshots, deadlines, every held request.
+    Tick,
+    /// A request on this pod (key) ended: those waiting for it, or for room.
+    Ended(u64),
+    /// A request was queued behind held requests of its pool ([`Http::queued_behind`]): those
+    /// waiting for room, in their order, the newcomer among them.
+    Queued,
 }
 
 /// What deciding again for a held request came to.
@@ -1346,15 +1376,32 @@ impl Http {
         let hold = w.engine.config.hold.filter(|_| complete);
         let affinity_hold = hold.is_some_and(|h| h.affinity_wait() > 0);
         let len = body.len();
-        let mut dispatched = self.dispatch(
-            w,
-            &mut prep,
-            t0,
-            len,
-            complete,
-            hold.is_some(),
-            affinity_hold,
-        );
+        let priority = self.head.priority.unwrap_or(0);
+        // Requests of its pool held for room go before it: the room a snapshot, or another
+        // worker's request, left is theirs first. Queued behind them; the pass right after this
+        // callback (`abi::after_route`) decides for them and it in their order.
+        let sheddable = w.engine.config.shed_sheddable && priority < 0;
+        let behind = hold.is_some_and(|h| {
+            (1..h.max_held).contains(&w.held.len())
+                && !sheddable
+                && w.held.ahead(
+                    priority,
+                    prep.least_prefill(w.engine.config.prefix.block_tokens()),
+                    |q| q.for_room.get() && q.pool == prep.pool,
+                )
+        });
+        let mut dispatched = match behind {
+            true => Err(HoldReason::Saturated),
+            false => self.dispatch(
+                w,
+                &mut prep,
+                t0,
+                len,
+                complete,
+                hold.is_some(),
+                affinity_hold,
+            ),
+        };
         if dispatched.is_err() && hold.is_some_and(|h| w.held.len() >= h.max_held) {
             // It would be held, and the worker holds `max_held`: counted, and decided again
             // without holding (it goes to a saturated pod at once). Only such a request is
@@ -1365,11 +1412,16 @@ impl Http {
         match dispatched {
             Ok(action) => Some(action),
             Err(reason) => {
-                let priority = self.head.priority.unwrap_or(0);
                 let prefill = prep.least_prefill(w.engine.config.prefix.block_tokens());
-                w.held.push(priority, prefill, self.id);
                 let awaits = reason.awaited_pod();
                 let for_affinity = awaits.is_some();
+                let queued = Queued {
+                    id: self.id,
+                    pool: prep.pool.clone(),
+                    for_room: Cell::new(!for_affinity),
+                };
+                w.held.push(priority, prefill, queued);
+                w.pass_due |= behind;
                 let pool = prep.pool.clone();
                 w.stats.hold(&pool, HoldEvent::Held);
                 if for_affinity {
@@ -1383,6 +1435,7 @@ impl Http {
                     waited_for_affinity: for_affinity,
                     awaits,
                     pool,
+                    behind,
                 });
                 Some(Action::Pause)
             }
@@ -1935,6 +1988,18 @@ impl Http {
         Action::Continue
     }
 
+    /// After a callback that routed this request: its worker, when the request was queued behind
+    /// held requests of its pool, for the pass that decides again for them and it.
+    pub(crate) fn queued_behind(&mut self) -> Option<Rc<RefCell<Worker>>> {
+        let worker = self.worker.as_ref()?;
+        let mut w = worker.try_borrow_mut().ok()?;
+        if !std::mem::take(&mut w.pass_due) {
+            return None;
+        }
+        drop(w);
+        self.worker.clone()
+    }
+
     /// The request is over (the host deletes its context): it leaves the in-flight table, or,
     /// held (its client left), its worker's queue. Returns the pod it leaves room on.
     fn on_end(&mut self) -> Option<u64> {
@@ -1944,7 +2009,7 @@ impl Http {
         });
         if let Some(held) = self.held.take() {
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
-                w.held.remove(|c| *c == self.id);
+                w.held.remove(|c| c.id == self.id);
                 w.stats.hold(&held.pool, HoldEvent::Cancelled);
                 w.stats.held(&held.pool, -1);
             }
@@ -1954,9 +2019,9 @@ impl Http {
 
     /// Decides again for this request, held while its pool (or the pod caching its prompt or
     /// adapter) was saturated (the host's effective context is this stream's). Pools in `blocked`
-    /// were found still saturated in this pass. `freed`: the pass follows a request's end on that
-    /// pod (None: a tick); a request waiting for another pod is not decided again then.
-    fn release(&mut self, blocked: &[Arc<str>], freed: Option<u64>) -> Release {
+    /// were found still saturated in this pass. `pass`: why; a request waiting for a pod is
+    /// decided again on a tick or that pod's request's end, not on another pod's.
+    pub(crate) fn release(&mut self, blocked: &[Arc<str>], pass: Pass) -> Release {
         let Some(worker) = self.worker.clone() else {
             return Release::Nothing;
         };
@@ -1973,14 +2038,15 @@ impl Http {
         let limits = w.engine.config.hold.unwrap_or_default();
         let waited_ms = now_ns.saturating_sub(held.since_ns) / 1_000_000;
         let expired = limits.expired(waited_ms);
-        if !expired && blocked.contains(&held.prep.pool) {
+        if !expired && !held.behind && blocked.contains(&held.prep.pool) {
             let pool = held.prep.pool.clone();
             self.held = Some(held);
             return Release::Held(pool);
         }
+        held.behind = false;
         let affinity_hold = limits.may_await(waited_ms);
-        if let (Some(pod), Some(f), true) = (held.awaits, freed, affinity_hold) {
-            if pod != f {
+        if let (Some(pod), true) = (held.awaits, affinity_hold) {
+            if pass == Pass::Queued || matches!(pass, Pass::Ended(f) if f != pod) {
                 self.held = Some(held);
                 return Release::Waiting;
             }
@@ -2003,6 +2069,9 @@ impl Http {
                 if first_wait {
                     w.stats.hold(&held.pool, HoldEvent::Affinity);
                 }
+                if let Some(q) = w.held.iter().find(|q| q.id == self.id) {
+                    q.for_room.set(awaits.is_none());
+                }
                 self.held = Some(Held {
                     prep,
                     waited_for_affinity: held.waited_for_affinity || first_wait,
@@ -2015,7 +2084,7 @@ impl Http {
                 }
             }
             Ok(action) => {
-                w.held.remove(|c| *c == self.id);
+                w.held.remove(|c| c.id == self.id);
                 w.stats.held(&held.pool, -1);
                 // `Pause`: the filter answered it (shed, or no pod with ORIGINAL_DST), not sent.
                 let answered = matches!(action, Action::Pause);

@@ -159,6 +159,42 @@ def test_the_held_go_by_priority_and_only_as_many_as_there_is_room_for(gw, pods)
     assert got == {"p0": 1, "p1": 1, "p2": 0}, got
 
 
+def test_a_request_that_comes_while_others_are_held_for_room_queues_behind_them(gw, pods):
+    """A request held for room (priority 5); a snapshot gives one pod room for one more, and a
+    request (priority 0) comes right after it: the held one takes the room, the newcomer is held
+    behind it. Before, the newcomer decided at once on the new snapshot while the held one waited
+    for the next tick (proxy-wasm) or its wake (the module): 9 of 10 and 8 of 10 newcomers took
+    the room, the held one waiting on for the next (an audit)."""
+    p0 = pods["p0"]
+    keep = threading.Event()  # the pods keep what they get: room for one is room for one
+    for p in pods.values():
+        p.hold = keep
+    try:
+        for trial in range(4):
+            push(gw, pods, [SATURATED] * 3)
+            start = len(p0.requests)
+            with concurrent.futures.ThreadPoolExecutor(2) as ex:
+                urgent = ex.submit(ask, gw, f"urgent, held {trial}", priority=5)
+                wait_for(lambda: stat(gw, "gpuroute.held.llama") == 1, what="the urgent one to be held")
+                time.sleep(0.03 + 0.007 * trial)  # somewhere between two ticks
+                push(gw, pods, [{"waiting": 4}, SATURATED, SATURATED])
+                later = ex.submit(ask, gw, f"standard, later {trial}")
+                wait_for(lambda: len(p0.requests) > start, what="p0 to get a request")
+                time.sleep(0.3)
+                got = [r["body"] for r in p0.requests[start:]]
+                assert len(got) == 1 and "urgent" in got[0], (trial, got)
+                assert stat(gw, "gpuroute.held.llama") == 1 and not later.done(), trial
+                keep.set()
+                push(gw, pods, [{}, {}, {}])
+                assert urgent.result(10)[:2] == (200, "p0")
+                assert later.result(10)[0] == 200
+                keep.clear()
+    finally:
+        keep.set()
+        for p in pods.values():
+            p.hold = None
+
+
 def test_a_client_that_leaves_while_held_is_forgotten(gw, pods):
     push(gw, pods, [SATURATED] * 3)
     cancelled = gw.stat(STAT_PREFIX + "gpuroute.hold.llama.cancelled")
