@@ -139,6 +139,45 @@ def test_a_dead_pod_stops_being_picked_within_a_second_and_ramps_up_when_back(st
     assert share_late > share_early
 
 
+def test_a_pool_whose_only_pod_came_back_routes_to_it_while_it_ramps():
+    """Ramp-up sets a returning pod's share beside the others; with no other pod (a one-pod
+    pool whose pod restarted, or every pod back at once) the filter still picks it rather than
+    failing open to Envoy's balancer: before, 9 requests in 10 at a weight of 0.1 failed open
+    (counted in fail_open.no_fresh_pod) and went where Envoy's balancer sent them, blind to
+    load."""
+    pod = StubPod("solo")
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [pod.address]}], CONFIG)
+    sc = Sidecar({"llama": [pod.address]}, [f"http://{gw.ingest}/gpuroute/v1/snapshot"], interval_ms=INTERVAL_MS,
+                 extra={"ramp": {"window_ms": 20000, "start_weight": 0.1, "startup_grace_ms": 500}})
+    try:
+        wait_until_picked(gw, pod.address, timeout=10)
+        time.sleep(0.6)  # past the aggregator's start-up grace: from here on a returning pod ramps
+
+        def published():
+            return sc.snapshot()["pools"][0]["pods"][0]
+
+        pod.close()
+        deadline = time.time() + 5
+        while published()["healthy"]:
+            assert time.time() < deadline, "the dead pod never turned unhealthy"
+            time.sleep(0.02)
+        pod.restart()
+        deadline = time.time() + 5
+        while not published()["healthy"]:
+            assert time.time() < deadline, "the pod never came back"
+            time.sleep(0.02)
+        assert published()["ramp_weight"] < 0.5, published()
+        failed_open = gw.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod")
+        picks = [picked(chat(gw)) for _ in range(40)]
+        assert published()["ramp_weight"] < 0.5, "still ramping throughout"
+        assert picks.count(pod.address) == 40, picks
+        assert gw.stat(STAT_PREFIX + "gpuroute.fail_open.no_fresh_pod") == failed_open
+    finally:
+        sc.stop()
+        gw.stop()
+        pod.close()
+
+
 def test_push_keeps_trying_while_envoy_is_down_and_resumes_when_it_is_back():
     pods = [StubPod(f"pod-{i}") for i in range(2)]
     pods[1].set_load(**BUSY)
