@@ -101,7 +101,16 @@ const env = {
 
 const wasi = new WASI({ version: 'preview1', args: [], env: {}, returnOnExit: true });
 const module = await WebAssembly.compile(await readFile(wasmPath));
-inst = await WebAssembly.instantiate(module, { env, ...wasi.getImportObject() });
+const wasiImports = wasi.getImportObject();
+// The filter's clock is WASI's monotonic one (Envoy's steady clock): the same counted clock as
+// proxy_get_current_time_nanoseconds, so runs count the same instructions.
+const preview1 = { ...wasiImports.wasi_snapshot_preview1 };
+const realClock = preview1.clock_time_get;
+preview1.clock_time_get = (id, precision, p) => {
+  if (id !== 1) return realClock(id, precision, p);
+  clock += 1_000n; view().setBigUint64(p, clock, true); return 0;
+};
+inst = await WebAssembly.instantiate(module, { env, ...wasiImports, wasi_snapshot_preview1: preview1 });
 wasi.initialize(inst);
 const x = inst.exports;
 

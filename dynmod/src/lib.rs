@@ -58,7 +58,7 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError, RwLock, Weak};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const OUTCOMES: &[&str] = &["picked", "fail_open", "shed", "error", "routed"];
@@ -97,10 +97,20 @@ fn routing_configs() -> Vec<(u32, Arc<Config>)> {
         .collect()
 }
 
+/// The module's clock, ms: Unix time as the wall clock read it when first asked, then counted
+/// on the monotonic clock, so it never steps. Every age and deadline is measured on it: on the
+/// wall clock, a step back (an NTP correction, a VM resumed) made a snapshot received before it
+/// look new for as long as the step, and a dead aggregator's last snapshot was routed on for
+/// that long instead of failing open.
 fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+    static BASE: OnceLock<(u64, Instant)> = OnceLock::new();
+    let (wall, at) = BASE.get_or_init(|| {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        (wall, Instant::now())
+    });
+    wall.saturating_add(at.elapsed().as_millis() as u64)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -124,13 +124,70 @@ pub fn log(level: LogLevel, msg: &str) {
     let _ = unsafe { proxy_log(level as u32, msg.as_ptr(), msg.len()) };
 }
 
+#[link(wasm_import_module = "wasi_snapshot_preview1")]
+extern "C" {
+    /// WASI's clock; Envoy answers `CLOCK_MONOTONIC` (1) from its steady clock, one for the
+    /// whole process (every worker's VM and the ingest listener's read the same).
+    fn clock_time_get(clock_id: u32, precision: u64, time: *mut u64) -> u32;
+}
+
 /// Envoy's wall clock, nanoseconds since the Unix epoch (0 if the host refuses).
-pub fn now_nanos() -> u64 {
+fn wall_nanos() -> u64 {
     let mut t = 0u64;
     // SAFETY: `t` outlives the call.
     match Status::from_raw(unsafe { proxy_get_current_time_nanoseconds(&mut t) }) {
         Status::Ok => t,
         _ => 0,
+    }
+}
+
+/// Envoy's monotonic clock, nanoseconds since an arbitrary start (`None` if the host refuses).
+fn monotonic_nanos() -> Option<u64> {
+    let mut t = 0u64;
+    // SAFETY: `t` outlives the call.
+    (unsafe { clock_time_get(1, 1, &mut t) } == 0 && t != 0).then_some(t)
+}
+
+/// Where the clock's zero lies: the wall clock less the monotonic one when the first VM of this
+/// `vm_id` read them (kept in shared data, so every VM's clock agrees), 0 until it is known.
+static CLOCK_BASE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn clock_base(mono: u64) -> u64 {
+    use std::sync::atomic::Ordering::Relaxed;
+    let base = CLOCK_BASE.load(Relaxed);
+    if base != 0 {
+        return base;
+    }
+    let stored = || match get_shared(CLOCK_BASE_KEY).0 {
+        Some(v) => v
+            .try_into()
+            .ok()
+            .map(u64::from_le_bytes)
+            .filter(|b| *b != 0),
+        None => None,
+    };
+    let base = stored().unwrap_or_else(|| {
+        let mine = wall_nanos().saturating_sub(mono).max(1);
+        // Two VMs starting at once may both write: each then takes what is stored.
+        let _ = set_shared(CLOCK_BASE_KEY, &mine.to_le_bytes(), None);
+        stored().unwrap_or(mine)
+    });
+    CLOCK_BASE.store(base, Relaxed);
+    base
+}
+
+const CLOCK_BASE_KEY: &str = "gpuroute.clock.base";
+
+/// The filter's clock, nanoseconds: Unix time as Envoy's wall clock read it when the first VM
+/// started, then counted on Envoy's monotonic clock, so it never steps. Every age and deadline
+/// (a snapshot's, a hold's, an ejection's, another replica's counts) is measured on it: on the
+/// wall clock, a step back (an NTP correction, a VM resumed) made a snapshot received before it
+/// look new for as long as the step, and a dead aggregator's last snapshot was routed on for
+/// that long instead of failing open. The wall clock where the host has no monotonic one.
+pub fn now_nanos() -> u64 {
+    match monotonic_nanos() {
+        Some(mono) => clock_base(mono).saturating_add(mono),
+        None => wall_nanos(),
     }
 }
 

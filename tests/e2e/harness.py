@@ -147,7 +147,7 @@ class Envoy:
 
     def __init__(self, mode, pools, filter_config=None, concurrency=1, extra=None,
                  listen=None, admin=None, ingest=None, workdir=None, patch=None, runtime=None, wasm=None,
-                 wrap=None, ready_timeout=30, envoy_args=(), module_dir=None):
+                 wrap=None, ready_timeout=30, envoy_args=(), module_dir=None, env=None):
         """`patch`, if given, edits the rendered Envoy configuration in place before Envoy starts
         (benchmarks use it for reference gateways the shipped renderer does not describe).
         `runtime` ("wasm" or "dynamic") overrides GPUROUTE_RUNTIME for this gateway; `wasm`, the
@@ -155,7 +155,9 @@ class Envoy:
         under (a profiler; it then needs the real binary, `envoy_binary()`, not pip's launcher),
         and `ready_timeout`, how long Envoy may take to become ready (seconds). `envoy_args`: more
         command-line options for Envoy. `module_dir`: where the dynamic module is loaded from
-        (default GPUROUTE_MODULE_DIR, or target/release)."""
+        (default GPUROUTE_MODULE_DIR, or target/release). `env`: more environment variables for
+        Envoy (`clock_step_env`)."""
+        self.env = dict(env or {})
         self.wrap = list(wrap or [])
         self.envoy_args = list(envoy_args)
         self.runtime = runtime or RUNTIME
@@ -212,7 +214,7 @@ class Envoy:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(self.module_dir)},
+            env={**os.environ, "ENVOY_DYNAMIC_MODULES_SEARCH_PATH": str(self.module_dir), **self.env},
         )
 
     def _wait_ready(self, timeout=30):
@@ -372,6 +374,27 @@ def wasm_filter(listener):
 
 
 _version = [now_ms() * 1000]
+
+
+class ClockStep:
+    """Steps the wall clock of a process started with `env` (Envoy(env=...)): tests/e2e/clockstep.c,
+    built here with the C compiler (`available` is False without one), preloaded into it."""
+
+    def __init__(self):
+        self.dir = work_dir("gpuroute-clock-")
+        self.file = self.dir / "offset"
+        self.file.write_bytes((0).to_bytes(8, "little", signed=True))
+        lib = self.dir / "libclockstep.so"
+        cc = shutil.which("cc") or shutil.which("gcc")
+        self.available = bool(cc) and subprocess.run(
+            [cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(ROOT / "tests" / "e2e" / "clockstep.c"), "-ldl"],
+            capture_output=True).returncode == 0
+        self.env = {"LD_PRELOAD": str(lib), "SKEW_FILE": str(self.file)}
+
+    def set(self, ms):
+        """The process's wall clock from now on: `ms` milliseconds off the machine's."""
+        with open(self.file, "r+b") as f:
+            f.write(int(ms).to_bytes(8, "little", signed=True))
 
 
 def snapshot(pools, version=None, generated_at=None, source="e2e"):

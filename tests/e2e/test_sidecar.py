@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from harness import ROOT, STAT_PREFIX, Envoy, Sidecar, free_port
+from harness import ROOT, STAT_PREFIX, ClockStep, Envoy, Pusher, Sidecar, free_port
 from stubpod import StubPod, tls_context
 
 CONFIG = {"pools": [{"name": "llama", "models": ["llama-3-8b"]}], "debug_header": True}
@@ -176,6 +176,41 @@ def test_a_pool_whose_only_pod_came_back_routes_to_it_while_it_ramps():
         sc.stop()
         gw.stop()
         pod.close()
+
+
+@pytest.mark.parametrize("step_ms", [-3_600_000, 3_600_000])
+def test_a_dead_aggregators_snapshot_goes_stale_when_envoys_wall_clock_steps(step_ms):
+    """Ages are counted on Envoy's monotonic clock: its wall clock stepped back an hour (an NTP
+    correction, a VM resumed) after the last snapshot came in, a dead aggregator's snapshot
+    still goes stale after stale_after_ms and the pool fails open. On the wall clock the
+    snapshot read 0 ms old for the whole hour (snapshot.age_ms 0), routed on as it was."""
+    clock = ClockStep()
+    if not clock.available:
+        pytest.skip("no C compiler for the clock shim")
+    pods = [StubPod(f"pod-{i}") for i in range(2)]
+    gw = Envoy("filter", [{"name": "llama", "endpoints": [p.address for p in pods]}], CONFIG, env=clock.env)
+    try:
+        pusher = Pusher([gw], {"llama": [{"address": p.address} for p in pods]})
+        wait_until_picked(gw, pods[0].address)
+        pusher.stop()  # the aggregator dies
+        clock.set(step_ms)
+        t0 = time.time()
+        while picked(chat(gw)) is not None:
+            assert time.time() - t0 < 5, f"still routing on a dead aggregator's snapshot after 5 s: {gw.stats('snapshot.age')}"
+            time.sleep(0.01)
+        gone = time.time() - t0
+        age = gw.stat(STAT_PREFIX + "gpuroute.snapshot.age_ms")
+        print(f"\nEnvoy's clock stepped {step_ms} ms: failing open after {gone * 1000:.0f} ms, snapshot.age_ms {age}")
+        assert 1000 <= age < 60_000, age
+        # A new snapshot is taken and routed on, and ages from its own arrival.
+        pusher = Pusher([gw], {"llama": [{"address": p.address} for p in pods]})
+        wait_until_picked(gw, pods[0].address)
+        pusher.stop()
+    finally:
+        clock.set(0)
+        gw.stop()
+        for p in pods:
+            p.close()
 
 
 def test_push_keeps_trying_while_envoy_is_down_and_resumes_when_it_is_back():
