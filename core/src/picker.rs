@@ -1782,6 +1782,10 @@ mod tests {
             p.ramp_weight = w;
             p
         };
+        let pick_seeded = |p: &PoolState, seed: u64| {
+            let req = RequestFeatures::default();
+            picker().pick(p, &[], &req, 0, &mut SplitMix64::new(seed), None)
+        };
         // A one-pod pool whose pod came back, and a pool whose every pod came back: picked every
         // time (before, 9 of 10 requests at 0.1 failed open to Envoy's balancer).
         for pods in [
@@ -1790,31 +1794,14 @@ mod tests {
         ] {
             let p = pool(pods);
             for seed in 0..200 {
-                let d = picker().pick(
-                    &p,
-                    &[],
-                    &RequestFeatures::default(),
-                    0,
-                    &mut SplitMix64::new(seed),
-                    None,
-                );
+                let d = pick_seeded(&p, seed);
                 assert!(matches!(d, Decision::Picked(_)), "seed {seed}: {d:?}");
             }
         }
         // Beside a pod at full weight the returning one keeps to its share.
         let p = pool(vec![ramping(1, 0.1), pod(2, 0, 0, 0.1)]);
         let first = (0..2_000)
-            .filter(|&seed| {
-                let d = picker().pick(
-                    &p,
-                    &[],
-                    &RequestFeatures::default(),
-                    0,
-                    &mut SplitMix64::new(seed),
-                    None,
-                );
-                best(&d) == 0
-            })
+            .filter(|&seed| best(&pick_seeded(&p, seed)) == 0)
             .count();
         assert!((100..=300).contains(&first), "{first} of 2000");
         // A weight of 0 takes nothing, alone or not.

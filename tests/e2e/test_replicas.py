@@ -249,6 +249,16 @@ def relaying_replicas(members, concurrency=1, tls=False):
     return gws, scs
 
 
+def relay_up(a, scs):
+    """Waits for the sidecars to be ready, then registers replica A's worker with a first
+    request and gives the relay time to ask it."""
+    deadline = time.time() + 10
+    while not all(sc.ready() for sc in scs) and time.time() < deadline:
+        time.sleep(0.05)
+    turn(a, "warm-up: a first request registers A's worker")
+    time.sleep(0.5)
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "mutual-tls"])
 def test_a_decision_reaches_the_other_replica_through_the_relay(pods, tls):
     """Two replicas as deployed, each Envoy with its own sidecar-metrics, the sidecars each
@@ -263,11 +273,7 @@ def test_a_decision_reaches_the_other_replica_through_the_relay(pods, tls):
     a, b = gws
     name = STAT_PREFIX + "gpuroute.prefix.imported"
     try:
-        deadline = time.time() + 10
-        while not all(sc.ready() for sc in scs) and time.time() < deadline:
-            time.sleep(0.05)
-        turn(a, "warm-up: a first request registers A's worker")
-        time.sleep(0.5)
+        relay_up(a, scs)
         waits = []
         for i in range(20):
             before = b.stats(name).get(name, 0)
@@ -313,11 +319,7 @@ def test_a_replicas_decisions_still_reach_the_other_after_its_envoy_restarts(pod
         return b.stats(name).get(name, 0) - before
 
     try:
-        deadline = time.time() + 10
-        while not all(sc.ready() for sc in scs) and time.time() < deadline:
-            time.sleep(0.05)
-        turn(a, "warm-up: a first request registers A's worker")
-        time.sleep(0.5)
+        relay_up(a, scs)
         assert relayed(30, "Before the restart: does the frame bag fit a 52 cm gravel frame?") == 30
         listen, admin, ingest = a.listen, a.admin, a.ingest
         a.stop()
