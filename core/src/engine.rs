@@ -759,7 +759,8 @@ impl Engine {
         prep
     }
 
-    /// [`Engine::prepare_read`]'s work on the request read.
+    /// [`Engine::prepare_read`]'s work on the request read: [`Engine::find`], and the request
+    /// counted in the typical prompt size and its pool's share of reused prompts.
     fn look_up(&mut self, prep: &mut Prepared) {
         // The typical prefill the pods see: a token count is no prefill (a client counting a
         // long document before sending it would otherwise make every real prompt look short).
@@ -772,8 +773,7 @@ impl Engine {
                 self.avg_prompt_tokens + AVG_ALPHA * (tokens - self.avg_prompt_tokens)
             };
         }
-        self.prefix.lookup(&prep.anchors, &mut prep.matches);
-        prep.conversation_pods = self.conversation_pods(prep);
+        self.find(prep);
         // Requests with a prompt to match count towards their pool's share of reused prompts.
         if let Some(r) = self.prompt_reuse.get_mut(prep.target.pool) {
             if !prep.model_only && prep.prefix_blocks > 0 {
@@ -781,6 +781,12 @@ impl Engine {
                 *r += AVG_ALPHA * (f64::from(u8::from(found)) - *r);
             }
         }
+    }
+
+    /// Where the request's prompt, conversation, adapter and stored response were sent before.
+    fn find(&mut self, prep: &mut Prepared) {
+        self.prefix.lookup(&prep.anchors, &mut prep.matches);
+        prep.conversation_pods = self.conversation_pods(prep);
         prep.adapter_recent = prep
             .adapter_anchor
             .and_then(|k| self.prefix.latest_pod_of(k));
@@ -843,7 +849,9 @@ impl Engine {
             ..ctx
         };
         let Read(mut again) = self.reader.read(path, body, ctx)?;
-        self.look_up(&mut again);
+        // Counted once: the first read already sampled its prompt in the typical size and the
+        // share of reused prompts.
+        self.find(&mut again);
         *prep = again;
         Ok(())
     }
@@ -1640,6 +1648,55 @@ mod tests {
             let d = c.debug.unwrap();
             assert!(d.starts_with(want), "{d}");
         }
+    }
+
+    /// A split turn read again for its stored response counts once in the typical prompt size
+    /// and the share of reused prompts, as a turn read once does (it counted twice before).
+    #[test]
+    fn a_split_turn_read_again_for_its_response_counts_its_prompt_once() {
+        let cfg = r#"{"pools":[{"name":"old","models":["m-v1"]},{"name":"new","models":["m-v2"]}],
+            "splits":{"m":[{"model":"m-v1","weight":1},{"model":"m-v2","weight":1}]}}"#;
+        let fleet = fleet_of(
+            &[
+                ("old", &[("10.0.0.1:8000", true)]),
+                ("new", &[("10.0.1.1:8000", true)]),
+            ],
+            1_000,
+        );
+        let path = "/v1/responses";
+        let (mut followed, mut once) = (0, 0);
+        for i in 0..40 {
+            let body = serde_json::to_vec(&serde_json::json!({"model": "m",
+                "previous_response_id": "resp_1", "input": "x".repeat(400 + 40 * i)}))
+            .unwrap();
+            let engine = || {
+                let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+                e.learn_response("resp_1", fleet.pool("old").unwrap().pods[0].key);
+                // A typical prompt of 50 tokens first, so a second sample would move it.
+                let warm = chat("m-v1", &"w".repeat(200));
+                let _ = e.prepare_in("/v1/chat/completions", &warm, ctx(&fleet, 1_100));
+                e
+            };
+            let (mut a, mut b) = (engine(), engine());
+            let mut p = a.prepare_in(path, &body, ctx(&fleet, 1_100)).unwrap();
+            let read_again = &*p.pool == "new";
+            a.follow_response(&mut p, path, &body, ctx(&fleet, 1_100))
+                .unwrap();
+            assert_eq!(&*p.pool, "old");
+            // The same turn read once, by an engine where it takes the target holding it.
+            let q = b.prepare_in(path, &body, ctx(&fleet, 1_100)).unwrap();
+            followed += usize::from(read_again);
+            if read_again {
+                assert_eq!(a.avg_prompt_tokens, b.avg_prompt_tokens, "turn {i}");
+                assert_ne!(&*q.pool, "old");
+            } else {
+                once += 1;
+            }
+        }
+        assert!(
+            followed > 5 && once > 5,
+            "{followed} read again, {once} once"
+        );
     }
 
     /// A Responses turn continuing a stored response, sent to a split, goes to the target whose
