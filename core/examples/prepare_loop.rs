@@ -12,7 +12,7 @@
 use gpuroute_core::config::FilterConfig;
 use gpuroute_core::engine::{DecideOptions, Engine};
 use gpuroute_core::fleet::FleetState;
-use gpuroute_core::load::LoadTable;
+use gpuroute_core::load::{LoadTable, SparseTable};
 use gpuroute_core::rng::SplitMix64;
 use gpuroute_core::snapshot::{PodSnapshot, PoolSnapshot, Snapshot, SNAPSHOT_SCHEMA};
 
@@ -35,7 +35,11 @@ fn main() {
     // Each request counted in flight and finished again, as the filter's requests are: the
     // tables stay as they start.
     let own = LoadTable::zeroed(fleet.version, &keys);
-    let others = LoadTable::zeroed(fleet.version, &keys);
+    // The other workers' tables, summed: nothing in flight (as the filter's `PeerTables::sum`).
+    let others = SparseTable {
+        version: fleet.version,
+        entries: Vec::new(),
+    };
     let mut rng = SplitMix64::new(1);
     let (mut tokens, mut picked) = (0u64, 0u64);
     for _ in 0..n {
@@ -47,7 +51,7 @@ fn main() {
             continue;
         }
         let mut view = own.clone();
-        view.add_table(&others, None);
+        view.add_sparse(&others);
         let opts = DecideOptions {
             now_ms: NOW,
             ..Default::default()

@@ -8,7 +8,7 @@
 //! In the proxy-wasm filter each worker keeps its own table per pool (a stream lives and ends in
 //! one worker, so its requests are its own), exact and local, and publishes it in Envoy shared
 //! data under its own key; the other workers' published tables are summed into its view of the
-//! pool ([`LoadTable::add_table`], by pod key). The dynamic module keeps one table per pool for
+//! pool ([`PeerTables::sum`], by pod key). The dynamic module keeps one table per pool for
 //! all workers, behind its lock. Per pod a table keeps `inflight` (sent minus finished) and `base`,
 //! the value of `inflight` when the current snapshot took effect. `inflight - base` is then the
 //! change since the snapshot: positive for requests the pods have not reported yet, negative for
@@ -255,18 +255,10 @@ impl LoadTable {
         }
     }
 
-    /// Adds another worker's table to this one, pod by pod (by key). A table counts if it
-    /// belongs to this table's snapshot version, or to `previous` (the version the reader had
-    /// before this one) or any version between them: a worker that has not installed the newest
-    /// snapshot yet (it will within its refresh interval or its tick) still counts, its deltas
-    /// measured from the snapshot before, which can only count a request the newest snapshot
-    /// already reflects twice for that moment; leaving it out would hide all of that worker's
-    /// requests instead (measured: the bursty benchmark's p99 TTFT 4% worse at two workers).
-    /// The versions between: a reader that was idle installs only the newest snapshot when it
-    /// wakes, and the other worker may be one push behind it, on a version the reader never
-    /// saw (an audit: the first request after an idle spell did not count the other worker's
-    /// requests). Older tables are workers that are gone. After versions went back (a reset,
-    /// `previous` above this one), only this version counts. Returns whether it was added.
+    /// Adds another worker's dense table to this one, pod by pod (by key), if it counts
+    /// ([`counts`]). Returns whether it was added. The exchange before the sparse form; kept as
+    /// the reference its sums are tested against.
+    #[cfg(test)]
     pub fn add_table(&mut self, other: &LoadTable, previous: Option<u64>) -> bool {
         if !counts(other.version, self.version, previous) {
             return false;
@@ -419,7 +411,7 @@ impl PeerTables {
     }
 
     /// The tables held, summed into one aligned with snapshot `version` whose pods have these
-    /// `keys` (which tables count: [`LoadTable::add_table`]'s rule, with `previous`). Each
+    /// `keys` (which tables count: [`counts`], with `previous`). Each
     /// entry goes to its pod by index, or by key when the index names another pod (a table of
     /// the snapshot before, whose list differed). Linear in the entries held, not in the pods.
     pub fn sum(&self, version: u64, keys: &[u64], previous: Option<u64>) -> SparseTable {
@@ -468,8 +460,17 @@ impl PeerTables {
     }
 }
 
-/// Whether a table of snapshot `table` counts for a reader on `version` that had `previous`
-/// before it ([`LoadTable::add_table`]).
+/// Whether another worker's table of snapshot `table` counts for a reader on `version` that had
+/// `previous` before it. It does if it belongs to the reader's version, or to `previous` or any
+/// version between them: a worker that has not installed the newest snapshot yet (it will
+/// within its refresh interval or its tick) still counts, its deltas measured from the snapshot
+/// before, which can only count a request the newest snapshot already reflects twice for that
+/// moment; leaving it out would hide all of that worker's requests instead (measured: the bursty
+/// benchmark's p99 TTFT 4% worse at two workers). The versions between: a reader that was idle
+/// installs only the newest snapshot when it wakes, and the other worker may be one push behind
+/// it, on a version the reader never saw (an audit: the first request after an idle spell did
+/// not count the other worker's requests). Older tables are workers that are gone. After
+/// versions went back (a reset, `previous` above this one), only this version counts.
 fn counts(table: u64, version: u64, previous: Option<u64>) -> bool {
     table == version || previous.is_some_and(|p| p <= table && table < version)
 }

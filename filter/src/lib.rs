@@ -241,7 +241,7 @@ struct PoolLoad {
     dense_dirty: bool,
     /// The other workers' tables as last read.
     peer_tables: PeerTables,
-    /// `peer_tables` of this snapshot (or the one before), summed (see `LoadTable::add_table`).
+    /// `peer_tables` of this snapshot (or the one before), summed (see `PeerTables::sum`).
     others: SparseTable,
     /// The other gateway replicas' requests in prefill on each pod, aligned with `own`.
     replicas: replica_load::Aligned,
@@ -301,7 +301,7 @@ impl Worker {
     /// Makes `snap` this worker's snapshot, and re-bases its own in-flight tables on it (the
     /// snapshot reflects what was in flight when it was taken). The other workers' sums are
     /// read again with it (`refresh_shared`); until then the old sum, of another version, is
-    /// left out of the view (`LoadTable::add_table`).
+    /// left out of the view (`LoadTable::add_sparse`).
     fn install_fleet(&mut self, snap: Snapshot, received_at_ms: u64) {
         let fleet = FleetState::new(snap, received_at_ms);
         self.previous_version = self.fleet.as_ref().map(|f| f.version);
