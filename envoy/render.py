@@ -83,7 +83,7 @@ STAT_NAME = r"^(?:wasmcustom|dynamicmodulescustom)\.gpuroute\."
 SEGMENT = r"[\w-]+"
 STATS_TAGS = [
     {"tag_name": "gpuroute_runtime", "regex": r"^((wasm|dynamicmodules)custom\.)gpuroute\."},
-    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|ejections$|to\.)"},
+    {"tag_name": "gpuroute_pool", "regex": STAT_NAME + rf"(?:pool|failover|overflow)(\.({SEGMENT}))\.(?:requests\.|pod\.|ttft_ms$|ejections$|unanswered$|to\.)"},
     # `hold`'s counters (`gpuroute.hold.<pool>.<event>`), held gauge (`gpuroute.held.<pool>`) and
     # wait histogram (`gpuroute.hold_ms.<pool>`): the pool taken out leaves the names they had
     # before they had one (`envoy_gpuroute_hold_held`, `envoy_gpuroute_held`,

@@ -508,6 +508,12 @@ pub struct OutlierConfig {
     /// one pod).
     #[serde(default = "default_max_ejection_percent")]
     pub max_ejection_percent: u32,
+    /// A request sent to a pod and still unanswered (no response headers) while two of the
+    /// pod's scrapes taken at least this long after it was sent read the pod idle (nothing
+    /// waiting, nothing running) counts in the pod's run as a server error does: the pod took
+    /// it and does not serve it ([`crate::outlier::Unanswered`]). 0: never.
+    #[serde(default = "default_unanswered_ms")]
+    pub unanswered_ms: u64,
 }
 
 impl Default for OutlierConfig {
@@ -517,6 +523,7 @@ impl Default for OutlierConfig {
             base_ejection_ms: default_base_ejection_ms(),
             max_ejection_ms: default_max_ejection_ms(),
             max_ejection_percent: default_max_ejection_percent(),
+            unanswered_ms: default_unanswered_ms(),
         }
     }
 }
@@ -535,6 +542,13 @@ fn default_base_ejection_ms() -> u64 {
 }
 fn default_max_ejection_ms() -> u64 {
     300_000
+}
+fn default_unanswered_ms() -> u64 {
+    // Longer than a request may take on a healthy pod before its engine counts it: vLLM
+    // tokenizes a prompt and fetches its media (an image by URL: VLLM_IMAGE_FETCH_TIMEOUT, 5 s
+    // by default) before the engine sees it, and the pod reads idle meanwhile. A pod that takes
+    // requests and never answers them is out ~10 s after its first one.
+    10_000
 }
 fn default_max_ejection_percent() -> u32 {
     // A fault that fails every pod (a bad model rollout, a request pattern every engine
@@ -924,6 +938,12 @@ impl FilterConfig {
             return Err(cfg_err(
                 "outlier_detection.max_ejection_percent",
                 "must be at most 100",
+            ));
+        }
+        if o.unanswered_ms > 3_600_000 {
+            return Err(cfg_err(
+                "outlier_detection.unanswered_ms",
+                "must be at most 3600000",
             ));
         }
         if !(1..=64 * 1024 * 1024).contains(&self.max_body_bytes) {

@@ -1099,6 +1099,22 @@ impl Engine {
             .server_error(pod_key, outlier::pool_key(pool), pods, now_ms)
     }
 
+    /// A request judged [`Verdict::Lost`](crate::outlier::Verdict::Lost): its pod took it and
+    /// does not serve it, which counts in the pod's run as a server error does. Returns the
+    /// ejection it caused.
+    pub fn unanswered(
+        &mut self,
+        request: &outlier::Unanswered,
+        fleet: Option<&FleetState>,
+        now_ms: u64,
+    ) -> Option<Ejection> {
+        let pods = fleet
+            .and_then(|f| f.pool(&request.pool))
+            .map_or(0, |p| p.pods.len());
+        self.outliers
+            .server_error(request.pod, outlier::pool_key(&request.pool), pods, now_ms)
+    }
+
     /// Step 3: remember that the prompt went to `pod_key`, locally and for the other workers.
     pub fn commit(&mut self, prep: &Prepared, pod_key: u64) {
         if prep.anchors.is_empty() && prep.conversation.is_none() && prep.adapter_anchor.is_none() {

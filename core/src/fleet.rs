@@ -272,6 +272,15 @@ impl FleetState {
         self.by_name.get(name).and_then(|i| self.pools.get(*i))
     }
 
+    /// The address of the pod `key` of `pool`, if the snapshot has it.
+    pub fn address_of(&self, pool: &str, key: u64) -> Option<&str> {
+        let p = self.pool(pool)?;
+        p.pods
+            .iter()
+            .find(|p| p.key == key)
+            .map(|p| p.snap.address.as_str())
+    }
+
     /// Milliseconds since the snapshot was accepted.
     pub fn age_ms(&self, now_ms: u64) -> u64 {
         now_ms.saturating_sub(self.received_at_ms)

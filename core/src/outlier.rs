@@ -23,7 +23,9 @@
 //!   ([`crate::picker::Picker::pick`]), rather than failing the request open.
 
 use crate::config::OutlierConfig;
+use crate::fleet::FleetState;
 use crate::idmap::IdMap;
+use std::sync::Arc;
 
 /// The most pods tracked at once: a record is kept only for a pod in a run of errors or
 /// ejected, and a fleet of 10,000 pods all failing fits.
@@ -69,6 +71,139 @@ impl Ejection {
             String::from_utf8_lossy(status),
             self.times,
         )
+    }
+
+    /// The warning for an ejection whose run ended with a request to `pod` unanswered after
+    /// `waited_ms` ([`Unanswered`]).
+    pub fn unanswered_message(&self, pod: &str, pool: &str, errors: u32, waited_ms: u64) -> String {
+        format!(
+            "gpuroute: pod {pod} of pool {pool} ejected for {} ms after {errors} failed requests in a row (the last unanswered after {waited_ms} ms, more than the pod's metrics counted; ejection {} in a row)",
+            self.for_ms, self.times,
+        )
+    }
+}
+
+/// A request sent to a pod and not answered yet: what finds a pod that takes requests and
+/// never answers them while its `/metrics` read idle (an API server whose engine is gone, a
+/// process wedged behind its metrics endpoint). Such a pod wins picks by looking idle, and its
+/// clients wait until they give up; server errors never come to eject it.
+///
+/// The evidence is the pod's own count: a scrape taken `unanswered_ms` or more after the
+/// request was sent that reads fewer requests waiting and running than this gateway has had
+/// unanswered there since before then says the engine does not hold them all, yet no answer
+/// came. With one such request: a pod reading idle; with more, also a pod whose counts froze
+/// when its engine hung, once more requests wait on it than it last counted. Two such scrapes
+/// are asked for, so that an answer still on its way when the first was taken (the engine
+/// finished the request just before) has arrived by the second. A scrape that accounts for them
+/// starts the count again.
+///
+/// A buffered answer's headers come with its end; a streamed one's come at once from most
+/// servers (vLLM's among them), before the engine has the request, so a stream is answered by
+/// its first chunk.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Unanswered {
+    pub pod: u64,
+    pub pool: Arc<str>,
+    /// When the request was sent (Envoy's clock, ms).
+    pub sent_ms: u64,
+    /// The scrape (Envoy's clock, ms) that first counted too few requests on the pod past the
+    /// grace; 0: none.
+    idle_at_ms: u64,
+}
+
+/// Per pod, how many of `requests` its latest reading in `fleet` is to account for (sent
+/// `grace_ms` or more before it was taken): what [`Unanswered::judge`] compares the pod's count
+/// with.
+pub fn unanswered_by_pod<'a>(
+    requests: impl Iterator<Item = &'a Unanswered>,
+    fleet: &FleetState,
+    grace_ms: u64,
+) -> IdMap<u64, u64> {
+    let mut by_pod = IdMap::default();
+    for r in requests {
+        if r.reading(fleet, grace_ms).is_ok() {
+            *by_pod.entry(r.pod).or_insert(0) += 1;
+        }
+    }
+    by_pod
+}
+
+/// What [`Unanswered::judge`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Not known yet: within the grace, the pod busy or not scraped since.
+    Wait,
+    /// The pod holds the request without serving it: it waited `waited_ms` so far.
+    Lost { waited_ms: u64 },
+    /// Never to be judged: the pod left the pool, or its engine does not report what it runs.
+    Gone,
+}
+
+impl Unanswered {
+    pub fn new(pod: u64, pool: Arc<str>, sent_ms: u64) -> Unanswered {
+        Unanswered {
+            pod,
+            pool,
+            sent_ms,
+            idle_at_ms: 0,
+        }
+    }
+
+    /// The pod's latest reading in `fleet` if it is one to judge this request by: when it was
+    /// taken (Envoy's clock, ms) and the requests it counted (waiting and running). `Err` with
+    /// the verdict otherwise: [`Verdict::Gone`], or [`Verdict::Wait`] within the grace
+    /// (`grace_ms`, `unanswered_ms`) or for a stale or unhealthy reading, which proves nothing
+    /// (the aggregator's health rules already take such a pod out).
+    pub fn reading(&self, fleet: &FleetState, grace_ms: u64) -> Result<(u64, u64), Verdict> {
+        let Some(pod) = fleet
+            .pool(&self.pool)
+            .and_then(|p| p.pods.iter().find(|p| p.key == self.pod))
+        else {
+            return Err(Verdict::Gone);
+        };
+        if !pod.snap.engine.reports_running() {
+            return Err(Verdict::Gone);
+        }
+        let scraped_ms = fleet
+            .received_at_ms
+            .saturating_sub(pod.age_at_generation_ms);
+        if !pod.snap.healthy || scraped_ms < self.sent_ms.saturating_add(grace_ms) {
+            return Err(Verdict::Wait);
+        }
+        Ok((
+            scraped_ms,
+            u64::from(pod.snap.waiting) + u64::from(pod.snap.running),
+        ))
+    }
+
+    /// Judges the request against the pod's latest reading in `fleet` ([`Unanswered::reading`])
+    /// at `now_ms`, `unanswered` being how many requests this gateway has had unanswered on the
+    /// pod since `grace_ms` before that reading, this one included (at least 1).
+    pub fn judge(
+        &mut self,
+        fleet: &FleetState,
+        grace_ms: u64,
+        unanswered: u64,
+        now_ms: u64,
+    ) -> Verdict {
+        let (scraped_ms, counted) = match self.reading(fleet, grace_ms) {
+            Ok(r) => r,
+            Err(v) => return v,
+        };
+        if counted >= unanswered.max(1) {
+            self.idle_at_ms = 0;
+            return Verdict::Wait;
+        }
+        if self.idle_at_ms == 0 {
+            self.idle_at_ms = scraped_ms.max(1);
+            return Verdict::Wait;
+        }
+        if scraped_ms > self.idle_at_ms {
+            return Verdict::Lost {
+                waited_ms: now_ms.saturating_sub(self.sent_ms),
+            };
+        }
+        Verdict::Wait
     }
 }
 
@@ -152,6 +287,17 @@ impl Outliers {
     /// Whether any answer can eject a pod.
     pub fn enabled(&self) -> bool {
         self.config.consecutive_5xx > 0
+    }
+
+    /// Whether requests are watched for answers that never come ([`Unanswered`]): passive
+    /// health on and `unanswered_ms` > 0.
+    pub fn watches_unanswered(&self) -> bool {
+        self.enabled() && self.config.unanswered_ms > 0
+    }
+
+    /// `unanswered_ms`.
+    pub fn unanswered_ms(&self) -> u64 {
+        self.config.unanswered_ms
     }
 
     /// Whether some pod has a run of errors or an ejection on record: only then does a
@@ -281,6 +427,173 @@ mod tests {
 
     fn outliers() -> Outliers {
         Outliers::new(OutlierConfig::default())
+    }
+
+    /// A pool `p` of one vLLM pod `10.0.0.1:8000` scraped at `scraped_ms` (Envoy's clock)
+    /// reading `waiting` and `running`, in a snapshot received at `received_ms`.
+    fn reading(scraped_ms: u64, received_ms: u64, waiting: u32, running: u32) -> FleetState {
+        use crate::snapshot::{Engine, PodSnapshot, Snapshot};
+        let mut pod = PodSnapshot::new("10.0.0.1:8000", 1_000);
+        pod.engine = Engine::Vllm;
+        (pod.waiting, pod.running) = (waiting, running);
+        // The snapshot is generated at 1,000 on the aggregator's clock: the pod's data is
+        // `received_ms - scraped_ms` old when it arrives.
+        pod.last_scrape_ms = 1_000 - (received_ms - scraped_ms);
+        FleetState::new(Snapshot::of_pool("p", vec![pod]), received_ms)
+    }
+
+    impl Unanswered {
+        /// [`Unanswered::judge`] of a request alone on its pod.
+        fn judge1(&mut self, fleet: &FleetState, grace_ms: u64, now_ms: u64) -> Verdict {
+            self.judge(fleet, grace_ms, 1, now_ms)
+        }
+    }
+
+    fn request(sent_ms: u64) -> Unanswered {
+        let key = crate::prefix::pod_key("10.0.0.1:8000");
+        Unanswered::new(key, Arc::from("p"), sent_ms)
+    }
+
+    #[test]
+    fn a_request_is_lost_when_two_scrapes_past_the_grace_read_its_pod_idle() {
+        let mut r = request(10_000);
+        // Within the grace (2,000 ms here): the engine may not have the request yet.
+        assert_eq!(
+            r.judge1(&reading(11_999, 12_050, 0, 0), 2_000, 12_050),
+            Verdict::Wait
+        );
+        // The first idle scrape past it: an answer may be on its way.
+        assert_eq!(
+            r.judge1(&reading(12_000, 12_050, 0, 0), 2_000, 12_050),
+            Verdict::Wait
+        );
+        // The same scrape again (a worker reading the snapshot twice) proves nothing more.
+        assert_eq!(
+            r.judge1(&reading(12_000, 12_050, 0, 0), 2_000, 12_080),
+            Verdict::Wait
+        );
+        assert_eq!(
+            r.judge1(&reading(12_100, 12_150, 0, 0), 2_000, 12_150),
+            Verdict::Lost { waited_ms: 2_150 }
+        );
+    }
+
+    #[test]
+    fn a_pod_reading_busy_in_between_starts_the_count_again() {
+        let mut r = request(0);
+        assert_eq!(
+            r.judge1(&reading(3_000, 3_050, 0, 0), 2_000, 3_050),
+            Verdict::Wait
+        );
+        for (waiting, running) in [(1, 0), (0, 1)] {
+            assert_eq!(
+                r.judge1(&reading(3_100, 3_150, waiting, running), 2_000, 3_150),
+                Verdict::Wait
+            );
+            assert_eq!(
+                r.judge1(&reading(3_200, 3_250, 0, 0), 2_000, 3_250),
+                Verdict::Wait
+            );
+        }
+        assert!(matches!(
+            r.judge1(&reading(3_300, 3_350, 0, 0), 2_000, 3_350),
+            Verdict::Lost { .. }
+        ));
+    }
+
+    #[test]
+    fn more_requests_unanswered_than_a_pod_counts_are_lost_too() {
+        // A pod whose counts froze at 3 running when its engine hung: 3 requests unanswered
+        // since before its scrape are what it counts; a 4th is more than it holds.
+        let mut r = request(0);
+        for at in [3_000, 3_100, 3_200] {
+            assert_eq!(
+                r.judge(&reading(at, at + 50, 0, 3), 2_000, 3, at + 50),
+                Verdict::Wait
+            );
+        }
+        assert_eq!(
+            r.judge(&reading(3_300, 3_350, 1, 2), 2_000, 4, 3_350),
+            Verdict::Wait
+        );
+        assert!(matches!(
+            r.judge(&reading(3_400, 3_450, 1, 2), 2_000, 4, 3_450),
+            Verdict::Lost { .. }
+        ));
+        // 0 counts as 1: the request itself is unanswered.
+        let mut alone = request(0);
+        assert_eq!(
+            alone.judge(&reading(3_000, 3_050, 0, 0), 2_000, 0, 3_050),
+            Verdict::Wait
+        );
+        assert!(matches!(
+            alone.judge(&reading(3_100, 3_150, 0, 0), 2_000, 0, 3_150),
+            Verdict::Lost { .. }
+        ));
+    }
+
+    #[test]
+    fn no_verdict_without_a_pod_that_reports_what_it_runs() {
+        use crate::snapshot::Engine;
+        let mut r = request(0);
+        let mut f = reading(5_000, 5_050, 0, 0);
+        f.pools[0].pods[0].snap.healthy = false;
+        assert_eq!(
+            r.judge1(&f, 2_000, 5_050),
+            Verdict::Wait,
+            "unhealthy: no reading"
+        );
+        for engine in [Engine::Triton, Engine::Unknown] {
+            let mut f = reading(5_000, 5_050, 0, 0);
+            f.pools[0].pods[0].snap.engine = engine;
+            assert_eq!(r.judge1(&f, 2_000, 5_050), Verdict::Gone, "{engine:?}");
+        }
+        let mut other = Unanswered::new(1, Arc::from("p"), 0);
+        assert_eq!(
+            other.judge1(&reading(5_000, 5_050, 0, 0), 2_000, 5_050),
+            Verdict::Gone
+        );
+        let mut elsewhere = request(0);
+        elsewhere.pool = Arc::from("q");
+        assert_eq!(
+            elsewhere.judge1(&reading(5_000, 5_050, 0, 0), 2_000, 5_050),
+            Verdict::Gone
+        );
+    }
+
+    #[test]
+    fn lost_requests_eject_their_pod_as_server_errors_do_and_an_answer_ends_the_run() {
+        use crate::config::FilterConfig;
+        use crate::engine::Engine;
+        let cfg = r#"{"pools":[{"name":"p","models":["m"]}]}"#;
+        let mut e = Engine::new(FilterConfig::from_json(cfg.as_bytes()).unwrap());
+        assert!(e.outliers.watches_unanswered());
+        assert_eq!(e.outliers.unanswered_ms(), 10_000);
+        let f = reading(20_000, 20_050, 0, 0);
+        let lost = request(0);
+        for _ in 0..4 {
+            assert_eq!(e.unanswered(&lost, Some(&f), 20_050), None);
+        }
+        e.answered("p", lost.pod, Some(b"200"), Some(&f), 20_050);
+        for _ in 0..4 {
+            assert_eq!(e.unanswered(&lost, Some(&f), 20_050), None);
+        }
+        let ejected = e.unanswered(&lost, Some(&f), 20_050);
+        assert_eq!(
+            ejected,
+            Some(Ejection {
+                for_ms: 10_000,
+                times: 1
+            })
+        );
+        let msg = ejected
+            .unwrap()
+            .unanswered_message("10.0.0.1:8000", "p", 5, 20_050);
+        assert!(msg.contains("unanswered after 20050 ms"), "{msg}");
+        let off =
+            r#"{"pools":[{"name":"p","models":["m"]}],"outlier_detection":{"unanswered_ms":0}}"#;
+        let e = Engine::new(FilterConfig::from_json(off.as_bytes()).unwrap());
+        assert!(!e.outliers.watches_unanswered());
     }
 
     /// Server errors from `pod` of `pool` until it is ejected (at most 100): how many it took.

@@ -139,6 +139,17 @@ impl Engine {
             Engine::Unknown => "unknown",
         }
     }
+
+    /// Whether a pod of this engine reading 0 requests waiting and 0 running holds none: its
+    /// `/metrics` always carry both counts. Triton's running count comes from the TensorRT-LLM
+    /// backend's request metrics, which the aggregator reads only when they are exported, and
+    /// an unknown engine's counts are whatever it sent.
+    pub fn reports_running(self) -> bool {
+        matches!(
+            self,
+            Engine::Vllm | Engine::Sglang | Engine::Trtllm | Engine::Tgi
+        )
+    }
 }
 
 fn one() -> f64 {

@@ -152,6 +152,8 @@ struct Metrics {
     ttft: NameMap<String, Option<usize>>,
     /// Per pool: `gpuroute.pool.<pool>.ejections` (pods out of the picks for server errors).
     ejections: NameMap<String, Option<usize>>,
+    /// Per pool: `gpuroute.pool.<pool>.unanswered` (requests a pod took and did not serve).
+    unanswered: NameMap<String, Option<usize>>,
     picks: Option<usize>,
     /// `gpuroute.module.panics`: panics caught in a hook ([`guarded`]).
     panics: Option<usize>,
@@ -289,6 +291,14 @@ impl Metrics {
                 .iter()
                 .map(|p| {
                     let name = format!("gpuroute.pool.{}.ejections", stat_segment(&p.name));
+                    (p.name.clone(), d.counter(&name, &[]))
+                })
+                .collect(),
+            unanswered: config
+                .pools
+                .iter()
+                .map(|p| {
+                    let name = format!("gpuroute.pool.{}.unanswered", stat_segment(&p.name));
                     (p.name.clone(), d.counter(&name, &[]))
                 })
                 .collect(),
@@ -456,6 +466,29 @@ struct Router {
     rng: SplitMix64,
     /// Other gateway replicas' requests in prefill (`ingest.load_path`).
     replicas: ReplicaView,
+    /// Requests sent to a pod and not answered yet, with passive health's `unanswered_ms` on
+    /// ([`outlier::Unanswered`]): each with the flag its stream sets when the answer's headers
+    /// come (no lock on the answer's path); a flag no stream holds any more is a request that
+    /// ended unanswered. The ticker judges them ([`Config::check_unanswered`]).
+    unanswered: Vec<(Arc<AtomicBool>, outlier::Unanswered)>,
+    /// The snapshot version the ticker last judged them by (a verdict needs a new reading).
+    unanswered_judged: u64,
+}
+
+/// The most requests [`Router::unanswered`] holds: the ticker sweeps out the answered and
+/// ended ones; without a ticker (no scheduler for the configuration) the request path does.
+const MAX_UNANSWERED: usize = 65_536;
+
+impl Router {
+    /// Whether another request fits in `unanswered`, after sweeping out, when it is full, those
+    /// answered or ended (not judged: that is the ticker's).
+    fn unanswered_room(&mut self) -> bool {
+        if self.unanswered.len() >= MAX_UNANSWERED {
+            self.unanswered
+                .retain(|(a, _)| Arc::strong_count(a) > 1 && !a.load(Ordering::Acquire));
+        }
+        self.unanswered.len() < MAX_UNANSWERED
+    }
 }
 
 /// Other gateway replicas' requests in prefill, as this Envoy adds them to its own counts.
@@ -592,6 +625,8 @@ impl Config {
                 engine,
                 rng: SplitMix64::new(seed),
                 replicas: ReplicaView::default(),
+                unanswered: Vec::new(),
+                unanswered_judged: 0,
             }),
             outliers_tracking: AtomicBool::new(false),
             metrics,
@@ -698,6 +733,7 @@ impl Config {
                     std::thread::sleep(tick);
                     let Some(c) = weak.upgrade() else { return };
                     // New snapshots, and the deadlines of held requests, are looked at here.
+                    c.check_unanswered();
                     let holding = c.wake_held(Wake::Tick);
                     let gauge_due =
                         !c.settings.pools.is_empty() && flushed.elapsed() >= GAUGE_REFRESH;
@@ -715,6 +751,86 @@ impl Config {
             });
         if spawned.is_err() {
             host::log(abi::LOG_ERROR, "gpuroute: could not start the stats ticker");
+        }
+    }
+
+    /// Judges the requests not answered yet ([`outlier::Unanswered`]), on the ticker: those
+    /// answered are dropped; one that ended unanswered is judged once more and dropped; the
+    /// others are judged when a new snapshot came since the last time. One judged lost counts
+    /// in its pod's run as a server error does.
+    fn check_unanswered(&self) {
+        let mut r = self.router.lock();
+        if r.unanswered.is_empty() {
+            return;
+        }
+        let fleet = current_fleet();
+        let version = fleet.as_ref().map_or(0, |f| f.version);
+        let new_reading = version != r.unanswered_judged;
+        r.unanswered_judged = version;
+        let now = now_ms();
+        let grace = r.engine.outliers.unanswered_ms();
+        let mut list = std::mem::take(&mut r.unanswered);
+        let by_pod = match fleet.as_deref().filter(|_| new_reading) {
+            // Only those still awaited: an answered one is not on the pod any more, and one whose
+            // stream ended may not be (vLLM drops a request whose client left).
+            Some(f) => {
+                let awaited = list
+                    .iter()
+                    .filter(|(a, _)| Arc::strong_count(a) > 1 && !a.load(Ordering::Acquire))
+                    .map(|(_, u)| u);
+                outlier::unanswered_by_pod(awaited, f, grace)
+            }
+            None => IdMap::default(),
+        };
+        let mut lost = Vec::new();
+        list.retain_mut(|(answer, sent)| {
+            // The count first: a stream sets its flag before it drops its handle.
+            let ended = Arc::strong_count(answer) == 1;
+            std::sync::atomic::fence(Ordering::Acquire);
+            if answer.load(Ordering::Acquire) {
+                return false;
+            }
+            let Some(f) = fleet.as_deref().filter(|_| new_reading || ended) else {
+                return true;
+            };
+            // One that ended, judged between two readings, as if alone on its pod.
+            let n = by_pod.get(&sent.pod).copied().unwrap_or(1);
+            match sent.judge(f, grace, n, now) {
+                outlier::Verdict::Wait => !ended,
+                outlier::Verdict::Gone => false,
+                outlier::Verdict::Lost { waited_ms } => {
+                    lost.push((sent.clone(), waited_ms));
+                    false
+                }
+            }
+        });
+        r.unanswered = list;
+        let mut ejected = Vec::new();
+        for (sent, waited_ms) in lost {
+            let e = r.engine.unanswered(&sent, fleet.as_deref(), now);
+            ejected.push((sent, waited_ms, e));
+        }
+        let tracking = r.engine.outliers.tracking();
+        drop(r);
+        self.outliers_tracking.store(tracking, Ordering::Relaxed);
+        for (sent, waited_ms, e) in ejected {
+            let m = &self.metrics;
+            self.count(m.unanswered.get(&*sent.pool).copied().flatten());
+            let Some(e) = e else { continue };
+            self.count(m.ejections.get(&*sent.pool).copied().flatten());
+            let address = fleet
+                .as_deref()
+                .and_then(|f| f.address_of(&sent.pool, sent.pod))
+                .unwrap_or("(gone)");
+            host::log(
+                abi::LOG_WARN,
+                &e.unanswered_message(
+                    address,
+                    &sent.pool,
+                    self.settings.outlier_detection.consecutive_5xx,
+                    waited_ms,
+                ),
+            );
         }
     }
 
@@ -855,6 +971,9 @@ struct Filter {
     wake: Option<StreamScheduler>,
     /// `Some` while `on_scheduled` runs: its local reply, sent after it returns.
     deferred_reply: Option<Option<Reply>>,
+    /// Set when the answer's headers come: the request is in the router's `unanswered` until
+    /// then.
+    answer: Option<Arc<AtomicBool>>,
 }
 
 /// A local reply `on_scheduled` decided on.
@@ -1506,6 +1625,14 @@ impl Filter {
                 let flight = prep.in_flight(pod_key, choice.prefill_tokens);
                 table.count(idx, &flight);
                 r.engine.commit(&prep, pod_key);
+                // Not an upload routed by its leading fields: the pod counts it only once the
+                // rest has come, however long the client takes to send it.
+                if complete && r.engine.outliers.watches_unanswered() && r.unanswered_room() {
+                    let answer = Arc::new(AtomicBool::new(false));
+                    let sent = outlier::Unanswered::new(pod_key, prep.pool.clone(), now_ms());
+                    r.unanswered.push((answer.clone(), sent));
+                    self.answer = Some(answer);
+                }
                 self.ttft_from = flight.in_prefill.then_some(t0);
                 self.picked = Some(flight);
                 self.learn_response = prep
@@ -1756,6 +1883,10 @@ impl Filter {
     }
 
     fn on_response_headers(&mut self, s: Stream) {
+        // A stream is answered by its first chunk (`outlier::Unanswered`).
+        if !self.picked.as_ref().is_some_and(|p| p.in_prefill) {
+            self.answer_came();
+        }
         if let Some(d) = &self.debug {
             s.set_header(RESPONSE_HEADERS, headers::DEBUG, d);
         }
@@ -1794,6 +1925,13 @@ impl Filter {
                 Some(answered) => *pod = answered,
                 None => self.learn_response = None,
             }
+        }
+    }
+
+    /// The request's answer came: the router's `unanswered` drops it at the next sweep.
+    fn answer_came(&mut self) {
+        if let Some(a) = self.answer.take() {
+            a.store(true, Ordering::Release);
         }
     }
 
@@ -1886,6 +2024,9 @@ impl Filter {
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 self.config.complete(&p.pool, op);
+                if let Some(a) = self.answer.take() {
+                    a.store(true, Ordering::Release);
+                }
                 if let Some(t0) = self.ttft_from.take() {
                     let histogram = self.config.metrics.ttft.get(&*p.pool).copied().flatten();
                     let ms = t0.elapsed().as_millis() as u64;
@@ -2100,6 +2241,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         held: None,
         wake: None,
         deferred_reply: None,
+        answer: None,
     };
     Box::into_raw(Box::new(filter)).cast()
 }

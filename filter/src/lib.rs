@@ -31,7 +31,7 @@ use gpuroute_core::fleet::FleetState;
 use gpuroute_core::form;
 use gpuroute_core::headers::{self, RequestHead};
 use gpuroute_core::hold::{HoldEvent, HoldQueue};
-use gpuroute_core::idmap::NameMap;
+use gpuroute_core::idmap::{IdMap, NameMap};
 use gpuroute_core::ingest::{
     self, Endpoint, Stored, StoredHeader, SNAPSHOT_BINARY_KEY, SNAPSHOT_KEY, SNAPSHOT_VERSION_KEY,
     STALE_WINDOW_KEY,
@@ -216,6 +216,11 @@ struct Worker {
     replicas: ReplicaLoads,
     replicas_cas: Option<u32>,
     replicas_seen: bool,
+    /// This worker's requests sent to a pod and not answered yet, by stream context id, with
+    /// passive health's `unanswered_ms` on ([`outlier::Unanswered`]); and the snapshot version
+    /// the tick last judged them by (a verdict changes only with a new reading).
+    unanswered: IdMap<u32, outlier::Unanswered>,
+    unanswered_judged: u64,
 }
 
 /// One pool's in-flight requests as one worker sees them. Its own (sent, first byte, finished)
@@ -379,6 +384,85 @@ impl Worker {
             self.engine
                 .outliers
                 .adopt(&board, self.exchange_ns / 1_000_000);
+        }
+    }
+
+    /// Counts and publishes an ejection of `pod` of `pool` for `for_ms` (from `now_ms`), and
+    /// logs `message`: the other workers take it out at their next tick.
+    fn eject(&mut self, pool: &str, pod: u64, for_ms: u64, now_ms: u64, message: &str) {
+        self.stats.ejection(pool);
+        let until = now_ms.saturating_add(for_ms);
+        update_shared(
+            EJECTIONS_KEY,
+            outlier::EjectionBoard::decode,
+            outlier::EjectionBoard::encode,
+            |b| {
+                b.put(pod, until, now_ms);
+                Some(())
+            },
+        );
+        host::log(LogLevel::Warn, message);
+    }
+
+    /// Judges this worker's unanswered requests when a new snapshot came since it last did
+    /// (a verdict needs a new reading of the pod), on the tick: a request judged lost counts
+    /// in its pod's run, those whose pod left are forgotten.
+    fn check_unanswered(&mut self) {
+        let version = self.fleet.as_ref().map_or(0, |f| f.version);
+        if self.unanswered.is_empty() || version == self.unanswered_judged {
+            return;
+        }
+        self.unanswered_judged = version;
+        let now = host::now_ms();
+        let mut unanswered = std::mem::take(&mut self.unanswered);
+        let by_pod = match self.fleet.as_ref() {
+            Some(f) => outlier::unanswered_by_pod(
+                unanswered.values(),
+                f,
+                self.engine.outliers.unanswered_ms(),
+            ),
+            None => IdMap::default(),
+        };
+        unanswered.retain(|_, sent| {
+            let n = by_pod.get(&sent.pod).copied().unwrap_or(1);
+            !self.judge_unanswered(sent, n, now)
+        });
+        self.unanswered = unanswered;
+    }
+
+    /// Judges one unanswered request by the latest snapshot, `unanswered` of this worker's
+    /// being on its pod since before it ([`outlier::Unanswered::judge`]); lost, it counts in its
+    /// pod's run. Returns whether the request is done with (lost, or its pod gone).
+    fn judge_unanswered(
+        &mut self,
+        sent: &mut outlier::Unanswered,
+        unanswered: u64,
+        now_ms: u64,
+    ) -> bool {
+        let Some(fleet) = self.fleet.as_ref() else {
+            return false;
+        };
+        let grace = self.engine.outliers.unanswered_ms();
+        match sent.judge(fleet, grace, unanswered, now_ms) {
+            outlier::Verdict::Wait => false,
+            outlier::Verdict::Gone => true,
+            outlier::Verdict::Lost { waited_ms } => {
+                self.stats.unanswered(&sent.pool);
+                if let Some(e) = self.engine.unanswered(sent, self.fleet.as_ref(), now_ms) {
+                    let address = self
+                        .fleet
+                        .as_ref()
+                        .and_then(|f| f.address_of(&sent.pool, sent.pod));
+                    let message = e.unanswered_message(
+                        address.unwrap_or("(gone)"),
+                        &sent.pool,
+                        self.engine.config.outlier_detection.consecutive_5xx,
+                        waited_ms,
+                    );
+                    self.eject(&sent.pool.clone(), sent.pod, e.for_ms, now_ms, &message);
+                }
+                true
+            }
         }
     }
 
@@ -600,6 +684,7 @@ impl Worker {
         // did not read since the last tick, so none is older than two ticks (none at all read
         // here by a worker whose exchanges went round its peers).
         self.refresh_shared(true, host::now_nanos());
+        self.check_unanswered();
         self.sync();
         self.export();
         if self.register_tried {
@@ -886,6 +971,8 @@ impl Root {
             replicas: ReplicaLoads::default(),
             replicas_cas: None,
             replicas_seen: false,
+            unanswered: IdMap::default(),
+            unanswered_judged: 0,
         };
         worker.refresh_fleet();
         self.worker = Some(Rc::new(RefCell::new(worker)));
@@ -928,6 +1015,7 @@ impl Root {
             picked: None,
             ttft_from: None,
             watch_status: false,
+            awaits_answer: false,
             debug: None,
         }
     }
@@ -1028,6 +1116,9 @@ struct Http {
     /// The decision was sampled: its answer's status is read for passive health even while no
     /// pod is on record ([`Http::answered`]).
     watch_status: bool,
+    /// In its worker's `unanswered` until its answer comes (its headers; a stream's first
+    /// chunk).
+    awaits_answer: bool,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
 }
@@ -1553,6 +1644,13 @@ impl Http {
                 }
                 // Only with passive health on: reading the status costs a host call.
                 self.watch_status = sampled && w.engine.outliers.enabled();
+                // Not an upload routed by its leading fields: the pod counts it only once the
+                // rest has come, however long the client takes to send it.
+                if complete && w.engine.outliers.watches_unanswered() {
+                    let sent = outlier::Unanswered::new(pod_key, prep.pool.clone(), t0 / 1_000_000);
+                    w.unanswered.insert(self.id, sent);
+                    self.awaits_answer = true;
+                }
                 self.picked = Some(flight);
                 self.learn_response = prep
                     .learns_response
@@ -1829,6 +1927,10 @@ impl Http {
     }
 
     fn on_response_headers(&mut self) -> Action {
+        // A stream is answered by its first chunk (`outlier::Unanswered`).
+        if !self.picked.as_ref().is_some_and(|p| p.in_prefill) {
+            self.answer_came();
+        }
         if let Some(d) = &self.debug {
             let _ = host::set_header(MapType::HttpResponseHeaders, headers::DEBUG, d);
         }
@@ -1877,6 +1979,15 @@ impl Http {
         Action::Continue
     }
 
+    /// The request's answer came: out of its worker's `unanswered`.
+    fn answer_came(&mut self) {
+        if std::mem::take(&mut self.awaits_answer) {
+            if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
+                w.unanswered.remove(&self.id);
+            }
+        }
+    }
+
     /// Whether this worker's passive health has a pod on record (every answer's status counts).
     fn outliers_tracking(&self) -> bool {
         self.worker
@@ -1909,28 +2020,14 @@ impl Http {
             .engine
             .answered(&p.pool, pod, status, w.fleet.as_ref(), now)
         {
-            w.stats.ejection(&p.pool);
-            // The other workers take it out at their next tick.
-            let until = now.saturating_add(e.for_ms);
-            update_shared(
-                EJECTIONS_KEY,
-                outlier::EjectionBoard::decode,
-                outlier::EjectionBoard::encode,
-                |b| {
-                    b.put(pod, until, now);
-                    Some(())
-                },
-            );
             let address = upstream.as_deref().map(String::from_utf8_lossy);
-            host::log(
-                LogLevel::Warn,
-                &e.message(
-                    address.as_deref().unwrap_or("(picked)"),
-                    &p.pool,
-                    w.engine.config.outlier_detection.consecutive_5xx,
-                    status.unwrap_or_default(),
-                ),
+            let message = e.message(
+                address.as_deref().unwrap_or("(picked)"),
+                &p.pool,
+                w.engine.config.outlier_detection.consecutive_5xx,
+                status.unwrap_or_default(),
             );
+            w.eject(&p.pool, pod, e.for_ms, now, &message);
         }
     }
 
@@ -1973,9 +2070,11 @@ impl Http {
             }
             self.first_output = None;
         }
+        let mut first_byte = false;
         if let Some(p) = self.picked.as_mut() {
             if let Some(op) = p.first_byte() {
                 complete(&self.worker, &p.pool, op);
+                first_byte = true;
                 if let Some(t0) = self.ttft_from.take() {
                     let ms = host::now_nanos().saturating_sub(t0) / 1_000_000;
                     if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok())
@@ -1984,6 +2083,9 @@ impl Http {
                     }
                 }
             }
+        }
+        if first_byte {
+            self.answer_came();
         }
         Action::Continue
     }
@@ -2003,6 +2105,15 @@ impl Http {
     /// The request is over (the host deletes its context): it leaves the in-flight table, or,
     /// held (its client left), its worker's queue. Returns the pod it leaves room on.
     fn on_end(&mut self) -> Option<u64> {
+        if std::mem::take(&mut self.awaits_answer) {
+            // Ended with no answer (its client left, or Envoy gave up): judged once more by the
+            // latest reading of its pod.
+            if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
+                if let Some(mut sent) = w.unanswered.remove(&self.id) {
+                    w.judge_unanswered(&mut sent, 1, host::now_ms());
+                }
+            }
+        }
         let freed = self.picked.take().map(|p| {
             complete(&self.worker, &p.pool, p.finished());
             p.pod_key

@@ -339,6 +339,11 @@ impl Stats {
         self.inc(&format!("gpuroute.pool.{}.ejections", sanitize(pool)));
     }
 
+    /// A request judged unanswered by its pod ([`gpuroute_core::outlier::Unanswered`]).
+    pub fn unanswered(&mut self, pool: &str) {
+        self.inc(&format!("gpuroute.pool.{}.unanswered", sanitize(pool)));
+    }
+
     pub fn pool_outcome(&mut self, pool: &str, outcome: &str) {
         self.inc(&format!(
             "gpuroute.pool.{}.requests.{outcome}",

@@ -83,6 +83,8 @@ class StubPod:
         # pod answers waits for it (at most 60 s), so a test holds requests in flight for as
         # long as it needs instead of for a fixed time a slow machine can outrun.
         self.hold = None
+        # The same for the body alone: the headers go at once ("hold_body").
+        self.hold_body = None
         self.requests = []
         self.started = []
         self.load = {"waiting": 0, "running": 0, "kv": 0.05}
@@ -119,12 +121,17 @@ class StubPod:
                 pod.conns.discard(self.connection)
                 super().finish()
 
-            def _send(self, status, ctype, out):
+            def _send(self, status, ctype, out, hold_body=None):
                 self.send_response(status)
                 self.send_header("content-type", ctype)
                 self.send_header("x-served-by", pod.name)
                 self.send_header("content-length", str(len(out)))
                 self.end_headers()
+                if hold_body is not None:
+                    # The headers now, the body once the event is set (at most 60 s): a server
+                    # that starts a stream at once and never sends its first token.
+                    self.wfile.flush()
+                    hold_body.wait(60)
                 if self.path.startswith("/v1/responses"):
                     # Its first bytes apart, as a server may send them: the gateway must read a
                     # response's id across the chunks it arrives in.
@@ -183,7 +190,7 @@ class StubPod:
                     hold.wait(60)
                 if pod.delay_s:
                     time.sleep(pod.delay_s)
-                self._send(pod.status, "application/json", json.dumps(rec).encode())
+                self._send(pod.status, "application/json", json.dumps(rec).encode(), pod.hold_body)
 
             do_POST = _answer
             do_DELETE = _answer

@@ -12,6 +12,7 @@ as it failed.
 
 import collections
 import concurrent.futures
+import contextlib
 import json
 import time
 
@@ -151,3 +152,96 @@ def test_a_pod_one_worker_ejects_is_out_on_the_other_workers_too():
                 c.close()
             pusher.stop()
             envoy.stop()
+
+
+UNANSWERED_MS = 500
+
+
+@contextlib.contextmanager
+def unanswered_stack(mode, running):
+    """Three pods of one pool, every one read by the snapshot with `running` requests and none
+    waiting; passive health judging a request unanswered `UNANSWERED_MS` after it was sent."""
+    config = {
+        "pools": [{"name": "llama", "models": ["llama-3"]}],
+        "outlier_detection": {"base_ejection_ms": 30_000, "unanswered_ms": UNANSWERED_MS},
+    }
+    with serving(POD_POOL) as pods:
+        envoy = Envoy(mode, pools_by(pods, POD_POOL, ["llama"]), config)
+        pusher = Pusher([envoy], {"llama": [{"address": p.address, "running": running}
+                                            for p in pods.values()]})
+        try:
+            yield envoy, pods
+        finally:
+            pusher.stop()
+            envoy.stop()
+
+
+def unanswered(envoy):
+    return envoy.stat(f"{STAT_PREFIX}gpuroute.pool.llama.unanswered")
+
+
+@pytest.mark.parametrize("mode,kind", [("filter", "idle"), ("filter_original_dst", "idle"),
+                                       ("filter", "frozen"), ("filter", "stream")])
+def test_a_pod_that_takes_requests_and_never_answers_leaves_the_picks(mode, kind):
+    """A pod whose API server takes requests and never answers them while its /metrics read idle
+    (an engine gone behind a live server): it wins picks by looking idle, no server error ever
+    comes, and its clients wait until they give up. The filter counts a request sent to it that
+    two scrapes taken `unanswered_ms` later do not account for as a failure in the pod's run:
+    after five, it is out. Before (2026-12-07's freshness audit), such a pod kept its third of the
+    requests for as long as it hung.
+
+    `idle`: every pod reads idle. `frozen`: every pod reads 2 running, the hung one's counts frozen
+    there as its engine stopped; it holds more requests than that. `stream`: streamed requests, the
+    hung pod sending its answers' headers at once and no first token (as vLLM starts a stream)."""
+    import threading
+
+    hang = threading.Event()
+    with unanswered_stack(mode, running=2 if kind == "frozen" else 0) as (envoy, pods), \
+            concurrent.futures.ThreadPoolExecutor(30) as ex:
+        if kind == "stream":
+            pods["a"].hold_body = hang
+        else:
+            pods["a"].hold = hang
+        try:
+            def one(i):
+                body = {"model": "llama-3", "messages": [{"role": "user", "content": f"first {i}"}],
+                        "stream": kind == "stream"}
+                try:
+                    s, h, _, _ = envoy.request("POST", "/v1/chat/completions", body, timeout=30)
+                    return s, h.get("x-served-by")
+                except OSError:
+                    return None, None
+
+            # 30 requests at once: about a third go to the hung pod, and wait there.
+            started = time.monotonic()
+            first = [ex.submit(one, i) for i in range(30)]
+            wait_for(lambda: ejections(envoy) >= 1, timeout=15, what="the hung pod ejected")
+            took = time.monotonic() - started
+            sent_to_a = len(pods["a"].requests)
+            print(f"{mode} {kind}: the hung pod took {sent_to_a} of 30, out after {took:.2f} s")
+            assert unanswered(envoy) >= 5
+            assert sent_to_a >= 5, sent_to_a
+            # Out: every request now goes to the two pods that answer.
+            got = burst(envoy, 30, "after")
+            assert set(got) <= {(200, "b"), (200, "c")} and sum(got.values()) == 30, got
+            assert len(pods["a"].requests) == sent_to_a
+        finally:
+            hang.set()
+        assert all(f.result()[0] == 200 for f in first)
+        logged = "of pool llama ejected for 30000 ms after 5 failed requests in a row (the last unanswered after"
+        wait_for(lambda: logged in envoy.log(), timeout=20, what="the ejection logged")
+
+
+def test_a_slow_pod_whose_metrics_show_its_requests_is_not_ejected():
+    """The evidence is the pod's own count: a pod that takes longer than `unanswered_ms` to answer
+    while its metrics count the requests it holds is busy, not hung, and stays in the picks."""
+    with unanswered_stack("filter", running=12) as (envoy, pods):
+        for p in pods.values():
+            p.delay_s = 4 * UNANSWERED_MS / 1000
+        # 12 at a time: however they spread, no pod holds more than its metrics count.
+        got = burst(envoy, 24, "slow", workers=12)
+        assert sum(got.values()) == 24 and all(s == 200 for s, _ in got), got
+        assert len({pod for _, pod in got}) == 3, got
+        time.sleep(0.3)
+        assert unanswered(envoy) == 0
+        assert ejections(envoy) == 0
