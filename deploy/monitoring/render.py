@@ -291,6 +291,14 @@ TESTS = [
         ("GpurouteOverflowingSustained", "65m", [({"gpuroute_pool": "llama"}, "Pool llama overflows 33.33% of its requests"),
                                                  ({"gpuroute_pool": "qwen"}, "Pool qwen overflows 100% of its requests")]),
     ]),
+    ("A pod of llama ejected once; qwen's counter defined and never counting", [
+        series("envoy_gpuroute_pool_ejections", {**GW, "gpuroute_pool": "llama"}, "0x5 1x30"),
+        series("envoy_gpuroute_pool_ejections", {**GW, "gpuroute_pool": "qwen"}, "0x35"),
+    ], [
+        ("GpuroutePodsEjected", "4m", []),
+        ("GpuroutePodsEjected", "10m", [({"gpuroute_pool": "llama"}, "Pool llama: pods ejected by the gateway's passive health")]),
+        ("GpuroutePodsEjected", "25m", []),
+    ]),
     ("Pool llama sheds", [
         requests("llama", "shed", "0+30x15"),
         requests("qwen", "picked", "0+30x15"),

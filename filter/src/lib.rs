@@ -936,6 +936,11 @@ impl Root {
             stats.define_ingest_rejected();
         }
         stats.define_hold(gpuroute_core::hold::stat_pools(&config));
+        let o = &config.outlier_detection;
+        if o.consecutive_5xx > 0 {
+            let pools = config.pools.iter().map(|p| p.name.as_str());
+            stats.define_passive_health(pools, o.unanswered_ms > 0);
+        }
         let mut worker = Worker {
             engine: Engine::new(config),
             fleet: None,

@@ -335,6 +335,29 @@ impl Stats {
     }
 
     /// A pod of `pool` left the picks for its server errors ([`gpuroute_core::outlier`]).
+    /// Defines each pool's passive-health counters at 0 as the configuration is read, as the
+    /// dynamic module does: an ejection alert (`GpuroutePodsEjected`) reads `increase()`, which
+    /// a counter that first appears at 1 gives nothing.
+    pub fn define_passive_health<'a>(
+        &mut self,
+        pools: impl Iterator<Item = &'a str>,
+        unanswered: bool,
+    ) {
+        for pool in pools {
+            let pool = sanitize(pool);
+            self.id(
+                MetricType::Counter,
+                &format!("gpuroute.pool.{pool}.ejections"),
+            );
+            if unanswered {
+                self.id(
+                    MetricType::Counter,
+                    &format!("gpuroute.pool.{pool}.unanswered"),
+                );
+            }
+        }
+    }
+
     pub fn ejection(&mut self, pool: &str) {
         self.inc(&format!("gpuroute.pool.{}.ejections", sanitize(pool)));
     }

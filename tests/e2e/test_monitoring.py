@@ -3,8 +3,8 @@ really export: promtool checks and unit-tests the rules, then a real Prometheus 
 Envoy (with the build under test) and a real sidecar-metrics in front of stub pods, while the
 stack goes through what the alerts are about (a pool with no healthy pod, fail-opens, a
 snapshot with a bad token, a saturated pool holding and shedding, a saturated pool overflowing
-to its burst pool, a weighted split whose target cannot serve, streamed requests, Responses API
-turns), and finally loses its
+to its burst pool, a weighted split whose target cannot serve, a pod answering every request
+with a 500, streamed requests, Responses API turns), and finally loses its
 aggregator. Every series the rules and the dashboard name must exist, every dashboard query and
 every recording rule must return data from that, every rule must evaluate without error, and the
 alerts about those situations, and only those, must be pending or firing."""
@@ -43,6 +43,8 @@ CONFIG = {
         {"name": "standby", "models": []},
         # phi's only pod is saturated from the start: all its requests overflow to the standby.
         {"name": "phi", "models": ["phi-3"], "failover": ["standby"], "overflow": True},
+        # flaky's only pod answers every request with a 500: passive health ejects it.
+        {"name": "flaky", "models": ["flaky-1b"]},
     ],
     # Half of the split's conversations belong to mistral, which cannot serve (below): they
     # are rerouted to llama.
@@ -67,6 +69,7 @@ EXPECTED_ALERTS = {
     "GpuroutePodStatsFull": {},
     "GpurouteFailingOver": {"gpuroute_pool": "gemma", "gpuroute_target": "standby"},
     "GpurouteOverflowingSustained": {"gpuroute_pool": "phi"},
+    "GpuroutePodsEjected": {"gpuroute_pool": "flaky"},
 }
 # ... and the one about the ingest URL where no Envoy listens (the fixture's `nowhere`).
 PUSHES_FAILING = "GpuroutePushesFailing"
@@ -160,7 +163,8 @@ def dashboard_queries():
 @pytest.fixture(scope="module")
 def stack():
     need_prometheus()
-    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0", "standby-0", "phi-0")}
+    pods = {name: StubPod(name) for name in ("llama-0", "llama-1", "qwen-0", "standby-0", "phi-0", "flaky-0")}
+    pods["flaky-0"].status = 500
     # Saturated before the first scrape, so no snapshot shows it with room.
     pods["phi-0"].set_load(waiting=40, running=60, kv=0.9)
     # mistral's and gemma's only pods: nothing listens there.
@@ -172,6 +176,7 @@ def stack():
         {"name": "gemma", "endpoints": [dead["gemma"]]},
         {"name": "standby", "endpoints": [pods["standby-0"].address]},
         {"name": "phi", "endpoints": [pods["phi-0"].address]},
+        {"name": "flaky", "endpoints": [pods["flaky-0"].address]},
     ]
     # Prometheus reads the gateway's stats through its metrics listener (render.py's
     # `metrics`), as it would from outside the pod, not through the admin port.
@@ -240,6 +245,8 @@ def drive(gw, seconds, saturated):
         status, headers, _, _ = gw.chat("phi-3", f"overflows {i}")
         assert status == 200 and headers.get("x-served-by") == "standby-0", (status, headers)
         assert gw.chat("chat", f"conversation {i}")[0] in (200, 503)
+        # Picked even once ejected: no other pod of its pool is a candidate.
+        assert gw.chat("flaky-1b", f"fails {i}")[0] == 500
         assert gw.chat("no-such-model")[0] == 404
         assert gw.request("POST", "/v1/chat/completions", b"{not json")[0] == 400
         assert gw.push({"version": 1}, token="not-the-token")[0] == 401
@@ -318,6 +325,19 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     pods, gw, sc, prom, nowhere, _, dead = stack
     wait_for(lambda: gw.stats().get(STAT_PREFIX + "gpuroute.snapshot.accepted", 0) > 0, timeout=10,
              what="a snapshot from sidecar-metrics")
+    # flaky's pod fails every request: out after five server errors in a row (a proxy-wasm
+    # worker reads one answer's status in 8 until it meets an error), long before the alerts
+    # are looked at. Prometheus has its ejection counter at 0 first: `increase()` makes nothing
+    # of a series whose first sample is 1, so the alert would never fire for a pool's first
+    # ejection (the proxy-wasm build defined the counter at its first count before 2026-12-07).
+    wait_for(lambda: prom.query('envoy_gpuroute_pool_ejections{gpuroute_pool="flaky"} == 0'), timeout=10,
+             what="flaky's ejection counter scraped at 0")
+    for i in range(200):
+        assert gw.chat("flaky-1b", f"first {i}")[0] == 500
+        if gw.stats().get(STAT_PREFIX + "gpuroute.pool.flaky.ejections", 0) >= 1:
+            break
+    else:
+        raise AssertionError("flaky's pod never ejected")
     drive(gw, 3, saturated=False)
     for p in ("llama-0", "llama-1"):
         pods[p].set_load(waiting=40, running=60, kv=0.9)  # saturated: held, then shed
@@ -350,14 +370,16 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     picks = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_endpoint"])
              for s in prom.query('sum by (gpuroute_pool, gpuroute_endpoint) (rate({__name__=~"envoy_(dynamicmodulescustom_)?gpuroute_pool_picks"}[1m]))')}
     # The endpoint label is the pod's address in both builds, as Prometheus's `instance` of the
-    # pod's own scrape is: a query can join the two. Four pods are picked (two of llama's, qwen's
-    # and the standby's); the first two admitted fill `max_pod_stats`, the other two are `other`
-    # in their pools. Which two comes first depends on the order of the first picks (and, in
-    # the module, of one flush), so only the count is fixed.
+    # pod's own scrape is: a query can join the two. Five pods are picked (two of llama's,
+    # qwen's, the standby's and flaky's); the first two admitted fill `max_pod_stats`, the
+    # others are `other` in their pools. Which two comes first depends on the order of the
+    # first picks (and, in the module, of one flush), so only the counts are fixed.
     homes = {"llama": {pods["llama-0"].address, pods["llama-1"].address}, "qwen": {pods["qwen-0"].address},
-             "standby": {pods["standby-0"].address}}
-    assert len(picks) == 4 and [e for _, e in picks].count("other") == 2, picks
-    assert all(e in homes[p] for p, e in picks if e != "other"), picks
+             "standby": {pods["standby-0"].address}, "flaky": {pods["flaky-0"].address}}
+    own = [(p, e) for p, e in picks if e != "other"]
+    assert len(own) == 2 and all(e in homes[p] for p, e in own), picks
+    # Every pool has its picks: under a pod's own counter, or as `other`.
+    assert {p for p, _ in picks} == set(homes), picks
     # sidecar-metrics labels its pods the same way: the dead pods' failed scrapes carry the
     # pool and the address Envoy's counters would.
     failed = {(s["metric"]["gpuroute_pool"], s["metric"]["gpuroute_endpoint"], s["metric"]["kind"])
@@ -395,6 +417,11 @@ def test_every_query_and_rule_has_data_and_the_right_alerts_fire(stack):
     # name as it was, with the shipped buckets: every pool's, defined with the configuration.
     waits = {s["metric"].get("gpuroute_pool") for s in prom.query('envoy_gpuroute_hold_ms_bucket{le="13"}')}
     assert waits == {p["name"] for p in CONFIG["pools"]}, waits
+    # Passive health's counters too, at 0 until they count (proxy-wasm defined them at their
+    # first count before 2026-12-07, so a pool's first ejection gave `increase()` nothing).
+    for family in ("envoy_gpuroute_pool_ejections", "envoy_gpuroute_pool_unanswered"):
+        pools = {s["metric"].get("gpuroute_pool") for s in prom.query(family)}
+        assert pools == {p["name"] for p in CONFIG["pools"]}, (family, pools)
 
     # Every recording rule has a value, every rule evaluates without error.
     groups = prom.api("rules")["groups"]
