@@ -41,6 +41,13 @@ pub const IMPORT_RING: usize = 4096;
 pub const MAX_IMPORT_RECORDS: usize = 65_536;
 /// Shared-data key of the time (ms, u64 little-endian) of the last `GET`.
 pub const WANTED_KEY: &str = "gpuroute.prefix.wanted";
+/// Shared-data key of this Envoy process's epoch (u64 little-endian, not 0): the proxy-wasm
+/// build's ([`Export::of_envoy`]); the dynamic module keeps its own in the process.
+pub const EPOCH_KEY: &str = "gpuroute.prefix.epoch";
+/// The cursor entry that carries the epoch of the Envoy that wrote it: past every exporter id,
+/// so builds from before it read it as an exporter they never have, and leave it out of the
+/// cursor they answer with.
+pub const EPOCH_ID: u32 = u32::MAX;
 
 /// Shared-data key of worker `id`'s records as written for the exchange.
 pub fn export_key(id: u32) -> String {
@@ -48,10 +55,13 @@ pub fn export_key(id: u32) -> String {
 }
 
 /// Where a relay is in each exporter's records: the newest sequence received per exporter id
-/// (kept as the workers' board keeps theirs). Written `id:seq,id:seq`, ascending by id.
+/// (kept as the workers' board keeps theirs), and the epoch of the Envoy process that wrote it.
+/// Written `id:seq,id:seq`, ascending by id, the epoch last as [`EPOCH_ID`]`:epoch`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Cursor {
     seqs: SyncBoard,
+    /// 0: none (a cursor from a build before epochs, or none at all).
+    epoch: u64,
 }
 
 impl Cursor {
@@ -59,14 +69,18 @@ impl Cursor {
     /// already has: harmless), at most `MAX_WORKERS` entries.
     pub fn parse(s: &str) -> Cursor {
         let mut c = Cursor::default();
-        for part in s.split(',').take(MAX_WORKERS as usize) {
+        for part in s.split(',').take(MAX_WORKERS as usize + 1) {
             let Some((id, seq)) = part.split_once(':') else {
                 break;
             };
             let (Ok(id), Ok(seq)) = (id.trim().parse::<u32>(), seq.trim().parse::<u64>()) else {
                 break;
             };
-            c.set(id, seq);
+            if id == EPOCH_ID {
+                c.epoch = seq;
+            } else if c.seqs.len() < MAX_WORKERS as usize {
+                c.set(id, seq);
+            }
         }
         c
     }
@@ -81,9 +95,11 @@ impl Cursor {
     }
 
     pub fn encode(&self) -> String {
+        let epoch = (self.epoch != 0).then_some((EPOCH_ID, self.epoch));
         let parts: Vec<String> = self
             .seqs
             .entries()
+            .chain(epoch)
             .map(|(id, seq)| format!("{id}:{seq}"))
             .collect();
         parts.join(",")
@@ -100,10 +116,29 @@ pub struct Export {
 }
 
 impl Export {
+    /// An answer after the cursor `after`, of an exporter without an epoch (a test's).
     pub fn new(after: Cursor) -> Export {
+        Export::of_envoy(after, 0)
+    }
+
+    /// An answer of the Envoy process with `epoch` after the cursor `after`. A cursor another
+    /// process wrote (the Envoy restarted under the relay, which kept its cursor; or a build
+    /// from before epochs) says nothing of this one's records: every record held is sent. Before,
+    /// a restarted Envoy whose exporters had routed past the old cursor by the relay's first ask
+    /// had the records below it skipped ([`Export::after`] tells a restart only by records all
+    /// older than the cursor).
+    pub fn of_envoy(after: Cursor, epoch: u64) -> Export {
+        let after = if after.epoch == epoch {
+            after
+        } else {
+            Cursor::default()
+        };
         Export {
             after,
-            next: Cursor::default(),
+            next: Cursor {
+                epoch,
+                ..Cursor::default()
+            },
             body: b"GPX1".to_vec(),
             records: 0,
         }
@@ -286,6 +321,44 @@ mod tests {
         export.add_log(0, &long);
         assert_eq!(export.len(), 5);
         assert_eq!(export.finish().1, "0:45");
+    }
+
+    #[test]
+    fn a_cursor_of_another_envoy_process_reads_every_record() {
+        let epoch = 0xfeed;
+        let mut log = SyncLog::new(64);
+        for pod in 0..50 {
+            log.push(pod, &[pod + 100]);
+        }
+        // The relay's cursor from before the restart (40 records of exporter 0, another
+        // epoch); the restarted Envoy routed 50 before the relay's first ask, past the cursor.
+        let before = format!("0:40,{EPOCH_ID}:7");
+        let mut export = Export::of_envoy(Cursor::parse(&before), epoch);
+        export.add_log(0, &log);
+        assert_eq!(
+            export.len(),
+            50,
+            "every record, not the 10 past the old cursor"
+        );
+        let (_, cursor) = export.finish();
+        assert_eq!(cursor, format!("0:50,{EPOCH_ID}:{epoch}"));
+        // Its own cursor: only what is newer.
+        let mut newer = log.clone();
+        newer.push(99, &[1]);
+        let mut export = Export::of_envoy(Cursor::parse(&cursor), epoch);
+        export.add_log(0, &newer);
+        assert_eq!(export.len(), 1);
+        // A cursor without an epoch (a build from before them) is another process's too.
+        let mut export = Export::of_envoy(Cursor::parse("0:40"), epoch);
+        export.add_log(0, &log);
+        assert_eq!(export.len(), 50);
+        // Parsing keeps room for the epoch past a full cursor of exporters.
+        let full: Vec<String> = (0..MAX_WORKERS)
+            .map(|i| format!("{i}:1"))
+            .chain([format!("{EPOCH_ID}:{epoch}")])
+            .collect();
+        let c = Cursor::parse(&full.join(","));
+        assert_eq!((c.seqs.len(), c.epoch), (MAX_WORKERS as usize, epoch));
     }
 
     #[test]

@@ -113,6 +113,18 @@ fn now_ms() -> u64 {
     wall.saturating_add(at.elapsed().as_millis() as u64)
 }
 
+/// This Envoy process's epoch for the prefix exchange's cursors ([`Export::of_envoy`]): at
+/// random, once per process.
+fn envoy_epoch() -> u64 {
+    static EPOCH: OnceLock<u64> = OnceLock::new();
+    *EPOCH.get_or_init(|| {
+        let wall = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        gpuroute_core::rng::mix64(wall ^ (u64::from(std::process::id()) << 40)).max(1)
+    })
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Nothing in this module panics while holding a lock; if something ever did, the state is
     // still consistent enough to route with (counts may be off until the next snapshot).
@@ -1296,9 +1308,10 @@ impl Filter {
     /// This Envoy's own prefix records newer than the request's cursor: each routing
     /// configuration's engine keeps an outgoing log from the first such request on.
     fn export(&mut self, s: Stream) {
-        let mut export = Export::new(Cursor::parse(
-            self.head.cursor.as_deref().unwrap_or_default(),
-        ));
+        let mut export = Export::of_envoy(
+            Cursor::parse(self.head.cursor.as_deref().unwrap_or_default()),
+            envoy_epoch(),
+        );
         for (id, c) in routing_configs() {
             let mut r = c.router.lock();
             r.engine.enable_sync_log();

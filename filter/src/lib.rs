@@ -1281,9 +1281,10 @@ impl Http {
     fn export_answer(&mut self, w: &mut Worker) -> Action {
         let _ = host::set_shared(exchange::WANTED_KEY, &host::now_ms().to_le_bytes(), None);
         let live = read_shared(WORKERS_KEY, WorkerSet::decode);
-        let mut export = Export::new(Cursor::parse(
-            self.head.cursor.as_deref().unwrap_or_default(),
-        ));
+        let mut export = Export::of_envoy(
+            Cursor::parse(self.head.cursor.as_deref().unwrap_or_default()),
+            envoy_epoch(w),
+        );
         for id in live.ids() {
             let ring = host::get_shared(&exchange::export_key(id)).0;
             export.add_encoded(id, ring.as_deref().unwrap_or_default());
@@ -1732,6 +1733,24 @@ impl Http {
             }
         }
     }
+}
+
+/// This Envoy process's epoch for the prefix exchange's cursors (`exchange::EPOCH_KEY`): the
+/// first worker to answer a relay writes one at random, and every answer reads what is stored,
+/// so two workers that raced to write it agree from then on. Shared data lives as long as the
+/// process, across VM reloads and configuration changes.
+fn envoy_epoch(w: &mut Worker) -> u64 {
+    let stored = || {
+        host::get_shared(exchange::EPOCH_KEY)
+            .0
+            .and_then(|v| v.try_into().ok().map(u64::from_le_bytes))
+            .filter(|e| *e != 0)
+    };
+    stored().unwrap_or_else(|| {
+        let mine = gpuroute_core::rng::mix64(host::now_nanos() ^ w.rng.next_u64()).max(1);
+        let _ = host::set_shared(exchange::EPOCH_KEY, &mine.to_le_bytes(), None);
+        stored().unwrap_or(mine)
+    })
 }
 
 /// Applies a completion to the worker's table of the pool, and publishes the table at once when
