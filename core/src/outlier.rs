@@ -109,6 +109,10 @@ pub struct Unanswered {
     /// The scrape (Envoy's clock, ms) that first counted too few requests on the pod past the
     /// grace; 0: none.
     idle_at_ms: u64,
+    /// That scrape's own time (`last_scrape_ms`, the aggregator's clock): the same scrape
+    /// published again in a later snapshot is not a second one, however its arrival puts it on
+    /// Envoy's clock.
+    idle_scrape_ms: u64,
 }
 
 /// Per pod, how many of `requests` its latest reading in `fleet` is to account for (sent
@@ -146,15 +150,18 @@ impl Unanswered {
             pool,
             sent_ms,
             idle_at_ms: 0,
+            idle_scrape_ms: 0,
         }
     }
 
     /// The pod's latest reading in `fleet` if it is one to judge this request by: when it was
-    /// taken (Envoy's clock, ms) and the requests it counted (waiting and running). `Err` with
+    /// taken (Envoy's clock, ms), the requests it counted (waiting and running) and the scrape's
+    /// own time (`last_scrape_ms`, the aggregator's clock, what tells one scrape from another:
+    /// the Envoy-clock time of a scrape published again moves with its snapshot's arrival). `Err` with
     /// the verdict otherwise: [`Verdict::Gone`], or [`Verdict::Wait`] within the grace
     /// (`grace_ms`, `unanswered_ms`) or for a stale or unhealthy reading, which proves nothing
     /// (the aggregator's health rules already take such a pod out).
-    pub fn reading(&self, fleet: &FleetState, grace_ms: u64) -> Result<(u64, u64), Verdict> {
+    pub fn reading(&self, fleet: &FleetState, grace_ms: u64) -> Result<(u64, u64, u64), Verdict> {
         let Some(pod) = fleet
             .pool(&self.pool)
             .and_then(|p| p.pods.iter().find(|p| p.key == self.pod))
@@ -173,6 +180,7 @@ impl Unanswered {
         Ok((
             scraped_ms,
             u64::from(pod.snap.waiting) + u64::from(pod.snap.running),
+            pod.snap.last_scrape_ms,
         ))
     }
 
@@ -186,7 +194,7 @@ impl Unanswered {
         unanswered: u64,
         now_ms: u64,
     ) -> Verdict {
-        let (scraped_ms, counted) = match self.reading(fleet, grace_ms) {
+        let (scraped_ms, counted, scrape) = match self.reading(fleet, grace_ms) {
             Ok(r) => r,
             Err(v) => return v,
         };
@@ -196,9 +204,10 @@ impl Unanswered {
         }
         if self.idle_at_ms == 0 {
             self.idle_at_ms = scraped_ms.max(1);
+            self.idle_scrape_ms = scrape;
             return Verdict::Wait;
         }
-        if scraped_ms > self.idle_at_ms {
+        if scraped_ms > self.idle_at_ms && scrape != self.idle_scrape_ms {
             return Verdict::Lost {
                 waited_ms: now_ms.saturating_sub(self.sent_ms),
             };
@@ -436,10 +445,13 @@ mod tests {
         let mut pod = PodSnapshot::new("10.0.0.1:8000", 1_000);
         pod.engine = Engine::Vllm;
         (pod.waiting, pod.running) = (waiting, running);
-        // The snapshot is generated at 1,000 on the aggregator's clock: the pod's data is
-        // `received_ms - scraped_ms` old when it arrives.
-        pod.last_scrape_ms = 1_000 - (received_ms - scraped_ms);
-        FleetState::new(Snapshot::of_pool("p", vec![pod]), received_ms)
+        // The aggregator's clock 100,000 ahead of Envoy's, the snapshot generated as it
+        // arrives: the pod's data is `received_ms - scraped_ms` old then, and each scrape has a
+        // time of its own on the aggregator's clock.
+        pod.last_scrape_ms = 100_000 + scraped_ms;
+        let mut s = Snapshot::of_pool("p", vec![pod]);
+        s.generated_at_ms = 100_000 + received_ms;
+        FleetState::new(s, received_ms)
     }
 
     impl Unanswered {
@@ -475,6 +487,39 @@ mod tests {
         assert_eq!(
             r.judge1(&reading(12_100, 12_150, 0, 0), 2_000, 12_150),
             Verdict::Lost { waited_ms: 2_150 }
+        );
+    }
+
+    #[test]
+    fn the_same_scrape_pushed_again_is_not_a_second_scrape() {
+        // The aggregator publishes a pod's last scrape again when its next one has not come
+        // (a scrape timed out, or answered after the round's deadline). On Envoy's clock the
+        // scrape's time is the snapshot's arrival less its age, so a push delivered 2 ms later
+        // than the one before puts the same scrape 2 ms later: it must not count as the second.
+        use crate::snapshot::{Engine, PodSnapshot, Snapshot};
+        let pushed = |last_scrape_ms: u64, generated_ms: u64, received_ms: u64| {
+            let mut pod = PodSnapshot::new("10.0.0.1:8000", last_scrape_ms);
+            pod.engine = Engine::Vllm;
+            let mut s = Snapshot::of_pool("p", vec![pod]);
+            s.generated_at_ms = generated_ms;
+            FleetState::new(s, received_ms)
+        };
+        let mut r = request(10_000);
+        // Scraped at 1,000 (the aggregator's clock), pushed at 1,010, here at 12,050: 12,040.
+        assert_eq!(
+            r.judge1(&pushed(1_000, 1_010, 12_050), 2_000, 12_050),
+            Verdict::Wait
+        );
+        // The same scrape in the next push, 100 ms later, delivered 2 ms slower: 12,042.
+        assert_eq!(
+            r.judge1(&pushed(1_000, 1_110, 12_152), 2_000, 12_152),
+            Verdict::Wait,
+            "one scrape read twice"
+        );
+        // A new scrape: the second.
+        assert_eq!(
+            r.judge1(&pushed(1_100, 1_210, 12_250), 2_000, 12_250),
+            Verdict::Lost { waited_ms: 2_250 }
         );
     }
 
