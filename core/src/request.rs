@@ -589,11 +589,17 @@ pub fn answered_by(upstream: Option<&[u8]>, picked: u64) -> u64 {
 /// is not its first token, as it is for a chat stream. The event that ends the preamble (an
 /// output item, a delta, an error) ends the request's prefill. Events are read whole (they end
 /// at a blank line), across chunks; one without a `data:` line (a keep-alive comment) is no
-/// output. Past [`FIRST_OUTPUT_MAX`] bytes without one it gives up and takes that as the end.
+/// output. A preamble event named by its `event:` line is skipped to its end without being
+/// kept, however long it is: vLLM's `response.created` and `response.in_progress` each carry
+/// the response object, which echoes the request's instructions and tools (an agent's run to
+/// tens of KB). One event past [`FIRST_OUTPUT_MAX`] bytes not known to be preamble ends the
+/// reading, taken as the end.
 #[derive(Debug, Default)]
 pub struct FirstOutput {
     event: Vec<u8>,
-    read: usize,
+    /// In a preamble event named by its `event:` line: `event` keeps only its last bytes, where
+    /// its end may begin.
+    skipping: bool,
 }
 
 /// How much of a Responses stream [`FirstOutput`] reads at most for its first output.
@@ -603,21 +609,43 @@ impl FirstOutput {
     /// Reads the next chunk of the answer: whether it holds the first event past the preamble
     /// (or the reading gave up).
     pub fn push(&mut self, chunk: &[u8]) -> bool {
-        self.read += chunk.len();
-        if self.read > FIRST_OUTPUT_MAX {
-            return true;
-        }
         self.event.extend_from_slice(chunk);
         loop {
-            let Some((end, next)) = event_end(&self.event) else {
-                return false;
-            };
-            if is_output(&self.event[..end]) {
-                return true;
+            match event_end(&self.event) {
+                Some((end, next)) => {
+                    if !std::mem::take(&mut self.skipping) && is_output(&self.event[..end]) {
+                        return true;
+                    }
+                    self.event.drain(..next);
+                }
+                None if self.skipping => {
+                    // Its last bytes only: the blank line that ends it may start in them.
+                    let keep = self.event.len().saturating_sub(3);
+                    self.event.drain(..keep);
+                    return false;
+                }
+                None if named_preamble(&self.event) => self.skipping = true,
+                None => return self.event.len() >= FIRST_OUTPUT_MAX,
             }
-            self.event.drain(..next);
         }
     }
+}
+
+/// Whether an event (its start) opens with an `event:` line naming a preamble event.
+fn named_preamble(event: &[u8]) -> bool {
+    let Some(eol) = event.iter().position(|&b| b == b'\n') else {
+        return false;
+    };
+    let Some(name) = event[..eol].strip_prefix(b"event:") else {
+        return false;
+    };
+    let name = name.trim_ascii();
+    [
+        &b"response.created"[..],
+        b"response.in_progress",
+        b"response.queued",
+    ]
+    .contains(&name)
 }
 
 /// Where the first event in `b` ends (before its blank line) and the next begins.
@@ -1268,6 +1296,48 @@ mod tests {
         let mut f = FirstOutput::default();
         assert!(!f.push(created.as_bytes()));
         assert!(f.push(&vec![b'x'; FIRST_OUTPUT_MAX]));
+    }
+
+    #[test]
+    fn a_responses_streams_long_preamble_is_no_output() {
+        // vLLM's response.created and response.in_progress each echo the request's
+        // instructions: an agent's 40 KB of them put 80 KB of preamble before the first output.
+        let echo = "x".repeat(40 * 1024);
+        let created = format!(
+            "event: response.created\ndata: {{\"response\":{{\"instructions\":\"{echo}\"}},\"type\":\"response.created\"}}\n\n"
+        );
+        let progress = created.replace("response.created", "response.in_progress");
+        let delta = "event: response.output_text.delta\ndata: {\"delta\":\"hi\",\"type\":\"response.output_text.delta\"}\n\n";
+        for text in [
+            format!("{created}{progress}{delta}"),
+            format!("{created}{progress}{delta}").replace('\n', "\r\n"),
+        ] {
+            // In chunks of 16 KB (Envoy's), and of 1, 2 and 3 bytes: the end of an event
+            // skipped may straddle two.
+            for size in [16 * 1024, 1, 2, 3] {
+                let mut f = FirstOutput::default();
+                let at = text
+                    .as_bytes()
+                    .chunks(size)
+                    .position(|c| f.push(c))
+                    .map(|i| (i + 1) * size);
+                let preamble = text.len() - delta.len() - if text.contains('\r') { 4 } else { 0 };
+                assert!(
+                    at.is_some_and(|end| end > preamble),
+                    "{size}: {at:?} of {}",
+                    text.len()
+                );
+                assert!(
+                    f.event.len() <= FIRST_OUTPUT_MAX,
+                    "{size}: kept {}",
+                    f.event.len()
+                );
+            }
+        }
+        // Without `event:` lines, a preamble event is read whole (up to the limit).
+        let mut f = FirstOutput::default();
+        assert!(!f.push(created.replace("event: response.created\n", "").as_bytes()));
+        assert!(f.push(delta.as_bytes()));
     }
 
     #[test]
