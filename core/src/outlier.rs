@@ -113,6 +113,9 @@ pub struct Unanswered {
     /// published again in a later snapshot is not a second one, however its arrival puts it on
     /// Envoy's clock.
     idle_scrape_ms: u64,
+    /// Judged [`Verdict::Lost`]: in its pod's run already, where the server error that may end
+    /// it (Envoy's 504 at a route timeout) is not to count it again ([`Unanswered::is_lost`]).
+    lost: bool,
 }
 
 /// Per pod, how many of `requests` its latest reading in `fleet` is to account for (sent
@@ -151,6 +154,7 @@ impl Unanswered {
             sent_ms,
             idle_at_ms: 0,
             idle_scrape_ms: 0,
+            lost: false,
         }
     }
 
@@ -184,6 +188,12 @@ impl Unanswered {
         ))
     }
 
+    /// Whether the request was judged [`Verdict::Lost`]: it counted in its pod's run, and a
+    /// server error that ends it is not to count it again.
+    pub fn is_lost(&self) -> bool {
+        self.lost
+    }
+
     /// Judges the request against the pod's latest reading in `fleet` ([`Unanswered::reading`])
     /// at `now_ms`, `unanswered` being how many requests this gateway has had unanswered on the
     /// pod since `grace_ms` before that reading, this one included (at least 1).
@@ -194,6 +204,10 @@ impl Unanswered {
         unanswered: u64,
         now_ms: u64,
     ) -> Verdict {
+        if self.lost {
+            // Counted once.
+            return Verdict::Wait;
+        }
         let (scraped_ms, counted, scrape) = match self.reading(fleet, grace_ms) {
             Ok(r) => r,
             Err(v) => return v,
@@ -208,6 +222,7 @@ impl Unanswered {
             return Verdict::Wait;
         }
         if scraped_ms > self.idle_at_ms && scrape != self.idle_scrape_ms {
+            self.lost = true;
             return Verdict::Lost {
                 waited_ms: now_ms.saturating_sub(self.sent_ms),
             };
@@ -484,9 +499,16 @@ mod tests {
             r.judge1(&reading(12_000, 12_050, 0, 0), 2_000, 12_080),
             Verdict::Wait
         );
+        assert!(!r.is_lost());
         assert_eq!(
             r.judge1(&reading(12_100, 12_150, 0, 0), 2_000, 12_150),
             Verdict::Lost { waited_ms: 2_150 }
+        );
+        // Counted once: the request is lost, and later readings do not judge it again.
+        assert!(r.is_lost());
+        assert_eq!(
+            r.judge1(&reading(12_200, 12_250, 0, 0), 2_000, 12_250),
+            Verdict::Wait
         );
     }
 

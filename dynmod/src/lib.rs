@@ -57,7 +57,7 @@ use host::{ConfigStats, Definer, Scheduler, Stream, StreamScheduler};
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -479,10 +479,11 @@ struct Router {
     /// Other gateway replicas' requests in prefill (`ingest.load_path`).
     replicas: ReplicaView,
     /// Requests sent to a pod and not answered yet, with passive health's `unanswered_ms` on
-    /// ([`outlier::Unanswered`]): each with the flag its stream sets when the answer's headers
-    /// come (no lock on the answer's path); a flag no stream holds any more is a request that
-    /// ended unanswered. The ticker judges them ([`Config::check_unanswered`]).
-    unanswered: Vec<(Arc<AtomicBool>, outlier::Unanswered)>,
+    /// ([`outlier::Unanswered`]): each with the state its stream sets to [`ANSWERED`] when the
+    /// answer's headers come (no lock on the answer's path), and the ticker to [`LOST`] when it
+    /// judges it so; a state no stream holds any more is a request that ended unanswered. The
+    /// ticker judges them ([`Config::check_unanswered`]).
+    unanswered: Vec<(Arc<AtomicU8>, outlier::Unanswered)>,
     /// The snapshot version the ticker last judged them by (a verdict needs a new reading).
     unanswered_judged: u64,
 }
@@ -491,13 +492,21 @@ struct Router {
 /// ended ones; without a ticker (no scheduler for the configuration) the request path does.
 const MAX_UNANSWERED: usize = 65_536;
 
+/// The state of a request in [`Router::unanswered`]: no answer yet.
+const AWAITED: u8 = 0;
+/// Its answer came.
+const ANSWERED: u8 = 1;
+/// Judged unanswered: counted in its pod's run, where a server error answering it (Envoy's 504
+/// at a route timeout) is not counted again.
+const LOST: u8 = 2;
+
 impl Router {
     /// Whether another request fits in `unanswered`, after sweeping out, when it is full, those
     /// answered or ended (not judged: that is the ticker's).
     fn unanswered_room(&mut self) -> bool {
         if self.unanswered.len() >= MAX_UNANSWERED {
             self.unanswered
-                .retain(|(a, _)| Arc::strong_count(a) > 1 && !a.load(Ordering::Acquire));
+                .retain(|(a, _)| Arc::strong_count(a) > 1 && a.load(Ordering::Acquire) == AWAITED);
         }
         self.unanswered.len() < MAX_UNANSWERED
     }
@@ -788,7 +797,9 @@ impl Config {
             Some(f) => {
                 let awaited = list
                     .iter()
-                    .filter(|(a, _)| Arc::strong_count(a) > 1 && !a.load(Ordering::Acquire))
+                    .filter(|(a, _)| {
+                        Arc::strong_count(a) > 1 && a.load(Ordering::Acquire) == AWAITED
+                    })
                     .map(|(_, u)| u);
                 outlier::unanswered_by_pod(awaited, f, grace)
             }
@@ -799,7 +810,7 @@ impl Config {
             // The count first: a stream sets its flag before it drops its handle.
             let ended = Arc::strong_count(answer) == 1;
             std::sync::atomic::fence(Ordering::Acquire);
-            if answer.load(Ordering::Acquire) {
+            if answer.load(Ordering::Acquire) != AWAITED {
                 return false;
             }
             let Some(f) = fleet.as_deref().filter(|_| new_reading || ended) else {
@@ -811,7 +822,12 @@ impl Config {
                 outlier::Verdict::Wait => !ended,
                 outlier::Verdict::Gone => false,
                 outlier::Verdict::Lost { waited_ms } => {
-                    lost.push((sent.clone(), waited_ms));
+                    // Not if its answer came meanwhile; else its stream knows (`Filter::answered`).
+                    let swapped =
+                        answer.compare_exchange(AWAITED, LOST, Ordering::AcqRel, Ordering::Acquire);
+                    if swapped.is_ok() {
+                        lost.push((sent.clone(), waited_ms));
+                    }
                     false
                 }
             }
@@ -985,7 +1001,10 @@ struct Filter {
     deferred_reply: Option<Option<Reply>>,
     /// Set when the answer's headers come: the request is in the router's `unanswered` until
     /// then.
-    answer: Option<Arc<AtomicBool>>,
+    answer: Option<Arc<AtomicU8>>,
+    /// Judged unanswered before its answer came: in its pod's run already, where a server
+    /// error answering it is not counted again.
+    lost: bool,
 }
 
 /// A local reply `on_scheduled` decided on.
@@ -1641,7 +1660,7 @@ impl Filter {
                 // Not an upload routed by its leading fields: the pod counts it only once the
                 // rest has come, however long the client takes to send it.
                 if complete && r.engine.outliers.watches_unanswered() && r.unanswered_room() {
-                    let answer = Arc::new(AtomicBool::new(false));
+                    let answer = Arc::new(AtomicU8::new(AWAITED));
                     let sent = outlier::Unanswered::new(pod_key, prep.pool.clone(), now_ms());
                     r.unanswered.push((answer.clone(), sent));
                     self.answer = Some(answer);
@@ -1944,7 +1963,7 @@ impl Filter {
     /// The request's answer came: the router's `unanswered` drops it at the next sweep.
     fn answer_came(&mut self) {
         if let Some(a) = self.answer.take() {
-            a.store(true, Ordering::Release);
+            self.lost = a.swap(ANSWERED, Ordering::AcqRel) == LOST;
         }
     }
 
@@ -1958,6 +1977,12 @@ impl Filter {
         };
         let server_error = status.is_some_and(outlier::is_server_error);
         if !server_error && !self.config.outliers_tracking.load(Ordering::Relaxed) {
+            return;
+        }
+        let lost =
+            self.lost || (self.answer.as_ref()).is_some_and(|a| a.load(Ordering::Acquire) == LOST);
+        if server_error && lost {
+            // Judged unanswered: counted in the pod's run then.
             return;
         }
         // The pod that answered: Envoy may have retried a refused connection on a fallback.
@@ -2038,7 +2063,7 @@ impl Filter {
             if let Some(op) = p.first_byte() {
                 self.config.complete(&p.pool, op);
                 if let Some(a) = self.answer.take() {
-                    a.store(true, Ordering::Release);
+                    self.lost = a.swap(ANSWERED, Ordering::AcqRel) == LOST;
                 }
                 if let Some(t0) = self.ttft_from.take() {
                     let histogram = self.config.metrics.ttft.get(&*p.pool).copied().flatten();
@@ -2255,6 +2280,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         wake: None,
         deferred_reply: None,
         answer: None,
+        lost: false,
     };
     Box::into_raw(Box::new(filter)).cast()
 }

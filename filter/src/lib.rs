@@ -417,15 +417,20 @@ impl Worker {
         let mut unanswered = std::mem::take(&mut self.unanswered);
         let by_pod = match self.fleet.as_ref() {
             Some(f) => outlier::unanswered_by_pod(
-                unanswered.values(),
+                unanswered.values().filter(|u| !u.is_lost()),
                 f,
                 self.engine.outliers.unanswered_ms(),
             ),
             None => IdMap::default(),
         };
+        // One judged lost stays until it ends: a server error ending it (Envoy's 504) is not
+        // counted again in its pod's run (`Http::answered`).
         unanswered.retain(|_, sent| {
+            if sent.is_lost() {
+                return true;
+            }
             let n = by_pod.get(&sent.pod).copied().unwrap_or(1);
-            !self.judge_unanswered(sent, n, now)
+            !self.judge_unanswered(sent, n, now) || sent.is_lost()
         });
         self.unanswered = unanswered;
     }
@@ -1021,6 +1026,7 @@ impl Root {
             ttft_from: None,
             watch_status: false,
             awaits_answer: false,
+            lost: false,
             debug: None,
         }
     }
@@ -1124,6 +1130,9 @@ struct Http {
     /// In its worker's `unanswered` until its answer comes (its headers; a stream's first
     /// chunk).
     awaits_answer: bool,
+    /// Judged unanswered before its answer came: in its pod's run already, where a server
+    /// error answering it is not counted again.
+    lost: bool,
     /// The decision's score breakdown, for the debug response header.
     debug: Option<String>,
 }
@@ -2007,7 +2016,7 @@ impl Http {
     fn answer_came(&mut self) {
         if std::mem::take(&mut self.awaits_answer) {
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
-                w.unanswered.remove(&self.id);
+                self.lost = w.unanswered.remove(&self.id).is_some_and(|u| u.is_lost());
             }
         }
     }
@@ -2033,6 +2042,15 @@ impl Http {
         };
         let w = &mut *w;
         let server_error = status.is_some_and(outlier::is_server_error);
+        // Only for a server error: a success's path does not look.
+        let lost = || {
+            self.lost
+                || (self.awaits_answer && w.unanswered.get(&self.id).is_some_and(|u| u.is_lost()))
+        };
+        if server_error && lost() {
+            // Judged unanswered: counted in the pod's run then.
+            return;
+        }
         if !w.engine.outliers.enabled() || !(server_error || w.engine.outliers.tracking()) {
             return;
         }
@@ -2133,7 +2151,7 @@ impl Http {
             // Ended with no answer (its client left, or Envoy gave up): judged once more by the
             // latest reading of its pod.
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
-                if let Some(mut sent) = w.unanswered.remove(&self.id) {
+                if let Some(mut sent) = w.unanswered.remove(&self.id).filter(|u| !u.is_lost()) {
                     w.judge_unanswered(&mut sent, 1, host::now_ms());
                 }
             }

@@ -245,3 +245,35 @@ def test_a_slow_pod_whose_metrics_show_its_requests_is_not_ejected():
         time.sleep(0.3)
         assert unanswered(envoy) == 0
         assert ejections(envoy) == 0
+
+
+def test_a_request_judged_unanswered_is_not_counted_again_by_its_504():
+    """A route timeout (what the README advises beside `unanswered_ms`) ends a hung request in
+    Envoy's 504, a server error; judged unanswered before that, the request is already in its
+    pod's run and counts there once. Before, each such request counted twice: the pod was out
+    after 3 of them, not `consecutive_5xx` (5)."""
+    import threading
+
+    hang = threading.Event()
+    config = {"pools": [{"name": "llama", "models": ["llama-3"]}],
+              "outlier_detection": {"base_ejection_ms": 30_000, "unanswered_ms": UNANSWERED_MS}}
+    with serving({"a": "llama"}) as pods:
+        # One pod: every request goes to it (a pool of one may have it out).
+        envoy = Envoy("filter", pools_by(pods, {"a": "llama"}, ["llama"]), config,
+                      extra={"route_timeout_s": 2})
+        pusher = Pusher([envoy], {"llama": [{"address": pods["a"].address}]})
+        pods["a"].hold = hang
+        try:
+            for i in range(4):
+                # Each waits for the route timeout, judged unanswered on the way.
+                s, _, _, _ = envoy.chat("llama-3", f"hung {i}")
+                assert s == 504, s
+                wait_for(lambda: unanswered(envoy) == i + 1, timeout=5, what="judged unanswered")
+                assert ejections(envoy) == 0, f"out after {i + 1} requests"
+            s, _, _, _ = envoy.chat("llama-3", "hung 4")
+            assert s == 504
+            wait_for(lambda: ejections(envoy) == 1, timeout=5, what="out after the fifth")
+        finally:
+            hang.set()
+            pusher.stop()
+            envoy.stop()
