@@ -544,11 +544,13 @@ fn default_max_ejection_ms() -> u64 {
     300_000
 }
 fn default_unanswered_ms() -> u64 {
-    // Longer than a request may take on a healthy pod before its engine counts it: vLLM
-    // tokenizes a prompt and fetches its media (an image by URL: VLLM_IMAGE_FETCH_TIMEOUT, 5 s
-    // by default) before the engine sees it, and the pod reads idle meanwhile. A pod that takes
-    // requests and never answers them is out ~10 s after its first one.
-    10_000
+    // Longer than a healthy pod keeps a request outside its engine, where its metrics do not
+    // count it: vLLM tokenizes a prompt and fetches its media before the engine sees it (by
+    // default up to 5 s for an image, 10 s for audio, 30 s for a video: VLLM_*_FETCH_TIMEOUT),
+    // and its Responses API runs a built-in tool between two generations. A pod that takes
+    // requests and never answers them is out about a minute after its first one; a fleet
+    // serving text alone can set 10 s.
+    60_000
 }
 fn default_max_ejection_percent() -> u32 {
     // A fault that fails every pod (a bad model rollout, a request pattern every engine

@@ -791,21 +791,8 @@ impl Config {
         let now = now_ms();
         let grace = r.engine.outliers.unanswered_ms();
         let mut list = std::mem::take(&mut r.unanswered);
-        let by_pod = match fleet.as_deref().filter(|_| new_reading) {
-            // Only those still awaited: an answered one is not on the pod any more, and one whose
-            // stream ended may not be (vLLM drops a request whose client left).
-            Some(f) => {
-                let awaited = list
-                    .iter()
-                    .filter(|(a, _)| {
-                        Arc::strong_count(a) > 1 && a.load(Ordering::Acquire) == AWAITED
-                    })
-                    .map(|(_, u)| u);
-                outlier::unanswered_by_pod(awaited, f, grace)
-            }
-            None => IdMap::default(),
-        };
         let mut lost = Vec::new();
+        // Out: those answered, and those that ended (judged once more, alone on their pod).
         list.retain_mut(|(answer, sent)| {
             // The count first: a stream sets its flag before it drops its handle.
             let ended = Arc::strong_count(answer) == 1;
@@ -813,15 +800,28 @@ impl Config {
             if answer.load(Ordering::Acquire) != AWAITED {
                 return false;
             }
-            let Some(f) = fleet.as_deref().filter(|_| new_reading || ended) else {
+            if !ended {
                 return true;
+            }
+            if let Some(f) = fleet.as_deref() {
+                if let outlier::Verdict::Lost { waited_ms } = sent.judge(f, grace, 1, now) {
+                    lost.push((sent.clone(), waited_ms));
+                }
+            }
+            false
+        });
+        // The others together, by a new reading ([`outlier::judge_all`]).
+        if let Some(f) = fleet.as_deref().filter(|_| new_reading) {
+            let verdicts = {
+                let mut refs: Vec<&mut outlier::Unanswered> =
+                    list.iter_mut().map(|(_, u)| u).collect();
+                outlier::judge_all(&mut refs, f, grace, now)
             };
-            // One that ended, judged between two readings, as if alone on its pod.
-            let n = by_pod.get(&sent.pod).copied().unwrap_or(1);
-            match sent.judge(f, grace, n, now) {
-                outlier::Verdict::Wait => !ended,
-                outlier::Verdict::Gone => false,
-                outlier::Verdict::Lost { waited_ms } => {
+            let mut verdicts = verdicts.into_iter();
+            list.retain(|(answer, sent)| match verdicts.next() {
+                None | Some(outlier::Verdict::Wait) => true,
+                Some(outlier::Verdict::Gone) => false,
+                Some(outlier::Verdict::Lost { waited_ms }) => {
                     // Not if its answer came meanwhile; else its stream knows (`Filter::answered`).
                     let swapped =
                         answer.compare_exchange(AWAITED, LOST, Ordering::AcqRel, Ordering::Acquire);
@@ -830,8 +830,8 @@ impl Config {
                     }
                     false
                 }
-            }
-        });
+            });
+        }
         r.unanswered = list;
         let mut ejected = Vec::new();
         for (sent, waited_ms) in lost {

@@ -405,8 +405,10 @@ impl Worker {
     }
 
     /// Judges this worker's unanswered requests when a new snapshot came since it last did
-    /// (a verdict needs a new reading of the pod), on the tick: a request judged lost counts
-    /// in its pod's run, those whose pod left are forgotten.
+    /// (a verdict needs a new reading of the pod), on the tick ([`outlier::judge_all`]): a
+    /// request judged lost counts in its pod's run and stays until it ends (a server error
+    /// ending it, Envoy's 504, is not counted again: `Http::answered`); those whose pod left are
+    /// forgotten.
     fn check_unanswered(&mut self) {
         let version = self.fleet.as_ref().map_or(0, |f| f.version);
         if self.unanswered.is_empty() || version == self.unanswered_judged {
@@ -414,60 +416,60 @@ impl Worker {
         }
         self.unanswered_judged = version;
         let now = host::now_ms();
+        let grace = self.engine.outliers.unanswered_ms();
         let mut unanswered = std::mem::take(&mut self.unanswered);
-        let by_pod = match self.fleet.as_ref() {
-            Some(f) => outlier::unanswered_by_pod(
-                unanswered.values().filter(|u| !u.is_lost()),
-                f,
-                self.engine.outliers.unanswered_ms(),
-            ),
-            None => IdMap::default(),
-        };
-        // One judged lost stays until it ends: a server error ending it (Envoy's 504) is not
-        // counted again in its pod's run (`Http::answered`).
-        unanswered.retain(|_, sent| {
-            if sent.is_lost() {
-                return true;
+        let mut sent: Vec<(u32, &mut outlier::Unanswered)> =
+            unanswered.iter_mut().map(|(id, u)| (*id, u)).collect();
+        let verdicts = match self.fleet.as_ref() {
+            Some(fleet) => {
+                let mut refs: Vec<&mut outlier::Unanswered> =
+                    sent.iter_mut().map(|(_, u)| &mut **u).collect();
+                outlier::judge_all(&mut refs, fleet, grace, now)
             }
-            let n = by_pod.get(&sent.pod).copied().unwrap_or(1);
-            !self.judge_unanswered(sent, n, now) || sent.is_lost()
-        });
+            None => Vec::new(),
+        };
+        let mut gone = Vec::new();
+        for ((id, u), verdict) in sent.iter().zip(verdicts) {
+            match verdict {
+                outlier::Verdict::Wait => {}
+                outlier::Verdict::Gone => gone.push(*id),
+                outlier::Verdict::Lost { waited_ms } => self.lost(u, waited_ms, now),
+            }
+        }
+        for id in gone {
+            unanswered.remove(&id);
+        }
         self.unanswered = unanswered;
     }
 
-    /// Judges one unanswered request by the latest snapshot, `unanswered` of this worker's
-    /// being on its pod since before it ([`outlier::Unanswered::judge`]); lost, it counts in its
-    /// pod's run. Returns whether the request is done with (lost, or its pod gone).
-    fn judge_unanswered(
-        &mut self,
-        sent: &mut outlier::Unanswered,
-        unanswered: u64,
-        now_ms: u64,
-    ) -> bool {
+    /// Judges one unanswered request alone by the latest snapshot (at its end); lost, it counts
+    /// in its pod's run.
+    fn judge_unanswered(&mut self, sent: &mut outlier::Unanswered, now_ms: u64) {
         let Some(fleet) = self.fleet.as_ref() else {
-            return false;
+            return;
         };
         let grace = self.engine.outliers.unanswered_ms();
-        match sent.judge(fleet, grace, unanswered, now_ms) {
-            outlier::Verdict::Wait => false,
-            outlier::Verdict::Gone => true,
-            outlier::Verdict::Lost { waited_ms } => {
-                self.stats.unanswered(&sent.pool);
-                if let Some(e) = self.engine.unanswered(sent, self.fleet.as_ref(), now_ms) {
-                    let address = self
-                        .fleet
-                        .as_ref()
-                        .and_then(|f| f.address_of(&sent.pool, sent.pod));
-                    let message = e.unanswered_message(
-                        address.unwrap_or("(gone)"),
-                        &sent.pool,
-                        self.engine.config.outlier_detection.consecutive_5xx,
-                        waited_ms,
-                    );
-                    self.eject(&sent.pool.clone(), sent.pod, e.for_ms, now_ms, &message);
-                }
-                true
-            }
+        if let outlier::Verdict::Lost { waited_ms } = sent.judge(fleet, grace, 1, now_ms) {
+            self.lost(sent, waited_ms, now_ms);
+        }
+    }
+
+    /// A request judged lost after `waited_ms`: counted, in its pod's run, and the ejection it
+    /// causes published and logged.
+    fn lost(&mut self, sent: &outlier::Unanswered, waited_ms: u64, now_ms: u64) {
+        self.stats.unanswered(&sent.pool);
+        if let Some(e) = self.engine.unanswered(sent, self.fleet.as_ref(), now_ms) {
+            let address = self
+                .fleet
+                .as_ref()
+                .and_then(|f| f.address_of(&sent.pool, sent.pod));
+            let message = e.unanswered_message(
+                address.unwrap_or("(gone)"),
+                &sent.pool,
+                self.engine.config.outlier_detection.consecutive_5xx,
+                waited_ms,
+            );
+            self.eject(&sent.pool, sent.pod, e.for_ms, now_ms, &message);
         }
     }
 
@@ -2152,7 +2154,7 @@ impl Http {
             // latest reading of its pod.
             if let Some(mut w) = self.worker.as_ref().and_then(|w| w.try_borrow_mut().ok()) {
                 if let Some(mut sent) = w.unanswered.remove(&self.id).filter(|u| !u.is_lost()) {
-                    w.judge_unanswered(&mut sent, 1, host::now_ms());
+                    w.judge_unanswered(&mut sent, host::now_ms());
                 }
             }
         }
