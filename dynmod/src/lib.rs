@@ -263,6 +263,17 @@ impl Metrics {
                 (p.name.clone(), ids)
             })
             .collect();
+        // Per pool, a counter `gpuroute.pool.<pool>.<what>`.
+        let pool_counters = |what: &str| -> NameMap<String, Option<usize>> {
+            config
+                .pools
+                .iter()
+                .map(|p| {
+                    let name = format!("gpuroute.pool.{}.{what}", stat_segment(&p.name));
+                    (p.name.clone(), d.counter(&name, &[]))
+                })
+                .collect()
+        };
         Metrics {
             outcome,
             split,
@@ -298,22 +309,8 @@ impl Metrics {
                     (p.name.clone(), d.histogram(&name))
                 })
                 .collect(),
-            ejections: config
-                .pools
-                .iter()
-                .map(|p| {
-                    let name = format!("gpuroute.pool.{}.ejections", stat_segment(&p.name));
-                    (p.name.clone(), d.counter(&name, &[]))
-                })
-                .collect(),
-            unanswered: config
-                .pools
-                .iter()
-                .map(|p| {
-                    let name = format!("gpuroute.pool.{}.unanswered", stat_segment(&p.name));
-                    (p.name.clone(), d.counter(&name, &[]))
-                })
-                .collect(),
+            ejections: pool_counters("ejections"),
+            unanswered: pool_counters("unanswered"),
             picks: d.counter(
                 "gpuroute.pool.picks",
                 &["gpuroute_pool", "gpuroute_endpoint"],
